@@ -1,0 +1,591 @@
+//! `kiln bench`: a fio-like load generator on the native client API.
+//!
+//! Each job owns one connection and keeps `iodepth` requests in flight with the callback API:
+//! a completion records its latency and submits the next request from the receive thread, so
+//! requests that become due together leave in one `sendmsg`.
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use kiln_client::{block_on, Client, Fh, RawIov};
+
+/// Access pattern.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Rw {
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Uniformly random reads.
+    Randread,
+    /// Uniformly random writes.
+    Randwrite,
+    /// Random, half reads and half writes.
+    Randrw,
+}
+
+/// Transport to the brick server that `kiln bench` starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Transport {
+    /// TCP over loopback.
+    Tcp,
+    /// A Unix socket.
+    Unix,
+}
+
+/// Runs a timed I/O load against one file on a brick and reports throughput, latency
+/// percentiles and the CPU time of client and server.
+///
+/// Without --connect it starts its own brick server (`kiln server`) on --brick (default: a new
+/// temporary directory) and measures that server's CPU time too.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Access pattern.
+    #[arg(long, value_enum, default_value = "randread")]
+    pub rw: Rw,
+    /// Block size of each request (e.g. 4k, 128k, 1m).
+    #[arg(long, default_value = "4k", value_parser = parse_size)]
+    pub bs: u64,
+    /// Requests kept in flight per job.
+    #[arg(long, default_value_t = 1)]
+    pub iodepth: usize,
+    /// Size of the file the load runs over (it is written first if shorter).
+    #[arg(long, default_value = "1g", value_parser = parse_size)]
+    pub size: u64,
+    /// Parallel jobs, each with its own connection.
+    #[arg(long, default_value_t = 1)]
+    pub numjobs: usize,
+    /// Seconds to run the timed phase.
+    #[arg(long, default_value_t = 10.0)]
+    pub runtime: f64,
+    /// Transport to the server this command starts.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: Transport,
+    /// Brick directory for the server this command starts (default: a temporary directory).
+    #[arg(long)]
+    pub brick: Option<PathBuf>,
+    /// Use a running server instead (tcp:HOST:PORT or unix:PATH).
+    #[arg(long, value_name = "ADDR")]
+    pub connect: Option<String>,
+    /// With --connect: the server's PID, to report its CPU time.
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+    /// File to run against, relative to the volume root.
+    #[arg(long, default_value = "kiln-bench.img")]
+    pub file: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `4096`, `4k`, `128K`, `1m`, `1g` (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_lowercase()) {
+        Some('k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('m') => (&s[..s.len() - 1], 1 << 20),
+        Some('g') => (&s[..s.len() - 1], 1 << 30),
+        Some('t') => (&s[..s.len() - 1], 1 << 40),
+        _ => (s, 1),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("bad size {s:?}: want e.g. 4096, 4k, 1m, 1g"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// A brick server child process started for a benchmark or demo.
+pub struct ChildServer {
+    child: Child,
+    /// Address a client connects to.
+    pub addr: String,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl ChildServer {
+    /// Starts `kiln server` on `brick` (or a temporary directory) listening on `transport`.
+    pub fn start(brick: Option<PathBuf>, transport: Transport) -> std::io::Result<ChildServer> {
+        let tmp = match &brick {
+            Some(_) => None,
+            None => Some(tempfile::Builder::new().prefix("kiln-bench-").tempdir()?),
+        };
+        let dir = brick
+            .clone()
+            .unwrap_or_else(|| tmp.as_ref().expect("tempdir").path().to_owned());
+        std::fs::create_dir_all(&dir)?;
+        let sock_dir = tempfile::Builder::new()
+            .prefix("kiln-sock-")
+            .tempdir()?
+            .keep();
+        let listen = match transport {
+            Transport::Tcp => "tcp:127.0.0.1:0".to_owned(),
+            Transport::Unix => format!("unix:{}", sock_dir.join("kilnd.sock").display()),
+        };
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["server", "--brick"])
+            .arg(&dir)
+            .args(["--listen", &listen])
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .spawn()?;
+        let out = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line)?;
+        let Some(addr) = line.trim().strip_prefix("kilnd: listening on ") else {
+            let _ = child.kill();
+            return Err(std::io::Error::other(format!(
+                "server did not start: {line:?}"
+            )));
+        };
+        Ok(ChildServer {
+            addr: addr.to_owned(),
+            child,
+            _tmp: tmp,
+        })
+    }
+
+    /// The server's PID.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// CPU seconds (user + system) a process has used, from /proc.
+pub fn proc_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(ticks / hz)
+}
+
+/// CPU seconds this process has used.
+pub fn self_cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes into the zeroed struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// Result of a run.
+#[derive(Debug, Clone)]
+pub struct BenchResult {
+    /// Bytes moved in the timed phase.
+    pub bytes: u64,
+    /// Requests completed in the timed phase.
+    pub ios: u64,
+    /// Length of the timed phase.
+    pub runtime_s: f64,
+    /// Latency histogram in nanoseconds.
+    pub lat_ns: Histogram<u64>,
+    /// Client CPU seconds in the timed phase.
+    pub cpu_client_s: f64,
+    /// Server CPU seconds in the timed phase, when known.
+    pub cpu_server_s: Option<f64>,
+    /// Errors seen.
+    pub errors: u64,
+    /// Payload bytes the client copied in user space.
+    pub bytes_copied: u64,
+    /// Frames per `sendmsg` on the first job's connection.
+    pub frames_per_send: f64,
+}
+
+impl BenchResult {
+    /// Throughput in MB/s (10^6 bytes).
+    pub fn mb_s(&self) -> f64 {
+        self.bytes as f64 / 1e6 / self.runtime_s
+    }
+    /// Requests per second.
+    pub fn iops(&self) -> f64 {
+        self.ios as f64 / self.runtime_s
+    }
+    /// Latency quantile in microseconds.
+    pub fn lat_us(&self, q: f64) -> f64 {
+        self.lat_ns.value_at_quantile(q) as f64 / 1000.0
+    }
+}
+
+struct Job {
+    client: Arc<Client>,
+    fh: Fh,
+    rw: Rw,
+    bs: u64,
+    blocks: u64,
+    deadline: Instant,
+    next_seq: AtomicU64,
+    rng: AtomicU64,
+    bufs: Vec<Mutex<Vec<u8>>>,
+    hist: Mutex<Histogram<u64>>,
+    ios: AtomicU64,
+    bytes: AtomicU64,
+    errors: AtomicU64,
+    inflight: AtomicUsize,
+    stop: AtomicBool,
+    idle: (Mutex<()>, Condvar),
+}
+
+impl Job {
+    fn next_offset(&self) -> (u64, bool) {
+        let write = match self.rw {
+            Rw::Read | Rw::Randread => false,
+            Rw::Write | Rw::Randwrite => true,
+            Rw::Randrw => self.rand() & 1 == 1,
+        };
+        let block = match self.rw {
+            Rw::Read | Rw::Write => self.next_seq.fetch_add(1, Ordering::Relaxed) % self.blocks,
+            _ => self.rand() % self.blocks,
+        };
+        (block * self.bs, write)
+    }
+
+    fn rand(&self) -> u64 {
+        // xorshift64*, shared by the job's completions; a lost update only repeats a number.
+        let mut x = self.rng.load(Ordering::Relaxed);
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng.store(x, Ordering::Relaxed);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11
+    }
+
+    /// Submits the next request on buffer `slot`; its completion submits the one after.
+    fn issue(self: &Arc<Self>, slot: usize) {
+        if self.stop.load(Ordering::Relaxed) || Instant::now() >= self.deadline {
+            self.retire();
+            return;
+        }
+        let (offset, write) = self.next_offset();
+        let iov = {
+            let mut b = self.bufs[slot].lock().expect("buffer lock");
+            [RawIov {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+            }]
+        };
+        let me = self.clone();
+        let start = Instant::now();
+        let cb = Box::new(move |r: Result<usize, u32>| {
+            let ns = start.elapsed().as_nanos() as u64;
+            match r {
+                Ok(n) => {
+                    me.ios.fetch_add(1, Ordering::Relaxed);
+                    me.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                    let _ = me.hist.lock().expect("hist lock").record(ns.max(1));
+                }
+                Err(_) => {
+                    me.errors.fetch_add(1, Ordering::Relaxed);
+                    me.stop.store(true, Ordering::Relaxed);
+                }
+            }
+            me.issue(slot);
+        });
+        // SAFETY: buffer `slot` lives in `self.bufs` (kept alive by the Arc the callback holds)
+        // and only this request uses it until the callback runs.
+        let r = unsafe {
+            if write {
+                self.client.pwritev_raw(self.fh, &iov, offset, cb)
+            } else {
+                self.client.preadv_raw(self.fh, &iov, offset, cb)
+            }
+        };
+        if r.is_err() {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+            self.stop.store(true, Ordering::Relaxed);
+            self.retire();
+        }
+    }
+
+    fn retire(&self) {
+        if self.inflight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _g = self.idle.0.lock().expect("idle lock");
+            self.idle.1.notify_all();
+        }
+    }
+
+    fn wait_idle(&self) {
+        let mut g = self.idle.0.lock().expect("idle lock");
+        while self.inflight.load(Ordering::Acquire) > 0 {
+            g = self
+                .idle
+                .1
+                .wait_timeout(g, Duration::from_millis(100))
+                .expect("idle wait")
+                .0;
+        }
+    }
+}
+
+/// Writes the file up to `size` with 1 MiB writes, 8 in flight, if it is shorter.
+pub fn layout(client: &Client, path: &str, size: u64) -> std::io::Result<Fh> {
+    let (fh, attr) = block_on(client.create(path, libc::O_RDWR, 0o644))?;
+    if attr.size >= size {
+        return Ok(fh);
+    }
+    let chunk = 1u64 << 20;
+    let mut off = attr.size / chunk * chunk;
+    let mut pattern = vec![0u8; chunk as usize];
+    for (i, b) in pattern.iter_mut().enumerate() {
+        *b = (i * 31 % 251) as u8;
+    }
+    let pattern = Arc::new(pattern);
+    while off < size {
+        let futs: Vec<_> = (0..8)
+            .map(|k| off + k * chunk)
+            .filter(|o| *o < size)
+            .map(|o| {
+                let len = chunk.min(size - o) as usize;
+                client.pwritev(fh, vec![ArcSlice(pattern.clone(), len)], o)
+            })
+            .collect();
+        let n = futs.len() as u64;
+        for f in futs {
+            block_on(f).0?;
+        }
+        off += n * chunk;
+    }
+    Ok(fh)
+}
+
+/// A prefix of a shared buffer, as an owned write buffer.
+struct ArcSlice(Arc<Vec<u8>>, usize);
+
+impl AsRef<[u8]> for ArcSlice {
+    fn as_ref(&self) -> &[u8] {
+        &self.0[..self.1]
+    }
+}
+
+/// Runs the timed phase against `addr`.
+pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Result<BenchResult> {
+    if args.bs == 0 || args.bs > kiln_proto::MAX_PAYLOAD_LEN as u64 {
+        return Err(std::io::Error::other(format!(
+            "--bs must be between 1 and {} bytes",
+            kiln_proto::MAX_PAYLOAD_LEN
+        )));
+    }
+    if args.size < args.bs {
+        return Err(std::io::Error::other("--size must be at least --bs"));
+    }
+    if args.iodepth == 0 || args.numjobs == 0 {
+        return Err(std::io::Error::other(
+            "--iodepth and --numjobs must be at least 1",
+        ));
+    }
+    let setup = Client::connect(addr)?;
+    let reads = matches!(args.rw, Rw::Read | Rw::Randread | Rw::Randrw);
+    let fh = if reads {
+        layout(&setup, &args.file, args.size)?
+    } else {
+        block_on(setup.create(&args.file, libc::O_RDWR, 0o644))?.0
+    };
+    block_on(setup.close(fh))?;
+
+    let mut jobs = Vec::new();
+    for j in 0..args.numjobs {
+        let client = Arc::new(Client::connect(addr)?);
+        let fh = block_on(client.open(&args.file, libc::O_RDWR))?;
+        let bufs = (0..args.iodepth)
+            .map(|i| Mutex::new(vec![(i as u8).wrapping_add(j as u8); args.bs as usize]))
+            .collect();
+        jobs.push((client, fh, bufs));
+    }
+    let cpu0 = self_cpu_seconds();
+    let srv0 = server_pid.and_then(proc_cpu_seconds);
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs_f64(args.runtime);
+    let jobs: Vec<Arc<Job>> = jobs
+        .into_iter()
+        .enumerate()
+        .map(|(j, (client, fh, bufs))| {
+            Arc::new(Job {
+                client,
+                fh,
+                rw: args.rw,
+                bs: args.bs,
+                blocks: args.size / args.bs,
+                deadline,
+                next_seq: AtomicU64::new(j as u64 * (args.size / args.bs) / args.numjobs as u64),
+                rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15 ^ (j as u64 + 1) * 0x1234_5678_9abc_def1),
+                bufs,
+                hist: Mutex::new(Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("bounds")),
+                ios: AtomicU64::new(0),
+                bytes: AtomicU64::new(0),
+                errors: AtomicU64::new(0),
+                inflight: AtomicUsize::new(args.iodepth),
+                stop: AtomicBool::new(false),
+                idle: (Mutex::new(()), Condvar::new()),
+            })
+        })
+        .collect();
+    for job in &jobs {
+        for slot in 0..args.iodepth {
+            job.issue(slot);
+        }
+    }
+    let progress = args.runtime > 3.0;
+    let tty = std::io::stderr().is_terminal();
+    let mut last = (t0, 0u64);
+    while Instant::now() < deadline && !jobs.iter().any(|j| j.stop.load(Ordering::Relaxed)) {
+        std::thread::sleep(
+            Duration::from_millis(200).min(deadline.saturating_duration_since(Instant::now())),
+        );
+        if progress && last.0.elapsed() >= Duration::from_secs(1) {
+            let bytes: u64 = jobs.iter().map(|j| j.bytes.load(Ordering::Relaxed)).sum();
+            let ios: u64 = jobs.iter().map(|j| j.ios.load(Ordering::Relaxed)).sum();
+            let dt = last.0.elapsed().as_secs_f64();
+            let line = format!(
+                "[{:>4.0}s/{:.0}s] {:>9.1} MB/s {:>9.0} IOPS",
+                t0.elapsed().as_secs_f64(),
+                args.runtime,
+                (bytes - last.1) as f64 / 1e6 / dt,
+                ios as f64 / t0.elapsed().as_secs_f64(),
+            );
+            if tty {
+                eprint!("\r{line}");
+            } else {
+                eprintln!("{line}");
+            }
+            last = (Instant::now(), bytes);
+        }
+    }
+    for j in &jobs {
+        j.wait_idle();
+    }
+    if progress && tty {
+        eprintln!();
+    }
+    let runtime_s = t0.elapsed().as_secs_f64();
+    let cpu_client_s = self_cpu_seconds() - cpu0;
+    let cpu_server_s = match (srv0, server_pid.and_then(proc_cpu_seconds)) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
+    let mut lat_ns = Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("bounds");
+    for j in &jobs {
+        let _ = lat_ns.add(&*j.hist.lock().expect("hist lock"));
+    }
+    let s = jobs[0].client.stats();
+    let frames_per_send = s.requests.load(Ordering::Relaxed) as f64
+        / s.send_calls.load(Ordering::Relaxed).max(1) as f64;
+    let result = BenchResult {
+        bytes: jobs.iter().map(|j| j.bytes.load(Ordering::Relaxed)).sum(),
+        ios: jobs.iter().map(|j| j.ios.load(Ordering::Relaxed)).sum(),
+        errors: jobs.iter().map(|j| j.errors.load(Ordering::Relaxed)).sum(),
+        bytes_copied: jobs
+            .iter()
+            .map(|j| j.client.stats().bytes_copied.load(Ordering::Relaxed))
+            .sum(),
+        runtime_s,
+        lat_ns,
+        cpu_client_s,
+        cpu_server_s,
+        frames_per_send,
+    };
+    for j in &jobs {
+        let _ = block_on(j.client.close(j.fh));
+    }
+    if result.errors > 0 {
+        return Err(std::io::Error::other(format!(
+            "{} requests failed",
+            result.errors
+        )));
+    }
+    Ok(result)
+}
+
+/// `kiln bench`.
+pub fn main(args: BenchArgs) -> Result<(), String> {
+    let (server, addr, pid) = match &args.connect {
+        Some(a) => (None, a.clone(), args.server_pid),
+        None => {
+            let s = ChildServer::start(args.brick.clone(), args.transport)
+                .map_err(|e| format!("cannot start a brick server: {e}"))?;
+            let (a, p) = (s.addr.clone(), s.pid());
+            (Some(s), a, Some(p))
+        }
+    };
+    let r = run(&args, &addr, pid).map_err(|e| format!("bench against {addr} failed: {e}"))?;
+    drop(server);
+    let transport = if addr.starts_with("unix:") {
+        "unix"
+    } else {
+        "tcp"
+    };
+    let cpu_total = r.cpu_client_s + r.cpu_server_s.unwrap_or(0.0);
+    let mb_per_cpu = if cpu_total > 0.0 {
+        r.bytes as f64 / 1e6 / cpu_total
+    } else {
+        0.0
+    };
+    let rw = format!("{:?}", args.rw).to_lowercase();
+    if args.json {
+        let v = serde_json::json!({
+            "rw": rw, "bs": args.bs, "iodepth": args.iodepth, "numjobs": args.numjobs,
+            "size": args.size, "transport": transport,
+            "bytes": r.bytes, "ios": r.ios, "runtime_s": r.runtime_s,
+            "mb_s": r.mb_s(), "iops": r.iops(),
+            "lat_us": {
+                "mean": r.lat_ns.mean() / 1000.0, "p50": r.lat_us(0.5), "p99": r.lat_us(0.99),
+                "p999": r.lat_us(0.999), "max": r.lat_ns.max() as f64 / 1000.0,
+            },
+            "cpu_s": { "client": r.cpu_client_s, "server": r.cpu_server_s },
+            "mb_per_cpu_s": mb_per_cpu,
+            "bytes_copied": r.bytes_copied,
+            "frames_per_send": r.frames_per_send,
+        });
+        println!("{v}");
+    } else {
+        let mut o = std::io::stdout().lock();
+        let _ = writeln!(
+            o,
+            "kiln bench: {rw} bs={} iodepth={} numjobs={} over {transport} for {:.1} s",
+            args.bs, args.iodepth, args.numjobs, r.runtime_s
+        );
+        let _ = writeln!(
+            o,
+            "  throughput  {:>10.1} MB/s  {:>10.0} IOPS",
+            r.mb_s(),
+            r.iops()
+        );
+        let _ = writeln!(
+            o,
+            "  latency µs  p50 {:.1}  p99 {:.1}  p99.9 {:.1}  mean {:.1}",
+            r.lat_us(0.5),
+            r.lat_us(0.99),
+            r.lat_us(0.999),
+            r.lat_ns.mean() / 1000.0
+        );
+        let srv = r
+            .cpu_server_s
+            .map(|s| format!("{s:.2} s"))
+            .unwrap_or_else(|| "unknown".into());
+        let _ = writeln!(
+            o,
+            "  cpu         client {:.2} s  server {srv}  ({mb_per_cpu:.0} MB per CPU-second)",
+            r.cpu_client_s
+        );
+        let _ = writeln!(
+            o,
+            "  data path   {} bytes copied in user space, {:.1} frames per sendmsg",
+            r.bytes_copied, r.frames_per_send
+        );
+    }
+    Ok(())
+}

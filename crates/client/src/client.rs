@@ -1,0 +1,674 @@
+//! The client API: asynchronous, vectored fops on one brick connection.
+//!
+//! Three ways to move data, all zero-copy on the read path:
+//! - `async` [`Client::preadv`] / [`Client::pwritev`] take owned buffers and give them back with
+//!   the result, so dropping the future early can never leave the connection writing into memory
+//!   the caller reuses.
+//! - [`Client::preadv_blocking`] / [`Client::pwritev_blocking`] borrow the caller's slices and
+//!   block the calling thread until done.
+//! - [`Client::preadv_raw`] / [`Client::pwritev_raw`] take raw vectors and a completion callback
+//!   (the C ABI and the FUSE daemon build on these).
+//!
+//! Paths are volume paths: `/a/b` and `a/b` name the same file. `.` components and repeated `/`
+//! are folded; `..` is sent as is and refused by the server.
+
+use std::future::Future;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::ToSocketAddrs;
+use std::os::fd::OwnedFd;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use kiln_proto::codec::{Seq, Wire};
+use kiln_proto::iov::RawIov;
+use kiln_proto::ops::*;
+use kiln_proto::{errno, Op};
+
+use crate::conn::{Callback, Completion, Conn, ConnStats, Done, Errno, ReplyData, Slot};
+
+/// An open file on the server. Close it with [`Client::close`]; a handle dropped without closing
+/// stays open on the server until the connection ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fh(pub u64);
+
+/// Converts a wire errno into an `io::Error`.
+pub fn errno_error(e: Errno) -> io::Error {
+    io::Error::from_raw_os_error(e as i32)
+}
+
+/// Folds a volume path into the wire form.
+pub fn wire_path(path: &str) -> String {
+    path.split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// A connection to one brick.
+pub struct Client {
+    conn: Arc<Conn>,
+    server: String,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.conn.shutdown();
+    }
+}
+
+struct SlotWait(Arc<Slot>);
+
+impl Future for SlotWait {
+    type Output = Completion;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Completion> {
+        self.0.poll(cx.waker())
+    }
+}
+
+fn raw_mut(b: &mut [u8]) -> RawIov {
+    RawIov {
+        base: b.as_mut_ptr() as usize,
+        len: b.len(),
+    }
+}
+
+fn raw(b: &[u8]) -> RawIov {
+    RawIov {
+        base: b.as_ptr() as usize,
+        len: b.len(),
+    }
+}
+
+fn check_len(total: usize) -> io::Result<u32> {
+    if total > kiln_proto::MAX_PAYLOAD_LEN as usize {
+        return Err(errno_error(errno::EINVAL));
+    }
+    Ok(total as u32)
+}
+
+impl Client {
+    /// Connects to a brick at `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH` and says hello.
+    pub fn connect(addr: &str) -> io::Result<Client> {
+        let sock: OwnedFd = if let Some(path) = addr.strip_prefix("unix:") {
+            std::os::unix::net::UnixStream::connect(path)
+                .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")))?
+                .into()
+        } else {
+            let a = addr.strip_prefix("tcp:").unwrap_or(addr);
+            let mut last = io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("no address for {addr}"),
+            );
+            let mut found = None;
+            for sa in a.to_socket_addrs().map_err(|e| {
+                io::Error::new(e.kind(), format!("bad server address {addr:?}: {e}"))
+            })? {
+                match std::net::TcpStream::connect(sa) {
+                    Ok(s) => {
+                        found = Some(s);
+                        break;
+                    }
+                    Err(e) => {
+                        last = io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}"))
+                    }
+                }
+            }
+            let s = found.ok_or(last)?;
+            s.set_nodelay(true)?;
+            s.into()
+        };
+        let client = Client {
+            conn: Conn::start(sock)?,
+            server: addr.to_owned(),
+        };
+        let hello: HelloReply = crate::block_on(client.call(
+            Op::Hello,
+            &HelloReq {
+                version: kiln_proto::frame::VERSION as u32,
+                client: "kiln-client".into(),
+            },
+        ))
+        .map_err(|e| io::Error::new(e.kind(), format!("handshake with {addr} failed: {e}")))?;
+        tracing::debug!(server = %hello.server, "connected to {addr}");
+        Ok(client)
+    }
+
+    /// The address this client connected to.
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// The connection's counters (`bytes_copied` among them).
+    pub fn stats(&self) -> &ConnStats {
+        &self.conn.stats
+    }
+
+    /// True once the connection has failed; every call then returns an error.
+    pub fn is_dead(&self) -> bool {
+        self.conn.is_dead()
+    }
+
+    async fn call_raw(&self, op: Op, args: Vec<u8>) -> io::Result<ReplyData> {
+        let slot = Arc::new(Slot::default());
+        // SAFETY: no payload or sink vectors.
+        unsafe {
+            self.conn
+                .submit(op, &args, &[], Vec::new(), None, Done::Slot(slot.clone()))
+        }
+        .map_err(errno_error)?;
+        SlotWait(slot).await.result.map_err(errno_error)
+    }
+
+    async fn call<R: Wire>(&self, op: Op, req: &impl Wire) -> io::Result<R> {
+        let reply = self.call_raw(op, req.to_wire()).await?;
+        R::from_wire(&reply.args).map_err(|e| {
+            tracing::warn!(op = op.name(), "bad reply arguments: {e}");
+            errno_error(errno::EPROTO)
+        })
+    }
+
+    async fn call_unit(&self, op: Op, req: &impl Wire) -> io::Result<()> {
+        self.call_raw(op, req.to_wire()).await.map(|_| ())
+    }
+
+    /// Attributes of `path`, not following a final symlink.
+    pub async fn lookup(&self, path: &str) -> io::Result<Attr> {
+        self.call(
+            Op::Lookup,
+            &PathReq {
+                path: wire_path(path),
+            },
+        )
+        .await
+    }
+
+    /// Attributes of an open file.
+    pub async fn fstat(&self, fh: Fh) -> io::Result<Attr> {
+        self.call(Op::Fstat, &HandleReq { fh: fh.0 }).await
+    }
+
+    /// Changes the attributes `req.valid` selects; `req.path` is a volume path.
+    pub async fn setattr(&self, mut req: SetattrReq) -> io::Result<Attr> {
+        req.path = wire_path(&req.path);
+        self.call(Op::Setattr, &req).await
+    }
+
+    /// Opens an existing file with Linux `O_*` flags.
+    pub async fn open(&self, path: &str, flags: i32) -> io::Result<Fh> {
+        let r: OpenReply = self
+            .call(
+                Op::Open,
+                &OpenReq {
+                    path: wire_path(path),
+                    flags: flags as u32,
+                },
+            )
+            .await?;
+        Ok(Fh(r.fh))
+    }
+
+    /// Creates (with `O_EXCL`: only creates) a file and opens it.
+    pub async fn create(&self, path: &str, flags: i32, mode: u32) -> io::Result<(Fh, Attr)> {
+        let r: CreateReply = self
+            .call(
+                Op::Create,
+                &CreateReq {
+                    path: wire_path(path),
+                    flags: flags as u32,
+                    mode,
+                },
+            )
+            .await?;
+        Ok((Fh(r.fh), r.attr))
+    }
+
+    /// Closes a handle.
+    pub async fn close(&self, fh: Fh) -> io::Result<()> {
+        self.call_unit(Op::Release, &HandleReq { fh: fh.0 }).await
+    }
+
+    /// Flushes a file to stable storage (`datasync`: data only, like `fdatasync`).
+    pub async fn fsync(&self, fh: Fh, datasync: bool) -> io::Result<()> {
+        self.call_unit(Op::Fsync, &FsyncReq { fh: fh.0, datasync })
+            .await
+    }
+
+    /// Removes a file.
+    pub async fn unlink(&self, path: &str) -> io::Result<()> {
+        self.call_unit(
+            Op::Unlink,
+            &PathReq {
+                path: wire_path(path),
+            },
+        )
+        .await
+    }
+
+    /// Makes a directory.
+    pub async fn mkdir(&self, path: &str, mode: u32) -> io::Result<Attr> {
+        self.call(
+            Op::Mkdir,
+            &MkdirReq {
+                path: wire_path(path),
+                mode,
+            },
+        )
+        .await
+    }
+
+    /// Removes an empty directory.
+    pub async fn rmdir(&self, path: &str) -> io::Result<()> {
+        self.call_unit(
+            Op::Rmdir,
+            &PathReq {
+                path: wire_path(path),
+            },
+        )
+        .await
+    }
+
+    /// Renames `from` to `to` (`flags`: Linux `RENAME_*`).
+    pub async fn rename(&self, from: &str, to: &str, flags: u32) -> io::Result<()> {
+        self.call_unit(
+            Op::Rename,
+            &RenameReq {
+                from: wire_path(from),
+                to: wire_path(to),
+                flags,
+            },
+        )
+        .await
+    }
+
+    /// Lists a whole directory with attributes (`.` and `..` left out).
+    pub async fn readdir(&self, path: &str) -> io::Result<Vec<DirEntry>> {
+        let path = wire_path(path);
+        let mut out = Vec::new();
+        loop {
+            let r: ReaddirReply = self
+                .call(
+                    Op::Readdir,
+                    &ReaddirReq {
+                        path: path.clone(),
+                        offset: out.len() as u64,
+                        max: 256,
+                    },
+                )
+                .await?;
+            let got = r.entries.0.len();
+            out.extend(r.entries.0);
+            if r.eof || got == 0 {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// Makes `path` a symlink to `target`.
+    pub async fn symlink(&self, target: &str, path: &str) -> io::Result<Attr> {
+        self.call(
+            Op::Symlink,
+            &SymlinkReq {
+                target: target.to_owned(),
+                path: wire_path(path),
+            },
+        )
+        .await
+    }
+
+    /// Reads a symlink.
+    pub async fn readlink(&self, path: &str) -> io::Result<String> {
+        let r: ReadlinkReply = self
+            .call(
+                Op::Readlink,
+                &PathReq {
+                    path: wire_path(path),
+                },
+            )
+            .await?;
+        Ok(r.target)
+    }
+
+    /// Makes `path` a hard link to `existing`.
+    pub async fn link(&self, existing: &str, path: &str) -> io::Result<Attr> {
+        self.call(
+            Op::Link,
+            &LinkReq {
+                existing: wire_path(existing),
+                path: wire_path(path),
+            },
+        )
+        .await
+    }
+
+    /// File system statistics.
+    pub async fn statfs(&self, path: &str) -> io::Result<StatfsReply> {
+        self.call(
+            Op::Statfs,
+            &PathReq {
+                path: wire_path(path),
+            },
+        )
+        .await
+    }
+
+    /// Reads an extended attribute.
+    pub async fn getxattr(&self, path: &str, name: &str) -> io::Result<Vec<u8>> {
+        let r: XattrValue = self
+            .call(
+                Op::Getxattr,
+                &XattrReq {
+                    path: wire_path(path),
+                    name: name.to_owned(),
+                },
+            )
+            .await?;
+        Ok(r.value)
+    }
+
+    /// Sets an extended attribute (`flags`: `XATTR_CREATE` / `XATTR_REPLACE`).
+    pub async fn setxattr(
+        &self,
+        path: &str,
+        name: &str,
+        value: &[u8],
+        flags: u32,
+    ) -> io::Result<()> {
+        let req = SetxattrReq {
+            path: wire_path(path),
+            name: name.to_owned(),
+            value: value.to_vec(),
+            flags,
+        };
+        self.call_unit(Op::Setxattr, &req).await
+    }
+
+    /// Lists extended attribute names.
+    pub async fn listxattr(&self, path: &str) -> io::Result<Vec<String>> {
+        let r: XattrNames = self
+            .call(
+                Op::Listxattr,
+                &PathReq {
+                    path: wire_path(path),
+                },
+            )
+            .await?;
+        Ok(r.names.0)
+    }
+
+    /// Removes an extended attribute.
+    pub async fn removexattr(&self, path: &str, name: &str) -> io::Result<()> {
+        self.call_unit(
+            Op::Removexattr,
+            &XattrReq {
+                path: wire_path(path),
+                name: name.to_owned(),
+            },
+        )
+        .await
+    }
+
+    /// Allocates space (`mode`: Linux `FALLOC_FL_*`).
+    pub async fn fallocate(&self, fh: Fh, mode: u32, offset: u64, len: u64) -> io::Result<()> {
+        self.call_unit(
+            Op::Fallocate,
+            &FallocateReq {
+                fh: fh.0,
+                mode,
+                offset,
+                len,
+            },
+        )
+        .await
+    }
+
+    /// Discards a range (punches a hole, keeps the size).
+    pub async fn discard(&self, fh: Fh, offset: u64, len: u64) -> io::Result<()> {
+        self.call_unit(
+            Op::Discard,
+            &DiscardReq {
+                fh: fh.0,
+                offset,
+                len,
+            },
+        )
+        .await
+    }
+
+    /// Reads at `offset` into `bufs`, in order, straight from the socket.
+    ///
+    /// Returns the bytes read — fewer than the buffers hold only at end of file — and the
+    /// buffers. Zero-length buffers are skipped. On error the buffers' contents are unspecified.
+    /// Dropping the future before it completes is safe: the buffers are freed once the reply has
+    /// been received (or the connection fails).
+    pub async fn preadv<B>(
+        &self,
+        fh: Fh,
+        mut bufs: Vec<B>,
+        offset: u64,
+    ) -> (io::Result<usize>, Vec<B>)
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        let sink: Vec<RawIov> = bufs.iter_mut().map(|b| raw_mut(b.as_mut())).collect();
+        let len = match check_len(sink.iter().map(|v| v.len).sum()) {
+            Ok(l) => l,
+            Err(e) => return (Err(e), bufs),
+        };
+        let args = ReadReq {
+            fh: fh.0,
+            offset,
+            len,
+        }
+        .to_wire();
+        let slot = Arc::new(Slot::default());
+        // SAFETY: the sink points into `bufs`' heap memory, which the connection keeps alive
+        // (boxed as `keep`) until the completion is delivered; moving the `Vec` into the box
+        // does not move its elements.
+        let keep: Box<dyn std::any::Any + Send> = Box::new(bufs);
+        let submitted = unsafe {
+            self.conn.submit(
+                Op::Read,
+                &args,
+                &[],
+                sink,
+                Some(keep),
+                Done::Slot(slot.clone()),
+            )
+        };
+        if let Err(e) = submitted {
+            return (Err(errno_error(e)), Vec::new());
+        }
+        let c = SlotWait(slot).await;
+        let bufs = *c
+            .keep
+            .expect("buffers come back")
+            .downcast::<Vec<B>>()
+            .expect("same type");
+        (c.result.map(|r| r.payload_len).map_err(errno_error), bufs)
+    }
+
+    /// Writes `bufs`, in order, at `offset`, sending straight from them. Returns the bytes
+    /// written and the buffers. Dropping the future early is safe, as for [`Client::preadv`].
+    pub async fn pwritev<B>(&self, fh: Fh, bufs: Vec<B>, offset: u64) -> (io::Result<usize>, Vec<B>)
+    where
+        B: AsRef<[u8]> + Send + 'static,
+    {
+        let payload: Vec<RawIov> = bufs.iter().map(|b| raw(b.as_ref())).collect();
+        if let Err(e) = check_len(payload.iter().map(|v| v.len).sum()) {
+            return (Err(e), bufs);
+        }
+        let args = WriteReq { fh: fh.0, offset }.to_wire();
+        let slot = Arc::new(Slot::default());
+        let keep: Box<dyn std::any::Any + Send> = Box::new(bufs);
+        // SAFETY: as in `preadv`: the payload lives in `keep` until completion.
+        let submitted = unsafe {
+            self.conn.submit(
+                Op::Write,
+                &args,
+                &payload,
+                Vec::new(),
+                Some(keep),
+                Done::Slot(slot.clone()),
+            )
+        };
+        if let Err(e) = submitted {
+            return (Err(errno_error(e)), Vec::new());
+        }
+        let c = SlotWait(slot).await;
+        let bufs = *c
+            .keep
+            .expect("buffers come back")
+            .downcast::<Vec<B>>()
+            .expect("same type");
+        (c.result.and_then(write_count).map_err(errno_error), bufs)
+    }
+
+    /// Blocking `preadv` into borrowed slices; see [`Client::preadv`] for the contract.
+    pub fn preadv_blocking(
+        &self,
+        fh: Fh,
+        bufs: &mut [IoSliceMut<'_>],
+        offset: u64,
+    ) -> io::Result<usize> {
+        let sink: Vec<RawIov> = bufs.iter_mut().map(|b| raw_mut(b)).collect();
+        let len = check_len(sink.iter().map(|v| v.len).sum())?;
+        let args = ReadReq {
+            fh: fh.0,
+            offset,
+            len,
+        }
+        .to_wire();
+        let slot = Arc::new(Slot::default());
+        // SAFETY: this function does not return until the completion is delivered, and holds
+        // the exclusive borrow of `bufs` until then.
+        unsafe {
+            self.conn
+                .submit(Op::Read, &args, &[], sink, None, Done::Slot(slot.clone()))
+        }
+        .map_err(errno_error)?;
+        slot.wait()
+            .result
+            .map(|r| r.payload_len)
+            .map_err(errno_error)
+    }
+
+    /// Blocking `pwritev` from borrowed slices.
+    pub fn pwritev_blocking(&self, fh: Fh, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<usize> {
+        let payload: Vec<RawIov> = bufs.iter().map(|b| raw(b)).collect();
+        check_len(payload.iter().map(|v| v.len).sum())?;
+        let args = WriteReq { fh: fh.0, offset }.to_wire();
+        let slot = Arc::new(Slot::default());
+        // SAFETY: as in `preadv_blocking`.
+        unsafe {
+            self.conn.submit(
+                Op::Write,
+                &args,
+                &payload,
+                Vec::new(),
+                None,
+                Done::Slot(slot.clone()),
+            )
+        }
+        .map_err(errno_error)?;
+        slot.wait()
+            .result
+            .and_then(write_count)
+            .map_err(errno_error)
+    }
+
+    /// Reads into raw vectors; `cb` gets the byte count or the errno, on the receive thread.
+    ///
+    /// # Safety
+    /// The vectors' memory must stay valid and untouched until `cb` has been called.
+    pub unsafe fn preadv_raw(
+        &self,
+        fh: Fh,
+        iov: &[RawIov],
+        offset: u64,
+        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
+    ) -> Result<(), Errno> {
+        let total: usize = iov.iter().map(|v| v.len).sum();
+        let len = check_len(total).map_err(|_| errno::EINVAL)?;
+        let args = ReadReq {
+            fh: fh.0,
+            offset,
+            len,
+        }
+        .to_wire();
+        let done: Callback = Box::new(move |c: Completion| cb(c.result.map(|r| r.payload_len)));
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            self.conn.submit(
+                Op::Read,
+                &args,
+                &[],
+                iov.to_vec(),
+                None,
+                Done::Callback(done),
+            )
+        }
+        .map(|_| ())
+    }
+
+    /// Writes from raw vectors; `cb` gets the byte count or the errno, on the receive thread.
+    ///
+    /// # Safety
+    /// The vectors' memory must stay valid and unchanged until `cb` has been called.
+    pub unsafe fn pwritev_raw(
+        &self,
+        fh: Fh,
+        iov: &[RawIov],
+        offset: u64,
+        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
+    ) -> Result<(), Errno> {
+        let total: usize = iov.iter().map(|v| v.len).sum();
+        check_len(total).map_err(|_| errno::EINVAL)?;
+        let args = WriteReq { fh: fh.0, offset }.to_wire();
+        let done: Callback = Box::new(move |c: Completion| cb(c.result.and_then(write_count)));
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            self.conn.submit(
+                Op::Write,
+                &args,
+                iov,
+                Vec::new(),
+                None,
+                Done::Callback(done),
+            )
+        }
+        .map(|_| ())
+    }
+
+    /// Flushes a file; `cb` runs on the receive thread.
+    pub fn fsync_raw(
+        &self,
+        fh: Fh,
+        datasync: bool,
+        cb: Box<dyn FnOnce(Result<(), Errno>) + Send>,
+    ) -> Result<(), Errno> {
+        let args = FsyncReq { fh: fh.0, datasync }.to_wire();
+        let done: Callback = Box::new(move |c: Completion| cb(c.result.map(|_| ())));
+        // SAFETY: no payload or sink vectors.
+        unsafe {
+            self.conn.submit(
+                Op::Fsync,
+                &args,
+                &[],
+                Vec::new(),
+                None,
+                Done::Callback(done),
+            )
+        }
+        .map(|_| ())
+    }
+}
+
+fn write_count(r: ReplyData) -> Result<usize, Errno> {
+    WriteReply::from_wire(&r.args)
+        .map(|w| w.written as usize)
+        .map_err(|_| errno::EPROTO)
+}
+
+/// Keeps `Seq` in this module's public vocabulary for callers building requests by hand.
+pub type Entries = Seq<DirEntry>;

@@ -1,0 +1,641 @@
+//! One multiplexed connection to a brick: many requests in flight, replies matched by id, and
+//! READ payload received from the socket straight into the caller's buffers.
+//!
+//! # Threads
+//! A dedicated receive thread per connection blocks in `readv` on the socket. Senders write their
+//! own frames (no hand-off, so a lone request pays no thread wake-up): a sender queues its frame
+//! and, if no other thread is sending, gathers every queued frame into one `sendmsg`. Frames
+//! submitted from completion callbacks (which run on the receive thread) are held back until the
+//! socket has no more replies ready, then leave together in one `sendmsg`.
+//!
+//! # Zero copy
+//! When a reply header arrives, the receive thread looks up the waiting request and points the
+//! next `readv` at: the reply's arguments, the request's own iovecs for the payload, and the next
+//! reply's header. No payload byte passes through an intermediate buffer; `bytes_copied` counts
+//! any that ever would.
+//!
+//! # Buffer lifetime contract
+//! A request's payload and sink vectors must stay valid until its completion has been delivered.
+//! The connection guarantees it never touches them after that: on connection failure, frames still
+//! queued are dropped while holding the send lock (so no `sendmsg` is using them) before any
+//! completion runs, and a reply for a request whose frame has not been fully sent is treated as a
+//! protocol violation that fails the connection the same way.
+
+use std::any::Any;
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
+
+use kiln_proto::frame::{Header, HEADER_LEN, KIND_REPLY};
+use kiln_proto::iov::{IovCursor, RawIov, IOV_MAX};
+use kiln_proto::{errno, Op};
+
+/// A Linux errno value.
+pub type Errno = u32;
+
+/// A successful reply: its encoded arguments and how many payload bytes landed in the sink.
+#[derive(Debug, Default)]
+pub struct ReplyData {
+    /// The reply's encoded arguments.
+    pub args: Vec<u8>,
+    /// Payload bytes written into the request's sink vectors.
+    pub payload_len: usize,
+}
+
+/// What a request completes with. `keep` returns whatever the submitter asked the connection to
+/// hold until completion (owned buffers).
+pub struct Completion {
+    /// The reply, or the errno it failed with.
+    pub result: Result<ReplyData, Errno>,
+    /// The object given to [`Conn::submit`] as `keep`.
+    pub keep: Option<Box<dyn Any + Send>>,
+}
+
+/// A callback run on the receive thread when a request completes. It must not block for long:
+/// every other reply on the connection waits behind it.
+pub type Callback = Box<dyn FnOnce(Completion) + Send>;
+
+/// Where a completion goes.
+pub enum Done {
+    /// Stored in a slot that a thread or future waits on.
+    Slot(Arc<Slot>),
+    /// Handed to a callback on the receive thread.
+    Callback(Callback),
+}
+
+/// A single-use completion cell for a waiting thread or future.
+#[derive(Default)]
+pub struct Slot {
+    state: Mutex<SlotState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct SlotState {
+    done: Option<Completion>,
+    waker: Option<Waker>,
+}
+
+impl Slot {
+    fn complete(&self, c: Completion) {
+        let waker = {
+            let mut s = lock(&self.state);
+            s.done = Some(c);
+            s.waker.take()
+        };
+        self.cv.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// Blocks the calling thread until the completion arrives.
+    pub fn wait(&self) -> Completion {
+        let mut s = lock(&self.state);
+        loop {
+            if let Some(c) = s.done.take() {
+                return c;
+            }
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Polls for the completion from a future.
+    pub fn poll(&self, waker: &Waker) -> Poll<Completion> {
+        let mut s = lock(&self.state);
+        match s.done.take() {
+            Some(c) => Poll::Ready(c),
+            None => {
+                if !s.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
+                    s.waker = Some(waker.clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// Counters of one connection. Relaxed: independent event counts, read only for display.
+#[derive(Debug, Default)]
+pub struct ConnStats {
+    /// Requests submitted.
+    pub requests: AtomicU64,
+    /// Replies received.
+    pub replies: AtomicU64,
+    /// `sendmsg` calls that carried frames (requests / this = frames per batch).
+    pub send_calls: AtomicU64,
+    /// `readv` calls on the socket.
+    pub recv_calls: AtomicU64,
+    /// Payload bytes received into callers' buffers.
+    pub payload_bytes_in: AtomicU64,
+    /// Payload bytes copied in user space by the client. The read path leaves it at zero.
+    pub bytes_copied: AtomicU64,
+}
+
+struct Pending {
+    sink: Vec<RawIov>,
+    done: Done,
+    keep: Option<Box<dyn Any + Send>>,
+    /// Set once the request's frame has fully left; a reply before that is a protocol violation.
+    sent: bool,
+}
+
+struct Table {
+    pending: HashMap<u64, Pending>,
+    /// Why the connection is dead, once it is.
+    dead: Option<Errno>,
+}
+
+struct OutFrame {
+    id: u64,
+    /// Header and encoded arguments; the cursor points into this allocation.
+    _head: Vec<u8>,
+    cur: IovCursor,
+}
+
+/// A connection's shared state.
+pub struct Conn {
+    sock: OwnedFd,
+    next_id: AtomicU64,
+    table: Mutex<Table>,
+    sendq: Mutex<VecDeque<OutFrame>>,
+    /// Held while a `sendmsg` is using queued frames' memory.
+    writer: Mutex<()>,
+    /// Counters.
+    pub stats: ConnStats,
+}
+
+thread_local! {
+    /// The connection whose receive thread this is (its address), or 0.
+    static RECEIVER_OF: Cell<usize> = const { Cell::new(0) };
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves consistent state (every critical section
+    // is a few field updates), so keep going rather than poisoning the whole connection.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Conn {
+    /// Wraps a connected, blocking stream socket and starts its receive thread.
+    pub fn start(sock: OwnedFd) -> io::Result<Arc<Conn>> {
+        let conn = Arc::new(Conn {
+            sock,
+            next_id: AtomicU64::new(1),
+            table: Mutex::new(Table {
+                pending: HashMap::new(),
+                dead: None,
+            }),
+            sendq: Mutex::new(VecDeque::new()),
+            writer: Mutex::new(()),
+            stats: ConnStats::default(),
+        });
+        let c = conn.clone();
+        std::thread::Builder::new()
+            .name("kiln-recv".into())
+            .spawn(move || c.receive_loop())?;
+        Ok(conn)
+    }
+
+    /// True once the connection has failed or been shut down.
+    pub fn is_dead(&self) -> bool {
+        lock(&self.table).dead.is_some()
+    }
+
+    /// Closes the socket's both directions; in-flight requests fail with `ECONNRESET`.
+    pub fn shutdown(&self) {
+        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+    }
+
+    /// Sends a request.
+    ///
+    /// `payload` is gathered after the arguments; `sink` receives a reply payload (at most its
+    /// total length). `keep` is held until completion and handed back in it.
+    ///
+    /// # Safety
+    /// Every vector in `payload` and `sink` must stay valid (and `sink` unaliased) until `done`
+    /// has been delivered. Errors before anything was queued are returned, not delivered.
+    pub unsafe fn submit(
+        self: &Arc<Self>,
+        op: Op,
+        args: &[u8],
+        payload: &[RawIov],
+        sink: Vec<RawIov>,
+        keep: Option<Box<dyn Any + Send>>,
+        done: Done,
+    ) -> Result<u64, Errno> {
+        if args.len() > kiln_proto::MAX_ARGS_LEN as usize {
+            return Err(errno::EMSGSIZE);
+        }
+        let payload_len: usize = payload.iter().map(|v| v.len).sum();
+        if payload_len > kiln_proto::MAX_PAYLOAD_LEN as usize {
+            return Err(errno::EMSGSIZE);
+        }
+        let id = self.next_id.fetch_add(1, Relaxed);
+        let hdr = Header::request(op as u16, id, args.len() as u32, payload_len as u32);
+        let mut head = Vec::with_capacity(HEADER_LEN + args.len());
+        head.extend_from_slice(&hdr.to_bytes());
+        head.extend_from_slice(args);
+        let head_iov = RawIov {
+            base: head.as_ptr() as usize,
+            len: head.len(),
+        };
+        let cur = IovCursor::new(
+            std::iter::once(head_iov).chain(payload.iter().copied()),
+            head.len() + payload_len,
+        );
+        {
+            let mut t = lock(&self.table);
+            if let Some(e) = t.dead {
+                return Err(e);
+            }
+            t.pending.insert(
+                id,
+                Pending {
+                    sink,
+                    done,
+                    keep,
+                    sent: false,
+                },
+            );
+        }
+        lock(&self.sendq).push_back(OutFrame {
+            id,
+            _head: head,
+            cur,
+        });
+        self.stats.requests.fetch_add(1, Relaxed);
+        let on_receiver = RECEIVER_OF.with(|r| r.get()) == Arc::as_ptr(self) as usize;
+        if !on_receiver {
+            // Send from the caller's thread; errors surface through the receive thread, which
+            // sees the socket fail and fails every request.
+            let _ = self.flush(true);
+        }
+        Ok(id)
+    }
+
+    /// Sends queued frames without ever blocking in `sendmsg` while holding the writer lock.
+    ///
+    /// Returns true when the queue is empty or another thread holds the writer lock (it
+    /// re-checks the queue after releasing it). With `wait`, a full socket is waited out with
+    /// `poll` (no lock held); without, returns false and leaves the rest for later.
+    fn flush(&self, wait: bool) -> io::Result<bool> {
+        loop {
+            let Ok(w) = self.writer.try_lock() else {
+                return Ok(true);
+            };
+            let r = self.send_queued();
+            drop(w);
+            match r {
+                Ok(true) if lock(&self.sendq).is_empty() => return Ok(true),
+                Ok(true) => continue, // frames queued while we were releasing the lock
+                Ok(false) if wait => poll_fd(self.sock.as_raw_fd(), libc::POLLOUT)?,
+                other => return other,
+            }
+        }
+    }
+
+    /// With the writer lock held: non-blocking `sendmsg` until the queue is empty (true) or the
+    /// socket is full (false).
+    fn send_queued(&self) -> io::Result<bool> {
+        let mut iov: Vec<RawIov> = Vec::with_capacity(64);
+        loop {
+            iov.clear();
+            {
+                let q = lock(&self.sendq);
+                if q.is_empty() {
+                    return Ok(true);
+                }
+                for f in q.iter() {
+                    let room = IOV_MAX - iov.len();
+                    if room == 0 {
+                        break;
+                    }
+                    iov.extend_from_slice(f.cur.pending(room));
+                }
+            }
+            let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
+            // SAFETY: the vectors point at queued frames' heads and payloads, kept valid by the
+            // submit contract; no frame leaves the queue while we hold the writer lock, except by
+            // this function. A zeroed msghdr is valid (no name, no control data).
+            let n = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+                msg.msg_iovlen = iov.len();
+                libc::sendmsg(self.sock.as_raw_fd(), &msg, flags)
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => return Ok(false),
+                    _ => return Err(e),
+                }
+            }
+            self.stats.send_calls.fetch_add(1, Relaxed);
+            let mut left = n as usize;
+            let mut finished = Vec::new();
+            {
+                let mut q = lock(&self.sendq);
+                while left > 0 {
+                    let f = q.front_mut().expect("sent bytes belong to queued frames");
+                    left -= f.cur.advance(left);
+                    if f.cur.is_done() {
+                        finished.push(q.pop_front().expect("front").id);
+                    } else {
+                        break;
+                    }
+                }
+            }
+            if !finished.is_empty() {
+                let mut t = lock(&self.table);
+                for id in finished {
+                    if let Some(p) = t.pending.get_mut(&id) {
+                        p.sent = true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fails the connection: drops unsent frames under the writer lock, then fails every request.
+    fn fail(&self, why: Errno) {
+        self.shutdown();
+        let drained = {
+            let _w = lock(&self.writer);
+            lock(&self.sendq).clear();
+            let mut t = lock(&self.table);
+            t.dead.get_or_insert(why);
+            std::mem::take(&mut t.pending)
+        };
+        for (_, p) in drained {
+            deliver(
+                p.done,
+                Completion {
+                    result: Err(why),
+                    keep: p.keep,
+                },
+            );
+        }
+    }
+
+    fn receive_loop(self: Arc<Self>) {
+        RECEIVER_OF.with(|r| r.set(Arc::as_ptr(&self) as usize));
+        let why = match self.receive() {
+            Ok(()) => errno::ECONNRESET,
+            Err(e) => {
+                tracing::debug!("connection failed: {e}");
+                e.raw_os_error().map(|e| e as u32).unwrap_or(errno::EPROTO)
+            }
+        };
+        self.fail(if why == errno::EPROTO {
+            errno::EPROTO
+        } else {
+            errno::ECONNRESET
+        });
+    }
+
+    fn receive(&self) -> io::Result<()> {
+        let fd = self.sock.as_raw_fd();
+        let mut next_hdr = [0u8; HEADER_LEN];
+        let mut hdr_got = 0usize;
+        let mut cur: Option<InReply> = None;
+        let mut scratch = vec![0u8; 64 * 1024];
+        let mut iov: Vec<RawIov> = Vec::with_capacity(8);
+        loop {
+            // Frames queued by callbacks: send them once no reply is ready.
+            let deferred = !lock(&self.sendq).is_empty();
+            iov.clear();
+            let whole = match cur.as_mut() {
+                Some(r) => r.vectors(&mut iov, &mut scratch),
+                None => true,
+            };
+            if whole {
+                iov.push(RawIov {
+                    base: next_hdr[hdr_got..].as_mut_ptr() as usize,
+                    len: HEADER_LEN - hdr_got,
+                });
+            }
+            let flags = if deferred { libc::MSG_DONTWAIT } else { 0 };
+            // SAFETY: the vectors point at this thread's header and scratch buffers and at the
+            // current request's sink, which its submitter keeps valid until completion.
+            let n = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
+                msg.msg_iovlen = iov.len();
+                libc::recvmsg(fd, &mut msg, flags)
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => {
+                        if !self.flush(false)? {
+                            poll_fd(fd, libc::POLLIN | libc::POLLOUT)?;
+                        }
+                        continue;
+                    }
+                    _ => return Err(e),
+                }
+            }
+            if n == 0 {
+                return Ok(());
+            }
+            self.stats.recv_calls.fetch_add(1, Relaxed);
+            let mut left = n as usize;
+            if let Some(r) = cur.as_mut() {
+                left = r.advance(left);
+                if r.is_complete() {
+                    let r = cur.take().expect("current reply");
+                    self.complete(r);
+                }
+            }
+            hdr_got += left;
+            while cur.is_none() && hdr_got == HEADER_LEN {
+                hdr_got = 0;
+                let hdr = Header::parse(&next_hdr).map_err(|e| {
+                    tracing::warn!("bad reply header: {e}");
+                    io::Error::from_raw_os_error(errno::EPROTO as i32)
+                })?;
+                if hdr.kind != KIND_REPLY {
+                    tracing::warn!("server sent a request frame");
+                    return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
+                }
+                let r = self.begin(hdr)?;
+                if r.is_complete() {
+                    self.complete(r);
+                } else {
+                    cur = Some(r);
+                }
+            }
+        }
+    }
+
+    /// A reply header arrived: find its request and prepare to receive into its sink.
+    fn begin(&self, hdr: Header) -> io::Result<InReply> {
+        let id = hdr.request_id.get();
+        let pending = lock(&self.table).pending.remove(&id);
+        let payload_len = hdr.payload_len.get() as usize;
+        let pending = match pending {
+            Some(p) if !p.sent => {
+                // The sender may not have recorded the end of its `sendmsg` yet: wait for it
+                // (bounded: sends never block under the writer lock), then look again.
+                drop(lock(&self.writer));
+                if !lock(&self.sendq).iter().any(|f| f.id == id) {
+                    Some(p)
+                } else {
+                    tracing::warn!(id, "reply arrived before its request was sent");
+                    lock(&self.table).pending.insert(id, p);
+                    return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
+                }
+            }
+            other => other,
+        };
+        let (sink, pending) = match pending {
+            Some(mut p) => (
+                IovCursor::new(std::mem::take(&mut p.sink), payload_len),
+                Some(p),
+            ),
+            None => {
+                // Server-side errors for frames it could not parse carry id 0.
+                if id != 0 {
+                    tracing::debug!(id, "reply for an unknown request");
+                }
+                (IovCursor::default(), None)
+            }
+        };
+        let discard = payload_len - sink.remaining();
+        Ok(InReply {
+            status: hdr.status.get(),
+            args: vec![0u8; hdr.args_len.get() as usize],
+            args_got: 0,
+            sink,
+            payload_len,
+            discard,
+            discard_got: 0,
+            pending,
+        })
+    }
+
+    fn complete(&self, r: InReply) {
+        self.stats.replies.fetch_add(1, Relaxed);
+        let landed = r.payload_len - r.discard;
+        debug_assert!(r.sink.is_done());
+        self.stats
+            .payload_bytes_in
+            .fetch_add(landed as u64, Relaxed);
+        let Some(p) = r.pending else {
+            if r.status != 0 && r.args.is_empty() && r.payload_len == 0 {
+                tracing::warn!(status = r.status, "server reported an error for no request");
+            }
+            return;
+        };
+        let result = if r.status != 0 {
+            Err(r.status)
+        } else if r.discard > 0 {
+            tracing::warn!("server sent more payload than the request asked for");
+            Err(errno::EPROTO)
+        } else {
+            Ok(ReplyData {
+                args: r.args,
+                payload_len: landed,
+            })
+        };
+        deliver(
+            p.done,
+            Completion {
+                result,
+                keep: p.keep,
+            },
+        );
+    }
+}
+
+fn deliver(done: Done, c: Completion) {
+    match done {
+        Done::Slot(s) => s.complete(c),
+        Done::Callback(cb) => cb(c),
+    }
+}
+
+fn poll_fd(fd: i32, events: i16) -> io::Result<()> {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, -1) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// A reply being received.
+struct InReply {
+    status: u32,
+    args: Vec<u8>,
+    args_got: usize,
+    /// The request's sink, limited to the payload length.
+    sink: IovCursor,
+    payload_len: usize,
+    /// Payload bytes beyond the sink's room: read into scratch and dropped.
+    discard: usize,
+    discard_got: usize,
+    pending: Option<Pending>,
+}
+
+impl InReply {
+    fn discard_left(&self) -> usize {
+        self.discard - self.discard_got
+    }
+
+    fn is_complete(&self) -> bool {
+        self.args_got == self.args.len() && self.sink.is_done() && self.discard_left() == 0
+    }
+
+    /// Appends vectors for the rest of this reply; returns true when they cover all of it, so
+    /// that the next header may be read in the same call.
+    fn vectors(&mut self, iov: &mut Vec<RawIov>, scratch: &mut [u8]) -> bool {
+        if self.args_got < self.args.len() {
+            iov.push(RawIov {
+                base: self.args[self.args_got..].as_mut_ptr() as usize,
+                len: self.args.len() - self.args_got,
+            });
+        }
+        let room = IOV_MAX - 2 - iov.len();
+        let sink = self.sink.pending(room);
+        iov.extend_from_slice(sink);
+        let sink_all = sink.iter().map(|v| v.len).sum::<usize>() == self.sink.remaining();
+        if !sink_all {
+            return false;
+        }
+        let d = self.discard_left().min(scratch.len());
+        if d > 0 {
+            iov.push(RawIov {
+                base: scratch.as_mut_ptr() as usize,
+                len: d,
+            });
+        }
+        d == self.discard_left()
+    }
+
+    /// Accounts received bytes; returns those that belong to the next header.
+    fn advance(&mut self, mut n: usize) -> usize {
+        let a = n.min(self.args.len() - self.args_got);
+        self.args_got += a;
+        n -= a;
+        n -= self.sink.advance(n);
+        let d = n.min(self.discard_left());
+        self.discard_got += d;
+        n - d
+    }
+}

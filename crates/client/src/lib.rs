@@ -1,0 +1,46 @@
+//! Kiln's native client: an asynchronous, vectored, zero-copy API to a brick.
+//!
+//! ```no_run
+//! # fn main() -> std::io::Result<()> {
+//! use kiln_client::{block_on, Client};
+//! let c = Client::connect("tcp:127.0.0.1:24100")?;
+//! let (fh, _) = block_on(c.create("/hello", libc::O_RDWR, 0o644))?;
+//! let (n, _) = block_on(c.pwritev(fh, vec![b"hello".to_vec()], 0));
+//! assert_eq!(n?, 5);
+//! # Ok(()) }
+//! ```
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod client;
+pub mod conn;
+
+pub use client::{errno_error, wire_path, Client, Fh};
+pub use conn::{ConnStats, Errno};
+pub use kiln_proto::iov::RawIov;
+pub use kiln_proto::ops::{Attr, DirEntry, SetattrReq, StatfsReply, Time};
+
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+struct ThreadWaker(std::thread::Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Runs a future to completion on the calling thread (for tools and tests without a runtime).
+pub fn block_on<F: Future>(fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}

@@ -1,0 +1,160 @@
+//! The fixed frame header and the limits every frame obeys.
+//!
+//! A frame on the wire is `Header` (32 bytes, little endian), then `args_len` bytes of encoded
+//! arguments (see [`crate::codec`]), then `payload_len` bytes of raw payload. The payload is file
+//! data: it never passes through the argument codec, so a receiver can place it straight into the
+//! buffer it is destined for.
+
+use zerocopy::byteorder::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+/// `b"KILN"` read as a little-endian u32.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"KILN");
+/// The protocol version this crate speaks.
+pub const VERSION: u8 = 1;
+/// Size of [`Header`] on the wire.
+pub const HEADER_LEN: usize = 32;
+/// Largest encoded argument block a peer may send.
+pub const MAX_ARGS_LEN: u32 = 64 * 1024;
+/// Largest payload a peer may send in one frame (READ reply or WRITE request).
+pub const MAX_PAYLOAD_LEN: u32 = 16 * 1024 * 1024;
+
+/// Frame kinds.
+pub const KIND_REQUEST: u8 = 0;
+/// A reply to the request with the same `request_id`.
+pub const KIND_REPLY: u8 = 1;
+
+/// The fixed frame header.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
+)]
+#[repr(C)]
+pub struct Header {
+    /// Always [`MAGIC`].
+    pub magic: U32,
+    /// Always [`VERSION`].
+    pub version: u8,
+    /// [`KIND_REQUEST`] or [`KIND_REPLY`].
+    pub kind: u8,
+    /// The fop, see [`crate::Op`]. A reply carries its request's opcode.
+    pub opcode: U16,
+    /// Chosen by the client, echoed by the server; replies may arrive in any order.
+    pub request_id: U64,
+    /// 0 for success, else a Linux errno. Requests carry 0.
+    pub status: U32,
+    /// Length of the encoded arguments that follow the header.
+    pub args_len: U32,
+    /// Length of the raw payload that follows the arguments.
+    pub payload_len: U32,
+    /// Must be zero; room for flags without a version bump.
+    pub reserved: U32,
+}
+
+const _: () = assert!(core::mem::size_of::<Header>() == HEADER_LEN);
+const _: () = assert!(MAX_ARGS_LEN as u64 + MAX_PAYLOAD_LEN as u64 <= u32::MAX as u64);
+
+/// Why a header was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderError {
+    /// Fewer than [`HEADER_LEN`] bytes.
+    Short,
+    /// Wrong magic: not a Kiln peer, or the stream lost its framing.
+    BadMagic(u32),
+    /// A version this build does not speak.
+    BadVersion(u8),
+    /// Neither request nor reply.
+    BadKind(u8),
+    /// `args_len` above [`MAX_ARGS_LEN`].
+    ArgsTooLong(u32),
+    /// `payload_len` above [`MAX_PAYLOAD_LEN`].
+    PayloadTooLong(u32),
+    /// The reserved word was not zero.
+    Reserved,
+}
+
+impl core::fmt::Display for HeaderError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            HeaderError::Short => write!(f, "frame header shorter than {HEADER_LEN} bytes"),
+            HeaderError::BadMagic(m) => write!(f, "bad frame magic {m:#010x}"),
+            HeaderError::BadVersion(v) => write!(f, "unsupported protocol version {v}"),
+            HeaderError::BadKind(k) => write!(f, "unknown frame kind {k}"),
+            HeaderError::ArgsTooLong(n) => write!(f, "args length {n} above limit {MAX_ARGS_LEN}"),
+            HeaderError::PayloadTooLong(n) => {
+                write!(f, "payload length {n} above limit {MAX_PAYLOAD_LEN}")
+            }
+            HeaderError::Reserved => write!(f, "reserved header field is not zero"),
+        }
+    }
+}
+
+impl std::error::Error for HeaderError {}
+
+impl Header {
+    /// A request header.
+    pub fn request(opcode: u16, request_id: u64, args_len: u32, payload_len: u32) -> Header {
+        Header {
+            magic: MAGIC.into(),
+            version: VERSION,
+            kind: KIND_REQUEST,
+            opcode: opcode.into(),
+            request_id: request_id.into(),
+            status: 0.into(),
+            args_len: args_len.into(),
+            payload_len: payload_len.into(),
+            reserved: 0.into(),
+        }
+    }
+
+    /// A reply header for `request`.
+    pub fn reply(
+        opcode: u16,
+        request_id: u64,
+        status: u32,
+        args_len: u32,
+        payload_len: u32,
+    ) -> Header {
+        Header {
+            kind: KIND_REPLY,
+            status: status.into(),
+            ..Header::request(opcode, request_id, args_len, payload_len)
+        }
+    }
+
+    /// Parses and validates a header. Never panics, whatever the bytes.
+    pub fn parse(bytes: &[u8]) -> Result<Header, HeaderError> {
+        let (h, _) = Header::read_from_prefix(bytes).map_err(|_| HeaderError::Short)?;
+        h.validate()?;
+        Ok(h)
+    }
+
+    /// Checks magic, version, kind, the length limits and the reserved word.
+    pub fn validate(&self) -> Result<(), HeaderError> {
+        if self.magic.get() != MAGIC {
+            return Err(HeaderError::BadMagic(self.magic.get()));
+        }
+        if self.version != VERSION {
+            return Err(HeaderError::BadVersion(self.version));
+        }
+        if self.kind > KIND_REPLY {
+            return Err(HeaderError::BadKind(self.kind));
+        }
+        if self.args_len.get() > MAX_ARGS_LEN {
+            return Err(HeaderError::ArgsTooLong(self.args_len.get()));
+        }
+        if self.payload_len.get() > MAX_PAYLOAD_LEN {
+            return Err(HeaderError::PayloadTooLong(self.payload_len.get()));
+        }
+        if self.reserved.get() != 0 {
+            return Err(HeaderError::Reserved);
+        }
+        Ok(())
+    }
+
+    /// The header's 32 wire bytes.
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out.copy_from_slice(self.as_bytes());
+        out
+    }
+}

@@ -1,0 +1,45 @@
+//! Kiln's wire protocol: the frame header, fop arguments, and the errno values that travel.
+//!
+//! This crate does no I/O. Both sides of the wire, and the golden test vectors in
+//! `tests/vectors/`, are built on it.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod codec;
+pub mod frame;
+pub mod iov;
+pub mod ops;
+
+pub use codec::{DecodeError, Wire};
+pub use frame::{Header, HeaderError, HEADER_LEN, MAX_ARGS_LEN, MAX_PAYLOAD_LEN};
+pub use ops::Op;
+
+/// Linux errno values the protocol itself produces (others pass through from the brick).
+pub mod errno {
+    /// Operation not permitted.
+    pub const EPERM: u32 = 1;
+    /// No such file or directory.
+    pub const ENOENT: u32 = 2;
+    /// I/O error.
+    pub const EIO: u32 = 5;
+    /// Bad file descriptor (unknown handle).
+    pub const EBADF: u32 = 9;
+    /// Permission denied (a path that would leave the brick).
+    pub const EACCES: u32 = 13;
+    /// Invalid argument.
+    pub const EINVAL: u32 = 22;
+    /// Result too large for the caller's buffer.
+    pub const ERANGE: u32 = 34;
+    /// Unknown opcode.
+    pub const ENOSYS: u32 = 38;
+    /// Protocol error: a malformed frame or arguments.
+    pub const EPROTO: u32 = 71;
+    /// Message too long.
+    pub const EMSGSIZE: u32 = 90;
+    /// The connection was reset.
+    pub const ECONNRESET: u32 = 104;
+    /// Not connected.
+    pub const ENOTCONN: u32 = 107;
+    /// Operation cancelled.
+    pub const ECANCELED: u32 = 125;
+}

@@ -1,0 +1,211 @@
+//! Fops: opcodes and the arguments of every request and reply.
+//!
+//! Paths on the wire are relative to the brick root, `/`-separated, with no `.` or `..`
+//! components and no leading `/`; the server refuses anything else. A reply whose header status is
+//! not zero carries no arguments.
+
+#![allow(missing_docs)] // fields are named after the POSIX fields they carry
+
+use crate::codec::Seq;
+use crate::wire_struct;
+
+macro_rules! ops {
+    ($( $(#[$m:meta])* $name:ident = $val:expr ),* $(,)?) => {
+        /// A fop's opcode.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u16)]
+        pub enum Op { $( $(#[$m])* $name = $val ),* }
+
+        impl Op {
+            /// Every opcode, in wire order.
+            pub const ALL: &'static [Op] = &[$(Op::$name),*];
+
+            /// The opcode for a wire value, if known.
+            pub fn from_u16(v: u16) -> Option<Op> {
+                match v { $( $val => Some(Op::$name), )* _ => None }
+            }
+
+            /// Lower-case name, as shown in logs and profiles.
+            pub fn name(self) -> &'static str {
+                match self { $( Op::$name => stringify!($name), )* }
+            }
+        }
+    };
+}
+
+ops! {
+    /// Version and limits exchange; the first request on a connection.
+    Hello = 1,
+    /// Attributes of a path, not following a final symlink.
+    Lookup = 2,
+    /// Attributes of an open file.
+    Fstat = 3,
+    /// Change mode, owner, times or size of a path.
+    Setattr = 4,
+    /// Open an existing file; returns a handle.
+    Open = 5,
+    /// Create (or open) a file; returns a handle and attributes.
+    Create = 6,
+    /// Read from a handle; the data is the reply's payload.
+    Read = 7,
+    /// Write the request's payload to a handle.
+    Write = 8,
+    /// Flush a handle to stable storage.
+    Fsync = 9,
+    /// Close a handle.
+    Release = 10,
+    /// Remove a file.
+    Unlink = 11,
+    /// Make a directory.
+    Mkdir = 12,
+    /// Remove an empty directory.
+    Rmdir = 13,
+    /// Rename a path.
+    Rename = 14,
+    /// List a directory with attributes.
+    Readdir = 15,
+    /// Make a symbolic link.
+    Symlink = 16,
+    /// Read a symbolic link's target.
+    Readlink = 17,
+    /// Make a hard link.
+    Link = 18,
+    /// File system statistics.
+    Statfs = 19,
+    /// Read an extended attribute.
+    Getxattr = 20,
+    /// Set an extended attribute.
+    Setxattr = 21,
+    /// List extended attribute names.
+    Listxattr = 22,
+    /// Remove an extended attribute.
+    Removexattr = 23,
+    /// Allocate (or punch, with mode flags) file space.
+    Fallocate = 24,
+    /// Discard a range: punch a hole, keeping the size.
+    Discard = 25,
+}
+
+wire_struct! {
+    /// A timestamp: seconds and nanoseconds since the epoch.
+    pub struct Time { pub sec: i64, pub nsec: u32 }
+
+    /// File attributes, as `stat` gives them.
+    pub struct Attr {
+        pub ino: u64,
+        pub mode: u32,
+        pub nlink: u64,
+        pub uid: u32,
+        pub gid: u32,
+        pub rdev: u64,
+        pub size: u64,
+        pub blocks: u64,
+        pub blksize: u32,
+        pub atime: Time,
+        pub mtime: Time,
+        pub ctime: Time,
+    }
+
+    /// Hello request.
+    pub struct HelloReq { pub version: u32, pub client: String }
+    /// Hello reply.
+    pub struct HelloReply { pub version: u32, pub server: String, pub max_payload: u32 }
+
+    /// A request naming one path.
+    pub struct PathReq { pub path: String }
+    /// A request naming one open handle.
+    pub struct HandleReq { pub fh: u64 }
+
+    /// Setattr request; `valid` says which fields apply (`SETATTR_*`).
+    pub struct SetattrReq {
+        pub path: String,
+        pub valid: u32,
+        pub mode: u32,
+        pub uid: u32,
+        pub gid: u32,
+        pub size: u64,
+        pub atime: Time,
+        pub mtime: Time,
+    }
+
+    /// Open request; `flags` are Linux `O_*` flags (the server filters them).
+    pub struct OpenReq { pub path: String, pub flags: u32 }
+    /// Open reply.
+    pub struct OpenReply { pub fh: u64 }
+    /// Create request.
+    pub struct CreateReq { pub path: String, pub flags: u32, pub mode: u32 }
+    /// Create reply.
+    pub struct CreateReply { pub fh: u64, pub attr: Attr }
+
+    /// Read request: up to `len` bytes at `offset`. The reply payload holds the data; fewer
+    /// bytes than asked means end of file.
+    pub struct ReadReq { pub fh: u64, pub offset: u64, pub len: u32 }
+    /// Write request: the payload is written at `offset`.
+    pub struct WriteReq { pub fh: u64, pub offset: u64 }
+    /// Write reply.
+    pub struct WriteReply { pub written: u32 }
+    /// Fsync request.
+    pub struct FsyncReq { pub fh: u64, pub datasync: bool }
+
+    /// Mkdir request.
+    pub struct MkdirReq { pub path: String, pub mode: u32 }
+    /// Rename request; `flags` are `RENAME_*` flags.
+    pub struct RenameReq { pub from: String, pub to: String, pub flags: u32 }
+
+    /// Readdir request: up to `max` entries starting at index `offset`.
+    pub struct ReaddirReq { pub path: String, pub offset: u64, pub max: u32 }
+    /// One directory entry.
+    pub struct DirEntry { pub name: String, pub attr: Attr }
+    /// Readdir reply; `eof` when no entries follow.
+    pub struct ReaddirReply { pub entries: Seq<DirEntry>, pub eof: bool }
+
+    /// Symlink request: make `path` point at `target`.
+    pub struct SymlinkReq { pub target: String, pub path: String }
+    /// Readlink reply.
+    pub struct ReadlinkReply { pub target: String }
+    /// Link request: make `path` another name for `existing`.
+    pub struct LinkReq { pub existing: String, pub path: String }
+
+    /// Statfs reply.
+    pub struct StatfsReply {
+        pub bsize: u64,
+        pub frsize: u64,
+        pub blocks: u64,
+        pub bfree: u64,
+        pub bavail: u64,
+        pub files: u64,
+        pub ffree: u64,
+        pub namemax: u64,
+    }
+
+    /// Getxattr / Removexattr request.
+    pub struct XattrReq { pub path: String, pub name: String }
+    /// Getxattr reply.
+    pub struct XattrValue { pub value: Vec<u8> }
+    /// Setxattr request; `flags` are `XATTR_CREATE` / `XATTR_REPLACE`.
+    pub struct SetxattrReq { pub path: String, pub name: String, pub value: Vec<u8>, pub flags: u32 }
+    /// Listxattr reply.
+    pub struct XattrNames { pub names: Seq<String> }
+
+    /// Fallocate request; `mode` is Linux `FALLOC_FL_*`.
+    pub struct FallocateReq { pub fh: u64, pub mode: u32, pub offset: u64, pub len: u64 }
+    /// Discard request.
+    pub struct DiscardReq { pub fh: u64, pub offset: u64, pub len: u64 }
+}
+
+/// Setattr: apply `mode`.
+pub const SETATTR_MODE: u32 = 1 << 0;
+/// Setattr: apply `uid`.
+pub const SETATTR_UID: u32 = 1 << 1;
+/// Setattr: apply `gid`.
+pub const SETATTR_GID: u32 = 1 << 2;
+/// Setattr: apply `size` (truncate).
+pub const SETATTR_SIZE: u32 = 1 << 3;
+/// Setattr: apply `atime`.
+pub const SETATTR_ATIME: u32 = 1 << 4;
+/// Setattr: apply `mtime`.
+pub const SETATTR_MTIME: u32 = 1 << 5;
+/// Setattr: set atime to the server's now.
+pub const SETATTR_ATIME_NOW: u32 = 1 << 6;
+/// Setattr: set mtime to the server's now.
+pub const SETATTR_MTIME_NOW: u32 = 1 << 7;

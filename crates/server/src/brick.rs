@@ -1,0 +1,467 @@
+//! The brick: every fop against the exported directory, with every path confined beneath it.
+//!
+//! Paths are resolved with `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)` relative to the
+//! brick root's descriptor — never by joining strings — so `..`, absolute symlinks and symlinks
+//! that climb out are refused by the kernel. Fops that act on a name (unlink, mkdir, rename, …)
+//! resolve the parent directory that way and then use the `*at` call on the final component, which
+//! is never followed. Errors are Linux errno values, ready for the wire.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use kiln_proto::errno;
+use kiln_proto::ops::*;
+use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
+
+/// A Linux errno value.
+pub type Errno = u32;
+/// Result of a brick fop.
+pub type FopResult<T> = Result<T, Errno>;
+
+fn err(e: rustix::io::Errno) -> Errno {
+    e.raw_os_error() as u32
+}
+
+/// The exported directory.
+#[derive(Debug)]
+pub struct Brick {
+    root: OwnedFd,
+}
+
+const RESOLVE: ResolveFlags = ResolveFlags::BENEATH.union(ResolveFlags::NO_MAGICLINKS);
+
+/// Open flags a client may ask for; everything else is dropped.
+const ALLOWED_OPEN_FLAGS: u32 = (libc::O_ACCMODE
+    | libc::O_CREAT
+    | libc::O_EXCL
+    | libc::O_TRUNC
+    | libc::O_APPEND
+    | libc::O_DIRECT
+    | libc::O_SYNC
+    | libc::O_DSYNC
+    | libc::O_NOATIME
+    | libc::O_DIRECTORY
+    | libc::O_NOFOLLOW) as u32;
+
+/// Checks a wire path: relative, `/`-separated, no `.`/`..` components, no empty components.
+/// The empty string names the brick root.
+pub fn check_path(path: &str) -> FopResult<&str> {
+    if path.is_empty() {
+        return Ok(".");
+    }
+    if path.starts_with('/') {
+        return Err(errno::EACCES);
+    }
+    for c in path.split('/') {
+        if c.is_empty() || c == "." || c == ".." {
+            return Err(errno::EACCES);
+        }
+    }
+    Ok(path)
+}
+
+/// Splits a checked, non-root path into its parent (empty for the root) and final name.
+fn split(path: &str) -> FopResult<(&str, &str)> {
+    let path = check_path(path)?;
+    if path == "." {
+        return Err(errno::EINVAL);
+    }
+    Ok(match path.rfind('/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => ("", path),
+    })
+}
+
+/// Converts `stat` to the wire's attributes.
+pub fn attr_of(st: &rfs::Stat) -> Attr {
+    Attr {
+        ino: st.st_ino as u64,
+        mode: st.st_mode as u32,
+        nlink: st.st_nlink as u64,
+        uid: st.st_uid,
+        gid: st.st_gid,
+        rdev: st.st_rdev as u64,
+        size: st.st_size as u64,
+        blocks: st.st_blocks as u64,
+        blksize: st.st_blksize as u32,
+        atime: Time {
+            sec: st.st_atime as i64,
+            nsec: st.st_atime_nsec as u32,
+        },
+        mtime: Time {
+            sec: st.st_mtime as i64,
+            nsec: st.st_mtime_nsec as u32,
+        },
+        ctime: Time {
+            sec: st.st_ctime as i64,
+            nsec: st.st_ctime_nsec as u32,
+        },
+    }
+}
+
+impl Brick {
+    /// Opens the brick at `dir`, which must be an existing directory.
+    pub fn open(dir: &Path) -> std::io::Result<Brick> {
+        let root = rfs::open(
+            dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(Brick { root })
+    }
+
+    /// Resolves `path` beneath the root and opens it with `flags`.
+    fn open_beneath(&self, path: &str, flags: OFlags, mode: u32) -> FopResult<OwnedFd> {
+        let path = check_path(path)?;
+        // openat2 refuses O_PATH combined with anything but O_DIRECTORY/O_NOFOLLOW/O_CLOEXEC.
+        let extra = if flags.contains(OFlags::PATH) {
+            OFlags::CLOEXEC
+        } else {
+            OFlags::CLOEXEC | OFlags::NOCTTY
+        };
+        rfs::openat2(
+            &self.root,
+            path,
+            flags | extra,
+            Mode::from_raw_mode(mode & 0o7777),
+            RESOLVE,
+        )
+        .map_err(|e| {
+            if e == rustix::io::Errno::XDEV {
+                tracing::warn!(path, "refused a path that resolves outside the brick");
+                errno::EACCES
+            } else {
+                err(e)
+            }
+        })
+    }
+
+    /// The parent directory of `path` (as an `O_PATH` descriptor) and its final name.
+    fn parent<'p>(&self, path: &'p str) -> FopResult<(OwnedFd, &'p str)> {
+        let (dir, name) = split(path)?;
+        let fd = self.open_beneath(dir, OFlags::PATH | OFlags::DIRECTORY, 0)?;
+        Ok((fd, name))
+    }
+
+    /// Attributes of `path`, not following a final symlink.
+    pub fn lookup(&self, path: &str) -> FopResult<Attr> {
+        if check_path(path)? == "." {
+            return rfs::fstat(&self.root).map(|s| attr_of(&s)).map_err(err);
+        }
+        let (dir, name) = self.parent(path)?;
+        rfs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+            .map(|s| attr_of(&s))
+            .map_err(err)
+    }
+
+    /// Opens `path`; `O_CREAT` is honoured only through [`Brick::create`].
+    pub fn open_file(&self, path: &str, flags: u32) -> FopResult<File> {
+        let flags = flags & ALLOWED_OPEN_FLAGS & !((libc::O_CREAT | libc::O_EXCL) as u32);
+        let fd = self.open_beneath(path, OFlags::from_bits_retain(flags), 0)?;
+        Ok(File::from(fd))
+    }
+
+    /// Creates (or, without `O_EXCL`, opens) `path`.
+    pub fn create(&self, path: &str, flags: u32, mode: u32) -> FopResult<(File, Attr)> {
+        split(path)?;
+        let flags = (flags & ALLOWED_OPEN_FLAGS) | libc::O_CREAT as u32;
+        let fd = self.open_beneath(path, OFlags::from_bits_retain(flags), mode)?;
+        let st = rfs::fstat(&fd).map_err(err)?;
+        Ok((File::from(fd), attr_of(&st)))
+    }
+
+    /// Applies the fields of `req` that `req.valid` selects.
+    pub fn setattr(&self, req: &SetattrReq) -> FopResult<Attr> {
+        let fd = if req.valid & SETATTR_SIZE != 0 {
+            self.open_beneath(&req.path, OFlags::WRONLY | OFlags::NONBLOCK, 0)?
+        } else {
+            self.open_beneath(&req.path, OFlags::PATH, 0)?
+        };
+        // An O_PATH descriptor cannot carry fchmod and friends; reach the inode through the
+        // descriptor itself with AT_EMPTY_PATH where the kernel offers it.
+        if req.valid & SETATTR_MODE != 0 {
+            rfs::chmodat(
+                &fd,
+                "",
+                Mode::from_raw_mode(req.mode & 0o7777),
+                AtFlags::EMPTY_PATH,
+            )
+            .or_else(|_| {
+                let f = self.open_beneath(&req.path, OFlags::RDONLY | OFlags::NONBLOCK, 0)?;
+                rfs::fchmod(&f, Mode::from_raw_mode(req.mode & 0o7777)).map_err(err)
+            })
+            .map_err(|e| e)?;
+        }
+        if req.valid & (SETATTR_UID | SETATTR_GID) != 0 {
+            let uid = (req.valid & SETATTR_UID != 0).then(|| rfs::Uid::from_raw(req.uid));
+            let gid = (req.valid & SETATTR_GID != 0).then(|| rfs::Gid::from_raw(req.gid));
+            rfs::chownat(
+                &fd,
+                "",
+                uid,
+                gid,
+                AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
+            )
+            .map_err(err)?;
+        }
+        if req.valid & SETATTR_SIZE != 0 {
+            rfs::ftruncate(&fd, req.size).map_err(err)?;
+        }
+        let time_mask = SETATTR_ATIME | SETATTR_MTIME | SETATTR_ATIME_NOW | SETATTR_MTIME_NOW;
+        if req.valid & time_mask != 0 {
+            let pick = |set: u32, now: u32, t: &Time| {
+                if req.valid & now != 0 {
+                    rfs::Timespec {
+                        tv_sec: 0,
+                        tv_nsec: rfs::UTIME_NOW,
+                    }
+                } else if req.valid & set != 0 {
+                    rfs::Timespec {
+                        tv_sec: t.sec,
+                        tv_nsec: t.nsec as _,
+                    }
+                } else {
+                    rfs::Timespec {
+                        tv_sec: 0,
+                        tv_nsec: rfs::UTIME_OMIT,
+                    }
+                }
+            };
+            let ts = rfs::Timestamps {
+                last_access: pick(SETATTR_ATIME, SETATTR_ATIME_NOW, &req.atime),
+                last_modification: pick(SETATTR_MTIME, SETATTR_MTIME_NOW, &req.mtime),
+            };
+            rfs::utimensat(&fd, "", &ts, AtFlags::EMPTY_PATH).map_err(err)?;
+        }
+        rfs::fstat(&fd).map(|s| attr_of(&s)).map_err(err)
+    }
+
+    /// Removes a file.
+    pub fn unlink(&self, path: &str) -> FopResult<()> {
+        let (dir, name) = self.parent(path)?;
+        rfs::unlinkat(&dir, name, AtFlags::empty()).map_err(err)
+    }
+
+    /// Makes a directory.
+    pub fn mkdir(&self, path: &str, mode: u32) -> FopResult<Attr> {
+        let (dir, name) = self.parent(path)?;
+        rfs::mkdirat(&dir, name, Mode::from_raw_mode(mode & 0o7777)).map_err(err)?;
+        rfs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+            .map(|s| attr_of(&s))
+            .map_err(err)
+    }
+
+    /// Removes an empty directory.
+    pub fn rmdir(&self, path: &str) -> FopResult<()> {
+        let (dir, name) = self.parent(path)?;
+        rfs::unlinkat(&dir, name, AtFlags::REMOVEDIR).map_err(err)
+    }
+
+    /// Renames `from` to `to`.
+    pub fn rename(&self, from: &str, to: &str, flags: u32) -> FopResult<()> {
+        let (fdir, fname) = self.parent(from)?;
+        let (tdir, tname) = self.parent(to)?;
+        let flags = rfs::RenameFlags::from_bits(flags).ok_or(errno::EINVAL)?;
+        rfs::renameat_with(&fdir, fname, &tdir, tname, flags).map_err(err)
+    }
+
+    /// Lists up to `max` entries of a directory from index `offset`, with attributes. `.` and
+    /// `..` are not listed.
+    pub fn readdir(&self, path: &str, offset: u64, max: u32) -> FopResult<ReaddirReply> {
+        let fd = self.open_beneath(path, OFlags::RDONLY | OFlags::DIRECTORY, 0)?;
+        let mut dir = rfs::Dir::read_from(&fd).map_err(err)?;
+        let mut entries = Vec::new();
+        let mut index = 0u64;
+        let mut eof = true;
+        while let Some(ent) = dir.read() {
+            let ent = ent.map_err(err)?;
+            let name = ent.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            if index < offset {
+                index += 1;
+                continue;
+            }
+            if entries.len() as u32 >= max {
+                eof = false;
+                break;
+            }
+            index += 1;
+            let Ok(name) = std::str::from_utf8(name) else {
+                tracing::warn!(path, "skipping a directory entry whose name is not UTF-8");
+                continue;
+            };
+            // The entry may vanish between readdir and stat; skip it then.
+            if let Ok(st) = rfs::statat(&fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+                entries.push(DirEntry {
+                    name: name.to_owned(),
+                    attr: attr_of(&st),
+                });
+            }
+        }
+        Ok(ReaddirReply {
+            entries: kiln_proto::codec::Seq(entries),
+            eof,
+        })
+    }
+
+    /// Makes `path` a symlink to `target`. The target is stored as given; following it later is
+    /// confined like any other resolution.
+    pub fn symlink(&self, target: &str, path: &str) -> FopResult<Attr> {
+        if target.is_empty() {
+            return Err(errno::ENOENT);
+        }
+        let (dir, name) = self.parent(path)?;
+        rfs::symlinkat(target, &dir, name).map_err(err)?;
+        rfs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+            .map(|s| attr_of(&s))
+            .map_err(err)
+    }
+
+    /// Reads a symlink's target.
+    pub fn readlink(&self, path: &str) -> FopResult<String> {
+        let (dir, name) = self.parent(path)?;
+        let target = rfs::readlinkat(&dir, name, Vec::new()).map_err(err)?;
+        target.into_string().map_err(|_| errno::EINVAL)
+    }
+
+    /// Makes `path` another name for `existing` (never following a symlink).
+    pub fn link(&self, existing: &str, path: &str) -> FopResult<Attr> {
+        let (odir, oname) = self.parent(existing)?;
+        let (ndir, nname) = self.parent(path)?;
+        rfs::linkat(&odir, oname, &ndir, nname, AtFlags::empty()).map_err(err)?;
+        rfs::statat(&ndir, nname, AtFlags::SYMLINK_NOFOLLOW)
+            .map(|s| attr_of(&s))
+            .map_err(err)
+    }
+
+    /// File system statistics of the brick.
+    pub fn statfs(&self, path: &str) -> FopResult<StatfsReply> {
+        let fd = self.open_beneath(path, OFlags::PATH, 0)?;
+        let s = rfs::fstatvfs(&fd).map_err(err)?;
+        Ok(StatfsReply {
+            bsize: s.f_bsize,
+            frsize: s.f_frsize,
+            blocks: s.f_blocks,
+            bfree: s.f_bfree,
+            bavail: s.f_bavail,
+            files: s.f_files,
+            ffree: s.f_ffree,
+            namemax: s.f_namemax,
+        })
+    }
+
+    fn xattr_fd(&self, path: &str) -> FopResult<OwnedFd> {
+        self.open_beneath(path, OFlags::RDONLY | OFlags::NONBLOCK, 0)
+    }
+
+    /// Reads an extended attribute.
+    pub fn getxattr(&self, path: &str, name: &str) -> FopResult<Vec<u8>> {
+        let fd = self.xattr_fd(path)?;
+        let mut buf = vec![0u8; kiln_proto::codec::MAX_BYTES_LEN];
+        let n = rfs::fgetxattr(&fd, name, &mut buf[..]).map_err(err)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    /// Sets an extended attribute.
+    pub fn setxattr(&self, req: &SetxattrReq) -> FopResult<()> {
+        let fd = self.xattr_fd(&req.path)?;
+        let flags = rfs::XattrFlags::from_bits(req.flags).ok_or(errno::EINVAL)?;
+        rfs::fsetxattr(&fd, req.name.as_str(), &req.value, flags).map_err(err)
+    }
+
+    /// Lists extended attribute names.
+    pub fn listxattr(&self, path: &str) -> FopResult<Vec<String>> {
+        let fd = self.xattr_fd(path)?;
+        let mut buf = vec![0u8; kiln_proto::codec::MAX_BYTES_LEN];
+        let n = rfs::flistxattr(&fd, &mut buf[..]).map_err(err)?;
+        Ok(buf[..n]
+            .split(|b| *b == 0)
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| std::str::from_utf8(s).ok().map(str::to_owned))
+            .collect())
+    }
+
+    /// Removes an extended attribute.
+    pub fn removexattr(&self, path: &str, name: &str) -> FopResult<()> {
+        let fd = self.xattr_fd(path)?;
+        rfs::fremovexattr(&fd, name).map_err(err)
+    }
+}
+
+/// Attributes of an open file.
+pub fn fstat(file: &File) -> FopResult<Attr> {
+    rfs::fstat(file).map(|s| attr_of(&s)).map_err(err)
+}
+
+/// Reads into `buf` at `offset` until it is full or the file ends; returns the bytes read.
+pub fn read_full(file: &File, buf: &mut [u8], offset: u64) -> FopResult<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.raw_os_error().unwrap_or(errno::EIO as i32) as u32),
+        }
+    }
+    Ok(done)
+}
+
+/// Writes all of `buf` at `offset`.
+pub fn write_full(file: &File, buf: &[u8], offset: u64) -> FopResult<usize> {
+    file.write_all_at(buf, offset)
+        .map(|_| buf.len())
+        .map_err(|e| e.raw_os_error().unwrap_or(errno::EIO as i32) as u32)
+}
+
+/// Flushes a file to stable storage.
+pub fn fsync(file: &File, datasync: bool) -> FopResult<()> {
+    if datasync {
+        rfs::fdatasync(file)
+    } else {
+        rfs::fsync(file)
+    }
+    .map_err(err)
+}
+
+/// Allocates or punches space.
+pub fn fallocate(file: &File, mode: u32, offset: u64, len: u64) -> FopResult<()> {
+    let flags = rfs::FallocateFlags::from_bits(mode).ok_or(errno::EINVAL)?;
+    rfs::fallocate(file.as_fd(), flags, offset, len).map_err(err)
+}
+
+/// Discards a range: punches a hole and keeps the size.
+pub fn discard(file: &File, offset: u64, len: u64) -> FopResult<()> {
+    let flags = rfs::FallocateFlags::PUNCH_HOLE | rfs::FallocateFlags::KEEP_SIZE;
+    rfs::fallocate(file.as_fd(), flags, offset, len).map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_path_refuses_escapes() {
+        for bad in [
+            "/etc/passwd",
+            "..",
+            "../x",
+            "a/../../x",
+            "a//b",
+            "./a",
+            "a/.",
+        ] {
+            assert_eq!(check_path(bad), Err(errno::EACCES), "{bad}");
+        }
+        assert_eq!(check_path(""), Ok("."));
+        assert_eq!(check_path("a/b.c/..d"), Ok("a/b.c/..d"));
+        assert_eq!(split("a/b/c"), Ok(("a/b", "c")));
+        assert_eq!(split("c"), Ok(("", "c")));
+        assert_eq!(split(""), Err(errno::EINVAL));
+    }
+}

@@ -1,0 +1,67 @@
+//! The `kilnd` command line, shared with `kiln server`.
+
+use std::path::PathBuf;
+
+use crate::{Listen, Server};
+
+/// Kiln brick server: exports DIR to Kiln clients over TCP and/or a Unix socket.
+///
+/// Prints one line `kilnd: listening on ADDR` per bound address (with the real port when 0 was
+/// given) and then serves until killed. Logs go to stderr; set KILN_LOG=debug for more.
+#[derive(clap::Parser, Debug, Clone)]
+#[command(name = "kilnd", version)]
+pub struct ServeArgs {
+    /// The directory to export. Every path a client names stays beneath it.
+    #[arg(long, value_name = "DIR")]
+    pub brick: PathBuf,
+    /// Address to listen on: tcp:IP:PORT or unix:PATH. Repeat for several.
+    #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:24100")]
+    pub listen: Vec<Listen>,
+    /// Worker threads for the network and fop runtime.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+}
+
+/// Installs the stderr logger (`KILN_LOG` filter, default `info`). Safe to call twice.
+pub fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Runs a server until killed.
+pub fn main(args: ServeArgs) -> std::process::ExitCode {
+    init_logging();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.max(1))
+        .thread_name("kilnd")
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kilnd: cannot start runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async {
+        let server = match Server::bind(&args.brick, &args.listen) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("kilnd: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
+        };
+        for a in server.local_addrs() {
+            println!("kilnd: listening on {a}");
+        }
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        server.run().await;
+        std::process::ExitCode::SUCCESS
+    })
+}

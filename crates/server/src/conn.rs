@@ -1,0 +1,654 @@
+//! One client connection: receive frames, run fops against the brick, send replies.
+//!
+//! The receive side reads each frame's arguments and payload straight into the buffers that will
+//! be used — a WRITE's payload lands in the buffer handed to `pwrite` — and reads ahead into the
+//! next frame's header in the same `readv`. Replies that are ready together leave together: the
+//! in-memory parts of consecutive replies are gathered into one `sendmsg`, and a large READ's
+//! file data follows its header with `sendfile`, never passing through user space.
+//!
+//! Fast fops run inline on the connection's task (page-cache reads and writes, metadata); fops
+//! that may block for long (fsync, fallocate) run on the blocking pool and their replies join the
+//! queue when done, so replies leave in completion order, not request order.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use kiln_proto::codec::{Seq, Wire};
+use kiln_proto::frame::{Header, HEADER_LEN, KIND_REQUEST};
+use kiln_proto::iov::RawIov;
+use kiln_proto::ops::*;
+use kiln_proto::{errno, Op};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::mpsc;
+
+use crate::brick::{self, Brick, Errno};
+use crate::stats::Stats;
+
+/// Reads at or above this size are sent with `sendfile`; smaller ones are read into a buffer and
+/// gathered with their header into one `sendmsg` (one system call fewer per reply).
+pub const SENDFILE_MIN: u32 = 64 * 1024;
+/// Stop reading new requests while this many reply bytes wait to be sent.
+const OUT_HIGH_WATER: usize = 8 * 1024 * 1024;
+/// Most vectors gathered into one `sendmsg`.
+const GATHER_MAX: usize = 64;
+
+/// The body of a reply.
+enum Body {
+    None,
+    Buf(Vec<u8>),
+    /// `len` bytes of `file` from `offset`, sent with `sendfile`.
+    File {
+        file: Arc<File>,
+        offset: u64,
+        len: usize,
+    },
+}
+
+impl Body {
+    fn len(&self) -> usize {
+        match self {
+            Body::None => 0,
+            Body::Buf(b) => b.len(),
+            Body::File { len, .. } => *len,
+        }
+    }
+}
+
+/// A reply waiting to be sent.
+struct OutReply {
+    head: Vec<u8>,
+    body: Body,
+    /// Bytes of head + body already sent.
+    sent: usize,
+}
+
+impl OutReply {
+    fn new(op: u16, id: u64, result: Result<(Vec<u8>, Body), Errno>) -> OutReply {
+        let (status, args, body) = match result {
+            Ok((args, body)) => (0, args, body),
+            Err(e) => (e, Vec::new(), Body::None),
+        };
+        let hdr = Header::reply(op, id, status, args.len() as u32, body.len() as u32);
+        let mut head = Vec::with_capacity(HEADER_LEN + args.len());
+        head.extend_from_slice(&hdr.to_bytes());
+        head.extend_from_slice(&args);
+        OutReply {
+            head,
+            body,
+            sent: 0,
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.head.len() + self.body.len()
+    }
+}
+
+/// A frame whose header has been read and whose arguments and payload are being received.
+struct Incoming {
+    hdr: Header,
+    args: Vec<u8>,
+    args_got: usize,
+    payload: Vec<u8>,
+    payload_len: usize,
+}
+
+/// Per-connection state.
+struct Conn {
+    brick: Arc<Brick>,
+    stats: Arc<Stats>,
+    handles: HashMap<u64, Arc<File>>,
+    next_fh: u64,
+    out: VecDeque<OutReply>,
+    out_bytes: usize,
+    done_tx: mpsc::UnboundedSender<OutReply>,
+}
+
+/// Serves one connected socket until the peer closes it or breaks the protocol.
+pub async fn serve(sock: OwnedFd, brick: Arc<Brick>, stats: Arc<Stats>, peer: String) {
+    if let Err(e) = rustix::io::ioctl_fionbio(&sock, true) {
+        tracing::warn!(%peer, "cannot make socket non-blocking: {e}");
+        return;
+    }
+    // SAFETY: `OwnedFd` owns a valid open descriptor and returns the same one from `as_raw_fd`
+    // until the `AsyncFd` drops it.
+    let fd = match unsafe { AsyncFd::register(sock) } {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::warn!(%peer, "cannot register socket: {e}");
+            return;
+        }
+    };
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let mut conn = Conn {
+        brick,
+        stats,
+        handles: HashMap::new(),
+        next_fh: 1,
+        out: VecDeque::new(),
+        out_bytes: 0,
+        done_tx,
+    };
+    match conn.run(&fd, &mut done_rx).await {
+        Ok(()) => tracing::debug!(%peer, "connection closed"),
+        Err(e) => tracing::info!(%peer, "connection ended: {e}"),
+    }
+}
+
+impl Conn {
+    async fn run(
+        &mut self,
+        fd: &AsyncFd<OwnedFd>,
+        done_rx: &mut mpsc::UnboundedReceiver<OutReply>,
+    ) -> io::Result<()> {
+        let mut next_hdr = [0u8; HEADER_LEN];
+        let mut hdr_got = 0usize;
+        let mut cur: Option<Incoming> = None;
+        loop {
+            // Receive and run everything the socket holds, unless replies are backing up.
+            while self.out_bytes < OUT_HIGH_WATER {
+                let n = match fd.try_io(Interest::READABLE, |s| {
+                    recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..])
+                }) {
+                    Ok(0) => return Ok(()),
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                };
+                let mut left = n;
+                if let Some(inc) = cur.as_mut() {
+                    left = inc.advance(left);
+                    if inc.is_complete() {
+                        let inc = cur.take().expect("current frame");
+                        self.dispatch(inc);
+                    }
+                }
+                hdr_got += left;
+                while cur.is_none() && hdr_got == HEADER_LEN {
+                    hdr_got = 0;
+                    let hdr = match Header::parse(&next_hdr) {
+                        Ok(h) if h.kind == KIND_REQUEST => h,
+                        Ok(_) => return self.fatal(fd, "a reply frame sent to the server").await,
+                        Err(e) => return self.fatal(fd, &e.to_string()).await,
+                    };
+                    let inc = Incoming::new(hdr);
+                    if inc.is_complete() {
+                        self.dispatch(inc);
+                    } else {
+                        cur = Some(inc);
+                    }
+                }
+            }
+            while let Ok(r) = done_rx.try_recv() {
+                self.push(r);
+            }
+            self.flush(fd)?;
+            let reading = self.out_bytes < OUT_HIGH_WATER;
+            let writing = !self.out.is_empty();
+            tokio::select! {
+                r = fd.readable(), if reading => r?.retain_ready(),
+                w = fd.writable(), if writing => w?.retain_ready(),
+                Some(r) = done_rx.recv() => self.push(r),
+            }
+        }
+    }
+
+    /// Sends an error for a frame that broke the stream's framing, then ends the connection.
+    async fn fatal(&mut self, fd: &AsyncFd<OwnedFd>, why: &str) -> io::Result<()> {
+        tracing::warn!("malformed frame, closing connection: {why}");
+        self.stats
+            .bad_frames
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.push(OutReply::new(0, 0, Err(errno::EPROTO)));
+        // Best effort: the peer is already misbehaving, so do not wait on it for long.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+        while !self.out.is_empty() && tokio::time::Instant::now() < deadline {
+            self.flush(fd)?;
+            if !self.out.is_empty() {
+                let _ = tokio::time::timeout_at(deadline, fd.writable()).await;
+            }
+        }
+        Err(io::Error::new(io::ErrorKind::InvalidData, why.to_owned()))
+    }
+
+    fn push(&mut self, r: OutReply) {
+        self.out_bytes += r.total();
+        self.out.push_back(r);
+    }
+
+    /// Runs one complete request; its reply is queued now or, for slow fops, later.
+    fn dispatch(&mut self, inc: Incoming) {
+        let id = inc.hdr.request_id.get();
+        let opcode = inc.hdr.opcode.get();
+        let Some(op) = Op::from_u16(opcode) else {
+            tracing::warn!(opcode, "unknown opcode");
+            self.stats
+                .bad_frames
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return self.push(OutReply::new(opcode, id, Err(errno::ENOSYS)));
+        };
+        self.stats.count(op);
+        if op != Op::Write && inc.payload_len != 0 {
+            tracing::warn!(op = op.name(), "payload on a fop that takes none");
+            self.stats
+                .bad_frames
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
+        }
+        match self.run_fop(op, id, &inc.args, inc.payload) {
+            Some(Ok(r)) => self.push(OutReply::new(opcode, id, Ok(r))),
+            Some(Err(Fail::Errno(e))) => self.push(OutReply::new(opcode, id, Err(e))),
+            Some(Err(Fail::Decode(e))) => {
+                tracing::warn!(op = op.name(), "bad arguments: {e}");
+                self.stats
+                    .bad_frames
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.push(OutReply::new(opcode, id, Err(errno::EPROTO)))
+            }
+            None => {}
+        }
+    }
+
+    fn handle(&self, fh: u64) -> Result<Arc<File>, Fail> {
+        self.handles
+            .get(&fh)
+            .cloned()
+            .ok_or(Fail::Errno(errno::EBADF))
+    }
+
+    fn new_handle(&mut self, f: File) -> u64 {
+        let fh = self.next_fh;
+        self.next_fh += 1;
+        self.handles.insert(fh, Arc::new(f));
+        fh
+    }
+
+    /// Runs a slow fop on the blocking pool; its reply joins the queue when it completes.
+    fn offload(
+        &self,
+        opcode: u16,
+        id: u64,
+        f: impl FnOnce() -> Result<(), Errno> + Send + 'static,
+    ) {
+        let tx = self.done_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let r = f().map(|()| (Vec::new(), Body::None));
+            let _ = tx.send(OutReply::new(opcode, id, r));
+        });
+    }
+
+    /// Returns the reply, or `None` when the fop was handed to the blocking pool.
+    fn run_fop(&mut self, op: Op, id: u64, args: &[u8], payload: Vec<u8>) -> Option<FopOut> {
+        self.fop(op, id, args, payload).transpose()
+    }
+
+    fn fop(
+        &mut self,
+        op: Op,
+        id: u64,
+        args: &[u8],
+        payload: Vec<u8>,
+    ) -> Result<Option<(Vec<u8>, Body)>, Fail> {
+        let b = &*self.brick;
+        let reply = |v: &dyn WireOut| Ok(Some((v.wire(), Body::None)));
+        let empty = || Ok(Some((Vec::new(), Body::None)));
+        match op {
+            Op::Hello => {
+                let req = HelloReq::from_wire(args)?;
+                tracing::debug!(client = %req.client, version = req.version, "hello");
+                reply(&HelloReply {
+                    version: kiln_proto::frame::VERSION as u32,
+                    server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
+                    max_payload: kiln_proto::MAX_PAYLOAD_LEN,
+                })
+            }
+            Op::Lookup => reply(&b.lookup(&PathReq::from_wire(args)?.path)?),
+            Op::Fstat => reply(&brick::fstat(
+                &*self.handle(HandleReq::from_wire(args)?.fh)?,
+            )?),
+            Op::Setattr => reply(&b.setattr(&SetattrReq::from_wire(args)?)?),
+            Op::Open => {
+                let req = OpenReq::from_wire(args)?;
+                let f = b.open_file(&req.path, req.flags)?;
+                reply(&OpenReply {
+                    fh: self.new_handle(f),
+                })
+            }
+            Op::Create => {
+                let req = CreateReq::from_wire(args)?;
+                let (f, attr) = b.create(&req.path, req.flags, req.mode)?;
+                reply(&CreateReply {
+                    fh: self.new_handle(f),
+                    attr,
+                })
+            }
+            Op::Read => {
+                let req = ReadReq::from_wire(args)?;
+                let file = self.handle(req.fh)?;
+                let len = req.len.min(kiln_proto::MAX_PAYLOAD_LEN);
+                let body = if len >= SENDFILE_MIN {
+                    // The header announces the length, so clamp to the file's size first.
+                    let size = brick::fstat(&file)?.size;
+                    let len = size.saturating_sub(req.offset).min(len as u64) as usize;
+                    Body::File {
+                        file,
+                        offset: req.offset,
+                        len,
+                    }
+                } else {
+                    let mut buf = vec![0u8; len as usize];
+                    let n = brick::read_full(&file, &mut buf, req.offset)?;
+                    buf.truncate(n);
+                    Body::Buf(buf)
+                };
+                self.stats.add_read(body.len());
+                Ok(Some((Vec::new(), body)))
+            }
+            Op::Write => {
+                let req = WriteReq::from_wire(args)?;
+                let file = self.handle(req.fh)?;
+                let n = brick::write_full(&file, &payload, req.offset)?;
+                self.stats.add_written(n);
+                reply(&WriteReply { written: n as u32 })
+            }
+            Op::Fsync => {
+                let req = FsyncReq::from_wire(args)?;
+                let file = self.handle(req.fh)?;
+                self.offload(op as u16, id, move || brick::fsync(&file, req.datasync));
+                Ok(None)
+            }
+            Op::Release => {
+                let fh = HandleReq::from_wire(args)?.fh;
+                self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
+                empty()
+            }
+            Op::Unlink => {
+                b.unlink(&PathReq::from_wire(args)?.path)?;
+                empty()
+            }
+            Op::Mkdir => {
+                let req = MkdirReq::from_wire(args)?;
+                reply(&b.mkdir(&req.path, req.mode)?)
+            }
+            Op::Rmdir => {
+                b.rmdir(&PathReq::from_wire(args)?.path)?;
+                empty()
+            }
+            Op::Rename => {
+                let req = RenameReq::from_wire(args)?;
+                b.rename(&req.from, &req.to, req.flags)?;
+                empty()
+            }
+            Op::Readdir => {
+                let req = ReaddirReq::from_wire(args)?;
+                // Keep the reply under the argument limit: an entry costs < 128 bytes + name.
+                let max = req.max.min(256);
+                reply(&b.readdir(&req.path, req.offset, max)?)
+            }
+            Op::Symlink => {
+                let req = SymlinkReq::from_wire(args)?;
+                reply(&b.symlink(&req.target, &req.path)?)
+            }
+            Op::Readlink => reply(&ReadlinkReply {
+                target: b.readlink(&PathReq::from_wire(args)?.path)?,
+            }),
+            Op::Link => {
+                let req = LinkReq::from_wire(args)?;
+                reply(&b.link(&req.existing, &req.path)?)
+            }
+            Op::Statfs => reply(&b.statfs(&PathReq::from_wire(args)?.path)?),
+            Op::Getxattr => {
+                let req = XattrReq::from_wire(args)?;
+                reply(&XattrValue {
+                    value: b.getxattr(&req.path, &req.name)?,
+                })
+            }
+            Op::Setxattr => {
+                b.setxattr(&SetxattrReq::from_wire(args)?)?;
+                empty()
+            }
+            Op::Listxattr => {
+                let names = b.listxattr(&PathReq::from_wire(args)?.path)?;
+                reply(&XattrNames { names: Seq(names) })
+            }
+            Op::Removexattr => {
+                let req = XattrReq::from_wire(args)?;
+                b.removexattr(&req.path, &req.name)?;
+                empty()
+            }
+            Op::Fallocate => {
+                let req = FallocateReq::from_wire(args)?;
+                let file = self.handle(req.fh)?;
+                self.offload(op as u16, id, move || {
+                    brick::fallocate(&file, req.mode, req.offset, req.len)
+                });
+                Ok(None)
+            }
+            Op::Discard => {
+                let req = DiscardReq::from_wire(args)?;
+                let file = self.handle(req.fh)?;
+                self.offload(op as u16, id, move || {
+                    brick::discard(&file, req.offset, req.len)
+                });
+                Ok(None)
+            }
+        }
+    }
+
+    /// Sends queued replies until done or the socket would block.
+    fn flush(&mut self, fd: &AsyncFd<OwnedFd>) -> io::Result<()> {
+        while !self.out.is_empty() {
+            let r = fd.try_io(Interest::WRITABLE, |s| self.send_some(s.as_raw_fd()));
+            match r {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of sending: a gathered `sendmsg` of in-memory parts, or one `sendfile`.
+    fn send_some(&mut self, sock: i32) -> io::Result<()> {
+        let front = self.out.front_mut().expect("non-empty queue");
+        // The front reply's file body goes out once its head is sent.
+        if front.sent >= front.head.len() {
+            if let Body::File { file, offset, len } = &front.body {
+                let done = front.sent - front.head.len();
+                let mut off = offset + done as u64;
+                let want = len - done;
+                let n = sendfile(sock, file, &mut off, want)?;
+                let n = if n == 0 {
+                    // The file shrank under us; the header promised `len` bytes, so pad.
+                    tracing::warn!("file shrank during a read; padding the reply with zeros");
+                    send_zeros(sock, want)?
+                } else {
+                    n
+                };
+                front.sent += n;
+                self.out_bytes -= n;
+                if front.sent == front.total() {
+                    self.out.pop_front();
+                }
+                return Ok(());
+            }
+        }
+        let mut iov: Vec<RawIov> = Vec::with_capacity(GATHER_MAX);
+        let mut more = false;
+        for r in self.out.iter() {
+            if iov.len() + 2 > GATHER_MAX {
+                break;
+            }
+            if r.sent < r.head.len() {
+                iov.push(raw(&r.head[r.sent..]));
+            }
+            match &r.body {
+                Body::None => {}
+                Body::Buf(b) => {
+                    let skip = r.sent.saturating_sub(r.head.len());
+                    if skip < b.len() {
+                        iov.push(raw(&b[skip..]));
+                    }
+                }
+                Body::File { .. } => {
+                    more = true;
+                    break;
+                }
+            }
+        }
+        let n = sendmsg(sock, &iov, more)?;
+        self.out_bytes -= n;
+        let mut left = n;
+        while left > 0 {
+            let r = self
+                .out
+                .front_mut()
+                .expect("sent bytes belong to queued replies");
+            let in_memory = match r.body {
+                Body::File { .. } => r.head.len(),
+                _ => r.total(),
+            };
+            let take = left.min(in_memory - r.sent);
+            r.sent += take;
+            left -= take;
+            if r.sent == r.total() {
+                self.out.pop_front();
+            } else {
+                break;
+            }
+        }
+        debug_assert_eq!(left, 0, "every byte sent is accounted to a reply");
+        Ok(())
+    }
+}
+
+/// Output of a fop: reply arguments and body.
+type FopOut = Result<(Vec<u8>, Body), Fail>;
+
+/// Why a fop produced no result.
+enum Fail {
+    Errno(Errno),
+    Decode(kiln_proto::DecodeError),
+}
+
+impl From<Errno> for Fail {
+    fn from(e: Errno) -> Fail {
+        Fail::Errno(e)
+    }
+}
+
+impl From<kiln_proto::DecodeError> for Fail {
+    fn from(e: kiln_proto::DecodeError) -> Fail {
+        Fail::Decode(e)
+    }
+}
+
+/// Object-safe encoding, so `fop` can reply with any wire type.
+trait WireOut {
+    fn wire(&self) -> Vec<u8>;
+}
+
+impl<T: Wire> WireOut for T {
+    fn wire(&self) -> Vec<u8> {
+        self.to_wire()
+    }
+}
+
+impl Incoming {
+    fn new(hdr: Header) -> Incoming {
+        let payload_len = hdr.payload_len.get() as usize;
+        Incoming {
+            args: vec![0u8; hdr.args_len.get() as usize],
+            args_got: 0,
+            payload: Vec::with_capacity(payload_len),
+            payload_len,
+            hdr,
+        }
+    }
+
+    fn is_complete(&self) -> bool {
+        self.args_got == self.args.len() && self.payload.len() == self.payload_len
+    }
+
+    /// Accounts `n` received bytes to args then payload; returns what is left over (bytes that
+    /// belong to the next header).
+    fn advance(&mut self, mut n: usize) -> usize {
+        let a = n.min(self.args.len() - self.args_got);
+        self.args_got += a;
+        n -= a;
+        let p = n.min(self.payload_len - self.payload.len());
+        // SAFETY: `recv_into` pointed the kernel at the spare capacity starting at `len`, and the
+        // kernel reported `p` of those bytes written, so they are initialised.
+        unsafe { self.payload.set_len(self.payload.len() + p) };
+        n - p
+    }
+}
+
+fn raw(b: &[u8]) -> RawIov {
+    RawIov {
+        base: b.as_ptr() as usize,
+        len: b.len(),
+    }
+}
+
+/// `readv` into the current frame's remaining arguments and payload, then the next header.
+fn recv_into(sock: i32, cur: Option<&mut Incoming>, next_hdr: &mut [u8]) -> io::Result<usize> {
+    let mut iov = [RawIov { base: 0, len: 0 }; 3];
+    let mut n = 0;
+    if let Some(inc) = cur {
+        if inc.args_got < inc.args.len() {
+            iov[n] = raw(&inc.args[inc.args_got..]);
+            n += 1;
+        }
+        let spare = inc.payload_len - inc.payload.len();
+        if spare > 0 {
+            let base = inc.payload.spare_capacity_mut().as_mut_ptr() as usize;
+            iov[n] = RawIov { base, len: spare };
+            n += 1;
+        }
+    }
+    iov[n] = raw(next_hdr);
+    n += 1;
+    // SAFETY: every vector points at memory this connection owns and does not otherwise touch
+    // during the call (argument buffer, payload spare capacity, header buffer); `RawIov` has the
+    // layout of `struct iovec`.
+    let r = unsafe { libc::readv(sock, iov.as_ptr().cast(), n as i32) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+/// `sendmsg` of gathered vectors; `more` tells the kernel that file data follows at once.
+fn sendmsg(sock: i32, iov: &[RawIov], more: bool) -> io::Result<usize> {
+    // SAFETY: a zeroed msghdr is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = iov.len();
+    let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT | if more { libc::MSG_MORE } else { 0 };
+    // SAFETY: `msg` points at `iov`, whose vectors point into live reply buffers.
+    let r = unsafe { libc::sendmsg(sock, &msg, flags) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+fn sendfile(sock: i32, file: &File, offset: &mut u64, len: usize) -> io::Result<usize> {
+    // SAFETY: `sock` is this connection's open socket for the duration of the call.
+    let out = unsafe { std::os::fd::BorrowedFd::borrow_raw(sock) };
+    rustix::fs::sendfile(out, file, Some(offset), len).map_err(io::Error::from)
+}
+
+fn send_zeros(sock: i32, len: usize) -> io::Result<usize> {
+    static ZEROS: [u8; 4096] = [0; 4096];
+    sendmsg(sock, &[raw(&ZEROS[..len.min(ZEROS.len())])], false)
+}

@@ -1,0 +1,179 @@
+//! kilnd, the brick server: exports one directory over TCP and Unix sockets.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod brick;
+pub mod cli;
+pub mod conn;
+pub mod stats;
+
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio::net::{TcpListener, UnixListener};
+
+pub use brick::Brick;
+pub use stats::Stats;
+
+/// Where a server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    /// A TCP address; port 0 picks a free port.
+    Tcp(SocketAddr),
+    /// A Unix socket path (an existing socket file there is replaced).
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for Listen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Listen, String> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            return Ok(Listen::Unix(PathBuf::from(p)));
+        }
+        let a = s.strip_prefix("tcp:").unwrap_or(s);
+        a.parse()
+            .map(Listen::Tcp)
+            .map_err(|e| format!("bad listen address {s:?}: {e} (want tcp:IP:PORT or unix:PATH)"))
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Tcp(a) => write!(f, "tcp:{a}"),
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A bound server, ready to run.
+pub struct Server {
+    brick: Arc<Brick>,
+    stats: Arc<Stats>,
+    tcp: Vec<TcpListener>,
+    unix: Vec<UnixListener>,
+}
+
+impl Server {
+    /// Opens the brick and binds every address. Must run inside a tokio runtime.
+    pub fn bind(dir: &Path, listen: &[Listen]) -> std::io::Result<Server> {
+        let brick = Brick::open(dir).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot open brick directory {}: {e}", dir.display()),
+            )
+        })?;
+        let mut tcp = Vec::new();
+        let mut unix = Vec::new();
+        for l in listen {
+            match l {
+                Listen::Tcp(a) => {
+                    let std = std::net::TcpListener::bind(a).map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("cannot listen on {l}: {e}"))
+                    })?;
+                    std.set_nonblocking(true)?;
+                    tcp.push(TcpListener::from_std(std)?);
+                }
+                Listen::Unix(p) => {
+                    if std::fs::symlink_metadata(p)
+                        .map(|m| {
+                            use std::os::unix::fs::FileTypeExt;
+                            m.file_type().is_socket()
+                        })
+                        .unwrap_or(false)
+                    {
+                        std::fs::remove_file(p)?;
+                    }
+                    let l2 = UnixListener::bind(p).map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("cannot listen on {l}: {e}"))
+                    })?;
+                    unix.push(l2);
+                }
+            }
+        }
+        Ok(Server {
+            brick: Arc::new(brick),
+            stats: Arc::default(),
+            tcp,
+            unix,
+        })
+    }
+
+    /// The addresses actually bound (with real port numbers).
+    pub fn local_addrs(&self) -> Vec<Listen> {
+        let mut out: Vec<Listen> = self
+            .tcp
+            .iter()
+            .filter_map(|l| l.local_addr().ok())
+            .map(Listen::Tcp)
+            .collect();
+        out.extend(
+            self.unix
+                .iter()
+                .filter_map(|l| l.local_addr().ok())
+                .filter_map(|a| a.as_pathname().map(|p| Listen::Unix(p.to_owned()))),
+        );
+        out
+    }
+
+    /// The server's counters.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// Accepts and serves connections forever.
+    pub async fn run(self) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for l in self.tcp {
+            let (brick, stats) = (self.brick.clone(), self.stats.clone());
+            tasks.spawn(async move {
+                loop {
+                    match l.accept().await {
+                        Ok((s, peer)) => {
+                            let _ = s.set_nodelay(true);
+                            let fd: OwnedFd = match s.into_std() {
+                                Ok(s) => s.into(),
+                                Err(e) => {
+                                    tracing::warn!("accept: {e}");
+                                    continue;
+                                }
+                            };
+                            spawn_conn(fd, &brick, &stats, peer.to_string());
+                        }
+                        Err(e) => accept_error(e).await,
+                    }
+                }
+            });
+        }
+        for l in self.unix {
+            let (brick, stats) = (self.brick.clone(), self.stats.clone());
+            tasks.spawn(async move {
+                loop {
+                    match l.accept().await {
+                        Ok((s, _)) => match s.into_std() {
+                            Ok(s) => spawn_conn(s.into(), &brick, &stats, "unix".into()),
+                            Err(e) => tracing::warn!("accept: {e}"),
+                        },
+                        Err(e) => accept_error(e).await,
+                    }
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+}
+
+fn spawn_conn(fd: OwnedFd, brick: &Arc<Brick>, stats: &Arc<Stats>, peer: String) {
+    stats
+        .connections
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::debug!(%peer, "connection accepted");
+    tokio::spawn(conn::serve(fd, brick.clone(), stats.clone(), peer));
+}
+
+/// Out of descriptors or similar: log and back off briefly instead of spinning.
+async fn accept_error(e: std::io::Error) {
+    tracing::warn!("accept failed: {e}");
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+}

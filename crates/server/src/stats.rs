@@ -1,0 +1,42 @@
+//! Counters a brick server keeps: calls per fop, bytes moved, malformed frames.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use kiln_proto::Op;
+
+/// Server-wide counters. Relaxed atomics: each counter is independent and only ever summed for
+/// display, so no ordering with other memory is needed.
+#[derive(Debug, Default)]
+pub struct Stats {
+    calls: [AtomicU64; 32],
+    /// Payload bytes sent in READ replies.
+    pub bytes_read: AtomicU64,
+    /// Payload bytes written by WRITE requests.
+    pub bytes_written: AtomicU64,
+    /// Frames refused as malformed (bad header, bad arguments, unknown opcode).
+    pub bad_frames: AtomicU64,
+    /// Connections accepted.
+    pub connections: AtomicU64,
+}
+
+const _: () = assert!(Op::ALL.len() < 32);
+
+impl Stats {
+    /// Counts one call of `op`.
+    pub fn count(&self, op: Op) {
+        self.calls[op as usize].fetch_add(1, Relaxed);
+    }
+
+    /// Calls of `op` so far.
+    pub fn calls(&self, op: Op) -> u64 {
+        self.calls[op as usize].load(Relaxed)
+    }
+
+    pub(crate) fn add_read(&self, n: usize) {
+        self.bytes_read.fetch_add(n as u64, Relaxed);
+    }
+
+    pub(crate) fn add_written(&self, n: usize) {
+        self.bytes_written.fetch_add(n as u64, Relaxed);
+    }
+}

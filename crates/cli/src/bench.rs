@@ -422,7 +422,9 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
                 blocks: args.size / args.bs,
                 deadline,
                 next_seq: AtomicU64::new(j as u64 * (args.size / args.bs) / args.numjobs as u64),
-                rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15 ^ (j as u64 + 1) * 0x1234_5678_9abc_def1),
+                rng: AtomicU64::new(
+                    0x9e37_79b9_7f4a_7c15 ^ ((j as u64 + 1) * 0x1234_5678_9abc_def1),
+                ),
                 bufs,
                 hist: Mutex::new(Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("bounds")),
                 ios: AtomicU64::new(0),

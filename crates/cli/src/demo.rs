@@ -159,7 +159,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     )?;
     step(
         "statfs",
-        block_on(c.statfs("/")).map(|s| format!("{} MiB free", s.bavail * s.frsize >> 20)),
+        block_on(c.statfs("/")).map(|s| format!("{} MiB free", (s.bavail * s.frsize) >> 20)),
     )?;
 
     for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {

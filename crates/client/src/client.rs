@@ -144,6 +144,12 @@ impl Client {
         &self.conn.stats
     }
 
+    /// Runs `f`; requests this thread submits meanwhile leave together when it returns, in one
+    /// `sendmsg` where they fit. Use it to issue a burst of `*_raw` calls.
+    pub fn batch<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.conn.batch(f)
+    }
+
     /// True once the connection has failed; every call then returns an error.
     pub fn is_dead(&self) -> bool {
         self.conn.is_dead()

@@ -172,6 +172,8 @@ pub struct Conn {
 thread_local! {
     /// The connection whose receive thread this is (its address), or 0.
     static RECEIVER_OF: Cell<usize> = const { Cell::new(0) };
+    /// The connection this thread is batching submissions for (its address), or 0.
+    static CORKED: Cell<usize> = const { Cell::new(0) };
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -269,13 +271,27 @@ impl Conn {
             cur,
         });
         self.stats.requests.fetch_add(1, Relaxed);
-        let on_receiver = RECEIVER_OF.with(|r| r.get()) == Arc::as_ptr(self) as usize;
-        if !on_receiver {
+        let me = Arc::as_ptr(self) as usize;
+        let deferred = RECEIVER_OF.with(|r| r.get()) == me || CORKED.with(|c| c.get()) == me;
+        if !deferred {
             // Send from the caller's thread; errors surface through the receive thread, which
             // sees the socket fail and fails every request.
             let _ = self.flush(true);
         }
         Ok(id)
+    }
+
+    /// Runs `f`, holding back the frames this thread submits to this connection meanwhile, then
+    /// sends them together (one `sendmsg` where they fit).
+    pub fn batch<R>(self: &Arc<Self>, f: impl FnOnce() -> R) -> R {
+        let me = Arc::as_ptr(self) as usize;
+        let outer = CORKED.with(|c| c.replace(me));
+        let r = f();
+        CORKED.with(|c| c.set(outer));
+        if outer != me {
+            let _ = self.flush(true);
+        }
+        r
     }
 
     /// Sends queued frames without ever blocking in `sendmsg` while holding the writer lock.
@@ -362,8 +378,9 @@ impl Conn {
         }
     }
 
-    /// Fails the connection: drops unsent frames under the writer lock, then fails every request.
-    fn fail(&self, why: Errno) {
+    /// Fails the connection: drops unsent frames under the writer lock, then fails every request,
+    /// including `receiving`, the one whose reply was arriving.
+    fn fail(&self, why: Errno, receiving: Option<Pending>) {
         self.shutdown();
         let drained = {
             let _w = lock(&self.writer);
@@ -372,38 +389,33 @@ impl Conn {
             t.dead.get_or_insert(why);
             std::mem::take(&mut t.pending)
         };
-        for (_, p) in drained {
-            deliver(
-                p.done,
-                Completion {
-                    result: Err(why),
-                    keep: p.keep,
-                },
-            );
+        for p in receiving.into_iter().chain(drained.into_values()) {
+            deliver(p.done, Completion { result: Err(why), keep: p.keep });
         }
     }
 
     fn receive_loop(self: Arc<Self>) {
         RECEIVER_OF.with(|r| r.set(Arc::as_ptr(&self) as usize));
-        let why = match self.receive() {
+        let mut cur: Option<InReply> = None;
+        let why = match self.receive(&mut cur) {
             Ok(()) => errno::ECONNRESET,
             Err(e) => {
                 tracing::debug!("connection failed: {e}");
-                e.raw_os_error().map(|e| e as u32).unwrap_or(errno::EPROTO)
+                match e.raw_os_error() {
+                    Some(c) if c as u32 == errno::EPROTO => errno::EPROTO,
+                    _ => errno::ECONNRESET,
+                }
             }
         };
-        self.fail(if why == errno::EPROTO {
-            errno::EPROTO
-        } else {
-            errno::ECONNRESET
-        });
+        self.fail(why, cur.and_then(|r| r.pending));
     }
 
-    fn receive(&self) -> io::Result<()> {
+    /// Receives replies until the connection ends. `cur` is the reply being received, left in
+    /// place on return so that its request can be failed too.
+    fn receive(&self, cur: &mut Option<InReply>) -> io::Result<()> {
         let fd = self.sock.as_raw_fd();
         let mut next_hdr = [0u8; HEADER_LEN];
         let mut hdr_got = 0usize;
-        let mut cur: Option<InReply> = None;
         let mut scratch = vec![0u8; 64 * 1024];
         let mut iov: Vec<RawIov> = Vec::with_capacity(8);
         loop {
@@ -469,7 +481,7 @@ impl Conn {
                 if r.is_complete() {
                     self.complete(r);
                 } else {
-                    cur = Some(r);
+                    *cur = Some(r);
                 }
             }
         }

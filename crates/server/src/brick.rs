@@ -75,6 +75,8 @@ fn split(path: &str) -> FopResult<(&str, &str)> {
 }
 
 /// Converts `stat` to the wire's attributes.
+// `stat` field types differ between architectures; the casts are identities only on some.
+#[allow(clippy::unnecessary_cast)]
 pub fn attr_of(st: &rfs::Stat) -> Attr {
     Attr {
         ino: st.st_ino as u64,
@@ -191,8 +193,7 @@ impl Brick {
             .or_else(|_| {
                 let f = self.open_beneath(&req.path, OFlags::RDONLY | OFlags::NONBLOCK, 0)?;
                 rfs::fchmod(&f, Mode::from_raw_mode(req.mode & 0o7777)).map_err(err)
-            })
-            .map_err(|e| e)?;
+            })?;
         }
         if req.valid & (SETATTR_UID | SETATTR_GID) != 0 {
             let uid = (req.valid & SETATTR_UID != 0).then(|| rfs::Uid::from_raw(req.uid));

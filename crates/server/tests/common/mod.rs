@@ -1,0 +1,193 @@
+//! Shared test fixture: a real kilnd process on a temporary brick, and raw frame helpers.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use kiln_proto::frame::{Header, HEADER_LEN};
+
+/// A kilnd child process serving a temporary brick over TCP and a Unix socket.
+pub struct Kilnd {
+    pub child: Child,
+    pub tcp: String,
+    pub unix: String,
+    pub brick: PathBuf,
+    /// Holds the brick and a sibling "outside" directory that tests check stays untouched.
+    pub dir: tempfile::TempDir,
+}
+
+impl Kilnd {
+    pub fn start() -> Kilnd {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let brick = dir.path().join("brick");
+        std::fs::create_dir(&brick).expect("brick dir");
+        let sock = dir.path().join("kilnd.sock");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
+            .arg("--brick")
+            .arg(&brick)
+            .args(["--listen", "tcp:127.0.0.1:0", "--listen"])
+            .arg(format!("unix:{}", sock.display()))
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn kilnd");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut addrs = Vec::new();
+        for _ in 0..2 {
+            let mut line = String::new();
+            out.read_line(&mut line).expect("kilnd output");
+            let a = line
+                .trim()
+                .strip_prefix("kilnd: listening on ")
+                .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"));
+            addrs.push(a.to_owned());
+        }
+        let tcp = addrs
+            .iter()
+            .find(|a| a.starts_with("tcp:"))
+            .expect("tcp address")
+            .clone();
+        let unix = addrs
+            .iter()
+            .find(|a| a.starts_with("unix:"))
+            .expect("unix address")
+            .clone();
+        Kilnd {
+            child,
+            tcp,
+            unix,
+            brick,
+            dir,
+        }
+    }
+
+    pub fn tcp_addr(&self) -> &str {
+        self.tcp.strip_prefix("tcp:").expect("tcp: prefix")
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// True while the server process is alive.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Kilnd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A raw connection that speaks frames by hand (for hostile input).
+pub struct Raw(pub std::net::TcpStream);
+
+impl Raw {
+    pub fn connect(k: &Kilnd) -> Raw {
+        let s = std::net::TcpStream::connect(k.tcp_addr()).expect("connect");
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .expect("timeout");
+        Raw(s)
+    }
+
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.0.write_all(bytes).expect("send");
+    }
+
+    pub fn request(op: u16, id: u64, args: &[u8], payload: &[u8]) -> Vec<u8> {
+        let mut v = Header::request(op, id, args.len() as u32, payload.len() as u32)
+            .to_bytes()
+            .to_vec();
+        v.extend_from_slice(args);
+        v.extend_from_slice(payload);
+        v
+    }
+
+    /// Reads one reply: (header, args, payload). None when the server closed the connection.
+    pub fn reply(&mut self) -> Option<(Header, Vec<u8>, Vec<u8>)> {
+        let mut h = [0u8; HEADER_LEN];
+        if self.0.read_exact(&mut h).is_err() {
+            return None;
+        }
+        let hdr = Header::parse(&h).expect("server sent a valid header");
+        let mut args = vec![0u8; hdr.args_len.get() as usize];
+        self.0.read_exact(&mut args).ok()?;
+        let mut payload = vec![0u8; hdr.payload_len.get() as usize];
+        self.0.read_exact(&mut payload).ok()?;
+        Some((hdr, args, payload))
+    }
+
+    pub fn call(&mut self, op: u16, id: u64, args: &[u8]) -> (Header, Vec<u8>, Vec<u8>) {
+        self.send(&Raw::request(op, id, args, &[]));
+        self.reply().expect("a reply")
+    }
+}
+
+/// Every file below `dir` with its contents, for before/after comparisons.
+pub fn snapshot(dir: &std::path::Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read_dir") {
+            let p = e.expect("entry").path();
+            let m = std::fs::symlink_metadata(&p).expect("metadata");
+            if m.is_dir() {
+                out.push((p.clone(), Vec::new()));
+                stack.push(p);
+            } else if m.file_type().is_symlink() {
+                out.push((
+                    p.clone(),
+                    std::fs::read_link(&p)
+                        .expect("readlink")
+                        .into_os_string()
+                        .into_encoded_bytes(),
+                ));
+            } else {
+                out.push((p.clone(), std::fs::read(&p).expect("read")));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A small deterministic generator (xorshift), so failures reproduce from the printed seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+}
+
+/// The seed for a randomized test: KILN_SEED if set, else from the clock; printed either way.
+pub fn seed(test: &str) -> u64 {
+    let s = std::env::var("KILN_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("{test}: seed {s} (rerun with KILN_SEED={s})");
+    s
+}

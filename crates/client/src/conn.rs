@@ -390,7 +390,13 @@ impl Conn {
             std::mem::take(&mut t.pending)
         };
         for p in receiving.into_iter().chain(drained.into_values()) {
-            deliver(p.done, Completion { result: Err(why), keep: p.keep });
+            deliver(
+                p.done,
+                Completion {
+                    result: Err(why),
+                    keep: p.keep,
+                },
+            );
         }
     }
 
@@ -418,9 +424,17 @@ impl Conn {
         let mut hdr_got = 0usize;
         let mut scratch = vec![0u8; 64 * 1024];
         let mut iov: Vec<RawIov> = Vec::with_capacity(8);
+        let mut drained = false;
         loop {
-            // Frames queued by callbacks: send them once no reply is ready.
-            let deferred = !lock(&self.sendq).is_empty();
+            // Frames queued by callbacks: send them once no reply is ready — known when the
+            // last receive came up short, or when a non-blocking one would block.
+            let mut deferred = !lock(&self.sendq).is_empty();
+            if deferred && drained {
+                if !self.flush(false)? {
+                    poll_fd(fd, libc::POLLIN | libc::POLLOUT)?;
+                }
+                deferred = !lock(&self.sendq).is_empty();
+            }
             iov.clear();
             let whole = match cur.as_mut() {
                 Some(r) => r.vectors(&mut iov, &mut scratch),
@@ -431,6 +445,18 @@ impl Conn {
                     base: next_hdr[hdr_got..].as_mut_ptr() as usize,
                     len: HEADER_LEN - hdr_got,
                 });
+            }
+            // With one request in flight, its reply is the only one that can come: receive its
+            // payload into its sink in the same call as the header (one system call, not two).
+            let mut speculating = None;
+            if cur.is_none() && hdr_got == 0 {
+                let t = lock(&self.table);
+                if let (1, Some((&id, p))) = (t.pending.len(), t.pending.iter().next()) {
+                    if !p.sink.is_empty() {
+                        iov.extend(p.sink.iter().take(IOV_MAX - 1));
+                        speculating = Some(id);
+                    }
+                }
             }
             let flags = if deferred { libc::MSG_DONTWAIT } else { 0 };
             // SAFETY: the vectors point at this thread's header and scratch buffers and at the
@@ -458,7 +484,18 @@ impl Conn {
                 return Ok(());
             }
             self.stats.recv_calls.fetch_add(1, Relaxed);
+            drained = (n as usize) < iov.iter().map(|v| v.len).sum::<usize>();
             let mut left = n as usize;
+            if let (Some(id), true) = (speculating, left > HEADER_LEN) {
+                let r = self.begin_speculated(id, &next_hdr, left - HEADER_LEN)?;
+                hdr_got = 0;
+                if r.is_complete() {
+                    self.complete(r);
+                } else {
+                    *cur = Some(r);
+                }
+                continue;
+            }
             if let Some(r) = cur.as_mut() {
                 left = r.advance(left);
                 if r.is_complete() {
@@ -485,6 +522,35 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// A header arrived together with `spilled` payload bytes that went straight into the sink
+    /// of request `id`, the only one in flight. Anything but that request's data reply is a
+    /// protocol violation (its bytes are already in the sink).
+    fn begin_speculated(
+        &self,
+        id: u64,
+        hdr: &[u8; HEADER_LEN],
+        spilled: usize,
+    ) -> io::Result<InReply> {
+        let proto = || io::Error::from_raw_os_error(errno::EPROTO as i32);
+        let hdr = Header::parse(hdr).map_err(|e| {
+            tracing::warn!("bad reply header: {e}");
+            proto()
+        })?;
+        let fits = hdr.kind == KIND_REPLY
+            && hdr.request_id.get() == id
+            && hdr.status.get() == 0
+            && hdr.args_len.get() == 0
+            && hdr.payload_len.get() as usize >= spilled;
+        if !fits {
+            tracing::warn!(id, "server sent data that was not the reply in flight");
+            return Err(proto());
+        }
+        let mut r = self.begin(hdr)?;
+        let rest = r.advance(spilled);
+        debug_assert_eq!(rest, 0, "spilled bytes fit the payload");
+        Ok(r)
     }
 
     /// A reply header arrived: find its request and prepare to receive into its sink.

@@ -17,7 +17,8 @@ pub struct ServeArgs {
     /// Address to listen on: tcp:IP:PORT or unix:PATH. Repeat for several.
     #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:24100")]
     pub listen: Vec<Listen>,
-    /// Worker threads for the network and fop runtime.
+    /// Threads for the network and fop runtime; 1 runs everything on one thread (slow fops
+    /// such as fsync still go to a blocking pool).
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
 }
@@ -36,12 +37,14 @@ pub fn init_logging() {
 /// Runs a server until killed.
 pub fn main(args: ServeArgs) -> std::process::ExitCode {
     init_logging();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.threads.max(1))
-        .thread_name("kilnd")
-        .enable_all()
-        .build()
-    {
+    let mut builder = if args.threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(args.threads);
+        b
+    };
+    let rt = match builder.thread_name("kilnd").enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kilnd: cannot start runtime: {e}");

@@ -149,52 +149,65 @@ impl Conn {
         let mut hdr_got = 0usize;
         let mut cur: Option<Incoming> = None;
         loop {
-            // Receive and run everything the socket holds, unless replies are backing up.
-            while self.out_bytes < OUT_HIGH_WATER {
-                let n = match fd.try_io(Interest::READABLE, |s| {
-                    recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..])
-                }) {
-                    Ok(0) => return Ok(()),
-                    Ok(n) => n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(e),
-                };
-                let mut left = n;
-                if let Some(inc) = cur.as_mut() {
-                    left = inc.advance(left);
-                    if inc.is_complete() {
-                        let inc = cur.take().expect("current frame");
-                        self.dispatch(inc);
+            let reading = self.out_bytes < OUT_HIGH_WATER;
+            let writing = !self.out.is_empty();
+            tokio::select! {
+                biased;
+                Some(r) = done_rx.recv() => self.push(r),
+                g = fd.readable(), if reading => {
+                    let mut g = g?;
+                    // Receive and run everything the socket holds, unless replies back up.
+                    while self.out_bytes < OUT_HIGH_WATER {
+                        let recv = g.try_io(|s| {
+                            recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..])
+                        });
+                        let (n, asked) = match recv {
+                            Ok(Ok((0, _))) => return Ok(()),
+                            Ok(Ok(r)) => r,
+                            Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                            Ok(Err(e)) => return Err(e),
+                            Err(_would_block) => break,
+                        };
+                        let mut left = n;
+                        if let Some(inc) = cur.as_mut() {
+                            left = inc.advance(left);
+                            if inc.is_complete() {
+                                let inc = cur.take().expect("current frame");
+                                self.dispatch(inc);
+                            }
+                        }
+                        hdr_got += left;
+                        while cur.is_none() && hdr_got == HEADER_LEN {
+                            hdr_got = 0;
+                            let hdr = match Header::parse(&next_hdr) {
+                                Ok(h) if h.kind == KIND_REQUEST => h,
+                                Ok(_) => {
+                                    return self.fatal(fd, "a reply frame sent to the server").await
+                                }
+                                Err(e) => return self.fatal(fd, &e.to_string()).await,
+                            };
+                            let inc = Incoming::new(hdr);
+                            if inc.is_complete() {
+                                self.dispatch(inc);
+                            } else {
+                                cur = Some(inc);
+                            }
+                        }
+                        if n < asked {
+                            // A short read drained the socket: wait for the next readiness
+                            // event instead of asking again only to hear "would block". (The
+                            // guard clears only the readiness it saw, so a newer event stays.)
+                            g.clear_ready();
+                            break;
+                        }
                     }
                 }
-                hdr_got += left;
-                while cur.is_none() && hdr_got == HEADER_LEN {
-                    hdr_got = 0;
-                    let hdr = match Header::parse(&next_hdr) {
-                        Ok(h) if h.kind == KIND_REQUEST => h,
-                        Ok(_) => return self.fatal(fd, "a reply frame sent to the server").await,
-                        Err(e) => return self.fatal(fd, &e.to_string()).await,
-                    };
-                    let inc = Incoming::new(hdr);
-                    if inc.is_complete() {
-                        self.dispatch(inc);
-                    } else {
-                        cur = Some(inc);
-                    }
-                }
+                g = fd.writable(), if writing => g?.retain_ready(),
             }
             while let Ok(r) = done_rx.try_recv() {
                 self.push(r);
             }
             self.flush(fd)?;
-            let reading = self.out_bytes < OUT_HIGH_WATER;
-            let writing = !self.out.is_empty();
-            tokio::select! {
-                r = fd.readable(), if reading => r?.retain_ready(),
-                w = fd.writable(), if writing => w?.retain_ready(),
-                Some(r) = done_rx.recv() => self.push(r),
-            }
         }
     }
 
@@ -598,7 +611,12 @@ fn raw(b: &[u8]) -> RawIov {
 }
 
 /// `readv` into the current frame's remaining arguments and payload, then the next header.
-fn recv_into(sock: i32, cur: Option<&mut Incoming>, next_hdr: &mut [u8]) -> io::Result<usize> {
+/// Returns the bytes received and the bytes asked for.
+fn recv_into(
+    sock: i32,
+    cur: Option<&mut Incoming>,
+    next_hdr: &mut [u8],
+) -> io::Result<(usize, usize)> {
     let mut iov = [RawIov { base: 0, len: 0 }; 3];
     let mut n = 0;
     if let Some(inc) = cur {
@@ -622,7 +640,7 @@ fn recv_into(sock: i32, cur: Option<&mut Incoming>, next_hdr: &mut [u8]) -> io::
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
-        Ok(r as usize)
+        Ok((r as usize, iov[..n].iter().map(|v| v.len).sum()))
     }
 }
 

@@ -91,9 +91,17 @@ impl Client {
     /// Connects to a brick at `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH` and says hello.
     pub fn connect(addr: &str) -> io::Result<Client> {
         let sock: OwnedFd = if let Some(path) = addr.strip_prefix("unix:") {
-            std::os::unix::net::UnixStream::connect(path)
+            let s: OwnedFd = std::os::unix::net::UnixStream::connect(path)
                 .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")))?
-                .into()
+                .into();
+            // A Unix socket's only buffer is the sender's; the default (~208 KiB) is smaller
+            // than two 128 KiB writes, which throttles pipelined writes (see the server's
+            // UNIX_SNDBUF, measured for reads).
+            use rustix::net::sockopt;
+            if sockopt::set_socket_send_buffer_size_force(&s, 4 << 20).is_err() {
+                let _ = sockopt::set_socket_send_buffer_size(&s, 4 << 20);
+            }
+            s
         } else {
             let a = addr.strip_prefix("tcp:").unwrap_or(addr);
             let mut last = io::Error::new(
@@ -148,6 +156,11 @@ impl Client {
     /// `sendmsg` where they fit. Use it to issue a burst of `*_raw` calls.
     pub fn batch<R>(&self, f: impl FnOnce() -> R) -> R {
         self.conn.batch(f)
+    }
+
+    /// Closes the connection: calls in flight and every later call fail.
+    pub fn shutdown(&self) {
+        self.conn.shutdown();
     }
 
     /// True once the connection has failed; every call then returns an error.

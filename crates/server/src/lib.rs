@@ -152,7 +152,11 @@ impl Server {
                 loop {
                     match l.accept().await {
                         Ok((s, _)) => match s.into_std() {
-                            Ok(s) => spawn_conn(s.into(), &brick, &stats, "unix".into()),
+                            Ok(s) => {
+                                let fd: OwnedFd = s.into();
+                                grow_unix_send_buffer(&fd);
+                                spawn_conn(fd, &brick, &stats, "unix".into())
+                            }
                             Err(e) => tracing::warn!("accept: {e}"),
                         },
                         Err(e) => accept_error(e).await,
@@ -161,6 +165,20 @@ impl Server {
             });
         }
         while tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Send buffer for Unix stream sockets. Their default (~208 KiB) holds less than two 128 KiB
+/// replies, so a pipelined reader starves: measured here, 128 KiB reads at QD32 went from
+/// 2.9 GB/s (default) to 5.0 GB/s (1 to 8 MiB), above loopback TCP (3.2 to 4.4 GB/s) in the
+/// same runs. On a Unix socket the sender's buffer is the only one.
+pub const UNIX_SNDBUF: usize = 4 << 20;
+
+/// Sets [`UNIX_SNDBUF`], above `net.core.wmem_max` when privileged, else as far as allowed.
+pub fn grow_unix_send_buffer(fd: &OwnedFd) {
+    use rustix::net::sockopt;
+    if sockopt::set_socket_send_buffer_size_force(fd, UNIX_SNDBUF).is_err() {
+        let _ = sockopt::set_socket_send_buffer_size(fd, UNIX_SNDBUF);
     }
 }
 

@@ -1,0 +1,121 @@
+//! Builds the C tests against libkiln.so and kiln.h and runs them against a live brick server,
+//! under AddressSanitizer.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Where cargo put libkiln.so for this test run: target/<profile>/deps (beside this test
+/// binary) during `cargo test`, target/<profile> after a plain build.
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    let deps = exe.parent().expect("deps dir").to_owned();
+    if deps.join("libkiln.so").exists() {
+        return deps;
+    }
+    deps.parent().expect("target/<profile>").to_owned()
+}
+
+/// Starts a brick server in this process on a temporary directory; returns its Unix socket
+/// path and TCP port.
+fn start_server(dir: &Path) -> (PathBuf, u16) {
+    let sock = dir.join("kilnd.sock");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let brick = dir.join("brick");
+    std::fs::create_dir(&brick).expect("brick");
+    let s2 = sock.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("rt");
+        rt.block_on(async move {
+            let listen = [
+                kiln_server::Listen::Unix(s2),
+                kiln_server::Listen::Tcp("127.0.0.1:0".parse().expect("addr")),
+            ];
+            let server = kiln_server::Server::bind(&brick, &listen).expect("bind");
+            let port = server
+                .local_addrs()
+                .iter()
+                .find_map(|a| match a {
+                    kiln_server::Listen::Tcp(a) => Some(a.port()),
+                    _ => None,
+                })
+                .expect("tcp port");
+            tx.send(port).expect("send port");
+            server.run().await;
+        });
+    });
+    let port = rx.recv().expect("server started");
+    (sock, port)
+}
+
+#[test]
+fn c_tests_pass_under_asan() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lib_dir = target_dir();
+    assert!(
+        lib_dir.join("libkiln.so").exists(),
+        "libkiln.so not built in {}",
+        lib_dir.display()
+    );
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = dir.path().join("kiln_test");
+    let out = Command::new("cc")
+        .args([
+            "-std=c11",
+            "-D_GNU_SOURCE",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-g",
+            "-fsanitize=address,undefined",
+            "-fno-omit-frame-pointer",
+        ])
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .arg(manifest.join("tests/c/kiln_test.c"))
+        .arg("-o")
+        .arg(&exe)
+        .arg(format!("-L{}", lib_dir.display()))
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .args(["-lkiln", "-lpthread"])
+        .output()
+        .expect("run cc");
+    assert!(
+        out.status.success(),
+        "compiling the C test failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let (sock, port) = start_server(dir.path());
+    for args in [
+        vec![
+            "unix".to_owned(),
+            sock.display().to_string(),
+            "0".to_owned(),
+        ],
+        vec!["tcp".into(), "127.0.0.1".into(), port.to_string()],
+    ] {
+        let out = Command::new(&exe)
+            .args(&args)
+            // Leak checking included: every handle the test opens it also frees.
+            .env("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
+            .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1")
+            .output()
+            .expect("run the C test");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "C test over {} failed:\n{stdout}\n{stderr}",
+            args[0]
+        );
+        assert!(
+            stdout.contains(" passed, 0 failed"),
+            "C test printed {stdout:?}"
+        );
+        eprintln!("C test over {}: {}", args[0], stdout.trim());
+    }
+}

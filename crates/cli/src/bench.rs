@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kiln_client::{block_on, Client, Fh, RawIov};
+use kiln_client::{block_on, join_all, Client, Fh, RawIov};
 
 /// Access pattern.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -355,8 +355,8 @@ pub fn layout(client: &Client, path: &str, size: u64) -> std::io::Result<Fh> {
             })
             .collect();
         let n = futs.len() as u64;
-        for f in futs {
-            block_on(f).0?;
+        for (r, _) in join_all(futs) {
+            r?;
         }
         off += n * chunk;
     }

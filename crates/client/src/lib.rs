@@ -44,3 +44,29 @@ pub fn block_on<F: Future>(fut: F) -> F::Output {
         std::thread::park();
     }
 }
+
+/// Runs several futures concurrently on the calling thread and returns their outputs in order:
+/// the way to keep many requests in flight without an async runtime.
+pub fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut futs: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut left = futs.len();
+    while left > 0 {
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                    *o = Some(v);
+                    left -= 1;
+                }
+            }
+        }
+        if left > 0 {
+            std::thread::park();
+        }
+    }
+    out.into_iter()
+        .map(|o| o.expect("every future completed"))
+        .collect()
+}

@@ -213,6 +213,11 @@ impl Client {
         self.call(Op::Setattr, &req).await
     }
 
+    /// Changes the attributes `req.valid` selects on an open file (works after unlink).
+    pub async fn fsetattr(&self, req: FsetattrReq) -> io::Result<Attr> {
+        self.call(Op::Fsetattr, &req).await
+    }
+
     /// Opens an existing file with Linux `O_*` flags.
     pub async fn open(&self, path: &str, flags: i32) -> io::Result<Fh> {
         let r: OpenReply = self

@@ -84,6 +84,8 @@ ops! {
     Fallocate = 24,
     /// Discard a range: punch a hole, keeping the size.
     Discard = 25,
+    /// Change mode, owner, times or size of an open file.
+    Fsetattr = 26,
 }
 
 wire_struct! {
@@ -119,6 +121,18 @@ wire_struct! {
     /// Setattr request; `valid` says which fields apply (`SETATTR_*`).
     pub struct SetattrReq {
         pub path: String,
+        pub valid: u32,
+        pub mode: u32,
+        pub uid: u32,
+        pub gid: u32,
+        pub size: u64,
+        pub atime: Time,
+        pub mtime: Time,
+    }
+
+    /// Fsetattr request: as [`SetattrReq`], on an open handle (works after unlink).
+    pub struct FsetattrReq {
+        pub fh: u64,
         pub valid: u32,
         pub mode: u32,
         pub uid: u32,

@@ -181,62 +181,19 @@ impl Brick {
         } else {
             self.open_beneath(&req.path, OFlags::PATH, 0)?
         };
-        // An O_PATH descriptor cannot carry fchmod and friends; reach the inode through the
-        // descriptor itself with AT_EMPTY_PATH where the kernel offers it.
-        if req.valid & SETATTR_MODE != 0 {
-            rfs::chmodat(
-                &fd,
-                "",
-                Mode::from_raw_mode(req.mode & 0o7777),
-                AtFlags::EMPTY_PATH,
-            )
-            .or_else(|_| {
-                let f = self.open_beneath(&req.path, OFlags::RDONLY | OFlags::NONBLOCK, 0)?;
-                rfs::fchmod(&f, Mode::from_raw_mode(req.mode & 0o7777)).map_err(err)
-            })?;
-        }
-        if req.valid & (SETATTR_UID | SETATTR_GID) != 0 {
-            let uid = (req.valid & SETATTR_UID != 0).then(|| rfs::Uid::from_raw(req.uid));
-            let gid = (req.valid & SETATTR_GID != 0).then(|| rfs::Gid::from_raw(req.gid));
-            rfs::chownat(
-                &fd,
-                "",
-                uid,
-                gid,
-                AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
-            )
-            .map_err(err)?;
-        }
-        if req.valid & SETATTR_SIZE != 0 {
-            rfs::ftruncate(&fd, req.size).map_err(err)?;
-        }
-        let time_mask = SETATTR_ATIME | SETATTR_MTIME | SETATTR_ATIME_NOW | SETATTR_MTIME_NOW;
-        if req.valid & time_mask != 0 {
-            let pick = |set: u32, now: u32, t: &Time| {
-                if req.valid & now != 0 {
-                    rfs::Timespec {
-                        tv_sec: 0,
-                        tv_nsec: rfs::UTIME_NOW,
-                    }
-                } else if req.valid & set != 0 {
-                    rfs::Timespec {
-                        tv_sec: t.sec,
-                        tv_nsec: t.nsec as _,
-                    }
-                } else {
-                    rfs::Timespec {
-                        tv_sec: 0,
-                        tv_nsec: rfs::UTIME_OMIT,
-                    }
-                }
-            };
-            let ts = rfs::Timestamps {
-                last_access: pick(SETATTR_ATIME, SETATTR_ATIME_NOW, &req.atime),
-                last_modification: pick(SETATTR_MTIME, SETATTR_MTIME_NOW, &req.mtime),
-            };
-            rfs::utimensat(&fd, "", &ts, AtFlags::EMPTY_PATH).map_err(err)?;
-        }
-        rfs::fstat(&fd).map(|s| attr_of(&s)).map_err(err)
+        let fields = FsetattrReq {
+            fh: 0,
+            valid: req.valid,
+            mode: req.mode,
+            uid: req.uid,
+            gid: req.gid,
+            size: req.size,
+            atime: req.atime.clone(),
+            mtime: req.mtime.clone(),
+        };
+        apply_setattr(&fd, &fields, || {
+            self.open_beneath(&req.path, OFlags::RDONLY | OFlags::NONBLOCK, 0)
+        })
     }
 
     /// Removes a file.
@@ -392,6 +349,75 @@ impl Brick {
         let fd = self.xattr_fd(path)?;
         rfs::fremovexattr(&fd, name).map_err(err)
     }
+}
+
+/// Applies the fields `req.valid` selects to the file behind `fd` (an `O_PATH` descriptor or a
+/// real one); `reopen` gives a real descriptor where the kernel refuses `O_PATH` for chmod.
+pub fn apply_setattr(
+    fd: &OwnedFd,
+    req: &FsetattrReq,
+    reopen: impl FnOnce() -> FopResult<OwnedFd>,
+) -> FopResult<Attr> {
+    // An O_PATH descriptor cannot carry fchmod and friends; reach the inode through the
+    // descriptor itself with AT_EMPTY_PATH where the kernel offers it.
+    if req.valid & SETATTR_MODE != 0 {
+        let mode = Mode::from_raw_mode(req.mode & 0o7777);
+        rfs::chmodat(fd, "", mode, AtFlags::EMPTY_PATH).or_else(|_| {
+            let f = reopen()?;
+            rfs::fchmod(&f, mode).map_err(err)
+        })?;
+    }
+    if req.valid & (SETATTR_UID | SETATTR_GID) != 0 {
+        let uid = (req.valid & SETATTR_UID != 0).then(|| rfs::Uid::from_raw(req.uid));
+        let gid = (req.valid & SETATTR_GID != 0).then(|| rfs::Gid::from_raw(req.gid));
+        rfs::chownat(
+            fd,
+            "",
+            uid,
+            gid,
+            AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(err)?;
+    }
+    if req.valid & SETATTR_SIZE != 0 {
+        rfs::ftruncate(fd, req.size).map_err(err)?;
+    }
+    let time_mask = SETATTR_ATIME | SETATTR_MTIME | SETATTR_ATIME_NOW | SETATTR_MTIME_NOW;
+    if req.valid & time_mask != 0 {
+        let pick = |set: u32, now: u32, t: &Time| {
+            if req.valid & now != 0 {
+                rfs::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: rfs::UTIME_NOW,
+                }
+            } else if req.valid & set != 0 {
+                rfs::Timespec {
+                    tv_sec: t.sec,
+                    tv_nsec: t.nsec as _,
+                }
+            } else {
+                rfs::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: rfs::UTIME_OMIT,
+                }
+            }
+        };
+        let ts = rfs::Timestamps {
+            last_access: pick(SETATTR_ATIME, SETATTR_ATIME_NOW, &req.atime),
+            last_modification: pick(SETATTR_MTIME, SETATTR_MTIME_NOW, &req.mtime),
+        };
+        rfs::utimensat(fd, "", &ts, AtFlags::EMPTY_PATH).map_err(err)?;
+    }
+    rfs::fstat(fd).map(|s| attr_of(&s)).map_err(err)
+}
+
+/// Applies a setattr to an open file.
+pub fn fsetattr(file: &File, req: &FsetattrReq) -> FopResult<Attr> {
+    let fd = file
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO) as u32)?;
+    apply_setattr(&fd, req, || Err(errno::EBADF))
 }
 
 /// Attributes of an open file.

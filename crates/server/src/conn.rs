@@ -325,6 +325,10 @@ impl Conn {
                 &*self.handle(HandleReq::from_wire(args)?.fh)?,
             )?),
             Op::Setattr => reply(&b.setattr(&SetattrReq::from_wire(args)?)?),
+            Op::Fsetattr => {
+                let req = FsetattrReq::from_wire(args)?;
+                reply(&brick::fsetattr(&*self.handle(req.fh)?, &req)?)
+            }
             Op::Open => {
                 let req = OpenReq::from_wire(args)?;
                 let f = b.open_file(&req.path, req.flags)?;

@@ -14,6 +14,21 @@ for c in rustfmt clippy; do
   fi
 done
 
+# Real clients the end-to-end tests drive: the FUSE helpers, qemu-img, nbdinfo and fio.
+need=()
+command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
+command -v qemu-img >/dev/null 2>&1 || need+=(qemu-utils)
+command -v nbdinfo >/dev/null 2>&1 || need+=(libnbd-bin)
+command -v fio >/dev/null 2>&1 || need+=(fio)
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "== installing ${need[*]}"
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+[ -e /dev/fuse ] || { echo "test.sh: /dev/fuse is missing; the FUSE tests need it (modprobe fuse)" >&2; exit 1; }
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"

@@ -22,6 +22,15 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Run a brick server in the foreground (the same as `kilnd`).
     Server(kiln_server::cli::ServeArgs),
+    /// Mount a volume with FUSE (foreground; stop with SIGTERM or `kiln umount`).
+    Mount(kiln_fuse::MountArgs),
+    // Help text comes from `NbdArgs`' own doc comment.
+    Nbd(kiln_nbd::NbdArgs),
+    /// Unmount a Kiln FUSE mount.
+    Umount {
+        /// The mount point.
+        mountpoint: std::path::PathBuf,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -36,6 +45,12 @@ fn main() -> std::process::ExitCode {
             kiln_server::cli::init_logging();
             bench::main(a)
         }
+        Cmd::Mount(a) => {
+            kiln_server::cli::init_logging();
+            kiln_fuse::main(a)
+        }
+        Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
+        Cmd::Nbd(a) => kiln_nbd::main(a),
     };
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -103,3 +103,89 @@ fn bad_arguments_get_clear_errors() {
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("cannot open brick directory /nonexistent/kiln-brick"));
 }
+
+fn mounted(dir: &std::path::Path) -> bool {
+    let canon = dir
+        .canonicalize()
+        .expect("canonicalize")
+        .to_string_lossy()
+        .into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .expect("mountinfo")
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(canon.as_str()))
+}
+
+#[test]
+fn mount_serves_refuses_a_busy_mountpoint_and_unmounts_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (brick, mnt) = (dir.path().join("brick"), dir.path().join("mnt"));
+    std::fs::create_dir(&brick).expect("brick");
+    std::fs::create_dir(&mnt).expect("mnt");
+    let mut server = kiln()
+        .args(["server", "--listen", "tcp:127.0.0.1:0", "--brick"])
+        .arg(&brick)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("server");
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("listen line");
+    let addr = line
+        .trim()
+        .strip_prefix("kilnd: listening on tcp:")
+        .expect("tcp address")
+        .to_owned();
+
+    let mut mount = kiln()
+        .args(["mount", &format!("{addr}:/vol")])
+        .arg(&mnt)
+        .args(["--mode", "vm-image"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("mount");
+    let mut line = String::new();
+    BufReader::new(mount.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("mounted line");
+    assert!(line.starts_with("kiln: mounted"), "{line:?}");
+    assert!(mounted(&mnt));
+    std::fs::write(mnt.join("hello"), b"through the mount").expect("write through the mount");
+    assert_eq!(
+        std::fs::read(brick.join("hello")).expect("brick"),
+        b"through the mount"
+    );
+
+    let busy = kiln()
+        .args(["mount", &format!("{addr}:/vol")])
+        .arg(&mnt)
+        .output()
+        .expect("second mount");
+    assert!(!busy.status.success());
+    assert!(
+        String::from_utf8_lossy(&busy.stderr).contains("is busy"),
+        "{}",
+        String::from_utf8_lossy(&busy.stderr)
+    );
+
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).expect("other");
+    let unreachable = kiln()
+        .args(["mount", "127.0.0.1:1:/vol"])
+        .arg(&other)
+        .output()
+        .expect("mount unreachable");
+    assert!(!unreachable.status.success());
+    assert!(String::from_utf8_lossy(&unreachable.stderr).contains("cannot reach 127.0.0.1:1"));
+    assert!(!mounted(&other));
+
+    // SAFETY: sending SIGTERM to our own child.
+    unsafe { libc::kill(mount.id() as i32, libc::SIGTERM) };
+    let st = mount.wait().expect("mount exits");
+    assert!(st.success(), "kiln mount exits cleanly on SIGTERM: {st:?}");
+    assert!(!mounted(&mnt), "unmounted after SIGTERM");
+    let _ = server.kill();
+    let _ = server.wait();
+}

@@ -1,0 +1,119 @@
+//! A real FUSE mount of a real brick server, both in this process, for the mount tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kiln_client::Client;
+use kiln_fuse::Mode;
+use kiln_server::{Listen, Server, Stats};
+
+pub struct Mounted {
+    pub dir: tempfile::TempDir,
+    pub stats: Arc<Stats>,
+    session: Option<fuser::BackgroundSession>,
+}
+
+impl Mounted {
+    pub fn new(mode: Mode) -> Mounted {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(dir.path().join("brick")).expect("brick");
+        std::fs::create_dir(dir.path().join("mnt")).expect("mnt");
+        let sock = dir.path().join("kilnd.sock");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let brick = dir.path().join("brick");
+        let s2 = sock.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("rt");
+            rt.block_on(async move {
+                let server = Server::bind(&brick, &[Listen::Unix(s2)]).expect("bind");
+                tx.send(server.stats()).expect("send stats");
+                server.run().await;
+            });
+        });
+        let stats = rx.recv().expect("server up");
+        let clients = (0..2)
+            .map(|_| {
+                Arc::new(Client::connect(&format!("unix:{}", sock.display())).expect("connect"))
+            })
+            .collect();
+        let session = kiln_fuse::mount_background(
+            clients,
+            "test:/vol",
+            &dir.path().join("mnt"),
+            mode,
+            Duration::from_secs(1),
+            4,
+        )
+        .expect("mount");
+        Mounted {
+            dir,
+            stats,
+            session: Some(session),
+        }
+    }
+
+    pub fn mnt(&self) -> PathBuf {
+        self.dir.path().join("mnt")
+    }
+
+    pub fn brick(&self) -> PathBuf {
+        self.dir.path().join("brick")
+    }
+
+    pub fn path(&self, p: &str) -> PathBuf {
+        self.mnt().join(p)
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            let _ = s.umount_and_join();
+        }
+    }
+}
+
+pub fn seed(test: &str) -> u64 {
+    let s = std::env::var("KILN_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("{test}: seed {s} (rerun with KILN_SEED={s})");
+    s
+}
+
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+}
+
+pub fn exists(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok()
+}

@@ -1,0 +1,246 @@
+//! POSIX behaviour people rely on, through a real mount, in both modes.
+
+mod common;
+
+use std::fs::{self, OpenOptions};
+use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+
+use common::{exists, Mounted};
+use kiln_fuse::Mode;
+
+fn errno(e: std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+fn posix(mode: Mode) {
+    let m = Mounted::new(mode);
+    let p = |s: &str| m.path(s);
+
+    // O_CREAT|O_EXCL, O_TRUNC, O_APPEND.
+    fs::write(p("f"), b"0123456789").expect("write");
+    let e = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(p("f"))
+        .expect_err("O_EXCL on an existing file");
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+    let mut a = OpenOptions::new()
+        .append(true)
+        .open(p("f"))
+        .expect("O_APPEND");
+    a.write_all(b"AB").expect("append");
+    drop(a);
+    assert_eq!(fs::read(p("f")).expect("read"), b"0123456789AB");
+    OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(p("f"))
+        .expect("O_TRUNC");
+    assert_eq!(fs::metadata(p("f")).expect("stat").len(), 0);
+
+    // Read/write at offsets, truncate up and down, fallocate.
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(p("f"))
+        .expect("open rw");
+    f.seek(SeekFrom::Start(5000)).expect("seek");
+    f.write_all(b"tail").expect("write at offset");
+    f.sync_all().expect("fsync");
+    let mut all = Vec::new();
+    f.seek(SeekFrom::Start(0)).expect("seek");
+    f.read_to_end(&mut all).expect("read");
+    assert_eq!(all.len(), 5004);
+    assert!(all[..5000].iter().all(|&b| b == 0) && &all[5000..] == b"tail");
+    f.set_len(10).expect("truncate down");
+    assert_eq!(fs::metadata(p("f")).expect("stat").len(), 10);
+    f.set_len(1 << 20).expect("truncate up");
+    assert_eq!(fs::metadata(p("f")).expect("stat").len(), 1 << 20);
+    // SAFETY: plain fallocate on an open descriptor.
+    let r = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, 2 << 20) };
+    assert_eq!(r, 0, "fallocate: {}", std::io::Error::last_os_error());
+    assert_eq!(fs::metadata(p("f")).expect("stat").len(), 2 << 20);
+    drop(f);
+
+    // Directories: mkdir, nested, rmdir of a non-empty one fails, a large listing.
+    fs::create_dir_all(p("d1/d2")).expect("mkdir -p");
+    assert_eq!(
+        errno(fs::remove_dir(p("d1")).expect_err("rmdir non-empty")),
+        libc::ENOTEMPTY
+    );
+    for i in 0..600 {
+        fs::write(p(&format!("d1/file{i:04}")), i.to_string()).expect("create many");
+    }
+    let mut names: Vec<String> = fs::read_dir(p("d1"))
+        .expect("readdir")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf8"))
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 601, "600 files and d2");
+    assert_eq!(names[0], "d2");
+    assert_eq!(fs::read_to_string(p("d1/file0599")).expect("read"), "599");
+
+    // Rename over an existing file, and across directories (with open files kept working).
+    fs::write(p("old"), b"new content").expect("write");
+    fs::write(p("target"), b"to be replaced").expect("write");
+    fs::rename(p("old"), p("target")).expect("rename over existing");
+    assert_eq!(fs::read(p("target")).expect("read"), b"new content");
+    assert!(!exists(&p("old")));
+    fs::rename(p("target"), p("d1/d2/moved")).expect("rename across dirs");
+    fs::rename(p("d1"), p("dz")).expect("rename a directory");
+    assert_eq!(
+        fs::read(p("dz/d2/moved")).expect("read through the renamed dir"),
+        b"new content"
+    );
+
+    // Unlink of an open file: it stays readable until closed.
+    fs::write(p("ghost"), b"still here").expect("write");
+    let mut g = fs::File::open(p("ghost")).expect("open");
+    fs::remove_file(p("ghost")).expect("unlink");
+    assert!(!exists(&p("ghost")));
+    let mut s = String::new();
+    g.read_to_string(&mut s).expect("read after unlink");
+    assert_eq!(s, "still here");
+    drop(g);
+
+    // Hard links share an inode; removing one name leaves the other.
+    fs::write(p("h1"), b"linked").expect("write");
+    fs::hard_link(p("h1"), p("h2")).expect("link");
+    let (a, b) = (
+        fs::metadata(p("h1")).expect("stat"),
+        fs::metadata(p("h2")).expect("stat"),
+    );
+    assert_eq!(a.ino(), b.ino());
+    assert_eq!(b.nlink(), 2);
+    fs::remove_file(p("h1")).expect("unlink one name");
+    assert_eq!(fs::read(p("h2")).expect("other name"), b"linked");
+    assert_eq!(fs::metadata(p("h2")).expect("stat").nlink(), 1);
+
+    // Symlinks.
+    std::os::unix::fs::symlink("dz/d2/moved", p("sl")).expect("symlink");
+    assert_eq!(
+        fs::read_link(p("sl")).expect("readlink").to_str(),
+        Some("dz/d2/moved")
+    );
+    assert_eq!(fs::read(p("sl")).expect("follow"), b"new content");
+    assert!(fs::symlink_metadata(p("sl"))
+        .expect("lstat")
+        .file_type()
+        .is_symlink());
+
+    // chmod, chown, utimens.
+    fs::set_permissions(p("h2"), fs::Permissions::from_mode(0o640)).expect("chmod");
+    assert_eq!(fs::metadata(p("h2")).expect("stat").mode() & 0o7777, 0o640);
+    std::os::unix::fs::chown(p("h2"), Some(1234), Some(5678)).expect("chown");
+    let md = fs::metadata(p("h2")).expect("stat");
+    assert_eq!((md.uid(), md.gid()), (1234, 5678));
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+    fs::File::options()
+        .write(true)
+        .open(p("h2"))
+        .expect("open")
+        .set_modified(t)
+        .expect("utimens");
+    assert_eq!(fs::metadata(p("h2")).expect("stat").mtime(), 1_000_000_000);
+
+    // xattrs through the mount (user namespace).
+    let path = std::ffi::CString::new(p("h2").into_os_string().into_encoded_bytes()).expect("cstr");
+    // SAFETY: valid C strings and buffers for the xattr calls.
+    unsafe {
+        assert_eq!(
+            libc::setxattr(
+                path.as_ptr(),
+                c"user.kiln".as_ptr(),
+                b"v1".as_ptr().cast(),
+                2,
+                0
+            ),
+            0,
+            "setxattr: {}",
+            std::io::Error::last_os_error()
+        );
+        let mut buf = [0u8; 16];
+        assert_eq!(
+            libc::getxattr(
+                path.as_ptr(),
+                c"user.kiln".as_ptr(),
+                buf.as_mut_ptr().cast(),
+                16
+            ),
+            2
+        );
+        assert_eq!(&buf[..2], b"v1");
+        assert_eq!(
+            libc::getxattr(
+                path.as_ptr(),
+                c"user.kiln".as_ptr(),
+                std::ptr::null_mut(),
+                0
+            ),
+            2,
+            "size query"
+        );
+        let n = libc::listxattr(path.as_ptr(), buf.as_mut_ptr().cast(), 16);
+        assert!(n >= 10 && buf[..n as usize].windows(9).any(|w| w == b"user.kiln"));
+        assert_eq!(libc::removexattr(path.as_ptr(), c"user.kiln".as_ptr()), 0);
+        assert_eq!(
+            libc::getxattr(
+                path.as_ptr(),
+                c"user.kiln".as_ptr(),
+                buf.as_mut_ptr().cast(),
+                16
+            ),
+            -1
+        );
+        assert_eq!(*libc::__errno_location(), libc::ENODATA);
+    }
+
+    // statfs reports the brick's file system.
+    // SAFETY: zeroed statvfs filled by the call.
+    let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
+    let mp = std::ffi::CString::new(m.mnt().into_os_string().into_encoded_bytes()).expect("cstr");
+    // SAFETY: valid path and out-pointer.
+    assert_eq!(unsafe { libc::statvfs(mp.as_ptr(), &mut sv) }, 0);
+    assert!(sv.f_blocks > 0 && sv.f_bsize > 0);
+
+    // The errno values the kernel expects.
+    assert_eq!(
+        errno(fs::read(p("nope")).expect_err("missing")),
+        libc::ENOENT
+    );
+    assert_eq!(
+        errno(fs::create_dir(p("dz")).expect_err("exists")),
+        libc::EEXIST
+    );
+    assert_eq!(
+        errno(fs::remove_dir(p("h2")).expect_err("rmdir a file")),
+        libc::ENOTDIR
+    );
+    assert_eq!(
+        errno(fs::read_dir(p("h2")).map(|_| ()).expect_err("list a file")),
+        libc::ENOTDIR
+    );
+    let e = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECTORY)
+        .open(p("dz"))
+        .expect_err("write a dir");
+    assert!(matches!(errno(e), libc::EISDIR | libc::EINVAL));
+
+    // And the brick holds what the mount shows.
+    assert_eq!(
+        fs::read(m.brick().join("dz/d2/moved")).expect("brick"),
+        b"new content"
+    );
+}
+
+#[test]
+fn posix_in_general_mode() {
+    posix(Mode::General);
+}
+
+#[test]
+fn posix_in_vm_image_mode() {
+    posix(Mode::VmImage);
+}

@@ -1,0 +1,343 @@
+//! The export: a listener for NBD clients, one session per client, and the image on the brick.
+//!
+//! Each NBD client connection gets its own Kiln connection and its own open handle on the image,
+//! so clients never queue behind each other in one Kiln connection, and a client that breaks its
+//! connection breaks only that. Sessions run on the tokio runtime: a reader task (the session
+//! itself) and a writer task; completions arrive on the Kiln connection's receive thread.
+
+use std::future::Future;
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kiln_client::{Client, Fh};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::handshake::{handshake, Negotiated};
+use crate::metrics::Metrics;
+use crate::reader::Reader;
+use crate::spec::{nbd_uri, ImageSpec, Listen};
+use crate::transmission::{self, Ctx, End};
+
+/// How long a client may take to finish the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a shutdown waits for clients' requests in flight.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What to export and how.
+#[derive(Debug, Clone)]
+pub struct ExportConfig {
+    /// The image on the brick.
+    pub image: ImageSpec,
+    /// Where NBD clients connect.
+    pub listen: Listen,
+    /// The export name; `None`: the image path in the volume.
+    pub export_name: Option<String>,
+    /// Refuse writes.
+    pub read_only: bool,
+}
+
+/// What every session needs to know about the export.
+pub struct Shared {
+    /// The image.
+    pub image: ImageSpec,
+    /// The export name clients ask for (the empty name, the default export, works too).
+    pub name: String,
+    /// A line for humans (`NBD_INFO_DESCRIPTION`, `NBD_OPT_LIST`).
+    pub description: String,
+    /// Refuse writes.
+    pub read_only: bool,
+}
+
+impl Shared {
+    /// True if a client asking for `name` means this export: the empty (default) name, or the
+    /// export name with or without a leading `/` (NBD URIs carry it as a path).
+    pub fn name_matches(&self, name: &str) -> bool {
+        name.is_empty() || name.trim_start_matches('/') == self.name.trim_start_matches('/')
+    }
+}
+
+/// The image opened on the brick over a Kiln connection of its own.
+pub struct Backend {
+    /// The connection.
+    pub client: Client,
+    /// The open image.
+    pub fh: Fh,
+    /// Its size in bytes when opened.
+    pub size: u64,
+}
+
+/// Connects to the brick and opens the image; the error says what went wrong in words.
+pub async fn open_backend(sh: &Shared) -> Result<Backend, String> {
+    let server = sh.image.server.clone();
+    let s2 = server.clone();
+    // Connecting is a blocking call (socket connect and the hello round trip).
+    let client = tokio::task::spawn_blocking(move || Client::connect(&s2))
+        .await
+        .map_err(|e| format!("cannot reach Kiln server {server}: {e}"))?
+        .map_err(|e| format!("Kiln server {server} is unreachable: {e}"))?;
+    let path = &sh.image.path;
+    let flags = if sh.read_only {
+        libc::O_RDONLY
+    } else {
+        libc::O_RDWR
+    };
+    let fh = client
+        .open(path, flags)
+        .await
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOENT) => format!("image {path} not found on {server}"),
+            _ => format!("cannot open image {path} on {server}: {e}"),
+        })?;
+    let attr = client
+        .fstat(fh)
+        .await
+        .map_err(|e| format!("cannot stat image {path} on {server}: {e}"))?;
+    if attr.mode & libc::S_IFMT != libc::S_IFREG {
+        let _ = client.close(fh).await;
+        return Err(format!("image {path} on {server} is not a regular file"));
+    }
+    Ok(Backend {
+        client,
+        fh,
+        size: attr.size,
+    })
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+/// A bound export, ready to run.
+pub struct Export {
+    shared: Arc<Shared>,
+    listener: Listener,
+    local: Listen,
+    size: u64,
+}
+
+impl Export {
+    /// Checks that the image can be opened (so a typo fails now, not at the first client),
+    /// then binds the listen address. Must run inside a tokio runtime.
+    pub async fn bind(cfg: ExportConfig) -> Result<Export, String> {
+        let name = cfg
+            .export_name
+            .clone()
+            .unwrap_or_else(|| cfg.image.path.clone());
+        let description = format!(
+            "Kiln image {} in volume {} on {}{}",
+            cfg.image.path,
+            cfg.image.volume,
+            cfg.image.server,
+            if cfg.read_only { " (read-only)" } else { "" }
+        );
+        let shared = Arc::new(Shared {
+            image: cfg.image,
+            name,
+            description,
+            read_only: cfg.read_only,
+        });
+        let probe = open_backend(&shared).await?;
+        let size = probe.size;
+        let _ = probe.client.close(probe.fh).await;
+        drop(probe);
+
+        let (listener, local) = match &cfg.listen {
+            Listen::Tcp(a) => {
+                let l = TcpListener::bind(a)
+                    .await
+                    .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+                let local = l.local_addr().map_err(|e| e.to_string())?;
+                (Listener::Tcp(l), Listen::Tcp(local))
+            }
+            Listen::Unix(p) => {
+                // A socket file left by a previous run that died is replaced; anything else
+                // at that path is not ours to remove.
+                if let Ok(m) = std::fs::symlink_metadata(p) {
+                    use std::os::unix::fs::FileTypeExt;
+                    if m.file_type().is_socket() {
+                        let _ = std::fs::remove_file(p);
+                    }
+                }
+                let l = UnixListener::bind(p)
+                    .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+                (Listener::Unix(l, p.clone()), cfg.listen.clone())
+            }
+        };
+        Ok(Export {
+            shared,
+            listener,
+            local,
+            size,
+        })
+    }
+
+    /// Where the export listens (with the real port if 0 was asked for).
+    pub fn local_addr(&self) -> &Listen {
+        &self.local
+    }
+
+    /// The export name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The image size found when binding.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The NBD URI clients can use.
+    pub fn uri(&self) -> String {
+        nbd_uri(&self.local, &self.shared.name)
+    }
+
+    /// Serves clients until `shutdown` completes, then stops accepting, lets every client's
+    /// requests in flight finish (for up to 10 s), closes the connections and returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut sessions = JoinSet::new();
+        let next_id = AtomicU64::new(1);
+        tokio::pin!(shutdown);
+        loop {
+            let accepted: io::Result<Halves> = tokio::select! {
+                _ = &mut shutdown => break,
+                Some(_) = sessions.join_next(), if !sessions.is_empty() => continue,
+                r = accept(&self.listener) => r,
+            };
+            match accepted {
+                Ok((rd, wr, peer)) => {
+                    let peer = format!("#{} {peer}", next_id.fetch_add(1, Relaxed));
+                    let sh = self.shared.clone();
+                    let stop = stop_rx.clone();
+                    sessions.spawn(session(rd, wr, peer, sh, stop));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: do not spin.
+                    tracing::warn!("accept on {} failed: {e}", self.local);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        while sessions.try_join_next().is_some() {}
+        tracing::info!("shutting down: {} client(s) connected", sessions.len());
+        let _ = stop_tx.send(true);
+        if let Listener::Unix(_, p) = &self.listener {
+            let _ = std::fs::remove_file(p);
+        }
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while sessions.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(
+                "{} client(s) still busy after {SHUTDOWN_GRACE:?}; closing them",
+                sessions.len()
+            );
+            sessions.shutdown().await;
+        }
+    }
+}
+
+type Halves = (
+    Box<dyn AsyncRead + Send + Unpin>,
+    Box<dyn AsyncWrite + Send + Unpin>,
+    String,
+);
+
+async fn accept(l: &Listener) -> io::Result<Halves> {
+    match l {
+        Listener::Tcp(l) => {
+            let (s, a) = l.accept().await?;
+            // Replies are complete messages; do not hold them back waiting for more.
+            s.set_nodelay(true)?;
+            let (r, w) = s.into_split();
+            Ok((Box::new(r), Box::new(w), a.to_string()))
+        }
+        Listener::Unix(l, _) => {
+            let (s, _) = l.accept().await?;
+            let (r, w) = s.into_split();
+            Ok((Box::new(r), Box::new(w), "unix".to_owned()))
+        }
+    }
+}
+
+/// One client, from greeting to goodbye.
+async fn session(
+    rd: Box<dyn AsyncRead + Send + Unpin>,
+    mut wr: Box<dyn AsyncWrite + Send + Unpin>,
+    peer: String,
+    sh: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut rd = Reader::new(rd);
+    tracing::debug!(peer = %peer, "client connected");
+    let neg = tokio::select! {
+        r = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut rd, &mut wr, &sh)) => r,
+        _ = stop.changed() => return,
+    };
+    let Negotiated {
+        backend,
+        structured,
+    } = match neg {
+        Ok(Ok(Some(n))) => n,
+        Ok(Ok(None)) => {
+            tracing::debug!(peer = %peer, "client left during the handshake");
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(peer = %peer, "handshake failed, closing this client: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(peer = %peer, "no handshake within {HANDSHAKE_TIMEOUT:?}, closing this client");
+            return;
+        }
+    };
+    tracing::info!(
+        peer = %peer,
+        "client attached to {:?} ({} bytes{}{})",
+        sh.name,
+        backend.size,
+        if structured { ", structured replies" } else { "" },
+        if sh.read_only { ", read-only" } else { "" }
+    );
+    let metrics = Arc::new(Metrics::default());
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let fh = backend.fh;
+    // The session keeps its own handle on the Kiln connection, to close the image once the last
+    // reply is out (a clone of the context would keep the writer's channel open forever).
+    let client = Arc::new(backend.client);
+    let ctx = Arc::new(Ctx::new(
+        client.clone(),
+        fh,
+        backend.size,
+        structured,
+        sh.read_only,
+        metrics.clone(),
+        peer.clone(),
+        tx,
+    ));
+    let writer = tokio::spawn(transmission::write_replies(wr, rx, metrics.clone()));
+    let end = transmission::read_requests(&mut rd, ctx, &mut stop).await;
+    let wrote = writer.await;
+    let _ = client.close(fh).await;
+    let how = match &end {
+        End::Disconnect => "disconnected".to_owned(),
+        End::Eof => "closed the connection".to_owned(),
+        End::Shutdown => "disconnected by server shutdown".to_owned(),
+        End::Error(e) => format!("dropped: {e}"),
+    };
+    match wrote {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(peer = %peer, "sending replies failed: {e}"),
+        Err(e) => tracing::warn!(peer = %peer, "reply writer failed: {e}"),
+    }
+    tracing::info!(peer = %peer, "client {how}: {}", metrics.summary(rd.copied));
+}

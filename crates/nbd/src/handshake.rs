@@ -1,0 +1,300 @@
+//! The fixed-newstyle handshake: greeting, client flags, then option haggling until the client
+//! picks the export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) or leaves.
+//!
+//! Supported options: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`, `STRUCTURED_REPLY`; every
+//! other option gets `NBD_REP_ERR_UNSUP` and haggling goes on. The image is opened on the brick
+//! (over this client's own Kiln connection) the first time an option needs its size, so a
+//! client that only lists exports costs the brick nothing. A client that breaks the framing
+//! (bad magic, unknown client flags, absurd option length) is disconnected; no one else is
+//! affected.
+
+use std::io;
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+
+use crate::export::{open_backend, Backend, Shared};
+use crate::proto::{self, info, opt, rep, tflag, MAX_BLOCK, MIN_BLOCK, PREFERRED_BLOCK};
+use crate::reader::Reader;
+
+/// Option data larger than this is refused with `NBD_REP_ERR_TOO_BIG` (the largest real option,
+/// `NBD_OPT_GO` with a 4096-byte name, is far smaller).
+const MAX_OPTION_LEN: u32 = 64 * 1024;
+/// Option data larger than this is not even read: the client is disconnected.
+const MAX_SKIP_LEN: u32 = 1 << 20;
+
+/// What the handshake agreed on.
+pub struct Negotiated {
+    /// The open image on the brick.
+    pub backend: Backend,
+    /// Structured replies were negotiated.
+    pub structured: bool,
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// The transmission flags for this export.
+pub fn transmission_flags(structured: bool, read_only: bool) -> u16 {
+    let mut f = tflag::HAS_FLAGS
+        | tflag::SEND_FLUSH
+        | tflag::SEND_FUA
+        | tflag::SEND_TRIM
+        | tflag::SEND_WRITE_ZEROES
+        | tflag::SEND_FAST_ZERO
+        // Safe to advertise: every connection reaches the same file on the same brick, with
+        // no cache on the way (this export keeps none; the brick's only cache is the kernel
+        // page cache, shared by all its handles), and the brick's fdatasync flushes the whole
+        // file whoever wrote it. So FLUSH and FUA on one connection cover the writes already
+        // answered on any other.
+        | tflag::CAN_MULTI_CONN;
+    if structured {
+        // A READ is always answered with one data chunk, so "don't fragment" costs nothing.
+        f |= tflag::SEND_DF;
+    }
+    if read_only {
+        f |= tflag::READ_ONLY;
+    }
+    f
+}
+
+/// Runs the handshake. `Ok(None)`: the client ended it (`NBD_OPT_ABORT` or end of stream).
+pub async fn handshake<R, W>(
+    rd: &mut Reader<R>,
+    w: &mut W,
+    sh: &Shared,
+) -> io::Result<Option<Negotiated>>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut greet = Vec::with_capacity(18);
+    greet.extend_from_slice(&proto::NBDMAGIC.to_be_bytes());
+    greet.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+    greet.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
+    w.write_all(&greet).await?;
+
+    if !rd.fill_to(4).await? {
+        return Ok(None);
+    }
+    let cflags = proto::be32(rd.buffered());
+    rd.consume(4);
+    let known = proto::CLIENT_FIXED_NEWSTYLE | proto::CLIENT_NO_ZEROES;
+    if cflags & !known != 0 {
+        return Err(invalid(format!("unknown client flags {cflags:#x}")));
+    }
+    let no_zeroes = cflags & proto::CLIENT_NO_ZEROES != 0;
+
+    let mut structured = false;
+    let mut backend: Option<Backend> = None;
+    loop {
+        if !rd.fill_to(16).await? {
+            return Ok(None);
+        }
+        let b = rd.buffered();
+        let (magic, option, len) = (proto::be64(b), proto::be32(&b[8..]), proto::be32(&b[12..]));
+        rd.consume(16);
+        if magic != proto::IHAVEOPT {
+            return Err(invalid(format!("bad option magic {magic:#x}")));
+        }
+        if len > MAX_OPTION_LEN {
+            if len > MAX_SKIP_LEN {
+                return Err(invalid(format!("option {option} with {len} bytes of data")));
+            }
+            rd.skip(len as u64).await?;
+            let msg = format!("option data of {len} bytes is too big");
+            reply(w, option, rep::ERR_TOO_BIG, msg.as_bytes()).await?;
+            continue;
+        }
+        let data = rd.read_vec(len as usize).await?;
+        tracing::debug!(option, len, "nbd option");
+        match option {
+            opt::EXPORT_NAME => {
+                let name = String::from_utf8_lossy(&data);
+                if !sh.name_matches(&name) {
+                    // This option cannot be refused with an error: the protocol says close.
+                    return Err(invalid(format!(
+                        "NBD_OPT_EXPORT_NAME for unknown export {name:?}"
+                    )));
+                }
+                let be = match backend.take() {
+                    Some(b) => b,
+                    None => open_backend(sh).await.map_err(invalid)?,
+                };
+                let mut out = Vec::with_capacity(134);
+                out.extend_from_slice(&be.size.to_be_bytes());
+                out.extend_from_slice(&transmission_flags(structured, sh.read_only).to_be_bytes());
+                if !no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                w.write_all(&out).await?;
+                return Ok(Some(Negotiated {
+                    backend: be,
+                    structured,
+                }));
+            }
+            opt::ABORT => {
+                // The client may already have closed; that is fine.
+                let _ = reply(w, option, rep::ACK, &[]).await;
+                return Ok(None);
+            }
+            opt::LIST => {
+                if !data.is_empty() {
+                    reply(w, option, rep::ERR_INVALID, b"NBD_OPT_LIST takes no data").await?;
+                    continue;
+                }
+                let name = sh.name.as_bytes();
+                let mut d = Vec::with_capacity(4 + name.len() + sh.description.len());
+                d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                d.extend_from_slice(name);
+                d.extend_from_slice(sh.description.as_bytes());
+                reply(w, option, rep::SERVER, &d).await?;
+                reply(w, option, rep::ACK, &[]).await?;
+            }
+            opt::STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    let msg = b"NBD_OPT_STRUCTURED_REPLY takes no data";
+                    reply(w, option, rep::ERR_INVALID, msg).await?;
+                    continue;
+                }
+                structured = true;
+                reply(w, option, rep::ACK, &[]).await?;
+            }
+            opt::INFO | opt::GO => {
+                let (name, requests) = match parse_info(&data) {
+                    Ok(v) => v,
+                    Err(msg) => {
+                        reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
+                        continue;
+                    }
+                };
+                if !sh.name_matches(&name) {
+                    let msg = format!(
+                        "no export named {name:?}; this server exports {:?}",
+                        sh.name
+                    );
+                    reply(w, option, rep::ERR_UNKNOWN, msg.as_bytes()).await?;
+                    continue;
+                }
+                if backend.is_none() {
+                    match open_backend(sh).await {
+                        Ok(b) => backend = Some(b),
+                        Err(msg) => {
+                            tracing::warn!("cannot serve export {:?}: {msg}", sh.name);
+                            reply(w, option, rep::ERR_UNKNOWN, msg.as_bytes()).await?;
+                            continue;
+                        }
+                    }
+                }
+                let size = backend.as_ref().map_or(0, |b| b.size);
+                let mut export = Vec::with_capacity(12);
+                export.extend_from_slice(&info::EXPORT.to_be_bytes());
+                export.extend_from_slice(&size.to_be_bytes());
+                export
+                    .extend_from_slice(&transmission_flags(structured, sh.read_only).to_be_bytes());
+                reply(w, option, rep::INFO, &export).await?;
+                // Block sizes go out whether asked for or not: clients that did not ask ignore
+                // them, and the server enforces only the protocol's default maximum anyway.
+                let mut bs = Vec::with_capacity(14);
+                bs.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
+                for v in [MIN_BLOCK, PREFERRED_BLOCK, MAX_BLOCK] {
+                    bs.extend_from_slice(&v.to_be_bytes());
+                }
+                reply(w, option, rep::INFO, &bs).await?;
+                if requests.contains(&info::NAME) {
+                    let mut d = info::NAME.to_be_bytes().to_vec();
+                    d.extend_from_slice(sh.name.as_bytes());
+                    reply(w, option, rep::INFO, &d).await?;
+                }
+                if requests.contains(&info::DESCRIPTION) {
+                    let mut d = info::DESCRIPTION.to_be_bytes().to_vec();
+                    d.extend_from_slice(sh.description.as_bytes());
+                    reply(w, option, rep::INFO, &d).await?;
+                }
+                reply(w, option, rep::ACK, &[]).await?;
+                if option == opt::GO {
+                    let backend = backend.take().expect("opened above");
+                    return Ok(Some(Negotiated {
+                        backend,
+                        structured,
+                    }));
+                }
+            }
+            _ => {
+                let msg = format!("option {option} is not supported by kiln nbd");
+                reply(w, option, rep::ERR_UNSUP, msg.as_bytes()).await?;
+            }
+        }
+    }
+}
+
+/// Parses `NBD_OPT_INFO` / `NBD_OPT_GO` data: the export name and the information requests.
+fn parse_info(d: &[u8]) -> Result<(String, Vec<u16>), String> {
+    if d.len() < 6 {
+        return Err(format!("option data of {} bytes is too short", d.len()));
+    }
+    let name_len = proto::be32(d) as usize;
+    if name_len > d.len() - 6 {
+        return Err(format!(
+            "export name length {name_len} overruns the option data"
+        ));
+    }
+    let name = std::str::from_utf8(&d[4..4 + name_len])
+        .map_err(|_| "export name is not UTF-8".to_owned())?
+        .to_owned();
+    let rest = &d[4 + name_len..];
+    let n = u16::from_be_bytes([rest[0], rest[1]]) as usize;
+    if rest.len() != 2 + 2 * n {
+        return Err(format!(
+            "{n} information requests do not match {} bytes",
+            rest.len() - 2
+        ));
+    }
+    let requests = rest[2..]
+        .chunks_exact(2)
+        .map(|c| u16::from_be_bytes([c[0], c[1]]))
+        .collect();
+    Ok((name, requests))
+}
+
+async fn reply<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    option: u32,
+    kind: u32,
+    data: &[u8],
+) -> io::Result<()> {
+    w.write_all(&proto::option_reply(option, kind, data)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_data_parses_and_refuses_garbage() {
+        let mut d = 3u32.to_be_bytes().to_vec();
+        d.extend_from_slice(b"abc");
+        d.extend_from_slice(&2u16.to_be_bytes());
+        d.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
+        d.extend_from_slice(&info::NAME.to_be_bytes());
+        assert_eq!(parse_info(&d).unwrap(), ("abc".to_owned(), vec![3, 1]));
+        assert!(parse_info(&d[..d.len() - 1]).is_err());
+        assert!(parse_info(&[0, 0, 0, 9, 0, 0]).is_err());
+        assert!(parse_info(&[0, 0]).is_err());
+        assert_eq!(
+            parse_info(&[0, 0, 0, 0, 0, 0]).unwrap(),
+            (String::new(), vec![])
+        );
+    }
+
+    #[test]
+    fn flags() {
+        let f = transmission_flags(false, false);
+        assert_eq!(f & tflag::READ_ONLY, 0);
+        assert_eq!(f & tflag::SEND_DF, 0);
+        assert_ne!(f & tflag::CAN_MULTI_CONN, 0);
+        let f = transmission_flags(true, true);
+        assert_ne!(f & tflag::READ_ONLY, 0);
+        assert_ne!(f & tflag::SEND_DF, 0);
+    }
+}

@@ -1,0 +1,195 @@
+//! Parsing what the user types: the image spec `ADDR:/VOL/PATH` and the `--listen` address.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+/// Which image to export: a brick address, a volume name and a path in the volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageSpec {
+    /// The brick, as `kiln_client::Client::connect` takes it: `tcp:HOST:PORT`, `HOST:PORT` or
+    /// `unix:PATH`.
+    pub server: String,
+    /// The volume name. Recorded and shown only: a brick serves one volume today.
+    pub volume: String,
+    /// The image path inside the volume, without a leading `/` (`images/vm.img`).
+    pub path: String,
+}
+
+impl FromStr for ImageSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ImageSpec, String> {
+        let bad = |why: &str| {
+            format!("bad image spec {s:?}: {why} (want SERVER:/VOL/PATH, e.g. unix:/run/kiln/b1.sock:/vol/images/vm.img or 127.0.0.1:24100:/vol/vm.img)")
+        };
+        // The last ":/" separates: a Unix socket path may itself contain ":/", an image path is
+        // far less likely to.
+        let at = s
+            .rfind(":/")
+            .ok_or_else(|| bad("no ':/' before the volume"))?;
+        let (server, rest) = (&s[..at], &s[at + 2..]);
+        if server.is_empty() || server == "unix:" || server == "tcp:" {
+            return Err(bad("no server address"));
+        }
+        if !server.starts_with("unix:") && !server.contains(':') {
+            return Err(bad(
+                "the server address needs a port (HOST:PORT) or unix:PATH",
+            ));
+        }
+        let mut parts = rest.split('/').filter(|c| !c.is_empty() && *c != ".");
+        let volume = parts
+            .next()
+            .ok_or_else(|| bad("no volume name"))?
+            .to_owned();
+        let comps: Vec<&str> = parts.collect();
+        if comps.is_empty() {
+            return Err(bad("no image path after the volume"));
+        }
+        if comps.contains(&"..") {
+            return Err(bad("'..' is not allowed in the image path"));
+        }
+        Ok(ImageSpec {
+            server: server.to_owned(),
+            volume,
+            path: comps.join("/"),
+        })
+    }
+}
+
+impl fmt::Display for ImageSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:/{}/{}", self.server, self.volume, self.path)
+    }
+}
+
+/// Where the export listens for NBD clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    /// A TCP address; port 0 picks a free port.
+    Tcp(SocketAddr),
+    /// A Unix socket path (a stale socket file there is replaced).
+    Unix(PathBuf),
+}
+
+impl FromStr for Listen {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Listen, String> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            if p.is_empty() {
+                return Err(format!("bad listen address {s:?}: empty socket path"));
+            }
+            return Ok(Listen::Unix(PathBuf::from(p)));
+        }
+        let a = s.strip_prefix("tcp:").unwrap_or(s);
+        a.parse().map(Listen::Tcp).map_err(|e| {
+            format!("bad listen address {s:?}: {e} (want unix:PATH or tcp:IP:PORT, e.g. tcp:127.0.0.1:10809)")
+        })
+    }
+}
+
+impl fmt::Display for Listen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Listen::Tcp(a) => write!(f, "tcp:{a}"),
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// The NBD URI (as qemu, libnbd and fio take it) of export `name` on `listen`.
+pub fn nbd_uri(listen: &Listen, name: &str) -> String {
+    let name = uri_escape(name);
+    match listen {
+        Listen::Unix(p) => format!(
+            "nbd+unix:///{name}?socket={}",
+            uri_escape(&p.display().to_string())
+        ),
+        Listen::Tcp(a) => format!("nbd://{a}/{name}"),
+    }
+}
+
+/// Percent-encodes what is not safe in a URI path or query value (keeps `/`).
+fn uri_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"/-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_specs() {
+        let s: ImageSpec = "unix:/run/kiln/b1.sock:/vol/images/vm.img".parse().unwrap();
+        assert_eq!(s.server, "unix:/run/kiln/b1.sock");
+        assert_eq!(s.volume, "vol");
+        assert_eq!(s.path, "images/vm.img");
+        assert_eq!(s.to_string(), "unix:/run/kiln/b1.sock:/vol/images/vm.img");
+
+        let s: ImageSpec = "tcp:127.0.0.1:24100:/v/a.img".parse().unwrap();
+        assert_eq!(
+            (s.server.as_str(), s.volume.as_str(), s.path.as_str()),
+            ("tcp:127.0.0.1:24100", "v", "a.img")
+        );
+        let s: ImageSpec = "host:24100://v//x/./a.img".parse().unwrap();
+        assert_eq!(
+            (s.server.as_str(), s.path.as_str()),
+            ("host:24100", "x/a.img")
+        );
+        // The last ":/" wins, so a socket path may contain one.
+        let s: ImageSpec = "unix:/tmp/a:/b.sock:/v/a.img".parse().unwrap();
+        assert_eq!(s.server, "unix:/tmp/a:/b.sock");
+
+        for bad in [
+            "vm.img",
+            "unix:/s.sock:/vol",
+            "unix:/s.sock:/vol/",
+            ":/vol/a",
+            "host:/vol/a",
+            "h:1:/v/../a",
+            "unix::/v/a",
+        ] {
+            let e = bad.parse::<ImageSpec>().unwrap_err();
+            assert!(e.contains("bad image spec"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn listen_addresses() {
+        assert_eq!(
+            "unix:/tmp/n.sock".parse::<Listen>().unwrap(),
+            Listen::Unix("/tmp/n.sock".into())
+        );
+        assert_eq!(
+            "tcp:127.0.0.1:10809".parse::<Listen>().unwrap(),
+            Listen::Tcp("127.0.0.1:10809".parse().unwrap())
+        );
+        assert_eq!(
+            "[::1]:0".parse::<Listen>().unwrap(),
+            Listen::Tcp("[::1]:0".parse().unwrap())
+        );
+        assert!("tcp:localhost"
+            .parse::<Listen>()
+            .unwrap_err()
+            .contains("bad listen address"));
+        assert!("unix:".parse::<Listen>().is_err());
+    }
+
+    #[test]
+    fn uris() {
+        let u = nbd_uri(&Listen::Unix("/tmp/x y.sock".into()), "images/vm.img");
+        assert_eq!(u, "nbd+unix:///images/vm.img?socket=/tmp/x%20y.sock");
+        let u = nbd_uri(&Listen::Tcp("127.0.0.1:10809".parse().unwrap()), "a");
+        assert_eq!(u, "nbd://127.0.0.1:10809/a");
+    }
+}

@@ -24,7 +24,7 @@ ratios Kiln is held to (each compared with its target, PASS or FAIL):
   seqread_tcp_vs_iperf3          Kiln seqread MB/s (tcp) / iperf3 MB/s        >= 0.8
   seqread_vs_gluster             Kiln seqread MB/s / GlusterFS's              >= 1.6
   seqread_mb_per_cpu_vs_gluster  Kiln seqread MB per CPU-second / GlusterFS's >= 2
-  seqread_unix_vs_tcp            Kiln seqread MB/s unix / tcp                 (info)
+  seqread_unix_vs_tcp            Kiln seqread MB/s unix / tcp                 > 1
   randread4k_qd1_p50_minus_pingpong
                                  Kiln 4k QD1 p50 - TCP ping-pong p50 (us)     <= 10
                                  (the unpinned ping-pong; --pingpong-floor)
@@ -604,7 +604,7 @@ def ratios(med: dict, floor: str) -> list[dict]:
          div(get(med, sr, "kiln_tcp", "mb_per_cpu_s"), get(med, sr, "gluster", "mb_per_cpu_s")),
          ">=", 2.0),
         ("seqread_unix_vs_tcp", "Kiln seqread MB/s unix / tcp",
-         div(get(med, sr, "kiln_unix", "mb_s"), get(med, sr, "kiln_tcp", "mb_s")), None, None),
+         div(get(med, sr, "kiln_unix", "mb_s"), get(med, sr, "kiln_tcp", "mb_s")), ">", 1.0),
         ("randread4k_qd1_p50_minus_pingpong", f"Kiln 4k QD1 p50 - {floor} ping-pong p50 (us)",
          sub(get(med, rr1, "kiln_tcp", "p50_us"), get(med, "net", pingpong, "p50_us")),
          "<=", 10.0),
@@ -619,7 +619,8 @@ def ratios(med: dict, floor: str) -> list[dict]:
             status = "n/a"
         elif op is None:
             status = "info"
-        elif (op == ">=" and value >= target) or (op == "<=" and value <= target):
+        elif ((op == ">=" and value >= target) or (op == "<=" and value <= target)
+              or (op == ">" and value > target)):
             status = "PASS"
         else:
             status = "FAIL"

@@ -19,35 +19,21 @@ fn target_dir() -> PathBuf {
 /// path and TCP port.
 fn start_server(dir: &Path) -> (PathBuf, u16) {
     let sock = dir.join("kilnd.sock");
-    let (tx, rx) = std::sync::mpsc::channel();
     let brick = dir.join("brick");
     std::fs::create_dir(&brick).expect("brick");
-    let s2 = sock.clone();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("rt");
-        rt.block_on(async move {
-            let listen = [
-                kiln_server::Listen::Unix(s2),
-                kiln_server::Listen::Tcp("127.0.0.1:0".parse().expect("addr")),
-            ];
-            let server = kiln_server::Server::bind(&brick, &listen).expect("bind");
-            let port = server
-                .local_addrs()
-                .iter()
-                .find_map(|a| match a {
-                    kiln_server::Listen::Tcp(a) => Some(a.port()),
-                    _ => None,
-                })
-                .expect("tcp port");
-            tx.send(port).expect("send port");
-            server.run().await;
-        });
-    });
-    let port = rx.recv().expect("server started");
+    let listen = [
+        kiln_server::Listen::Unix(sock.clone()),
+        kiln_server::Listen::Tcp("127.0.0.1:0".parse().expect("addr")),
+    ];
+    let server = kiln_server::spawn_background(&brick, &listen).expect("brick server");
+    let port = server
+        .addrs
+        .iter()
+        .find_map(|a| match a {
+            kiln_server::Listen::Tcp(a) => Some(a.port()),
+            _ => None,
+        })
+        .expect("tcp port");
     (sock, port)
 }
 

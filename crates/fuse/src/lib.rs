@@ -222,6 +222,11 @@ impl KilnFs {
         self.table().path(ino.0).ok_or(Errno::ENOENT)
     }
 
+    /// The path of `ino` and an attribute name, as UTF-8.
+    fn path_and_name<'n>(&self, ino: INodeNo, name: &'n OsStr) -> Result<(String, &'n str), Errno> {
+        Ok((self.path(ino)?, name.to_str().ok_or(Errno::EINVAL)?))
+    }
+
     fn child(&self, parent: INodeNo, name: &OsStr) -> Result<String, Errno> {
         let name = name.to_str().ok_or(Errno::EINVAL)?;
         Ok(join(&self.path(parent)?, name))
@@ -892,10 +897,9 @@ impl fuser::Filesystem for KilnFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        let (path, name) = match (self.path(ino), name.to_str()) {
-            (Ok(p), Some(n)) => (p, n),
-            (Err(e), _) => return reply.error(e),
-            (_, None) => return reply.error(Errno::EINVAL),
+        let (path, name) = match self.path_and_name(ino, name) {
+            Ok(x) => x,
+            Err(e) => return reply.error(e),
         };
         match block_on(self.client.setxattr(&path, name, value, flags as u32)) {
             Ok(()) => reply.ok(),
@@ -904,10 +908,9 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        let (path, name) = match (self.path(ino), name.to_str()) {
-            (Ok(p), Some(n)) => (p, n),
-            (Err(e), _) => return reply.error(e),
-            (_, None) => return reply.error(Errno::EINVAL),
+        let (path, name) = match self.path_and_name(ino, name) {
+            Ok(x) => x,
+            Err(e) => return reply.error(e),
         };
         match block_on(self.client.getxattr(&path, name)) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
@@ -942,10 +945,9 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let (path, name) = match (self.path(ino), name.to_str()) {
-            (Ok(p), Some(n)) => (p, n),
-            (Err(e), _) => return reply.error(e),
-            (_, None) => return reply.error(Errno::EINVAL),
+        let (path, name) = match self.path_and_name(ino, name) {
+            Ok(x) => x,
+            Err(e) => return reply.error(e),
         };
         match block_on(self.client.removexattr(&path, name)) {
             Ok(()) => reply.ok(),

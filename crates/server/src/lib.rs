@@ -182,6 +182,69 @@ pub fn grow_unix_send_buffer(fd: &OwnedFd) {
     }
 }
 
+/// A server running on a runtime of its own in a background thread: for embedding a brick in
+/// another program, and for tests that want the brick's counters in the same process.
+pub struct Background {
+    /// The addresses actually bound.
+    pub addrs: Vec<Listen>,
+    /// The server's counters.
+    pub stats: Arc<Stats>,
+}
+
+impl Background {
+    /// The first Unix socket address, as a client address (`unix:PATH`).
+    pub fn unix_addr(&self) -> Option<String> {
+        self.addrs
+            .iter()
+            .find_map(|a| matches!(a, Listen::Unix(_)).then(|| a.to_string()))
+    }
+
+    /// The first TCP address, as a client address (`tcp:IP:PORT`).
+    pub fn tcp_addr(&self) -> Option<String> {
+        self.addrs
+            .iter()
+            .find_map(|a| matches!(a, Listen::Tcp(_)).then(|| a.to_string()))
+    }
+}
+
+/// Binds `listen` for the brick at `dir` and serves it from a background thread (a 2-thread
+/// runtime) for the rest of the process's life. Returns once the addresses are bound.
+pub fn spawn_background(dir: &Path, listen: &[Listen]) -> std::io::Result<Background> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (dir, listen) = (dir.to_owned(), listen.to_vec());
+    std::thread::Builder::new()
+        .name("kilnd-bg".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                match Server::bind(&dir, &listen) {
+                    Ok(server) => {
+                        let _ = tx.send(Ok(Background {
+                            addrs: server.local_addrs(),
+                            stats: server.stats(),
+                        }));
+                        server.run().await;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                    }
+                }
+            });
+        })?;
+    rx.recv()
+        .map_err(|_| std::io::Error::other("the server thread ended before binding"))?
+}
+
 fn spawn_conn(fd: OwnedFd, brick: &Arc<Brick>, stats: &Arc<Stats>, peer: String) {
     stats
         .connections

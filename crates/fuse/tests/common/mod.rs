@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kiln_client::Client;
 use kiln_fuse::Mode;
-use kiln_server::{Listen, Server, Stats};
+use kiln_server::{Listen, Stats};
 
 pub struct Mounted {
     pub dir: tempfile::TempDir,
@@ -21,22 +21,10 @@ impl Mounted {
         std::fs::create_dir(dir.path().join("brick")).expect("brick");
         std::fs::create_dir(dir.path().join("mnt")).expect("mnt");
         let sock = dir.path().join("kilnd.sock");
-        let (tx, rx) = std::sync::mpsc::channel();
-        let brick = dir.path().join("brick");
-        let s2 = sock.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("rt");
-            rt.block_on(async move {
-                let server = Server::bind(&brick, &[Listen::Unix(s2)]).expect("bind");
-                tx.send(server.stats()).expect("send stats");
-                server.run().await;
-            });
-        });
-        let stats = rx.recv().expect("server up");
+        let server =
+            kiln_server::spawn_background(&dir.path().join("brick"), &[Listen::Unix(sock.clone())])
+                .expect("brick server");
+        let stats = server.stats;
         let clients = (0..2)
             .map(|_| {
                 Arc::new(Client::connect(&format!("unix:{}", sock.display())).expect("connect"))

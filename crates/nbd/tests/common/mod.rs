@@ -27,22 +27,8 @@ pub fn start_brick(dir: &Path) -> (PathBuf, PathBuf) {
     let brick = dir.join("brick");
     std::fs::create_dir_all(&brick).expect("brick dir");
     let sock = dir.join("kilnd.sock");
-    let (tx, rx) = mpsc::channel();
-    let (b2, s2) = (brick.clone(), sock.clone());
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let server = kiln_server::Server::bind(&b2, &[kiln_server::Listen::Unix(s2)])
-                .expect("bind brick");
-            tx.send(()).expect("started");
-            server.run().await;
-        });
-    });
-    rx.recv().expect("brick started");
+    kiln_server::spawn_background(&brick, &[kiln_server::Listen::Unix(sock.clone())])
+        .expect("brick server");
     (brick, sock)
 }
 

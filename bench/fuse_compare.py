@@ -50,7 +50,8 @@ in the JSON as app_cpu_s. MB = 10^6 bytes.
 Set-up: apt-get installs fio, gcc and fuse3 when missing; cargo build
 --release -p kiln-cli (skip with --no-build); a tmpfs (size + 2 GiB) on
 /tmp/kiln-fuse-bench/tmpfs holds Kiln's brick; kiln server listens on
-tcp:127.0.0.1 (a free port); kiln mount 127.0.0.1:PORT:/vol on
+tcp:127.0.0.1 (a free port) and a Unix socket; kiln mount unix:SOCK:/vol (or, with
+--kiln-transport tcp, 127.0.0.1:PORT:/vol) on
 /tmp/kiln-fuse-bench/kiln --mode vm-image; ../shared/bench/gluster.sh up, then
 gluster.sh mount dist /tmp/kiln-fuse-bench/gluster. bench.img is laid out on
 both mounts by one sequential pass of dd if=/dev/urandom oflag=direct bs=1M.
@@ -239,7 +240,7 @@ class FuseBench:
         with open(server_log, "w") as f:
             self.server = subprocess.Popen(
                 [str(self.kiln_bin), "server", "--brick", str(brick),
-                 "--listen", "tcp:127.0.0.1:0"],
+                 "--listen", "tcp:127.0.0.1:0", "--listen", f"unix:{self.tmp / 'kilnd.sock'}"],
                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         m = wait_for_line(self.server, server_log, r"kilnd: listening on tcp:127\.0\.0\.1:(\d+)",
@@ -251,7 +252,10 @@ class FuseBench:
         if is_mountpoint(KILN_MNT):
             raise BenchError(f"{KILN_MNT} is already a mount point (left over?); unmount it")
         mount_log = self.tmp / "kiln-mount.log"
-        source = f"127.0.0.1:{self.port}:/vol"
+        # A brick on the same host is mounted through its Unix socket by default (--kiln-transport).
+        self.kiln_addr = (f"unix:{self.tmp / 'kilnd.sock'}" if self.args.kiln_transport == "unix"
+                          else f"tcp:127.0.0.1:{self.port}")
+        source = f"{self.kiln_addr}:/vol"
         with open(mount_log, "w") as f:
             self.mount = subprocess.Popen(
                 [str(self.kiln_bin), "mount", source, str(KILN_MNT), "--mode", "vm-image"],
@@ -434,7 +438,7 @@ class FuseBench:
         return self.with_efficiency(rec, raw["bytes"] / 1e6)
 
     def run_native(self, bs: str, iodepth: int) -> dict:
-        cmd = [str(self.kiln_bin), "bench", "--connect", f"tcp:127.0.0.1:{self.port}",
+        cmd = [str(self.kiln_bin), "bench", "--connect", self.kiln_addr,
                "--server-pid", str(self.server.pid), "--rw", "read", "--bs", bs,
                "--iodepth", str(iodepth), "--size", str(self.size), "--file", FILE,
                "--runtime", str(self.args.runtime), "--json"]
@@ -604,6 +608,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kiln-bin", type=Path,
                    help="the kiln binary to run (default target/release/kiln)")
     p.add_argument("--strict", action="store_true", help="exit 1 if any target FAILs")
+    p.add_argument("--kiln-transport", choices=["unix", "tcp"], default="unix",
+                   help="how kiln mount and kiln bench reach the local brick (default unix: a "
+                        "brick on the same host is mounted through its Unix socket; tcp for the "
+                        "loopback-TCP figure)")
     args = p.parse_args(argv)
     if args.reps < 1 or args.runtime < 1 or args.preadv_calls < 1:
         p.error("--reps, --runtime and --preadv-calls must be at least 1")

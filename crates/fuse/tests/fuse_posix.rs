@@ -244,3 +244,65 @@ fn posix_in_general_mode() {
 fn posix_in_vm_image_mode() {
     posix(Mode::VmImage);
 }
+
+/// A listing in progress is stable while the directory changes: every name that existed when
+/// it started and was not removed appears exactly once, and nothing appears twice.
+#[test]
+fn readdir_is_stable_across_concurrent_changes() {
+    for mode in [Mode::General, Mode::VmImage] {
+        let m = Mounted::new(mode);
+        let d = m.path("big");
+        fs::create_dir(&d).expect("mkdir");
+        let names: Vec<String> = (0..2000)
+            .map(|i| format!("entry-with-a-longish-name-{i:05}"))
+            .collect();
+        for n in &names {
+            fs::write(d.join(n), b"").expect("create");
+        }
+        let mut it = fs::read_dir(&d).expect("opendir");
+        let mut seen: Vec<String> = Vec::new();
+        for _ in 0..300 {
+            seen.push(
+                it.next()
+                    .expect("entry")
+                    .expect("entry")
+                    .file_name()
+                    .into_string()
+                    .expect("utf8"),
+            );
+        }
+        // Change the directory under the open listing: add new names, remove some old ones.
+        let mut removed = std::collections::HashSet::new();
+        for (k, n) in names.iter().enumerate().filter(|(k, _)| k % 7 == 0) {
+            if !seen.contains(n) {
+                fs::remove_file(d.join(n)).expect("unlink");
+                removed.insert(n.clone());
+            }
+            fs::write(d.join(format!("new-{k}")), b"").expect("create new");
+        }
+        for e in it {
+            seen.push(e.expect("entry").file_name().into_string().expect("utf8"));
+        }
+        let mut sorted = seen.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(
+            sorted.len(),
+            seen.len(),
+            "{mode:?}: a name appeared twice in one listing"
+        );
+        for n in names.iter().filter(|n| !removed.contains(*n)) {
+            assert!(
+                seen.contains(n),
+                "{mode:?}: {n} existed throughout but was not listed"
+            );
+        }
+        // A new listing sees the changes.
+        let fresh = fs::read_dir(&d).expect("opendir").count();
+        assert_eq!(
+            fresh,
+            2000 - removed.len() + names.len().div_ceil(7),
+            "{mode:?}: a new listing sees the changes"
+        );
+    }
+}

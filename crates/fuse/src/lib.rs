@@ -64,8 +64,11 @@ pub struct MountArgs {
     /// Caching mode: vm-image (direct I/O, no page cache) or general (page cache).
     #[arg(long, value_enum, default_value = "general")]
     pub mode: Mode,
-    /// FUSE worker threads.
-    #[arg(long, default_value_t = 4)]
+    /// FUSE worker threads. A write waits for the brick on its FUSE thread (it is sent from
+    /// the kernel's buffer, without a copy), so this bounds the writes in flight. Measured with
+    /// fio 128k QD32 O_DIRECT writes: 4 threads 1.84-2.07 GB/s, 16 threads 2.15-2.26 GB/s;
+    /// reads were the same either way.
+    #[arg(long, default_value_t = 16)]
     pub threads: usize,
     /// Connections to the brick; data requests are spread over them (each has its own
     /// receive thread).

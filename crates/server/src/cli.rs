@@ -17,6 +17,17 @@ pub struct ServeArgs {
     /// Address to listen on: tcp:IP:PORT or unix:PATH. Repeat for several.
     #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:24100")]
     pub listen: Vec<Listen>,
+    /// Connections served at once; more are closed at once with a log line.
+    #[arg(long, default_value_t = crate::Limits::default().max_connections)]
+    pub max_connections: usize,
+    /// Requests one connection may have waiting for replies before the server stops reading
+    /// it (bounds memory per client together with an 8 MiB cap on queued reply bytes).
+    #[arg(long, default_value_t = crate::Limits::default().max_inflight)]
+    pub max_inflight: usize,
+    /// Seconds after which a connection with nothing in flight that sends nothing is closed;
+    /// 0 (the default) never closes one, because clients do not reconnect by themselves yet.
+    #[arg(long, default_value_t = 0.0)]
+    pub idle_timeout: f64,
     /// Threads for the network and fop runtime; 1 runs everything on one thread (slow fops
     /// such as fsync still go to a blocking pool).
     #[arg(long, default_value_t = 2)]
@@ -52,8 +63,13 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         }
     };
     rt.block_on(async {
+        let limits = crate::Limits {
+            max_connections: args.max_connections.max(1),
+            max_inflight: args.max_inflight.max(1),
+            idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout.max(0.0)),
+        };
         let server = match Server::bind(&args.brick, &args.listen) {
-            Ok(s) => s,
+            Ok(s) => s.with_limits(limits),
             Err(e) => {
                 eprintln!("kilnd: {e}");
                 return std::process::ExitCode::FAILURE;

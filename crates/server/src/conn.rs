@@ -97,10 +97,38 @@ struct Incoming {
     payload_len: usize,
 }
 
+/// What one connection, and the server as a whole, may hold: a slow or stalled client cannot
+/// make the server's memory grow without bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections served at once; more are accepted and closed at once, with a log line.
+    pub max_connections: usize,
+    /// Requests of one connection received but not yet answered; past it the server stops
+    /// reading that connection until replies have gone out.
+    pub max_inflight: usize,
+    /// A connection with nothing in flight that sends nothing for this long is closed; zero
+    /// never closes one. Off by default: clients do not reconnect by themselves yet, so a
+    /// mount left alone would break; `max_connections` bounds what idle clients can hold.
+    pub idle_timeout: std::time::Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_connections: 1024,
+            max_inflight: 1024,
+            idle_timeout: std::time::Duration::ZERO,
+        }
+    }
+}
+
 /// Per-connection state.
 struct Conn {
     brick: Arc<Brick>,
     stats: Arc<Stats>,
+    limits: Limits,
+    /// Requests dispatched whose replies have not been fully sent.
+    inflight: usize,
     handles: HashMap<u64, Arc<File>>,
     next_fh: u64,
     out: VecDeque<OutReply>,
@@ -109,7 +137,13 @@ struct Conn {
 }
 
 /// Serves one connected socket until the peer closes it or breaks the protocol.
-pub async fn serve(sock: OwnedFd, brick: Arc<Brick>, stats: Arc<Stats>, peer: String) {
+pub async fn serve(
+    sock: OwnedFd,
+    brick: Arc<Brick>,
+    stats: Arc<Stats>,
+    limits: Limits,
+    peer: String,
+) {
     if let Err(e) = rustix::io::ioctl_fionbio(&sock, true) {
         tracing::warn!(%peer, "cannot make socket non-blocking: {e}");
         return;
@@ -127,37 +161,64 @@ pub async fn serve(sock: OwnedFd, brick: Arc<Brick>, stats: Arc<Stats>, peer: St
     let mut conn = Conn {
         brick,
         stats,
+        limits,
+        inflight: 0,
         handles: HashMap::new(),
         next_fh: 1,
         out: VecDeque::new(),
         out_bytes: 0,
         done_tx,
     };
-    match conn.run(&fd, &mut done_rx).await {
+    match conn.run(&fd, &mut done_rx, &peer).await {
         Ok(()) => tracing::debug!(%peer, "connection closed"),
         Err(e) => tracing::info!(%peer, "connection ended: {e}"),
     }
 }
 
 impl Conn {
+    /// True while this connection may take in more requests.
+    fn may_read(&self) -> bool {
+        self.out_bytes < OUT_HIGH_WATER && self.inflight < self.limits.max_inflight
+    }
+
     async fn run(
         &mut self,
         fd: &AsyncFd<OwnedFd>,
         done_rx: &mut mpsc::UnboundedReceiver<OutReply>,
+        peer: &str,
     ) -> io::Result<()> {
         let mut next_hdr = [0u8; HEADER_LEN];
         let mut hdr_got = 0usize;
         let mut cur: Option<Incoming> = None;
+        // One timer for the idle timeout, re-armed lazily: when it fires after activity, it is
+        // pushed out instead of being reset on every frame.
+        let idle = self.limits.idle_timeout;
+        let idle_on = !idle.is_zero();
+        let mut last_activity = tokio::time::Instant::now();
+        // With the timeout off the timer is parked a year out and never polled.
+        let park = std::time::Duration::from_secs(365 * 24 * 3600);
+        let idle_timer =
+            tokio::time::sleep_until(last_activity + if idle_on { idle } else { park });
+        tokio::pin!(idle_timer);
         loop {
-            let reading = self.out_bytes < OUT_HIGH_WATER;
+            let reading = self.may_read();
             let writing = !self.out.is_empty();
+            let quiet = idle_on && self.inflight == 0 && self.out.is_empty();
             tokio::select! {
                 biased;
                 Some(r) = done_rx.recv() => self.push(r),
+                () = &mut idle_timer, if quiet => {
+                    if last_activity.elapsed() >= idle {
+                        tracing::info!(peer, "closing a connection idle for {idle:?}");
+                        return Ok(());
+                    }
+                    idle_timer.as_mut().reset(last_activity + idle);
+                }
                 g = fd.readable(), if reading => {
                     let mut g = g?;
+                    last_activity = tokio::time::Instant::now();
                     // Receive and run everything the socket holds, unless replies back up.
-                    while self.out_bytes < OUT_HIGH_WATER {
+                    while self.may_read() {
                         let recv = g.try_io(|s| {
                             recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..])
                         });
@@ -229,6 +290,13 @@ impl Conn {
         Err(io::Error::new(io::ErrorKind::InvalidData, why.to_owned()))
     }
 
+    /// The front reply has left: it no longer counts against the in-flight limit. (The error
+    /// reply to a broken frame was never dispatched, hence the saturation.)
+    fn reply_sent(&mut self) {
+        self.out.pop_front();
+        self.inflight = self.inflight.saturating_sub(1);
+    }
+
     fn push(&mut self, r: OutReply) {
         self.out_bytes += r.total();
         self.out.push_back(r);
@@ -236,6 +304,7 @@ impl Conn {
 
     /// Runs one complete request; its reply is queued now or, for slow fops, later.
     fn dispatch(&mut self, inc: Incoming) {
+        self.inflight += 1;
         let id = inc.hdr.request_id.get();
         let opcode = inc.hdr.opcode.get();
         let Some(op) = Op::from_u16(opcode) else {
@@ -491,7 +560,7 @@ impl Conn {
                 front.sent += n;
                 self.out_bytes -= n;
                 if front.sent == front.total() {
-                    self.out.pop_front();
+                    self.reply_sent();
                 }
                 return Ok(());
             }
@@ -535,7 +604,7 @@ impl Conn {
             r.sent += take;
             left -= take;
             if r.sent == r.total() {
-                self.out.pop_front();
+                self.reply_sent();
             } else {
                 break;
             }

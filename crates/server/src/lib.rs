@@ -9,11 +9,13 @@ pub mod stats;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, UnixListener};
 
 pub use brick::Brick;
+pub use conn::Limits;
 pub use stats::Stats;
 
 /// Where a server listens.
@@ -51,6 +53,7 @@ impl std::fmt::Display for Listen {
 pub struct Server {
     brick: Arc<Brick>,
     stats: Arc<Stats>,
+    limits: Limits,
     tcp: Vec<TcpListener>,
     unix: Vec<UnixListener>,
 }
@@ -95,6 +98,7 @@ impl Server {
         Ok(Server {
             brick: Arc::new(brick),
             stats: Arc::default(),
+            limits: Limits::default(),
             tcp,
             unix,
         })
@@ -117,6 +121,12 @@ impl Server {
         out
     }
 
+    /// Replaces the default limits.
+    pub fn with_limits(mut self, limits: Limits) -> Server {
+        self.limits = limits;
+        self
+    }
+
     /// The server's counters.
     pub fn stats(&self) -> Arc<Stats> {
         self.stats.clone()
@@ -125,8 +135,14 @@ impl Server {
     /// Accepts and serves connections forever.
     pub async fn run(self) {
         let mut tasks = tokio::task::JoinSet::new();
+        let shared = Arc::new(Shared {
+            brick: self.brick.clone(),
+            stats: self.stats.clone(),
+            limits: self.limits,
+            open: AtomicUsize::new(0),
+        });
         for l in self.tcp {
-            let (brick, stats) = (self.brick.clone(), self.stats.clone());
+            let shared = shared.clone();
             tasks.spawn(async move {
                 loop {
                     match l.accept().await {
@@ -139,7 +155,7 @@ impl Server {
                                     continue;
                                 }
                             };
-                            spawn_conn(fd, &brick, &stats, peer.to_string());
+                            spawn_conn(fd, &shared, peer.to_string());
                         }
                         Err(e) => accept_error(e).await,
                     }
@@ -147,7 +163,7 @@ impl Server {
             });
         }
         for l in self.unix {
-            let (brick, stats) = (self.brick.clone(), self.stats.clone());
+            let shared = shared.clone();
             tasks.spawn(async move {
                 loop {
                     match l.accept().await {
@@ -155,7 +171,7 @@ impl Server {
                             Ok(s) => {
                                 let fd: OwnedFd = s.into();
                                 grow_unix_send_buffer(&fd);
-                                spawn_conn(fd, &brick, &stats, "unix".into())
+                                spawn_conn(fd, &shared, "unix".into())
                             }
                             Err(e) => tracing::warn!("accept: {e}"),
                         },
@@ -245,12 +261,41 @@ pub fn spawn_background(dir: &Path, listen: &[Listen]) -> std::io::Result<Backgr
         .map_err(|_| std::io::Error::other("the server thread ended before binding"))?
 }
 
-fn spawn_conn(fd: OwnedFd, brick: &Arc<Brick>, stats: &Arc<Stats>, peer: String) {
-    stats
-        .connections
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+/// What every connection task of one server shares.
+struct Shared {
+    brick: Arc<Brick>,
+    stats: Arc<Stats>,
+    limits: Limits,
+    /// Connections being served now.
+    open: AtomicUsize,
+}
+
+/// Decrements the open-connection count when a connection task ends, however it ends.
+struct OpenGuard(Arc<Shared>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        // AcqRel pairs with the fetch_add in `spawn_conn`: the count never underflows.
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
+    let open = shared.open.fetch_add(1, Ordering::AcqRel);
+    if open >= shared.limits.max_connections {
+        shared.open.fetch_sub(1, Ordering::AcqRel);
+        shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%peer, open, "refusing a connection: max_connections reached");
+        return; // dropping `fd` closes it
+    }
+    shared.stats.connections.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(%peer, "connection accepted");
-    tokio::spawn(conn::serve(fd, brick.clone(), stats.clone(), peer));
+    let guard = OpenGuard(shared.clone());
+    let (brick, stats, limits) = (shared.brick.clone(), shared.stats.clone(), shared.limits);
+    tokio::spawn(async move {
+        conn::serve(fd, brick, stats, limits, peer).await;
+        drop(guard);
+    });
 }
 
 /// Out of descriptors or similar: log and back off briefly instead of spinning.

@@ -17,6 +17,8 @@ pub struct Stats {
     pub bad_frames: AtomicU64,
     /// Connections accepted.
     pub connections: AtomicU64,
+    /// Connections refused (max_connections).
+    pub refused: AtomicU64,
 }
 
 const _: () = assert!(Op::ALL.len() < 32);

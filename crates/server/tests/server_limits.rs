@@ -1,0 +1,182 @@
+//! Limits: a connection cap, an idle timeout, and a client that floods requests without reading
+//! replies — the server's memory stays bounded and other clients are served.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Raw;
+use kiln_client::{block_on, Client};
+use kiln_proto::codec::Wire;
+use kiln_proto::ops::PathReq;
+use kiln_proto::Op;
+
+/// A kilnd with extra arguments, on TCP only.
+struct Limited {
+    child: std::process::Child,
+    addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Limited {
+    fn start(extra: &[&str]) -> Limited {
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
+            .arg("--brick")
+            .arg(dir.path())
+            .args(["--listen", "tcp:127.0.0.1:0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kilnd");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("listening");
+        let addr = line
+            .trim()
+            .strip_prefix("kilnd: listening on tcp:")
+            .expect("tcp")
+            .to_owned();
+        Limited {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let s =
+            std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+            .expect("VmRSS")
+    }
+}
+
+impl Drop for Limited {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Reads until EOF or the deadline; true if the peer closed.
+fn closed_within(s: &mut std::net::TcpStream, limit: Duration) -> bool {
+    s.set_read_timeout(Some(limit)).expect("timeout");
+    let mut b = [0u8; 64];
+    matches!(s.read(&mut b), Ok(0))
+}
+
+#[test]
+fn connections_beyond_the_cap_are_closed_and_the_slot_comes_back() {
+    let k = Limited::start(&["--max-connections", "2"]);
+    let a = Client::connect(&k.addr).expect("first");
+    let b = Client::connect(&k.addr).expect("second");
+    let mut third = std::net::TcpStream::connect(&k.addr).expect("tcp connect");
+    assert!(
+        closed_within(&mut third, Duration::from_secs(20)),
+        "a third connection must be closed"
+    );
+    assert!(
+        block_on(a.lookup("/")).is_ok() && block_on(b.lookup("/")).is_ok(),
+        "the first two still work"
+    );
+    drop(b);
+    // The server frees the slot when it sees the close; poll for it (bounded).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        match Client::connect(&k.addr) {
+            Ok(c) => break c,
+            Err(_) if Instant::now() < deadline => std::thread::yield_now(),
+            Err(e) => panic!("the freed slot never came back: {e}"),
+        }
+    };
+    assert!(block_on(again.lookup("/")).is_ok());
+}
+
+#[test]
+fn idle_connections_are_closed_and_busy_ones_are_not() {
+    let k = Limited::start(&["--idle-timeout", "0.5"]);
+    let mut idle = std::net::TcpStream::connect(&k.addr).expect("connect");
+    let t = Instant::now();
+    assert!(
+        closed_within(&mut idle, Duration::from_secs(20)),
+        "an idle connection must be closed"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(400),
+        "closed before the timeout: {:?}",
+        t.elapsed()
+    );
+    // A client that keeps talking stays connected past several timeouts.
+    let busy = Client::connect(&k.addr).expect("connect");
+    let until = Instant::now() + Duration::from_millis(1600);
+    while Instant::now() < until {
+        assert!(
+            block_on(busy.lookup("/")).is_ok(),
+            "a busy connection was closed"
+        );
+        std::thread::sleep(Duration::from_millis(100)); // pacing, not synchronisation
+    }
+}
+
+#[test]
+fn a_client_that_never_reads_replies_cannot_grow_server_memory() {
+    let k = Limited::start(&["--max-inflight", "64"]);
+    let good = Client::connect(&k.addr).expect("connect");
+    let before = k.rss_kib();
+    let mut flood = std::net::TcpStream::connect(&k.addr).expect("connect");
+    flood.set_nonblocking(true).expect("nonblocking");
+    let frame = Raw::request(
+        Op::Lookup as u16,
+        1,
+        &PathReq {
+            path: String::new(),
+        }
+        .to_wire(),
+        &[],
+    );
+    let batch: Vec<u8> = frame
+        .iter()
+        .copied()
+        .cycle()
+        .take(frame.len() * 1024)
+        .collect();
+    // Send until the server stops reading (our socket fills up), within a bound.
+    let mut sent = 0usize;
+    let mut stalled = 0;
+    while sent < 512 << 20 && stalled < 200 {
+        match flood.write(&batch) {
+            Ok(n) => {
+                sent += n;
+                stalled = 0;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                stalled += 1;
+                std::thread::sleep(Duration::from_millis(5)); // pacing while the server drains
+            }
+            Err(e) => panic!("flood: {e}"),
+        }
+    }
+    assert!(
+        stalled >= 200,
+        "the server kept reading {sent} bytes of requests nobody collects replies for"
+    );
+    let after = k.rss_kib();
+    assert!(
+        after < before + 64 * 1024,
+        "server memory grew from {before} KiB to {after} KiB"
+    );
+    assert!(
+        block_on(good.lookup("/")).is_ok(),
+        "other clients are still served"
+    );
+    drop(flood);
+    assert!(block_on(good.statfs("/")).is_ok());
+}

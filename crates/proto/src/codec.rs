@@ -21,6 +21,8 @@ pub enum DecodeError {
     BadString,
     /// Bytes left over after the last field.
     Trailing,
+    /// A value outside its type's range (a boolean other than 0 or 1).
+    BadValue,
 }
 
 impl core::fmt::Display for DecodeError {
@@ -30,6 +32,7 @@ impl core::fmt::Display for DecodeError {
             DecodeError::TooLong => "argument length above limit",
             DecodeError::BadString => "string argument is not UTF-8 or contains NUL",
             DecodeError::Trailing => "trailing bytes after arguments",
+            DecodeError::BadValue => "argument value out of range",
         })
     }
 }
@@ -125,8 +128,13 @@ impl Wire for bool {
     fn encode(&self, e: &mut Enc) {
         (*self as u8).encode(e)
     }
+    /// Only 0 and 1: every value has exactly one encoding.
     fn decode(d: &mut Dec<'_>) -> Result<Self, DecodeError> {
-        Ok(u8::decode(d)? != 0)
+        match u8::decode(d)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(DecodeError::BadValue),
+        }
     }
 }
 

@@ -311,3 +311,25 @@ fn header_layout_is_pinned() {
     assert_eq!(&b[24..28], &0x20u32.to_le_bytes());
     assert_eq!(&b[28..32], &[0, 0, 0, 0]);
 }
+
+#[test]
+fn every_value_has_one_encoding() {
+    // A boolean byte other than 0 or 1 is refused, so decode-then-encode gives back the input.
+    let mut b = FsyncReq {
+        fh: 7,
+        datasync: true,
+    }
+    .to_wire();
+    assert_eq!(
+        FsyncReq::from_wire(&b),
+        Ok(FsyncReq {
+            fh: 7,
+            datasync: true
+        })
+    );
+    *b.last_mut().expect("bool byte") = 2;
+    assert_eq!(
+        FsyncReq::from_wire(&b),
+        Err(kiln_proto::DecodeError::BadValue)
+    );
+}

@@ -257,12 +257,34 @@ def listening(port: int) -> bool:
     return any(ln.split()[1] == want and ln.split()[3] == "0A" for ln in lines)
 
 
-class Bench:
+class GlusterRef:
+    """The GlusterFS reference through ../shared/bench/gluster.sh (shared by the bench scripts)."""
+
+    def __init__(self, root: Path):
+        self.gluster_sh = (root / ".." / "shared" / "bench" / "gluster.sh").resolve()
+        self.gluster_work = Path(os.environ.get("GLUSTER_WORK", "/tmp/kiln-gluster"))
+
+    def glusterd_alive(self) -> bool:
+        try:
+            pid = int((self.gluster_work / "glusterd.pid").read_text().strip())
+        except (OSError, ValueError):
+            return False
+        return Path(f"/proc/{pid}").exists()
+
+    def gluster(self, *args: str, timeout: float = 600) -> str:
+        res = subprocess.run([str(self.gluster_sh), *args], capture_output=True, text=True,
+                             timeout=timeout)
+        if res.returncode != 0:
+            raise BenchError(f"gluster.sh {' '.join(args)} failed ({res.returncode}): "
+                             f"{tail(res.stderr or res.stdout)}")
+        return res.stdout
+
+
+class Bench(GlusterRef):
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.root = repo_root()
-        self.gluster_sh = (self.root / ".." / "shared" / "bench" / "gluster.sh").resolve()
-        self.gluster_work = Path(os.environ.get("GLUSTER_WORK", "/tmp/kiln-gluster"))
+        GlusterRef.__init__(self, self.root)
         self.kiln_bin = args.kiln_bin or self.root / "target" / "release" / "kiln"
         self.pingpong_bin = self.root / "target" / "release" / "kiln-pingpong"
         self.only = set(args.only)
@@ -316,21 +338,6 @@ class Bench:
         else:
             log(f"{KILN_TMPFS} is already a mount point; using it and leaving it mounted")
         (KILN_TMPFS / "brick").mkdir(exist_ok=True)
-
-    def glusterd_alive(self) -> bool:
-        try:
-            pid = int((self.gluster_work / "glusterd.pid").read_text().strip())
-        except (OSError, ValueError):
-            return False
-        return Path(f"/proc/{pid}").exists()
-
-    def gluster(self, *args: str, timeout: float = 600) -> str:
-        res = subprocess.run([str(self.gluster_sh), *args], capture_output=True, text=True,
-                             timeout=timeout)
-        if res.returncode != 0:
-            raise BenchError(f"gluster.sh {' '.join(args)} failed ({res.returncode}): "
-                             f"{tail(res.stderr or res.stdout)}")
-        return res.stdout
 
     def gluster_up(self) -> None:
         was_up = self.glusterd_alive()

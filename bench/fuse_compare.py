@@ -85,6 +85,7 @@ sys.dont_write_bytecode = True   # no bench/__pycache__ from importing compare.p
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import (  # noqa: E402  (bench/compare.py: shared helpers)
     BenchError,
+    GlusterRef,
     ensure_packages,
     first_json_object,
     fmt,
@@ -173,12 +174,11 @@ def unmount(path: Path, what: str) -> None:
     log(f"unmounted {what} ({path})")
 
 
-class FuseBench:
+class FuseBench(GlusterRef):
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.root = repo_root()
-        self.gluster_sh = (self.root / ".." / "shared" / "bench" / "gluster.sh").resolve()
-        self.gluster_work = Path(os.environ.get("GLUSTER_WORK", "/tmp/kiln-gluster"))
+        GlusterRef.__init__(self, self.root)
         self.kiln_bin = args.kiln_bin or self.root / "target" / "release" / "kiln"
         self.size = parse_size(args.size)
         self.tmp = Path(tempfile.mkdtemp(prefix="kiln-fuse-compare-"))
@@ -265,21 +265,6 @@ class FuseBench:
         if not is_mountpoint(KILN_MNT):
             raise BenchError(f"kiln mount said it mounted, but {KILN_MNT} is not a mount point")
         log(f"kiln mount (pid {self.mount.pid}) {source} on {KILN_MNT} (vm-image)")
-
-    def glusterd_alive(self) -> bool:
-        try:
-            pid = int((self.gluster_work / "glusterd.pid").read_text().strip())
-        except (OSError, ValueError):
-            return False
-        return Path(f"/proc/{pid}").exists()
-
-    def gluster(self, *args: str, timeout: float = 600) -> str:
-        res = subprocess.run([str(self.gluster_sh), *args], capture_output=True, text=True,
-                             timeout=timeout)
-        if res.returncode != 0:
-            raise BenchError(f"gluster.sh {' '.join(args)} failed ({res.returncode}): "
-                             f"{tail(res.stderr or res.stdout)}")
-        return res.stdout
 
     def gluster_mount(self) -> None:
         was_up = self.glusterd_alive()

@@ -137,7 +137,16 @@ impl Client {
                 client: "kiln-client".into(),
             },
         ))
-        .map_err(|e| io::Error::new(e.kind(), format!("handshake with {addr} failed: {e}")))?;
+        .map_err(|e| {
+            if e.raw_os_error() == Some(errno::EACCES as i32) {
+                io::Error::new(
+                    e.kind(),
+                    format!("{addr} refused this client (not in its allow-list)"),
+                )
+            } else {
+                io::Error::new(e.kind(), format!("handshake with {addr} failed: {e}"))
+            }
+        })?;
         tracing::debug!(server = %hello.server, "connected to {addr}");
         Ok(client)
     }

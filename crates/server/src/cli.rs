@@ -17,6 +17,11 @@ pub struct ServeArgs {
     /// Address to listen on: tcp:IP:PORT or unix:PATH. Repeat for several.
     #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:24100")]
     pub listen: Vec<Listen>,
+    /// Only TCP clients from this address range may connect (ADDR/PREFIX; repeat for several;
+    /// default: anyone who can reach a listening address). Refused clients get EACCES and the
+    /// refusal is logged. Unix-socket clients are governed by the socket file's permissions.
+    #[arg(long, value_name = "CIDR")]
+    pub allow: Vec<crate::access::Cidr>,
     /// Connections served at once; more are closed at once with a log line.
     #[arg(long, default_value_t = crate::Limits::default().max_connections)]
     pub max_connections: usize,
@@ -69,7 +74,7 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
             idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout.max(0.0)),
         };
         let server = match Server::bind(&args.brick, &args.listen) {
-            Ok(s) => s.with_limits(limits),
+            Ok(s) => s.with_limits(limits).with_allow_list(args.allow.clone()),
             Err(e) => {
                 eprintln!("kilnd: {e}");
                 return std::process::ExitCode::FAILURE;

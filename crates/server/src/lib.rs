@@ -1,6 +1,7 @@
 //! kilnd, the brick server: exports one directory over TCP and Unix sockets.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod access;
 pub mod brick;
 pub mod cli;
 pub mod conn;
@@ -54,6 +55,7 @@ pub struct Server {
     brick: Arc<Brick>,
     stats: Arc<Stats>,
     limits: Limits,
+    allow: Vec<access::Cidr>,
     tcp: Vec<TcpListener>,
     unix: Vec<UnixListener>,
 }
@@ -99,6 +101,7 @@ impl Server {
             brick: Arc::new(brick),
             stats: Arc::default(),
             limits: Limits::default(),
+            allow: Vec::new(),
             tcp,
             unix,
         })
@@ -127,6 +130,12 @@ impl Server {
         self
     }
 
+    /// Only TCP clients from these ranges may connect (empty: everyone).
+    pub fn with_allow_list(mut self, allow: Vec<access::Cidr>) -> Server {
+        self.allow = allow;
+        self
+    }
+
     /// The server's counters.
     pub fn stats(&self) -> Arc<Stats> {
         self.stats.clone()
@@ -141,12 +150,19 @@ impl Server {
             limits: self.limits,
             open: AtomicUsize::new(0),
         });
+        let allow = Arc::new(self.allow);
         for l in self.tcp {
             let shared = shared.clone();
+            let allow = allow.clone();
             tasks.spawn(async move {
                 loop {
                     match l.accept().await {
                         Ok((s, peer)) => {
+                            if !access::allowed(&allow, peer.ip()) {
+                                shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                                tokio::spawn(access::refuse(s, peer));
+                                continue;
+                            }
                             let _ = s.set_nodelay(true);
                             let fd: OwnedFd = match s.into_std() {
                                 Ok(s) => s.into(),

@@ -17,7 +17,7 @@ pub struct Stats {
     pub bad_frames: AtomicU64,
     /// Connections accepted.
     pub connections: AtomicU64,
-    /// Connections refused (max_connections).
+    /// Connections refused (max_connections, allow-list).
     pub refused: AtomicU64,
 }
 

@@ -16,6 +16,7 @@ use std::future::Future;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::ToSocketAddrs;
 use std::os::fd::OwnedFd;
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -88,8 +89,32 @@ fn check_len(total: usize) -> io::Result<u32> {
 }
 
 impl Client {
-    /// Connects to a brick at `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH` and says hello.
+    /// Connects to a brick at `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH` and says hello. When
+    /// the brick requires a secret, it is read from the file named by `KILN_SECRET_FILE`.
     pub fn connect(addr: &str) -> io::Result<Client> {
+        let secret = match std::env::var_os("KILN_SECRET_FILE") {
+            Some(path) => Some(
+                std::fs::read_to_string(&path)
+                    .map_err(|e| {
+                        io::Error::new(
+                            e.kind(),
+                            format!(
+                                "cannot read KILN_SECRET_FILE {}: {e}",
+                                Path::new(&path).display()
+                            ),
+                        )
+                    })?
+                    .trim()
+                    .as_bytes()
+                    .to_vec(),
+            ),
+            None => None,
+        };
+        Client::connect_with_secret(addr, secret.as_deref())
+    }
+
+    /// Connects and, if the brick asks for it, proves `secret` (the brick proves it back).
+    pub fn connect_with_secret(addr: &str, secret: Option<&[u8]>) -> io::Result<Client> {
         let sock: OwnedFd = if let Some(path) = addr.strip_prefix("unix:") {
             let s: OwnedFd = std::os::unix::net::UnixStream::connect(path)
                 .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")))?
@@ -148,7 +173,53 @@ impl Client {
             }
         })?;
         tracing::debug!(server = %hello.server, "connected to {addr}");
+        if hello.auth_required {
+            let Some(secret) = secret else {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("{addr} requires a secret: point KILN_SECRET_FILE at the brick's secret file"),
+                ));
+            };
+            crate::block_on(client.authenticate(addr, secret, &hello.nonce))?;
+        }
         Ok(client)
+    }
+
+    async fn authenticate(&self, addr: &str, secret: &[u8], server_nonce: &[u8]) -> io::Result<()> {
+        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
+        let mut client_nonce = vec![0u8; NONCE_LEN];
+        rustix::rand::getrandom(&mut client_nonce, rustix::rand::GetRandomFlags::empty())?;
+        let proof = hmac_sha256(secret, &client_transcript(server_nonce, &client_nonce));
+        let reply: AuthReply = self
+            .call(
+                Op::Auth,
+                &AuthReq {
+                    client_nonce: client_nonce.clone(),
+                    proof,
+                },
+            )
+            .await
+            .map_err(|e| {
+                if e.raw_os_error() == Some(errno::EACCES as i32) {
+                    io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        format!("{addr} refused this client: wrong secret"),
+                    )
+                } else {
+                    io::Error::new(e.kind(), format!("authentication with {addr} failed: {e}"))
+                }
+            })?;
+        let expected = hmac_sha256(secret, &server_transcript(server_nonce, &client_nonce));
+        // Not secret-dependent timing worth hiding: the client only learns whether the server
+        // knows the secret, which it is about to act on anyway.
+        if reply.proof != expected {
+            self.conn.shutdown();
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{addr} could not prove it holds the secret; not using it"),
+            ));
+        }
+        Ok(())
     }
 
     /// The address this client connected to.
@@ -695,6 +766,14 @@ impl Client {
         }
         .map(|_| ())
     }
+}
+
+fn hmac_sha256(key: &[u8], msg: &[u8]) -> Vec<u8> {
+    use hmac::Mac;
+    let mut m =
+        hmac::Hmac::<sha2::Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
+    m.update(msg);
+    m.finalize().into_bytes().to_vec()
 }
 
 fn write_count(r: ReplyData) -> Result<usize, Errno> {

@@ -86,6 +86,8 @@ ops! {
     Discard = 25,
     /// Change mode, owner, times or size of an open file.
     Fsetattr = 26,
+    /// Prove the shared secret (challenge-response after HELLO).
+    Auth = 27,
 }
 
 wire_struct! {
@@ -110,8 +112,19 @@ wire_struct! {
 
     /// Hello request.
     pub struct HelloReq { pub version: u32, pub client: String }
-    /// Hello reply.
-    pub struct HelloReply { pub version: u32, pub server: String, pub max_payload: u32 }
+    /// Hello reply. With `auth_required`, every fop but HELLO and AUTH is refused until the
+    /// client has proved the secret over `nonce` (see [`crate::auth`]).
+    pub struct HelloReply {
+        pub version: u32,
+        pub server: String,
+        pub max_payload: u32,
+        pub auth_required: bool,
+        pub nonce: Vec<u8>,
+    }
+    /// Auth request: the client's nonce and its proof.
+    pub struct AuthReq { pub client_nonce: Vec<u8>, pub proof: Vec<u8> }
+    /// Auth reply: the server's proof, so the client knows the server holds the secret too.
+    pub struct AuthReply { pub proof: Vec<u8> }
 
     /// A request naming one path.
     pub struct PathReq { pub path: String }

@@ -17,6 +17,11 @@ pub struct ServeArgs {
     /// Address to listen on: tcp:IP:PORT or unix:PATH. Repeat for several.
     #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:24100")]
     pub listen: Vec<Listen>,
+    /// Require clients to prove this shared secret (HMAC challenge-response; the secret never
+    /// crosses the wire). A missing file is created with a new random secret (mode 0600).
+    /// Clients read it from the file named by KILN_SECRET_FILE.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
     /// Only TCP clients from this address range may connect (ADDR/PREFIX; repeat for several;
     /// default: anyone who can reach a listening address). Refused clients get EACCES and the
     /// refusal is logged. Unix-socket clients are governed by the socket file's permissions.
@@ -73,8 +78,24 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
             max_inflight: args.max_inflight.max(1),
             idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout.max(0.0)),
         };
+        let secret = match &args.secret_file {
+            Some(p) => match crate::auth::load_or_create(p) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    eprintln!("kilnd: {e}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            },
+            None => None,
+        };
         let server = match Server::bind(&args.brick, &args.listen) {
-            Ok(s) => s.with_limits(limits).with_allow_list(args.allow.clone()),
+            Ok(s) => {
+                let s = s.with_limits(limits).with_allow_list(args.allow.clone());
+                match secret {
+                    Some(secret) => s.with_secret(secret),
+                    None => s,
+                }
+            }
             Err(e) => {
                 eprintln!("kilnd: {e}");
                 return std::process::ExitCode::FAILURE;

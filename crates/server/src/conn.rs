@@ -127,6 +127,15 @@ struct Conn {
     brick: Arc<Brick>,
     stats: Arc<Stats>,
     limits: Limits,
+    peer: String,
+    /// The shared secret clients must prove, if the server has one.
+    secret: Option<Arc<[u8]>>,
+    /// The nonce sent in HELLO (all zero before HELLO).
+    nonce: [u8; kiln_proto::auth::NONCE_LEN],
+    hello_done: bool,
+    authed: bool,
+    /// Close once the queued replies are out (a refused client).
+    closing: bool,
     /// Requests dispatched whose replies have not been fully sent.
     inflight: usize,
     handles: HashMap<u64, Arc<File>>,
@@ -142,6 +151,7 @@ pub async fn serve(
     brick: Arc<Brick>,
     stats: Arc<Stats>,
     limits: Limits,
+    secret: Option<Arc<[u8]>>,
     peer: String,
 ) {
     if let Err(e) = rustix::io::ioctl_fionbio(&sock, true) {
@@ -162,6 +172,12 @@ pub async fn serve(
         brick,
         stats,
         limits,
+        peer: peer.clone(),
+        secret,
+        nonce: [0; kiln_proto::auth::NONCE_LEN],
+        hello_done: false,
+        authed: false,
+        closing: false,
         inflight: 0,
         handles: HashMap::new(),
         next_fh: 1,
@@ -178,7 +194,7 @@ pub async fn serve(
 impl Conn {
     /// True while this connection may take in more requests.
     fn may_read(&self) -> bool {
-        self.out_bytes < OUT_HIGH_WATER && self.inflight < self.limits.max_inflight
+        !self.closing && self.out_bytes < OUT_HIGH_WATER && self.inflight < self.limits.max_inflight
     }
 
     async fn run(
@@ -269,6 +285,9 @@ impl Conn {
                 self.push(r);
             }
             self.flush(fd)?;
+            if self.closing && self.out.is_empty() {
+                return Ok(());
+            }
         }
     }
 
@@ -315,6 +334,11 @@ impl Conn {
             return self.push(OutReply::new(opcode, id, Err(errno::ENOSYS)));
         };
         self.stats.count(op);
+        if self.secret.is_some() && !self.authed && !matches!(op, Op::Hello | Op::Auth) {
+            tracing::warn!(peer = %self.peer, op = op.name(), "request before authentication; closing");
+            self.closing = true;
+            return self.push(OutReply::new(opcode, id, Err(errno::EACCES)));
+        }
         if op != Op::Write && inc.payload_len != 0 {
             tracing::warn!(op = op.name(), "payload on a fop that takes none");
             self.stats
@@ -383,11 +407,48 @@ impl Conn {
             Op::Hello => {
                 let req = HelloReq::from_wire(args)?;
                 tracing::debug!(client = %req.client, version = req.version, "hello");
+                if self.secret.is_some() {
+                    fill_random(&mut self.nonce)?;
+                }
+                self.hello_done = true;
                 reply(&HelloReply {
                     version: kiln_proto::frame::VERSION as u32,
                     server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
                     max_payload: kiln_proto::MAX_PAYLOAD_LEN,
+                    auth_required: self.secret.is_some(),
+                    nonce: if self.secret.is_some() {
+                        self.nonce.to_vec()
+                    } else {
+                        Vec::new()
+                    },
                 })
+            }
+            Op::Auth => {
+                let req = AuthReq::from_wire(args)?;
+                let Some(secret) = self.secret.clone() else {
+                    // Nothing to prove to a server without a secret.
+                    return reply(&AuthReply { proof: Vec::new() });
+                };
+                use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
+                let ok = self.hello_done
+                    && req.client_nonce.len() == NONCE_LEN
+                    && crate::auth::verify(
+                        &secret,
+                        &client_transcript(&self.nonce, &req.client_nonce),
+                        &req.proof,
+                    );
+                if !ok {
+                    tracing::warn!(peer = %self.peer, "a client failed authentication; closing");
+                    self.stats
+                        .refused
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.closing = true;
+                    return Err(Fail::Errno(errno::EACCES));
+                }
+                self.authed = true;
+                let proof =
+                    crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
+                reply(&AuthReply { proof })
             }
             Op::Lookup => reply(&b.lookup(&PathReq::from_wire(args)?.path)?),
             Op::Fstat => reply(&brick::fstat(
@@ -674,6 +735,13 @@ impl Incoming {
         unsafe { self.payload.set_len(self.payload.len() + p) };
         n - p
     }
+}
+
+/// Fills `buf` from the kernel's random source.
+fn fill_random(buf: &mut [u8]) -> Result<(), Errno> {
+    rustix::rand::getrandom(buf, rustix::rand::GetRandomFlags::empty())
+        .map(|_| ())
+        .map_err(|e| e.raw_os_error() as u32)
 }
 
 fn raw(b: &[u8]) -> RawIov {

@@ -2,6 +2,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod access;
+pub mod auth;
 pub mod brick;
 pub mod cli;
 pub mod conn;
@@ -56,6 +57,7 @@ pub struct Server {
     stats: Arc<Stats>,
     limits: Limits,
     allow: Vec<access::Cidr>,
+    secret: Option<Arc<[u8]>>,
     tcp: Vec<TcpListener>,
     unix: Vec<UnixListener>,
 }
@@ -102,6 +104,7 @@ impl Server {
             stats: Arc::default(),
             limits: Limits::default(),
             allow: Vec::new(),
+            secret: None,
             tcp,
             unix,
         })
@@ -130,6 +133,12 @@ impl Server {
         self
     }
 
+    /// Clients must prove this secret (challenge-response) before any fop but HELLO.
+    pub fn with_secret(mut self, secret: Vec<u8>) -> Server {
+        self.secret = Some(secret.into());
+        self
+    }
+
     /// Only TCP clients from these ranges may connect (empty: everyone).
     pub fn with_allow_list(mut self, allow: Vec<access::Cidr>) -> Server {
         self.allow = allow;
@@ -148,6 +157,7 @@ impl Server {
             brick: self.brick.clone(),
             stats: self.stats.clone(),
             limits: self.limits,
+            secret: self.secret.clone(),
             open: AtomicUsize::new(0),
         });
         let allow = Arc::new(self.allow);
@@ -282,6 +292,7 @@ struct Shared {
     brick: Arc<Brick>,
     stats: Arc<Stats>,
     limits: Limits,
+    secret: Option<Arc<[u8]>>,
     /// Connections being served now.
     open: AtomicUsize,
 }
@@ -308,8 +319,9 @@ fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
     tracing::debug!(%peer, "connection accepted");
     let guard = OpenGuard(shared.clone());
     let (brick, stats, limits) = (shared.brick.clone(), shared.stats.clone(), shared.limits);
+    let secret = shared.secret.clone();
     tokio::spawn(async move {
-        conn::serve(fd, brick, stats, limits, peer).await;
+        conn::serve(fd, brick, stats, limits, secret, peer).await;
         drop(guard);
     });
 }

@@ -14,7 +14,7 @@ fn roundtrip<T: Wire + PartialEq + std::fmt::Debug>(bytes: &[u8]) {
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, rest)) = data.split_first() else { return };
-    match which % 30 {
+    match which % 32 {
         0 => roundtrip::<HelloReq>(rest),
         1 => roundtrip::<HelloReply>(rest),
         2 => roundtrip::<PathReq>(rest),
@@ -44,6 +44,8 @@ fuzz_target!(|data: &[u8]| {
         26 => roundtrip::<FallocateReq>(rest),
         27 => roundtrip::<DiscardReq>(rest),
         28 => roundtrip::<Attr>(rest),
+        29 => roundtrip::<AuthReq>(rest),
+        30 => roundtrip::<AuthReply>(rest),
         _ => roundtrip::<DirEntry>(rest),
     }
 });

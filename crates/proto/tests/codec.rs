@@ -39,6 +39,9 @@ fn decode_all(bytes: &[u8]) {
     let _ = FallocateReq::from_wire(bytes);
     let _ = DiscardReq::from_wire(bytes);
     let _ = Attr::from_wire(bytes);
+    let _ = FsetattrReq::from_wire(bytes);
+    let _ = AuthReq::from_wire(bytes);
+    let _ = AuthReply::from_wire(bytes);
 }
 
 proptest! {

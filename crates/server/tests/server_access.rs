@@ -3,10 +3,8 @@
 
 mod common;
 
-use std::io::BufRead;
 use std::net::TcpStream;
 use std::os::fd::FromRawFd;
-use std::process::{Command, Stdio};
 
 use common::Raw;
 use kiln_client::Client;
@@ -57,24 +55,15 @@ fn connect_from(from: [u8; 4], to: std::net::SocketAddrV4) -> TcpStream {
 fn clients_outside_the_allow_list_are_refused_with_a_reason() {
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("kilnd.log");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-        .arg("--brick")
-        .arg(dir.path())
-        .args(["--listen", "tcp:127.0.0.1:0", "--allow", "127.0.0.2/32"])
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("kilnd");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("listening");
-    let addr: std::net::SocketAddrV4 = line
-        .trim()
-        .strip_prefix("kilnd: listening on tcp:")
-        .expect("tcp")
-        .parse()
-        .expect("addr");
+    let (mut child, addr) = common::spawn_tcp_kilnd(
+        dir.path(),
+        &[
+            std::ffi::OsStr::new("--allow"),
+            std::ffi::OsStr::new("127.0.0.2/32"),
+        ],
+        Some(&log),
+    );
+    let addr: std::net::SocketAddrV4 = addr.parse().expect("addr");
 
     // From 127.0.0.1: refused, and the client says why.
     let err = Client::connect(&format!("tcp:{addr}"))

@@ -4,9 +4,8 @@
 
 mod common;
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 
 use common::Raw;
@@ -32,24 +31,15 @@ fn start() -> Secured {
         dir.path().join("kilnd.log"),
     );
     std::fs::create_dir(&brick).expect("brick");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-        .arg("--brick")
-        .arg(&brick)
-        .args(["--listen", "tcp:127.0.0.1:0", "--secret-file"])
-        .arg(&secret_file)
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log"))
-        .spawn()
-        .expect("kilnd");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("listening");
-    let addr = line
-        .trim()
-        .strip_prefix("kilnd: listening on ")
-        .expect("addr")
-        .to_owned();
+    let (child, addr) = common::spawn_tcp_kilnd(
+        &brick,
+        &[
+            std::ffi::OsStr::new("--secret-file"),
+            secret_file.as_os_str(),
+        ],
+        Some(&log),
+    );
+    let addr = format!("tcp:{addr}");
     let secret = std::fs::read_to_string(&secret_file)
         .expect("kilnd created the secret file")
         .trim()

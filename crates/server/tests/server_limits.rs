@@ -4,7 +4,6 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Raw;
@@ -22,26 +21,9 @@ struct Limited {
 
 impl Limited {
     fn start(extra: &[&str]) -> Limited {
-        use std::io::BufRead;
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-            .arg("--brick")
-            .arg(dir.path())
-            .args(["--listen", "tcp:127.0.0.1:0"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("kilnd");
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("listening");
-        let addr = line
-            .trim()
-            .strip_prefix("kilnd: listening on tcp:")
-            .expect("tcp")
-            .to_owned();
+        let extra: Vec<&std::ffi::OsStr> = extra.iter().map(std::ffi::OsStr::new).collect();
+        let (child, addr) = common::spawn_tcp_kilnd(dir.path(), &extra, None);
         Limited {
             child,
             addr,

@@ -191,3 +191,34 @@ pub fn seed(test: &str) -> u64 {
     eprintln!("{test}: seed {s} (rerun with KILN_SEED={s})");
     s
 }
+
+/// Starts kilnd on `brick` listening on a free loopback TCP port, with extra arguments, stderr
+/// to `log` (or discarded); returns the child and its address without the `tcp:` prefix.
+pub fn spawn_tcp_kilnd(
+    brick: &std::path::Path,
+    extra: &[&std::ffi::OsStr],
+    log: Option<&std::path::Path>,
+) -> (Child, String) {
+    let stderr = match log {
+        Some(p) => Stdio::from(std::fs::File::create(p).expect("log file")),
+        None => Stdio::null(),
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
+        .arg("--brick")
+        .arg(brick)
+        .args(["--listen", "tcp:127.0.0.1:0"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("spawn kilnd");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("kilnd output");
+    let addr = line
+        .trim()
+        .strip_prefix("kilnd: listening on tcp:")
+        .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"));
+    (child, addr.to_owned())
+}

@@ -50,7 +50,10 @@ fn main() -> std::process::ExitCode {
             kiln_fuse::main(a)
         }
         Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
-        Cmd::Nbd(a) => kiln_nbd::main(a),
+        Cmd::Nbd(a) => {
+            kiln_server::cli::init_logging();
+            kiln_nbd::main(a)
+        }
     };
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -287,15 +287,22 @@ impl Client {
         self.call(Op::Fstat, &HandleReq { fh: fh.0 }).await
     }
 
-    /// Changes the attributes `req.valid` selects; `req.path` is a volume path.
-    pub async fn setattr(&self, mut req: SetattrReq) -> io::Result<Attr> {
-        req.path = wire_path(&req.path);
-        self.call(Op::Setattr, &req).await
+    /// Changes the attributes `attrs.valid` selects on `path`.
+    pub async fn setattr(&self, path: &str, attrs: SetAttrs) -> io::Result<Attr> {
+        self.call(
+            Op::Setattr,
+            &SetattrReq {
+                path: wire_path(path),
+                attrs,
+            },
+        )
+        .await
     }
 
-    /// Changes the attributes `req.valid` selects on an open file (works after unlink).
-    pub async fn fsetattr(&self, req: FsetattrReq) -> io::Result<Attr> {
-        self.call(Op::Fsetattr, &req).await
+    /// Changes the attributes `attrs.valid` selects on an open file (works after unlink).
+    pub async fn fsetattr(&self, fh: Fh, attrs: SetAttrs) -> io::Result<Attr> {
+        self.call(Op::Fsetattr, &FsetattrReq { fh: fh.0, attrs })
+            .await
     }
 
     /// Opens an existing file with Linux `O_*` flags.

@@ -18,7 +18,7 @@ pub mod conn;
 pub use client::{errno_error, wire_path, Client, Fh};
 pub use conn::{ConnStats, Errno};
 pub use kiln_proto::iov::RawIov;
-pub use kiln_proto::ops::{Attr, DirEntry, FsetattrReq, SetattrReq, StatfsReply, Time};
+pub use kiln_proto::ops::{Attr, DirEntry, SetAttrs, StatfsReply, Time};
 
 use std::future::Future;
 use std::sync::Arc;

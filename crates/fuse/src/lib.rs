@@ -32,7 +32,7 @@ use fuser::{
     KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
-use kiln_client::{block_on, Attr, Client, DirEntry, Fh, FsetattrReq, RawIov, SetattrReq, Time};
+use kiln_client::{block_on, Attr, Client, DirEntry, Fh, RawIov, SetAttrs, Time};
 use kiln_proto::ops::*;
 
 use crate::inodes::{join, Inodes, ROOT};
@@ -322,6 +322,26 @@ impl KilnFs {
         Ok(self.handles(fh)?[0])
     }
 
+    /// unlink or rmdir `name`, and forget the path.
+    fn remove(&self, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
+        let path = match self.child(parent, name) {
+            Ok(p) => p,
+            Err(e) => return reply.error(e),
+        };
+        let r = if dir {
+            block_on(self.client.rmdir(&path))
+        } else {
+            block_on(self.client.unlink(&path))
+        };
+        match r {
+            Ok(()) => {
+                self.table().unlinked(&path);
+                reply.ok()
+            }
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn fopen_flags(&self) -> FopenFlags {
         match self.mode {
             Mode::VmImage => FopenFlags::FOPEN_DIRECT_IO,
@@ -402,16 +422,7 @@ impl fuser::Filesystem for KilnFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        // An open file is addressed by its handle (its name may be gone), others by path.
-        let path = match (fh, self.path(ino)) {
-            (Some(_), _) => String::new(),
-            (None, Ok(p)) => p,
-            (None, Err(e)) => return reply.error(e),
-        };
-        let mut req = SetattrReq {
-            path,
-            ..Default::default()
-        };
+        let mut req = SetAttrs::default();
         if let Some(m) = mode {
             req.valid |= SETATTR_MODE;
             req.mode = m;
@@ -447,22 +458,16 @@ impl fuser::Filesystem for KilnFs {
             req.mtime = t;
         }
         // With a handle (the kernel passes one from ftruncate and from writeback of an open
-        // file), act on the open file: its path may be gone already.
+        // file), act on the open file: its name may be gone already. Otherwise by path.
         let r = match fh {
-            Some(fh) => block_on(self.client.fsetattr(FsetattrReq {
-                fh: match self.meta_fh(fh) {
-                    Ok(f) => f.0,
-                    Err(e) => return reply.error(e),
-                },
-                valid: req.valid,
-                mode: req.mode,
-                uid: req.uid,
-                gid: req.gid,
-                size: req.size,
-                atime: req.atime,
-                mtime: req.mtime,
-            })),
-            None => block_on(self.client.setattr(req)),
+            Some(fh) => match self.meta_fh(fh) {
+                Ok(f) => block_on(self.client.fsetattr(f, req)),
+                Err(e) => return reply.error(e),
+            },
+            None => match self.path(ino) {
+                Ok(p) => block_on(self.client.setattr(&p, req)),
+                Err(e) => return reply.error(e),
+            },
         };
         match r {
             Ok(a) => reply.attr(&self.ttl, &self.fattr(&a)),
@@ -498,31 +503,11 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let path = match self.child(parent, name) {
-            Ok(p) => p,
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.client.unlink(&path)) {
-            Ok(()) => {
-                self.table().unlinked(&path);
-                reply.ok()
-            }
-            Err(e) => reply.error(errno(e)),
-        }
+        self.remove(parent, name, false, reply)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let path = match self.child(parent, name) {
-            Ok(p) => p,
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.client.rmdir(&path)) {
-            Ok(()) => {
-                self.table().unlinked(&path);
-                reply.ok()
-            }
-            Err(e) => reply.error(errno(e)),
-        }
+        self.remove(parent, name, true, reply)
     }
 
     fn symlink(

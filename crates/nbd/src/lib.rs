@@ -81,20 +81,8 @@ pub struct NbdArgs {
     pub threads: usize,
 }
 
-/// Installs the stderr logger (`KILN_LOG` filter, default `info`); harmless if one is set.
-fn init_logging() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 /// Runs `kiln nbd` until SIGINT or SIGTERM.
 pub fn main(args: NbdArgs) -> Result<(), String> {
-    init_logging();
     let mut builder = if args.threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {

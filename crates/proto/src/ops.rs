@@ -131,9 +131,8 @@ wire_struct! {
     /// A request naming one open handle.
     pub struct HandleReq { pub fh: u64 }
 
-    /// Setattr request; `valid` says which fields apply (`SETATTR_*`).
-    pub struct SetattrReq {
-        pub path: String,
+    /// Attributes to change; `valid` says which fields apply (`SETATTR_*`).
+    pub struct SetAttrs {
         pub valid: u32,
         pub mode: u32,
         pub uid: u32,
@@ -143,17 +142,11 @@ wire_struct! {
         pub mtime: Time,
     }
 
-    /// Fsetattr request: as [`SetattrReq`], on an open handle (works after unlink).
-    pub struct FsetattrReq {
-        pub fh: u64,
-        pub valid: u32,
-        pub mode: u32,
-        pub uid: u32,
-        pub gid: u32,
-        pub size: u64,
-        pub atime: Time,
-        pub mtime: Time,
-    }
+    /// Setattr request: change `attrs` of a path.
+    pub struct SetattrReq { pub path: String, pub attrs: SetAttrs }
+
+    /// Fsetattr request: change `attrs` of an open handle (works after unlink).
+    pub struct FsetattrReq { pub fh: u64, pub attrs: SetAttrs }
 
     /// Open request; `flags` are Linux `O_*` flags (the server filters them).
     pub struct OpenReq { pub path: String, pub flags: u32 }

@@ -207,13 +207,15 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
                 6,
                 SetattrReq {
                     path: "f".into(),
-                    valid: SETATTR_MODE | SETATTR_SIZE,
-                    mode: 0o600,
-                    uid: 0,
-                    gid: 0,
-                    size: 42,
-                    atime: Time::default(),
-                    mtime: Time { sec: 5, nsec: 6 },
+                    attrs: SetAttrs {
+                        valid: SETATTR_MODE | SETATTR_SIZE,
+                        mode: 0o600,
+                        uid: 0,
+                        gid: 0,
+                        size: 42,
+                        atime: Time::default(),
+                        mtime: Time { sec: 5, nsec: 6 },
+                    },
                 }
                 .to_wire(),
                 &[],

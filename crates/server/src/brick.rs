@@ -174,25 +174,15 @@ impl Brick {
         Ok((File::from(fd), attr_of(&st)))
     }
 
-    /// Applies the fields of `req` that `req.valid` selects.
-    pub fn setattr(&self, req: &SetattrReq) -> FopResult<Attr> {
-        let fd = if req.valid & SETATTR_SIZE != 0 {
-            self.open_beneath(&req.path, OFlags::WRONLY | OFlags::NONBLOCK, 0)?
+    /// Applies the attributes `attrs.valid` selects to `path`.
+    pub fn setattr(&self, path: &str, attrs: &SetAttrs) -> FopResult<Attr> {
+        let fd = if attrs.valid & SETATTR_SIZE != 0 {
+            self.open_beneath(path, OFlags::WRONLY | OFlags::NONBLOCK, 0)?
         } else {
-            self.open_beneath(&req.path, OFlags::PATH, 0)?
+            self.open_beneath(path, OFlags::PATH, 0)?
         };
-        let fields = FsetattrReq {
-            fh: 0,
-            valid: req.valid,
-            mode: req.mode,
-            uid: req.uid,
-            gid: req.gid,
-            size: req.size,
-            atime: req.atime.clone(),
-            mtime: req.mtime.clone(),
-        };
-        apply_setattr(&fd, &fields, || {
-            self.open_beneath(&req.path, OFlags::RDONLY | OFlags::NONBLOCK, 0)
+        apply_setattr(&fd, attrs, || {
+            self.open_beneath(path, OFlags::RDONLY | OFlags::NONBLOCK, 0)
         })
     }
 
@@ -355,7 +345,7 @@ impl Brick {
 /// real one); `reopen` gives a real descriptor where the kernel refuses `O_PATH` for chmod.
 pub fn apply_setattr(
     fd: &OwnedFd,
-    req: &FsetattrReq,
+    req: &SetAttrs,
     reopen: impl FnOnce() -> FopResult<OwnedFd>,
 ) -> FopResult<Attr> {
     // An O_PATH descriptor cannot carry fchmod and friends; reach the inode through the
@@ -412,12 +402,12 @@ pub fn apply_setattr(
 }
 
 /// Applies a setattr to an open file.
-pub fn fsetattr(file: &File, req: &FsetattrReq) -> FopResult<Attr> {
+pub fn fsetattr(file: &File, attrs: &SetAttrs) -> FopResult<Attr> {
     let fd = file
         .as_fd()
         .try_clone_to_owned()
         .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO) as u32)?;
-    apply_setattr(&fd, req, || Err(errno::EBADF))
+    apply_setattr(&fd, attrs, || Err(errno::EBADF))
 }
 
 /// Attributes of an open file.

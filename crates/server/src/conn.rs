@@ -454,10 +454,13 @@ impl Conn {
             Op::Fstat => reply(&brick::fstat(
                 &*self.handle(HandleReq::from_wire(args)?.fh)?,
             )?),
-            Op::Setattr => reply(&b.setattr(&SetattrReq::from_wire(args)?)?),
+            Op::Setattr => {
+                let req = SetattrReq::from_wire(args)?;
+                reply(&b.setattr(&req.path, &req.attrs)?)
+            }
             Op::Fsetattr => {
                 let req = FsetattrReq::from_wire(args)?;
-                reply(&brick::fsetattr(&*self.handle(req.fh)?, &req)?)
+                reply(&brick::fsetattr(&*self.handle(req.fh)?, &req.attrs)?)
             }
             Op::Open => {
                 let req = OpenReq::from_wire(args)?;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
 
-use kiln_client::{block_on, Client, SetattrReq};
+use kiln_client::{block_on, Client, SetAttrs};
 use kiln_nbd::{Export, ExportConfig};
 
 /// Fails the test, naming the Debian package, if `bin` is not on the PATH.
@@ -36,12 +36,14 @@ pub fn start_brick(dir: &Path) -> (PathBuf, PathBuf) {
 pub fn create_image(brick_sock: &Path, path: &str, size: u64) {
     let c = Client::connect(&format!("unix:{}", brick_sock.display())).expect("connect to brick");
     let (fh, _) = block_on(c.create(path, libc::O_RDWR, 0o644)).expect("create image");
-    block_on(c.setattr(SetattrReq {
-        path: path.to_owned(),
-        valid: kiln_proto::ops::SETATTR_SIZE,
-        size,
-        ..Default::default()
-    }))
+    block_on(c.setattr(
+        path,
+        SetAttrs {
+            valid: kiln_proto::ops::SETATTR_SIZE,
+            size,
+            ..Default::default()
+        },
+    ))
     .expect("size image");
     block_on(c.close(fh)).expect("close");
 }

@@ -31,6 +31,10 @@ use crate::stats::Stats;
 /// Reads at or above this size are sent with `sendfile`; smaller ones are read into a buffer and
 /// gathered with their header into one `sendmsg` (one system call fewer per reply).
 pub const SENDFILE_MIN: u32 = 64 * 1024;
+/// Bytes read past a header at a frame boundary: enough for the arguments of every fop but
+/// long paths, so a small request costs one `readv`. A WRITE whose payload starts inside it has
+/// at most this many payload bytes copied (counted in `Stats::bytes_copied`).
+const STAGE_LEN: usize = 64;
 /// Stop reading new requests while this many reply bytes wait to be sent.
 const OUT_HIGH_WATER: usize = 8 * 1024 * 1024;
 /// Most vectors gathered into one `sendmsg`.
@@ -206,6 +210,7 @@ impl Conn {
         let mut next_hdr = [0u8; HEADER_LEN];
         let mut hdr_got = 0usize;
         let mut cur: Option<Incoming> = None;
+        let mut stage = [0u8; STAGE_LEN];
         // One timer for the idle timeout, re-armed lazily: when it fires after activity, it is
         // pushed out instead of being reset on every frame.
         let idle = self.limits.idle_timeout;
@@ -235,8 +240,12 @@ impl Conn {
                     last_activity = tokio::time::Instant::now();
                     // Receive and run everything the socket holds, unless replies back up.
                     while self.may_read() {
+                        // At a frame boundary, also ask for the start of the frame into `stage`:
+                        // a small request then costs one readv, not two (header, then args).
+                        let at_boundary = cur.is_none();
                         let recv = g.try_io(|s| {
-                            recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..])
+                            let stage = if at_boundary { Some(&mut stage[..]) } else { None };
+                            recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..], stage)
                         });
                         let (n, asked) = match recv {
                             Ok(Ok((0, _))) => return Ok(()),
@@ -245,7 +254,13 @@ impl Conn {
                             Ok(Err(e)) => return Err(e),
                             Err(_would_block) => break,
                         };
-                        let mut left = n;
+                        let (direct, staged) = if at_boundary {
+                            let h = (HEADER_LEN - hdr_got).min(n);
+                            (h, n - h)
+                        } else {
+                            (n, 0)
+                        };
+                        let mut left = direct;
                         if let Some(inc) = cur.as_mut() {
                             left = inc.advance(left);
                             if inc.is_complete() {
@@ -254,20 +269,30 @@ impl Conn {
                             }
                         }
                         hdr_got += left;
-                        while cur.is_none() && hdr_got == HEADER_LEN {
-                            hdr_got = 0;
-                            let hdr = match Header::parse(&next_hdr) {
-                                Ok(h) if h.kind == KIND_REQUEST => h,
-                                Ok(_) => {
-                                    return self.fatal(fd, "a reply frame sent to the server").await
+                        if let Err(why) = self.start_frames(&next_hdr, &mut hdr_got, &mut cur) {
+                            return self.fatal(fd, &why).await;
+                        }
+                        // Bytes that landed in the stage: the rest of this frame's arguments
+                        // (and, for a WRITE, at most the first STAGE_LEN payload bytes, copied and
+                        // counted), possibly followed by further frames.
+                        let mut rest = &stage[..staged];
+                        while !rest.is_empty() {
+                            if let Some(inc) = cur.as_mut() {
+                                let (used, copied) = inc.fill_from(rest);
+                                self.stats.add_copied(copied);
+                                rest = &rest[used..];
+                                if inc.is_complete() {
+                                    let inc = cur.take().expect("current frame");
+                                    self.dispatch(inc);
                                 }
-                                Err(e) => return self.fatal(fd, &e.to_string()).await,
-                            };
-                            let inc = Incoming::new(hdr);
-                            if inc.is_complete() {
-                                self.dispatch(inc);
                             } else {
-                                cur = Some(inc);
+                                let take = (HEADER_LEN - hdr_got).min(rest.len());
+                                next_hdr[hdr_got..hdr_got + take].copy_from_slice(&rest[..take]);
+                                hdr_got += take;
+                                rest = &rest[take..];
+                                if let Err(why) = self.start_frames(&next_hdr, &mut hdr_got, &mut cur) {
+                                    return self.fatal(fd, &why).await;
+                                }
                             }
                         }
                         if n < asked {
@@ -289,6 +314,32 @@ impl Conn {
                 return Ok(());
             }
         }
+    }
+
+    /// With a whole header in `next_hdr`, starts its frame (running it at once if it has no
+    /// arguments or payload); returns why the stream is broken if the header is bad.
+    fn start_frames(
+        &mut self,
+        next_hdr: &[u8; HEADER_LEN],
+        hdr_got: &mut usize,
+        cur: &mut Option<Incoming>,
+    ) -> Result<(), String> {
+        if cur.is_some() || *hdr_got < HEADER_LEN {
+            return Ok(());
+        }
+        *hdr_got = 0;
+        let hdr = match Header::parse(next_hdr) {
+            Ok(h) if h.kind == KIND_REQUEST => h,
+            Ok(_) => return Err("a reply frame sent to the server".into()),
+            Err(e) => return Err(e.to_string()),
+        };
+        let inc = Incoming::new(hdr);
+        if inc.is_complete() {
+            self.dispatch(inc);
+        } else {
+            *cur = Some(inc);
+        }
+        Ok(())
     }
 
     /// Sends an error for a frame that broke the stream's framing, then ends the connection.
@@ -726,6 +777,17 @@ impl Incoming {
         self.args_got == self.args.len() && self.payload.len() == self.payload_len
     }
 
+    /// Takes this frame's bytes from the front of `src` (arguments, then payload); returns the
+    /// bytes used and how many of them were payload (copied).
+    fn fill_from(&mut self, src: &[u8]) -> (usize, usize) {
+        let a = src.len().min(self.args.len() - self.args_got);
+        self.args[self.args_got..self.args_got + a].copy_from_slice(&src[..a]);
+        self.args_got += a;
+        let p = (src.len() - a).min(self.payload_len - self.payload.len());
+        self.payload.extend_from_slice(&src[a..a + p]);
+        (a + p, p)
+    }
+
     /// Accounts `n` received bytes to args then payload; returns what is left over (bytes that
     /// belong to the next header).
     fn advance(&mut self, mut n: usize) -> usize {
@@ -754,14 +816,15 @@ fn raw(b: &[u8]) -> RawIov {
     }
 }
 
-/// `readv` into the current frame's remaining arguments and payload, then the next header.
-/// Returns the bytes received and the bytes asked for.
+/// `readv` into the current frame's remaining arguments and payload, then the next header, then
+/// (at a frame boundary) the stage. Returns the bytes received and the bytes asked for.
 fn recv_into(
     sock: i32,
     cur: Option<&mut Incoming>,
     next_hdr: &mut [u8],
+    stage: Option<&mut [u8]>,
 ) -> io::Result<(usize, usize)> {
-    let mut iov = [RawIov { base: 0, len: 0 }; 3];
+    let mut iov = [RawIov { base: 0, len: 0 }; 4];
     let mut n = 0;
     if let Some(inc) = cur {
         if inc.args_got < inc.args.len() {
@@ -777,8 +840,12 @@ fn recv_into(
     }
     iov[n] = raw(next_hdr);
     n += 1;
+    if let Some(stage) = stage {
+        iov[n] = raw(stage);
+        n += 1;
+    }
     // SAFETY: every vector points at memory this connection owns and does not otherwise touch
-    // during the call (argument buffer, payload spare capacity, header buffer); `RawIov` has the
+    // during the call (argument buffer, payload spare capacity, header buffer, stage); `RawIov` has the
     // layout of `struct iovec`.
     let r = unsafe { libc::readv(sock, iov.as_ptr().cast(), n as i32) };
     if r < 0 {

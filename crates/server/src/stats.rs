@@ -13,6 +13,9 @@ pub struct Stats {
     pub bytes_read: AtomicU64,
     /// Payload bytes written by WRITE requests.
     pub bytes_written: AtomicU64,
+    /// WRITE payload bytes copied in user space: only those that arrive in the small stage
+    /// read with a frame's header (at most 64 per frame); the rest lands in place.
+    pub bytes_copied: AtomicU64,
     /// Frames refused as malformed (bad header, bad arguments, unknown opcode).
     pub bad_frames: AtomicU64,
     /// Connections accepted.
@@ -36,6 +39,12 @@ impl Stats {
 
     pub(crate) fn add_read(&self, n: usize) {
         self.bytes_read.fetch_add(n as u64, Relaxed);
+    }
+
+    pub(crate) fn add_copied(&self, n: usize) {
+        if n > 0 {
+            self.bytes_copied.fetch_add(n as u64, Relaxed);
+        }
     }
 
     pub(crate) fn add_written(&self, n: usize) {

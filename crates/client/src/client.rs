@@ -48,7 +48,7 @@ pub fn wire_path(path: &str) -> String {
 
 /// A connection to one brick.
 pub struct Client {
-    conn: Arc<Conn>,
+    pub(crate) conn: Arc<Conn>,
     server: String,
 }
 
@@ -58,7 +58,7 @@ impl Drop for Client {
     }
 }
 
-struct SlotWait(Arc<Slot>);
+pub(crate) struct SlotWait(pub(crate) Arc<Slot>);
 
 impl Future for SlotWait {
     type Output = Completion;
@@ -155,13 +155,18 @@ impl Client {
             conn: Conn::start(sock)?,
             server: addr.to_owned(),
         };
-        let hello: HelloReply = crate::block_on(client.call(
-            Op::Hello,
-            &HelloReq {
-                version: kiln_proto::frame::VERSION as u32,
-                client: "kiln-client".into(),
-            },
-        ))
+        let hello: HelloReply = crate::block_on(
+            client.call(
+                Op::Hello,
+                &HelloReq {
+                    version: kiln_proto::frame::VERSION as u32,
+                    client: "kiln-client".into(),
+                    metrics: kiln_layer::metrics::local_endpoint()
+                        .map(|a| a.to_string())
+                        .unwrap_or_default(),
+                },
+            ),
+        )
         .map_err(|e| {
             if e.raw_os_error() == Some(errno::EACCES as i32) {
                 io::Error::new(
@@ -252,8 +257,15 @@ impl Client {
         let slot = Arc::new(Slot::default());
         // SAFETY: no payload or sink vectors.
         unsafe {
-            self.conn
-                .submit(op, &args, &[], Vec::new(), None, Done::Slot(slot.clone()))
+            self.conn.submit(
+                op,
+                &args,
+                &[],
+                Vec::new(),
+                None,
+                Done::Slot(slot.clone()),
+                None,
+            )
         }
         .map_err(errno_error)?;
         SlotWait(slot).await.result.map_err(errno_error)
@@ -585,6 +597,7 @@ impl Client {
                 sink,
                 Some(keep),
                 Done::Slot(slot.clone()),
+                None,
             )
         };
         if let Err(e) = submitted {
@@ -621,6 +634,7 @@ impl Client {
                 Vec::new(),
                 Some(keep),
                 Done::Slot(slot.clone()),
+                None,
             )
         };
         if let Err(e) = submitted {
@@ -654,8 +668,15 @@ impl Client {
         // SAFETY: this function does not return until the completion is delivered, and holds
         // the exclusive borrow of `bufs` until then.
         unsafe {
-            self.conn
-                .submit(Op::Read, &args, &[], sink, None, Done::Slot(slot.clone()))
+            self.conn.submit(
+                Op::Read,
+                &args,
+                &[],
+                sink,
+                None,
+                Done::Slot(slot.clone()),
+                None,
+            )
         }
         .map_err(errno_error)?;
         slot.wait()
@@ -679,6 +700,7 @@ impl Client {
                 Vec::new(),
                 None,
                 Done::Slot(slot.clone()),
+                None,
             )
         }
         .map_err(errno_error)?;
@@ -717,6 +739,7 @@ impl Client {
                 iov.to_vec(),
                 None,
                 Done::Callback(done),
+                None,
             )
         }
         .map(|_| ())
@@ -746,6 +769,7 @@ impl Client {
                 Vec::new(),
                 None,
                 Done::Callback(done),
+                None,
             )
         }
         .map(|_| ())
@@ -769,6 +793,7 @@ impl Client {
                 Vec::new(),
                 None,
                 Done::Callback(done),
+                None,
             )
         }
         .map(|_| ())

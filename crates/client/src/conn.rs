@@ -30,6 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
 
+use kiln_layer::trace::{Trace, REPLY_HEADER, SENT};
+use kiln_proto::codec::Wire;
 use kiln_proto::frame::{Header, HEADER_LEN, KIND_REPLY};
 use kiln_proto::iov::{IovCursor, RawIov, IOV_MAX};
 use kiln_proto::{errno, Op};
@@ -140,6 +142,9 @@ struct Pending {
     sink: Vec<RawIov>,
     done: Done,
     keep: Option<Box<dyn Any + Send>>,
+    /// A sampled request's trace: stamped when its frame leaves and its reply arrives, and
+    /// given the brick's stamps from the reply.
+    trace: Option<Arc<Trace>>,
     /// Set once the request's frame has fully left; a reply before that is a protocol violation.
     sent: bool,
 }
@@ -216,11 +221,14 @@ impl Conn {
     /// Sends a request.
     ///
     /// `payload` is gathered after the arguments; `sink` receives a reply payload (at most its
-    /// total length). `keep` is held until completion and handed back in it.
+    /// total length). `keep` is held until completion and handed back in it. With `trace`, the
+    /// request asks the brick for its stamps and the connection stamps its own stages.
     ///
     /// # Safety
     /// Every vector in `payload` and `sink` must stay valid (and `sink` unaliased) until `done`
     /// has been delivered. Errors before anything was queued are returned, not delivered.
+    // Each argument is a distinct part of the request; a struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn submit(
         self: &Arc<Self>,
         op: Op,
@@ -229,6 +237,7 @@ impl Conn {
         sink: Vec<RawIov>,
         keep: Option<Box<dyn Any + Send>>,
         done: Done,
+        trace: Option<Arc<Trace>>,
     ) -> Result<u64, Errno> {
         if args.len() > kiln_proto::MAX_ARGS_LEN as usize {
             return Err(errno::EMSGSIZE);
@@ -238,7 +247,11 @@ impl Conn {
             return Err(errno::EMSGSIZE);
         }
         let id = self.next_id.fetch_add(1, Relaxed);
-        let hdr = Header::request(op as u16, id, args.len() as u32, payload_len as u32);
+        let mut hdr = Header::request(op as u16, id, args.len() as u32, payload_len as u32);
+        if let Some(t) = &trace {
+            hdr = hdr.with_trace();
+            t.stamp("send queued");
+        }
         let mut head = Vec::with_capacity(HEADER_LEN + args.len());
         head.extend_from_slice(&hdr.to_bytes());
         head.extend_from_slice(args);
@@ -261,6 +274,7 @@ impl Conn {
                     sink,
                     done,
                     keep,
+                    trace,
                     sent: false,
                 },
             );
@@ -372,6 +386,9 @@ impl Conn {
                 for id in finished {
                     if let Some(p) = t.pending.get_mut(&id) {
                         p.sent = true;
+                        if let Some(tr) = &p.trace {
+                            tr.stamp(SENT);
+                        }
                     }
                 }
             }
@@ -452,7 +469,8 @@ impl Conn {
             if cur.is_none() && hdr_got == 0 {
                 let t = lock(&self.table);
                 if let (1, Some((&id, p))) = (t.pending.len(), t.pending.iter().next()) {
-                    if !p.sink.is_empty() {
+                    // A traced reply starts with the brick's stamps: not speculated.
+                    if !p.sink.is_empty() && p.trace.is_none() {
                         iov.extend(p.sink.iter().take(IOV_MAX - 1));
                         speculating = Some(id);
                     }
@@ -573,6 +591,9 @@ impl Conn {
             }
             other => other,
         };
+        if let Some(t) = pending.as_ref().and_then(|p| p.trace.as_ref()) {
+            t.stamp(REPLY_HEADER);
+        }
         let (sink, pending) = match pending {
             Some(mut p) => (
                 IovCursor::new(std::mem::take(&mut p.sink), payload_len),
@@ -588,6 +609,7 @@ impl Conn {
         };
         let discard = payload_len - sink.remaining();
         Ok(InReply {
+            traced: hdr.traced(),
             status: hdr.status.get(),
             args: vec![0u8; hdr.args_len.get() as usize],
             args_got: 0,
@@ -612,6 +634,19 @@ impl Conn {
             }
             return;
         };
+        let mut args = r.args;
+        if r.traced {
+            match split_trace(&args) {
+                Some((block, rest)) => {
+                    if let Some(t) = &p.trace {
+                        t.merge_remote(&block);
+                        t.stamp("reply received");
+                    }
+                    args = rest.to_vec();
+                }
+                None => tracing::warn!("malformed trace block in a reply; ignored"),
+            }
+        }
         let result = if r.status != 0 {
             Err(r.status)
         } else if r.discard > 0 {
@@ -619,7 +654,7 @@ impl Conn {
             Err(errno::EPROTO)
         } else {
             Ok(ReplyData {
-                args: r.args,
+                args,
                 payload_len: landed,
             })
         };
@@ -631,6 +666,14 @@ impl Conn {
             },
         );
     }
+}
+
+/// Splits a traced reply's arguments into the brick's trace block and the reply's own.
+fn split_trace(args: &[u8]) -> Option<(kiln_proto::ops::TraceBlock, &[u8])> {
+    let len = u32::from_le_bytes(args.get(..4)?.try_into().ok()?) as usize;
+    let block = args.get(4..4 + len)?;
+    let block = kiln_proto::ops::TraceBlock::from_wire(block).ok()?;
+    Some((block, &args[4 + len..]))
 }
 
 fn deliver(done: Done, c: Completion) {
@@ -659,6 +702,8 @@ fn poll_fd(fd: i32, events: i16) -> io::Result<()> {
 
 /// A reply being received.
 struct InReply {
+    /// The arguments start with the brick's trace block.
+    traced: bool,
     status: u32,
     args: Vec<u8>,
     args_got: usize,

@@ -19,6 +19,13 @@ pub const MAX_ARGS_LEN: u32 = 64 * 1024;
 /// Largest payload a peer may send in one frame (READ reply or WRITE request).
 pub const MAX_PAYLOAD_LEN: u32 = 16 * 1024 * 1024;
 
+/// Flag: on a request, the server records when each of its stages ran; on a reply, the
+/// arguments start with a `u32` length and that many bytes of [`crate::ops::TraceBlock`], then
+/// the reply's own arguments. Only sampled requests carry it.
+pub const FLAG_TRACE: u32 = 1;
+/// Every flag this version knows.
+pub const FLAGS_KNOWN: u32 = FLAG_TRACE;
+
 /// Frame kinds.
 pub const KIND_REQUEST: u8 = 0;
 /// A reply to the request with the same `request_id`.
@@ -46,8 +53,8 @@ pub struct Header {
     pub args_len: U32,
     /// Length of the raw payload that follows the arguments.
     pub payload_len: U32,
-    /// Must be zero; room for flags without a version bump.
-    pub reserved: U32,
+    /// Flags ([`FLAG_TRACE`]); every other bit must be zero.
+    pub flags: U32,
 }
 
 const _: () = assert!(core::mem::size_of::<Header>() == HEADER_LEN);
@@ -68,8 +75,8 @@ pub enum HeaderError {
     ArgsTooLong(u32),
     /// `payload_len` above [`MAX_PAYLOAD_LEN`].
     PayloadTooLong(u32),
-    /// The reserved word was not zero.
-    Reserved,
+    /// A flag this version does not know was set.
+    UnknownFlags(u32),
 }
 
 impl core::fmt::Display for HeaderError {
@@ -83,7 +90,7 @@ impl core::fmt::Display for HeaderError {
             HeaderError::PayloadTooLong(n) => {
                 write!(f, "payload length {n} above limit {MAX_PAYLOAD_LEN}")
             }
-            HeaderError::Reserved => write!(f, "reserved header field is not zero"),
+            HeaderError::UnknownFlags(x) => write!(f, "unknown header flags {x:#x}"),
         }
     }
 }
@@ -102,7 +109,7 @@ impl Header {
             status: 0.into(),
             args_len: args_len.into(),
             payload_len: payload_len.into(),
-            reserved: 0.into(),
+            flags: 0.into(),
         }
     }
 
@@ -128,7 +135,7 @@ impl Header {
         Ok(h)
     }
 
-    /// Checks magic, version, kind, the length limits and the reserved word.
+    /// Checks magic, version, kind, the length limits and the flags.
     pub fn validate(&self) -> Result<(), HeaderError> {
         if self.magic.get() != MAGIC {
             return Err(HeaderError::BadMagic(self.magic.get()));
@@ -145,10 +152,21 @@ impl Header {
         if self.payload_len.get() > MAX_PAYLOAD_LEN {
             return Err(HeaderError::PayloadTooLong(self.payload_len.get()));
         }
-        if self.reserved.get() != 0 {
-            return Err(HeaderError::Reserved);
+        if self.flags.get() & !FLAGS_KNOWN != 0 {
+            return Err(HeaderError::UnknownFlags(self.flags.get()));
         }
         Ok(())
+    }
+
+    /// True when [`FLAG_TRACE`] is set.
+    pub fn traced(&self) -> bool {
+        self.flags.get() & FLAG_TRACE != 0
+    }
+
+    /// The same header with [`FLAG_TRACE`] set.
+    pub fn with_trace(mut self) -> Header {
+        self.flags = (self.flags.get() | FLAG_TRACE).into();
+        self
     }
 
     /// The header's 32 wire bytes.

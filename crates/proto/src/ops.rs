@@ -88,6 +88,8 @@ ops! {
     Fsetattr = 26,
     /// Prove the shared secret (challenge-response after HELLO).
     Auth = 27,
+    /// Profiling control and data: the reply's payload is JSON (see [`ProfileReq`]).
+    Profile = 28,
 }
 
 wire_struct! {
@@ -110,8 +112,9 @@ wire_struct! {
         pub ctime: Time,
     }
 
-    /// Hello request.
-    pub struct HelloReq { pub version: u32, pub client: String }
+    /// Hello request. `metrics` is the client's `/metrics` and profile endpoint (`IP:PORT`), or
+    /// empty: `kiln volume profile` learns from the brick where its clients report.
+    pub struct HelloReq { pub version: u32, pub client: String, pub metrics: String }
     /// Hello reply. With `auth_required`, every fop but HELLO and AUTH is refused until the
     /// client has proved the secret over `nonce` (see [`crate::auth`]).
     pub struct HelloReply {
@@ -211,7 +214,24 @@ wire_struct! {
     pub struct FallocateReq { pub fh: u64, pub mode: u32, pub offset: u64, pub len: u64 }
     /// Discard request.
     pub struct DiscardReq { pub fh: u64, pub offset: u64, pub len: u64 }
+
+    /// Profile request: `cmd` is one of the `PROFILE_*` values. The reply carries no arguments
+    /// and a JSON payload: the server's io-stats (cumulative and since the last start).
+    pub struct ProfileReq { pub cmd: u32 }
+
+    /// One timestamped event of a traced request: nanoseconds on the sender's monotonic clock.
+    pub struct TraceEvent { pub t_ns: u64, pub label: String }
+    /// The server's part of a traced request's timeline. `clock` names the clock the times were
+    /// taken on (equal values: the same host's monotonic clock, directly comparable).
+    pub struct TraceBlock { pub clock: u64, pub events: Seq<TraceEvent> }
 }
+
+/// Profile: report only.
+pub const PROFILE_INFO: u32 = 0;
+/// Profile: start a new interval (and keep counting).
+pub const PROFILE_START: u32 = 1;
+/// Profile: end the interval.
+pub const PROFILE_STOP: u32 = 2;
 
 /// Setattr: apply `mode`.
 pub const SETATTR_MODE: u32 = 1 << 0;

@@ -140,6 +140,7 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
                 HelloReq {
                     version: 1,
                     client: "kiln-client".into(),
+                    metrics: "127.0.0.1:24180".into(),
                 }
                 .to_wire(),
                 &[],

@@ -316,10 +316,10 @@ impl Brick {
     }
 
     /// Sets an extended attribute.
-    pub fn setxattr(&self, req: &SetxattrReq) -> FopResult<()> {
-        let fd = self.xattr_fd(&req.path)?;
-        let flags = rfs::XattrFlags::from_bits(req.flags).ok_or(errno::EINVAL)?;
-        rfs::fsetxattr(&fd, req.name.as_str(), &req.value, flags).map_err(err)
+    pub fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: u32) -> FopResult<()> {
+        let fd = self.xattr_fd(path)?;
+        let flags = rfs::XattrFlags::from_bits(flags).ok_or(errno::EINVAL)?;
+        rfs::fsetxattr(&fd, name, value, flags).map_err(err)
     }
 
     /// Lists extended attribute names.

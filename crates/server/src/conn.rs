@@ -12,10 +12,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
+use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
+use kiln_layer::{Ctx, Fd, IoBufs, LayerRef, ReadDst, ReadOut, Trace};
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::frame::{Header, HEADER_LEN, KIND_REQUEST};
 use kiln_proto::iov::RawIov;
@@ -25,12 +29,10 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::mpsc;
 
-use crate::brick::{self, Brick, Errno};
+use crate::brick::Errno;
 use crate::stats::Stats;
 
-/// Reads at or above this size are sent with `sendfile`; smaller ones are read into a buffer and
-/// gathered with their header into one `sendmsg` (one system call fewer per reply).
-pub const SENDFILE_MIN: u32 = 64 * 1024;
+pub use crate::posix::SENDFILE_MIN;
 /// Bytes read past a header at a frame boundary: enough for the arguments of every fop but
 /// long paths, so a small request costs one `readv`. A WRITE whose payload starts inside it has
 /// at most this many payload bytes copied (counted in `Stats::bytes_copied`).
@@ -68,22 +70,62 @@ struct OutReply {
     body: Body,
     /// Bytes of head + body already sent.
     sent: usize,
+    /// For a traced reply: where in `head` the "reply write" stamp goes, written just before
+    /// the reply's first byte is handed to the socket.
+    stamp_at: Option<usize>,
 }
+
+/// Label of the last stamp of a traced reply.
+const REPLY_WRITE: &str = "brick: reply write";
 
 impl OutReply {
     fn new(op: u16, id: u64, result: Result<(Vec<u8>, Body), Errno>) -> OutReply {
+        OutReply::traced(op, id, result, None)
+    }
+
+    /// A reply; with a trace, its stamps travel in front of the arguments (see `FLAG_TRACE`),
+    /// ending with a placeholder for the reply-write stamp.
+    fn traced(
+        op: u16,
+        id: u64,
+        result: Result<(Vec<u8>, Body), Errno>,
+        trace: Option<&Trace>,
+    ) -> OutReply {
         let (status, args, body) = match result {
             Ok((args, body)) => (0, args, body),
             Err(e) => (e, Vec::new(), Body::None),
         };
-        let hdr = Header::reply(op, id, status, args.len() as u32, body.len() as u32);
-        let mut head = Vec::with_capacity(HEADER_LEN + args.len());
-        head.extend_from_slice(&hdr.to_bytes());
+        let block = trace.map(|t| {
+            t.stamp("brick: reply queued");
+            t.stamp_at(0, REPLY_WRITE);
+            t.to_block().to_wire()
+        });
+        let extra = block.as_ref().map_or(0, |b| 4 + b.len());
+        let mut hdr = Header::reply(
+            op,
+            id,
+            status,
+            (extra + args.len()) as u32,
+            body.len() as u32,
+        );
+        let mut stamp_at = None;
+        let mut head = Vec::with_capacity(HEADER_LEN + extra + args.len());
+        if let Some(b) = &block {
+            hdr = hdr.with_trace();
+            head.extend_from_slice(&hdr.to_bytes());
+            head.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            head.extend_from_slice(b);
+            // The block ends with the placeholder event: t_ns (8 bytes), then its label.
+            stamp_at = Some(head.len() - REPLY_WRITE.to_owned().to_wire().len() - 8);
+        } else {
+            head.extend_from_slice(&hdr.to_bytes());
+        }
         head.extend_from_slice(&args);
         OutReply {
             head,
             body,
             sent: 0,
+            stamp_at,
         }
     }
 
@@ -126,10 +168,42 @@ impl Default for Limits {
     }
 }
 
+/// A fop's outcome before it becomes a reply: open and create hand back a handle that the
+/// connection numbers when it queues the reply.
+enum Done {
+    Reply(Vec<u8>, Body),
+    Open(Fd),
+    Create(Fd, Attr),
+}
+
+/// A fop still running (it waited on something: the blocking pool, a delay).
+type FopFuture = Pin<Box<dyn Future<Output = Result<Done, Errno>> + Send>>;
+
+/// A fop that finished off the connection's task.
+struct Finished {
+    op: u16,
+    id: u64,
+    result: Result<Done, Errno>,
+    trace: Option<Arc<Trace>>,
+}
+
+/// What the connection learns from a request.
+enum Step {
+    /// Reply now (protocol fops, errors found while decoding).
+    Now(Vec<u8>, Body),
+    /// Run through the stack.
+    Stack(FopFuture),
+}
+
+/// Clients that announced a metrics endpoint, by connection: `kiln volume profile` asks them.
+pub type ClientBook = Arc<std::sync::Mutex<HashMap<u64, String>>>;
+
 /// Per-connection state.
 struct Conn {
-    brick: Arc<Brick>,
+    stack: LayerRef,
     stats: Arc<Stats>,
+    clients: ClientBook,
+    conn_id: u64,
     limits: Limits,
     peer: String,
     /// The shared secret clients must prove, if the server has one.
@@ -142,22 +216,40 @@ struct Conn {
     closing: bool,
     /// Requests dispatched whose replies have not been fully sent.
     inflight: usize,
-    handles: HashMap<u64, Arc<File>>,
+    handles: HashMap<u64, Fd>,
     next_fh: u64,
     out: VecDeque<OutReply>,
     out_bytes: usize,
-    done_tx: mpsc::UnboundedSender<OutReply>,
+    done_tx: mpsc::UnboundedSender<Finished>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.conn_id);
+        // Tell the stack about handles the client never released.
+        for (_, fd) in self.handles.drain() {
+            let stack = self.stack.clone();
+            kiln_layer::exec::spawn(async move {
+                let _ = stack.release(&Ctx::NONE, fd).await;
+            });
+        }
+    }
 }
 
 /// Serves one connected socket until the peer closes it or breaks the protocol.
 pub async fn serve(
     sock: OwnedFd,
-    brick: Arc<Brick>,
+    stack: LayerRef,
     stats: Arc<Stats>,
+    clients: ClientBook,
     limits: Limits,
     secret: Option<Arc<[u8]>>,
     peer: String,
 ) {
+    static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     if let Err(e) = rustix::io::ioctl_fionbio(&sock, true) {
         tracing::warn!(%peer, "cannot make socket non-blocking: {e}");
         return;
@@ -173,8 +265,10 @@ pub async fn serve(
     };
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut conn = Conn {
-        brick,
+        stack,
         stats,
+        clients,
+        conn_id: NEXT_CONN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         limits,
         peer: peer.clone(),
         secret,
@@ -204,7 +298,7 @@ impl Conn {
     async fn run(
         &mut self,
         fd: &AsyncFd<OwnedFd>,
-        done_rx: &mut mpsc::UnboundedReceiver<OutReply>,
+        done_rx: &mut mpsc::UnboundedReceiver<Finished>,
         peer: &str,
     ) -> io::Result<()> {
         let mut next_hdr = [0u8; HEADER_LEN];
@@ -227,7 +321,7 @@ impl Conn {
             let quiet = idle_on && self.inflight == 0 && self.out.is_empty();
             tokio::select! {
                 biased;
-                Some(r) = done_rx.recv() => self.push(r),
+                Some(f) = done_rx.recv() => self.finish(f),
                 () = &mut idle_timer, if quiet => {
                     if last_activity.elapsed() >= idle {
                         tracing::info!(peer, "closing a connection idle for {idle:?}");
@@ -306,8 +400,8 @@ impl Conn {
                 }
                 g = fd.writable(), if writing => g?.retain_ready(),
             }
-            while let Ok(r) = done_rx.try_recv() {
-                self.push(r);
+            while let Ok(f) = done_rx.try_recv() {
+                self.finish(f);
             }
             self.flush(fd)?;
             if self.closing && self.out.is_empty() {
@@ -372,11 +466,18 @@ impl Conn {
         self.out.push_back(r);
     }
 
-    /// Runs one complete request; its reply is queued now or, for slow fops, later.
+    /// Runs one complete request; its reply is queued now or, for fops that wait, later.
     fn dispatch(&mut self, inc: Incoming) {
         self.inflight += 1;
         let id = inc.hdr.request_id.get();
         let opcode = inc.hdr.opcode.get();
+        let cx = if inc.hdr.traced() {
+            let cx = Ctx::traced();
+            cx.stamp(|| "brick: frame received".into());
+            cx
+        } else {
+            Ctx::NONE
+        };
         let Some(op) = Op::from_u16(opcode) else {
             tracing::warn!(opcode, "unknown opcode");
             self.stats
@@ -397,72 +498,119 @@ impl Conn {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
         }
-        match self.run_fop(op, id, &inc.args, inc.payload) {
-            Some(Ok(r)) => self.push(OutReply::new(opcode, id, Ok(r))),
-            Some(Err(Fail::Errno(e))) => self.push(OutReply::new(opcode, id, Err(e))),
-            Some(Err(Fail::Decode(e))) => {
+        let trace = cx.trace.clone();
+        match self.fop(op, &inc.args, inc.payload, cx) {
+            Ok(Step::Now(args, body)) => self.push(OutReply::traced(
+                opcode,
+                id,
+                Ok((args, body)),
+                trace.as_deref(),
+            )),
+            Ok(Step::Stack(mut fut)) => {
+                // Most fops complete on their first poll (posix is synchronous): queue the
+                // reply now, without a task. The rest finish on a task of their own.
+                let mut cx = Context::from_waker(std::task::Waker::noop());
+                match fut.as_mut().poll(&mut cx) {
+                    Poll::Ready(result) => self.finish(Finished {
+                        op: opcode,
+                        id,
+                        result,
+                        trace,
+                    }),
+                    Poll::Pending => {
+                        let tx = self.done_tx.clone();
+                        tokio::spawn(async move {
+                            let result = fut.await;
+                            let _ = tx.send(Finished {
+                                op: opcode,
+                                id,
+                                result,
+                                trace,
+                            });
+                        });
+                    }
+                }
+            }
+            Err(Fail::Errno(e)) => self.push(OutReply::new(opcode, id, Err(e))),
+            Err(Fail::Decode(e)) => {
                 tracing::warn!(op = op.name(), "bad arguments: {e}");
                 self.stats
                     .bad_frames
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.push(OutReply::new(opcode, id, Err(errno::EPROTO)))
             }
-            None => {}
         }
     }
 
-    fn handle(&self, fh: u64) -> Result<Arc<File>, Fail> {
+    /// Queues the reply of a fop that went through the stack.
+    fn finish(&mut self, f: Finished) {
+        let result = f.result.map(|done| match done {
+            Done::Reply(args, body) => (args, body),
+            Done::Open(fd) => (
+                OpenReply {
+                    fh: self.new_handle(fd),
+                }
+                .to_wire(),
+                Body::None,
+            ),
+            Done::Create(fd, attr) => (
+                CreateReply {
+                    fh: self.new_handle(fd),
+                    attr,
+                }
+                .to_wire(),
+                Body::None,
+            ),
+        });
+        self.push(OutReply::traced(f.op, f.id, result, f.trace.as_deref()));
+    }
+
+    fn handle(&self, fh: u64) -> Result<Fd, Fail> {
         self.handles
             .get(&fh)
             .cloned()
             .ok_or(Fail::Errno(errno::EBADF))
     }
 
-    fn new_handle(&mut self, f: File) -> u64 {
+    fn new_handle(&mut self, fd: Fd) -> u64 {
         let fh = self.next_fh;
         self.next_fh += 1;
-        self.handles.insert(fh, Arc::new(f));
+        self.handles.insert(fh, fd);
         fh
     }
 
-    /// Runs a slow fop on the blocking pool; its reply joins the queue when it completes.
-    fn offload(
-        &self,
-        opcode: u16,
-        id: u64,
-        f: impl FnOnce() -> Result<(), Errno> + Send + 'static,
-    ) {
-        let tx = self.done_tx.clone();
-        tokio::task::spawn_blocking(move || {
-            let r = f().map(|()| (Vec::new(), Body::None));
-            let _ = tx.send(OutReply::new(opcode, id, r));
-        });
-    }
-
-    /// Returns the reply, or `None` when the fop was handed to the blocking pool.
-    fn run_fop(&mut self, op: Op, id: u64, args: &[u8], payload: Vec<u8>) -> Option<FopOut> {
-        self.fop(op, id, args, payload).transpose()
-    }
-
-    fn fop(
-        &mut self,
-        op: Op,
-        id: u64,
-        args: &[u8],
-        payload: Vec<u8>,
-    ) -> Result<Option<(Vec<u8>, Body)>, Fail> {
-        let b = &*self.brick;
-        let reply = |v: &dyn WireOut| Ok(Some((v.wire(), Body::None)));
-        let empty = || Ok(Some((Vec::new(), Body::None)));
+    /// Decodes a request and starts it: protocol fops (HELLO, AUTH, PROFILE, RELEASE's handle
+    /// bookkeeping) are answered here, file fops go down the stack.
+    fn fop(&mut self, op: Op, args: &[u8], payload: Vec<u8>, cx: Ctx) -> Result<Step, Fail> {
+        let stack = self.stack.clone();
+        let stats = self.stats.clone();
+        cx.stamp(|| "brick: dispatch".into());
+        fn reply(v: &impl Wire) -> Result<Done, Errno> {
+            Ok(Done::Reply(v.to_wire(), Body::None))
+        }
+        fn empty() -> Result<Done, Errno> {
+            Ok(Done::Reply(Vec::new(), Body::None))
+        }
+        macro_rules! stack {
+            ($body:expr) => {
+                Ok(Step::Stack(Box::pin(async move { $body })))
+            };
+        }
         match op {
             Op::Hello => {
                 let req = HelloReq::from_wire(args)?;
                 tracing::debug!(client = %req.client, version = req.version, "hello");
+                if !req.metrics.is_empty() {
+                    self.clients
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(self.conn_id, req.metrics);
+                }
                 if self.secret.is_some() {
                     fill_random(&mut self.nonce)?;
                 }
                 self.hello_done = true;
-                reply(&HelloReply {
+                let r = HelloReply {
                     version: kiln_proto::frame::VERSION as u32,
                     server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
                     max_payload: kiln_proto::MAX_PAYLOAD_LEN,
@@ -472,13 +620,17 @@ impl Conn {
                     } else {
                         Vec::new()
                     },
-                })
+                };
+                Ok(Step::Now(r.to_wire(), Body::None))
             }
             Op::Auth => {
                 let req = AuthReq::from_wire(args)?;
                 let Some(secret) = self.secret.clone() else {
                     // Nothing to prove to a server without a secret.
-                    return reply(&AuthReply { proof: Vec::new() });
+                    return Ok(Step::Now(
+                        AuthReply { proof: Vec::new() }.to_wire(),
+                        Body::None,
+                    ));
                 };
                 use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
                 let ok = self.hello_done
@@ -499,144 +651,198 @@ impl Conn {
                 self.authed = true;
                 let proof =
                     crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
-                reply(&AuthReply { proof })
+                Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
             }
-            Op::Lookup => reply(&b.lookup(&PathReq::from_wire(args)?.path)?),
-            Op::Fstat => reply(&brick::fstat(
-                &*self.handle(HandleReq::from_wire(args)?.fh)?,
-            )?),
+            Op::Profile => {
+                let req = ProfileReq::from_wire(args)?;
+                let points = kiln_layer::iostats::points();
+                if req.cmd == PROFILE_START {
+                    points.iter().for_each(|p| p.start_interval());
+                }
+                let mut report = kiln_layer::metrics::profile_json("kilnd");
+                let clients: Vec<String> = {
+                    let c = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut v: Vec<String> = c.values().cloned().collect();
+                    v.sort();
+                    v.dedup();
+                    v
+                };
+                report["clients"] = clients.into();
+                if req.cmd == PROFILE_STOP {
+                    points.iter().for_each(|p| p.stop_interval());
+                }
+                Ok(Step::Now(
+                    Vec::new(),
+                    Body::Buf(report.to_string().into_bytes()),
+                ))
+            }
+            Op::Lookup => {
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&stack.lookup(&cx, &req.path).await?))
+            }
+            Op::Fstat => {
+                let fd = self.handle(HandleReq::from_wire(args)?.fh)?;
+                stack!(reply(&stack.fstat(&cx, &fd).await?))
+            }
             Op::Setattr => {
                 let req = SetattrReq::from_wire(args)?;
-                reply(&b.setattr(&req.path, &req.attrs)?)
+                stack!(reply(&stack.setattr(&cx, &req.path, &req.attrs).await?))
             }
             Op::Fsetattr => {
                 let req = FsetattrReq::from_wire(args)?;
-                reply(&brick::fsetattr(&*self.handle(req.fh)?, &req.attrs)?)
+                let fd = self.handle(req.fh)?;
+                stack!(reply(&stack.fsetattr(&cx, &fd, &req.attrs).await?))
             }
             Op::Open => {
                 let req = OpenReq::from_wire(args)?;
-                let f = b.open_file(&req.path, req.flags)?;
-                reply(&OpenReply {
-                    fh: self.new_handle(f),
-                })
+                stack!(Ok(Done::Open(stack.open(&cx, &req.path, req.flags).await?)))
             }
             Op::Create => {
                 let req = CreateReq::from_wire(args)?;
-                let (f, attr) = b.create(&req.path, req.flags, req.mode)?;
-                reply(&CreateReply {
-                    fh: self.new_handle(f),
-                    attr,
+                stack!({
+                    let (fd, attr) = stack.create(&cx, &req.path, req.flags, req.mode).await?;
+                    Ok(Done::Create(fd, attr))
                 })
             }
             Op::Read => {
                 let req = ReadReq::from_wire(args)?;
-                let file = self.handle(req.fh)?;
+                let fd = self.handle(req.fh)?;
                 let len = req.len.min(kiln_proto::MAX_PAYLOAD_LEN);
-                let body = if len >= SENDFILE_MIN {
-                    // The header announces the length, so clamp to the file's size first.
-                    let size = brick::fstat(&file)?.size;
-                    let len = size.saturating_sub(req.offset).min(len as u64) as usize;
-                    Body::File {
-                        file,
-                        offset: req.offset,
-                        len,
-                    }
-                } else {
-                    let mut buf = vec![0u8; len as usize];
-                    let n = brick::read_full(&file, &mut buf, req.offset)?;
-                    buf.truncate(n);
-                    Body::Buf(buf)
-                };
-                self.stats.add_read(body.len());
-                Ok(Some((Vec::new(), body)))
+                stack!({
+                    let body = match stack.read(&cx, &fd, req.offset, ReadDst::Any(len)).await? {
+                        ReadOut::Buf(b) => Body::Buf(b),
+                        ReadOut::File { file, offset, len } => Body::File { file, offset, len },
+                        ReadOut::Into { .. } => return Err(errno::EIO),
+                    };
+                    stats.add_read(body.len());
+                    Ok(Done::Reply(Vec::new(), body))
+                })
             }
             Op::Write => {
                 let req = WriteReq::from_wire(args)?;
-                let file = self.handle(req.fh)?;
-                let n = brick::write_full(&file, &payload, req.offset)?;
-                self.stats.add_written(n);
-                reply(&WriteReply { written: n as u32 })
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    let w = stack
+                        .write(&cx, &fd, req.offset, IoBufs::owned(vec![payload]))
+                        .await?;
+                    stats.add_written(w.n);
+                    reply(&WriteReply {
+                        written: w.n as u32,
+                    })
+                })
             }
             Op::Fsync => {
                 let req = FsyncReq::from_wire(args)?;
-                let file = self.handle(req.fh)?;
-                self.offload(op as u16, id, move || brick::fsync(&file, req.datasync));
-                Ok(None)
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    stack.fsync(&cx, &fd, req.datasync).await?;
+                    empty()
+                })
             }
             Op::Release => {
                 let fh = HandleReq::from_wire(args)?.fh;
-                self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
-                empty()
+                let fd = self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
+                stack!({
+                    stack.release(&cx, fd).await?;
+                    empty()
+                })
             }
             Op::Unlink => {
-                b.unlink(&PathReq::from_wire(args)?.path)?;
-                empty()
+                let req = PathReq::from_wire(args)?;
+                stack!({
+                    stack.unlink(&cx, &req.path).await?;
+                    empty()
+                })
             }
             Op::Mkdir => {
                 let req = MkdirReq::from_wire(args)?;
-                reply(&b.mkdir(&req.path, req.mode)?)
+                stack!(reply(&stack.mkdir(&cx, &req.path, req.mode).await?))
             }
             Op::Rmdir => {
-                b.rmdir(&PathReq::from_wire(args)?.path)?;
-                empty()
+                let req = PathReq::from_wire(args)?;
+                stack!({
+                    stack.rmdir(&cx, &req.path).await?;
+                    empty()
+                })
             }
             Op::Rename => {
                 let req = RenameReq::from_wire(args)?;
-                b.rename(&req.from, &req.to, req.flags)?;
-                empty()
+                stack!({
+                    stack.rename(&cx, &req.from, &req.to, req.flags).await?;
+                    empty()
+                })
             }
             Op::Readdir => {
                 let req = ReaddirReq::from_wire(args)?;
                 // Keep the reply under the argument limit: an entry costs < 128 bytes + name.
                 let max = req.max.min(256);
-                reply(&b.readdir(&req.path, req.offset, max)?)
+                stack!(reply(
+                    &stack.readdir(&cx, &req.path, req.offset, max).await?
+                ))
             }
             Op::Symlink => {
                 let req = SymlinkReq::from_wire(args)?;
-                reply(&b.symlink(&req.target, &req.path)?)
+                stack!(reply(&stack.symlink(&cx, &req.target, &req.path).await?))
             }
-            Op::Readlink => reply(&ReadlinkReply {
-                target: b.readlink(&PathReq::from_wire(args)?.path)?,
-            }),
+            Op::Readlink => {
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&ReadlinkReply {
+                    target: stack.readlink(&cx, &req.path).await?,
+                }))
+            }
             Op::Link => {
                 let req = LinkReq::from_wire(args)?;
-                reply(&b.link(&req.existing, &req.path)?)
+                stack!(reply(&stack.link(&cx, &req.existing, &req.path).await?))
             }
-            Op::Statfs => reply(&b.statfs(&PathReq::from_wire(args)?.path)?),
+            Op::Statfs => {
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&stack.statfs(&cx, &req.path).await?))
+            }
             Op::Getxattr => {
                 let req = XattrReq::from_wire(args)?;
-                reply(&XattrValue {
-                    value: b.getxattr(&req.path, &req.name)?,
-                })
+                stack!(reply(&XattrValue {
+                    value: stack.getxattr(&cx, &req.path, &req.name).await?,
+                }))
             }
             Op::Setxattr => {
-                b.setxattr(&SetxattrReq::from_wire(args)?)?;
-                empty()
+                let req = SetxattrReq::from_wire(args)?;
+                stack!({
+                    stack
+                        .setxattr(&cx, &req.path, &req.name, &req.value, req.flags)
+                        .await?;
+                    empty()
+                })
             }
             Op::Listxattr => {
-                let names = b.listxattr(&PathReq::from_wire(args)?.path)?;
-                reply(&XattrNames { names: Seq(names) })
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&XattrNames {
+                    names: Seq(stack.listxattr(&cx, &req.path).await?),
+                }))
             }
             Op::Removexattr => {
                 let req = XattrReq::from_wire(args)?;
-                b.removexattr(&req.path, &req.name)?;
-                empty()
+                stack!({
+                    stack.removexattr(&cx, &req.path, &req.name).await?;
+                    empty()
+                })
             }
             Op::Fallocate => {
                 let req = FallocateReq::from_wire(args)?;
-                let file = self.handle(req.fh)?;
-                self.offload(op as u16, id, move || {
-                    brick::fallocate(&file, req.mode, req.offset, req.len)
-                });
-                Ok(None)
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    stack
+                        .fallocate(&cx, &fd, req.mode, req.offset, req.len)
+                        .await?;
+                    empty()
+                })
             }
             Op::Discard => {
                 let req = DiscardReq::from_wire(args)?;
-                let file = self.handle(req.fh)?;
-                self.offload(op as u16, id, move || {
-                    brick::discard(&file, req.offset, req.len)
-                });
-                Ok(None)
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    stack.discard(&cx, &fd, req.offset, req.len).await?;
+                    empty()
+                })
             }
         }
     }
@@ -682,9 +888,15 @@ impl Conn {
         }
         let mut iov: Vec<RawIov> = Vec::with_capacity(GATHER_MAX);
         let mut more = false;
-        for r in self.out.iter() {
+        for r in self.out.iter_mut() {
             if iov.len() + 2 > GATHER_MAX {
                 break;
+            }
+            if let Some(at) = r.stamp_at.take() {
+                if r.sent == 0 {
+                    let t = kiln_layer::trace::now_ns().to_le_bytes();
+                    r.head[at..at + 8].copy_from_slice(&t);
+                }
             }
             if r.sent < r.head.len() {
                 iov.push(raw(&r.head[r.sent..]));
@@ -729,9 +941,6 @@ impl Conn {
     }
 }
 
-/// Output of a fop: reply arguments and body.
-type FopOut = Result<(Vec<u8>, Body), Fail>;
-
 /// Why a fop produced no result.
 enum Fail {
     Errno(Errno),
@@ -747,17 +956,6 @@ impl From<Errno> for Fail {
 impl From<kiln_proto::DecodeError> for Fail {
     fn from(e: kiln_proto::DecodeError) -> Fail {
         Fail::Decode(e)
-    }
-}
-
-/// Object-safe encoding, so `fop` can reply with any wire type.
-trait WireOut {
-    fn wire(&self) -> Vec<u8>;
-}
-
-impl<T: Wire> WireOut for T {
-    fn wire(&self) -> Vec<u8> {
-        self.to_wire()
     }
 }
 

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod brick;
 pub mod cli;
 pub mod conn;
+pub mod posix;
 pub mod stats;
 
 use std::net::SocketAddr;
@@ -18,6 +19,8 @@ use tokio::net::{TcpListener, UnixListener};
 
 pub use brick::Brick;
 pub use conn::Limits;
+pub use kiln_layer::volfile::{LayerKind, Volfile};
+use kiln_layer::LayerRef;
 pub use stats::Stats;
 
 /// Where a server listens.
@@ -53,8 +56,9 @@ impl std::fmt::Display for Listen {
 
 /// A bound server, ready to run.
 pub struct Server {
-    brick: Arc<Brick>,
+    stack: LayerRef,
     stats: Arc<Stats>,
+    clients: conn::ClientBook,
     limits: Limits,
     allow: Vec<access::Cidr>,
     secret: Option<Arc<[u8]>>,
@@ -63,14 +67,16 @@ pub struct Server {
 }
 
 impl Server {
-    /// Opens the brick and binds every address. Must run inside a tokio runtime.
+    /// Serves the brick directory `dir` with the default stack ([`default_volfile`]) on every
+    /// address. Must run inside a tokio runtime.
     pub fn bind(dir: &Path, listen: &[Listen]) -> std::io::Result<Server> {
-        let brick = Brick::open(dir).map_err(|e| {
-            std::io::Error::new(
-                e.kind(),
-                format!("cannot open brick directory {}: {e}", dir.display()),
-            )
-        })?;
+        Server::bind_volfile(&default_volfile(dir), listen)
+    }
+
+    /// Builds the brick's stack from a volume graph and binds every address. Must run inside
+    /// a tokio runtime.
+    pub fn bind_volfile(volfile: &Volfile, listen: &[Listen]) -> std::io::Result<Server> {
+        let stack = build_stack(volfile).map_err(std::io::Error::other)?;
         let mut tcp = Vec::new();
         let mut unix = Vec::new();
         for l in listen {
@@ -100,8 +106,9 @@ impl Server {
             }
         }
         Ok(Server {
-            brick: Arc::new(brick),
+            stack,
             stats: Arc::default(),
+            clients: Arc::default(),
             limits: Limits::default(),
             allow: Vec::new(),
             secret: None,
@@ -154,8 +161,9 @@ impl Server {
     pub async fn run(self) {
         let mut tasks = tokio::task::JoinSet::new();
         let shared = Arc::new(Shared {
-            brick: self.brick.clone(),
+            stack: self.stack.clone(),
             stats: self.stats.clone(),
+            clients: self.clients.clone(),
             limits: self.limits,
             secret: self.secret.clone(),
             open: AtomicUsize::new(0),
@@ -208,6 +216,37 @@ impl Server {
         }
         while tasks.join_next().await.is_some() {}
     }
+}
+
+/// The default brick stack: io-stats (named `brick`) → dispatch → posix over `dir`.
+pub fn default_volfile(dir: &Path) -> Volfile {
+    Volfile::linear(vec![
+        ("brick".into(), LayerKind::IoStats {}),
+        ("dispatch".into(), LayerKind::Dispatch {}),
+        (
+            "posix".into(),
+            LayerKind::Posix {
+                directory: dir.to_owned(),
+            },
+        ),
+    ])
+}
+
+/// Builds a brick stack: the generic layers, plus posix and dispatch.
+pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
+    volfile.build(&mut |def, mut kids| match &def.kind {
+        LayerKind::Posix { directory } => {
+            let brick = Brick::open(directory)
+                .map_err(|e| format!("cannot open brick directory {}: {e}", directory.display()))?;
+            Ok(Arc::new(posix::Posix::new(&def.name, Arc::new(brick))) as LayerRef)
+        }
+        LayerKind::Dispatch {} => Ok(Arc::new(posix::Dispatch::new(&def.name, kids.remove(0)))),
+        other => Err(format!(
+            "layer {:?}: a {} layer cannot run in a brick",
+            def.name,
+            other.type_name()
+        )),
+    })
 }
 
 /// Send buffer for Unix stream sockets. Their default (~208 KiB) holds less than two 128 KiB
@@ -289,8 +328,9 @@ pub fn spawn_background(dir: &Path, listen: &[Listen]) -> std::io::Result<Backgr
 
 /// What every connection task of one server shares.
 struct Shared {
-    brick: Arc<Brick>,
+    stack: LayerRef,
     stats: Arc<Stats>,
+    clients: conn::ClientBook,
     limits: Limits,
     secret: Option<Arc<[u8]>>,
     /// Connections being served now.
@@ -318,10 +358,10 @@ fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(%peer, "connection accepted");
     let guard = OpenGuard(shared.clone());
-    let (brick, stats, limits) = (shared.brick.clone(), shared.stats.clone(), shared.limits);
-    let secret = shared.secret.clone();
+    let (stack, stats, limits) = (shared.stack.clone(), shared.stats.clone(), shared.limits);
+    let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
     tokio::spawn(async move {
-        conn::serve(fd, brick, stats, limits, secret, peer).await;
+        conn::serve(fd, stack, stats, clients, limits, secret, peer).await;
         drop(guard);
     });
 }

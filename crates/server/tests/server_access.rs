@@ -76,6 +76,7 @@ fn clients_outside_the_allow_list_are_refused_with_a_reason() {
     let hello = HelloReq {
         version: 1,
         client: "test".into(),
+        metrics: String::new(),
     }
     .to_wire();
     let (h, _, _) = ok.call(Op::Hello as u16, 1, &hello);

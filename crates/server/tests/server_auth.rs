@@ -94,6 +94,7 @@ fn clients_must_prove_the_secret() {
         &HelloReq {
             version: 1,
             client: "raw".into(),
+            metrics: String::new(),
         }
         .to_wire(),
     );

@@ -1,0 +1,396 @@
+//! The protocol-client layer: the bottom of a client stack, one connection to one brick.
+//!
+//! Every fop becomes one frame. A read into the caller's memory ([`ReadDst::Into`]) hands those
+//! vectors to the connection as the reply's sink, so the payload lands there straight from the
+//! socket; a write gathers its frame from the caller's vectors. The memory's owner travels with
+//! the request and comes back with the completion, so a dropped future can never free memory
+//! the connection is still writing.
+
+use std::sync::Arc;
+
+use kiln_layer::{
+    errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, ReadDst, ReadOut, ReaddirReply,
+    SetAttrs, StatfsReply, Written,
+};
+use kiln_proto::codec::{Seq, Wire};
+use kiln_proto::iov::RawIov;
+use kiln_proto::ops::*;
+use kiln_proto::Op;
+
+use crate::client::{wire_path, Client, SlotWait};
+use crate::conn::{Completion, Done, Slot};
+
+/// A handle on the brick.
+struct RemoteFd(u64);
+
+/// The protocol-client layer.
+pub struct ProtocolClient {
+    name: String,
+    client: Arc<Client>,
+}
+
+impl ProtocolClient {
+    /// A protocol-client layer named `name` over a connected client.
+    pub fn new(name: &str, client: Arc<Client>) -> ProtocolClient {
+        ProtocolClient {
+            name: name.into(),
+            client,
+        }
+    }
+
+    /// The connection.
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    /// Sends one frame and waits for its completion.
+    fn send<'a>(
+        &'a self,
+        cx: &Ctx,
+        op: Op,
+        args: Vec<u8>,
+        payload: &[RawIov],
+        sink: Vec<RawIov>,
+        keep: Option<Box<dyn std::any::Any + Send>>,
+    ) -> impl std::future::Future<Output = FopResult<Completion>> + Send + 'a {
+        let slot = Arc::new(Slot::default());
+        // SAFETY: `payload` and `sink` point into memory owned by `keep` (or promised valid by
+        // an `IoBufs::raw` caller until completion); the connection holds `keep` until the
+        // completion is delivered.
+        let r = unsafe {
+            self.client.conn.submit(
+                op,
+                &args,
+                payload,
+                sink,
+                keep,
+                Done::Slot(slot.clone()),
+                cx.trace.clone(),
+            )
+        };
+        async move {
+            r?;
+            Ok(SlotWait(slot).await)
+        }
+    }
+
+    fn call<'a, R: Wire + Send + 'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, R> {
+        let f = self.send(cx, op, req.to_wire(), &[], Vec::new(), None);
+        Box::pin(async move {
+            let c = f.await?;
+            let r = c.result?;
+            R::from_wire(&r.args).map_err(|e| {
+                tracing::warn!(op = op.name(), "bad reply arguments: {e}");
+                errno::EPROTO
+            })
+        })
+    }
+
+    fn unit<'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, ()> {
+        let f = self.send(cx, op, req.to_wire(), &[], Vec::new(), None);
+        Box::pin(async move { f.await?.result.map(|_| ()) })
+    }
+}
+
+fn fh(fd: &Fd) -> FopResult<u64> {
+    fd.get::<RemoteFd>().map(|r| r.0)
+}
+
+/// Checks a data length against the frame limit.
+fn check_len(n: usize) -> FopResult<u32> {
+    if n > kiln_proto::MAX_PAYLOAD_LEN as usize {
+        Err(errno::EINVAL)
+    } else {
+        Ok(n as u32)
+    }
+}
+
+macro_rules! try_fut {
+    ($e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(e) => return fail(e),
+        }
+    };
+}
+
+fn path(p: &str) -> String {
+    wire_path(p)
+}
+
+impl Layer for ProtocolClient {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn lookup<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, Attr> {
+        self.call(cx, Op::Lookup, &PathReq { path: path(p) })
+    }
+
+    fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
+        let fh = try_fut!(fh(fd));
+        self.call(cx, Op::Fstat, &HandleReq { fh })
+    }
+
+    fn setattr<'a>(&'a self, cx: &'a Ctx, p: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        let req = SetattrReq {
+            path: path(p),
+            attrs: attrs.clone(),
+        };
+        self.call(cx, Op::Setattr, &req)
+    }
+
+    fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        let fh = try_fut!(fh(fd));
+        let req = FsetattrReq {
+            fh,
+            attrs: attrs.clone(),
+        };
+        self.call(cx, Op::Fsetattr, &req)
+    }
+
+    fn open<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32) -> Fut<'a, Fd> {
+        let f = self.call::<OpenReply>(
+            cx,
+            Op::Open,
+            &OpenReq {
+                path: path(p),
+                flags,
+            },
+        );
+        Box::pin(async move { Ok(Fd::new(RemoteFd(f.await?.fh))) })
+    }
+
+    fn create<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
+        let req = CreateReq {
+            path: path(p),
+            flags,
+            mode,
+        };
+        let f = self.call::<CreateReply>(cx, Op::Create, &req);
+        Box::pin(async move {
+            let r = f.await?;
+            Ok((Fd::new(RemoteFd(r.fh)), r.attr))
+        })
+    }
+
+    fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
+        let fh = try_fut!(fh(fd));
+        let len = try_fut!(check_len(dst.len()));
+        let args = ReadReq { fh, offset, len }.to_wire();
+        match dst {
+            ReadDst::Into(bufs) => {
+                let (iov, keep) = bufs.into_parts();
+                let sink = iov.clone();
+                let f = self.send(cx, Op::Read, args, &[], sink, Some(Box::new((iov, keep))));
+                Box::pin(async move {
+                    let c = f.await?;
+                    let n = c.result?.payload_len;
+                    let (iov, keep) = *c
+                        .keep
+                        .expect("the connection hands back what it kept")
+                        .downcast::<(Vec<RawIov>, Option<Box<dyn std::any::Any + Send>>)>()
+                        .expect("same type");
+                    // SAFETY: the vectors point into `keep` (or raw memory still promised).
+                    let bufs = unsafe { IoBufs::from_parts(iov, keep) };
+                    Ok(ReadOut::Into { n, bufs })
+                })
+            }
+            ReadDst::Any(len) => {
+                let mut buf = vec![0u8; len as usize];
+                let sink = vec![RawIov {
+                    base: buf.as_mut_ptr() as usize,
+                    len: buf.len(),
+                }];
+                let f = self.send(cx, Op::Read, args, &[], sink, Some(Box::new(buf)));
+                Box::pin(async move {
+                    let c = f.await?;
+                    let n = c.result?.payload_len;
+                    let mut buf = *c
+                        .keep
+                        .expect("the connection hands back what it kept")
+                        .downcast::<Vec<u8>>()
+                        .expect("same type");
+                    buf.truncate(n);
+                    Ok(ReadOut::Buf(buf))
+                })
+            }
+        }
+    }
+
+    fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        let fh = try_fut!(fh(fd));
+        try_fut!(check_len(data.len()));
+        let args = WriteReq { fh, offset }.to_wire();
+        let (iov, keep) = data.into_parts();
+        let f = self.send(
+            cx,
+            Op::Write,
+            args,
+            &iov.clone(),
+            Vec::new(),
+            Some(Box::new((iov, keep))),
+        );
+        Box::pin(async move {
+            let c = f.await?;
+            let r = c.result?;
+            let n = WriteReply::from_wire(&r.args)
+                .map_err(|_| errno::EPROTO)?
+                .written as usize;
+            let (iov, keep) = *c
+                .keep
+                .expect("the connection hands back what it kept")
+                .downcast::<(Vec<RawIov>, Option<Box<dyn std::any::Any + Send>>)>()
+                .expect("same type");
+            // SAFETY: as in `read`.
+            let bufs = unsafe { IoBufs::from_parts(iov, keep) };
+            Ok(Written { n, bufs })
+        })
+    }
+
+    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
+        let fh = try_fut!(fh(fd));
+        self.unit(cx, Op::Fsync, &FsyncReq { fh, datasync })
+    }
+
+    fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
+        let fh = try_fut!(fh(&fd));
+        self.unit(cx, Op::Release, &HandleReq { fh })
+    }
+
+    fn unlink<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, ()> {
+        self.unit(cx, Op::Unlink, &PathReq { path: path(p) })
+    }
+
+    fn mkdir<'a>(&'a self, cx: &'a Ctx, p: &'a str, mode: u32) -> Fut<'a, Attr> {
+        self.call(
+            cx,
+            Op::Mkdir,
+            &MkdirReq {
+                path: path(p),
+                mode,
+            },
+        )
+    }
+
+    fn rmdir<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, ()> {
+        self.unit(cx, Op::Rmdir, &PathReq { path: path(p) })
+    }
+
+    fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+        let req = RenameReq {
+            from: path(from),
+            to: path(to),
+            flags,
+        };
+        self.unit(cx, Op::Rename, &req)
+    }
+
+    fn readdir<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        p: &'a str,
+        offset: u64,
+        max: u32,
+    ) -> Fut<'a, ReaddirReply> {
+        let req = ReaddirReq {
+            path: path(p),
+            offset,
+            max,
+        };
+        self.call(cx, Op::Readdir, &req)
+    }
+
+    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, p: &'a str) -> Fut<'a, Attr> {
+        let req = SymlinkReq {
+            target: target.into(),
+            path: path(p),
+        };
+        self.call(cx, Op::Symlink, &req)
+    }
+
+    fn readlink<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, String> {
+        let f = self.call::<ReadlinkReply>(cx, Op::Readlink, &PathReq { path: path(p) });
+        Box::pin(async move { Ok(f.await?.target) })
+    }
+
+    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, p: &'a str) -> Fut<'a, Attr> {
+        let req = LinkReq {
+            existing: path(existing),
+            path: path(p),
+        };
+        self.call(cx, Op::Link, &req)
+    }
+
+    fn statfs<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, StatfsReply> {
+        self.call(cx, Op::Statfs, &PathReq { path: path(p) })
+    }
+
+    fn getxattr<'a>(&'a self, cx: &'a Ctx, p: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
+        let req = XattrReq {
+            path: path(p),
+            name: name.into(),
+        };
+        let f = self.call::<XattrValue>(cx, Op::Getxattr, &req);
+        Box::pin(async move { Ok(f.await?.value) })
+    }
+
+    fn setxattr<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        p: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+        flags: u32,
+    ) -> Fut<'a, ()> {
+        let req = SetxattrReq {
+            path: path(p),
+            name: name.into(),
+            value: value.to_vec(),
+            flags,
+        };
+        self.unit(cx, Op::Setxattr, &req)
+    }
+
+    fn listxattr<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, Vec<String>> {
+        let f = self.call::<XattrNames>(cx, Op::Listxattr, &PathReq { path: path(p) });
+        Box::pin(async move {
+            let Seq(names) = f.await?.names;
+            Ok(names)
+        })
+    }
+
+    fn removexattr<'a>(&'a self, cx: &'a Ctx, p: &'a str, name: &'a str) -> Fut<'a, ()> {
+        let req = XattrReq {
+            path: path(p),
+            name: name.into(),
+        };
+        self.unit(cx, Op::Removexattr, &req)
+    }
+
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
+        let fh = try_fut!(fh(fd));
+        self.unit(
+            cx,
+            Op::Fallocate,
+            &FallocateReq {
+                fh,
+                mode,
+                offset,
+                len,
+            },
+        )
+    }
+
+    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
+        let fh = try_fut!(fh(fd));
+        self.unit(cx, Op::Discard, &DiscardReq { fh, offset, len })
+    }
+}

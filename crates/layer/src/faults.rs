@@ -1,0 +1,210 @@
+//! Fault injection layers: error-gen fails chosen fops with an errno, delay-gen holds them back.
+//!
+//! Both pick fops by name and fire with a probability, from a seeded generator so that a test
+//! run can be repeated. They are shipped layers — an operator can place one in a volume graph to
+//! reproduce a problem — and tests use them to drive the production code under faults.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use crate::{Ctx, Errno, FopOutput, Fut, Interpose, LayerRef, Op};
+
+/// Which fops a fault applies to, and how often.
+pub struct Trigger {
+    fops: Option<HashSet<Op>>,
+    /// Probability scaled to 2^32.
+    threshold: u64,
+    rng: AtomicU64,
+}
+
+impl Trigger {
+    /// Fops named in `fops` (all when empty), each with probability `p` (0..=1), seeded.
+    pub fn new(fops: &[String], p: f64, seed: u64) -> Result<Trigger, String> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(format!("probability {p} is not between 0 and 1"));
+        }
+        let fops = if fops.is_empty() {
+            None
+        } else {
+            let mut set = HashSet::new();
+            for name in fops {
+                let op = Op::ALL
+                    .iter()
+                    .find(|o| o.name().eq_ignore_ascii_case(name))
+                    .ok_or_else(|| format!("unknown fop {name:?}"))?;
+                set.insert(*op);
+            }
+            Some(set)
+        };
+        Ok(Trigger {
+            fops,
+            threshold: (p * (1u64 << 32) as f64) as u64,
+            rng: AtomicU64::new(seed | 1),
+        })
+    }
+
+    /// Decides for one call of `op`.
+    pub fn fires(&self, op: Op) -> bool {
+        if self.fops.as_ref().is_some_and(|s| !s.contains(&op)) {
+            return false;
+        }
+        if self.threshold >= 1 << 32 {
+            return true;
+        }
+        // xorshift64*: one relaxed read-modify-write; concurrent callers may share a draw,
+        // which only makes the sequence less varied, never wrong.
+        let mut x = self.rng.load(Relaxed);
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng.store(x, Relaxed);
+        (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) < self.threshold
+    }
+}
+
+/// Fails matching fops with `errno` (without calling the child).
+pub struct ErrorGen {
+    name: String,
+    children: [LayerRef; 1],
+    trigger: Trigger,
+    errno: Errno,
+    /// Errors injected so far.
+    pub injected: AtomicU64,
+}
+
+impl ErrorGen {
+    /// An error-gen layer above `child`.
+    pub fn new(name: &str, child: LayerRef, trigger: Trigger, errno: Errno) -> ErrorGen {
+        ErrorGen {
+            name: name.into(),
+            children: [child],
+            trigger,
+            errno,
+            injected: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Interpose for ErrorGen {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn children(&self) -> &[LayerRef] {
+        &self.children
+    }
+
+    fn around<'a, T: FopOutput + Send + 'a>(
+        &'a self,
+        _cx: &'a Ctx,
+        op: Op,
+        call: Box<dyn FnOnce() -> Fut<'a, T> + Send + 'a>,
+    ) -> Fut<'a, T> {
+        if self.trigger.fires(op) {
+            self.injected.fetch_add(1, Relaxed);
+            tracing::debug!(layer = %self.name, op = op.name(), errno = self.errno, "injecting error");
+            return crate::fail(self.errno);
+        }
+        call()
+    }
+}
+
+crate::interpose_all!(ErrorGen);
+
+/// Holds matching fops back by `delay` before calling the child.
+///
+/// The delay holds the calling thread, as a slow disk would (on the brick: that connection's
+/// task). Timer slack is set to 1 ns on threads that sleep here, so a 100 µs delay is
+/// 100 µs, not the default 50 µs more.
+pub struct DelayGen {
+    name: String,
+    children: [LayerRef; 1],
+    trigger: Trigger,
+    delay: Duration,
+    /// Delays injected so far.
+    pub injected: AtomicU64,
+}
+
+impl DelayGen {
+    /// A delay-gen layer above `child`.
+    pub fn new(name: &str, child: LayerRef, trigger: Trigger, delay: Duration) -> DelayGen {
+        DelayGen {
+            name: name.into(),
+            children: [child],
+            trigger,
+            delay,
+            injected: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Sleeps `d` on this thread with 1 ns timer slack.
+fn precise_sleep(d: Duration) {
+    thread_local! {
+        static SLACK_SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    SLACK_SET.with(|s| {
+        if !s.get() {
+            // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects only this thread.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
+            s.set(true);
+        }
+    });
+    let end = Instant::now() + d;
+    while let Some(left) = end.checked_duration_since(Instant::now()) {
+        if left.is_zero() {
+            break;
+        }
+        std::thread::sleep(left);
+    }
+}
+
+impl Interpose for DelayGen {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn children(&self) -> &[LayerRef] {
+        &self.children
+    }
+
+    fn around<'a, T: FopOutput + Send + 'a>(
+        &'a self,
+        _cx: &'a Ctx,
+        op: Op,
+        call: Box<dyn FnOnce() -> Fut<'a, T> + Send + 'a>,
+    ) -> Fut<'a, T> {
+        if self.trigger.fires(op) {
+            self.injected.fetch_add(1, Relaxed);
+            precise_sleep(self.delay);
+        }
+        call()
+    }
+}
+
+crate::interpose_all!(DelayGen);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trigger_probability_and_filter() {
+        let t = Trigger::new(&["read".into()], 0.25, 42).unwrap();
+        let hits = (0..40_000).filter(|_| t.fires(Op::Read)).count();
+        assert!((8_000..12_000).contains(&hits), "{hits}");
+        assert!(!(0..1000).any(|_| t.fires(Op::Write)));
+        assert!(Trigger::new(&["nope".into()], 0.5, 1).is_err());
+        assert!(Trigger::new(&[], 1.5, 1).is_err());
+        let always = Trigger::new(&[], 1.0, 1).unwrap();
+        assert!((0..100).all(|_| always.fires(Op::Lookup)));
+    }
+
+    #[test]
+    fn precise_sleep_is_close() {
+        let t = Instant::now();
+        precise_sleep(Duration::from_micros(100));
+        assert!(t.elapsed() >= Duration::from_micros(100));
+    }
+}

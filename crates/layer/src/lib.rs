@@ -1,0 +1,392 @@
+//! Kiln's layer stack.
+//!
+//! A volume is a graph of layers. Every fop is an async method of [`Layer`] whose default
+//! forwards to the layer's first child, so a layer overrides only what it changes. The same trait
+//! is used on both sides of the wire: the client stack ends in a protocol-client layer, the brick
+//! server's stack begins at its protocol server and ends in posix storage.
+//!
+//! Data moves through the stack without copies: a read carries the caller's memory down to the
+//! layer that fills it ([`ReadDst::Into`]), or lets the bottom layer choose a buffer or a file
+//! region to send with `sendfile` ([`ReadDst::Any`]); a write carries the caller's memory down
+//! to the layer that writes it out.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod exec;
+pub mod faults;
+pub mod iostats;
+pub mod metrics;
+pub mod trace;
+pub mod volfile;
+
+use std::any::Any;
+use std::fs::File;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+pub use kiln_proto::iov::RawIov;
+pub use kiln_proto::ops::{Attr, ReaddirReply, SetAttrs, StatfsReply};
+pub use kiln_proto::{errno, Op};
+pub use trace::{Ctx, Trace};
+
+/// A Linux errno value.
+pub type Errno = u32;
+/// The result of a fop.
+pub type FopResult<T> = Result<T, Errno>;
+/// The future a fop returns.
+pub type Fut<'a, T> = Pin<Box<dyn Future<Output = FopResult<T>> + Send + 'a>>;
+
+/// An open file as the layer that opened it sees it: each layer may wrap its children's handles
+/// in its own. Dropping the last clone closes what the handle holds; [`Layer::release`] tells the
+/// layers below (and the brick) that the caller is done with it.
+#[derive(Clone)]
+pub struct Fd(Arc<dyn Any + Send + Sync>);
+
+impl Fd {
+    /// Wraps a layer's own handle state.
+    pub fn new<T: Any + Send + Sync>(inner: T) -> Fd {
+        Fd(Arc::new(inner))
+    }
+
+    /// The state a layer stored, or `EBADF` for a handle that some other layer made.
+    pub fn get<T: Any>(&self) -> FopResult<&T> {
+        self.0.downcast_ref::<T>().ok_or(errno::EBADF)
+    }
+}
+
+impl std::fmt::Debug for Fd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fd({:p})", Arc::as_ptr(&self.0))
+    }
+}
+
+/// Memory a read fills or a write sends, kept alive by the fop until it completes — even if the
+/// future that started it is dropped, the layer that does the I/O holds `IoBufs` until the data
+/// has moved, so the memory cannot be freed under the kernel.
+pub struct IoBufs {
+    iov: Vec<RawIov>,
+    keep: Option<Box<dyn Any + Send>>,
+}
+
+impl IoBufs {
+    /// Owned buffers; they come back from [`IoBufs::into_owned`].
+    pub fn owned<B: AsMut<[u8]> + Send + 'static>(mut bufs: Vec<B>) -> IoBufs {
+        let iov = bufs
+            .iter_mut()
+            .map(|b| {
+                let s = b.as_mut();
+                RawIov {
+                    base: s.as_mut_ptr() as usize,
+                    len: s.len(),
+                }
+            })
+            .collect();
+        // Moving the Vec into the box does not move its elements' heap memory.
+        IoBufs {
+            iov,
+            keep: Some(Box::new(bufs)),
+        }
+    }
+
+    /// Borrowed memory described by raw vectors.
+    ///
+    /// # Safety
+    /// Every vector must stay valid until the fop it is given to has completed (its future
+    /// resolved, or — if the future is dropped — its completion delivered), and, for a read, must
+    /// not be read or written by anyone else meanwhile.
+    pub unsafe fn raw(iov: Vec<RawIov>) -> IoBufs {
+        IoBufs { iov, keep: None }
+    }
+
+    /// The vectors.
+    pub fn iov(&self) -> &[RawIov] {
+        &self.iov
+    }
+
+    /// Total bytes.
+    pub fn len(&self) -> usize {
+        self.iov.iter().map(|v| v.len).sum()
+    }
+
+    /// True when there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Splits into vectors and the owner of their memory, for a layer that hands both to the
+    /// kernel or to a connection that holds the owner until completion.
+    pub fn into_parts(self) -> (Vec<RawIov>, Option<Box<dyn Any + Send>>) {
+        (self.iov, self.keep)
+    }
+
+    /// Rebuilds from [`IoBufs::into_parts`].
+    ///
+    /// # Safety
+    /// `iov` must point into memory owned by `keep` (or satisfy [`IoBufs::raw`]).
+    pub unsafe fn from_parts(iov: Vec<RawIov>, keep: Option<Box<dyn Any + Send>>) -> IoBufs {
+        IoBufs { iov, keep }
+    }
+
+    /// The owned buffers given to [`IoBufs::owned`], if they were of type `B`.
+    pub fn into_owned<B: 'static>(self) -> Option<Vec<B>> {
+        self.keep?.downcast::<Vec<B>>().ok().map(|b| *b)
+    }
+}
+
+/// Where a read's data goes.
+pub enum ReadDst {
+    /// Into the caller's memory; its length is the most that is read.
+    Into(IoBufs),
+    /// Anywhere the bottom layer likes: a buffer, or a file region to send without a copy.
+    /// The value is the most that is read.
+    Any(u32),
+}
+
+impl ReadDst {
+    /// The most bytes the read may return.
+    pub fn len(&self) -> usize {
+        match self {
+            ReadDst::Into(b) => b.len(),
+            ReadDst::Any(n) => *n as usize,
+        }
+    }
+
+    /// True for a zero-length read.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A read's data. Fewer bytes than asked for means end of file.
+pub enum ReadOut {
+    /// `n` bytes landed in the caller's memory, handed back.
+    Into {
+        /// Bytes read.
+        n: usize,
+        /// The memory from [`ReadDst::Into`].
+        bufs: IoBufs,
+    },
+    /// The bytes, in a buffer.
+    Buf(Vec<u8>),
+    /// `len` bytes of `file` from `offset`: the sender moves them with `sendfile`.
+    File {
+        /// The open file.
+        file: Arc<File>,
+        /// Where the bytes start.
+        offset: u64,
+        /// How many (already clamped to the file's size).
+        len: usize,
+    },
+}
+
+impl ReadOut {
+    /// Bytes read.
+    pub fn len(&self) -> usize {
+        match self {
+            ReadOut::Into { n, .. } => *n,
+            ReadOut::Buf(b) => b.len(),
+            ReadOut::File { len, .. } => *len,
+        }
+    }
+
+    /// True at end of file.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A write's result: bytes written and the caller's memory, handed back.
+pub struct Written {
+    /// Bytes written.
+    pub n: usize,
+    /// The memory the write was sent from.
+    pub bufs: IoBufs,
+}
+
+/// A fop future that fails at once.
+pub fn fail<'a, T: Send + 'a>(e: Errno) -> Fut<'a, T> {
+    Box::pin(std::future::ready(Err(e)))
+}
+
+/// Calls `$m!` with the list of every fop: name, opcode, arguments (beyond the context) and
+/// result type. One list drives the trait and every layer that wraps all fops alike.
+#[macro_export]
+macro_rules! for_each_fop {
+    ($m:ident $(, $extra:tt)*) => {
+        $m! {
+            ($($extra)*)
+            (lookup, Lookup, (path: &'a str), $crate::Attr)
+            (fstat, Fstat, (fd: &'a $crate::Fd), $crate::Attr)
+            (setattr, Setattr, (path: &'a str, attrs: &'a $crate::SetAttrs), $crate::Attr)
+            (fsetattr, Fsetattr, (fd: &'a $crate::Fd, attrs: &'a $crate::SetAttrs), $crate::Attr)
+            (open, Open, (path: &'a str, flags: u32), $crate::Fd)
+            (create, Create, (path: &'a str, flags: u32, mode: u32), ($crate::Fd, $crate::Attr))
+            (read, Read, (fd: &'a $crate::Fd, offset: u64, dst: $crate::ReadDst), $crate::ReadOut)
+            (write, Write, (fd: &'a $crate::Fd, offset: u64, data: $crate::IoBufs), $crate::Written)
+            (fsync, Fsync, (fd: &'a $crate::Fd, datasync: bool), ())
+            (release, Release, (fd: $crate::Fd), ())
+            (unlink, Unlink, (path: &'a str), ())
+            (mkdir, Mkdir, (path: &'a str, mode: u32), $crate::Attr)
+            (rmdir, Rmdir, (path: &'a str), ())
+            (rename, Rename, (from: &'a str, to: &'a str, flags: u32), ())
+            (readdir, Readdir, (path: &'a str, offset: u64, max: u32), $crate::ReaddirReply)
+            (symlink, Symlink, (target: &'a str, path: &'a str), $crate::Attr)
+            (readlink, Readlink, (path: &'a str), String)
+            (link, Link, (existing: &'a str, path: &'a str), $crate::Attr)
+            (statfs, Statfs, (path: &'a str), $crate::StatfsReply)
+            (getxattr, Getxattr, (path: &'a str, name: &'a str), Vec<u8>)
+            (setxattr, Setxattr, (path: &'a str, name: &'a str, value: &'a [u8], flags: u32), ())
+            (listxattr, Listxattr, (path: &'a str), Vec<String>)
+            (removexattr, Removexattr, (path: &'a str, name: &'a str), ())
+            (fallocate, Fallocate, (fd: &'a $crate::Fd, mode: u32, offset: u64, len: u64), ())
+            (discard, Discard, (fd: &'a $crate::Fd, offset: u64, len: u64), ())
+        }
+    };
+}
+
+macro_rules! declare_layer {
+    (() $( ($name:ident, $op:ident, ($($arg:ident : $ty:ty),*), $ret:ty) )*) => {
+        /// One layer of a volume graph. Every fop defaults to forwarding to the first child
+        /// (failing with `ENOSYS` in a layer without children).
+        ///
+        /// Contracts shared by all fops: paths are relative to the volume root, `/`-separated,
+        /// without `.`/`..` components (the brick refuses anything else); errors are Linux
+        /// errno values; a read returns fewer bytes than asked only at end of file, and after
+        /// an error the contents of the read's memory are unspecified.
+        pub trait Layer: Send + Sync + 'static {
+            /// The layer's name in the volume graph (unique within it).
+            fn name(&self) -> &str;
+
+            /// The layer's children, in graph order.
+            fn children(&self) -> &[Arc<dyn Layer>] {
+                &[]
+            }
+
+            /// Runs an operator command against this layer and its subtree (see
+            /// [`iostats`]): the default visits the children.
+            fn visit(&self, f: &mut dyn FnMut(&dyn Layer)) {
+                for c in self.children() {
+                    f(&**c);
+                    c.visit(f);
+                }
+            }
+
+            /// This layer as `Any`, for operator tools that look for a layer type.
+            fn as_any(&self) -> Option<&dyn Any> {
+                None
+            }
+
+            $(
+                #[doc = concat!("The `", stringify!($name), "` fop.")]
+                fn $name<'a>(&'a self, cx: &'a Ctx, $($arg: $ty),*) -> Fut<'a, $ret> {
+                    match self.children().first() {
+                        Some(c) => c.$name(cx, $($arg),*),
+                        None => fail(errno::ENOSYS),
+                    }
+                }
+            )*
+        }
+    };
+}
+
+for_each_fop!(declare_layer);
+
+/// The shared handle to a layer.
+pub type LayerRef = Arc<dyn Layer>;
+
+/// What a fop's result says about the data it moved, for io-stats.
+pub trait FopOutput {
+    /// Bytes of file data moved (reads and writes), else 0.
+    fn data_bytes(&self) -> usize {
+        0
+    }
+}
+
+impl FopOutput for ReadOut {
+    fn data_bytes(&self) -> usize {
+        self.len()
+    }
+}
+
+impl FopOutput for Written {
+    fn data_bytes(&self) -> usize {
+        self.n
+    }
+}
+
+macro_rules! no_data {
+    ($($t:ty),*) => { $(impl FopOutput for $t {})* };
+}
+no_data!(
+    Attr,
+    Fd,
+    (Fd, Attr),
+    (),
+    ReaddirReply,
+    String,
+    StatfsReply,
+    Vec<u8>,
+    Vec<String>
+);
+
+/// A layer that treats every fop alike — it acts around the call to its only child (io-stats
+/// times it, error-gen may fail it, delay-gen holds it back). [`interpose_all!`] turns one into
+/// a [`Layer`].
+pub trait Interpose: Send + Sync + 'static {
+    /// The layer's name.
+    fn name(&self) -> &str;
+    /// The one child, first of the slice.
+    fn children(&self) -> &[LayerRef];
+    /// Runs `call` (the fop on the child) with whatever this layer adds around it.
+    fn around<'a, T: FopOutput + Send + 'a>(
+        &'a self,
+        cx: &'a Ctx,
+        op: Op,
+        call: Box<dyn FnOnce() -> Fut<'a, T> + Send + 'a>,
+    ) -> Fut<'a, T>;
+    /// See [`Layer::as_any`].
+    fn as_any(&self) -> Option<&dyn Any> {
+        None
+    }
+}
+
+/// Implements [`Layer`] for an [`Interpose`] type: every fop goes through its `around`.
+#[macro_export]
+macro_rules! interpose_all {
+    ($t:ty) => {
+        const _: () = {
+            use $crate::__interpose_impl;
+            $crate::for_each_fop!(__interpose_impl, $t);
+        };
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __interpose_impl {
+    (($t:ty) $( ($name:ident, $op:ident, ($($arg:ident : $ty:ty),*), $ret:ty) )*) => {
+        impl $crate::Layer for $t {
+            fn name(&self) -> &str {
+                $crate::Interpose::name(self)
+            }
+            fn children(&self) -> &[$crate::LayerRef] {
+                $crate::Interpose::children(self)
+            }
+            fn as_any(&self) -> Option<&dyn std::any::Any> {
+                $crate::Interpose::as_any(self)
+            }
+            $(
+                fn $name<'a>(&'a self, cx: &'a $crate::Ctx, $($arg: $ty),*) -> $crate::Fut<'a, $ret> {
+                    let child = &$crate::Interpose::children(self)[0];
+                    $crate::Interpose::around(
+                        self,
+                        cx,
+                        $crate::Op::$op,
+                        Box::new(move || child.$name(cx, $($arg),*)),
+                    )
+                }
+            )*
+        }
+    };
+}

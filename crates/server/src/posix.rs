@@ -1,0 +1,370 @@
+//! The posix layer: the bottom of a brick's stack, storing files in the brick directory.
+//!
+//! Every fop runs its system calls synchronously and returns a future that is ready at once, so
+//! the protocol server completes page-cache reads and writes inline (layers that may wait — the
+//! dispatch layer for fsync, delay-gen — sit above). Traced requests get a stamp just before
+//! and just after the storage calls.
+
+use std::fs::File;
+use std::sync::Arc;
+
+use kiln_layer::{
+    errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, RawIov, ReadDst, ReadOut,
+    ReaddirReply, SetAttrs, StatfsReply, Written,
+};
+
+use crate::brick::{self, Brick};
+
+/// Reads at or above this size are handed up as a file region, sent with `sendfile`; smaller
+/// ones are read into a buffer and gathered with their header into one `sendmsg`.
+pub const SENDFILE_MIN: u32 = 64 * 1024;
+
+/// Label stamped before a fop's storage calls.
+pub const STORAGE_CALL: &str = "posix: storage call";
+/// Label stamped after them.
+pub const STORAGE_DONE: &str = "posix: storage done";
+
+/// An open file of the brick.
+struct PosixFd(Arc<File>);
+
+/// The posix layer over one brick directory.
+pub struct Posix {
+    name: String,
+    brick: Arc<Brick>,
+}
+
+impl Posix {
+    /// Posix storage named `name` over an opened brick.
+    pub fn new(name: &str, brick: Arc<Brick>) -> Posix {
+        Posix {
+            name: name.into(),
+            brick,
+        }
+    }
+}
+
+/// Runs storage calls now, stamping a traced request around them.
+fn now<'a, T: Send + 'a>(cx: &Ctx, f: impl FnOnce() -> FopResult<T>) -> Fut<'a, T> {
+    let r = match &cx.trace {
+        None => f(),
+        Some(t) => {
+            t.stamp(STORAGE_CALL);
+            let r = f();
+            t.stamp(STORAGE_DONE);
+            r
+        }
+    };
+    Box::pin(std::future::ready(r))
+}
+
+fn file(fd: &Fd) -> FopResult<&Arc<File>> {
+    fd.get::<PosixFd>().map(|p| &p.0)
+}
+
+fn io_errno(e: std::io::Error) -> u32 {
+    e.raw_os_error().unwrap_or(errno::EIO as i32) as u32
+}
+
+/// `preadv` until the vectors are full or the file ends.
+///
+/// # Safety
+/// The vectors must be valid for writes (the [`IoBufs`] contract).
+unsafe fn preadv_full(f: &File, iov: &[RawIov], offset: u64) -> FopResult<usize> {
+    use std::os::fd::AsRawFd;
+    let mut cur = kiln_proto::iov::IovCursor::new(iov.iter().copied(), usize::MAX);
+    let mut done = 0usize;
+    while !cur.is_done() {
+        let v = cur.pending(kiln_proto::iov::IOV_MAX);
+        // SAFETY: per the caller's contract the vectors are valid for writes; `RawIov` has the
+        // layout of `struct iovec`.
+        let r = unsafe {
+            libc::preadv(
+                f.as_raw_fd(),
+                v.as_ptr().cast(),
+                v.len() as i32,
+                (offset + done as u64) as i64,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(io_errno(e));
+        }
+        if r == 0 {
+            break;
+        }
+        done += r as usize;
+        cur.advance(r as usize);
+    }
+    Ok(done)
+}
+
+/// `pwritev` of every byte of the vectors.
+///
+/// # Safety
+/// The vectors must be valid for reads (the [`IoBufs`] contract).
+unsafe fn pwritev_all(f: &File, iov: &[RawIov], offset: u64) -> FopResult<usize> {
+    use std::os::fd::AsRawFd;
+    let mut cur = kiln_proto::iov::IovCursor::new(iov.iter().copied(), usize::MAX);
+    let mut done = 0usize;
+    while !cur.is_done() {
+        let v = cur.pending(kiln_proto::iov::IOV_MAX);
+        // SAFETY: per the caller's contract the vectors are valid for reads.
+        let r = unsafe {
+            libc::pwritev(
+                f.as_raw_fd(),
+                v.as_ptr().cast(),
+                v.len() as i32,
+                (offset + done as u64) as i64,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(io_errno(e));
+        }
+        if r == 0 {
+            return Err(errno::EIO);
+        }
+        done += r as usize;
+        cur.advance(r as usize);
+    }
+    Ok(done)
+}
+
+impl Layer for Posix {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
+        now(cx, || self.brick.lookup(path))
+    }
+
+    fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
+        now(cx, || brick::fstat(file(fd)?))
+    }
+
+    fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        now(cx, || self.brick.setattr(path, attrs))
+    }
+
+    fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        now(cx, || brick::fsetattr(file(fd)?, attrs))
+    }
+
+    fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        now(cx, || {
+            let f = self.brick.open_file(path, flags)?;
+            Ok(Fd::new(PosixFd(Arc::new(f))))
+        })
+    }
+
+    fn create<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        mode: u32,
+    ) -> Fut<'a, (Fd, Attr)> {
+        now(cx, || {
+            let (f, attr) = self.brick.create(path, flags, mode)?;
+            Ok((Fd::new(PosixFd(Arc::new(f))), attr))
+        })
+    }
+
+    fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
+        let f = match file(fd) {
+            Ok(f) => f.clone(),
+            Err(e) => return fail(e),
+        };
+        now(cx, move || match dst {
+            ReadDst::Any(len) if len >= SENDFILE_MIN => {
+                // The reply header announces the length, so clamp to the file's size now; the
+                // data itself moves file → socket with sendfile.
+                let size = brick::fstat(&f)?.size;
+                let len = size.saturating_sub(offset).min(len as u64) as usize;
+                Ok(ReadOut::File {
+                    file: f,
+                    offset,
+                    len,
+                })
+            }
+            ReadDst::Any(len) => {
+                let mut buf = vec![0u8; len as usize];
+                let n = brick::read_full(&f, &mut buf, offset)?;
+                buf.truncate(n);
+                Ok(ReadOut::Buf(buf))
+            }
+            ReadDst::Into(bufs) => {
+                // SAFETY: the IoBufs contract keeps the vectors valid and unaliased until this
+                // fop completes, which it does before returning.
+                let n = unsafe { preadv_full(&f, bufs.iov(), offset)? };
+                Ok(ReadOut::Into { n, bufs })
+            }
+        })
+    }
+
+    fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        now(cx, move || {
+            let f = file(fd)?;
+            // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
+            let n = unsafe { pwritev_all(f, data.iov(), offset)? };
+            Ok(Written { n, bufs: data })
+        })
+    }
+
+    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
+        now(cx, || brick::fsync(file(fd)?, datasync))
+    }
+
+    fn release<'a>(&'a self, _cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
+        // The file closes when the last clone of the handle is dropped (a sendfile in flight
+        // may still hold one).
+        drop(fd);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        now(cx, || self.brick.unlink(path))
+    }
+
+    fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
+        now(cx, || self.brick.mkdir(path, mode))
+    }
+
+    fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        now(cx, || self.brick.rmdir(path))
+    }
+
+    fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+        now(cx, || self.brick.rename(from, to, flags))
+    }
+
+    fn readdir<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        offset: u64,
+        max: u32,
+    ) -> Fut<'a, ReaddirReply> {
+        now(cx, || self.brick.readdir(path, offset, max))
+    }
+
+    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        now(cx, || self.brick.symlink(target, path))
+    }
+
+    fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
+        now(cx, || self.brick.readlink(path))
+    }
+
+    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        now(cx, || self.brick.link(existing, path))
+    }
+
+    fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
+        now(cx, || self.brick.statfs(path))
+    }
+
+    fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
+        now(cx, || self.brick.getxattr(path, name))
+    }
+
+    fn setxattr<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+        flags: u32,
+    ) -> Fut<'a, ()> {
+        now(cx, || self.brick.setxattr(path, name, value, flags))
+    }
+
+    fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {
+        now(cx, || self.brick.listxattr(path))
+    }
+
+    fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
+        now(cx, || self.brick.removexattr(path, name))
+    }
+
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
+        now(cx, || brick::fallocate(file(fd)?, mode, offset, len))
+    }
+
+    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
+        now(cx, || brick::discard(file(fd)?, offset, len))
+    }
+}
+
+/// The dispatch layer: fops that may block for long (fsync, fallocate, discard) run on the
+/// blocking thread pool so the connection keeps serving; everything else passes inline.
+pub struct Dispatch {
+    name: String,
+    children: [kiln_layer::LayerRef; 1],
+}
+
+impl Dispatch {
+    /// A dispatch layer above `child`. Must run inside a Tokio runtime.
+    pub fn new(name: &str, child: kiln_layer::LayerRef) -> Dispatch {
+        Dispatch {
+            name: name.into(),
+            children: [child],
+        }
+    }
+
+    /// Runs `f` (a fop on the child) on the blocking pool.
+    fn offload<'a>(
+        &'a self,
+        f: impl FnOnce(kiln_layer::LayerRef) -> FopResult<()> + Send + 'static,
+    ) -> Fut<'a, ()> {
+        let child = self.children[0].clone();
+        let h = tokio::task::spawn_blocking(move || f(child));
+        Box::pin(async move { h.await.unwrap_or(Err(errno::EIO)) })
+    }
+}
+
+impl Layer for Dispatch {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn children(&self) -> &[kiln_layer::LayerRef] {
+        &self.children
+    }
+
+    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
+        let (cx, fd) = (cx.clone(), fd.clone());
+        self.offload(move |c| kiln_layer::exec::block_on(c.fsync(&cx, &fd, datasync)))
+    }
+
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
+        let (cx, fd) = (cx.clone(), fd.clone());
+        self.offload(move |c| kiln_layer::exec::block_on(c.fallocate(&cx, &fd, mode, offset, len)))
+    }
+
+    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
+        let (cx, fd) = (cx.clone(), fd.clone());
+        self.offload(move |c| kiln_layer::exec::block_on(c.discard(&cx, &fd, offset, len)))
+    }
+}

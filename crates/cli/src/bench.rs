@@ -12,7 +12,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kiln_client::{block_on, join_all, Client, Fh, RawIov};
+use kiln_client::{block_on, join_all, Client, Fd, Fh, RawIov, Volume};
+use kiln_layer::trace::{TraceLog, Waterfall};
+use kiln_layer::volfile::{LayerKind, Volfile};
 
 /// Access pattern.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -81,6 +83,72 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Put io-stats at six points: client top, above protocol-client, and in the brick below
+    /// the protocol server, above and below dispatch, and above posix (needs the server this
+    /// command starts).
+    #[arg(long)]
+    pub profile_points: bool,
+    /// Trace every Nth request and print the waterfall: where each request's time went, per
+    /// stage, from the client's layers through the wire and the brick back to the completion.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub trace_every: u64,
+    /// Add a delay-gen above posix that holds every read back this many µs (fault injection,
+    /// to check what the waterfall attributes; needs the server this command starts).
+    #[arg(long, value_name = "US")]
+    pub delay_read_us: Option<u64>,
+}
+
+impl BenchArgs {
+    /// The brick stack the started server runs, when not the default.
+    fn server_volfile(&self, dir: &std::path::Path) -> Option<Volfile> {
+        if !self.profile_points && self.delay_read_us.is_none() {
+            return None;
+        }
+        let stats = |n: &str| (n.to_owned(), LayerKind::IoStats {});
+        let mut layers = Vec::new();
+        if self.profile_points {
+            layers.extend([stats("below-protocol-server"), stats("above-dispatch")]);
+        }
+        layers.push(("dispatch".into(), LayerKind::Dispatch {}));
+        if self.profile_points {
+            layers.extend([stats("below-dispatch"), stats("above-posix")]);
+        }
+        if let Some(us) = self.delay_read_us {
+            layers.push((
+                "slow-reads".into(),
+                LayerKind::DelayGen {
+                    fops: vec!["read".into()],
+                    delay_us: us,
+                    probability: 1.0,
+                    seed: 1,
+                },
+            ));
+        }
+        layers.push((
+            "posix".into(),
+            LayerKind::Posix {
+                directory: dir.to_owned(),
+            },
+        ));
+        Some(Volfile::linear(layers))
+    }
+
+    /// The client stack for the brick at `addr`.
+    fn client_volfile(&self, addr: &str) -> Volfile {
+        if !self.profile_points {
+            return Volume::default_volfile(addr);
+        }
+        Volfile::linear(vec![
+            ("client-top".into(), LayerKind::IoStats {}),
+            ("above-protocol-client".into(), LayerKind::IoStats {}),
+            (
+                "brick".into(),
+                LayerKind::ProtocolClient {
+                    remote: addr.into(),
+                },
+            ),
+        ])
+    }
 }
 
 /// Parses `4096`, `4k`, `128K`, `1m`, `1g` (powers of 1024).
@@ -109,8 +177,13 @@ pub struct ChildServer {
 }
 
 impl ChildServer {
-    /// Starts `kiln server` on `brick` (or a temporary directory) listening on `transport`.
-    pub fn start(brick: Option<PathBuf>, transport: Transport) -> std::io::Result<ChildServer> {
+    /// Starts `kiln server` on `brick` (or a temporary directory) listening on `transport`,
+    /// with the default stack or the one `stack` makes for the directory.
+    pub fn start(
+        brick: Option<PathBuf>,
+        transport: Transport,
+        stack: impl FnOnce(&std::path::Path) -> Option<Volfile>,
+    ) -> std::io::Result<ChildServer> {
         let tmp = match &brick {
             Some(_) => None,
             None => Some(tempfile::Builder::new().prefix("kiln-bench-").tempdir()?),
@@ -127,10 +200,20 @@ impl ChildServer {
             Transport::Tcp => "tcp:127.0.0.1:0".to_owned(),
             Transport::Unix => format!("unix:{}", sock_dir.join("kilnd.sock").display()),
         };
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(["server", "--brick"])
-            .arg(&dir)
-            .args(["--listen", &listen])
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("server");
+        match stack(&dir) {
+            Some(v) => {
+                let f = sock_dir.join("brick.vol");
+                std::fs::write(&f, v.to_toml())?;
+                cmd.arg("--volfile").arg(f);
+            }
+            None => {
+                cmd.arg("--brick").arg(&dir);
+            }
+        }
+        let mut child = cmd
+            .args(["--listen", &listen, "--metrics", "off"])
             .stdout(Stdio::piped())
             .stdin(Stdio::null())
             .spawn()?;
@@ -205,6 +288,8 @@ pub struct BenchResult {
     pub bytes_copied: u64,
     /// Frames per `sendmsg` on the first job's connection.
     pub frames_per_send: f64,
+    /// Per-stage times of the traced requests, when tracing was on.
+    pub waterfall: Option<Waterfall>,
 }
 
 impl BenchResult {
@@ -223,8 +308,8 @@ impl BenchResult {
 }
 
 struct Job {
-    client: Arc<Client>,
-    fh: Fh,
+    vol: Arc<Volume>,
+    fd: Fd,
     rw: Rw,
     bs: u64,
     blocks: u64,
@@ -298,17 +383,12 @@ impl Job {
         });
         // SAFETY: buffer `slot` lives in `self.bufs` (kept alive by the Arc the callback holds)
         // and only this request uses it until the callback runs.
-        let r = unsafe {
+        unsafe {
             if write {
-                self.client.pwritev_raw(self.fh, &iov, offset, cb)
+                self.vol.pwritev_raw(&self.fd, &iov, offset, cb)
             } else {
-                self.client.preadv_raw(self.fh, &iov, offset, cb)
+                self.vol.preadv_raw(&self.fd, &iov, offset, cb)
             }
-        };
-        if r.is_err() {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-            self.stop.store(true, Ordering::Relaxed);
-            self.retire();
         }
     }
 
@@ -398,13 +478,15 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
     block_on(setup.close(fh))?;
 
     let mut jobs = Vec::new();
+    TraceLog::global().drain();
     for j in 0..args.numjobs {
-        let client = Arc::new(Client::connect(addr)?);
-        let fh = block_on(client.open(&args.file, libc::O_RDWR))?;
+        let vol = Arc::new(Volume::from_volfile(&args.client_volfile(addr))?);
+        vol.set_trace_every(args.trace_every);
+        let fd = block_on(vol.open(&args.file, libc::O_RDWR))?;
         let bufs = (0..args.iodepth)
             .map(|i| Mutex::new(vec![(i as u8).wrapping_add(j as u8); args.bs as usize]))
             .collect();
-        jobs.push((client, fh, bufs));
+        jobs.push((vol, fd, bufs));
     }
     let cpu0 = self_cpu_seconds();
     let srv0 = server_pid.and_then(proc_cpu_seconds);
@@ -413,10 +495,10 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
     let jobs: Vec<Arc<Job>> = jobs
         .into_iter()
         .enumerate()
-        .map(|(j, (client, fh, bufs))| {
+        .map(|(j, (vol, fd, bufs))| {
             Arc::new(Job {
-                client,
-                fh,
+                vol,
+                fd,
                 rw: args.rw,
                 bs: args.bs,
                 blocks: args.size / args.bs,
@@ -483,7 +565,7 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
     for j in &jobs {
         let _ = lat_ns.add(&*j.hist.lock().expect("hist lock"));
     }
-    let s = jobs[0].client.stats();
+    let s = jobs[0].vol.clients()[0].stats();
     let frames_per_send = s.requests.load(Ordering::Relaxed) as f64
         / s.send_calls.load(Ordering::Relaxed).max(1) as f64;
     let result = BenchResult {
@@ -492,16 +574,18 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
         errors: jobs.iter().map(|j| j.errors.load(Ordering::Relaxed)).sum(),
         bytes_copied: jobs
             .iter()
-            .map(|j| j.client.stats().bytes_copied.load(Ordering::Relaxed))
+            .flat_map(|j| j.vol.clients().iter())
+            .map(|c| c.stats().bytes_copied.load(Ordering::Relaxed))
             .sum(),
         runtime_s,
         lat_ns,
         cpu_client_s,
         cpu_server_s,
         frames_per_send,
+        waterfall: Waterfall::of(&TraceLog::global().drain()),
     };
     for j in &jobs {
-        let _ = block_on(j.client.close(j.fh));
+        let _ = block_on(j.vol.close(j.fd.clone()));
     }
     if result.errors > 0 {
         return Err(std::io::Error::other(format!(
@@ -515,10 +599,19 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
 /// `kiln bench`.
 pub fn main(args: BenchArgs) -> Result<(), String> {
     let (server, addr, pid) = match &args.connect {
+        Some(_) if args.profile_points || args.delay_read_us.is_some() => {
+            return Err(
+                "--profile-points and --delay-read-us shape the server this command starts; \
+                 they cannot be used with --connect"
+                    .into(),
+            )
+        }
         Some(a) => (None, a.clone(), args.server_pid),
         None => {
-            let s = ChildServer::start(args.brick.clone(), args.transport)
-                .map_err(|e| format!("cannot start a brick server: {e}"))?;
+            let s = ChildServer::start(args.brick.clone(), args.transport, |d| {
+                args.server_volfile(d)
+            })
+            .map_err(|e| format!("cannot start a brick server: {e}"))?;
             let (a, p) = (s.addr.clone(), s.pid());
             (Some(s), a, Some(p))
         }
@@ -551,6 +644,13 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
             "mb_per_cpu_s": mb_per_cpu,
             "bytes_copied": r.bytes_copied,
             "frames_per_send": r.frames_per_send,
+            "waterfall": r.waterfall.as_ref().map(|w| serde_json::json!({
+                "samples": w.samples,
+                "stages": w.stages,
+                "sum_p50_us": w.sum_p50_ns() as f64 / 1e3,
+                "end_to_end_p50_us": w.total_p50_ns as f64 / 1e3,
+                "end_to_end_p99_us": w.total_p99_ns as f64 / 1e3,
+            })),
         });
         println!("{v}");
     } else {
@@ -588,6 +688,21 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
             "  data path   {} bytes copied in user space, {:.1} frames per sendmsg",
             r.bytes_copied, r.frames_per_send
         );
+        if let Some(w) = &r.waterfall {
+            let _ = writeln!(
+                o,
+                "\nwaterfall of traced requests (every {}th):",
+                args.trace_every
+            );
+            let _ = write!(o, "{}", w.render());
+            let sum = w.sum_p50_ns() as f64 / 1e3;
+            let _ = writeln!(
+                o,
+                "measured by the bench: p50 {:.2} µs; stage medians sum to {:.1}% of it",
+                r.lat_us(0.5),
+                sum * 100.0 / r.lat_us(0.5)
+            );
+        }
     }
     Ok(())
 }

@@ -43,7 +43,7 @@ fn step(name: &str, r: std::io::Result<String>) -> Result<(), String> {
 
 /// `kiln demo`.
 pub fn main(args: DemoArgs) -> Result<(), String> {
-    let server = ChildServer::start(None, Transport::Tcp)
+    let server = ChildServer::start(None, Transport::Tcp, |_| None)
         .map_err(|e| format!("cannot start the brick server: {e}"))?;
     println!(
         "kiln demo: brick server pid {} on {}",
@@ -187,6 +187,10 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
             server_pid: Some(server.pid()),
             file: "demo/image.raw".into(),
             json: false,
+            profile_points: false,
+            // Sample the latency run: the demo shows where a 4k read's time goes.
+            trace_every: if qd == 1 { 10 } else { 0 },
+            delay_read_us: None,
         };
         let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
         step(
@@ -199,6 +203,15 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
                 r.lat_us(0.99)
             )),
         )?;
+        if let Some(w) = &r.waterfall {
+            println!(
+                "  where a 4k read's time went ({} sampled requests, medians):",
+                w.samples
+            );
+            for line in w.render().lines() {
+                println!("    {line}");
+            }
+        }
     }
     let copied = c.stats().bytes_copied.load(Ordering::Relaxed);
     step(

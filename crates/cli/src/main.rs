@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod volume;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +27,8 @@ enum Cmd {
     Mount(kiln_fuse::MountArgs),
     // Help text comes from `NbdArgs`' own doc comment.
     Nbd(kiln_nbd::NbdArgs),
+    /// Volume operations: profile (io-stats tables and request waterfalls), layers.
+    Volume(volume::VolumeArgs),
     /// Unmount a Kiln FUSE mount.
     Umount {
         /// The mount point.
@@ -49,6 +52,7 @@ fn main() -> std::process::ExitCode {
             kiln_server::cli::init_logging();
             kiln_fuse::main(a)
         }
+        Cmd::Volume(a) => volume::main(a),
         Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
         Cmd::Nbd(a) => {
             kiln_server::cli::init_logging();

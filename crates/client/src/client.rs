@@ -283,6 +283,36 @@ impl Client {
         self.call_raw(op, req.to_wire()).await.map(|_| ())
     }
 
+    /// Profiling on the brick: `cmd` is `PROFILE_INFO`, `PROFILE_START` or `PROFILE_STOP`
+    /// (see `kiln_proto::ops`). Returns the brick's io-stats report as JSON, with the metrics
+    /// endpoints its clients announced.
+    pub fn profile(&self, cmd: u32) -> io::Result<serde_json::Value> {
+        let mut buf = vec![0u8; kiln_proto::MAX_PAYLOAD_LEN as usize];
+        let sink = vec![raw_mut(&mut buf)];
+        let slot = Arc::new(Slot::default());
+        let args = ProfileReq { cmd }.to_wire();
+        // SAFETY: `buf` outlives the request: this function waits for the completion.
+        unsafe {
+            self.conn.submit(
+                Op::Profile,
+                &args,
+                &[],
+                sink,
+                None,
+                Done::Slot(slot.clone()),
+                None,
+            )
+        }
+        .map_err(errno_error)?;
+        let n = slot.wait().result.map_err(errno_error)?.payload_len;
+        serde_json::from_slice(&buf[..n]).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("bad profile reply: {e}"),
+            )
+        })
+    }
+
     /// Attributes of `path`, not following a final symlink.
     pub async fn lookup(&self, path: &str) -> io::Result<Attr> {
         self.call(

@@ -151,12 +151,16 @@ struct Pending {
 
 struct Table {
     pending: HashMap<u64, Pending>,
+    /// Traces of completed requests whose brick stamps are still to come (in a trace frame).
+    traces: HashMap<u64, Arc<Trace>>,
     /// Why the connection is dead, once it is.
     dead: Option<Errno>,
 }
 
 struct OutFrame {
     id: u64,
+    /// A sampled request's trace, stamped when the frame is first handed to `sendmsg`.
+    trace: Option<Arc<Trace>>,
     /// Header and encoded arguments; the cursor points into this allocation.
     _head: Vec<u8>,
     cur: IovCursor,
@@ -195,6 +199,7 @@ impl Conn {
             next_id: AtomicU64::new(1),
             table: Mutex::new(Table {
                 pending: HashMap::new(),
+                traces: HashMap::new(),
                 dead: None,
             }),
             sendq: Mutex::new(VecDeque::new()),
@@ -250,8 +255,10 @@ impl Conn {
         let mut hdr = Header::request(op as u16, id, args.len() as u32, payload_len as u32);
         if let Some(t) = &trace {
             hdr = hdr.with_trace();
+            t.expect_part();
             t.stamp("send queued");
         }
+        let trace_out = trace.clone();
         let mut head = Vec::with_capacity(HEADER_LEN + args.len());
         head.extend_from_slice(&hdr.to_bytes());
         head.extend_from_slice(args);
@@ -281,6 +288,7 @@ impl Conn {
         }
         lock(&self.sendq).push_back(OutFrame {
             id,
+            trace: trace_out,
             _head: head,
             cur,
         });
@@ -336,14 +344,19 @@ impl Conn {
         loop {
             iov.clear();
             {
-                let q = lock(&self.sendq);
+                let mut q = lock(&self.sendq);
                 if q.is_empty() {
                     return Ok(true);
                 }
-                for f in q.iter() {
+                for f in q.iter_mut() {
                     let room = IOV_MAX - iov.len();
                     if room == 0 {
                         break;
+                    }
+                    // Stamp before the call: a send on loopback can wake the brick on this CPU,
+                    // which then runs before this thread could stamp after it.
+                    if let Some(t) = f.trace.take() {
+                        t.stamp(SENT);
                     }
                     iov.extend_from_slice(f.cur.pending(room));
                 }
@@ -386,9 +399,6 @@ impl Conn {
                 for id in finished {
                     if let Some(p) = t.pending.get_mut(&id) {
                         p.sent = true;
-                        if let Some(tr) = &p.trace {
-                            tr.stamp(SENT);
-                        }
                     }
                 }
             }
@@ -468,9 +478,10 @@ impl Conn {
             let mut speculating = None;
             if cur.is_none() && hdr_got == 0 {
                 let t = lock(&self.table);
-                if let (1, Some((&id, p))) = (t.pending.len(), t.pending.iter().next()) {
-                    // A traced reply starts with the brick's stamps: not speculated.
-                    if !p.sink.is_empty() && p.trace.is_none() {
+                // No trace frame may be on its way either: it would land in the sink.
+                let alone = t.pending.len() == 1 && t.traces.is_empty();
+                if let (true, Some((&id, p))) = (alone, t.pending.iter().next()) {
+                    if !p.sink.is_empty() {
                         iov.extend(p.sink.iter().take(IOV_MAX - 1));
                         speculating = Some(id);
                     }
@@ -574,6 +585,27 @@ impl Conn {
     /// A reply header arrived: find its request and prepare to receive into its sink.
     fn begin(&self, hdr: Header) -> io::Result<InReply> {
         let id = hdr.request_id.get();
+        if hdr.traced() {
+            // The brick's stamps for a request that has completed.
+            let trace = lock(&self.table).traces.remove(&id);
+            if hdr.payload_len.get() != 0 {
+                tracing::warn!(id, "trace frame with a payload");
+                return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
+            }
+            return Ok(InReply {
+                id,
+                trace_frame: true,
+                trace,
+                status: hdr.status.get(),
+                args: vec![0u8; hdr.args_len.get() as usize],
+                args_got: 0,
+                sink: IovCursor::default(),
+                payload_len: 0,
+                discard: 0,
+                discard_got: 0,
+                pending: None,
+            });
+        }
         let pending = lock(&self.table).pending.remove(&id);
         let payload_len = hdr.payload_len.get() as usize;
         let pending = match pending {
@@ -609,7 +641,9 @@ impl Conn {
         };
         let discard = payload_len - sink.remaining();
         Ok(InReply {
-            traced: hdr.traced(),
+            id,
+            trace_frame: false,
+            trace: None,
             status: hdr.status.get(),
             args: vec![0u8; hdr.args_len.get() as usize],
             args_got: 0,
@@ -622,6 +656,16 @@ impl Conn {
     }
 
     fn complete(&self, r: InReply) {
+        if r.trace_frame {
+            if let Some(t) = r.trace {
+                match kiln_proto::ops::TraceBlock::from_wire(&r.args) {
+                    Ok(block) => t.merge_remote(&block),
+                    Err(e) => tracing::warn!("malformed trace frame ignored: {e}"),
+                }
+                t.part_done();
+            }
+            return;
+        }
         self.stats.replies.fetch_add(1, Relaxed);
         let landed = r.payload_len - r.discard;
         debug_assert!(r.sink.is_done());
@@ -634,18 +678,10 @@ impl Conn {
             }
             return;
         };
-        let mut args = r.args;
-        if r.traced {
-            match split_trace(&args) {
-                Some((block, rest)) => {
-                    if let Some(t) = &p.trace {
-                        t.merge_remote(&block);
-                        t.stamp("reply received");
-                    }
-                    args = rest.to_vec();
-                }
-                None => tracing::warn!("malformed trace block in a reply; ignored"),
-            }
+        let args = r.args;
+        if let Some(t) = p.trace {
+            t.stamp("reply received");
+            lock(&self.table).traces.insert(r.id, t);
         }
         let result = if r.status != 0 {
             Err(r.status)
@@ -666,14 +702,6 @@ impl Conn {
             },
         );
     }
-}
-
-/// Splits a traced reply's arguments into the brick's trace block and the reply's own.
-fn split_trace(args: &[u8]) -> Option<(kiln_proto::ops::TraceBlock, &[u8])> {
-    let len = u32::from_le_bytes(args.get(..4)?.try_into().ok()?) as usize;
-    let block = args.get(4..4 + len)?;
-    let block = kiln_proto::ops::TraceBlock::from_wire(block).ok()?;
-    Some((block, &args[4 + len..]))
 }
 
 fn deliver(done: Done, c: Completion) {
@@ -702,8 +730,11 @@ fn poll_fd(fd: i32, events: i16) -> io::Result<()> {
 
 /// A reply being received.
 struct InReply {
-    /// The arguments start with the brick's trace block.
-    traced: bool,
+    id: u64,
+    /// A trace frame (the brick's stamps for a completed request), not a reply.
+    trace_frame: bool,
+    /// For a trace frame: the trace its stamps belong to, if still wanted.
+    trace: Option<Arc<Trace>>,
     status: u32,
     args: Vec<u8>,
     args_got: usize,

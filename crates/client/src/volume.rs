@@ -13,7 +13,6 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use kiln_layer::trace::TraceLog;
 use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_layer::{exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, RawIov, ReadDst, ReadOut};
 
@@ -119,7 +118,7 @@ impl Volume {
     fn finish(cx: &Ctx) {
         if let Some(t) = &cx.trace {
             t.stamp(COMPLETE);
-            TraceLog::global().push(t);
+            t.part_done();
         }
     }
 

@@ -220,11 +220,12 @@ impl IoStatsData {
     /// `/metrics`.
     pub fn for_each_fop(&self, mut f: impl FnMut(&str, u64, u64, u64, &Histogram<u64>)) {
         for op in Op::ALL {
+            let name = op.name().to_ascii_lowercase();
             let s = &self.ops[*op as usize % OPS];
             let h = s.lat.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(h) = h.as_ref() {
                 f(
-                    op.name(),
+                    &name,
                     s.calls.load(Relaxed),
                     s.errors.load(Relaxed),
                     s.bytes.load(Relaxed),

@@ -47,15 +47,45 @@ pub struct Event {
 }
 
 /// The stamps of one sampled request.
-#[derive(Debug, Default)]
+///
+/// A trace is finished by several parties — the request's completion, and the arrival of the
+/// brick's stamps, which travel in a frame of their own after the reply — in any order; the last
+/// one to finish logs it ([`Trace::part_done`]).
+#[derive(Debug)]
 pub struct Trace {
     events: Mutex<Vec<Event>>,
+    /// Parties that have yet to finish; starts at 1 (the completion).
+    parts: std::sync::atomic::AtomicU32,
+}
+
+impl Default for Trace {
+    fn default() -> Trace {
+        Trace {
+            events: Mutex::default(),
+            parts: std::sync::atomic::AtomicU32::new(1),
+        }
+    }
 }
 
 impl Trace {
     /// A new, empty trace.
     pub fn new() -> Arc<Trace> {
         Arc::new(Trace::default())
+    }
+
+    /// One more party will finish this trace (a brick that will send its stamps).
+    pub fn expect_part(&self) {
+        // Relaxed: the increment happens before the request is sent, which happens before any
+        // party can finish; the AcqRel decrements order the stamps themselves.
+        self.parts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A party is done with the trace; the last logs it to the process's [`TraceLog`].
+    pub fn part_done(&self) {
+        if self.parts.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            TraceLog::global().push(self);
+        }
     }
 
     /// Stamps `label` now.
@@ -199,17 +229,19 @@ impl Timeline {
     }
 }
 
-/// Label the protocol client stamps when a request's frame has left in a `sendmsg`.
-pub const SENT: &str = "socket write done";
+/// Label the protocol client stamps when a request's frame is handed to `sendmsg`.
+pub const SENT: &str = "socket write";
 /// Label the protocol client stamps when the reply's header has been received.
 pub const REPLY_HEADER: &str = "reply header received";
 
 /// Names the stage between two stamps.
 fn stage_name(from: &str, to: &str) -> String {
     let named = match (from, to) {
-        (SENT, "brick: frame received") => Some("network + kernel, client → brick"),
-        ("brick: reply write", REPLY_HEADER) => Some("network + kernel, brick → client"),
-        ("send queued", SENT) => Some("send queue + socket write"),
+        (SENT, "brick: frame received") => Some("socket write + network + kernel, client → brick"),
+        ("brick: reply write", REPLY_HEADER) => {
+            Some("socket write + network + kernel, brick → client")
+        }
+        ("send queued", SENT) => Some("send queue"),
         ("brick: frame received", "brick: dispatch") => Some("brick dispatch queue"),
         ("brick: reply queued", "brick: reply write") => Some("brick reply queue"),
         ("posix: storage call", "posix: storage done") => Some("storage syscall"),

@@ -369,10 +369,7 @@ impl Volfile {
     /// Builds the stack and returns its top. `leaf` builds the types this crate does not know
     /// (given the definition and its built children); a layer used by two parents is built
     /// once.
-    pub fn build(
-        &self,
-        leaf: &mut LeafBuilder<'_>,
-    ) -> Result<LayerRef, String> {
+    pub fn build(&self, leaf: &mut LeafBuilder<'_>) -> Result<LayerRef, String> {
         self.check()?;
         let idx: HashMap<&str, usize> = self
             .layers

@@ -19,9 +19,10 @@ pub const MAX_ARGS_LEN: u32 = 64 * 1024;
 /// Largest payload a peer may send in one frame (READ reply or WRITE request).
 pub const MAX_PAYLOAD_LEN: u32 = 16 * 1024 * 1024;
 
-/// Flag: on a request, the server records when each of its stages ran; on a reply, the
-/// arguments start with a `u32` length and that many bytes of [`crate::ops::TraceBlock`], then
-/// the reply's own arguments. Only sampled requests carry it.
+/// Flag: on a request, the server records when each of its stages ran. It answers with the
+/// ordinary reply, then a second frame with this flag, the same request id and opcode, and a
+/// [`crate::ops::TraceBlock`] as its arguments — so the reply itself is received exactly as an
+/// unsampled one would be. Only sampled requests carry it.
 pub const FLAG_TRACE: u32 = 1;
 /// Every flag this version knows.
 pub const FLAGS_KNOWN: u32 = FLAG_TRACE;

@@ -1,6 +1,7 @@
 //! The `kilnd` command line, shared with `kiln server`.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::{Listen, Server};
 
@@ -11,9 +12,23 @@ use crate::{Listen, Server};
 #[derive(clap::Parser, Debug, Clone)]
 #[command(name = "kilnd", version)]
 pub struct ServeArgs {
-    /// The directory to export. Every path a client names stays beneath it.
-    #[arg(long, value_name = "DIR")]
-    pub brick: PathBuf,
+    /// The directory to export, with the default stack (io-stats → dispatch → posix). Every
+    /// path a client names stays beneath it.
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "volfile",
+        conflicts_with = "volfile"
+    )]
+    pub brick: Option<PathBuf>,
+    /// Build the brick's stack from this volume graph instead (TOML; `kiln volume layers`
+    /// lists the layer types and options). Its posix layer names the directory.
+    #[arg(long, value_name = "FILE")]
+    pub volfile: Option<PathBuf>,
+    /// Serve Prometheus `/metrics` (and the profile routes) on this address; port 0 picks one,
+    /// printed at start. "off" disables it.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
+    pub metrics: String,
     /// Address to listen on: tcp:IP:PORT or unix:PATH. Repeat for several.
     #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:24100")]
     pub listen: Vec<Listen>,
@@ -55,6 +70,15 @@ pub fn init_logging() {
         .try_init();
 }
 
+/// Prints a line to stdout. A caller that reads only the first lines may close its end: the
+/// server keeps serving rather than die of a broken pipe.
+fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
 /// Runs a server until killed.
 pub fn main(args: ServeArgs) -> std::process::ExitCode {
     init_logging();
@@ -88,7 +112,18 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
             },
             None => None,
         };
-        let server = match Server::bind(&args.brick, &args.listen) {
+        let volfile = match (&args.volfile, &args.brick) {
+            (Some(f), _) => match kiln_layer::volfile::Volfile::load(f) {
+                Ok(v) => v,
+                Err(e) => {
+                    eprintln!("kilnd: {e}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            },
+            (None, Some(dir)) => crate::default_volfile(dir),
+            (None, None) => unreachable!("clap requires --brick or --volfile"),
+        };
+        let server = match Server::bind_volfile(&volfile, &args.listen) {
             Ok(s) => {
                 let s = s.with_limits(limits).with_allow_list(args.allow.clone());
                 match secret {
@@ -102,7 +137,19 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
             }
         };
         for a in server.local_addrs() {
-            println!("kilnd: listening on {a}");
+            say(&format!("kilnd: listening on {a}"));
+        }
+        if args.metrics != "off" {
+            let stats = server.stats();
+            let extra: kiln_layer::metrics::Extra =
+                Arc::new(move |out: &mut String| stats.render(out));
+            match kiln_layer::metrics::serve(&args.metrics, "kilnd", Some(extra)) {
+                Ok(ep) => say(&format!("kilnd: metrics on http://{}/metrics", ep.addr)),
+                Err(e) => {
+                    eprintln!("kilnd: cannot serve metrics on {}: {e}", args.metrics);
+                    return std::process::ExitCode::FAILURE;
+                }
+            }
         }
         use std::io::Write;
         let _ = std::io::stdout().flush();

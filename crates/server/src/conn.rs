@@ -70,9 +70,11 @@ struct OutReply {
     body: Body,
     /// Bytes of head + body already sent.
     sent: usize,
-    /// For a traced reply: where in `head` the "reply write" stamp goes, written just before
-    /// the reply's first byte is handed to the socket.
+    /// For a trace frame: where in `head` the "reply write" stamp goes.
     stamp_at: Option<usize>,
+    /// The next queued frame is this reply's trace frame: stamp it when this reply's first byte
+    /// is handed to the socket.
+    stamps_next: bool,
 }
 
 /// Label of the last stamp of a traced reply.
@@ -80,52 +82,62 @@ const REPLY_WRITE: &str = "brick: reply write";
 
 impl OutReply {
     fn new(op: u16, id: u64, result: Result<(Vec<u8>, Body), Errno>) -> OutReply {
-        OutReply::traced(op, id, result, None)
+        OutReply::plain(op, id, result)
     }
 
-    /// A reply; with a trace, its stamps travel in front of the arguments (see `FLAG_TRACE`),
-    /// ending with a placeholder for the reply-write stamp.
+    /// A reply, and with a trace the frame that carries the brick's stamps after it. The
+    /// stamps end with a placeholder for the reply-write stamp, filled in when the reply's
+    /// first byte is handed to the socket.
     fn traced(
         op: u16,
         id: u64,
         result: Result<(Vec<u8>, Body), Errno>,
         trace: Option<&Trace>,
-    ) -> OutReply {
+    ) -> (OutReply, Option<OutReply>) {
+        let reply = OutReply::plain(op, id, result);
+        let Some(t) = trace else {
+            return (reply, None);
+        };
+        t.stamp("brick: reply queued");
+        t.stamp_at(0, REPLY_WRITE);
+        let block = t.to_block().to_wire();
+        let hdr = Header::reply(op, id, 0, block.len() as u32, 0).with_trace();
+        let mut head = Vec::with_capacity(HEADER_LEN + block.len());
+        head.extend_from_slice(&hdr.to_bytes());
+        head.extend_from_slice(&block);
+        // The block ends with the placeholder event: t_ns (8 bytes), then its label.
+        let stamp_at = Some(head.len() - REPLY_WRITE.to_owned().to_wire().len() - 8);
+        let frame = OutReply {
+            head,
+            body: Body::None,
+            sent: 0,
+            stamp_at,
+            stamps_next: false,
+        };
+        (
+            OutReply {
+                stamps_next: true,
+                ..reply
+            },
+            Some(frame),
+        )
+    }
+
+    fn plain(op: u16, id: u64, result: Result<(Vec<u8>, Body), Errno>) -> OutReply {
         let (status, args, body) = match result {
             Ok((args, body)) => (0, args, body),
             Err(e) => (e, Vec::new(), Body::None),
         };
-        let block = trace.map(|t| {
-            t.stamp("brick: reply queued");
-            t.stamp_at(0, REPLY_WRITE);
-            t.to_block().to_wire()
-        });
-        let extra = block.as_ref().map_or(0, |b| 4 + b.len());
-        let mut hdr = Header::reply(
-            op,
-            id,
-            status,
-            (extra + args.len()) as u32,
-            body.len() as u32,
-        );
-        let mut stamp_at = None;
-        let mut head = Vec::with_capacity(HEADER_LEN + extra + args.len());
-        if let Some(b) = &block {
-            hdr = hdr.with_trace();
-            head.extend_from_slice(&hdr.to_bytes());
-            head.extend_from_slice(&(b.len() as u32).to_le_bytes());
-            head.extend_from_slice(b);
-            // The block ends with the placeholder event: t_ns (8 bytes), then its label.
-            stamp_at = Some(head.len() - REPLY_WRITE.to_owned().to_wire().len() - 8);
-        } else {
-            head.extend_from_slice(&hdr.to_bytes());
-        }
+        let hdr = Header::reply(op, id, status, args.len() as u32, body.len() as u32);
+        let mut head = Vec::with_capacity(HEADER_LEN + args.len());
+        head.extend_from_slice(&hdr.to_bytes());
         head.extend_from_slice(&args);
         OutReply {
             head,
             body,
             sent: 0,
-            stamp_at,
+            stamp_at: None,
+            stamps_next: false,
         }
     }
 
@@ -500,7 +512,7 @@ impl Conn {
         }
         let trace = cx.trace.clone();
         match self.fop(op, &inc.args, inc.payload, cx) {
-            Ok(Step::Now(args, body)) => self.push(OutReply::traced(
+            Ok(Step::Now(args, body)) => self.push_traced(OutReply::traced(
                 opcode,
                 id,
                 Ok((args, body)),
@@ -562,7 +574,17 @@ impl Conn {
                 Body::None,
             ),
         });
-        self.push(OutReply::traced(f.op, f.id, result, f.trace.as_deref()));
+        self.push_traced(OutReply::traced(f.op, f.id, result, f.trace.as_deref()));
+    }
+
+    /// Queues a reply and, right behind it, its trace frame. The trace frame is not a request
+    /// of its own: it does not count against the in-flight limit.
+    fn push_traced(&mut self, (reply, frame): (OutReply, Option<OutReply>)) {
+        self.push(reply);
+        if let Some(f) = frame {
+            self.inflight += 1; // `reply_sent` releases one per frame sent
+            self.push(f);
+        }
     }
 
     fn handle(&self, fh: u64) -> Result<Fd, Fail> {
@@ -888,16 +910,20 @@ impl Conn {
         }
         let mut iov: Vec<RawIov> = Vec::with_capacity(GATHER_MAX);
         let mut more = false;
-        for r in self.out.iter_mut() {
+        for i in 0..self.out.len() {
             if iov.len() + 2 > GATHER_MAX {
                 break;
             }
-            if let Some(at) = r.stamp_at.take() {
-                if r.sent == 0 {
-                    let t = kiln_layer::trace::now_ns().to_le_bytes();
-                    r.head[at..at + 8].copy_from_slice(&t);
+            if self.out[i].stamps_next && self.out[i].sent == 0 {
+                self.out[i].stamps_next = false;
+                if let Some(next) = self.out.get_mut(i + 1) {
+                    if let Some(at) = next.stamp_at.take() {
+                        let t = kiln_layer::trace::now_ns().to_le_bytes();
+                        next.head[at..at + 8].copy_from_slice(&t);
+                    }
                 }
             }
+            let r = &self.out[i];
             if r.sent < r.head.len() {
                 iov.push(raw(&r.head[r.sent..]));
             }

@@ -51,3 +51,49 @@ impl Stats {
         self.bytes_written.fetch_add(n as u64, Relaxed);
     }
 }
+
+impl Stats {
+    /// Appends the server-wide counters in Prometheus text format.
+    pub fn render(&self, out: &mut String) {
+        use std::fmt::Write;
+        let rows: [(&str, &str, &AtomicU64); 6] = [
+            (
+                "kiln_brick_read_bytes_total",
+                "Payload bytes sent in READ replies.",
+                &self.bytes_read,
+            ),
+            (
+                "kiln_brick_written_bytes_total",
+                "Payload bytes written by WRITE requests.",
+                &self.bytes_written,
+            ),
+            (
+                "kiln_brick_copied_bytes_total",
+                "WRITE payload bytes copied in user space.",
+                &self.bytes_copied,
+            ),
+            (
+                "kiln_brick_bad_frames_total",
+                "Frames refused as malformed.",
+                &self.bad_frames,
+            ),
+            (
+                "kiln_brick_connections_total",
+                "Connections accepted.",
+                &self.connections,
+            ),
+            (
+                "kiln_brick_refused_total",
+                "Connections or clients refused.",
+                &self.refused,
+            ),
+        ];
+        for (name, help, v) in rows {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Relaxed)
+            );
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! `kiln volume profile` and request waterfalls, as an operator uses them: a real server, real
+//! load from `kiln bench`, real output parsed.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+fn kiln() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+}
+
+/// The server, its address, and its brick directory (kept until the server is gone).
+struct Server(Child, String, #[allow(dead_code)] tempfile::TempDir);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn server() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = kiln()
+        .args(["server", "--brick"])
+        .arg(dir.path())
+        .args(["--listen", "tcp:127.0.0.1:0", "--metrics", "off"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("kilnd: listening on ")
+        .unwrap()
+        .to_owned();
+    Server(child, addr, dir)
+}
+
+fn run(args: &[&str]) -> String {
+    let out = kiln().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn brick_point(json: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    let src = &v["sources"][0];
+    assert!(src["source"].as_str().unwrap().starts_with("brick"), "{v}");
+    src["report"]["points"][0].clone()
+}
+
+fn fop<'a>(period: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    period["fops"].as_array()?.iter().find(|f| f["fop"] == name)
+}
+
+#[test]
+fn profile_start_info_stop_counts_what_ran() {
+    let s = server();
+    let addr = s.1.as_str();
+    // Load before the interval: only cumulative numbers see it.
+    run(&[
+        "bench",
+        "--connect",
+        addr,
+        "--rw",
+        "randread",
+        "--size",
+        "1m",
+        "--runtime",
+        "0.3",
+    ]);
+    let before = brick_point(&run(&[
+        "volume", "profile", "vol", "info", "--server", addr, "--json",
+    ]));
+    assert!(before["interval"].is_null());
+    let reads_before = fop(&before["cumulative"], "read").unwrap()["calls"]
+        .as_u64()
+        .unwrap();
+    assert!(reads_before > 0);
+
+    let started = run(&["volume", "profile", "vol", "start", "--server", addr]);
+    assert!(started.contains("successful"), "{started}");
+    run(&[
+        "bench",
+        "--connect",
+        addr,
+        "--rw",
+        "randwrite",
+        "--bs",
+        "8k",
+        "--size",
+        "1m",
+        "--runtime",
+        "0.3",
+    ]);
+    let info = run(&["volume", "profile", "vol", "info", "--server", addr]);
+    assert!(info.contains("Interval Stats"), "{info}");
+    assert!(
+        info.contains("WRITE") && info.contains("%-latency"),
+        "{info}"
+    );
+    let p = brick_point(&run(&[
+        "volume", "profile", "vol", "info", "--server", addr, "--json",
+    ]));
+    let iv = &p["interval"];
+    let w = fop(iv, "write").expect("writes in the interval");
+    assert!(w["calls"].as_u64().unwrap() > 0);
+    assert_eq!(
+        w["bytes"].as_u64().unwrap(),
+        8192 * w["calls"].as_u64().unwrap()
+    );
+    assert!(
+        fop(iv, "read").is_none(),
+        "reads before start leaked into the interval: {iv}"
+    );
+    let lat = |k: &str| w[k].as_f64().unwrap();
+    assert!(lat("latency_us_min") <= lat("latency_us_p50"));
+    assert!(lat("latency_us_p50") <= lat("latency_us_p99"));
+    assert!(lat("latency_us_p99") <= lat("latency_us_max") * 1.01);
+    let sizes = iv["block_sizes"].as_array().unwrap();
+    assert!(
+        sizes
+            .iter()
+            .any(|b| b["size"] == 8192 && b["writes"].as_u64().unwrap() > 0),
+        "{sizes:?}"
+    );
+    assert_eq!(
+        fop(&p["cumulative"], "read").unwrap()["calls"]
+            .as_u64()
+            .unwrap(),
+        reads_before
+    );
+
+    run(&["volume", "profile", "vol", "stop", "--server", addr]);
+    let after = brick_point(&run(&[
+        "volume", "profile", "vol", "info", "--server", addr, "--json",
+    ]));
+    assert!(after["interval"].is_null());
+}
+
+fn bench_waterfall(delay: Option<&str>) -> serde_json::Value {
+    let mut args = vec![
+        "bench",
+        "--rw",
+        "randread",
+        "--bs",
+        "4k",
+        "--iodepth",
+        "1",
+        "--size",
+        "4m",
+        "--runtime",
+        "1",
+        "--profile-points",
+        "--trace-every",
+        "1",
+        "--json",
+    ];
+    if let Some(d) = delay {
+        args.extend(["--delay-read-us", d]);
+    }
+    let v: serde_json::Value = serde_json::from_str(&run(&args)).unwrap();
+    v["waterfall"].clone()
+}
+
+fn stages(w: &serde_json::Value) -> Vec<(String, f64)> {
+    w["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["stage"].as_str().unwrap().to_owned(),
+                s["p50_ns"].as_f64().unwrap() / 1e3,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
+    let base = bench_waterfall(None);
+    let slow = bench_waterfall(Some("100"));
+    let (a, b) = (stages(&base), stages(&slow));
+    // Every stage the issue names is there, the network parts separately.
+    for want in [
+        "client-top ↓",
+        "above-protocol-client ↓",
+        "send queue",
+        "network + kernel, client → brick",
+        "brick dispatch queue",
+        "below-protocol-server ↓",
+        "above-dispatch ↓",
+        "below-dispatch ↓",
+        "above-posix ↓",
+        "storage syscall",
+        "brick reply queue",
+        "network + kernel, brick → client",
+        "client receive",
+        "completion",
+    ] {
+        assert!(
+            a.iter().any(|(s, _)| s.contains(want)),
+            "no stage {want:?} in {a:?}"
+        );
+    }
+    // Stage medians add up to the end-to-end median (a wide band: this is a noisy machine;
+    // bench/ measures the 5% claim).
+    for w in [&base, &slow] {
+        let (sum, e2e) = (
+            w["sum_p50_us"].as_f64().unwrap(),
+            w["end_to_end_p50_us"].as_f64().unwrap(),
+        );
+        assert!(
+            (sum - e2e).abs() <= 0.15 * e2e,
+            "stages sum to {sum} µs, end to end {e2e} µs"
+        );
+    }
+    // Same shape with the delay-gen (it stamps nothing itself) …
+    let names = |v: &[(String, f64)]| v.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&a), names(&b));
+    // … and the 100 µs land in the stage that ends at posix's storage call, nowhere else.
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let grew = y - x;
+        if name.ends_with("→ posix: storage call") {
+            assert!(
+                (90.0..160.0).contains(&grew),
+                "posix stage grew {grew} µs: {x} → {y}"
+            );
+        } else {
+            assert!(grew.abs() < 40.0, "stage {name} moved {grew} µs: {x} → {y}");
+        }
+    }
+}

@@ -96,12 +96,16 @@ pub struct BenchArgs {
     /// to check what the waterfall attributes; needs the server this command starts).
     #[arg(long, value_name = "US")]
     pub delay_read_us: Option<u64>,
+    /// No io-stats anywhere: the client is only its protocol-client and the brick only dispatch
+    /// over posix (the baseline for what observability costs).
+    #[arg(long, conflicts_with = "profile_points")]
+    pub bare: bool,
 }
 
 impl BenchArgs {
     /// The brick stack the started server runs, when not the default.
     fn server_volfile(&self, dir: &std::path::Path) -> Option<Volfile> {
-        if !self.profile_points && self.delay_read_us.is_none() {
+        if !self.profile_points && !self.bare && self.delay_read_us.is_none() {
             return None;
         }
         let stats = |n: &str| (n.to_owned(), LayerKind::IoStats {});
@@ -135,6 +139,14 @@ impl BenchArgs {
 
     /// The client stack for the brick at `addr`.
     fn client_volfile(&self, addr: &str) -> Volfile {
+        if self.bare {
+            return Volfile::linear(vec![(
+                "brick".into(),
+                LayerKind::ProtocolClient {
+                    remote: addr.into(),
+                },
+            )]);
+        }
         if !self.profile_points {
             return Volume::default_volfile(addr);
         }
@@ -599,13 +611,11 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
 /// `kiln bench`.
 pub fn main(args: BenchArgs) -> Result<(), String> {
     let (server, addr, pid) = match &args.connect {
-        Some(_) if args.profile_points || args.delay_read_us.is_some() => {
-            return Err(
-                "--profile-points and --delay-read-us shape the server this command starts; \
+        Some(_) if args.profile_points || args.bare || args.delay_read_us.is_some() => return Err(
+            "--profile-points, --bare and --delay-read-us shape the server this command starts; \
                  they cannot be used with --connect"
-                    .into(),
-            )
-        }
+                .into(),
+        ),
         Some(a) => (None, a.clone(), args.server_pid),
         None => {
             let s = ChildServer::start(args.brick.clone(), args.transport, |d| {

@@ -191,6 +191,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
             // Sample the latency run: the demo shows where a 4k read's time goes.
             trace_every: if qd == 1 { 10 } else { 0 },
             delay_read_us: None,
+            bare: false,
         };
         let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
         step(

@@ -74,3 +74,15 @@ pub fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
         .map(|o| o.expect("every future completed"))
         .collect()
 }
+
+/// Starts this process's `/metrics` endpoint (before connecting, so HELLO announces it).
+pub fn start_metrics(addr: &str, process: &str) -> Result<(), String> {
+    if addr == "off" {
+        return Ok(());
+    }
+    let extra: kiln_layer::metrics::Extra = std::sync::Arc::new(crate::conn::render_metrics);
+    let ep = kiln_layer::metrics::serve(addr, process, Some(extra))
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    tracing::info!("metrics on http://{}/metrics", ep.addr);
+    Ok(())
+}

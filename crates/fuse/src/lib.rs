@@ -77,6 +77,10 @@ pub struct MountArgs {
     /// Attribute and entry cache timeout in general mode, in seconds.
     #[arg(long, default_value_t = 1.0)]
     pub attr_timeout: f64,
+    /// Serve Prometheus `/metrics` on this address (port 0 picks one, logged at start; the
+    /// brick learns it, so `kiln volume profile` reaches this mount); "off" disables it.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
+    pub metrics: String,
 }
 
 /// Splits `SERVER:/VOL` at the last `:/`.
@@ -1056,6 +1060,7 @@ pub fn main(args: MountArgs) -> Result<(), String> {
         ));
     }
     block_signals();
+    kiln_client::start_metrics(&args.metrics, "kiln-mount")?;
     let mut clients = Vec::new();
     for _ in 0..args.connections.max(1) {
         clients.push(Arc::new(

@@ -79,6 +79,10 @@ pub struct NbdArgs {
     /// cross-thread wake-ups.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub threads: usize,
+    /// Serve Prometheus `/metrics` on this address (port 0 picks one, logged at start; the
+    /// brick learns it, so `kiln volume profile` reaches this export); "off" disables it.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
+    pub metrics: String,
 }
 
 /// Runs `kiln nbd` until SIGINT or SIGTERM.
@@ -100,6 +104,7 @@ pub fn main(args: NbdArgs) -> Result<(), String> {
         // Install the handlers before anything else, so a signal during start-up is not lost.
         let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
         let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+        kiln_client::start_metrics(&args.metrics, "kiln-nbd")?;
         let export = Export::bind(ExportConfig {
             image: args.image,
             listen: args.listen,

@@ -430,7 +430,7 @@ mod tests {
         let t = Timeline::from_events(&e).unwrap();
         assert_eq!(t.total_ns(), 80);
         assert_eq!(t.stages.len(), 6);
-        assert!(t.stages[2].starts_with("network + kernel, client → brick"));
+        assert!(t.stages[2].starts_with("socket write + network + kernel, client → brick"));
     }
 
     #[test]

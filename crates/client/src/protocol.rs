@@ -92,6 +92,22 @@ impl ProtocolClient {
     }
 }
 
+/// What a read or write kept with its request: the caller's vectors and their owner.
+type Kept = (Vec<RawIov>, Option<Box<dyn std::any::Any + Send>>);
+
+/// Rebuilds the caller's memory from a completed request's `keep`.
+fn take_back(c: &mut Completion) -> IoBufs {
+    let (iov, keep) = *c
+        .keep
+        .take()
+        .expect("the connection hands back what it kept")
+        .downcast::<Kept>()
+        .expect("reads and writes keep a `Kept`");
+    // SAFETY: the vectors point into `keep` (or raw memory its caller still promises valid);
+    // the connection is done with them.
+    unsafe { IoBufs::from_parts(iov, keep) }
+}
+
 fn fh(fd: &Fd) -> FopResult<u64> {
     fd.get::<RemoteFd>().map(|r| r.0)
 }
@@ -184,15 +200,9 @@ impl Layer for ProtocolClient {
                 let sink = iov.clone();
                 let f = self.send(cx, Op::Read, args, &[], sink, Some(Box::new((iov, keep))));
                 Box::pin(async move {
-                    let c = f.await?;
+                    let mut c = f.await?;
+                    let bufs = take_back(&mut c);
                     let n = c.result?.payload_len;
-                    let (iov, keep) = *c
-                        .keep
-                        .expect("the connection hands back what it kept")
-                        .downcast::<(Vec<RawIov>, Option<Box<dyn std::any::Any + Send>>)>()
-                        .expect("same type");
-                    // SAFETY: the vectors point into `keep` (or raw memory still promised).
-                    let bufs = unsafe { IoBufs::from_parts(iov, keep) };
                     Ok(ReadOut::Into { n, bufs })
                 })
             }
@@ -232,18 +242,12 @@ impl Layer for ProtocolClient {
             Some(Box::new((iov, keep))),
         );
         Box::pin(async move {
-            let c = f.await?;
+            let mut c = f.await?;
+            let bufs = take_back(&mut c);
             let r = c.result?;
             let n = WriteReply::from_wire(&r.args)
                 .map_err(|_| errno::EPROTO)?
                 .written as usize;
-            let (iov, keep) = *c
-                .keep
-                .expect("the connection hands back what it kept")
-                .downcast::<(Vec<RawIov>, Option<Box<dyn std::any::Any + Send>>)>()
-                .expect("same type");
-            // SAFETY: as in `read`.
-            let bufs = unsafe { IoBufs::from_parts(iov, keep) };
             Ok(Written { n, bufs })
         })
     }

@@ -28,46 +28,30 @@ pub type Extra = Arc<dyn Fn(&mut String) + Send + Sync>;
 /// Renders every io-stats point of this process in Prometheus text format.
 pub fn render(process: &str) -> String {
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "# HELP kiln_fop_calls_total Fops completed, per io-stats point."
-    );
-    let _ = writeln!(out, "# TYPE kiln_fop_calls_total counter");
     let pts = points();
     let label = |p: &str, f: &str| format!("process=\"{process}\",layer=\"{p}\",fop=\"{f}\"");
-    for p in &pts {
-        p.for_each_fop(|fop, calls, _, _, _| {
-            let _ = writeln!(
-                out,
-                "kiln_fop_calls_total{{{}}} {calls}",
-                label(p.name(), fop)
-            );
-        });
-    }
-    let _ = writeln!(out, "# HELP kiln_fop_errors_total Fops that failed.");
-    let _ = writeln!(out, "# TYPE kiln_fop_errors_total counter");
-    for p in &pts {
-        p.for_each_fop(|fop, _, errors, _, _| {
-            let _ = writeln!(
-                out,
-                "kiln_fop_errors_total{{{}}} {errors}",
-                label(p.name(), fop)
-            );
-        });
-    }
-    let _ = writeln!(
-        out,
-        "# HELP kiln_fop_bytes_total File data bytes moved by reads and writes."
-    );
-    let _ = writeln!(out, "# TYPE kiln_fop_bytes_total counter");
-    for p in &pts {
-        p.for_each_fop(|fop, _, _, bytes, _| {
-            let _ = writeln!(
-                out,
-                "kiln_fop_bytes_total{{{}}} {bytes}",
-                label(p.name(), fop)
-            );
-        });
+    type Pick = fn(u64, u64, u64) -> u64;
+    let counters: [(&str, &str, Pick); 3] = [
+        (
+            "kiln_fop_calls_total",
+            "Fops completed, per io-stats point.",
+            |c, _, _| c,
+        ),
+        ("kiln_fop_errors_total", "Fops that failed.", |_, e, _| e),
+        (
+            "kiln_fop_bytes_total",
+            "File data bytes moved by reads and writes.",
+            |_, _, b| b,
+        ),
+    ];
+    for (name, help, pick) in counters {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for p in &pts {
+            p.for_each_fop(|fop, calls, errors, bytes, _| {
+                let v = pick(calls, errors, bytes);
+                let _ = writeln!(out, "{name}{{{}}} {v}", label(p.name(), fop));
+            });
+        }
     }
     let _ = writeln!(
         out,

@@ -65,25 +65,31 @@ fn io_errno(e: std::io::Error) -> u32 {
     e.raw_os_error().unwrap_or(errno::EIO as i32) as u32
 }
 
-/// `preadv` until the vectors are full or the file ends.
+/// `preadv` until the vectors are full or the file ends (`write` false), or `pwritev` of every
+/// byte of them (`write` true); returns the bytes moved.
 ///
 /// # Safety
-/// The vectors must be valid for writes (the [`IoBufs`] contract).
-unsafe fn preadv_full(f: &File, iov: &[RawIov], offset: u64) -> FopResult<usize> {
+/// The vectors must be valid for the direction's access (the [`IoBufs`] contract).
+unsafe fn iov_loop(f: &File, iov: &[RawIov], offset: u64, write: bool) -> FopResult<usize> {
     use std::os::fd::AsRawFd;
     let mut cur = kiln_proto::iov::IovCursor::new(iov.iter().copied(), usize::MAX);
     let mut done = 0usize;
     while !cur.is_done() {
         let v = cur.pending(kiln_proto::iov::IOV_MAX);
-        // SAFETY: per the caller's contract the vectors are valid for writes; `RawIov` has the
-        // layout of `struct iovec`.
+        let (fd, ptr, n, at) = (
+            f.as_raw_fd(),
+            v.as_ptr().cast(),
+            v.len() as i32,
+            (offset + done as u64) as i64,
+        );
+        // SAFETY: per the caller's contract the vectors are valid for this access; `RawIov` has
+        // the layout of `struct iovec`.
         let r = unsafe {
-            libc::preadv(
-                f.as_raw_fd(),
-                v.as_ptr().cast(),
-                v.len() as i32,
-                (offset + done as u64) as i64,
-            )
+            if write {
+                libc::pwritev(fd, ptr, n, at)
+            } else {
+                libc::preadv(fd, ptr, n, at)
+            }
         };
         if r < 0 {
             let e = std::io::Error::last_os_error();
@@ -92,43 +98,10 @@ unsafe fn preadv_full(f: &File, iov: &[RawIov], offset: u64) -> FopResult<usize>
             }
             return Err(io_errno(e));
         }
-        if r == 0 {
-            break;
-        }
-        done += r as usize;
-        cur.advance(r as usize);
-    }
-    Ok(done)
-}
-
-/// `pwritev` of every byte of the vectors.
-///
-/// # Safety
-/// The vectors must be valid for reads (the [`IoBufs`] contract).
-unsafe fn pwritev_all(f: &File, iov: &[RawIov], offset: u64) -> FopResult<usize> {
-    use std::os::fd::AsRawFd;
-    let mut cur = kiln_proto::iov::IovCursor::new(iov.iter().copied(), usize::MAX);
-    let mut done = 0usize;
-    while !cur.is_done() {
-        let v = cur.pending(kiln_proto::iov::IOV_MAX);
-        // SAFETY: per the caller's contract the vectors are valid for reads.
-        let r = unsafe {
-            libc::pwritev(
-                f.as_raw_fd(),
-                v.as_ptr().cast(),
-                v.len() as i32,
-                (offset + done as u64) as i64,
-            )
-        };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(io_errno(e));
-        }
-        if r == 0 {
-            return Err(errno::EIO);
+        match (r, write) {
+            (0, false) => break, // end of file
+            (0, true) => return Err(errno::EIO),
+            _ => {}
         }
         done += r as usize;
         cur.advance(r as usize);
@@ -203,7 +176,7 @@ impl Layer for Posix {
             ReadDst::Into(bufs) => {
                 // SAFETY: the IoBufs contract keeps the vectors valid and unaliased until this
                 // fop completes, which it does before returning.
-                let n = unsafe { preadv_full(&f, bufs.iov(), offset)? };
+                let n = unsafe { iov_loop(&f, bufs.iov(), offset, false)? };
                 Ok(ReadOut::Into { n, bufs })
             }
         })
@@ -213,7 +186,7 @@ impl Layer for Posix {
         now(cx, move || {
             let f = file(fd)?;
             // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
-            let n = unsafe { pwritev_all(f, data.iov(), offset)? };
+            let n = unsafe { iov_loop(f, data.iov(), offset, true)? };
             Ok(Written { n, bufs: data })
         })
     }

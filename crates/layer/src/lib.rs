@@ -12,10 +12,12 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod distribute;
 pub mod exec;
 pub mod faults;
 pub mod iostats;
 pub mod metrics;
+pub mod replicate;
 pub mod trace;
 pub mod volfile;
 

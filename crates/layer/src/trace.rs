@@ -147,17 +147,26 @@ impl Trace {
 pub struct Ctx {
     /// Present on sampled requests: every stage stamps it.
     pub trace: Option<Arc<Trace>>,
+    /// Who issued the request, for layers that hold state per client (locks): on a brick,
+    /// the connection's id; 0 when unknown.
+    pub owner: u64,
 }
 
 impl Ctx {
     /// A context for an unsampled request.
-    pub const NONE: Ctx = Ctx { trace: None };
+    pub const NONE: Ctx = Ctx { trace: None, owner: 0 };
 
     /// A context carrying a new trace.
     pub fn traced() -> Ctx {
         Ctx {
             trace: Some(Trace::new()),
+            owner: 0,
         }
+    }
+
+    /// The same context issued by `owner`.
+    pub fn with_owner(self, owner: u64) -> Ctx {
+        Ctx { owner, ..self }
     }
 
     /// Stamps `label` if the request is sampled. The label is built only then.

@@ -98,6 +98,19 @@ pub enum LayerKind {
     /// Runs fops that may block for long (fsync, fallocate, discard) on a thread pool and the
     /// rest inline (brick side).
     Dispatch {},
+    /// Spreads files over its subvolumes by a hash of the name (client side).
+    Distribute {},
+    /// Keeps every file on all its subvolumes; writes need a quorum (client side).
+    Replicate {
+        /// Successful replicas a change needs; default: a majority.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        quorum: Option<u32>,
+    },
+    /// Per-file records of what replicas missed, and range locks for heal (brick side).
+    Marks {
+        /// The brick directory (its `.kiln` holds the records).
+        directory: PathBuf,
+    },
     /// A connection to one brick (client side).
     ProtocolClient {
         /// The brick's address: `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`.
@@ -125,7 +138,15 @@ impl LayerKind {
             LayerKind::Posix { .. } => "posix",
             LayerKind::Dispatch {} => "dispatch",
             LayerKind::ProtocolClient { .. } => "protocol-client",
+            LayerKind::Distribute {} => "distribute",
+            LayerKind::Replicate { .. } => "replicate",
+            LayerKind::Marks { .. } => "marks",
         }
+    }
+
+    /// True for types that take several subvolumes.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, LayerKind::Distribute {} | LayerKind::Replicate { .. })
     }
 
     /// True for types at the bottom of a stack.
@@ -223,6 +244,24 @@ pub const TYPES: &[TypeDoc] = &[
         options: &[OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" }],
     },
     TypeDoc {
+        name: "distribute",
+        side: "client",
+        doc: "spreads files over its subvolumes by a hash of the name, per-directory layouts; directories exist on every subvolume",
+        options: &[],
+    },
+    TypeDoc {
+        name: "replicate",
+        side: "client",
+        doc: "keeps every file on all subvolumes: changes go to all in parallel and need a quorum, misses are marked on the bricks and healed, reads go to one up-to-date replica",
+        options: &[OptionDoc { name: "quorum", ty: "integer", default: "majority", doc: "successful replicas a change needs" }],
+    },
+    TypeDoc {
+        name: "marks",
+        side: "brick",
+        doc: "records, per file, the ranges other replicas missed (kept in the brick's .kiln directory) and holds writes back from ranges a heal has locked",
+        options: &[OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" }],
+    },
+    TypeDoc {
         name: "protocol-client",
         side: "client (leaf)",
         doc: "one connection to a brick; many requests in flight, replies received into the caller's memory",
@@ -308,7 +347,24 @@ impl Volfile {
                     l.name
                 ));
             }
-            if !l.kind.is_leaf() && kids.len() != 1 {
+            if l.kind.is_cluster() {
+                if kids.is_empty() {
+                    return Err(format!(
+                        "{} layer {:?} needs at least one subvolume",
+                        l.kind.type_name(),
+                        l.name
+                    ));
+                }
+                if let LayerKind::Replicate { quorum: Some(q) } = l.kind {
+                    if q == 0 || q as usize > kids.len() {
+                        return Err(format!(
+                            "replicate layer {:?}: quorum {q} is not between 1 and its {} subvolumes",
+                            l.name,
+                            kids.len()
+                        ));
+                    }
+                }
+            } else if !l.kind.is_leaf() && kids.len() != 1 {
                 return Err(format!(
                     "{} layer {:?} needs exactly one subvolume (it is the last layer, or names {})",
                     l.kind.type_name(),
@@ -421,6 +477,10 @@ impl Volfile {
                 Trigger::new(fops, *probability, *seed).map_err(|e| format!("{name}: {e}"))?,
                 Duration::from_micros(*delay_us),
             )),
+            LayerKind::Distribute {} => Arc::new(crate::distribute::Distribute::new(name, kids)),
+            LayerKind::Replicate { quorum } => {
+                Arc::new(crate::replicate::Replicate::new(name, kids, *quorum))
+            }
             _ => leaf(def, kids)?,
         };
         built[i] = Some(layer.clone());

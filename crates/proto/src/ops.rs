@@ -90,6 +90,9 @@ ops! {
     Auth = 27,
     /// Profiling control and data: the reply's payload is JSON (see [`ProfileReq`]).
     Profile = 28,
+    /// Volume management (create, start, volfile, heal, …): the request and the reply's
+    /// payload are JSON (see [`MgmtReq`]). Served by a kilnd that keeps volume definitions.
+    Mgmt = 29,
 }
 
 wire_struct! {
@@ -218,6 +221,10 @@ wire_struct! {
     /// Profile request: `cmd` is one of the `PROFILE_*` values. The reply carries no arguments
     /// and a JSON payload: the server's io-stats (cumulative and since the last start).
     pub struct ProfileReq { pub cmd: u32 }
+
+    /// Management request: a JSON document naming the command and its arguments. The reply
+    /// carries no arguments and a JSON payload.
+    pub struct MgmtReq { pub json: Vec<u8> }
 
     /// One timestamped event of a traced request: nanoseconds on the sender's monotonic clock.
     pub struct TraceEvent { pub t_ns: u64, pub label: String }

@@ -486,9 +486,9 @@ impl Conn {
         let cx = if inc.hdr.traced() {
             let cx = Ctx::traced();
             cx.stamp(|| "brick: frame received".into());
-            cx
+            cx.with_owner(self.conn_id)
         } else {
-            Ctx::NONE
+            Ctx::NONE.with_owner(self.conn_id)
         };
         let Some(op) = Op::from_u16(opcode) else {
             tracing::warn!(opcode, "unknown opcode");
@@ -697,6 +697,11 @@ impl Conn {
                     Vec::new(),
                     Body::Buf(report.to_string().into_bytes()),
                 ))
+            }
+            Op::Mgmt => {
+                // Served only by a kilnd that keeps volume definitions (see `mgmt`).
+                MgmtReq::from_wire(args)?;
+                Err(Fail::Errno(errno::ENOSYS))
             }
             Op::Lookup => {
                 let req = PathReq::from_wire(args)?;

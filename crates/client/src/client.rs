@@ -50,6 +50,8 @@ pub fn wire_path(path: &str) -> String {
 pub struct Client {
     pub(crate) conn: Arc<Conn>,
     server: String,
+    /// Kept to reconnect with (see [`Client::reconnect`]).
+    secret: Option<Vec<u8>>,
 }
 
 impl Drop for Client {
@@ -154,6 +156,7 @@ impl Client {
         let client = Client {
             conn: Conn::start(sock)?,
             server: addr.to_owned(),
+            secret: secret.map(<[u8]>::to_vec),
         };
         let hello: HelloReply = crate::block_on(
             client.call(
@@ -225,6 +228,11 @@ impl Client {
             ));
         }
         Ok(())
+    }
+
+    /// A new connection to the same brick with the same secret (after this one failed).
+    pub fn reconnect(&self) -> io::Result<Client> {
+        Client::connect_with_secret(&self.server, self.secret.as_deref())
     }
 
     /// The address this client connected to.

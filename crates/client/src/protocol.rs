@@ -5,8 +5,15 @@
 //! socket; a write gathers its frame from the caller's vectors. The memory's owner travels with
 //! the request and comes back with the completion, so a dropped future can never free memory
 //! the connection is still writing.
+//!
+//! When the connection fails, the layer reconnects by itself in the background (backing off
+//! from 20 ms to 1 s between attempts). Handles opened on an earlier connection are stale on
+//! the new one: fops on them fail with `ESTALE`, which tells the layer above (replicate) to
+//! reopen the file.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
 
 use kiln_layer::{
     errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, ReadDst, ReadOut, ReaddirReply,
@@ -20,13 +27,25 @@ use kiln_proto::Op;
 use crate::client::{wire_path, Client, SlotWait};
 use crate::conn::{Completion, Done, Slot};
 
-/// A handle on the brick.
-struct RemoteFd(u64);
+/// A handle on the brick, valid on the connection of generation `gen`.
+struct RemoteFd {
+    fh: u64,
+    gen: u64,
+}
+
+/// Stale handle: opened on an earlier connection.
+const ESTALE: u32 = 116;
+
+/// The connection now, and how many times it was replaced.
+struct Link {
+    cur: RwLock<(Arc<Client>, u64)>,
+    reconnecting: AtomicBool,
+}
 
 /// The protocol-client layer.
 pub struct ProtocolClient {
     name: String,
-    client: Arc<Client>,
+    link: Arc<Link>,
 }
 
 impl ProtocolClient {
@@ -34,13 +53,57 @@ impl ProtocolClient {
     pub fn new(name: &str, client: Arc<Client>) -> ProtocolClient {
         ProtocolClient {
             name: name.into(),
-            client,
+            link: Arc::new(Link {
+                cur: RwLock::new((client, 0)),
+                reconnecting: AtomicBool::new(false),
+            }),
         }
     }
 
-    /// The connection.
-    pub fn client(&self) -> &Arc<Client> {
-        &self.client
+    /// The connection now (it changes when the layer reconnects).
+    pub fn client(&self) -> Arc<Client> {
+        self.current().0
+    }
+
+    fn current(&self) -> (Arc<Client>, u64) {
+        let g = self.link.cur.read().unwrap_or_else(|e| e.into_inner());
+        (g.0.clone(), g.1)
+    }
+
+    /// Starts reconnecting in the background, once.
+    fn revive(&self) {
+        if self.link.reconnecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak: Weak<Link> = Arc::downgrade(&self.link);
+        let name = self.name.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kiln-reconnect-{name}"))
+            .spawn(move || {
+                let mut wait = Duration::from_millis(20);
+                loop {
+                    let Some(link) = weak.upgrade() else { return };
+                    let old = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
+                    match old.reconnect() {
+                        Ok(c) => {
+                            let mut g = link.cur.write().unwrap_or_else(|e| e.into_inner());
+                            g.1 += 1;
+                            g.0 = Arc::new(c);
+                            tracing::info!(layer = name, gen = g.1, "reconnected to {}", old.server());
+                            link.reconnecting.store(false, Ordering::Release);
+                            return;
+                        }
+                        Err(e) => tracing::debug!(layer = name, "reconnect failed: {e}"),
+                    }
+                    drop((link, old));
+                    // Back-off of a background retry loop, not synchronisation.
+                    std::thread::sleep(wait);
+                    wait = (wait * 2).min(Duration::from_secs(1));
+                }
+            });
+        if spawned.is_err() {
+            self.link.reconnecting.store(false, Ordering::Release);
+        }
     }
 
     /// Sends one frame and waits for its completion.
@@ -54,11 +117,12 @@ impl ProtocolClient {
         keep: Option<Box<dyn std::any::Any + Send>>,
     ) -> impl std::future::Future<Output = FopResult<Completion>> + Send + 'a {
         let slot = Arc::new(Slot::default());
+        let (client, _) = self.current();
         // SAFETY: `payload` and `sink` point into memory owned by `keep` (or promised valid by
         // an `IoBufs::raw` caller until completion); the connection holds `keep` until the
         // completion is delivered.
         let r = unsafe {
-            self.client.conn.submit(
+            client.conn.submit(
                 op,
                 &args,
                 payload,
@@ -68,10 +132,26 @@ impl ProtocolClient {
                 cx.trace.clone(),
             )
         };
+        if r.is_err() && client.is_dead() {
+            self.revive();
+        }
         async move {
             r?;
             Ok(SlotWait(slot).await)
         }
+    }
+
+    /// The brick handle of `fd`, if it belongs to the current connection.
+    fn fh(&self, fd: &Fd) -> FopResult<u64> {
+        let r = fd.get::<RemoteFd>()?;
+        if r.gen != self.link.cur.read().unwrap_or_else(|e| e.into_inner()).1 {
+            return Err(ESTALE);
+        }
+        Ok(r.fh)
+    }
+
+    fn gen(&self) -> u64 {
+        self.link.cur.read().unwrap_or_else(|e| e.into_inner()).1
     }
 
     fn call<'a, R: Wire + Send + 'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, R> {
@@ -108,10 +188,6 @@ fn take_back(c: &mut Completion) -> IoBufs {
     unsafe { IoBufs::from_parts(iov, keep) }
 }
 
-fn fh(fd: &Fd) -> FopResult<u64> {
-    fd.get::<RemoteFd>().map(|r| r.0)
-}
-
 /// Checks a data length against the frame limit.
 fn check_len(n: usize) -> FopResult<u32> {
     if n > kiln_proto::MAX_PAYLOAD_LEN as usize {
@@ -139,12 +215,20 @@ impl Layer for ProtocolClient {
         &self.name
     }
 
+    fn up(&self) -> bool {
+        let dead = self.link.cur.read().unwrap_or_else(|e| e.into_inner()).0.is_dead();
+        if dead {
+            self.revive();
+        }
+        !dead
+    }
+
     fn lookup<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, Attr> {
         self.call(cx, Op::Lookup, &PathReq { path: path(p) })
     }
 
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
-        let fh = try_fut!(fh(fd));
+        let fh = try_fut!(self.fh(fd));
         self.call(cx, Op::Fstat, &HandleReq { fh })
     }
 
@@ -157,7 +241,7 @@ impl Layer for ProtocolClient {
     }
 
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        let fh = try_fut!(fh(fd));
+        let fh = try_fut!(self.fh(fd));
         let req = FsetattrReq {
             fh,
             attrs: attrs.clone(),
@@ -166,6 +250,9 @@ impl Layer for ProtocolClient {
     }
 
     fn open<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32) -> Fut<'a, Fd> {
+        // Read before sending: a reconnect in between makes the handle look stale (safe),
+        // never a stale handle look current.
+        let gen = self.gen();
         let f = self.call::<OpenReply>(
             cx,
             Op::Open,
@@ -174,7 +261,12 @@ impl Layer for ProtocolClient {
                 flags,
             },
         );
-        Box::pin(async move { Ok(Fd::new(RemoteFd(f.await?.fh))) })
+        Box::pin(async move {
+            Ok(Fd::new(RemoteFd {
+                fh: f.await?.fh,
+                gen,
+            }))
+        })
     }
 
     fn create<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
@@ -183,15 +275,16 @@ impl Layer for ProtocolClient {
             flags,
             mode,
         };
+        let gen = self.gen();
         let f = self.call::<CreateReply>(cx, Op::Create, &req);
         Box::pin(async move {
             let r = f.await?;
-            Ok((Fd::new(RemoteFd(r.fh)), r.attr))
+            Ok((Fd::new(RemoteFd { fh: r.fh, gen }), r.attr))
         })
     }
 
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
-        let fh = try_fut!(fh(fd));
+        let fh = try_fut!(self.fh(fd));
         let len = try_fut!(check_len(dst.len()));
         let args = ReadReq { fh, offset, len }.to_wire();
         match dst {
@@ -229,7 +322,7 @@ impl Layer for ProtocolClient {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
-        let fh = try_fut!(fh(fd));
+        let fh = try_fut!(self.fh(fd));
         try_fut!(check_len(data.len()));
         let args = WriteReq { fh, offset }.to_wire();
         let (iov, keep) = data.into_parts();
@@ -253,12 +346,12 @@ impl Layer for ProtocolClient {
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
-        let fh = try_fut!(fh(fd));
+        let fh = try_fut!(self.fh(fd));
         self.unit(cx, Op::Fsync, &FsyncReq { fh, datasync })
     }
 
     fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
-        let fh = try_fut!(fh(&fd));
+        let fh = try_fut!(self.fh(&fd));
         self.unit(cx, Op::Release, &HandleReq { fh })
     }
 
@@ -380,7 +473,7 @@ impl Layer for ProtocolClient {
         offset: u64,
         len: u64,
     ) -> Fut<'a, ()> {
-        let fh = try_fut!(fh(fd));
+        let fh = try_fut!(self.fh(fd));
         self.unit(
             cx,
             Op::Fallocate,
@@ -394,7 +487,7 @@ impl Layer for ProtocolClient {
     }
 
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
-        let fh = try_fut!(fh(fd));
+        let fh = try_fut!(self.fh(fd));
         self.unit(cx, Op::Discard, &DiscardReq { fh, offset, len })
     }
 }

@@ -89,6 +89,47 @@ pub fn block_on<F: Future>(fut: F) -> F::Output {
     }
 }
 
+/// Runs futures side by side; resolves to their outputs, in order, when all are done.
+/// `None` entries stay `None`.
+pub fn join_all<F: Future + Unpin>(futs: Vec<Option<F>>) -> JoinAll<F> {
+    let out = futs.iter().map(|_| None).collect();
+    JoinAll { futs, out }
+}
+
+/// The future of [`join_all`].
+pub struct JoinAll<F: Future> {
+    futs: Vec<Option<F>>,
+    out: Vec<Option<F::Output>>,
+}
+
+// The outputs are never pinned: only the futures are polled in place, and they are `Unpin`.
+impl<F: Future + Unpin> Unpin for JoinAll<F> {}
+
+impl<F: Future + Unpin> Future for JoinAll<F> {
+    type Output = Vec<Option<F::Output>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut pending = false;
+        for (f, o) in this.futs.iter_mut().zip(this.out.iter_mut()) {
+            if let Some(fut) = f {
+                match Pin::new(fut).poll(cx) {
+                    Poll::Ready(v) => {
+                        *o = Some(v);
+                        *f = None;
+                    }
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(std::mem::take(&mut this.out))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

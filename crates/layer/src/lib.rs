@@ -16,6 +16,7 @@ pub mod distribute;
 pub mod exec;
 pub mod faults;
 pub mod iostats;
+pub mod marks;
 pub mod metrics;
 pub mod replicate;
 pub mod trace;
@@ -272,6 +273,12 @@ macro_rules! declare_layer {
                     f(&**c);
                     c.visit(f);
                 }
+            }
+
+            /// False while this layer cannot reach its storage (a protocol-client whose
+            /// connection is down); the default asks the first child.
+            fn up(&self) -> bool {
+                self.children().first().is_none_or(|c| c.up())
             }
 
             /// This layer as `Any`, for operator tools that look for a layer type.

@@ -1,25 +1,856 @@
-//! The replicate layer (being written).
+//! The replicate layer: every file on all subvolumes (replicas), safe first and fast second.
+//!
+//! - **Changes** (write, truncate, fallocate, discard, create, and namespace changes) go to
+//!   every replica in parallel from the caller's memory (no copy: each replica's request holds a
+//!   share of the memory's owner, so it stays valid until the last replica is done even if the
+//!   caller's future is dropped). A change succeeds when `quorum` replicas (default: a majority)
+//!   took it; with fewer it fails, so two halves of a split volume can never both accept writes.
+//! - **Misses are marked on the bricks.** When a replica missed a change (it was down, or the
+//!   change failed there), the layer records on every replica that took it which range the
+//!   other one missed ([`crate::marks`]), *before* acknowledging — an acknowledged write is on a
+//!   quorum, and whatever replica lacks it is named on the ones that have it. With every
+//!   replica up a change costs nothing extra: no pre-operation, no post-operation.
+//! - **Reads** go to one replica that is up and has no marks against it for the file,
+//!   spreading load round-robin; a read that fails on one replica is retried on the next. A
+//!   replica that is behind never serves a read: marks are read when the file is opened, and a
+//!   miss seen by this client marks the replica bad for the file at once.
+//! - **fsync** reaches every replica that holds the file and needs a quorum.
+//! - A replica that comes back (its protocol-client reconnects by itself) gets the changes
+//!   that follow at once: its handles are reopened on first use. Heal ([`crate::heal`]) copies
+//!   what it missed and clears the marks, after which reads use it again.
+//!
+//! Known limits (documented, not hidden): metadata-only changes (chmod, xattrs) and directory
+//! entry changes (mkdir, unlink, rename) that miss a replica are not marked — the file data is;
+//! a client that dies in the middle of a write may leave replicas different for the range it
+//! never acknowledged.
 
-use crate::{Layer, LayerRef};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Weak};
 
-/// Spreads files over its subvolumes by a hash of the name.
+use kiln_proto::Wire;
+
+use crate::exec::join_all;
+use crate::marks::{self as m, Mark, PendingPage};
+use crate::{
+    errno, fail, Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
+    ReaddirReply, SetAttrs, StatfsReply, Written,
+};
+
+/// Stale handle: the replica's connection was re-established since the handle was opened.
+pub const ESTALE: Errno = 116;
+const ENOENT: Errno = errno::ENOENT;
+const SETATTR_SIZE: u32 = kiln_proto::ops::SETATTR_SIZE;
+
+/// What this client knows about one file.
+#[derive(Default)]
+struct FileState {
+    /// Replicas (bit i = subvolume i) that are behind for this file.
+    bad: AtomicU32,
+}
+
+/// A replica's handle for an open file.
+enum ChildFd {
+    /// Opened.
+    Open(Fd),
+    /// Not opened yet (the replica was down at open time).
+    Absent,
+    /// Reopening failed (the file is missing there): changes are marked as missed.
+    Missing,
+}
+
+/// An open file: a handle per replica.
+struct RepFd {
+    path: String,
+    flags: u32,
+    kids: Vec<Mutex<ChildFd>>,
+    state: Arc<FileState>,
+}
+
+/// The replicate layer.
 pub struct Replicate {
     name: String,
     kids: Vec<LayerRef>,
+    quorum: usize,
+    rr: AtomicUsize,
+    files: Mutex<HashMap<String, Weak<FileState>>>,
+}
+
+/// The memory of one change, shared by the replicas' requests.
+struct Shared {
+    iov: Vec<kiln_proto::iov::RawIov>,
+    keep: Arc<Mutex<Option<Box<dyn std::any::Any + Send>>>>,
+}
+
+impl Shared {
+    fn new(data: IoBufs) -> Shared {
+        let (iov, keep) = data.into_parts();
+        Shared {
+            iov,
+            keep: Arc::new(Mutex::new(keep)),
+        }
+    }
+
+    /// A share for one replica: same vectors, a reference to the owner.
+    fn share(&self) -> IoBufs {
+        // SAFETY: the vectors point into the memory `keep` owns (or raw memory the caller keeps
+        // valid until completion); the share holds `keep` alive.
+        unsafe { IoBufs::from_parts(self.iov.clone(), Some(Box::new(self.keep.clone()))) }
+    }
+
+    /// The caller's memory back, once every share is gone.
+    fn into_bufs(self) -> IoBufs {
+        let keep = match Arc::try_unwrap(self.keep) {
+            Ok(m) => m.into_inner().unwrap_or_else(|e| e.into_inner()),
+            // A replica still holds a share (its request outlived its future): keep the share
+            // as the owner; the memory is freed when both are done.
+            Err(arc) => Some(Box::new(arc) as Box<dyn std::any::Any + Send>),
+        };
+        // SAFETY: as in `share`.
+        unsafe { IoBufs::from_parts(self.iov, keep) }
+    }
+}
+
+fn bit(i: usize) -> u32 {
+    1 << i
+}
+
+/// The errno a change that lacks a quorum reports: a replica's own error if one said why,
+/// else "not connected".
+fn quorum_errno(errs: &[Errno]) -> Errno {
+    errs.iter()
+        .copied()
+        .find(|e| *e != errno::ENOTCONN && *e != ESTALE)
+        .unwrap_or(errno::ENOTCONN)
+}
+
+fn reopen_flags(flags: u32) -> u32 {
+    flags & !((libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) as u32)
 }
 
 impl Replicate {
-    /// A replicate layer over `kids`.
-    pub fn new(name: &str, kids: Vec<LayerRef>, _quorum: Option<u32>) -> Replicate {
-        Replicate { name: name.into(), kids }
+    /// A replicate layer over `kids`; a change needs `quorum` of them (default: a majority).
+    pub fn new(name: &str, kids: Vec<LayerRef>, quorum: Option<u32>) -> Replicate {
+        let n = kids.len();
+        assert!(n <= 32, "replicate takes at most 32 subvolumes");
+        Replicate {
+            name: name.into(),
+            quorum: quorum.map_or(n / 2 + 1, |q| q as usize).clamp(1, n.max(1)),
+            kids,
+            rr: AtomicUsize::new(0),
+            files: Mutex::default(),
+        }
     }
+
+    /// The replicas.
+    pub fn replicas(&self) -> &[LayerRef] {
+        &self.kids
+    }
+
+    /// Successful replicas a change needs.
+    pub fn quorum(&self) -> usize {
+        self.quorum
+    }
+
+    fn state(&self, path: &str) -> Arc<FileState> {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = files.get(path).and_then(Weak::upgrade) {
+            return s;
+        }
+        if files.len() > 4096 {
+            files.retain(|_, w| w.strong_count() > 0);
+        }
+        let s = Arc::new(FileState::default());
+        files.insert(path.to_owned(), Arc::downgrade(&s));
+        s
+    }
+
+    /// Bit set of replicas that are behind for `path`, known to this client.
+    fn known_bad(&self, path: &str) -> u32 {
+        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        files
+            .get(path)
+            .and_then(Weak::upgrade)
+            .map_or(0, |s| s.bad.load(Relaxed))
+    }
+
+    /// The order to try replicas in for a read: up, not behind, starting round-robin.
+    fn read_order(&self, bad: u32) -> Vec<usize> {
+        let n = self.kids.len();
+        let start = self.rr.fetch_add(1, Relaxed) % n;
+        (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|i| bad & bit(*i) == 0 && self.kids[*i].up())
+            .collect()
+    }
+
+    fn child_fd(&self, rfd: &RepFd, i: usize) -> Option<Fd> {
+        match &*rfd.kids[i].lock().unwrap_or_else(|e| e.into_inner()) {
+            ChildFd::Open(fd) => Some(fd.clone()),
+            _ => None,
+        }
+    }
+
+    /// Reopens a replica's handle (after its connection came back, or it was down at open).
+    async fn reopen(&self, cx: &Ctx, rfd: &RepFd, i: usize) -> Option<Fd> {
+        if !self.kids[i].up() {
+            return None;
+        }
+        let r = self.kids[i]
+            .open(cx, &rfd.path, reopen_flags(rfd.flags))
+            .await;
+        let mut slot = rfd.kids[i].lock().unwrap_or_else(|e| e.into_inner());
+        match r {
+            Ok(fd) => {
+                *slot = ChildFd::Open(fd.clone());
+                Some(fd)
+            }
+            Err(e) => {
+                tracing::info!(replica = i, path = rfd.path, "cannot reopen: errno {e}");
+                if e == ENOENT {
+                    *slot = ChildFd::Missing;
+                }
+                None
+            }
+        }
+    }
+
+    /// Runs `op` on replica `i`'s handle, reopening it if it is stale or was never opened.
+    async fn on_child<'b, T: Send + 'b>(
+        &'b self,
+        cx: &'b Ctx,
+        rfd: &'b RepFd,
+        i: usize,
+        op: &'b (dyn Fn(&'b LayerRef, Fd) -> Fut<'b, T> + Send + Sync),
+    ) -> FopResult<T> {
+        let kid = &self.kids[i];
+        let fd = match self.child_fd(rfd, i) {
+            Some(fd) => fd,
+            None => {
+                let missing = matches!(
+                    &*rfd.kids[i].lock().unwrap_or_else(|e| e.into_inner()),
+                    ChildFd::Missing
+                );
+                if missing {
+                    return Err(ENOENT);
+                }
+                self.reopen(cx, rfd, i).await.ok_or(errno::ENOTCONN)?
+            }
+        };
+        match op(kid, fd).await {
+            Err(ESTALE) => {
+                let fd = self.reopen(cx, rfd, i).await.ok_or(ESTALE)?;
+                op(kid, fd).await
+            }
+            r => r,
+        }
+    }
+
+    /// Runs a change on every replica that is up; returns each replica's outcome (`None`:
+    /// not tried, it is down).
+    async fn fan_out<'b, T: Send + 'b>(
+        &'b self,
+        cx: &'b Ctx,
+        rfd: &'b RepFd,
+        op: &'b (dyn Fn(&'b LayerRef, Fd) -> Fut<'b, T> + Send + Sync),
+    ) -> Vec<Option<FopResult<T>>> {
+        let futs = (0..self.kids.len())
+            .map(|i| {
+                self.kids[i]
+                    .up()
+                    .then(|| Box::pin(self.on_child(cx, rfd, i, op)) as Fut<'b, T>)
+            })
+            .collect();
+        join_all(futs)
+            .await
+            .into_iter()
+            .map(|o| o.map(|r| r))
+            .collect()
+    }
+
+    /// Settles a change: a quorum or an error; misses marked on the replicas that took it.
+    /// `range` is what a miss needs healed (`None`: nothing data-wise).
+    async fn settle(
+        &self,
+        cx: &Ctx,
+        path: &str,
+        state: Option<&FileState>,
+        outcomes: &[Option<FopResult<()>>],
+        range: Option<(u64, u64)>,
+    ) -> FopResult<()> {
+        let mut ok = Vec::new();
+        let mut missed = Vec::new();
+        let mut errs = Vec::new();
+        for (i, o) in outcomes.iter().enumerate() {
+            match o {
+                Some(Ok(_)) => ok.push(i),
+                Some(Err(e)) => {
+                    errs.push(*e);
+                    missed.push(i);
+                }
+                None => missed.push(i),
+            }
+        }
+        if ok.is_empty() {
+            return Err(quorum_errno(&errs));
+        }
+        if !missed.is_empty() {
+            if let Some(s) = state {
+                s.bad
+                    .fetch_or(missed.iter().fold(0, |b, i| b | bit(*i)), Relaxed);
+            }
+            if let Some((offset, len)) = range {
+                self.mark(cx, path, &ok, &missed, offset, len).await?;
+            }
+        }
+        if ok.len() < self.quorum {
+            tracing::warn!(
+                layer = self.name,
+                path,
+                ok = ok.len(),
+                quorum = self.quorum,
+                "change refused: no quorum"
+            );
+            return Err(quorum_errno(&errs));
+        }
+        Ok(())
+    }
+
+    /// Records on each replica in `on` that every replica in `missed` lacks a range.
+    async fn mark(
+        &self,
+        cx: &Ctx,
+        path: &str,
+        on: &[usize],
+        missed: &[usize],
+        offset: u64,
+        len: u64,
+    ) -> FopResult<()> {
+        let values: Vec<Vec<u8>> = missed
+            .iter()
+            .map(|t| {
+                Mark {
+                    target: *t as u32,
+                    offset,
+                    len,
+                }
+                .to_wire()
+            })
+            .collect();
+        let mut futs = Vec::new();
+        for i in on {
+            for v in &values {
+                futs.push(Some(self.kids[*i].setxattr(cx, path, m::ADD, v, 0)));
+            }
+        }
+        let done = join_all(futs).await;
+        let marked = done.iter().filter(|r| matches!(r, Some(Ok(())))).count();
+        if marked < values.len() {
+            // Not one replica holding the change could record the miss: do not acknowledge.
+            tracing::error!(layer = self.name, path, "could not record a missed change");
+            return Err(errno::EIO);
+        }
+        Ok(())
+    }
+
+    /// Asks every replica that is up for its marks on `path`: the replicas that are behind.
+    async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> u32 {
+        let futs = which
+            .iter()
+            .map(|i| Some(self.kids[*i].getxattr(cx, path, m::PENDING)))
+            .collect();
+        let mut bad = 0;
+        for r in join_all(futs).await.into_iter().flatten() {
+            if let Ok(v) = r {
+                if let Ok(page) = PendingPage::from_wire(&v) {
+                    for t in page.targets.0 {
+                        if (t.target as usize) < self.kids.len() && !t.ranges.0.is_empty() {
+                            bad |= bit(t.target as usize);
+                        }
+                    }
+                }
+            }
+        }
+        bad
+    }
+
+    /// Runs a path fop on every replica that is up and settles it.
+    fn change_path<'a, T: Send + 'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        range: Option<(u64, u64)>,
+        op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + 'a,
+    ) -> Fut<'a, T> {
+        Box::pin(async move {
+            let futs = self
+                .kids
+                .iter()
+                .map(|k| k.up().then(|| op(k)))
+                .collect();
+            let mut res = join_all(futs).await;
+            self.settle(cx, path, None, &outcomes(&res), range).await?;
+            first_ok(&mut res)
+        })
+    }
+
+    /// Runs a path fop on replicas that are up, in parallel; the first success wins (a
+    /// replica that missed a create says ENOENT while others have the file).
+    fn query_path<'a, T: Send + 'a>(
+        &'a self,
+        path: &'a str,
+        op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + 'a,
+    ) -> Fut<'a, T> {
+        Box::pin(async move {
+            let bad = self.known_bad(path);
+            let futs = self
+                .kids
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.up() && bad & bit(i) == 0).then(|| op(k)))
+                .collect();
+            let mut res = join_all(futs).await;
+            first_ok(&mut res)
+        })
+    }
+
+    /// Reads from one replica, trying the next on failure.
+    async fn read_one(
+        &self,
+        cx: &Ctx,
+        rfd: &RepFd,
+        offset: u64,
+        dst: ReadDst,
+    ) -> FopResult<ReadOut> {
+        let order = self.read_order(rfd.state.bad.load(Relaxed));
+        let mut last = errno::ENOTCONN;
+        match dst {
+            ReadDst::Any(n) => {
+                for i in order {
+                    let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ReadOut> {
+                        let k = k.clone();
+                        Box::pin(async move { k.read(cx, &fd, offset, ReadDst::Any(n)).await })
+                    };
+                    match self.on_child(cx, rfd, i, &op).await {
+                        Ok(r) => return Ok(r),
+                        Err(e) => last = e,
+                    }
+                }
+                Err(last)
+            }
+            ReadDst::Into(bufs) => {
+                let shared = Shared::new(bufs);
+                let sh = &shared;
+                for i in order {
+                    let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ReadOut> {
+                        let k = k.clone();
+                        let b = sh.share();
+                        Box::pin(async move { k.read(cx, &fd, offset, ReadDst::Into(b)).await })
+                    };
+                    match self.on_child(cx, rfd, i, &op).await {
+                        Ok(out) => {
+                            let n = out.len();
+                            drop(out);
+                            return Ok(ReadOut::Into {
+                                n,
+                                bufs: shared.into_bufs(),
+                            });
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                Err(last)
+            }
+        }
+    }
+}
+
+/// Each replica's outcome without its value.
+fn outcomes<T>(res: &[Option<FopResult<T>>]) -> Vec<Option<FopResult<()>>> {
+    res.iter()
+        .map(|o| o.as_ref().map(|r| r.as_ref().map(|_| ()).map_err(|e| *e)))
+        .collect()
+}
+
+fn first_ok<T>(res: &mut [Option<FopResult<T>>]) -> FopResult<T> {
+    let mut err = errno::ENOTCONN;
+    let mut have_err = false;
+    for r in res.iter_mut() {
+        match r.take() {
+            Some(Ok(v)) => return Ok(v),
+            Some(Err(e)) => {
+                // Prefer a real answer (ENOENT, EEXIST, …) over "not connected".
+                if !have_err || err == errno::ENOTCONN {
+                    err = e;
+                    have_err = true;
+                }
+            }
+            None => {}
+        }
+    }
+    Err(err)
+}
+
+fn rep(fd: &Fd) -> FopResult<&RepFd> {
+    fd.get::<RepFd>()
 }
 
 impl Layer for Replicate {
     fn name(&self) -> &str {
         &self.name
     }
+
     fn children(&self) -> &[LayerRef] {
         &self.kids
     }
+
+    fn up(&self) -> bool {
+        self.kids.iter().filter(|k| k.up()).count() >= self.quorum
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
+    fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
+        self.query_path(path, move |k| k.lookup(cx, path))
+    }
+
+    fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        Box::pin(async move {
+            let up: Vec<usize> = (0..self.kids.len()).filter(|i| self.kids[*i].up()).collect();
+            let opens = (0..self.kids.len())
+                .map(|i| up.contains(&i).then(|| self.kids[i].open(cx, path, flags)))
+                .collect();
+            let (opened, behind) = join2(join_all(opens), self.behind(cx, path, &up)).await;
+            let mut bad = behind;
+            let mut kids = Vec::with_capacity(self.kids.len());
+            let mut any = false;
+            let mut err = errno::ENOTCONN;
+            for (i, r) in opened.into_iter().enumerate() {
+                kids.push(Mutex::new(match r {
+                    Some(Ok(fd)) => {
+                        any = true;
+                        ChildFd::Open(fd)
+                    }
+                    Some(Err(e)) => {
+                        bad |= bit(i);
+                        if err == errno::ENOTCONN {
+                            err = e;
+                        }
+                        if e == ENOENT {
+                            ChildFd::Missing
+                        } else {
+                            ChildFd::Absent
+                        }
+                    }
+                    None => ChildFd::Absent,
+                }));
+            }
+            if !any {
+                return Err(err);
+            }
+            let state = self.state(path);
+            state.bad.store(bad, Relaxed);
+            Ok(Fd::new(RepFd {
+                path: path.to_owned(),
+                flags,
+                kids,
+                state,
+            }))
+        })
+    }
+
+    fn create<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
+        Box::pin(async move {
+            let futs = self
+                .kids
+                .iter()
+                .map(|k| k.up().then(|| k.create(cx, path, flags, mode)))
+                .collect();
+            let res = join_all(futs).await;
+            let state = self.state(path);
+            let settled = self
+                .settle(cx, path, Some(&state), &outcomes(&res), Some((0, m::WHOLE)))
+                .await;
+            let mut kids = Vec::with_capacity(self.kids.len());
+            let mut attr = None;
+            for r in res {
+                kids.push(Mutex::new(match r {
+                    Some(Ok((fd, a))) => {
+                        attr.get_or_insert(a);
+                        ChildFd::Open(fd)
+                    }
+                    Some(Err(_)) => ChildFd::Missing,
+                    None => ChildFd::Absent,
+                }));
+            }
+            let rfd = RepFd {
+                path: path.to_owned(),
+                flags,
+                kids,
+                state,
+            };
+            if let Err(e) = settled {
+                for i in 0..self.kids.len() {
+                    if let Some(fd) = self.child_fd(&rfd, i) {
+                        let _ = self.kids[i].release(cx, fd).await;
+                    }
+                }
+                return Err(e);
+            }
+            Ok((Fd::new(rfd), attr.expect("a quorum created it")))
+        })
+    }
+
+    fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
+        let rfd = match rep(fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        };
+        Box::pin(self.read_one(cx, rfd, offset, dst))
+    }
+
+    fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        let rfd = match rep(fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            let len = data.len();
+            let shared = Shared::new(data);
+            let sh = &shared;
+            let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Written> {
+                let k = k.clone();
+                let b = sh.share();
+                Box::pin(async move { k.write(cx, &fd, offset, b).await })
+            };
+            let res = self.fan_out(cx, rfd, &op).await;
+            let n = res
+                .iter()
+                .flatten()
+                .filter_map(|r| r.as_ref().ok().map(|w| w.n))
+                .min()
+                .unwrap_or(0);
+            // A short write on a replica is a miss of the rest there.
+            let res: Vec<Option<FopResult<()>>> = res
+                .into_iter()
+                .map(|o| {
+                    o.map(|r| match r {
+                        Ok(w) if w.n == n => Ok(()),
+                        Ok(_) => Err(errno::EIO),
+                        Err(e) => Err(e),
+                    })
+                })
+                .collect();
+            self.settle(cx, &rfd.path, Some(&rfd.state), &res, Some((offset, len as u64)))
+                .await?;
+            Ok(Written {
+                n,
+                bufs: shared.into_bufs(),
+            })
+        })
+    }
+
+    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
+        let rfd = match rep(fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
+                let k = k.clone();
+                Box::pin(async move { k.fsync(cx, &fd, datasync).await })
+            };
+            let res = self.fan_out(cx, rfd, &op).await;
+            self.settle(cx, &rfd.path, None, &outcomes(&res), None).await
+        })
+    }
+
+    fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
+        Box::pin(async move {
+            let rfd = rep(&fd)?;
+            let futs = (0..self.kids.len())
+                .map(|i| self.child_fd(rfd, i).map(|f| self.kids[i].release(cx, f)))
+                .collect();
+            join_all(futs).await;
+            Ok(())
+        })
+    }
+
+    fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
+        let rfd = match rep(fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            let mut last = errno::ENOTCONN;
+            for i in self.read_order(rfd.state.bad.load(Relaxed)) {
+                let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
+                    let k = k.clone();
+                    Box::pin(async move { k.fstat(cx, &fd).await })
+                };
+                match self.on_child(cx, rfd, i, &op).await {
+                    Ok(a) => return Ok(a),
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        })
+    }
+
+    fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        let rfd = match rep(fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
+                let k = k.clone();
+                Box::pin(async move { k.fsetattr(cx, &fd, attrs).await })
+            };
+            let mut res = self.fan_out(cx, rfd, &op).await;
+            let range = (attrs.valid & SETATTR_SIZE != 0).then_some((attrs.size, m::WHOLE));
+            self.settle(cx, &rfd.path, Some(&rfd.state), &outcomes(&res), range)
+                .await?;
+            first_ok(&mut res)
+        })
+    }
+
+    fn fallocate<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, mode: u32, offset: u64, len: u64) -> Fut<'a, ()> {
+        let rfd = match rep(fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
+                let k = k.clone();
+                Box::pin(async move { k.fallocate(cx, &fd, mode, offset, len).await })
+            };
+            let res = self.fan_out(cx, rfd, &op).await;
+            self.settle(cx, &rfd.path, Some(&rfd.state), &outcomes(&res), Some((offset, m::WHOLE)))
+                .await
+        })
+    }
+
+    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
+        let rfd = match rep(fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
+                let k = k.clone();
+                Box::pin(async move { k.discard(cx, &fd, offset, len).await })
+            };
+            let res = self.fan_out(cx, rfd, &op).await;
+            self.settle(cx, &rfd.path, Some(&rfd.state), &outcomes(&res), Some((offset, len)))
+                .await
+        })
+    }
+
+    fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        let range = (attrs.valid & SETATTR_SIZE != 0).then_some((attrs.size, m::WHOLE));
+        self.change_path(cx, path, range, move |k| k.setattr(cx, path, attrs))
+    }
+
+    fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        self.change_path(cx, path, None, move |k| k.unlink(cx, path))
+    }
+
+    fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
+        self.change_path(cx, path, None, move |k| k.mkdir(cx, path, mode))
+    }
+
+    fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        self.change_path(cx, path, None, move |k| k.rmdir(cx, path))
+    }
+
+    fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+        self.change_path(cx, from, None, move |k| k.rename(cx, from, to, flags))
+    }
+
+    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.change_path(cx, path, None, move |k| k.symlink(cx, target, path))
+    }
+
+    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.change_path(cx, path, None, move |k| k.link(cx, existing, path))
+    }
+
+    fn setxattr<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+        flags: u32,
+    ) -> Fut<'a, ()> {
+        if name.starts_with(m::PREFIX) {
+            return fail(errno::EPERM);
+        }
+        self.change_path(cx, path, None, move |k| {
+            k.setxattr(cx, path, name, value, flags)
+        })
+    }
+
+    fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
+        self.change_path(cx, path, None, move |k| k.removexattr(cx, path, name))
+    }
+
+    fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
+        self.query_path(path, move |k| k.readlink(cx, path))
+    }
+
+    fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
+        self.query_path(path, move |k| k.getxattr(cx, path, name))
+    }
+
+    fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {
+        self.query_path(path, move |k| k.listxattr(cx, path))
+    }
+
+    fn readdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, offset: u64, max: u32) -> Fut<'a, ReaddirReply> {
+        // One replica's listing, the same one for every page: the first that is up.
+        Box::pin(async move {
+            let mut last = errno::ENOTCONN;
+            for k in self.kids.iter().filter(|k| k.up()) {
+                match k.readdir(cx, path, offset, max).await {
+                    Ok(r) => return Ok(r),
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        })
+    }
+
+    fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
+        self.query_path(path, move |k| k.statfs(cx, path))
+    }
+}
+
+/// Runs two futures side by side.
+async fn join2<A: std::future::Future, B: std::future::Future>(a: A, b: B) -> (A::Output, B::Output) {
+    let mut a = std::pin::pin!(a);
+    let mut b = std::pin::pin!(b);
+    let (mut ra, mut rb) = (None, None);
+    std::future::poll_fn(|cx| {
+        if ra.is_none() {
+            if let std::task::Poll::Ready(v) = a.as_mut().poll(cx) {
+                ra = Some(v);
+            }
+        }
+        if rb.is_none() {
+            if let std::task::Poll::Ready(v) = b.as_mut().poll(cx) {
+                rb = Some(v);
+            }
+        }
+        if ra.is_some() && rb.is_some() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    (ra.expect("ready"), rb.expect("ready"))
 }

@@ -59,6 +59,10 @@ pub fn check_path(path: &str) -> FopResult<&str> {
             return Err(errno::EACCES);
         }
     }
+    // The brick's own records (pending marks) are not part of the volume.
+    if path.split('/').next() == Some(crate::marks::STATE_DIR) {
+        return Err(errno::EACCES);
+    }
     Ok(path)
 }
 
@@ -227,6 +231,9 @@ impl Brick {
             let ent = ent.map_err(err)?;
             let name = ent.file_name().to_bytes();
             if name == b"." || name == b".." {
+                continue;
+            }
+            if path.is_empty() && name == crate::marks::STATE_DIR.as_bytes() {
                 continue;
             }
             if index < offset {

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod brick;
 pub mod cli;
 pub mod conn;
+pub mod marks;
 pub mod posix;
 pub mod stats;
 
@@ -232,6 +233,27 @@ pub fn default_volfile(dir: &Path) -> Volfile {
     ])
 }
 
+/// The stack of a brick that belongs to a replicated volume: io-stats (named `name`) → marks →
+/// dispatch → posix.
+pub fn replica_volfile(dir: &Path, name: &str) -> Volfile {
+    Volfile::linear(vec![
+        (name.into(), LayerKind::IoStats {}),
+        (
+            "marks".into(),
+            LayerKind::Marks {
+                directory: dir.to_owned(),
+            },
+        ),
+        ("dispatch".into(), LayerKind::Dispatch {}),
+        (
+            "posix".into(),
+            LayerKind::Posix {
+                directory: dir.to_owned(),
+            },
+        ),
+    ])
+}
+
 /// Builds a brick stack: the generic layers, plus posix and dispatch.
 pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
     volfile.build(&mut |def, mut kids| match &def.kind {
@@ -241,6 +263,11 @@ pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
             Ok(Arc::new(posix::Posix::new(&def.name, Arc::new(brick))) as LayerRef)
         }
         LayerKind::Dispatch {} => Ok(Arc::new(posix::Dispatch::new(&def.name, kids.remove(0)))),
+        LayerKind::Marks { directory } => Ok(Arc::new(
+            marks::Marks::new(&def.name, kids.remove(0), directory).map_err(|e| {
+                format!("cannot load pending marks of {}: {e}", directory.display())
+            })?,
+        )),
         other => Err(format!(
             "layer {:?}: a {} layer cannot run in a brick",
             def.name,
@@ -360,8 +387,9 @@ fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
     let guard = OpenGuard(shared.clone());
     let (stack, stats, limits) = (shared.stack.clone(), shared.stats.clone(), shared.limits);
     let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
+    let mgmt = shared.mgmt.clone();
     tokio::spawn(async move {
-        conn::serve(fd, stack, stats, clients, limits, secret, peer).await;
+        conn::serve(fd, stack, stats, clients, limits, secret, mgmt, peer).await;
         drop(guard);
     });
 }

@@ -1,17 +1,894 @@
-//! The distribute layer (work in progress in this session: see the helper's brief).
+//! The distribute layer: one namespace over several subvolumes, each file on one of them.
+//!
+//! # Placement
+//!
+//! A file lives on the subvolume that owns the hash of its final name component in its parent
+//! directory's *layout*. The hash is [`name_hash`]: 32-bit FNV-1a over the name's bytes followed
+//! by the murmur3 finaliser, so that names differing only in their last characters still spread
+//! over the whole range. It is part of the on-disk format and must never change.
+//!
+//! A layout ([`Layout`]) splits the 32-bit hash space into contiguous ranges, each owned by one
+//! subvolume (by its index in the graph). Every directory made through this layer gets one at
+//! mkdir, stored as the xattr [`LAYOUT_XATTR`] on its copy on every subvolume; a directory
+//! without one (the root, a directory from before, or one whose xattr is damaged) uses the
+//! default: the hash space split into equal ranges over the current subvolumes. Layouts are read
+//! from the first subvolume that answers and cached per directory; rmdir and rename of a
+//! directory drop it (and everything cached beneath it) from the cache.
+//!
+//! # Directories
+//!
+//! Directories exist on every subvolume. mkdir makes the directory on its hashed subvolume first
+//! — so two racing mkdirs meet there and one gets `EEXIST` — then on the others; if one of those
+//! fails (other than an existing directory left by an earlier partial mkdir) the copies just made
+//! are removed and the error returned. rmdir removes the other copies first and the hashed one
+//! last; when one fails (`ENOTEMPTY` because files of the directory sit on that subvolume) the
+//! copies already removed are made again with the layout they had. rename of a directory
+//! renames every copy, undoing the ones done if one fails. setattr and xattr changes on a
+//! directory go to every copy; reads of it (lookup, getxattr) come from its hashed subvolume.
+//!
+//! # Files
+//!
+//! Fops by path go to the hashed subvolume; if it says `ENOENT`, every other subvolume is asked
+//! at once and whichever holds the name answers. That is what finds files placed under another
+//! layout and files renamed across subvolumes. Before create, symlink and link, the other
+//! subvolumes are asked whether the name exists there, so a name never lives on two
+//! subvolumes (create of a name held elsewhere opens it there, or fails with `EEXIST` for
+//! `O_EXCL`). This costs one parallel round of lookups per create; a directory flag meaning
+//! "every file sits where its hash says" (set at mkdir, cleared by a cross-subvolume rename,
+//! restored by rebalance) would let both lookup misses and creates skip it — not built yet.
+//!
+//! rename of a file renames it on the subvolume that holds it, whatever the new name hashes to:
+//! no data moves, and the lookup fallback finds it under the new name. If the destination name
+//! existed on another subvolume, that file is unlinked after the rename (rename replaces it);
+//! there is a short window in which both are visible. `RENAME_EXCHANGE` of names on different
+//! subvolumes fails with `EXDEV`. link makes the new name on the subvolume of the existing file.
+//!
+//! An open file's handle wraps (subvolume index, the subvolume's handle); fops on handles go
+//! straight to that subvolume with nothing allocated on the way.
+//!
+//! # Listing
+//!
+//! readdir merges the subvolumes: first everything subvolume 0 lists, then each later
+//! subvolume's entries that are not directories (directories, present everywhere, are listed
+//! once, from subvolume 0). The `offset` is, as for a single brick, the index into that merged
+//! listing (callers page with "entries seen so far"; the reply carries no cookie). To keep
+//! paging linear, each page leaves a cursor (directory, merged index) → (subvolume, the
+//! subvolume's own offset) in a small cache; a request whose offset has a cursor resumes there.
+//! One without (evicted, or a seek) walks the listing from the start to find its position:
+//! correct, only slower. As on one brick, entries added or removed while paging may be missed or
+//! seen twice.
+//!
+//! statfs sums blocks, free blocks and inodes over the subvolumes (in the first one's fragment
+//! size); it fails if any subvolume fails, rather than report a smaller volume.
+//!
+//! # Adding bricks and rebalancing
+//!
+//! Subvolume indexes in layouts are positions in the graph, so bricks are added by appending
+//! subvolumes. Existing directories keep their stored layouts and new files keep landing on the
+//! old subvolumes until a fix-layout pass makes each directory on the new subvolumes and writes
+//! a new layout that gives them ranges (the root, which has no stored layout, should get one
+//! before the graph grows, else its default split changes at once). Files whose hash now falls
+//! elsewhere stay findable through the lookup fallback; a migration pass then moves them to
+//! their hashed subvolumes. Clients that cached an old layout still find everything (the
+//! fallback) and place new files by the old layout until they re-read it.
+//!
+//! Errors are errno values; no input makes this layer panic.
 
-use crate::{Layer, LayerRef};
+use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
 
-/// Spreads files over its subvolumes by a hash of the name.
+use crate::{
+    Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, ReaddirReply,
+    SetAttrs, StatfsReply, Written,
+};
+
+/// The xattr holding a directory's layout, on each subvolume's copy of the directory.
+pub const LAYOUT_XATTR: &str = "trusted.kiln.layout";
+
+const ENOENT: Errno = libc::ENOENT as Errno;
+const EEXIST: Errno = libc::EEXIST as Errno;
+const EPERM: Errno = libc::EPERM as Errno;
+const EISDIR: Errno = libc::EISDIR as Errno;
+const EXDEV: Errno = libc::EXDEV as Errno;
+const EBADF: Errno = libc::EBADF as Errno;
+const EBUSY: Errno = libc::EBUSY as Errno;
+const ENOTCONN: Errno = libc::ENOTCONN as Errno;
+const ENODATA: Errno = libc::ENODATA as Errno;
+const ENOTSUP: Errno = libc::ENOTSUP as Errno;
+const EOPNOTSUPP: Errno = libc::EOPNOTSUPP as Errno;
+
+const O_CREAT: u32 = libc::O_CREAT as u32;
+const O_EXCL: u32 = libc::O_EXCL as u32;
+const RENAME_NOREPLACE: u32 = libc::RENAME_NOREPLACE;
+const RENAME_EXCHANGE: u32 = libc::RENAME_EXCHANGE;
+
+/// Cached layouts kept at most; beyond, the cache starts over.
+const LAYOUTS_MAX: usize = 4096;
+/// readdir cursors kept at most (oldest dropped first).
+const CURSORS_MAX: usize = 1024;
+/// Entries per child readdir when seeking to an offset without a cursor.
+const SEEK_PAGE: u32 = 256;
+
+/// The stable 32-bit hash of a name: FNV-1a, then the murmur3 finaliser to spread the high
+/// bits (layouts split the space by range, so the high bits decide).
+pub fn name_hash(name: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for &b in name.as_bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    h
+}
+
+/// One subvolume's share of the hash space: `start..=end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// First hash owned.
+    pub start: u32,
+    /// Last hash owned (inclusive).
+    pub end: u32,
+    /// The owner's index among the layer's subvolumes.
+    pub subvol: u16,
+}
+
+/// A directory's layout: ranges sorted by start, covering the whole hash space without gaps or
+/// overlaps. A subvolume may own no range (a new brick before fix-layout) or several.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    ranges: Vec<Range>,
+}
+
+/// Encoded layout: magic, version, flags (reserved, 0), range count (u16 LE), then per range
+/// start (u32 LE), end (u32 LE), subvolume (u16 LE).
+const LAYOUT_MAGIC: &[u8; 4] = b"KLAY";
+const LAYOUT_VERSION: u8 = 1;
+const LAYOUT_HEADER: usize = 8;
+const LAYOUT_RANGE: usize = 10;
+
+impl Layout {
+    /// The default: the hash space in `n` equal ranges, subvolume `i` owning the `i`-th.
+    /// `n` is taken as at least 1 and at most 65535 (the count is stored in 16 bits).
+    pub fn equal(n: usize) -> Layout {
+        let n = n.clamp(1, u16::MAX as usize) as u64;
+        let ranges = (0..n)
+            .map(|i| Range {
+                start: ((i << 32) / n) as u32,
+                end: ((((i + 1) << 32) / n) - 1) as u32,
+                subvol: i as u16,
+            })
+            .collect();
+        Layout { ranges }
+    }
+
+    /// The ranges, sorted by start.
+    pub fn ranges(&self) -> &[Range] {
+        &self.ranges
+    }
+
+    /// The subvolume that owns `hash`.
+    pub fn subvol(&self, hash: u32) -> usize {
+        let i = self.ranges.partition_point(|r| r.end < hash);
+        self.ranges.get(i).map_or(0, |r| r.subvol as usize)
+    }
+
+    /// The layout as stored in [`LAYOUT_XATTR`].
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(LAYOUT_HEADER + LAYOUT_RANGE * self.ranges.len());
+        out.extend_from_slice(LAYOUT_MAGIC);
+        out.push(LAYOUT_VERSION);
+        out.push(0);
+        out.extend_from_slice(&(self.ranges.len() as u16).to_le_bytes());
+        for r in &self.ranges {
+            out.extend_from_slice(&r.start.to_le_bytes());
+            out.extend_from_slice(&r.end.to_le_bytes());
+            out.extend_from_slice(&r.subvol.to_le_bytes());
+        }
+        out
+    }
+
+    /// Decodes a stored layout for a layer with `subvols` subvolumes: `None` unless it is well
+    /// formed, covers the whole hash space exactly and names only existing subvolumes.
+    pub fn decode(bytes: &[u8], subvols: usize) -> Option<Layout> {
+        let header = bytes.get(..LAYOUT_HEADER)?;
+        if &header[..4] != LAYOUT_MAGIC || header[4] != LAYOUT_VERSION || header[5] != 0 {
+            return None;
+        }
+        let count = u16::from_le_bytes([header[6], header[7]]) as usize;
+        let body = &bytes[LAYOUT_HEADER..];
+        if count == 0 || body.len() != count * LAYOUT_RANGE {
+            return None;
+        }
+        let mut ranges = Vec::with_capacity(count);
+        let mut next: u64 = 0;
+        for c in body.chunks_exact(LAYOUT_RANGE) {
+            let start = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let end = u32::from_le_bytes([c[4], c[5], c[6], c[7]]);
+            let subvol = u16::from_le_bytes([c[8], c[9]]);
+            if u64::from(start) != next || end < start || subvol as usize >= subvols {
+                return None;
+            }
+            next = u64::from(end) + 1;
+            ranges.push(Range { start, end, subvol });
+        }
+        (next == 1 << 32).then_some(Layout { ranges })
+    }
+}
+
+/// An open file: which subvolume, and its handle there.
+struct DistFd {
+    kid: usize,
+    fd: Fd,
+}
+
+/// Where a merged listing continues: a subvolume and its own readdir offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cursor {
+    sub: usize,
+    off: u64,
+}
+
+#[derive(Default)]
+struct Cursors {
+    map: HashMap<(String, u64), Cursor>,
+    order: VecDeque<(String, u64)>,
+}
+
+/// Spreads files over its subvolumes by a hash of the name (see the module documentation).
 pub struct Distribute {
     name: String,
     kids: Vec<LayerRef>,
+    default_layout: Arc<Layout>,
+    layouts: Mutex<HashMap<String, Arc<Layout>>>,
+    cursors: Mutex<Cursors>,
+}
+
+fn is_dir(a: &Attr) -> bool {
+    a.mode & libc::S_IFMT == libc::S_IFDIR
+}
+
+/// Parent directory and final component of a path (`""` is the root).
+fn split(path: &str) -> (&str, &str) {
+    match path.rfind('/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => ("", path),
+    }
+}
+
+/// Runs all `futs` at once; results in the same order.
+async fn join_all<'a, T: Send + 'a>(futs: Vec<Fut<'a, T>>) -> Vec<FopResult<T>> {
+    let mut futs: Vec<Option<Fut<'a, T>>> = futs.into_iter().map(Some).collect();
+    let mut out: Vec<Option<FopResult<T>>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(move |cx| {
+        let mut pending = false;
+        for (slot, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if let Some(f) = slot {
+                match Pin::as_mut(f).poll(cx) {
+                    Poll::Ready(r) => {
+                        *o = Some(r);
+                        *slot = None;
+                    }
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(
+                out.iter_mut()
+                    .map(|o| o.take().unwrap_or(Err(libc::EIO as Errno)))
+                    .collect(),
+            )
+        }
+    })
+    .await
+}
+
+/// The first error that is not `ENOENT` among `results`, if any.
+fn first_real_error<T>(results: &[FopResult<T>]) -> Option<Errno> {
+    results.iter().find_map(|r| match r {
+        Err(e) if *e != ENOENT => Some(*e),
+        _ => None,
+    })
 }
 
 impl Distribute {
     /// A distribute layer over `kids`.
     pub fn new(name: &str, kids: Vec<LayerRef>) -> Distribute {
-        Distribute { name: name.into(), kids }
+        let default_layout = Arc::new(Layout::equal(kids.len()));
+        Distribute {
+            name: name.into(),
+            kids,
+            default_layout,
+            layouts: Mutex::new(HashMap::new()),
+            cursors: Mutex::new(Cursors::default()),
+        }
+    }
+
+    /// Runs `f` on subvolume `i`, or fails with `ENOTCONN` if there is none.
+    fn with<'b, T: Send + 'b>(
+        &'b self,
+        i: usize,
+        f: impl FnOnce(&'b LayerRef) -> Fut<'b, T>,
+    ) -> Fut<'b, T> {
+        match self.kids.get(i) {
+            Some(k) => f(k),
+            None => crate::fail(ENOTCONN),
+        }
+    }
+
+    /// Runs `f` on every subvolume but `skip` at once; results with their indexes.
+    async fn on_others<'b, T: Send + 'b>(
+        &'b self,
+        skip: Option<usize>,
+        f: impl Fn(&'b LayerRef) -> Fut<'b, T>,
+    ) -> Vec<(usize, FopResult<T>)> {
+        let idx: Vec<usize> = (0..self.kids.len()).filter(|&i| Some(i) != skip).collect();
+        let futs = idx.iter().map(|&i| f(&self.kids[i])).collect();
+        idx.into_iter().zip(join_all(futs).await).collect()
+    }
+
+    fn cached_layout(&self, dir: &str) -> Option<Arc<Layout>> {
+        self.layouts.lock().ok()?.get(dir).cloned()
+    }
+
+    fn cache_layout(&self, dir: &str, l: Arc<Layout>) {
+        if let Ok(mut m) = self.layouts.lock() {
+            if m.len() >= LAYOUTS_MAX {
+                m.clear();
+            }
+            m.insert(dir.to_owned(), l);
+        }
+    }
+
+    /// Drops cached layouts and readdir cursors of `dir` and everything beneath it.
+    fn forget(&self, dir: &str) {
+        let under = |p: &str| {
+            p == dir || (p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/')
+        };
+        if let Ok(mut m) = self.layouts.lock() {
+            m.retain(|p, _| !under(p));
+        }
+        if let Ok(mut c) = self.cursors.lock() {
+            c.map.retain(|(p, _), _| !under(p));
+            let Cursors { map, order } = &mut *c;
+            order.retain(|k| map.contains_key(k));
+        }
+    }
+
+    /// The layout of directory `dir`: cached, else read from the first subvolume that answers,
+    /// else the default.
+    async fn layout(&self, cx: &Ctx, dir: &str) -> Arc<Layout> {
+        if let Some(l) = self.cached_layout(dir) {
+            return l;
+        }
+        let mut found = None;
+        let mut definitive = false;
+        for kid in &self.kids {
+            match kid.getxattr(cx, dir, LAYOUT_XATTR).await {
+                Ok(v) => {
+                    found = Layout::decode(&v, self.kids.len());
+                    if found.is_none() {
+                        tracing::warn!(dir, "damaged directory layout; using the default");
+                    }
+                    definitive = true;
+                    break;
+                }
+                Err(e) if e == ENODATA || e == ENOTSUP || e == EOPNOTSUPP || e == EPERM => {
+                    definitive = true;
+                    break;
+                }
+                Err(_) => continue,
+            }
+        }
+        let l = found.map_or_else(|| self.default_layout.clone(), Arc::new);
+        if definitive {
+            self.cache_layout(dir, l.clone());
+        }
+        l
+    }
+
+    /// The subvolume `path` hashes to (0 for the root).
+    async fn hashed(&self, cx: &Ctx, path: &str) -> FopResult<usize> {
+        match self.kids.len() {
+            0 => Err(ENOTCONN),
+            1 => Ok(0),
+            _ if path.is_empty() => Ok(0),
+            n => {
+                let (dir, name) = split(path);
+                let i = self.layout(cx, dir).await.subvol(name_hash(name));
+                Ok(i.min(n - 1))
+            }
+        }
+    }
+
+    /// Looks `path` up on every subvolume but `skip`: the first that has it, else the first
+    /// error other than `ENOENT`, else `ENOENT`.
+    async fn find_elsewhere(&self, cx: &Ctx, path: &str, skip: usize) -> FopResult<(usize, Attr)> {
+        let rs = self.on_others(Some(skip), |k| k.lookup(cx, path)).await;
+        let mut err = ENOENT;
+        for (i, r) in rs {
+            match r {
+                Ok(a) => return Ok((i, a)),
+                Err(e) if e != ENOENT && err == ENOENT => err = e,
+                Err(_) => {}
+            }
+        }
+        Err(err)
+    }
+
+    /// The subvolume that holds `path` and its attributes there.
+    async fn locate(&self, cx: &Ctx, path: &str) -> FopResult<(usize, Attr)> {
+        let h = self.hashed(cx, path).await?;
+        match self.with(h, |k| k.lookup(cx, path)).await {
+            Ok(a) => Ok((h, a)),
+            Err(e) if e == ENOENT || path.is_empty() => {
+                self.find_elsewhere(cx, path, h).await.map_err(|e2| {
+                    if path.is_empty() {
+                        e
+                    } else {
+                        e2
+                    }
+                })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Runs `f` on the hashed subvolume of `path`, and if that says `ENOENT`, on the one that
+    /// holds it. Returns which subvolume answered.
+    async fn on_file<'b, T: Send + 'b>(
+        &'b self,
+        cx: &'b Ctx,
+        path: &'b str,
+        f: impl Fn(&'b LayerRef) -> Fut<'b, T>,
+    ) -> FopResult<(usize, T)> {
+        let h = self.hashed(cx, path).await?;
+        match self.with(h, &f).await {
+            Err(ENOENT) if self.kids.len() > 1 => {
+                let (j, _) = self.find_elsewhere(cx, path, h).await?;
+                self.with(j, &f).await.map(|v| (j, v))
+            }
+            r => r.map(|v| (h, v)),
+        }
+    }
+
+    /// Fails with `EEXIST` if `path` exists on a subvolume other than `skip`.
+    async fn absent_elsewhere(&self, cx: &Ctx, path: &str, skip: usize) -> FopResult<()> {
+        if self.kids.len() < 2 {
+            return Ok(());
+        }
+        match self.find_elsewhere(cx, path, skip).await {
+            Ok(_) => Err(EEXIST),
+            Err(ENOENT) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Applies a change to every copy of a directory (the one on `first` first); `ENOENT` from
+    /// the others (a copy missing after a partial mkdir) is ignored.
+    async fn dir_everywhere<'b, T: Send + 'b>(
+        &'b self,
+        first: usize,
+        f: impl Fn(&'b LayerRef) -> Fut<'b, T>,
+    ) -> FopResult<T> {
+        let v = self.with(first, &f).await?;
+        let rs: Vec<FopResult<T>> = self
+            .on_others(Some(first), f)
+            .await
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect();
+        match first_real_error(&rs) {
+            Some(e) => Err(e),
+            None => Ok(v),
+        }
+    }
+
+    /// Makes `path` again on subvolumes `on` after a failed rmdir, with the mode and layout of
+    /// the copy on `from`. Best effort.
+    async fn restore_dir(&self, cx: &Ctx, path: &str, from: usize, on: &[usize]) {
+        let mode = match self.with(from, |k| k.lookup(cx, path)).await {
+            Ok(a) => a.mode & 0o7777,
+            Err(_) => 0o755,
+        };
+        let layout = self.with(from, |k| k.getxattr(cx, path, LAYOUT_XATTR)).await.ok();
+        for &i in on {
+            let made = self.with(i, |k| k.mkdir(cx, path, mode)).await;
+            if let (Ok(_), Some(l)) = (&made, &layout) {
+                let _ = self.with(i, |k| k.setxattr(cx, path, LAYOUT_XATTR, l, 0)).await;
+            }
+            if let Err(e) = made {
+                tracing::warn!(path, subvol = i, errno = e, "could not restore a directory copy");
+            }
+        }
+    }
+
+    fn cursor(&self, path: &str, offset: u64) -> Option<Cursor> {
+        let c = self.cursors.lock().ok()?;
+        c.map.get(&(path.to_owned(), offset)).copied()
+    }
+
+    fn save_cursor(&self, path: &str, offset: u64, cur: Cursor) {
+        if let Ok(mut c) = self.cursors.lock() {
+            let key = (path.to_owned(), offset);
+            if c.map.insert(key.clone(), cur).is_none() {
+                c.order.push_back(key);
+                while c.order.len() > CURSORS_MAX {
+                    if let Some(old) = c.order.pop_front() {
+                        c.map.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether an entry of subvolume `sub` belongs in the merged listing.
+    fn listed(sub: usize, a: &Attr) -> bool {
+        sub == 0 || !is_dir(a)
+    }
+
+    /// Finds the position of merged index `target` by walking the listing from the start.
+    async fn seek(&self, cx: &Ctx, path: &str, target: u64) -> FopResult<Cursor> {
+        let mut count = 0u64;
+        for (sub, kid) in self.kids.iter().enumerate() {
+            let mut off = 0u64;
+            loop {
+                let r = match kid.readdir(cx, path, off, SEEK_PAGE).await {
+                    Ok(r) => r,
+                    Err(ENOENT) if sub > 0 => break,
+                    Err(e) => return Err(e),
+                };
+                let got = r.entries.0.len() as u64;
+                for (i, e) in r.entries.0.iter().enumerate() {
+                    if Self::listed(sub, &e.attr) {
+                        count += 1;
+                        if count == target {
+                            return Ok(Cursor {
+                                sub,
+                                off: off + i as u64 + 1,
+                            });
+                        }
+                    }
+                }
+                off += got;
+                if r.eof || got == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(Cursor {
+            sub: self.kids.len(),
+            off: 0,
+        })
+    }
+
+    async fn readdir_merged(
+        &self,
+        cx: &Ctx,
+        path: &str,
+        offset: u64,
+        max: u32,
+    ) -> FopResult<ReaddirReply> {
+        if self.kids.is_empty() {
+            return Err(ENOTCONN);
+        }
+        let mut cur = if offset == 0 {
+            Cursor { sub: 0, off: 0 }
+        } else {
+            match self.cursor(path, offset) {
+                Some(c) => c,
+                None => self.seek(cx, path, offset).await?,
+            }
+        };
+        let mut out = Vec::new();
+        while out.len() < max as usize && cur.sub < self.kids.len() {
+            let want = max - out.len() as u32;
+            let r = match self.kids[cur.sub].readdir(cx, path, cur.off, want).await {
+                Ok(r) => r,
+                Err(ENOENT) if cur.sub > 0 => {
+                    cur = Cursor { sub: cur.sub + 1, off: 0 };
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let got = r.entries.0.len();
+            cur.off += got as u64;
+            let sub = cur.sub;
+            out.extend(r.entries.0.into_iter().filter(|e| Self::listed(sub, &e.attr)));
+            if r.eof || got == 0 {
+                cur = Cursor { sub: cur.sub + 1, off: 0 };
+            }
+        }
+        let eof = cur.sub >= self.kids.len();
+        if !eof {
+            self.save_cursor(path, offset + out.len() as u64, cur);
+        }
+        Ok(ReaddirReply {
+            entries: kiln_proto::codec::Seq(out),
+            eof,
+        })
+    }
+
+    async fn do_mkdir(&self, cx: &Ctx, path: &str, mode: u32) -> FopResult<Attr> {
+        if path.is_empty() {
+            return Err(EEXIST);
+        }
+        let h = self.hashed(cx, path).await?;
+        let attr = self.with(h, |k| k.mkdir(cx, path, mode)).await?;
+        let mut made = vec![h];
+        let mut failure = None;
+        for (i, r) in self.on_others(Some(h), |k| k.mkdir(cx, path, mode)).await {
+            match r {
+                Ok(_) => made.push(i),
+                // A directory left by an earlier partial mkdir is fine; anything else is not.
+                Err(EEXIST) => match self.with(i, |k| k.lookup(cx, path)).await {
+                    Ok(a) if is_dir(&a) => {}
+                    Ok(_) => failure = failure.or(Some(EEXIST)),
+                    Err(e) => failure = failure.or(Some(e)),
+                },
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        if let Some(e) = failure {
+            for &i in &made {
+                if let Err(e2) = self.with(i, |k| k.rmdir(cx, path)).await {
+                    tracing::warn!(path, subvol = i, errno = e2, "could not undo a partial mkdir");
+                }
+            }
+            return Err(e);
+        }
+        let layout = Layout::equal(self.kids.len());
+        let bytes = layout.encode();
+        let rs = self
+            .on_others(None, |k| k.setxattr(cx, path, LAYOUT_XATTR, &bytes, 0))
+            .await;
+        for (i, r) in rs {
+            if let Err(e) = r {
+                // Readers of a copy without the xattr use the default, which this layout is.
+                tracing::warn!(path, subvol = i, errno = e, "could not store a directory layout");
+            }
+        }
+        self.forget(path);
+        self.cache_layout(path, Arc::new(layout));
+        Ok(attr)
+    }
+
+    async fn do_rmdir(&self, cx: &Ctx, path: &str) -> FopResult<()> {
+        if path.is_empty() {
+            return Err(EBUSY);
+        }
+        let h = self.hashed(cx, path).await?;
+        let mut removed = Vec::new();
+        let mut failure = None;
+        for (i, r) in self.on_others(Some(h), |k| k.rmdir(cx, path)).await {
+            match r {
+                Ok(()) => removed.push(i),
+                Err(ENOENT) => {}
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        let result = match failure {
+            Some(e) => Err(e),
+            None => match self.with(h, |k| k.rmdir(cx, path)).await {
+                Err(ENOENT) if !removed.is_empty() => Ok(()),
+                r => r,
+            },
+        };
+        if let Err(e) = result {
+            if !removed.is_empty() {
+                self.restore_dir(cx, path, h, &removed).await;
+            }
+            return Err(e);
+        }
+        self.forget(path);
+        Ok(())
+    }
+
+    async fn do_rename(&self, cx: &Ctx, from: &str, to: &str, flags: u32) -> FopResult<()> {
+        if from.is_empty() || to.is_empty() {
+            return Err(EBUSY);
+        }
+        let (h, attr) = self.locate(cx, from).await?;
+        if is_dir(&attr) {
+            return self.rename_dir(cx, from, to, flags, h).await;
+        }
+        let exchange = flags & RENAME_EXCHANGE != 0;
+        let dest = match self.locate(cx, to).await {
+            Ok(d) => Some(d),
+            Err(ENOENT) => None,
+            Err(e) => return Err(e),
+        };
+        let stale = match dest {
+            Some(_) if flags & RENAME_NOREPLACE != 0 => return Err(EEXIST),
+            Some((_, a)) if is_dir(&a) && !exchange => return Err(EISDIR),
+            Some((j, _)) if j != h && exchange => return Err(EXDEV),
+            Some((j, _)) if j != h => Some(j),
+            None if exchange => return Err(ENOENT),
+            _ => None,
+        };
+        self.with(h, |k| k.rename(cx, from, to, flags)).await?;
+        if let Some(j) = stale {
+            // The replaced file sat on another subvolume: remove it, as rename would have.
+            match self.with(j, |k| k.unlink(cx, to)).await {
+                Ok(()) | Err(ENOENT) => {}
+                Err(e) => tracing::warn!(to, subvol = j, errno = e, "could not remove a replaced file"),
+            }
+        }
+        Ok(())
+    }
+
+    async fn rename_dir(
+        &self,
+        cx: &Ctx,
+        from: &str,
+        to: &str,
+        flags: u32,
+        first: usize,
+    ) -> FopResult<()> {
+        self.with(first, |k| k.rename(cx, from, to, flags)).await?;
+        let mut done = vec![first];
+        let mut failure = None;
+        for (i, r) in self.on_others(Some(first), |k| k.rename(cx, from, to, flags)).await {
+            match r {
+                Ok(()) => done.push(i),
+                Err(ENOENT) => {}
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        self.forget(from);
+        self.forget(to);
+        if let Some(e) = failure {
+            let back = flags & RENAME_EXCHANGE;
+            for &i in &done {
+                if let Err(e2) = self.with(i, |k| k.rename(cx, to, from, back)).await {
+                    tracing::warn!(from, to, subvol = i, errno = e2, "could not undo a directory rename");
+                }
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    async fn do_open(&self, cx: &Ctx, path: &str, flags: u32) -> FopResult<Fd> {
+        let (i, fd) = if flags & O_CREAT != 0 {
+            // Open where the name already is; create only on its hashed subvolume.
+            let i = match self.locate(cx, path).await {
+                Ok((i, _)) => i,
+                Err(ENOENT) => self.hashed(cx, path).await?,
+                Err(e) => return Err(e),
+            };
+            (i, self.with(i, |k| k.open(cx, path, flags)).await?)
+        } else {
+            self.on_file(cx, path, |k| k.open(cx, path, flags)).await?
+        };
+        Ok(Fd::new(DistFd { kid: i, fd }))
+    }
+
+    async fn do_create(&self, cx: &Ctx, path: &str, flags: u32, mode: u32) -> FopResult<(Fd, Attr)> {
+        let h = self.hashed(cx, path).await?;
+        if self.kids.len() > 1 && !path.is_empty() {
+            match self.find_elsewhere(cx, path, h).await {
+                Ok((j, _)) => {
+                    if flags & O_EXCL != 0 {
+                        return Err(EEXIST);
+                    }
+                    let fd = self
+                        .with(j, |k| k.open(cx, path, flags & !(O_CREAT | O_EXCL)))
+                        .await?;
+                    let attr = match self.with(j, |k| k.fstat(cx, &fd)).await {
+                        Ok(a) => a,
+                        Err(e) => {
+                            let _ = self.with(j, |k| k.release(cx, fd)).await;
+                            return Err(e);
+                        }
+                    };
+                    return Ok((Fd::new(DistFd { kid: j, fd }), attr));
+                }
+                Err(ENOENT) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let (fd, attr) = self.with(h, |k| k.create(cx, path, flags, mode)).await?;
+        Ok((Fd::new(DistFd { kid: h, fd }), attr))
+    }
+
+    async fn do_setattr(&self, cx: &Ctx, path: &str, attrs: &SetAttrs) -> FopResult<Attr> {
+        let (i, a) = self.on_file(cx, path, |k| k.setattr(cx, path, attrs)).await?;
+        if is_dir(&a) {
+            let rs: Vec<_> = self
+                .on_others(Some(i), |k| k.setattr(cx, path, attrs))
+                .await
+                .into_iter()
+                .map(|(_, r)| r)
+                .collect();
+            if let Some(e) = first_real_error(&rs) {
+                return Err(e);
+            }
+        }
+        Ok(a)
+    }
+
+    async fn do_xattr_change<'b>(
+        &'b self,
+        cx: &'b Ctx,
+        path: &'b str,
+        name: &str,
+        f: impl Fn(&'b LayerRef) -> Fut<'b, ()>,
+    ) -> FopResult<()> {
+        if name == LAYOUT_XATTR {
+            return Err(EPERM);
+        }
+        let (i, a) = self.locate(cx, path).await?;
+        if is_dir(&a) {
+            self.dir_everywhere(i, f).await
+        } else {
+            self.with(i, f).await
+        }
+    }
+
+    async fn do_link(&self, cx: &Ctx, existing: &str, path: &str) -> FopResult<Attr> {
+        let (h, a) = self.locate(cx, existing).await?;
+        if is_dir(&a) {
+            return Err(EPERM);
+        }
+        if self.kids.len() > 1 {
+            match self.locate(cx, path).await {
+                Ok(_) => return Err(EEXIST),
+                Err(ENOENT) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.with(h, |k| k.link(cx, existing, path)).await
+    }
+
+    async fn do_symlink(&self, cx: &Ctx, target: &str, path: &str) -> FopResult<Attr> {
+        let h = self.hashed(cx, path).await?;
+        self.absent_elsewhere(cx, path, h).await?;
+        self.with(h, |k| k.symlink(cx, target, path)).await
+    }
+
+    async fn do_statfs(&self, cx: &Ctx, path: &str) -> FopResult<StatfsReply> {
+        let rs = self.on_others(None, |k| k.statfs(cx, path)).await;
+        let mut sum: Option<StatfsReply> = None;
+        for (_, r) in rs {
+            let s = r?;
+            match &mut sum {
+                None => sum = Some(s),
+                Some(t) => {
+                    // Blocks are counted in fragments; bring each brick's to the first's size.
+                    let scale = |v: u64| -> u64 {
+                        if t.frsize == 0 || s.frsize == t.frsize {
+                            v
+                        } else {
+                            let x = u128::from(v) * u128::from(s.frsize) / u128::from(t.frsize);
+                            u64::try_from(x).unwrap_or(u64::MAX)
+                        }
+                    };
+                    t.blocks = t.blocks.saturating_add(scale(s.blocks));
+                    t.bfree = t.bfree.saturating_add(scale(s.bfree));
+                    t.bavail = t.bavail.saturating_add(scale(s.bavail));
+                    t.files = t.files.saturating_add(s.files);
+                    t.ffree = t.ffree.saturating_add(s.ffree);
+                    t.namemax = t.namemax.min(s.namemax);
+                }
+            }
+        }
+        sum.ok_or(ENOTCONN)
+    }
+
+    /// The subvolume and its handle behind one of this layer's handles.
+    fn fd_kid<'b>(&'b self, fd: &'b Fd) -> FopResult<(&'b LayerRef, &'b Fd)> {
+        let d = fd.get::<DistFd>()?;
+        let k = self.kids.get(d.kid).ok_or(EBADF)?;
+        Ok((k, &d.fd))
     }
 }
 
@@ -19,7 +896,352 @@ impl Layer for Distribute {
     fn name(&self) -> &str {
         &self.name
     }
+
     fn children(&self) -> &[LayerRef] {
         &self.kids
+    }
+
+    fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
+        Box::pin(async move { self.locate(cx, path).await.map(|(_, a)| a) })
+    }
+
+    fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.fstat(cx, fd),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        Box::pin(self.do_setattr(cx, path, attrs))
+    }
+
+    fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.fsetattr(cx, fd, attrs),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        Box::pin(self.do_open(cx, path, flags))
+    }
+
+    fn create<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        mode: u32,
+    ) -> Fut<'a, (Fd, Attr)> {
+        Box::pin(self.do_create(cx, path, flags, mode))
+    }
+
+    fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.read(cx, fd, offset, dst),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.write(cx, fd, offset, data),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.fsync(cx, fd, datasync),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
+        let (i, child) = match fd.get::<DistFd>() {
+            Ok(d) => (d.kid, d.fd.clone()),
+            Err(e) => return crate::fail(e),
+        };
+        drop(fd);
+        self.with(i, |k| k.release(cx, child))
+    }
+
+    fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        Box::pin(async move {
+            self.on_file(cx, path, |k| k.unlink(cx, path)).await.map(|_| ())
+        })
+    }
+
+    fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
+        Box::pin(self.do_mkdir(cx, path, mode))
+    }
+
+    fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        Box::pin(self.do_rmdir(cx, path))
+    }
+
+    fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+        Box::pin(self.do_rename(cx, from, to, flags))
+    }
+
+    fn readdir<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        offset: u64,
+        max: u32,
+    ) -> Fut<'a, ReaddirReply> {
+        Box::pin(self.readdir_merged(cx, path, offset, max))
+    }
+
+    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        Box::pin(self.do_symlink(cx, target, path))
+    }
+
+    fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
+        Box::pin(async move {
+            self.on_file(cx, path, |k| k.readlink(cx, path)).await.map(|(_, v)| v)
+        })
+    }
+
+    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        Box::pin(self.do_link(cx, existing, path))
+    }
+
+    fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
+        Box::pin(self.do_statfs(cx, path))
+    }
+
+    fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
+        Box::pin(async move {
+            self.on_file(cx, path, |k| k.getxattr(cx, path, name)).await.map(|(_, v)| v)
+        })
+    }
+
+    fn setxattr<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+        flags: u32,
+    ) -> Fut<'a, ()> {
+        Box::pin(self.do_xattr_change(cx, path, name, move |k| {
+            k.setxattr(cx, path, name, value, flags)
+        }))
+    }
+
+    fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {
+        Box::pin(async move {
+            self.on_file(cx, path, |k| k.listxattr(cx, path)).await.map(|(_, v)| v)
+        })
+    }
+
+    fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
+        Box::pin(self.do_xattr_change(cx, path, name, move |k| k.removexattr(cx, path, name)))
+    }
+
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.fallocate(cx, fd, mode, offset, len),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.discard(cx, fd, offset, len),
+            Err(e) => crate::fail(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::block_on;
+
+    #[test]
+    fn hash_is_stable() {
+        // Part of the on-disk format: these values must never change.
+        assert_eq!(name_hash(""), 0xab3e_7c0b);
+        assert_eq!(name_hash("a"), 0x1a80_b1b3);
+        assert_eq!(name_hash("file-1"), 0x74de_da27);
+    }
+
+    #[test]
+    fn hash_spreads_names_evenly() {
+        for n in [2usize, 3, 4, 7, 16] {
+            let l = Layout::equal(n);
+            let mut counts = vec![0u32; n];
+            let total = 60_000u32;
+            for i in 0..total {
+                counts[l.subvol(name_hash(&format!("file-{i}")))] += 1;
+            }
+            let want = total as f64 / n as f64;
+            for (s, &c) in counts.iter().enumerate() {
+                let dev = (c as f64 - want).abs() / want;
+                assert!(dev < 0.05, "{n} subvolumes: subvolume {s} got {c}, want ~{want}");
+            }
+        }
+    }
+
+    #[test]
+    fn equal_layout_covers_the_space() {
+        for n in [0usize, 1, 2, 3, 4, 5, 100, 1 << 16, 1 << 20] {
+            let l = Layout::equal(n);
+            let n = n.clamp(1, u16::MAX as usize);
+            assert_eq!(l.ranges().len(), n);
+            assert_eq!(l.ranges()[0].start, 0);
+            assert_eq!(l.ranges().last().unwrap().end, u32::MAX);
+            assert_eq!(Layout::decode(&l.encode(), n), Some(l.clone()));
+            assert_eq!(l.subvol(0), 0);
+            assert_eq!(l.subvol(u32::MAX), n - 1);
+        }
+    }
+
+    #[test]
+    fn layout_round_trips() {
+        let l = Layout {
+            ranges: vec![
+                Range { start: 0, end: 9, subvol: 2 },
+                Range { start: 10, end: 0x8000_0000, subvol: 0 },
+                Range { start: 0x8000_0001, end: u32::MAX, subvol: 2 },
+            ],
+        };
+        let b = l.encode();
+        assert_eq!(Layout::decode(&b, 3), Some(l.clone()));
+        assert_eq!(l.subvol(5), 2);
+        assert_eq!(l.subvol(10), 0);
+        assert_eq!(l.subvol(0x8000_0000), 0);
+        assert_eq!(l.subvol(0x8000_0001), 2);
+        // Subvolume 2 does not exist in a two-subvolume layer.
+        assert_eq!(Layout::decode(&b, 2), None);
+    }
+
+    #[test]
+    fn bad_layouts_are_refused() {
+        let good = Layout::equal(4).encode();
+        let mut cases: Vec<Vec<u8>> = vec![
+            vec![],
+            b"KLAY".to_vec(),
+            good[..good.len() - 1].to_vec(),
+            [good.clone(), vec![0]].concat(),
+        ];
+        let mut bad_magic = good.clone();
+        bad_magic[0] = b'X';
+        cases.push(bad_magic);
+        let mut bad_version = good.clone();
+        bad_version[4] = 2;
+        cases.push(bad_version);
+        let mut zero = good[..LAYOUT_HEADER].to_vec();
+        zero[6] = 0;
+        zero[7] = 0;
+        cases.push(zero);
+        let gap = Layout {
+            ranges: vec![
+                Range { start: 0, end: 9, subvol: 0 },
+                Range { start: 11, end: u32::MAX, subvol: 1 },
+            ],
+        };
+        cases.push(gap.encode());
+        let overlap = Layout {
+            ranges: vec![
+                Range { start: 0, end: 9, subvol: 0 },
+                Range { start: 9, end: u32::MAX, subvol: 1 },
+            ],
+        };
+        cases.push(overlap.encode());
+        let short = Layout {
+            ranges: vec![Range { start: 0, end: 0xffff, subvol: 0 }],
+        };
+        cases.push(short.encode());
+        let backwards = Layout {
+            ranges: vec![
+                Range { start: 0, end: 9, subvol: 0 },
+                Range { start: 10, end: 5, subvol: 1 },
+            ],
+        };
+        cases.push(backwards.encode());
+        for c in &cases {
+            assert_eq!(Layout::decode(c, 4), None, "{c:?}");
+        }
+        // Random bytes, with and without a valid header: never a panic.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for round in 0..20_000 {
+            let len = (round % 64) as usize;
+            let mut b: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            if round % 2 == 0 && b.len() >= LAYOUT_HEADER {
+                b[..6].copy_from_slice(&good[..6]);
+            }
+            if let Some(l) = Layout::decode(&b, 4) {
+                assert_eq!(l.ranges().last().unwrap().end, u32::MAX);
+            }
+        }
+    }
+
+    /// A subvolume whose layout xattr holds `value` and which has nothing else.
+    struct Stub {
+        value: FopResult<Vec<u8>>,
+    }
+
+    impl Layer for Stub {
+        fn name(&self) -> &str {
+            "stub"
+        }
+        fn getxattr<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a str) -> Fut<'a, Vec<u8>> {
+            Box::pin(std::future::ready(self.value.clone()))
+        }
+    }
+
+    fn over(value: FopResult<Vec<u8>>, n: usize) -> Distribute {
+        let kids = (0..n)
+            .map(|_| Arc::new(Stub { value: value.clone() }) as LayerRef)
+            .collect();
+        Distribute::new("dist", kids)
+    }
+
+    #[test]
+    fn damaged_layout_xattr_means_the_default() {
+        for v in [Ok(b"garbage".to_vec()), Ok(vec![]), Err(ENODATA), Err(libc::EIO as Errno)] {
+            let d = over(v, 3);
+            let l = block_on(d.layout(&Ctx::NONE, "dir"));
+            assert_eq!(*l, Layout::equal(3));
+        }
+        let custom = Layout {
+            ranges: vec![Range { start: 0, end: u32::MAX, subvol: 1 }],
+        };
+        let d = over(Ok(custom.encode()), 3);
+        assert_eq!(*block_on(d.layout(&Ctx::NONE, "dir")), custom);
+        assert_eq!(block_on(d.hashed(&Ctx::NONE, "dir/anything")), Ok(1));
+    }
+
+    #[test]
+    fn no_subvolumes_is_an_error_not_a_panic() {
+        let d = Distribute::new("dist", Vec::new());
+        let cx = Ctx::NONE;
+        assert_eq!(block_on(d.lookup(&cx, "a")).err(), Some(ENOTCONN));
+        assert!(block_on(d.create(&cx, "a", 0, 0o644)).is_err());
+        assert!(block_on(d.mkdir(&cx, "a", 0o755)).is_err());
+        assert!(block_on(d.readdir(&cx, "", 0, 10)).is_err());
+        assert!(block_on(d.statfs(&cx, "")).is_err());
+        assert!(block_on(d.rename(&cx, "a", "b", 0)).is_err());
+        let foreign = Fd::new(5u32);
+        assert_eq!(block_on(d.fstat(&cx, &foreign)).err(), Some(EBADF));
     }
 }

@@ -1,8 +1,10 @@
 //! `kiln volume …`: operator commands on a volume.
 //!
-//! Today a brick server serves one volume, so a volume is reached through its brick's address
-//! (`--server`, default the `kilnd` default). `profile` gathers the io-stats of the brick and of
-//! every client that announced a metrics endpoint to it (mounts, NBD exports).
+//! `create`, `start`, `stop`, `delete`, `info`, `status`, `list` and `volfile` talk to a kilnd
+//! management daemon (`--server`, default `tcp:127.0.0.1:24007`) with JSON requests over the
+//! MGMT fop (see `kiln_server::mgmt`). `profile` talks to one brick server directly (`--server`,
+//! default the brick default) and gathers the io-stats of the brick and of every client that
+//! announced a metrics endpoint to it (mounts, NBD exports).
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
@@ -30,6 +32,82 @@ enum VolumeCmd {
     Profile(ProfileArgs),
     /// The layer types a volume graph (volfile) may use, with their options.
     Layers,
+    /// Define a volume: `kiln volume create NAME [replica N] HOST:/DIR...`.
+    ///
+    /// Bricks are `HOST:/DIR` or `HOST:MGMTPORT:/DIR` (MGMTPORT: the management port of that
+    /// host's kilnd when not 24007). With `replica N` every N consecutive bricks hold the same
+    /// files (a replica set); more than one set spreads files over the sets. Brick directories
+    /// are created when missing; a directory inside another brick is refused. The kilnd asked
+    /// keeps the definition (it is the volume's authority) and a new random secret for the
+    /// bricks, in STATE_DIR/vols/NAME/secret.
+    #[command(after_help = "Examples:\n  kiln volume create vol1 replica 3 10.0.0.1:/srv/b1 \
+                            10.0.0.2:/srv/b1 10.0.0.3:/srv/b1\n  kiln volume create scratch \
+                            127.0.0.1:/srv/scratch")]
+    Create(CreateArgs),
+    /// Start a volume's bricks (each brick a process on its host); `force` also restarts bricks
+    /// that are down in a started volume.
+    Start(StartArgs),
+    /// Stop a volume's bricks (SIGTERM; clients lose access until the next start).
+    Stop(NameArgs),
+    /// Forget a stopped volume's definition and secret (the data in the bricks stays).
+    Delete(NameArgs),
+    /// Definitions: name, type, state, bricks (all volumes without NAME).
+    Info(MaybeNameArgs),
+    /// Every brick's port, pid and whether it answers (all volumes without NAME).
+    Status(MaybeNameArgs),
+    /// Names of the volumes the server knows.
+    List(MgmtOpts),
+    /// Print the client volume graph (TOML) of a started volume, as clients fetch it.
+    Volfile(NameArgs),
+}
+
+/// Options every management command takes.
+#[derive(clap::Args, Debug)]
+struct MgmtOpts {
+    /// The kilnd management address (tcp:HOST:PORT or HOST:PORT).
+    #[arg(long, default_value = kiln_client::mgmt::DEFAULT_SERVER)]
+    server: String,
+    /// Print the server's JSON reply instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct CreateArgs {
+    /// The volume's name: letters, digits, '_' and '-'.
+    name: String,
+    /// `replica N` (optional), then the bricks: HOST:/DIR or HOST:MGMTPORT:/DIR.
+    #[arg(required = true, value_name = "[replica N] HOST:/DIR")]
+    args: Vec<String>,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
+#[derive(clap::Args, Debug)]
+struct StartArgs {
+    /// The volume's name.
+    name: String,
+    /// `force`: start the bricks that are down even if the volume is started.
+    #[arg(value_parser = ["force"])]
+    force: Option<String>,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
+#[derive(clap::Args, Debug)]
+struct NameArgs {
+    /// The volume's name.
+    name: String,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
+#[derive(clap::Args, Debug)]
+struct MaybeNameArgs {
+    /// The volume's name (default: every volume).
+    name: Option<String>,
+    #[command(flatten)]
+    opts: MgmtOpts,
 }
 
 #[derive(clap::Args, Debug)]
@@ -63,7 +141,216 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             Ok(())
         }
         VolumeCmd::Profile(p) => profile(&p),
+        VolumeCmd::Create(a) => create(&a),
+        VolumeCmd::Start(a) => {
+            let req = serde_json::json!({
+                "cmd": "start", "name": a.name, "force": a.force.is_some()
+            });
+            let r = mgmt_call(&a.opts, "start", &req)?;
+            done(&a.opts, "start", &a.name, &r)
+        }
+        VolumeCmd::Stop(a) => {
+            let r = mgmt_call(&a.opts, "stop", &serde_json::json!({"cmd": "stop", "name": a.name}))?;
+            done(&a.opts, "stop", &a.name, &r)
+        }
+        VolumeCmd::Delete(a) => {
+            let req = serde_json::json!({"cmd": "delete", "name": a.name});
+            let r = mgmt_call(&a.opts, "delete", &req)?;
+            done(&a.opts, "delete", &a.name, &r)
+        }
+        VolumeCmd::Info(a) => {
+            let r = mgmt_call(&a.opts, "info", &name_req("info", &a.name))?;
+            if a.opts.json {
+                println!("{r}");
+            } else {
+                print!("{}", info_text(&r));
+            }
+            Ok(())
+        }
+        VolumeCmd::Status(a) => {
+            let r = mgmt_call(&a.opts, "status", &name_req("status", &a.name))?;
+            if a.opts.json {
+                println!("{r}");
+            } else {
+                print!("{}", status_text(&r));
+            }
+            Ok(())
+        }
+        VolumeCmd::List(o) => {
+            let r = mgmt_call(&o, "list", &serde_json::json!({"cmd": "list"}))?;
+            if o.json {
+                println!("{r}");
+                return Ok(());
+            }
+            let names = r["volumes"].as_array().cloned().unwrap_or_default();
+            if names.is_empty() {
+                println!("No volumes present");
+            }
+            for n in names {
+                println!("{}", n.as_str().unwrap_or_default());
+            }
+            Ok(())
+        }
+        VolumeCmd::Volfile(a) => {
+            let req = serde_json::json!({"cmd": "volfile", "name": a.name});
+            let r = mgmt_call(&a.opts, "volfile", &req)?;
+            if a.opts.json {
+                println!("{r}");
+            } else {
+                print!("{}", r["volfile"].as_str().unwrap_or_default());
+            }
+            Ok(())
+        }
     }
+}
+
+fn name_req(cmd: &str, name: &Option<String>) -> serde_json::Value {
+    match name {
+        Some(n) => serde_json::json!({ "cmd": cmd, "name": n }),
+        None => serde_json::json!({ "cmd": cmd }),
+    }
+}
+
+/// One request to the management daemon; errors read like `volume start: NAME: failed: …`.
+fn mgmt_call(
+    opts: &MgmtOpts,
+    what: &str,
+    req: &serde_json::Value,
+) -> Result<serde_json::Value, String> {
+    kiln_client::mgmt::call(&opts.server, req).map_err(|e| {
+        match req["name"].as_str() {
+            Some(n) => format!("volume {what}: {n}: failed: {e}"),
+            None => format!("volume {what}: failed: {e}"),
+        }
+    })
+}
+
+/// Prints the success line of a change (or the JSON reply) and any warnings.
+fn done(opts: &MgmtOpts, what: &str, name: &str, r: &serde_json::Value) -> Result<(), String> {
+    if opts.json {
+        println!("{r}");
+    } else {
+        println!("volume {what}: {name}: success");
+    }
+    for w in r["warnings"].as_array().into_iter().flatten() {
+        eprintln!("kiln: warning: {}", w.as_str().unwrap_or_default());
+    }
+    Ok(())
+}
+
+fn create(a: &CreateArgs) -> Result<(), String> {
+    let mut args = a.args.as_slice();
+    let mut replica = 1u64;
+    if args.first().map(String::as_str) == Some("replica") {
+        let n = args.get(1).ok_or("volume create: `replica` needs a count")?;
+        replica = n
+            .parse()
+            .ok()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| format!("volume create: bad replica count {n:?}"))?;
+        args = &args[2..];
+    }
+    if args.is_empty() {
+        return Err(format!("volume create: {}: no bricks given (HOST:/DIR ...)", a.name));
+    }
+    let req = serde_json::json!({
+        "cmd": "create", "name": a.name, "replica": replica, "bricks": args,
+    });
+    let r = mgmt_call(&a.opts, "create", &req)?;
+    if a.opts.json {
+        println!("{r}");
+    } else {
+        println!(
+            "volume create: {}: success: please start the volume to access data",
+            a.name
+        );
+    }
+    Ok(())
+}
+
+fn info_text(r: &serde_json::Value) -> String {
+    let mut out = String::new();
+    let vols = r["volumes"].as_array().cloned().unwrap_or_default();
+    if vols.is_empty() {
+        out.push_str("No volumes present\n");
+    }
+    for v in vols {
+        let bricks = v["bricks"].as_array().cloned().unwrap_or_default();
+        let replica = v["replica"].as_u64().unwrap_or(1).max(1);
+        let n = bricks.len() as u64;
+        let _ = writeln!(out, "\nVolume Name: {}", v["name"].as_str().unwrap_or("?"));
+        let _ = writeln!(out, "Type: {}", v["type"].as_str().unwrap_or("?"));
+        let _ = writeln!(out, "Volume ID: {}", v["id"].as_str().unwrap_or("?"));
+        let _ = writeln!(out, "Status: {}", v["state_word"].as_str().unwrap_or("?"));
+        let _ = writeln!(
+            out,
+            "Number of Bricks: {} x {} = {}",
+            n / replica,
+            replica,
+            n
+        );
+        let _ = writeln!(
+            out,
+            "Authority: {}",
+            v["authority"].as_str().unwrap_or("this kilnd")
+        );
+        let _ = writeln!(out, "Bricks:");
+        for (i, b) in bricks.iter().enumerate() {
+            let spec = match b["mgmt_port"].as_u64() {
+                Some(p) => format!("{}:{p}:{}", b["host"].as_str().unwrap_or("?"), dir(b)),
+                None => format!("{}:{}", b["host"].as_str().unwrap_or("?"), dir(b)),
+            };
+            let _ = writeln!(out, "Brick{}: {spec}", i + 1);
+        }
+    }
+    out
+}
+
+fn dir(b: &serde_json::Value) -> &str {
+    b["dir"].as_str().unwrap_or("?")
+}
+
+fn status_text(r: &serde_json::Value) -> String {
+    let mut out = String::new();
+    let vols = r["volumes"].as_array().cloned().unwrap_or_default();
+    if vols.is_empty() {
+        out.push_str("No volumes present\n");
+    }
+    for v in vols {
+        let name = v["name"].as_str().unwrap_or("?");
+        let _ = writeln!(out, "Status of volume: {name}");
+        if v["state"] != "started" {
+            let _ = writeln!(out, "Volume {name} is not started\n");
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "{:<50} {:>8} {:>7} {:>8}",
+            "Brick", "TCP Port", "Online", "Pid"
+        );
+        let _ = writeln!(out, "{}", "-".repeat(76));
+        for b in v["bricks"].as_array().into_iter().flatten() {
+            let online = b["online"] == true;
+            let port = b["port"]
+                .as_u64()
+                .filter(|_| online)
+                .map_or("N/A".into(), |p| p.to_string());
+            let pid = b["pid"]
+                .as_u64()
+                .filter(|_| online)
+                .map_or("N/A".into(), |p| p.to_string());
+            let _ = writeln!(
+                out,
+                "{:<50} {:>8} {:>7} {:>8}",
+                format!("Brick {}", b["brick"].as_str().unwrap_or("?")),
+                port,
+                if online { "Y" } else { "N" },
+                pid
+            );
+        }
+        out.push('\n');
+    }
+    out
 }
 
 fn layers_text() -> String {

@@ -14,6 +14,7 @@
 
 pub mod client;
 pub mod conn;
+pub mod mgmt;
 pub mod protocol;
 pub mod volume;
 

@@ -5,21 +5,20 @@ use std::sync::Arc;
 
 use crate::{Listen, Server};
 
-/// Kiln brick server: exports DIR to Kiln clients over TCP and/or a Unix socket.
+/// Kiln server. With `--brick DIR` (or `--volfile`): a brick server that exports DIR to Kiln
+/// clients over TCP and/or a Unix socket. Without: the management daemon, which keeps volume
+/// definitions in `--state-dir`, runs the bricks of this host for started volumes and answers
+/// `kiln volume create|start|stop|delete|info|status|list` and clients asking for a volfile.
 ///
-/// Prints one line `kilnd: listening on ADDR` per bound address (with the real port when 0 was
-/// given) and then serves until killed. Logs go to stderr; set KILN_LOG=debug for more.
+/// A brick server prints one line `kilnd: listening on ADDR` per bound address (with the real
+/// port when 0 was given); the management daemon prints `kilnd: management on ADDR`. Both then
+/// serve until killed. Logs go to stderr; set KILN_LOG=debug for more.
 #[derive(clap::Parser, Debug, Clone)]
 #[command(name = "kilnd", version)]
 pub struct ServeArgs {
     /// The directory to export, with the default stack (io-stats → dispatch → posix). Every
     /// path a client names stays beneath it.
-    #[arg(
-        long,
-        value_name = "DIR",
-        required_unless_present = "volfile",
-        conflicts_with = "volfile"
-    )]
+    #[arg(long, value_name = "DIR", conflicts_with = "volfile")]
     pub brick: Option<PathBuf>,
     /// Build the brick's stack from this volume graph instead (TOML; `kiln volume layers`
     /// lists the layer types and options). Its posix layer names the directory.
@@ -32,6 +31,24 @@ pub struct ServeArgs {
     /// Address to listen on: tcp:IP:PORT or unix:PATH. Repeat for several.
     #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:24100")]
     pub listen: Vec<Listen>,
+    /// Management mode: where volume definitions, secrets, brick volfiles and brick logs live.
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/var/lib/kiln",
+        conflicts_with_all = ["brick", "volfile"]
+    )]
+    pub state_dir: PathBuf,
+    /// Management mode: the management address (tcp:IP:PORT; port 0 picks one, printed at
+    /// start). Requests there need no secret: keep it on loopback, or restrict it with --allow,
+    /// when other hosts' kilnds must reach it (tcp:0.0.0.0:24007 --allow 10.0.0.0/24).
+    #[arg(
+        long,
+        value_name = "ADDR",
+        default_value = "tcp:127.0.0.1:24007",
+        conflicts_with_all = ["brick", "volfile"]
+    )]
+    pub mgmt: Listen,
     /// Require clients to prove this shared secret (HMAC challenge-response; the secret never
     /// crosses the wire). A missing file is created with a new random secret (mode 0600).
     /// Clients read it from the file named by KILN_SECRET_FILE.
@@ -82,6 +99,9 @@ fn say(line: &str) {
 /// Runs a server until killed.
 pub fn main(args: ServeArgs) -> std::process::ExitCode {
     init_logging();
+    if args.brick.is_none() && args.volfile.is_none() {
+        return main_mgmt(args);
+    }
     let mut builder = if args.threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {
@@ -121,7 +141,7 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
                 }
             },
             (None, Some(dir)) => crate::default_volfile(dir),
-            (None, None) => unreachable!("clap requires --brick or --volfile"),
+            (None, None) => unreachable!("without --brick or --volfile kilnd manages volumes"),
         };
         let server = match Server::bind_volfile(&volfile, &args.listen) {
             Ok(s) => {
@@ -153,6 +173,76 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         }
         use std::io::Write;
         let _ = std::io::stdout().flush();
+        server.run().await;
+        std::process::ExitCode::SUCCESS
+    })
+}
+
+/// The management daemon: restores the bricks of started volumes, then answers MGMT requests
+/// on `--mgmt` until killed.
+fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
+    use crate::mgmt;
+    let fail = |e: String| {
+        eprintln!("kilnd: {e}");
+        std::process::ExitCode::FAILURE
+    };
+    if args.secret_file.is_some() {
+        return fail(
+            "--secret-file belongs to a brick; in management mode every volume has its own \
+             secret (STATE_DIR/vols/NAME/secret)"
+                .into(),
+        );
+    }
+    if !matches!(args.mgmt, Listen::Tcp(_)) {
+        return fail(format!("--mgmt {}: want tcp:IP:PORT", args.mgmt));
+    }
+    let exe = match mgmt::brick_command() {
+        Ok(e) => e,
+        Err(e) => return fail(format!("cannot find this executable to run bricks: {e}")),
+    };
+    let manager = match mgmt::Manager::open(&args.state_dir, exe) {
+        Ok(m) => m,
+        Err(e) => return fail(e),
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.clamp(1, 2))
+        .thread_name("kilnd-mgmt")
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start runtime: {e}")),
+    };
+    rt.block_on(async {
+        let volfile = mgmt::placeholder_volfile(&args.state_dir);
+        let server = match Server::bind_volfile(&volfile, std::slice::from_ref(&args.mgmt)) {
+            Ok(s) => s
+                .with_allow_list(args.allow.clone())
+                .with_mgmt(manager.handler()),
+            Err(e) => return fail(e.to_string()),
+        };
+        let addr = server.local_addrs().into_iter().next();
+        if let Some(Listen::Tcp(a)) = &addr {
+            manager.set_mgmt_port(a.port());
+        }
+        // Bricks of started volumes come back before the first request is answered (requests
+        // wait in the listen backlog meanwhile).
+        let m = manager.clone();
+        if tokio::task::spawn_blocking(move || m.restore()).await.is_err() {
+            return fail("restoring volumes failed".into());
+        }
+        if let Some(a) = addr {
+            say(&format!("kilnd: management on {a}"));
+        }
+        if args.metrics != "off" {
+            let stats = server.stats();
+            let extra: kiln_layer::metrics::Extra =
+                Arc::new(move |out: &mut String| stats.render(out));
+            match kiln_layer::metrics::serve(&args.metrics, "kilnd", Some(extra)) {
+                Ok(ep) => say(&format!("kilnd: metrics on http://{}/metrics", ep.addr)),
+                Err(e) => return fail(format!("cannot serve metrics on {}: {e}", args.metrics)),
+            }
+        }
         server.run().await;
         std::process::ExitCode::SUCCESS
     })

@@ -220,6 +220,8 @@ struct Conn {
     peer: String,
     /// The shared secret clients must prove, if the server has one.
     secret: Option<Arc<[u8]>>,
+    /// Answers MGMT requests, on a kilnd that manages volumes.
+    mgmt: Option<crate::mgmt::Handler>,
     /// The nonce sent in HELLO (all zero before HELLO).
     nonce: [u8; kiln_proto::auth::NONCE_LEN],
     hello_done: bool,
@@ -259,6 +261,7 @@ pub async fn serve(
     clients: ClientBook,
     limits: Limits,
     secret: Option<Arc<[u8]>>,
+    mgmt: Option<crate::mgmt::Handler>,
     peer: String,
 ) {
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -284,6 +287,7 @@ pub async fn serve(
         limits,
         peer: peer.clone(),
         secret,
+        mgmt,
         nonce: [0; kiln_proto::auth::NONCE_LEN],
         hello_done: false,
         authed: false,
@@ -699,9 +703,19 @@ impl Conn {
                 ))
             }
             Op::Mgmt => {
-                // Served only by a kilnd that keeps volume definitions (see `mgmt`).
-                MgmtReq::from_wire(args)?;
-                Err(Fail::Errno(errno::ENOSYS))
+                // Served only by a kilnd that keeps volume definitions (see `mgmt`). Commands
+                // may spawn processes and talk to other hosts: they run on the blocking pool,
+                // and the reply is a JSON payload like PROFILE's.
+                let req = MgmtReq::from_wire(args)?;
+                let Some(handler) = self.mgmt.clone() else {
+                    return Err(Fail::Errno(errno::ENOSYS));
+                };
+                stack!({
+                    let json = tokio::task::spawn_blocking(move || handler(&req.json))
+                        .await
+                        .map_err(|_| errno::EIO)?;
+                    Ok(Done::Reply(Vec::new(), Body::Buf(json)))
+                })
             }
             Op::Lookup => {
                 let req = PathReq::from_wire(args)?;

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod brick;
 pub mod cli;
 pub mod conn;
+pub mod mgmt;
 pub mod marks;
 pub mod posix;
 pub mod stats;
@@ -63,6 +64,7 @@ pub struct Server {
     limits: Limits,
     allow: Vec<access::Cidr>,
     secret: Option<Arc<[u8]>>,
+    mgmt: Option<mgmt::Handler>,
     tcp: Vec<TcpListener>,
     unix: Vec<UnixListener>,
 }
@@ -113,6 +115,7 @@ impl Server {
             limits: Limits::default(),
             allow: Vec::new(),
             secret: None,
+            mgmt: None,
             tcp,
             unix,
         })
@@ -147,6 +150,13 @@ impl Server {
         self
     }
 
+    /// Answers MGMT requests with this handler (volume management, see [`mgmt`]); without
+    /// one they fail with `ENOSYS`.
+    pub fn with_mgmt(mut self, handler: mgmt::Handler) -> Server {
+        self.mgmt = Some(handler);
+        self
+    }
+
     /// Only TCP clients from these ranges may connect (empty: everyone).
     pub fn with_allow_list(mut self, allow: Vec<access::Cidr>) -> Server {
         self.allow = allow;
@@ -167,6 +177,7 @@ impl Server {
             clients: self.clients.clone(),
             limits: self.limits,
             secret: self.secret.clone(),
+            mgmt: self.mgmt.clone(),
             open: AtomicUsize::new(0),
         });
         let allow = Arc::new(self.allow);
@@ -360,6 +371,7 @@ struct Shared {
     clients: conn::ClientBook,
     limits: Limits,
     secret: Option<Arc<[u8]>>,
+    mgmt: Option<mgmt::Handler>,
     /// Connections being served now.
     open: AtomicUsize,
 }

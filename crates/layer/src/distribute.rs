@@ -351,7 +351,8 @@ impl Distribute {
     /// Drops cached layouts and readdir cursors of `dir` and everything beneath it.
     fn forget(&self, dir: &str) {
         let under = |p: &str| {
-            p == dir || (p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/')
+            p == dir
+                || (p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/')
         };
         if let Ok(mut m) = self.layouts.lock() {
             m.retain(|p, _| !under(p));
@@ -429,15 +430,10 @@ impl Distribute {
         let h = self.hashed(cx, path).await?;
         match self.with(h, |k| k.lookup(cx, path)).await {
             Ok(a) => Ok((h, a)),
-            Err(e) if e == ENOENT || path.is_empty() => {
-                self.find_elsewhere(cx, path, h).await.map_err(|e2| {
-                    if path.is_empty() {
-                        e
-                    } else {
-                        e2
-                    }
-                })
-            }
+            Err(e) if e == ENOENT || path.is_empty() => self
+                .find_elsewhere(cx, path, h)
+                .await
+                .map_err(|e2| if path.is_empty() { e } else { e2 }),
             Err(e) => Err(e),
         }
     }
@@ -499,14 +495,24 @@ impl Distribute {
             Ok(a) => a.mode & 0o7777,
             Err(_) => 0o755,
         };
-        let layout = self.with(from, |k| k.getxattr(cx, path, LAYOUT_XATTR)).await.ok();
+        let layout = self
+            .with(from, |k| k.getxattr(cx, path, LAYOUT_XATTR))
+            .await
+            .ok();
         for &i in on {
             let made = self.with(i, |k| k.mkdir(cx, path, mode)).await;
             if let (Ok(_), Some(l)) = (&made, &layout) {
-                let _ = self.with(i, |k| k.setxattr(cx, path, LAYOUT_XATTR, l, 0)).await;
+                let _ = self
+                    .with(i, |k| k.setxattr(cx, path, LAYOUT_XATTR, l, 0))
+                    .await;
             }
             if let Err(e) = made {
-                tracing::warn!(path, subvol = i, errno = e, "could not restore a directory copy");
+                tracing::warn!(
+                    path,
+                    subvol = i,
+                    errno = e,
+                    "could not restore a directory copy"
+                );
             }
         }
     }
@@ -594,7 +600,10 @@ impl Distribute {
             let r = match self.kids[cur.sub].readdir(cx, path, cur.off, want).await {
                 Ok(r) => r,
                 Err(ENOENT) if cur.sub > 0 => {
-                    cur = Cursor { sub: cur.sub + 1, off: 0 };
+                    cur = Cursor {
+                        sub: cur.sub + 1,
+                        off: 0,
+                    };
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -602,9 +611,17 @@ impl Distribute {
             let got = r.entries.0.len();
             cur.off += got as u64;
             let sub = cur.sub;
-            out.extend(r.entries.0.into_iter().filter(|e| Self::listed(sub, &e.attr)));
+            out.extend(
+                r.entries
+                    .0
+                    .into_iter()
+                    .filter(|e| Self::listed(sub, &e.attr)),
+            );
             if r.eof || got == 0 {
-                cur = Cursor { sub: cur.sub + 1, off: 0 };
+                cur = Cursor {
+                    sub: cur.sub + 1,
+                    off: 0,
+                };
             }
         }
         let eof = cur.sub >= self.kids.len();
@@ -640,7 +657,12 @@ impl Distribute {
         if let Some(e) = failure {
             for &i in &made {
                 if let Err(e2) = self.with(i, |k| k.rmdir(cx, path)).await {
-                    tracing::warn!(path, subvol = i, errno = e2, "could not undo a partial mkdir");
+                    tracing::warn!(
+                        path,
+                        subvol = i,
+                        errno = e2,
+                        "could not undo a partial mkdir"
+                    );
                 }
             }
             return Err(e);
@@ -653,7 +675,12 @@ impl Distribute {
         for (i, r) in rs {
             if let Err(e) = r {
                 // Readers of a copy without the xattr use the default, which this layout is.
-                tracing::warn!(path, subvol = i, errno = e, "could not store a directory layout");
+                tracing::warn!(
+                    path,
+                    subvol = i,
+                    errno = e,
+                    "could not store a directory layout"
+                );
             }
         }
         self.forget(path);
@@ -719,7 +746,12 @@ impl Distribute {
             // The replaced file sat on another subvolume: remove it, as rename would have.
             match self.with(j, |k| k.unlink(cx, to)).await {
                 Ok(()) | Err(ENOENT) => {}
-                Err(e) => tracing::warn!(to, subvol = j, errno = e, "could not remove a replaced file"),
+                Err(e) => tracing::warn!(
+                    to,
+                    subvol = j,
+                    errno = e,
+                    "could not remove a replaced file"
+                ),
             }
         }
         Ok(())
@@ -736,7 +768,10 @@ impl Distribute {
         self.with(first, |k| k.rename(cx, from, to, flags)).await?;
         let mut done = vec![first];
         let mut failure = None;
-        for (i, r) in self.on_others(Some(first), |k| k.rename(cx, from, to, flags)).await {
+        for (i, r) in self
+            .on_others(Some(first), |k| k.rename(cx, from, to, flags))
+            .await
+        {
             match r {
                 Ok(()) => done.push(i),
                 Err(ENOENT) => {}
@@ -749,7 +784,13 @@ impl Distribute {
             let back = flags & RENAME_EXCHANGE;
             for &i in &done {
                 if let Err(e2) = self.with(i, |k| k.rename(cx, to, from, back)).await {
-                    tracing::warn!(from, to, subvol = i, errno = e2, "could not undo a directory rename");
+                    tracing::warn!(
+                        from,
+                        to,
+                        subvol = i,
+                        errno = e2,
+                        "could not undo a directory rename"
+                    );
                 }
             }
             return Err(e);
@@ -772,7 +813,13 @@ impl Distribute {
         Ok(Fd::new(DistFd { kid: i, fd }))
     }
 
-    async fn do_create(&self, cx: &Ctx, path: &str, flags: u32, mode: u32) -> FopResult<(Fd, Attr)> {
+    async fn do_create(
+        &self,
+        cx: &Ctx,
+        path: &str,
+        flags: u32,
+        mode: u32,
+    ) -> FopResult<(Fd, Attr)> {
         let h = self.hashed(cx, path).await?;
         if self.kids.len() > 1 && !path.is_empty() {
             match self.find_elsewhere(cx, path, h).await {
@@ -801,7 +848,9 @@ impl Distribute {
     }
 
     async fn do_setattr(&self, cx: &Ctx, path: &str, attrs: &SetAttrs) -> FopResult<Attr> {
-        let (i, a) = self.on_file(cx, path, |k| k.setattr(cx, path, attrs)).await?;
+        let (i, a) = self
+            .on_file(cx, path, |k| k.setattr(cx, path, attrs))
+            .await?;
         if is_dir(&a) {
             let rs: Vec<_> = self
                 .on_others(Some(i), |k| k.setattr(cx, path, attrs))
@@ -969,7 +1018,9 @@ impl Layer for Distribute {
 
     fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
         Box::pin(async move {
-            self.on_file(cx, path, |k| k.unlink(cx, path)).await.map(|_| ())
+            self.on_file(cx, path, |k| k.unlink(cx, path))
+                .await
+                .map(|_| ())
         })
     }
 
@@ -1001,7 +1052,9 @@ impl Layer for Distribute {
 
     fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
         Box::pin(async move {
-            self.on_file(cx, path, |k| k.readlink(cx, path)).await.map(|(_, v)| v)
+            self.on_file(cx, path, |k| k.readlink(cx, path))
+                .await
+                .map(|(_, v)| v)
         })
     }
 
@@ -1015,7 +1068,9 @@ impl Layer for Distribute {
 
     fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
         Box::pin(async move {
-            self.on_file(cx, path, |k| k.getxattr(cx, path, name)).await.map(|(_, v)| v)
+            self.on_file(cx, path, |k| k.getxattr(cx, path, name))
+                .await
+                .map(|(_, v)| v)
         })
     }
 
@@ -1034,7 +1089,9 @@ impl Layer for Distribute {
 
     fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {
         Box::pin(async move {
-            self.on_file(cx, path, |k| k.listxattr(cx, path)).await.map(|(_, v)| v)
+            self.on_file(cx, path, |k| k.listxattr(cx, path))
+                .await
+                .map(|(_, v)| v)
         })
     }
 
@@ -1089,7 +1146,10 @@ mod tests {
             let want = total as f64 / n as f64;
             for (s, &c) in counts.iter().enumerate() {
                 let dev = (c as f64 - want).abs() / want;
-                assert!(dev < 0.05, "{n} subvolumes: subvolume {s} got {c}, want ~{want}");
+                assert!(
+                    dev < 0.05,
+                    "{n} subvolumes: subvolume {s} got {c}, want ~{want}"
+                );
             }
         }
     }
@@ -1112,9 +1172,21 @@ mod tests {
     fn layout_round_trips() {
         let l = Layout {
             ranges: vec![
-                Range { start: 0, end: 9, subvol: 2 },
-                Range { start: 10, end: 0x8000_0000, subvol: 0 },
-                Range { start: 0x8000_0001, end: u32::MAX, subvol: 2 },
+                Range {
+                    start: 0,
+                    end: 9,
+                    subvol: 2,
+                },
+                Range {
+                    start: 10,
+                    end: 0x8000_0000,
+                    subvol: 0,
+                },
+                Range {
+                    start: 0x8000_0001,
+                    end: u32::MAX,
+                    subvol: 2,
+                },
             ],
         };
         let b = l.encode();
@@ -1148,26 +1220,54 @@ mod tests {
         cases.push(zero);
         let gap = Layout {
             ranges: vec![
-                Range { start: 0, end: 9, subvol: 0 },
-                Range { start: 11, end: u32::MAX, subvol: 1 },
+                Range {
+                    start: 0,
+                    end: 9,
+                    subvol: 0,
+                },
+                Range {
+                    start: 11,
+                    end: u32::MAX,
+                    subvol: 1,
+                },
             ],
         };
         cases.push(gap.encode());
         let overlap = Layout {
             ranges: vec![
-                Range { start: 0, end: 9, subvol: 0 },
-                Range { start: 9, end: u32::MAX, subvol: 1 },
+                Range {
+                    start: 0,
+                    end: 9,
+                    subvol: 0,
+                },
+                Range {
+                    start: 9,
+                    end: u32::MAX,
+                    subvol: 1,
+                },
             ],
         };
         cases.push(overlap.encode());
         let short = Layout {
-            ranges: vec![Range { start: 0, end: 0xffff, subvol: 0 }],
+            ranges: vec![Range {
+                start: 0,
+                end: 0xffff,
+                subvol: 0,
+            }],
         };
         cases.push(short.encode());
         let backwards = Layout {
             ranges: vec![
-                Range { start: 0, end: 9, subvol: 0 },
-                Range { start: 10, end: 5, subvol: 1 },
+                Range {
+                    start: 0,
+                    end: 9,
+                    subvol: 0,
+                },
+                Range {
+                    start: 10,
+                    end: 5,
+                    subvol: 1,
+                },
             ],
         };
         cases.push(backwards.encode());
@@ -1211,20 +1311,33 @@ mod tests {
 
     fn over(value: FopResult<Vec<u8>>, n: usize) -> Distribute {
         let kids = (0..n)
-            .map(|_| Arc::new(Stub { value: value.clone() }) as LayerRef)
+            .map(|_| {
+                Arc::new(Stub {
+                    value: value.clone(),
+                }) as LayerRef
+            })
             .collect();
         Distribute::new("dist", kids)
     }
 
     #[test]
     fn damaged_layout_xattr_means_the_default() {
-        for v in [Ok(b"garbage".to_vec()), Ok(vec![]), Err(ENODATA), Err(libc::EIO as Errno)] {
+        for v in [
+            Ok(b"garbage".to_vec()),
+            Ok(vec![]),
+            Err(ENODATA),
+            Err(libc::EIO as Errno),
+        ] {
             let d = over(v, 3);
             let l = block_on(d.layout(&Ctx::NONE, "dir"));
             assert_eq!(*l, Layout::equal(3));
         }
         let custom = Layout {
-            ranges: vec![Range { start: 0, end: u32::MAX, subvol: 1 }],
+            ranges: vec![Range {
+                start: 0,
+                end: u32::MAX,
+                subvol: 1,
+            }],
         };
         let d = over(Ok(custom.encode()), 3);
         assert_eq!(*block_on(d.layout(&Ctx::NONE, "dir")), custom);

@@ -35,8 +35,8 @@ impl Cluster {
             let brick = dir.path().join(format!("brick{i}"));
             std::fs::create_dir(&brick).expect("brick dir");
             let sock = dir.path().join(format!("b{i}.sock"));
-            let bg = kiln_server::spawn_background(&brick, &[Listen::Unix(sock)])
-                .expect("brick server");
+            let bg =
+                kiln_server::spawn_background(&brick, &[Listen::Unix(sock)]).expect("brick server");
             let addr = bg.unix_addr().expect("unix address");
             text.push_str(&format!(
                 "\n[[layer]]\nname = \"b{i}\"\ntype = \"protocol-client\"\nremote = \"{addr}\"\n"
@@ -153,7 +153,11 @@ fn ten_thousand_files_spread_over_every_brick() {
     });
     let mut counts = Vec::new();
     for b in &c.bricks {
-        counts.push(std::fs::read_dir(b.join("many")).expect("brick dir").count());
+        counts.push(
+            std::fs::read_dir(b.join("many"))
+                .expect("brick dir")
+                .count(),
+        );
     }
     assert_eq!(counts.iter().sum::<usize>(), N, "counts {counts:?}");
     for (i, &n) in counts.iter().enumerate() {
@@ -162,7 +166,9 @@ fn ten_thousand_files_spread_over_every_brick() {
     }
     for i in 0..N {
         let p = format!("many/f{i:05}");
-        let a = c.lookup(&p).unwrap_or_else(|e| panic!("lookup {p}: errno {e}"));
+        let a = c
+            .lookup(&p)
+            .unwrap_or_else(|e| panic!("lookup {p}: errno {e}"));
         assert_eq!(a.mode & libc::S_IFMT, libc::S_IFREG);
         assert_eq!(c.holders(&p).len(), 1, "{p} on one brick only");
     }
@@ -188,7 +194,10 @@ fn directories_exist_everywhere_with_layouts() {
     for d in ["top", "top/mid", "top/mid/leaf", "top/other"] {
         block_on(c.top().mkdir(&cx, d, 0o750)).unwrap_or_else(|e| panic!("mkdir {d}: {e}"));
     }
-    assert_eq!(block_on(c.top().mkdir(&cx, "top/mid", 0o750)).err(), Some(EEXIST));
+    assert_eq!(
+        block_on(c.top().mkdir(&cx, "top/mid", 0o750)).err(),
+        Some(EEXIST)
+    );
     for d in ["top", "top/mid", "top/mid/leaf", "top/other"] {
         for (i, b) in c.bricks.iter().enumerate() {
             let p = b.join(d);
@@ -227,7 +236,10 @@ fn directories_exist_everywhere_with_layouts() {
     assert_eq!(block_on(c.top().rmdir(&cx, "top")).err(), Some(ENOTEMPTY));
     for (i, b) in c.bricks.iter().enumerate() {
         assert!(b.join("top").is_dir(), "top lost on brick {i}");
-        assert!(disk_layout(&b.join("top")).is_some(), "top lost its layout on brick {i}");
+        assert!(
+            disk_layout(&b.join("top")).is_some(),
+            "top lost its layout on brick {i}"
+        );
     }
     // rmdir of an empty one removes it from every brick.
     block_on(c.top().rmdir(&cx, "top/mid/leaf")).expect("rmdir");
@@ -253,7 +265,11 @@ fn rename_within_and_across_bricks() {
     let a2 = name_on("a-same", 1);
     c.touch(&format!("d/{a}"));
     assert_eq!(c.holders(&format!("d/{a}")), vec![1]);
-    block_on(c.top().rename(&cx, &format!("d/{a}"), &format!("d/{a2}"), 0)).expect("rename");
+    block_on(
+        c.top()
+            .rename(&cx, &format!("d/{a}"), &format!("d/{a2}"), 0),
+    )
+    .expect("rename");
     assert!(c.lookup(&format!("d/{a2}")).is_ok());
     assert_eq!(c.lookup(&format!("d/{a}")).err(), Some(ENOENT));
     assert_eq!(c.holders(&format!("d/{a2}")), vec![1]);
@@ -261,7 +277,11 @@ fn rename_within_and_across_bricks() {
     let b = name_on("b", 2);
     let b2 = name_on("b-other", 3);
     c.touch(&format!("d/{b}"));
-    block_on(c.top().rename(&cx, &format!("d/{b}"), &format!("d/{b2}"), 0)).expect("rename");
+    block_on(
+        c.top()
+            .rename(&cx, &format!("d/{b}"), &format!("d/{b2}"), 0),
+    )
+    .expect("rename");
     assert_eq!(c.lookup(&format!("d/{b}")).err(), Some(ENOENT));
     let attr = c.lookup(&format!("d/{b2}")).expect("lookup renamed");
     assert_eq!(attr.mode & libc::S_IFMT, libc::S_IFREG);
@@ -281,7 +301,11 @@ fn rename_within_and_across_bricks() {
     // Renaming onto a name held by another brick replaces it.
     let victim = name_on("victim", 0);
     c.touch(&format!("d/{victim}"));
-    block_on(c.top().rename(&cx, &format!("d/{b2}"), &format!("d/{victim}"), 0)).expect("rename over");
+    block_on(
+        c.top()
+            .rename(&cx, &format!("d/{b2}"), &format!("d/{victim}"), 0),
+    )
+    .expect("rename over");
     assert_eq!(c.holders(&format!("d/{victim}")), vec![2]);
     assert_eq!(c.lookup(&format!("d/{b2}")).err(), Some(ENOENT));
     let mut names = c.list("d", 2);
@@ -331,10 +355,7 @@ fn statfs_sums_the_bricks() {
 fn read_bytes(out: ReadOut) -> Vec<u8> {
     match out {
         ReadOut::Into { n, bufs } => {
-            let mut v: Vec<u8> = bufs
-                .into_owned::<Vec<u8>>()
-                .expect("our buffers")
-                .concat();
+            let mut v: Vec<u8> = bufs.into_owned::<Vec<u8>>().expect("our buffers").concat();
             v.truncate(n);
             v
         }
@@ -360,9 +381,14 @@ fn data_written_reads_back() {
         block_on(c.top().fsync(&cx, &fd, false)).expect("fsync");
         let st = block_on(c.top().fstat(&cx, &fd)).expect("fstat");
         assert_eq!(st.size, 4096 + data.len() as u64);
-        let bufs: Vec<Vec<u8>> = (0..data.len().div_ceil(4096)).map(|_| vec![0u8; 4096]).collect();
-        let out = block_on(c.top().read(&cx, &fd, 4096, ReadDst::Into(IoBufs::owned(bufs))))
-            .expect("read");
+        let bufs: Vec<Vec<u8>> = (0..data.len().div_ceil(4096))
+            .map(|_| vec![0u8; 4096])
+            .collect();
+        let out = block_on(
+            c.top()
+                .read(&cx, &fd, 4096, ReadDst::Into(IoBufs::owned(bufs))),
+        )
+        .expect("read");
         let back = read_bytes(out);
         assert!(back == data, "data on brick {b} differs");
         block_on(c.top().release(&cx, fd)).expect("release");

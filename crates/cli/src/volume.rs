@@ -40,9 +40,11 @@ enum VolumeCmd {
     /// are created when missing; a directory inside another brick is refused. The kilnd asked
     /// keeps the definition (it is the volume's authority) and a new random secret for the
     /// bricks, in STATE_DIR/vols/NAME/secret.
-    #[command(after_help = "Examples:\n  kiln volume create vol1 replica 3 10.0.0.1:/srv/b1 \
+    #[command(
+        after_help = "Examples:\n  kiln volume create vol1 replica 3 10.0.0.1:/srv/b1 \
                             10.0.0.2:/srv/b1 10.0.0.3:/srv/b1\n  kiln volume create scratch \
-                            127.0.0.1:/srv/scratch")]
+                            127.0.0.1:/srv/scratch"
+    )]
     Create(CreateArgs),
     /// Start a volume's bricks (each brick a process on its host); `force` also restarts bricks
     /// that are down in a started volume.
@@ -150,7 +152,11 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             done(&a.opts, "start", &a.name, &r)
         }
         VolumeCmd::Stop(a) => {
-            let r = mgmt_call(&a.opts, "stop", &serde_json::json!({"cmd": "stop", "name": a.name}))?;
+            let r = mgmt_call(
+                &a.opts,
+                "stop",
+                &serde_json::json!({"cmd": "stop", "name": a.name}),
+            )?;
             done(&a.opts, "stop", &a.name, &r)
         }
         VolumeCmd::Delete(a) => {
@@ -217,11 +223,9 @@ fn mgmt_call(
     what: &str,
     req: &serde_json::Value,
 ) -> Result<serde_json::Value, String> {
-    kiln_client::mgmt::call(&opts.server, req).map_err(|e| {
-        match req["name"].as_str() {
-            Some(n) => format!("volume {what}: {n}: failed: {e}"),
-            None => format!("volume {what}: failed: {e}"),
-        }
+    kiln_client::mgmt::call(&opts.server, req).map_err(|e| match req["name"].as_str() {
+        Some(n) => format!("volume {what}: {n}: failed: {e}"),
+        None => format!("volume {what}: failed: {e}"),
     })
 }
 
@@ -242,7 +246,9 @@ fn create(a: &CreateArgs) -> Result<(), String> {
     let mut args = a.args.as_slice();
     let mut replica = 1u64;
     if args.first().map(String::as_str) == Some("replica") {
-        let n = args.get(1).ok_or("volume create: `replica` needs a count")?;
+        let n = args
+            .get(1)
+            .ok_or("volume create: `replica` needs a count")?;
         replica = n
             .parse()
             .ok()
@@ -251,7 +257,10 @@ fn create(a: &CreateArgs) -> Result<(), String> {
         args = &args[2..];
     }
     if args.is_empty() {
-        return Err(format!("volume create: {}: no bricks given (HOST:/DIR ...)", a.name));
+        return Err(format!(
+            "volume create: {}: no bricks given (HOST:/DIR ...)",
+            a.name
+        ));
     }
     let req = serde_json::json!({
         "cmd": "create", "name": a.name, "replica": replica, "bricks": args,

@@ -38,13 +38,12 @@ pub fn call(addr: &str, req: &serde_json::Value) -> io::Result<serde_json::Value
         .to_socket_addrs()
         .map_err(|e| io::Error::new(e.kind(), format!("bad management address {addr}: {e}")))?
         .next()
-        .ok_or_else(|| {
-            io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address"))
-        })?;
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address")))?;
     let ctx = |e: io::Error| io::Error::new(e.kind(), format!("kilnd at {addr}: {e}"));
     let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(ctx)?;
     // Starting a volume may take a while (bricks on several hosts); a minute bounds a hang.
-    s.set_read_timeout(Some(Duration::from_secs(120))).map_err(ctx)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))
+        .map_err(ctx)?;
     let args = MgmtReq {
         json: req.to_string().into_bytes(),
     }
@@ -101,16 +100,18 @@ pub fn call(addr: &str, req: &serde_json::Value) -> io::Result<serde_json::Value
 /// Fetches the client volume graph of `volume` from the kilnd at `server` (any kilnd with a
 /// brick of the volume, or the one where it was created).
 pub fn fetch_volfile(server: &str, volume: &str) -> io::Result<Volfile> {
-    let r = call(server, &serde_json::json!({ "cmd": "volfile", "name": volume }))?;
+    let r = call(
+        server,
+        &serde_json::json!({ "cmd": "volfile", "name": volume }),
+    )?;
     let text = r["volfile"].as_str().ok_or_else(|| {
-        io::Error::new(io::ErrorKind::InvalidData, "volfile reply without \"volfile\"")
-    })?;
-    Volfile::parse(text).map_err(|e| {
         io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("volume {volume}: {e}"),
+            "volfile reply without \"volfile\"",
         )
-    })
+    })?;
+    Volfile::parse(text)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("volume {volume}: {e}")))
 }
 
 /// Splits `HOST:/VOL` or `HOST:PORT:/VOL` into the management address (`tcp:HOST:PORT`,

@@ -228,7 +228,10 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         // Bricks of started volumes come back before the first request is answered (requests
         // wait in the listen backlog meanwhile).
         let m = manager.clone();
-        if tokio::task::spawn_blocking(move || m.restore()).await.is_err() {
+        if tokio::task::spawn_blocking(move || m.restore())
+            .await
+            .is_err()
+        {
             return fail("restoring volumes failed".into());
         }
         if let Some(a) = addr {

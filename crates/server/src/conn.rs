@@ -254,6 +254,7 @@ impl Drop for Conn {
 }
 
 /// Serves one connected socket until the peer closes it or breaks the protocol.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     sock: OwnedFd,
     stack: LayerRef,

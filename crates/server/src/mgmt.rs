@@ -193,7 +193,9 @@ pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
         }
     }
     if clean == Path::new("/") {
-        return Err(format!("bad brick {s:?}: the root directory cannot be a brick"));
+        return Err(format!(
+            "bad brick {s:?}: the root directory cannot be a brick"
+        ));
     }
     Ok(BrickDef {
         host: host.to_owned(),
@@ -254,7 +256,10 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
     let mut clients = Vec::new();
     for (i, b) in def.bricks.iter().enumerate() {
         let port = b.port.ok_or_else(|| {
-            format!("volume {name}: brick {} has no port yet (start the volume)", b.spec())
+            format!(
+                "volume {name}: brick {} has no port yet (start the volume)",
+                b.spec()
+            )
         })?;
         clients.push(LayerDef {
             name: format!("{name}-client-{i}"),
@@ -582,14 +587,24 @@ impl Manager {
     }
 
     fn write_secret(&self, name: &str, hex: &str) -> Result<(), String> {
-        write_atomic(&self.vol_dir(name), "secret", format!("{hex}\n").as_bytes(), 0o600)
+        write_atomic(
+            &self.vol_dir(name),
+            "secret",
+            format!("{hex}\n").as_bytes(),
+            0o600,
+        )
     }
 
     fn read_secret(&self, name: &str) -> Result<String, String> {
         let p = self.secret_path(name);
         fs::read_to_string(&p)
             .map(|s| s.trim().to_owned())
-            .map_err(|e| format!("cannot read the secret of volume {name} ({}): {e}", p.display()))
+            .map_err(|e| {
+                format!(
+                    "cannot read the secret of volume {name} ({}): {e}",
+                    p.display()
+                )
+            })
     }
 
     // ---- commands ----
@@ -614,7 +629,7 @@ impl Manager {
                 "volume {name}: no bricks given (want HOST:/DIR, at least {replica})"
             ));
         }
-        if specs.len() % replica != 0 {
+        if !specs.len().is_multiple_of(replica) {
             return Err(format!(
                 "volume {name}: {} brick(s) do not make replica sets of {replica}: give a \
                  multiple of {replica} bricks",
@@ -765,11 +780,8 @@ impl Manager {
                     Ok(())
                 }
                 Ok(_) => b.mgmt_addr().and_then(|a| {
-                    call_peer(
-                        a,
-                        &json!({ "cmd": "brick-stop", "name": name, "index": i }),
-                    )
-                    .map(|_| ())
+                    call_peer(a, &json!({ "cmd": "brick-stop", "name": name, "index": i }))
+                        .map(|_| ())
                 }),
                 Err(e) => Err(e),
             };
@@ -844,7 +856,11 @@ impl Manager {
                     (Some(ip), Some(port)) if def.state == VolState::Started => {
                         let pid_ok = !local
                             || b.pid.is_some_and(|pid| {
-                                self.pid_runs_brick(procs, pid, &self.brick_volfile_path(&def.name, i))
+                                self.pid_runs_brick(
+                                    procs,
+                                    pid,
+                                    &self.brick_volfile_path(&def.name, i),
+                                )
                             });
                         pid_ok && port_answers(SocketAddr::new(ip, port))
                     }
@@ -889,7 +905,10 @@ impl Manager {
         }
         let ip = def.bricks[i].ip()?;
         if !is_local(ip) {
-            return Err(format!("brick {} is not on this host", def.bricks[i].spec()));
+            return Err(format!(
+                "brick {} is not on this host",
+                def.bricks[i].spec()
+            ));
         }
         let (port, pid) = self.ensure_brick(procs, &def, i)?;
         let mut def = def;
@@ -1096,7 +1115,10 @@ impl Manager {
         let runs = cmdline.split(|b| *b == 0).any(|a| a == want);
         let zombie = fs::read_to_string(format!("/proc/{pid}/stat"))
             .ok()
-            .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().starts_with('Z')))
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .map(|(_, r)| r.trim_start().starts_with('Z'))
+            })
             .unwrap_or(true);
         runs && !zombie
     }
@@ -1121,7 +1143,12 @@ impl Manager {
             .map_err(|e| format!("cannot create brick directory {}: {e}", b.dir.display()))?;
         let vf = brick_volfile(&def.name, i, &b.dir);
         let bricks_dir = self.vol_dir(&def.name).join("bricks");
-        write_atomic(&bricks_dir, &format!("{i}.toml"), vf.to_toml().as_bytes(), 0o644)?;
+        write_atomic(
+            &bricks_dir,
+            &format!("{i}.toml"),
+            vf.to_toml().as_bytes(),
+            0o644,
+        )?;
         // Ports of every brick this kilnd knows on this address are taken, even if down.
         let mut taken: BTreeSet<u16> = self
             .load_all()
@@ -1139,7 +1166,9 @@ impl Manager {
         let log_path = bricks_dir.join(format!("{i}.log"));
         let mut last = String::new();
         for _ in 0..16 {
-            let port = match preferred.take().filter(|p| !taken.contains(p) && port_free(ip, *p))
+            let port = match preferred
+                .take()
+                .filter(|p| !taken.contains(p) && port_free(ip, *p))
             {
                 Some(p) => p,
                 None => free_port(ip, &taken)?,
@@ -1208,7 +1237,10 @@ impl Manager {
             if let Ok(Some(status)) = child.try_wait() {
                 let tail: String = text.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
                 let retry = text.contains("in use");
-                return Err((format!("brick exited ({status}) on {listen}: {tail}"), retry));
+                return Err((
+                    format!("brick exited ({status}) on {listen}: {tail}"),
+                    retry,
+                ));
             }
             if Instant::now() > deadline {
                 let _ = child.kill();
@@ -1351,7 +1383,15 @@ mod tests {
         let b = parse_brick("node2:24008:/srv//b2").unwrap();
         assert_eq!((b.host.as_str(), b.mgmt_port), ("node2", Some(24008)));
         assert_eq!(b.spec(), "node2:24008:/srv/b2");
-        for bad in ["/srv/b", "h:srv/b", ":/srv/b", "h:/", "h:/a/../b", "h:x:/a", "h:0:/a"] {
+        for bad in [
+            "/srv/b",
+            "h:srv/b",
+            ":/srv/b",
+            "h:/",
+            "h:/a/../b",
+            "h:x:/a",
+            "h:0:/a",
+        ] {
             assert!(parse_brick(bad).is_err(), "{bad} accepted");
         }
         assert!(check_name("vol_1-a").is_ok());
@@ -1381,23 +1421,39 @@ mod tests {
 
     #[test]
     fn client_volfile_shapes() {
-        let types = |v: &Volfile| -> Vec<&str> {
-            v.layers.iter().map(|l| l.kind.type_name()).collect()
-        };
+        let types =
+            |v: &Volfile| -> Vec<&str> { v.layers.iter().map(|l| l.kind.type_name()).collect() };
         let v = client_volfile(&def(1, 1)).unwrap();
         assert_eq!(types(&v), ["io-stats", "protocol-client"]);
         let v = client_volfile(&def(3, 3)).unwrap();
         assert_eq!(
             types(&v),
-            ["io-stats", "replicate", "protocol-client", "protocol-client", "protocol-client"]
+            [
+                "io-stats",
+                "replicate",
+                "protocol-client",
+                "protocol-client",
+                "protocol-client"
+            ]
         );
         assert_eq!(v.layers[1].name, "v-replicate-0");
         let v = client_volfile(&def(2, 4)).unwrap();
-        assert_eq!(types(&v)[..4], ["io-stats", "distribute", "replicate", "replicate"]);
+        assert_eq!(
+            types(&v)[..4],
+            ["io-stats", "distribute", "replicate", "replicate"]
+        );
         assert_eq!(v.layers[1].subvolumes, ["v-replicate-0", "v-replicate-1"]);
         assert_eq!(v.layers[3].subvolumes, ["v-client-2", "v-client-3"]);
         let v = client_volfile(&def(1, 2)).unwrap();
-        assert_eq!(types(&v), ["io-stats", "distribute", "protocol-client", "protocol-client"]);
+        assert_eq!(
+            types(&v),
+            [
+                "io-stats",
+                "distribute",
+                "protocol-client",
+                "protocol-client"
+            ]
+        );
         assert_eq!(Volfile::parse(&v.to_toml()).unwrap(), v);
     }
 }

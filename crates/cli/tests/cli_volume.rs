@@ -1,0 +1,398 @@
+//! `kiln volume create|start|stop|delete|info|status|list` against a real management kilnd:
+//! bricks are real processes on real sockets, data goes through the volfile the server hands
+//! out, and the daemon is killed and restarted on the same state directory.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_client::{block_on, mgmt, Volume};
+use kiln_layer::volfile::LayerKind;
+use serde_json::Value;
+
+fn kiln() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+}
+
+/// A management kilnd (`kiln server` without `--brick`), killed when dropped.
+struct Kilnd {
+    child: Child,
+    addr: String,
+}
+
+impl Kilnd {
+    fn start(state: &Path) -> Kilnd {
+        let child = kiln()
+            .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
+            .arg("--state-dir")
+            .arg(state)
+            .env("KILN_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn kiln server");
+        // Owned by the guard from here on: killed and reaped however this ends.
+        let mut kd = Kilnd {
+            child,
+            addr: String::new(),
+        };
+        let mut out = BufReader::new(kd.child.stdout.take().unwrap());
+        let mut line = String::new();
+        while kd.addr.is_empty() {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "kilnd exited before announcing its management address"
+            );
+            if let Some(a) = line.trim().strip_prefix("kilnd: management on ") {
+                kd.addr = a.to_owned();
+            }
+        }
+        kd
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Kilnd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Kills every brick process the state directory records (they outlive kilnd on purpose).
+struct BrickReaper(PathBuf);
+
+impl Drop for BrickReaper {
+    fn drop(&mut self) {
+        for pid in recorded_pids(&self.0) {
+            // Only processes that run a brick of this state directory.
+            let runs_ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&*self.0.to_string_lossy()))
+                .unwrap_or(false);
+            if runs_ours {
+                // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+fn recorded_pids(state: &Path) -> Vec<u64> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir(state.join("vols"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(t) = std::fs::read(e.path().join("volume.json")) {
+            if let Ok(v) = serde_json::from_slice::<Value>(&t) {
+                for b in v["bricks"].as_array().into_iter().flatten() {
+                    pids.extend(b["pid"].as_u64());
+                }
+            }
+        }
+    }
+    pids
+}
+
+fn run(args: &[&str]) -> Output {
+    kiln().args(args).output().expect("run kiln")
+}
+
+/// Runs `kiln ARGS` and returns stdout; panics with stderr on failure.
+fn ok(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs `kiln ARGS`, expects failure, returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(
+        !out.status.success(),
+        "kiln {args:?} succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stderr).unwrap()
+}
+
+fn status(addr: &str, vol: &str) -> Value {
+    let s = ok(&["volume", "status", vol, "--server", addr, "--json"]);
+    let v: Value = serde_json::from_str(&s).unwrap();
+    v["volumes"][0].clone()
+}
+
+fn online(st: &Value) -> Vec<bool> {
+    st["bricks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["online"] == true)
+        .collect()
+}
+
+/// Polls `f` until it returns true or `secs` pass.
+fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn pid_alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+                .unwrap_or(true)
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("b{i}"))).collect();
+    std::fs::create_dir(&dirs[0]).unwrap(); // the others are created by `create`
+    let bricks: Vec<String> = dirs
+        .iter()
+        .map(|d| format!("127.0.0.1:{}", d.display()))
+        .collect();
+
+    let kd = Kilnd::start(&state);
+    let addr = kd.addr.clone();
+    let a = addr.as_str();
+
+    let mut create = vec!["volume", "create", "vol", "replica", "3"];
+    create.extend(bricks.iter().map(String::as_str));
+    create.extend(["--server", a]);
+    let out = ok(&create);
+    assert!(out.contains("volume create: vol: success"), "{out}");
+    assert!(dirs.iter().all(|d| d.is_dir()), "brick directories created");
+    let secret = state.join("vols/vol/secret");
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&secret).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "the secret is private");
+    assert_eq!(std::fs::read_to_string(&secret).unwrap().trim().len(), 64);
+
+    // Not started: no volfile yet, status says so.
+    assert!(fails(&["volume", "volfile", "vol", "--server", a]).contains("not started"));
+    assert!(ok(&["volume", "status", "vol", "--server", a]).contains("not started"));
+
+    let out = ok(&["volume", "start", "vol", "--server", a]);
+    assert!(out.contains("volume start: vol: success"), "{out}");
+    assert!(fails(&["volume", "start", "vol", "--server", a]).contains("already started"));
+    let st = status(a, "vol");
+    assert_eq!(online(&st), [true, true, true], "{st}");
+    let ports: Vec<u64> = st["bricks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["port"].as_u64().unwrap())
+        .collect();
+    let pids: Vec<u64> = st["bricks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["pid"].as_u64().unwrap())
+        .collect();
+    let table = ok(&["volume", "status", "vol", "--server", a]);
+    assert!(
+        table.contains("Online") && table.contains(&ports[0].to_string()),
+        "{table}"
+    );
+    let info = ok(&["volume", "info", "vol", "--server", a]);
+    assert!(info.contains("Type: Replicate"), "{info}");
+    assert!(info.contains("Number of Bricks: 1 x 3 = 3"), "{info}");
+    assert!(info.contains(&format!("Brick3: {}", bricks[2])), "{info}");
+    assert_eq!(ok(&["volume", "list", "--server", a]).trim(), "vol");
+
+    // The volfile: io-stats → replicate → three protocol-clients on the bricks' ports.
+    let vf = mgmt::fetch_volfile(a, "vol").unwrap();
+    let kinds: Vec<&str> = vf.layers.iter().map(|l| l.kind.type_name()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "io-stats",
+            "replicate",
+            "protocol-client",
+            "protocol-client",
+            "protocol-client"
+        ]
+    );
+    assert_eq!(vf.layers[0].name, "vol");
+    assert_eq!(vf.layers[1].name, "vol-replicate-0");
+    assert_eq!(vf.layers[1].subvolumes.len(), 3);
+    for (l, port) in vf.layers[2..].iter().zip(&ports) {
+        match &l.kind {
+            LayerKind::ProtocolClient { remote } => {
+                assert_eq!(remote, &format!("tcp:127.0.0.1:{port}"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    // Bricks want the volume's secret; with it, data goes through the volume's graph.
+    assert!(
+        kiln_client::Client::connect_with_secret(&format!("127.0.0.1:{}", ports[0]), None).is_err()
+    );
+    let sf = mgmt::secret_file_in("vol", None, &state).expect("the local secret");
+    // SAFETY (edition 2021: safe fn): this test's only thread that reads the environment.
+    std::env::set_var("KILN_SECRET_FILE", &sf);
+    {
+        let v = Volume::from_volfile(&vf).unwrap();
+        let data: Vec<u8> = (0..256 * 1024).map(|i| (i * 7 % 251) as u8).collect();
+        let (fd, _) = block_on(v.create("/hello.img", libc::O_RDWR, 0o644)).unwrap();
+        let (n, _) = block_on(v.pwritev(&fd, vec![data.clone()], 0));
+        assert_eq!(n.unwrap(), data.len());
+        let (n, bufs) = block_on(v.preadv(&fd, vec![vec![0u8; 128 * 1024]; 2], 0));
+        assert_eq!(n.unwrap(), data.len());
+        assert_eq!(bufs.concat(), data);
+        block_on(v.close(fd)).unwrap();
+    }
+    assert_eq!(
+        std::fs::metadata(dirs[0].join("hello.img")).unwrap().len(),
+        256 * 1024,
+        "the file is in the first brick"
+    );
+
+    // kilnd dies; its bricks do not. A new kilnd on the same state adopts them.
+    kd.kill();
+    assert!(pids.iter().all(|p| pid_alive(*p)), "bricks outlive kilnd");
+    let kd = Kilnd::start(&state);
+    let a = kd.addr.as_str();
+    let info = ok(&["volume", "info", "vol", "--server", a]);
+    assert!(info.contains("Status: Started"), "{info}");
+    let st = status(a, "vol");
+    assert_eq!(online(&st), [true, true, true], "{st}");
+    let pids2: Vec<u64> = st["bricks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(pids2, pids, "running bricks are adopted, not restarted");
+
+    // A killed brick shows down; `start force` brings it back.
+    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+    unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) };
+    wait_for(10, "the killed brick to show down", || {
+        online(&status(a, "vol")) == [true, false, true]
+    });
+    ok(&["volume", "start", "vol", "force", "--server", a]);
+    let st = status(a, "vol");
+    assert_eq!(online(&st), [true, true, true], "{st}");
+    assert_ne!(st["bricks"][1]["pid"].as_u64().unwrap(), pids[1]);
+    assert_eq!(st["bricks"][0]["pid"].as_u64().unwrap(), pids[0]);
+
+    // Delete needs a stopped volume; stop ends every brick.
+    assert!(fails(&["volume", "delete", "vol", "--server", a]).contains("stop it first"));
+    let running: Vec<u64> = st["bricks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["pid"].as_u64().unwrap())
+        .collect();
+    ok(&["volume", "stop", "vol", "--server", a]);
+    assert!(
+        running.iter().all(|p| !pid_alive(*p)),
+        "stop ends the bricks"
+    );
+    let st = status(a, "vol");
+    assert_eq!(st["state"], "stopped");
+    assert_eq!(online(&st), [false, false, false], "{st}");
+    assert!(fails(&["volume", "stop", "vol", "--server", a]).contains("not started"));
+    ok(&["volume", "delete", "vol", "--server", a]);
+    assert!(fails(&["volume", "info", "vol", "--server", a]).contains("does not exist"));
+    assert!(ok(&["volume", "list", "--server", a]).contains("No volumes"));
+    assert!(dirs[0].join("hello.img").exists(), "delete leaves the data");
+    drop(kd);
+}
+
+#[test]
+fn bad_volume_definitions_are_refused_with_reasons() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state);
+    let a = kd.addr.as_str();
+    let b = |n: &str| format!("127.0.0.1:{}", tmp.path().join(n).display());
+    let (b1, b2, b3) = (b("b1"), b("b2"), b("b3"));
+    let nested = b("b1/inner");
+
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["vol", &b1, &b1], "given twice"),
+        (vec!["bad/name", &b1], "bad volume name"),
+        (vec!["x.y", &b1], "bad volume name"),
+        (vec!["vol", "replica", "3", &b1, &b2], "multiple of 3"),
+        (vec!["vol", "replica", "0", &b1], "replica count"),
+        (vec!["vol", &b1, &nested], "nest"),
+        (vec!["vol", "127.0.0.1:relative/dir"], "absolute directory"),
+        (vec!["vol", "127.0.0.1:/a/../b"], "'..'"),
+    ];
+    for (args, want) in cases {
+        let mut full = vec!["volume", "create"];
+        full.extend(&args);
+        full.extend(["--server", a]);
+        let err = fails(&full);
+        assert!(err.contains(want), "{args:?}: want {want:?} in {err:?}");
+    }
+    assert!(ok(&["volume", "list", "--server", a]).contains("No volumes"));
+
+    // One good volume, then overlaps with it and a duplicate name are refused.
+    ok(&["volume", "create", "one", &b1, &b2, "--server", a]);
+    let err = fails(&["volume", "create", "two", &nested, "--server", a]);
+    assert!(
+        err.contains("overlaps") && err.contains("volume one"),
+        "{err}"
+    );
+    let err = fails(&["volume", "create", "one", &b3, "--server", a]);
+    assert!(err.contains("already exists"), "{err}");
+    let err = fails(&["volume", "start", "nope", "--server", a]);
+    assert!(err.contains("does not exist"), "{err}");
+    // --json carries the server's reply.
+    let v: Value = serde_json::from_str(&ok(&["volume", "info", "--server", a, "--json"])).unwrap();
+    assert_eq!(v["volumes"][0]["type"], "Distribute");
+    // A brick server is not a management server: a clear message, not a hang.
+    let brick = tmp.path().join("plain");
+    std::fs::create_dir(&brick).unwrap();
+    let mut plain = kiln()
+        .args([
+            "server",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--metrics",
+            "off",
+            "--brick",
+        ])
+        .arg(&brick)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(plain.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let paddr = line
+        .trim()
+        .strip_prefix("kilnd: listening on ")
+        .unwrap()
+        .to_owned();
+    let err = fails(&["volume", "list", "--server", &paddr]);
+    let _ = plain.kill();
+    let _ = plain.wait();
+    assert!(err.contains("does not manage volumes"), "{err}");
+}

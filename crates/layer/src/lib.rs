@@ -15,6 +15,7 @@
 pub mod distribute;
 pub mod exec;
 pub mod faults;
+pub mod heal;
 pub mod iostats;
 pub mod marks;
 pub mod metrics;

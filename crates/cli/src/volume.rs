@@ -224,7 +224,11 @@ fn mgmt_call(
     req: &serde_json::Value,
 ) -> Result<serde_json::Value, String> {
     kiln_client::mgmt::call(&opts.server, req).map_err(|e| match req["name"].as_str() {
-        Some(n) => format!("volume {what}: {n}: failed: {e}"),
+        Some(n) => {
+            let e = e.to_string();
+            let e = e.strip_prefix(&format!("volume {n}: ")).unwrap_or(&e);
+            format!("volume {what}: {n}: failed: {e}")
+        }
         None => format!("volume {what}: failed: {e}"),
     })
 }

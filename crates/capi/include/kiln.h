@@ -88,6 +88,13 @@ int kiln_new(const char *volname, struct kiln_t **out);
 // `k` is a live handle; strings are NUL-terminated.
 int kiln_set_volfile_server(struct kiln_t *k, const char *transport, const char *host, int port);
 
+// Builds the client stack from a volfile (TOML; distribute, replicate, several bricks)
+// instead of the server named by `kiln_set_volfile_server`. Call before `kiln_init`.
+//
+// # Safety
+// `k` is a live handle; `path` is NUL-terminated.
+int kiln_set_volfile(struct kiln_t *k, const char *path);
+
 // Applies options (see `kiln_options`). Call before `kiln_init`.
 //
 // # Safety
@@ -99,6 +106,15 @@ int kiln_set_options(struct kiln_t *k, const struct kiln_options *opts);
 // # Safety
 // `k` is a live handle.
 int kiln_init(struct kiln_t *k);
+
+// Opens a volume in one call: `source` is `SERVER:/VOL` (a brick or a server that keeps volume
+// definitions: `HOST:PORT:/VOL`, `unix:PATH:/VOL`) or, when it contains no `:/`, the path of
+// a volfile. `opts` may be NULL (defaults). Returns 0 and sets `*out` to an initialised handle
+// (free it with `kiln_fini`), or `-errno` and leaves `*out` alone.
+//
+// # Safety
+// `source` is NUL-terminated; `opts` is NULL or as for `kiln_set_options`; `out` is writable.
+int kiln_volume_open(const char *source, const struct kiln_options *opts, struct kiln_t **out);
 
 // Disconnects and frees the handle. Files still open fail from now on; close them to free
 // them.

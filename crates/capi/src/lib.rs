@@ -1,5 +1,10 @@
 //! libkiln: the C ABI of the Kiln client.
 //!
+//! Every call goes through the client layer stack ([`kiln_client::Volume`]): the default stack
+//! (io-stats over one protocol-client) for a brick named with `kiln_set_volfile_server`, or a
+//! volfile's graph (distribute and replicate over several bricks) with `kiln_set_volfile` or
+//! `kiln_volume_open`.
+//!
 //! Handles are opaque (`kiln_t`, `kiln_fd_t`); every call returns 0 (or a byte count) on
 //! success and `-errno` on failure; callbacks carry the caller's `user_data`. The payload of a
 //! read goes from the socket straight into the caller's iovecs, as in the Rust API.
@@ -16,9 +21,11 @@
 
 use std::collections::VecDeque;
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
 
-use kiln_client::{block_on, Client, Fh, RawIov};
+use kiln_client::volume::Source;
+use kiln_client::{block_on, Fd, RawIov, Volume};
 
 /// Status returned for a bad argument.
 const EINVAL: c_int = libc::EINVAL;
@@ -99,15 +106,16 @@ struct CompletionQueue {
 pub struct Kiln {
     volname: String,
     server: Option<String>,
+    volfile: Option<PathBuf>,
     mode: kiln_completion_mode,
-    client: Option<Arc<Client>>,
+    client: Option<Arc<Volume>>,
     queue: Arc<CompletionQueue>,
 }
 
 /// An open file (opaque to C).
 pub struct KilnFd {
-    client: Arc<Client>,
-    fh: Fh,
+    client: Arc<Volume>,
+    fh: Fd,
     mode: kiln_completion_mode,
     queue: Arc<CompletionQueue>,
 }
@@ -157,7 +165,7 @@ unsafe fn iov_arg(iov: *const libc::iovec, iovcnt: c_int) -> Result<Vec<RawIov>,
         .collect())
 }
 
-fn client(k: &Kiln) -> Result<&Arc<Client>, c_int> {
+fn client(k: &Kiln) -> Result<&Arc<Volume>, c_int> {
     k.client.as_ref().ok_or(-libc::ENOTCONN)
 }
 
@@ -209,6 +217,7 @@ pub unsafe extern "C" fn kiln_new(volname: *const c_char, out: *mut *mut Kiln) -
     let k = Box::new(Kiln {
         volname: volname.to_owned(),
         server: None,
+        volfile: None,
         mode: kiln_completion_mode::KILN_COMPLETE_ON_IO_THREAD,
         client: None,
         queue: Arc::new(CompletionQueue {
@@ -262,6 +271,25 @@ pub unsafe extern "C" fn kiln_set_volfile_server(
     0
 }
 
+/// Builds the client stack from a volfile (TOML; distribute, replicate, several bricks)
+/// instead of the server named by `kiln_set_volfile_server`. Call before `kiln_init`.
+///
+/// # Safety
+/// `k` is a live handle; `path` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kiln_set_volfile(k: *mut Kiln, path: *const c_char) -> c_int {
+    // SAFETY: forwarded contract.
+    let (Some(k), path) = (unsafe { k.as_mut() }, unsafe { str_arg(path) }) else {
+        return -EINVAL;
+    };
+    let path = try_c!(path);
+    if path.is_empty() || k.client.is_some() {
+        return -EINVAL;
+    }
+    k.volfile = Some(PathBuf::from(path));
+    0
+}
+
 /// Applies options (see `kiln_options`). Call before `kiln_init`.
 ///
 /// # Safety
@@ -301,19 +329,90 @@ pub unsafe extern "C" fn kiln_init(k: *mut Kiln) -> c_int {
     let Some(k) = (unsafe { k.as_mut() }) else {
         return -EINVAL;
     };
-    let Some(server) = k.server.clone() else {
-        return -EINVAL;
+    let src = match (&k.volfile, &k.server) {
+        (Some(v), _) => Source::Volfile(v.clone()),
+        (None, Some(server)) => Source::Server {
+            server: server.clone(),
+            volume: k.volname.clone(),
+        },
+        (None, None) => return -EINVAL,
     };
     if k.client.is_some() {
         return -libc::EISCONN;
     }
-    match Client::connect(&server) {
-        Ok(c) => {
-            k.client = Some(Arc::new(c));
+    match Volume::from_source(&src) {
+        Ok(v) => {
+            k.client = Some(Arc::new(v));
             0
         }
         Err(e) => neg(e),
     }
+}
+
+/// Opens a volume in one call: `source` is `SERVER:/VOL` (a brick or a server that keeps volume
+/// definitions: `HOST:PORT:/VOL`, `unix:PATH:/VOL`) or, when it contains no `:/`, the path of
+/// a volfile. `opts` may be NULL (defaults). Returns 0 and sets `*out` to an initialised handle
+/// (free it with `kiln_fini`), or `-errno` and leaves `*out` alone.
+///
+/// # Safety
+/// `source` is NUL-terminated; `opts` is NULL or as for `kiln_set_options`; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn kiln_volume_open(
+    source: *const c_char,
+    opts: *const kiln_options,
+    out: *mut *mut Kiln,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    let source = try_c!(unsafe { str_arg(source) });
+    if out.is_null() || source.is_empty() {
+        return -EINVAL;
+    }
+    let (volname, volfile, server) = if source.contains(":/") {
+        match Source::parse(source) {
+            Ok(Source::Server { server, volume }) if !volume.is_empty() => (volume, None, server),
+            _ => return -EINVAL,
+        }
+    } else {
+        let p = PathBuf::from(source);
+        let name = p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "volume".into());
+        (name, Some(p), String::new())
+    };
+    let Ok(name) = std::ffi::CString::new(volname) else {
+        return -EINVAL;
+    };
+    let mut k: *mut Kiln = std::ptr::null_mut();
+    // SAFETY: a valid name and a writable out pointer.
+    let r = unsafe { kiln_new(name.as_ptr(), &mut k) };
+    if r != 0 {
+        return r;
+    }
+    // SAFETY: `k` was just created by `kiln_new` and is ours alone.
+    let kr = unsafe { &mut *k };
+    kr.volfile = volfile;
+    if kr.volfile.is_none() {
+        kr.server = Some(server);
+    }
+    let mut r = 0;
+    if !opts.is_null() {
+        // SAFETY: forwarded contract.
+        r = unsafe { kiln_set_options(k, opts) };
+    }
+    if r == 0 {
+        // SAFETY: a live handle.
+        r = unsafe { kiln_init(k) };
+    }
+    if r != 0 {
+        // SAFETY: a live handle, not used again.
+        unsafe { kiln_fini(k) };
+        return r;
+    }
+    // SAFETY: `out` is writable per the contract.
+    unsafe { *out = k };
+    0
 }
 
 /// Disconnects and frees the handle. Files still open fail from now on; close them to free
@@ -406,7 +505,7 @@ fn signal(q: &CompletionQueue) {
     };
 }
 
-fn new_fd(k: &Kiln, client: &Arc<Client>, fh: Fh, out: *mut *mut KilnFd) -> c_int {
+fn new_fd(k: &Kiln, client: &Arc<Volume>, fh: Fd, out: *mut *mut KilnFd) -> c_int {
     let fd = Box::new(KilnFd {
         client: client.clone(),
         fh,
@@ -482,7 +581,7 @@ pub unsafe extern "C" fn kiln_close(fd: *mut KilnFd) -> c_int {
     }
     // SAFETY: created by `new_fd`, given back exactly once.
     let fd = unsafe { Box::from_raw(fd) };
-    match block_on(fd.client.close(fd.fh)) {
+    match block_on(fd.client.close(fd.fh.clone())) {
         Ok(()) => 0,
         Err(e) => neg(e),
     }
@@ -529,7 +628,7 @@ pub unsafe extern "C" fn kiln_fstat(fd: *mut KilnFd, st: *mut kiln_stat_t) -> c_
     if st.is_null() {
         return -EINVAL;
     }
-    match block_on(fd.client.fstat(fd.fh)) {
+    match block_on(fd.client.fstat(&fd.fh)) {
         Ok(a) => {
             // SAFETY: checked non-null, writable per the contract.
             unsafe { *st = to_stat(&a) };
@@ -678,16 +777,13 @@ unsafe fn sync_io(
         let _ = tx.send(r);
     });
     // SAFETY: the buffers stay valid: we wait for the completion below.
-    let r = unsafe {
+    unsafe {
         if write {
-            f.client.pwritev_raw(f.fh, &v, offset as u64, cb)
+            f.client.pwritev_raw(&f.fh, &v, offset as u64, cb)
         } else {
-            f.client.preadv_raw(f.fh, &v, offset as u64, cb)
+            f.client.preadv_raw(&f.fh, &v, offset as u64, cb)
         }
     };
-    if let Err(e) = r {
-        return -(e as isize);
-    }
     match rx.recv() {
         Ok(Ok(n)) => n as isize,
         Ok(Err(e)) => -(e as isize),
@@ -705,7 +801,7 @@ pub unsafe extern "C" fn kiln_fsync(fd: *mut KilnFd) -> c_int {
     let Some(f) = (unsafe { fd.as_ref() }) else {
         return -EINVAL;
     };
-    match block_on(f.client.fsync(f.fh, false)) {
+    match block_on(f.client.fsync(&f.fh, false)) {
         Ok(()) => 0,
         Err(e) => neg(e),
     }
@@ -767,17 +863,14 @@ unsafe fn async_io(
         done(r.map(|n| n as isize).unwrap_or_else(|e| -(e as isize)))
     });
     // SAFETY: the caller keeps the buffers valid until the callback (the contract).
-    let r = unsafe {
+    unsafe {
         if write {
-            f.client.pwritev_raw(f.fh, &v, offset as u64, cb)
+            f.client.pwritev_raw(&f.fh, &v, offset as u64, cb)
         } else {
-            f.client.preadv_raw(f.fh, &v, offset as u64, cb)
+            f.client.preadv_raw(&f.fh, &v, offset as u64, cb)
         }
     };
-    match r {
-        Ok(()) => 0,
-        Err(e) => -(e as c_int),
-    }
+    0
 }
 
 /// Starts a read; `cb(fd, bytes or -errno, user_data)` runs when it completes. Returns 0 once
@@ -832,12 +925,10 @@ pub unsafe extern "C" fn kiln_fsync_async(
         return -EINVAL;
     };
     let done = completion(f, fd, cb, user_data);
-    match f.client.fsync_raw(
-        f.fh,
+    f.client.fsync_raw(
+        &f.fh,
         false,
         Box::new(move |r| done(r.map(|()| 0).unwrap_or_else(|e| -(e as isize)))),
-    ) {
-        Ok(()) => 0,
-        Err(e) => -(e as c_int),
-    }
+    );
+    0
 }

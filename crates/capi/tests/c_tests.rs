@@ -76,11 +76,33 @@ fn c_tests_pass_under_asan() {
     );
 
     let (sock, port) = start_server(dir.path());
+    // A second brick, and a volfile that distributes over both (for kiln_volume_open).
+    let sock2 = dir.path().join("kilnd2.sock");
+    std::fs::create_dir(dir.path().join("brick2")).expect("brick2");
+    let _second = kiln_server::spawn_background(
+        &dir.path().join("brick2"),
+        &[kiln_server::Listen::Unix(sock2.clone())],
+    )
+    .expect("second brick");
+    let volfile = dir.path().join("dist.toml");
+    std::fs::write(
+        &volfile,
+        format!(
+            "[[layer]]\nname = \"capi\"\ntype = \"io-stats\"\n\n\
+             [[layer]]\nname = \"capi-dist\"\ntype = \"distribute\"\nsubvolumes = [\"capi-b1\", \"capi-b2\"]\n\n\
+             [[layer]]\nname = \"capi-b1\"\ntype = \"protocol-client\"\nremote = \"unix:{}\"\n\n\
+             [[layer]]\nname = \"capi-b2\"\ntype = \"protocol-client\"\nremote = \"unix:{}\"\n",
+            sock.display(),
+            sock2.display()
+        ),
+    )
+    .expect("volfile");
     for args in [
         vec![
             "unix".to_owned(),
             sock.display().to_string(),
             "0".to_owned(),
+            volfile.display().to_string(),
         ],
         vec!["tcp".into(), "127.0.0.1".into(), port.to_string()],
     ] {

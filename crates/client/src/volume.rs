@@ -9,12 +9,19 @@
 //! read, the connection's receive thread right after the payload landed (see
 //! [`kiln_layer::exec`]).
 
-use std::io;
+use std::io::{self, IoSlice};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use kiln_layer::volfile::{LayerKind, Volfile};
-use kiln_layer::{exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, RawIov, ReadDst, ReadOut};
+/// The layer crate the stack is built from (for front-ends that need its types: `IoBufs`,
+/// `exec`, `metrics`).
+pub use kiln_layer as layer;
+pub use kiln_layer::volfile::{LayerKind, Volfile};
+use kiln_layer::{
+    exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, RawIov, ReadDst, ReadOut, SetAttrs, StatfsReply,
+};
+use kiln_proto::ops::DirEntry;
 
 use crate::client::{errno_error, Client};
 use crate::protocol::ProtocolClient;
@@ -31,6 +38,56 @@ pub struct Volume {
 pub const SUBMIT: &str = "submit";
 /// Label stamped when its completion is delivered.
 pub const COMPLETE: &str = "completion";
+
+/// Where a front-end (a mount, an NBD export, libkiln) gets its volume from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A volfile on disk: the whole client stack, protocol-clients included.
+    Volfile(PathBuf),
+    /// A server address (`HOST`, `HOST:PORT`, `tcp:HOST:PORT`, `unix:PATH`) and a volume name:
+    /// a kilnd that keeps volume definitions (its management port, by default
+    /// [`crate::mgmt::DEFAULT_MGMT_PORT`]) hands out the volume's volfile; a plain brick (which
+    /// does not manage volumes, or is reached over a Unix socket) is used with the default
+    /// stack ([`Volume::connect`]).
+    Server {
+        /// The server's address.
+        server: String,
+        /// The volume's name.
+        volume: String,
+    },
+}
+
+impl Source {
+    /// Parses `SERVER:/VOL` (split at the last `:/`, so a socket path may contain one).
+    pub fn parse(spec: &str) -> Result<Source, String> {
+        match spec.rfind(":/") {
+            Some(i) if i > 0 && spec.len() > i + 2 => Ok(Source::Server {
+                server: spec[..i].to_owned(),
+                volume: spec[i + 2..].trim_matches('/').to_owned(),
+            }),
+            _ => Err(format!(
+                "bad volume {spec:?}: want SERVER:/VOL, e.g. 127.0.0.1:24100:/vol"
+            )),
+        }
+    }
+
+    /// A volfile path, or else `SERVER:/VOL`.
+    pub fn new(spec: &str, volfile: Option<&Path>) -> Result<Source, String> {
+        match volfile {
+            Some(p) => Ok(Source::Volfile(p.to_owned())),
+            None => Source::parse(spec),
+        }
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Volfile(p) => write!(f, "volfile {}", p.display()),
+            Source::Server { server, volume } => write!(f, "{server}:/{volume}"),
+        }
+    }
+}
 
 impl Volume {
     /// The default client stack for the brick at `addr`.
@@ -52,12 +109,22 @@ impl Volume {
         Volume::from_volfile(&Volume::default_volfile(addr))
     }
 
-    /// Builds a client stack, connecting every protocol-client.
+    /// Builds a client stack, connecting every protocol-client (with the secret from
+    /// `KILN_SECRET_FILE`, if set).
     pub fn from_volfile(v: &Volfile) -> io::Result<Volume> {
+        Volume::from_volfile_with_secret(v, None)
+    }
+
+    /// Builds a client stack whose bricks want `secret` (`None`: as [`Client::connect`]).
+    pub fn from_volfile_with_secret(v: &Volfile, secret: Option<&[u8]>) -> io::Result<Volume> {
         let mut clients = Vec::new();
         let mut err = None;
+        let connect = |remote: &str| match secret {
+            Some(s) => Client::connect_with_secret(remote, Some(s)),
+            None => Client::connect(remote),
+        };
         let top = v.build(&mut |def, _kids| match &def.kind {
-            LayerKind::ProtocolClient { remote } => match Client::connect(remote) {
+            LayerKind::ProtocolClient { remote } => match connect(remote) {
                 Ok(c) => {
                     let c = Arc::new(c);
                     clients.push(c.clone());
@@ -250,6 +317,257 @@ impl Volume {
             let r = top.write(&cx, &fd, offset, bufs).await;
             Volume::finish(&cx);
             cb(r.map(|w| w.n));
+        });
+    }
+}
+
+/// Runs one fop on the top layer with a (possibly sampled) context: `$cx => call`.
+macro_rules! fop {
+    ($self:ident, $cx:ident => $call:expr) => {{
+        let $cx = $self.ctx();
+        let r = $call.await;
+        Volume::finish(&$cx);
+        r.map_err(errno_error)
+    }};
+}
+
+/// What the front-ends (FUSE, NBD, libkiln) need beyond the data path.
+impl Volume {
+    /// Builds the stack `src` names: the volfile's, or the server's for the volume (the
+    /// default stack for a brick that keeps no volume definitions).
+    pub fn from_source(src: &Source) -> io::Result<Volume> {
+        match src {
+            Source::Volfile(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+                let v = Volfile::parse(&text).map_err(|e| {
+                    io::Error::new(io::ErrorKind::InvalidInput, format!("{}: {e}", p.display()))
+                })?;
+                Volume::from_volfile(&v)
+            }
+            Source::Server { server, volume } => Volume::from_server(server, volume),
+        }
+    }
+
+    /// The volume `volume` as the kilnd at `server` describes it, or the brick at `server`.
+    fn from_server(server: &str, volume: &str) -> io::Result<Volume> {
+        if server.starts_with("unix:") {
+            // Management is TCP only: a Unix socket is a brick's.
+            return Volume::connect(server);
+        }
+        let hostport = server.strip_prefix("tcp:").unwrap_or(server);
+        let has_port = hostport
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+        let mgmt_addr = if has_port {
+            format!("tcp:{hostport}")
+        } else {
+            crate::mgmt::parse_volume_spec(&format!("{hostport}:/{volume}"))?.0
+        };
+        let fetched = crate::mgmt::fetch_volfile(&mgmt_addr, volume);
+        match fetched {
+            Ok(v) => {
+                let secret = match crate::mgmt::secret_file(volume, None) {
+                    Some(p) => Some(crate::mgmt::read_secret(&p)?),
+                    None => None,
+                };
+                tracing::info!("volume {volume}: volfile from {mgmt_addr}");
+                Volume::from_volfile_with_secret(&v, secret.as_deref())
+            }
+            // A brick does not manage volumes (ENOSYS), or wants its secret before anything
+            // but HELLO (EACCES): use it as a brick. Any other answer is the server's word.
+            Err(e)
+                if has_port
+                    && matches!(
+                        e.kind(),
+                        io::ErrorKind::Unsupported | io::ErrorKind::PermissionDenied
+                    ) =>
+            {
+                tracing::debug!("{server} gave no volfile ({e}); using it as a brick");
+                Volume::connect(server)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// True when every connection of the stack is gone (nothing can succeed any more).
+    pub fn is_dead(&self) -> bool {
+        !self.clients.is_empty() && self.clients.iter().all(|c| c.is_dead())
+    }
+
+    /// Shuts every connection down: requests in flight and later ones fail.
+    pub fn shutdown(&self) {
+        for c in &self.clients {
+            c.shutdown();
+        }
+    }
+
+    /// Attributes of an open file.
+    pub async fn fstat(&self, fd: &Fd) -> io::Result<Attr> {
+        fop!(self, cx => self.top.fstat(&cx, fd))
+    }
+
+    /// Changes attributes of `path`.
+    pub async fn setattr(&self, path: &str, attrs: SetAttrs) -> io::Result<Attr> {
+        fop!(self, cx => self.top.setattr(&cx, path, &attrs))
+    }
+
+    /// Changes attributes of an open file.
+    pub async fn fsetattr(&self, fd: &Fd, attrs: SetAttrs) -> io::Result<Attr> {
+        fop!(self, cx => self.top.fsetattr(&cx, fd, &attrs))
+    }
+
+    /// Removes a file.
+    pub async fn unlink(&self, path: &str) -> io::Result<()> {
+        fop!(self, cx => self.top.unlink(&cx, path))
+    }
+
+    /// Makes a directory.
+    pub async fn mkdir(&self, path: &str, mode: u32) -> io::Result<Attr> {
+        fop!(self, cx => self.top.mkdir(&cx, path, mode))
+    }
+
+    /// Removes an empty directory.
+    pub async fn rmdir(&self, path: &str) -> io::Result<()> {
+        fop!(self, cx => self.top.rmdir(&cx, path))
+    }
+
+    /// Renames (`flags`: `RENAME_NOREPLACE` and friends).
+    pub async fn rename(&self, from: &str, to: &str, flags: u32) -> io::Result<()> {
+        fop!(self, cx => self.top.rename(&cx, from, to, flags))
+    }
+
+    /// The whole listing of a directory (without `.` and `..`), page by page.
+    pub async fn readdir(&self, path: &str) -> io::Result<Vec<DirEntry>> {
+        let mut out = Vec::new();
+        loop {
+            let r = fop!(self, cx => self.top.readdir(&cx, path, out.len() as u64, 256))?;
+            let got = r.entries.0.len();
+            out.extend(r.entries.0);
+            if r.eof || got == 0 {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// Makes `path` a symlink to `target`.
+    pub async fn symlink(&self, target: &str, path: &str) -> io::Result<Attr> {
+        fop!(self, cx => self.top.symlink(&cx, target, path))
+    }
+
+    /// A symlink's target.
+    pub async fn readlink(&self, path: &str) -> io::Result<String> {
+        fop!(self, cx => self.top.readlink(&cx, path))
+    }
+
+    /// Makes `path` a hard link to `existing`.
+    pub async fn link(&self, existing: &str, path: &str) -> io::Result<Attr> {
+        fop!(self, cx => self.top.link(&cx, existing, path))
+    }
+
+    /// File system statistics.
+    pub async fn statfs(&self, path: &str) -> io::Result<StatfsReply> {
+        fop!(self, cx => self.top.statfs(&cx, path))
+    }
+
+    /// An extended attribute's value.
+    pub async fn getxattr(&self, path: &str, name: &str) -> io::Result<Vec<u8>> {
+        fop!(self, cx => self.top.getxattr(&cx, path, name))
+    }
+
+    /// Sets an extended attribute.
+    pub async fn setxattr(
+        &self,
+        path: &str,
+        name: &str,
+        value: &[u8],
+        flags: u32,
+    ) -> io::Result<()> {
+        fop!(self, cx => self.top.setxattr(&cx, path, name, value, flags))
+    }
+
+    /// Extended attribute names.
+    pub async fn listxattr(&self, path: &str) -> io::Result<Vec<String>> {
+        fop!(self, cx => self.top.listxattr(&cx, path))
+    }
+
+    /// Removes an extended attribute.
+    pub async fn removexattr(&self, path: &str, name: &str) -> io::Result<()> {
+        fop!(self, cx => self.top.removexattr(&cx, path, name))
+    }
+
+    /// Allocates or zeroes a range (`mode`: Linux `fallocate` flags).
+    pub async fn fallocate(&self, fd: &Fd, mode: u32, offset: u64, len: u64) -> io::Result<()> {
+        fop!(self, cx => self.top.fallocate(&cx, fd, mode, offset, len))
+    }
+
+    /// Punches a hole, keeping the size.
+    pub async fn discard(&self, fd: &Fd, offset: u64, len: u64) -> io::Result<()> {
+        fop!(self, cx => self.top.discard(&cx, fd, offset, len))
+    }
+
+    /// Writes borrowed slices at `offset`, sent straight from them; blocks the calling thread
+    /// until the stack has answered.
+    pub fn pwritev_blocking(
+        &self,
+        fd: &Fd,
+        bufs: &[IoSlice<'_>],
+        offset: u64,
+    ) -> io::Result<usize> {
+        let iov: Vec<RawIov> = bufs
+            .iter()
+            .map(|b| RawIov {
+                base: b.as_ptr() as usize,
+                len: b.len(),
+            })
+            .collect();
+        // SAFETY: `block_on` returns only once the write has completed, and `bufs` stays
+        // borrowed (unchanged) until then.
+        let data = unsafe { IoBufs::raw(iov) };
+        let r = exec::block_on(async { fop!(self, cx => self.top.write(&cx, fd, offset, data)) });
+        r.map(|w| w.n)
+    }
+
+    /// Reads into borrowed slices at `offset`, straight from the socket; blocks until done.
+    pub fn preadv_blocking(
+        &self,
+        fd: &Fd,
+        bufs: &mut [io::IoSliceMut<'_>],
+        offset: u64,
+    ) -> io::Result<usize> {
+        let iov: Vec<RawIov> = bufs
+            .iter_mut()
+            .map(|b| RawIov {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+            })
+            .collect();
+        // SAFETY: as in `pwritev_blocking`; `bufs` is borrowed exclusively until completion.
+        let dst = unsafe { IoBufs::raw(iov) };
+        let r = exec::block_on(async {
+            fop!(self, cx => self.top.read(&cx, fd, offset, ReadDst::Into(dst)))
+        });
+        r.map(|o| o.len())
+    }
+
+    /// Writes `data` at `offset` (memory the caller describes: owned buffers, or raw vectors
+    /// such as static memory); returns the bytes written.
+    pub async fn write_bufs(&self, fd: &Fd, data: IoBufs, offset: u64) -> io::Result<usize> {
+        fop!(self, cx => self.top.write(&cx, fd, offset, data)).map(|w| w.n)
+    }
+
+    /// Flushes a file; `cb` runs on the thread that completed the request.
+    pub fn fsync_raw(
+        &self,
+        fd: &Fd,
+        datasync: bool,
+        cb: Box<dyn FnOnce(Result<(), Errno>) + Send>,
+    ) {
+        let (top, fd, cx) = (self.top.clone(), fd.clone(), self.ctx());
+        exec::spawn(async move {
+            let r = top.fsync(&cx, &fd, datasync).await;
+            Volume::finish(&cx);
+            cb(r);
         });
     }
 }

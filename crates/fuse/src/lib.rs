@@ -1,10 +1,12 @@
 //! `kiln mount`: a Kiln volume as a FUSE file system.
 //!
-//! A thin adapter between fuser's `Filesystem` trait and the native client. Reads are handed to
-//! the client without blocking the FUSE thread: the reply goes back to the kernel from the
-//! client's receive thread, straight from the buffer the payload was received into. Writes
-//! are sent from the kernel's request buffer (no copy) and wait for the brick's answer on the
-//! FUSE thread; several FUSE threads keep several in flight. Requests are up to 1 MiB
+//! A thin adapter between fuser's `Filesystem` trait and the client layer stack
+//! ([`kiln_client::Volume`]), so a mount serves any volume graph — one brick, or distribute and
+//! replicate over several — and its io-stats points show in the mount's `/metrics`. Reads are
+//! handed to the stack without blocking the FUSE thread: the reply goes back to the kernel from
+//! the connection's receive thread, straight from the buffer the payload was received into.
+//! Writes are sent from the kernel's request buffer (no copy) and wait for the stack's answer on
+//! the FUSE thread; several FUSE threads keep several in flight. Requests are up to 1 MiB
 //! (`max_write` and `max_pages`), so a 1 MiB `O_DIRECT` `preadv` of 256 × 4 KiB iovecs reaches
 //! the brick as one READ.
 //!
@@ -32,7 +34,8 @@ use fuser::{
     KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
-use kiln_client::{block_on, Attr, Client, DirEntry, Fh, RawIov, SetAttrs, Time};
+use kiln_client::volume::Source;
+use kiln_client::{block_on, Attr, DirEntry, Fd, RawIov, SetAttrs, Time, Volume};
 use kiln_proto::ops::*;
 
 use crate::inodes::{join, Inodes, ROOT};
@@ -52,15 +55,22 @@ pub enum Mode {
 /// Mounts a Kiln volume with FUSE and serves it in the foreground until unmounted
 /// (`kiln umount DIR`, `umount DIR`) or sent SIGTERM/SIGINT.
 ///
-/// SERVER:/VOL names the brick server (`HOST:PORT`, `tcp:HOST:PORT` or `unix:PATH`) and the
-/// volume; a brick serves one volume today, so VOL is recorded in the mount's name.
+/// SERVER:/VOL names the server (`HOST:PORT`, `tcp:HOST:PORT` or `unix:PATH`) and the volume:
+/// the client stack is the volume's volfile; a plain brick (one that keeps no volume
+/// definitions) is mounted with the default stack, io-stats over one protocol-client. With
+/// `--volfile FILE` the stack comes from FILE instead (distribute, replicate, several bricks):
+/// `kiln mount --volfile vol.toml DIR`.
 /// Prints `kiln: mounted SOURCE on DIR` once the mount is ready.
 #[derive(clap::Args, Debug, Clone)]
 pub struct MountArgs {
-    /// SERVER:/VOL, e.g. 127.0.0.1:24100:/vol or unix:/run/kiln.sock:/vol.
+    /// SERVER:/VOL, e.g. 127.0.0.1:24100:/vol or unix:/run/kiln.sock:/vol (with --volfile:
+    /// the mount point, or a name for the mount followed by the mount point).
     pub source: String,
     /// An existing, empty directory to mount on.
-    pub mountpoint: PathBuf,
+    pub mountpoint: Option<PathBuf>,
+    /// Build the client stack from this volfile (TOML) instead of asking SERVER.
+    #[arg(long, value_name = "FILE")]
+    pub volfile: Option<PathBuf>,
     /// Caching mode: vm-image (direct I/O, no page cache) or general (page cache).
     #[arg(long, value_enum, default_value = "general")]
     pub mode: Mode,
@@ -70,9 +80,8 @@ pub struct MountArgs {
     /// reads were the same either way.
     #[arg(long, default_value_t = 16)]
     pub threads: usize,
-    /// Connections to the brick; data requests are spread over them (each has its own
-    /// receive thread).
-    #[arg(long, default_value_t = 2)]
+    /// Accepted for compatibility and ignored: the stack has one connection per brick.
+    #[arg(long, default_value_t = 1, hide = true)]
     pub connections: usize,
     /// Attribute and entry cache timeout in general mode, in seconds.
     #[arg(long, default_value_t = 1.0)]
@@ -85,14 +94,9 @@ pub struct MountArgs {
 
 /// Splits `SERVER:/VOL` at the last `:/`.
 pub fn parse_source(s: &str) -> Result<(String, String), String> {
-    match s.rfind(":/") {
-        Some(i) if i > 0 && s.len() > i + 2 => Ok((
-            s[..i].to_owned(),
-            s[i + 2..].trim_end_matches('/').to_owned(),
-        )),
-        _ => Err(format!(
-            "bad volume {s:?}: want SERVER:/VOL, e.g. 127.0.0.1:24100:/vol"
-        )),
+    match Source::parse(s)? {
+        Source::Server { server, volume } => Ok((server, volume)),
+        Source::Volfile(_) => unreachable!("parse gives a server"),
     }
 }
 
@@ -133,15 +137,11 @@ impl BufPool {
 /// The FUSE file system.
 pub struct KilnFs {
     bufs: Arc<BufPool>,
-    /// Metadata goes over the first connection.
-    client: Arc<Client>,
-    /// Data goes round-robin over all connections: each has its own receive thread, which
-    /// receives a read's payload and hands it to the kernel, so several overlap.
-    data: Vec<Arc<Client>>,
-    /// An open file's handle on each connection, by the FUSE file handle.
-    files: Mutex<HashMap<u64, Arc<[Fh]>>>,
+    /// The client stack: every fop goes to its top layer.
+    vol: Arc<Volume>,
+    /// The stack's handle of each open file, by the FUSE file handle.
+    files: Mutex<HashMap<u64, Fd>>,
     next_file: AtomicU64,
-    rr: std::sync::atomic::AtomicUsize,
     mode: Mode,
     ttl: Duration,
     inodes: Mutex<Inodes>,
@@ -195,24 +195,14 @@ fn kind(mode: u32) -> FileType {
 }
 
 impl KilnFs {
-    /// A file system over `clients` (at least one; all to the same brick).
-    pub fn new(
-        clients: Vec<Arc<Client>>,
-        mode: Mode,
-        attr_timeout: Duration,
-    ) -> std::io::Result<KilnFs> {
-        let client = clients
-            .first()
-            .cloned()
-            .ok_or_else(|| std::io::Error::other("no connection"))?;
-        let root = block_on(client.lookup(""))?;
+    /// A file system over the client stack `vol`.
+    pub fn new(vol: Arc<Volume>, mode: Mode, attr_timeout: Duration) -> std::io::Result<KilnFs> {
+        let root = block_on(vol.lookup(""))?;
         Ok(KilnFs {
             bufs: Arc::default(),
-            data: clients,
+            vol,
             files: Mutex::new(HashMap::new()),
             next_file: AtomicU64::new(1),
-            rr: std::sync::atomic::AtomicUsize::new(0),
-            client,
             mode,
             ttl: attr_timeout,
             inodes: Mutex::new(Inodes::new(root.ino)),
@@ -281,49 +271,24 @@ impl KilnFs {
         f
     }
 
-    /// Opens `path` on the other connections too (the first is already open as `first`) and
-    /// returns the FUSE file handle for the set.
-    fn register_open(&self, path: &str, flags: i32, first: Fh) -> Result<u64, Errno> {
-        let mut fhs = vec![first];
-        let again = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
-        for c in &self.data[1..] {
-            match block_on(c.open(path, again)) {
-                Ok(fh) => fhs.push(fh),
-                Err(e) => {
-                    for (c, fh) in self.data.iter().zip(&fhs) {
-                        let _ = block_on(c.close(*fh));
-                    }
-                    return Err(errno(e));
-                }
-            }
-        }
+    /// Gives an open file a FUSE file handle.
+    fn register_open(&self, fd: Fd) -> u64 {
         let id = self.next_file.fetch_add(1, Ordering::Relaxed);
         self.files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(id, fhs.into());
-        Ok(id)
+            .insert(id, fd);
+        id
     }
 
-    fn handles(&self, fh: FileHandle) -> Result<Arc<[Fh]>, Errno> {
+    /// The stack's handle for a FUSE file handle.
+    fn fd(&self, fh: FileHandle) -> Result<Fd, Errno> {
         self.files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&fh.0)
             .cloned()
             .ok_or(Errno::EBADF)
-    }
-
-    /// The connection (and the file's handle on it) for the next data request.
-    fn pick(&self, fh: FileHandle) -> Result<(&Arc<Client>, Fh), Errno> {
-        let fhs = self.handles(fh)?;
-        let i = self.rr.fetch_add(1, Ordering::Relaxed) % fhs.len();
-        Ok((&self.data[i], fhs[i]))
-    }
-
-    /// The file's handle on the metadata connection.
-    fn meta_fh(&self, fh: FileHandle) -> Result<Fh, Errno> {
-        Ok(self.handles(fh)?[0])
     }
 
     /// unlink or rmdir `name`, and forget the path.
@@ -333,9 +298,9 @@ impl KilnFs {
             Err(e) => return reply.error(e),
         };
         let r = if dir {
-            block_on(self.client.rmdir(&path))
+            block_on(self.vol.rmdir(&path))
         } else {
-            block_on(self.client.unlink(&path))
+            block_on(self.vol.unlink(&path))
         };
         match r {
             Ok(()) => {
@@ -381,7 +346,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.lookup(&path)) {
+        match block_on(self.vol.lookup(&path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -393,12 +358,12 @@ impl fuser::Filesystem for KilnFs {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let r = match fh {
-            Some(fh) if ino.0 != ROOT => match self.meta_fh(fh) {
-                Ok(f) => block_on(self.client.fstat(f)),
+            Some(fh) if ino.0 != ROOT => match self.fd(fh) {
+                Ok(f) => block_on(self.vol.fstat(&f)),
                 Err(e) => return reply.error(e),
             },
             _ => match self.path(ino) {
-                Ok(p) => block_on(self.client.lookup(&p)),
+                Ok(p) => block_on(self.vol.lookup(&p)),
                 Err(e) => return reply.error(e),
             },
         };
@@ -464,12 +429,12 @@ impl fuser::Filesystem for KilnFs {
         // With a handle (the kernel passes one from ftruncate and from writeback of an open
         // file), act on the open file: its name may be gone already. Otherwise by path.
         let r = match fh {
-            Some(fh) => match self.meta_fh(fh) {
-                Ok(f) => block_on(self.client.fsetattr(f, req)),
+            Some(fh) => match self.fd(fh) {
+                Ok(f) => block_on(self.vol.fsetattr(&f, req)),
                 Err(e) => return reply.error(e),
             },
             None => match self.path(ino) {
-                Ok(p) => block_on(self.client.setattr(&p, req)),
+                Ok(p) => block_on(self.vol.setattr(&p, req)),
                 Err(e) => return reply.error(e),
             },
         };
@@ -480,7 +445,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.path(ino).map(|p| block_on(self.client.readlink(&p))) {
+        match self.path(ino).map(|p| block_on(self.vol.readlink(&p))) {
             Ok(Ok(t)) => reply.data(t.as_bytes()),
             Ok(Err(e)) => reply.error(errno(e)),
             Err(e) => reply.error(e),
@@ -500,7 +465,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.mkdir(&path, mode & !umask)) {
+        match block_on(self.vol.mkdir(&path, mode & !umask)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -527,7 +492,7 @@ impl fuser::Filesystem for KilnFs {
             (Err(e), _) => return reply.error(e),
             (_, None) => return reply.error(Errno::EINVAL),
         };
-        match block_on(self.client.symlink(target, &path)) {
+        match block_on(self.vol.symlink(target, &path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -547,7 +512,7 @@ impl fuser::Filesystem for KilnFs {
             (Ok(f), Ok(t)) => (f, t),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
-        match block_on(self.client.rename(&from, &to, flags.bits())) {
+        match block_on(self.vol.rename(&from, &to, flags.bits())) {
             Ok(()) => {
                 self.table().renamed(&from, &to);
                 reply.ok()
@@ -568,7 +533,7 @@ impl fuser::Filesystem for KilnFs {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
-        match block_on(self.client.link(&existing, &path)) {
+        match block_on(self.vol.link(&existing, &path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -580,12 +545,9 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let flags = self.open_flags(flags.0);
-        match block_on(self.client.open(&path, flags))
-            .map_err(errno)
-            .and_then(|fh| self.register_open(&path, flags, fh))
-        {
-            Ok(id) => reply.opened(FileHandle(id), self.fopen_flags()),
-            Err(e) => reply.error(e),
+        match block_on(self.vol.open(&path, flags)) {
+            Ok(fd) => reply.opened(FileHandle(self.register_open(fd)), self.fopen_flags()),
+            Err(e) => reply.error(errno(e)),
         }
     }
 
@@ -604,9 +566,9 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let flags = self.open_flags(flags) | (flags & libc::O_EXCL);
-        let created = block_on(self.client.create(&path, flags, mode & !umask)).map_err(errno);
-        match created.and_then(|(fh, a)| Ok((self.register_open(&path, flags, fh)?, a))) {
-            Ok((id, a)) => {
+        match block_on(self.vol.create(&path, flags, mode & !umask)) {
+            Ok((fd, a)) => {
+                let id = self.register_open(fd);
                 let fa = self.fattr(&a);
                 self.table().learn(fa.ino.0, &path);
                 reply.created(
@@ -617,7 +579,7 @@ impl fuser::Filesystem for KilnFs {
                     self.fopen_flags(),
                 )
             }
-            Err(e) => reply.error(e),
+            Err(e) => reply.error(errno(e)),
         }
     }
 
@@ -632,7 +594,7 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
-        let (client, kfh) = match self.pick(fh) {
+        let fd = match self.fd(fh) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
@@ -643,7 +605,8 @@ impl fuser::Filesystem for KilnFs {
             len: size,
         }];
         let pool = self.bufs.clone();
-        // The reply goes to the kernel from the receive thread, straight from `buf`.
+        // The reply goes to the kernel from the thread that completed the read (the
+        // connection's receive thread), straight from `buf`.
         let done = Box::new(move |r: Result<usize, u32>| {
             match r {
                 Ok(n) => {
@@ -657,9 +620,7 @@ impl fuser::Filesystem for KilnFs {
         });
         // SAFETY: `buf` moves into the callback, so its heap memory lives until the callback
         // runs; nothing else touches it meanwhile.
-        if let Err(e) = unsafe { client.preadv_raw(kfh, &iov, offset, done) } {
-            tracing::warn!("read submit failed: errno {e}");
-        }
+        unsafe { self.vol.preadv_raw(&fd, &iov, offset, done) }
     }
 
     fn write(
@@ -675,12 +636,15 @@ impl fuser::Filesystem for KilnFs {
         reply: ReplyWrite,
     ) {
         // Sent straight from the kernel's request buffer; this FUSE thread waits for the
-        // brick (others keep serving).
-        let (client, kfh) = match self.pick(fh) {
+        // stack (others keep serving).
+        let fd = match self.fd(fh) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        match client.pwritev_blocking(kfh, &[IoSlice::new(data)], offset) {
+        match self
+            .vol
+            .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
+        {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(errno(e)),
         }
@@ -708,7 +672,7 @@ impl fuser::Filesystem for KilnFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(fhs) = self
+        let Some(fd) = self
             .files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -716,15 +680,9 @@ impl fuser::Filesystem for KilnFs {
         else {
             return reply.error(Errno::EBADF);
         };
-        let mut result = Ok(());
-        for (c, f) in self.data.iter().zip(fhs.iter()) {
-            if let Err(e) = block_on(c.close(*f)) {
-                result = Err(errno(e));
-            }
-        }
-        match result {
+        match block_on(self.vol.close(fd)) {
             Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
+            Err(e) => reply.error(errno(e)),
         }
     }
 
@@ -736,12 +694,12 @@ impl fuser::Filesystem for KilnFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        // fsync on the brick is per file, so one handle flushes what every connection wrote.
-        let f = match self.meta_fh(fh) {
+        // The stack flushes the file on every brick that holds it.
+        let f = match self.fd(fh) {
             Ok(f) => f,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.fsync(f, datasync)) {
+        match block_on(self.vol.fsync(&f, datasync)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -754,7 +712,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.readdir(&path)) {
+        match block_on(self.vol.readdir(&path)) {
             Ok(entries) => {
                 let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
                 self.dirs
@@ -820,7 +778,7 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         if offset < 2 {
-            let here = match block_on(self.client.lookup(&parent)) {
+            let here = match block_on(self.vol.lookup(&parent)) {
                 Ok(a) => self.fattr(&a),
                 Err(e) => return reply.error(errno(e)),
             };
@@ -864,7 +822,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        match block_on(self.client.statfs("")) {
+        match block_on(self.vol.statfs("")) {
             Ok(s) => reply.statfs(
                 s.blocks,
                 s.bfree,
@@ -893,7 +851,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.setxattr(&path, name, value, flags as u32)) {
+        match block_on(self.vol.setxattr(&path, name, value, flags as u32)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -904,7 +862,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.getxattr(&path, name)) {
+        match block_on(self.vol.getxattr(&path, name)) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
             Ok(v) => reply.data(&v),
@@ -917,7 +875,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.listxattr(&path)) {
+        match block_on(self.vol.listxattr(&path)) {
             Ok(names) => {
                 let mut buf = Vec::new();
                 for n in names {
@@ -941,7 +899,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.removexattr(&path, name)) {
+        match block_on(self.vol.removexattr(&path, name)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -962,11 +920,11 @@ impl fuser::Filesystem for KilnFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        let f = match self.meta_fh(fh) {
+        let f = match self.fd(fh) {
             Ok(f) => f,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.client.fallocate(f, mode as u32, offset, length)) {
+        match block_on(self.vol.fallocate(&f, mode as u32, offset, length)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -1012,17 +970,17 @@ fn is_mountpoint(dir: &Path) -> bool {
         .any(|l| l.split(' ').nth(4) == Some(canon.as_str()))
 }
 
-/// Mounts `client`'s volume on `mountpoint` and serves it from background threads until the
-/// returned session is dropped or joined (after an unmount).
+/// Mounts the volume of the client stack `vol` on `mountpoint` and serves it from background
+/// threads until the returned session is dropped or joined (after an unmount).
 pub fn mount_background(
-    clients: Vec<Arc<Client>>,
+    vol: Arc<Volume>,
     source: &str,
     mountpoint: &Path,
     mode: Mode,
     attr_timeout: Duration,
     threads: usize,
 ) -> Result<fuser::BackgroundSession, String> {
-    let fs = KilnFs::new(clients, mode, attr_timeout)
+    let fs = KilnFs::new(vol, mode, attr_timeout)
         .map_err(|e| format!("cannot read the root of {source}: {e}"))?;
     let mut config = fuser::Config::default();
     config.mount_options = vec![
@@ -1040,45 +998,56 @@ pub fn mount_background(
         .map_err(|e| format!("cannot start the FUSE session: {e}"))
 }
 
+/// What `kiln mount`'s arguments name: the stack's source, a label for the mount and the mount
+/// point. With `--volfile`, one positional argument is the mount point; two are a label and the
+/// mount point.
+pub fn mount_target(args: &MountArgs) -> Result<(Source, String, PathBuf), String> {
+    match (&args.volfile, &args.mountpoint) {
+        (Some(v), None) => Ok((
+            Source::Volfile(v.clone()),
+            v.display().to_string(),
+            PathBuf::from(&args.source),
+        )),
+        (Some(v), Some(m)) => Ok((Source::Volfile(v.clone()), args.source.clone(), m.clone())),
+        (None, Some(m)) => Ok((Source::parse(&args.source)?, args.source.clone(), m.clone())),
+        (None, None) => Err("missing the mount point: kiln mount SERVER:/VOL DIR".into()),
+    }
+}
+
 /// `kiln mount`.
 pub fn main(args: MountArgs) -> Result<(), String> {
-    let (server, _vol) = parse_source(&args.source)?;
-    match std::fs::metadata(&args.mountpoint) {
+    let (source, label, mountpoint) = mount_target(&args)?;
+    match std::fs::metadata(&mountpoint) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
             return Err(format!(
                 "mount point {} is not a directory",
-                args.mountpoint.display()
+                mountpoint.display()
             ))
         }
-        Err(e) => return Err(format!("mount point {}: {e}", args.mountpoint.display())),
+        Err(e) => return Err(format!("mount point {}: {e}", mountpoint.display())),
     }
-    if is_mountpoint(&args.mountpoint) {
+    if is_mountpoint(&mountpoint) {
         return Err(format!(
             "mount point {} is busy: something is already mounted there",
-            args.mountpoint.display()
+            mountpoint.display()
         ));
     }
     block_signals();
     kiln_client::start_metrics(&args.metrics, "kiln-mount")?;
-    let mut clients = Vec::new();
-    for _ in 0..args.connections.max(1) {
-        clients.push(Arc::new(
-            Client::connect(&server).map_err(|e| format!("cannot reach {server}: {e}"))?,
-        ));
-    }
+    let vol = Volume::from_source(&source).map_err(|e| format!("cannot reach {source}: {e}"))?;
     let bg = mount_background(
-        clients,
-        &args.source,
-        &args.mountpoint,
+        Arc::new(vol),
+        &label,
+        &mountpoint,
         args.mode,
         Duration::from_secs_f64(args.attr_timeout.max(0.0)),
         args.threads,
     )?;
     println!(
         "kiln: mounted {} on {} ({:?} mode)",
-        args.source,
-        args.mountpoint.display(),
+        label,
+        mountpoint.display(),
         args.mode
     );
     use std::io::Write;
@@ -1101,10 +1070,10 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     loop {
         match rx.recv() {
             Ok(Event::Signal) => {
-                tracing::info!("signal received, unmounting {}", args.mountpoint.display());
-                if let Err(e) = umount(&args.mountpoint) {
+                tracing::info!("signal received, unmounting {}", mountpoint.display());
+                if let Err(e) = umount(&mountpoint) {
                     tracing::warn!("{e}; detaching instead");
-                    let _ = umount_lazy(&args.mountpoint);
+                    let _ = umount_lazy(&mountpoint);
                 }
             }
             Ok(Event::Ended(Ok(()))) => return Ok(()),

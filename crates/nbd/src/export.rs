@@ -1,18 +1,21 @@
-//! The export: a listener for NBD clients, one session per client, and the image on the brick.
+//! The export: a listener for NBD clients, one session per client, and the image on the volume.
 //!
-//! Each NBD client connection gets its own Kiln connection and its own open handle on the image,
-//! so clients never queue behind each other in one Kiln connection, and a client that breaks its
-//! connection breaks only that. Sessions run on the tokio runtime: a reader task (the session
-//! itself) and a writer task; completions arrive on the Kiln connection's receive thread.
+//! The export builds one client stack ([`kiln_client::Volume`]: the default stack for a brick,
+//! or a volfile's graph with distribute and replicate over several bricks) and every NBD client
+//! connection opens its own handle on the image through it. One stack means one set of io-stats
+//! points in `/metrics`; if every brick connection of the stack is lost, the next client to
+//! connect gets a fresh stack. Sessions run on the tokio runtime: a reader task (the session
+//! itself) and a writer task; completions arrive on the Kiln connections' receive threads.
 
 use std::future::Future;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kiln_client::{Client, Fh};
+use kiln_client::volume::Source;
+use kiln_client::{Fd, Volume};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
@@ -32,8 +35,10 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// What to export and how.
 #[derive(Debug, Clone)]
 pub struct ExportConfig {
-    /// The image on the brick.
+    /// The image on the volume.
     pub image: ImageSpec,
+    /// Build the client stack from this volfile instead of connecting to `image.server`.
+    pub volfile: Option<PathBuf>,
     /// Where NBD clients connect.
     pub listen: Listen,
     /// The export name; `None`: the image path in the volume.
@@ -52,6 +57,10 @@ pub struct Shared {
     pub description: String,
     /// Refuse writes.
     pub read_only: bool,
+    /// Where the stack comes from.
+    pub source: Source,
+    /// The client stack every session opens the image through (rebuilt when it has died).
+    pub vol: Mutex<Option<Arc<Volume>>>,
 }
 
 impl Shared {
@@ -62,51 +71,88 @@ impl Shared {
     }
 }
 
-/// The image opened on the brick over a Kiln connection of its own.
+/// The image opened through the export's client stack.
 pub struct Backend {
-    /// The connection.
-    pub client: Client,
-    /// The open image.
-    pub fh: Fh,
+    /// The stack.
+    pub vol: Arc<Volume>,
+    /// The open image; released when the backend is dropped unless taken.
+    pub fd: Option<Fd>,
     /// Its size in bytes when opened.
     pub size: u64,
 }
 
-/// Connects to the brick and opens the image; the error says what went wrong in words.
-pub async fn open_backend(sh: &Shared) -> Result<Backend, String> {
-    let server = sh.image.server.clone();
-    let s2 = server.clone();
+impl Drop for Backend {
+    fn drop(&mut self) {
+        // A client that left during the handshake: release the handle without waiting.
+        if let Some(fd) = self.fd.take() {
+            let vol = self.vol.clone();
+            kiln_client::volume::layer::exec::spawn(async move {
+                let _ = vol.close(fd).await;
+            });
+        }
+    }
+}
+
+/// Where the image lives, for messages: the server, or the volfile.
+fn place(sh: &Shared) -> String {
+    match &sh.source {
+        Source::Server { server, .. } => server.clone(),
+        s => s.to_string(),
+    }
+}
+
+/// The export's stack, built (or rebuilt, when every connection died) on first use.
+async fn volume(sh: &Shared) -> Result<Arc<Volume>, String> {
+    if let Some(v) = &*sh.vol.lock().unwrap_or_else(|e| e.into_inner()) {
+        if !v.is_dead() {
+            return Ok(v.clone());
+        }
+    }
+    let src = sh.source.clone();
     // Connecting is a blocking call (socket connect and the hello round trip).
-    let client = tokio::task::spawn_blocking(move || Client::connect(&s2))
+    let vol = tokio::task::spawn_blocking(move || Volume::from_source(&src))
         .await
-        .map_err(|e| format!("cannot reach Kiln server {server}: {e}"))?
-        .map_err(|e| format!("Kiln server {server} is unreachable: {e}"))?;
+        .map_err(|e| format!("cannot reach {}: {e}", place(sh)))?
+        .map_err(|e| match &sh.source {
+            Source::Server { server, .. } => format!("Kiln server {server} is unreachable: {e}"),
+            s => format!("cannot build the client stack of {s}: {e}"),
+        })?;
+    let vol = Arc::new(vol);
+    *sh.vol.lock().unwrap_or_else(|e| e.into_inner()) = Some(vol.clone());
+    Ok(vol)
+}
+
+/// Opens the image through the export's stack; the error says what went wrong in words.
+pub async fn open_backend(sh: &Shared) -> Result<Backend, String> {
+    let vol = volume(sh).await?;
+    let at = place(sh);
     let path = &sh.image.path;
     let flags = if sh.read_only {
         libc::O_RDONLY
     } else {
         libc::O_RDWR
     };
-    let fh = client
+    let fd = vol
         .open(path, flags)
         .await
         .map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOENT) => format!("image {path} not found on {server}"),
-            _ => format!("cannot open image {path} on {server}: {e}"),
+            Some(libc::ENOENT) => format!("image {path} not found on {at}"),
+            _ => format!("cannot open image {path} on {at}: {e}"),
         })?;
-    let attr = client
-        .fstat(fh)
+    let mut be = Backend {
+        vol: vol.clone(),
+        fd: Some(fd.clone()),
+        size: 0,
+    };
+    let attr = vol
+        .fstat(&fd)
         .await
-        .map_err(|e| format!("cannot stat image {path} on {server}: {e}"))?;
+        .map_err(|e| format!("cannot stat image {path} on {at}: {e}"))?;
     if attr.mode & libc::S_IFMT != libc::S_IFREG {
-        let _ = client.close(fh).await;
-        return Err(format!("image {path} on {server} is not a regular file"));
+        return Err(format!("image {path} on {at} is not a regular file"));
     }
-    Ok(Backend {
-        client,
-        fh,
-        size: attr.size,
-    })
+    be.size = attr.size;
+    Ok(be)
 }
 
 enum Listener {
@@ -130,11 +176,22 @@ impl Export {
             .export_name
             .clone()
             .unwrap_or_else(|| cfg.image.path.clone());
+        let (source, place) = match &cfg.volfile {
+            Some(v) => (
+                Source::Volfile(v.clone()),
+                format!("the volume of volfile {}", v.display()),
+            ),
+            None => (
+                Source::Server {
+                    server: cfg.image.server.clone(),
+                    volume: cfg.image.volume.clone(),
+                },
+                format!("volume {} on {}", cfg.image.volume, cfg.image.server),
+            ),
+        };
         let description = format!(
-            "Kiln image {} in volume {} on {}{}",
+            "Kiln image {} in {place}{}",
             cfg.image.path,
-            cfg.image.volume,
-            cfg.image.server,
             if cfg.read_only { " (read-only)" } else { "" }
         );
         let shared = Arc::new(Shared {
@@ -142,10 +199,14 @@ impl Export {
             name,
             description,
             read_only: cfg.read_only,
+            source,
+            vol: Mutex::new(None),
         });
-        let probe = open_backend(&shared).await?;
+        let mut probe = open_backend(&shared).await?;
         let size = probe.size;
-        let _ = probe.client.close(probe.fh).await;
+        if let Some(fd) = probe.fd.take() {
+            let _ = probe.vol.close(fd).await;
+        }
         drop(probe);
 
         let (listener, local) = match &cfg.listen {
@@ -310,13 +371,17 @@ async fn session(
     );
     let metrics = Arc::new(Metrics::default());
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let fh = backend.fh;
-    // The session keeps its own handle on the Kiln connection, to close the image once the last
-    // reply is out (a clone of the context would keep the writer's channel open forever).
-    let client = Arc::new(backend.client);
+    let mut backend = backend;
+    let fd = backend
+        .fd
+        .take()
+        .expect("a negotiated backend holds the image");
+    // The session keeps its own handle on the stack, to close the image once the last reply is
+    // out (a clone of the context would keep the writer's channel open forever).
+    let vol = backend.vol.clone();
     let ctx = Arc::new(Ctx::new(
-        client.clone(),
-        fh,
+        vol.clone(),
+        fd.clone(),
         backend.size,
         structured,
         sh.read_only,
@@ -327,7 +392,7 @@ async fn session(
     let writer = tokio::spawn(transmission::write_replies(wr, rx, metrics.clone()));
     let end = transmission::read_requests(&mut rd, ctx, &mut stop).await;
     let wrote = writer.await;
-    let _ = client.close(fh).await;
+    let _ = vol.close(fd).await;
     let how = match &end {
         End::Disconnect => "disconnected".to_owned(),
         End::Eof => "closed the connection".to_owned(),

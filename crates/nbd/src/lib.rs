@@ -1,11 +1,11 @@
-//! `kiln nbd`: exports a VM image that lives on a Kiln brick as an NBD (Network Block Device)
+//! `kiln nbd`: exports a VM image that lives on a Kiln volume as an NBD (Network Block Device)
 //! export, so QEMU, qemu-img, nbdinfo, nbdcopy, fio's nbd engine or the kernel's nbd client use
 //! it without any patch.
 //!
 //! The NBD protocol is implemented here from its specification (fixed-newstyle handshake,
-//! simple and structured replies); see [`proto`] for what is spoken. Requests are pipelined:
-//! each NBD client connection has its own Kiln connection, many requests in flight on it, and
-//! replies in whatever order the brick finishes them. READ payload goes from the Kiln socket
+//! simple and structured replies); see [`proto`] for what is spoken. Requests are pipelined
+//! through the export's client stack (one brick, or a volfile's graph over several): many
+//! requests in flight, and replies in whatever order the bricks finish them. READ payload goes from the Kiln socket
 //! into the buffer that is then written to the NBD socket, with no copy in between.
 //!
 //! ```no_run
@@ -13,6 +13,7 @@
 //! use kiln_nbd::{Export, ExportConfig};
 //! let export = Export::bind(ExportConfig {
 //!     image: "unix:/run/kiln/b1.sock:/vol/images/vm.img".parse()?,
+//!     volfile: None,
 //!     listen: "unix:/run/kiln/vm.nbd".parse()?,
 //!     export_name: None,
 //!     read_only: false,
@@ -37,19 +38,24 @@ pub use export::{Export, ExportConfig};
 pub use spec::{ImageSpec, Listen};
 
 use std::io::Write as _;
+use std::path::PathBuf;
 
 /// Export a VM image on a Kiln brick over NBD, for QEMU, qemu-img, nbdinfo and fio.
 ///
-/// IMAGE is SERVER:/VOL/PATH. SERVER is the brick: tcp:HOST:PORT, HOST:PORT or unix:SOCKETPATH;
-/// the spec is split at its last ":/". A brick serves one volume today, so VOL is recorded and
-/// shown (in the export description) but PATH is taken relative to the brick root:
-/// unix:/run/kiln/b1.sock:/vol/images/vm.img exports the brick file images/vm.img. The image must
-/// exist; its size is the export size (create and size it with Kiln first).
+/// IMAGE is SERVER:/VOL/PATH, split at its last ":/". SERVER is a kilnd that manages volumes
+/// (HOST for its default management port 24007, or HOST:PORT): the export uses the volume
+/// VOL's graph (distribute, replicate) as that kilnd hands it out. Or SERVER is a plain brick
+/// (tcp:HOST:PORT, HOST:PORT or unix:SOCKETPATH): a brick serves one volume, so VOL is recorded
+/// and shown (in the export description) but PATH is taken relative to the brick root:
+/// unix:/run/kiln/b1.sock:/vol/images/vm.img exports the brick file images/vm.img. With
+/// --volfile FILE, the client stack (distribute, replicate, several bricks) comes from FILE and
+/// IMAGE is just the PATH in that volume. The image must exist; its size is the export size
+/// (create and size it with Kiln first).
 ///
 /// Prints one line "kiln nbd: exporting NAME (SIZE bytes) at URI" once it is listening, then
 /// serves until SIGINT or SIGTERM, when it stops accepting, finishes the requests in flight and
-/// exits. Every NBD client connection gets its own Kiln connection; several connections to one
-/// export are safe (NBD_FLAG_CAN_MULTI_CONN). Logs go to stderr (KILN_LOG=debug for more); a
+/// exits. Every NBD client connection opens the image through the export's one client stack;
+/// several connections to one export are safe (NBD_FLAG_CAN_MULTI_CONN). Logs go to stderr (KILN_LOG=debug for more); a
 /// summary of each client's requests is logged when it disconnects.
 ///
 /// Examples:
@@ -57,12 +63,16 @@ use std::io::Write as _;
 ///   qemu-img info 'nbd+unix:///images/vm.img?socket=/run/kiln/vm.nbd'
 ///   kiln nbd 127.0.0.1:24100:/vol/vm.img --listen tcp:127.0.0.1:10809 --read-only
 ///   nbdinfo nbd://127.0.0.1:10809/vm.img
+///   kiln nbd --volfile dist.toml images/vm.img --listen unix:/run/kiln/vm.nbd
 #[derive(clap::Args, Debug, Clone)]
 #[command(verbatim_doc_comment)]
 pub struct NbdArgs {
-    /// The image to export: SERVER:/VOL/PATH (see above).
+    /// The image to export: SERVER:/VOL/PATH, or with --volfile the PATH (see above).
     #[arg(value_name = "IMAGE")]
-    pub image: ImageSpec,
+    pub image: String,
+    /// Build the client stack from this volfile (TOML) instead of connecting to SERVER.
+    #[arg(long, value_name = "FILE")]
+    pub volfile: Option<PathBuf>,
     /// Where NBD clients connect: unix:PATH or tcp:IP:PORT (port 0 picks a free one; use a
     /// loopback address unless the network is trusted: NBD has no authentication here).
     #[arg(long, value_name = "ADDR", default_value = "tcp:127.0.0.1:10809")]
@@ -105,8 +115,13 @@ pub fn main(args: NbdArgs) -> Result<(), String> {
         let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
         let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
         kiln_client::start_metrics(&args.metrics, "kiln-nbd")?;
+        let image = match &args.volfile {
+            Some(v) => ImageSpec::in_volfile(&args.image, v)?,
+            None => args.image.parse()?,
+        };
         let export = Export::bind(ExportConfig {
-            image: args.image,
+            image,
+            volfile: args.volfile,
             listen: args.listen,
             export_name: args.export_name,
             read_only: args.read_only,

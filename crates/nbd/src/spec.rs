@@ -5,13 +5,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-/// Which image to export: a brick address, a volume name and a path in the volume.
+/// Which image to export: a server address, a volume name and a path in the volume.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImageSpec {
-    /// The brick, as `kiln_client::Client::connect` takes it: `tcp:HOST:PORT`, `HOST:PORT` or
-    /// `unix:PATH`.
+    /// The server: a kilnd that manages volumes (`HOST` for its default management port, or
+    /// `HOST:PORT`), or a brick (`tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`).
     pub server: String,
-    /// The volume name. Recorded and shown only: a brick serves one volume today.
+    /// The volume name: the volume the management server describes; for a plain brick,
+    /// recorded and shown only.
     pub volume: String,
     /// The image path inside the volume, without a leading `/` (`images/vm.img`).
     pub path: String,
@@ -33,11 +34,6 @@ impl FromStr for ImageSpec {
         if server.is_empty() || server == "unix:" || server == "tcp:" {
             return Err(bad("no server address"));
         }
-        if !server.starts_with("unix:") && !server.contains(':') {
-            return Err(bad(
-                "the server address needs a port (HOST:PORT) or unix:PATH",
-            ));
-        }
         let mut parts = rest.split('/').filter(|c| !c.is_empty() && *c != ".");
         let volume = parts
             .next()
@@ -53,6 +49,33 @@ impl FromStr for ImageSpec {
         Ok(ImageSpec {
             server: server.to_owned(),
             volume,
+            path: comps.join("/"),
+        })
+    }
+}
+
+impl ImageSpec {
+    /// An image at `path` in the volume a volfile describes (`kiln nbd --volfile`): no server
+    /// to name, the volume is named after the file.
+    pub fn in_volfile(path: &str, volfile: &std::path::Path) -> Result<ImageSpec, String> {
+        let comps: Vec<&str> = path
+            .split('/')
+            .filter(|c| !c.is_empty() && *c != ".")
+            .collect();
+        if comps.is_empty() {
+            return Err(format!("bad image path {path:?}: empty"));
+        }
+        if comps.contains(&"..") {
+            return Err(format!(
+                "bad image path {path:?}: '..' is not allowed in the image path"
+            ));
+        }
+        Ok(ImageSpec {
+            server: String::new(),
+            volume: volfile
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
             path: comps.join("/"),
         })
     }
@@ -146,6 +169,12 @@ mod tests {
             (s.server.as_str(), s.path.as_str()),
             ("host:24100", "x/a.img")
         );
+        // A management server on its default port.
+        let s: ImageSpec = "node1:/vol/a.img".parse().unwrap();
+        assert_eq!(
+            (s.server.as_str(), s.volume.as_str(), s.path.as_str()),
+            ("node1", "vol", "a.img")
+        );
         // The last ":/" wins, so a socket path may contain one.
         let s: ImageSpec = "unix:/tmp/a:/b.sock:/v/a.img".parse().unwrap();
         assert_eq!(s.server, "unix:/tmp/a:/b.sock");
@@ -155,7 +184,6 @@ mod tests {
             "unix:/s.sock:/vol",
             "unix:/s.sock:/vol/",
             ":/vol/a",
-            "host:/vol/a",
             "h:1:/v/../a",
             "unix::/v/a",
         ] {

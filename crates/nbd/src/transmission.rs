@@ -3,10 +3,10 @@
 //! # Flow
 //! The reader task takes requests off the NBD socket and submits each to the brick without
 //! waiting for it. Requests that arrived together are submitted inside one
-//! [`kiln_client::Client::batch`], so they leave for the brick in one `sendmsg`. READ, WRITE
-//! and FLUSH use the client's callback API: the completion runs on the Kiln connection's receive
-//! thread and hands the finished reply straight to the writer's channel, with no task wake-up
-//! in between. TRIM and WRITE_ZEROES (rare, and possibly several Kiln calls) run as small
+//! [`kiln_client::Volume::batch`], so they leave for the bricks in one `sendmsg` per
+//! connection. READ, WRITE and FLUSH use the stack's callback API: the completion runs on the
+//! Kiln connection's receive thread and hands the finished reply straight to the writer's
+//! channel, with no task wake-up in between. TRIM and WRITE_ZEROES (rare, and possibly several Kiln calls) run as small
 //! tokio tasks. One writer task drains the channel and sends every reply that is ready in one
 //! vectored write.
 //!
@@ -27,7 +27,7 @@ use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use kiln_client::{Client, Errno, Fh, RawIov};
+use kiln_client::{Errno, Fd, RawIov, Volume};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
@@ -69,10 +69,10 @@ pub struct Reply {
 
 /// What one NBD connection's requests share.
 pub struct Ctx {
-    /// This connection's own Kiln connection.
-    pub client: Arc<Client>,
-    /// The image, open on the brick.
-    pub fh: Fh,
+    /// The export's client stack.
+    pub vol: Arc<Volume>,
+    /// The image, open through it.
+    pub fd: Fd,
     /// Export size, fixed at the handshake.
     pub size: u64,
     /// Structured replies were negotiated.
@@ -93,8 +93,8 @@ impl Ctx {
     /// Builds the context; replies go to `tx`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        client: Arc<Client>,
-        fh: Fh,
+        vol: Arc<Volume>,
+        fd: Fd,
         size: u64,
         structured: bool,
         read_only: bool,
@@ -103,8 +103,8 @@ impl Ctx {
         tx: UnboundedSender<Reply>,
     ) -> Ctx {
         Ctx {
-            client,
-            fh,
+            vol,
+            fd,
             size,
             structured,
             read_only,
@@ -277,7 +277,7 @@ pub async fn read_requests<R: AsyncRead + Unpin>(
                 Err(e) => return End::Error(e),
             }
         }
-        if ctx.client.is_dead() {
+        if ctx.vol.is_dead() {
             // The brick connection is gone (brick restarted, network cut): every request would
             // fail. Disconnecting lets the client reconnect, which gets a fresh connection.
             return End::Error(io::Error::new(
@@ -286,7 +286,7 @@ pub async fn read_requests<R: AsyncRead + Unpin>(
             ));
         }
         // Everything already here in full goes to the brick in one batch.
-        match ctx.client.batch(|| submit_buffered(rd, &ctx, &budget)) {
+        match ctx.vol.batch(|| submit_buffered(rd, &ctx, &budget)) {
             Fast::Drained => continue,
             Fast::Disconnect => return End::Disconnect,
             Fast::Lost => return End::Error(lost()),
@@ -414,7 +414,7 @@ fn submit(ctx: &Arc<Ctx>, req: Request, payload: Vec<u8>, permit: OwnedSemaphore
                 };
                 let r = match r {
                     Ok(()) if req.flags & cflag::FUA != 0 => {
-                        ctx.client.fsync(ctx.fh, true).await.map_err(|e| {
+                        ctx.vol.fsync(&ctx.fd, true).await.map_err(|e| {
                             (
                                 proto::nbd_error(e.raw_os_error().unwrap_or(libc::EIO) as u32),
                                 format!("fsync after {}: {e}", proto::cmd_name(req.cmd)),
@@ -539,18 +539,14 @@ fn submit_read(ctx: &Arc<Ctx>, req: Request, permit: OwnedSemaphorePermit) {
         // SAFETY: the vector points into the job's buffer, which the job owns and keeps alive
         // (every callback holds the job) and which nothing reads or writes until the last
         // part's completion has run; parts cover disjoint ranges of it.
-        let r = unsafe {
-            ctx.client.preadv_raw(
-                ctx.fh,
+        unsafe {
+            ctx.vol.preadv_raw(
+                &ctx.fd,
                 &iov,
                 req.offset + off as u64,
                 Box::new(move |r| j.part_done(r, len)),
             )
         };
-        if let Err(e) = r {
-            // Not submitted: the callback was dropped unrun, so count the part here.
-            job.part_done(Err(e), len);
-        }
     }
 }
 
@@ -565,17 +561,14 @@ fn submit_write(ctx: &Arc<Ctx>, req: Request, payload: Vec<u8>, permit: OwnedSem
         }];
         // SAFETY: as in `submit_read`: the job owns the payload and leaves it untouched until
         // the last part's completion.
-        let r = unsafe {
-            ctx.client.pwritev_raw(
-                ctx.fh,
+        unsafe {
+            ctx.vol.pwritev_raw(
+                &ctx.fd,
                 &iov,
                 req.offset + off as u64,
                 Box::new(move |r| j.part_done(r, len)),
             )
         };
-        if let Err(e) = r {
-            job.part_done(Err(e), len);
-        }
     }
 }
 
@@ -585,17 +578,14 @@ fn submit_write(ctx: &Arc<Ctx>, req: Request, payload: Vec<u8>, permit: OwnedSem
 /// syncs the whole file.
 fn flush_then_reply(ctx: Arc<Ctx>, req: Request, permit: Option<OwnedSemaphorePermit>) {
     let c = ctx.clone();
-    let r = ctx.client.fsync_raw(
-        ctx.fh,
+    ctx.vol.fsync_raw(
+        &ctx.fd,
         true,
         Box::new(move |r| match r {
             Ok(()) => c.reply(&req, Ok(()), permit),
             Err(e) => c.reply_errno(&req, "flush", e, permit),
         }),
     );
-    if let Err(e) = r {
-        ctx.reply_errno(&req, "flush", e, None);
-    }
 }
 
 fn io_errno(e: &io::Error) -> Errno {
@@ -606,7 +596,7 @@ async fn trim(ctx: &Ctx, req: &Request) -> Result<(), (u32, String)> {
     if req.len == 0 {
         return Ok(());
     }
-    match ctx.client.discard(ctx.fh, req.offset, req.len as u64).await {
+    match ctx.vol.discard(&ctx.fd, req.offset, req.len as u64).await {
         Ok(()) => Ok(()),
         // TRIM is a hint; a brick file system that cannot punch holes just keeps the data.
         Err(e) if io_errno(&e) == libc::EOPNOTSUPP as Errno => Ok(()),
@@ -632,7 +622,7 @@ async fn write_zeroes(ctx: &Ctx, req: &Request) -> Result<(), (u32, String)> {
         ]
     };
     for &mode in modes {
-        match ctx.client.fallocate(ctx.fh, mode, off, len).await {
+        match ctx.vol.fallocate(&ctx.fd, mode, off, len).await {
             Ok(()) => return Ok(()),
             Err(e) if io_errno(&e) == libc::EOPNOTSUPP as Errno => continue,
             Err(e) => {
@@ -653,11 +643,16 @@ async fn write_zeroes(ctx: &Ctx, req: &Request) -> Result<(), (u32, String)> {
     let mut done = 0u64;
     while done < len {
         let n = (len - done).min(KILN_MAX as u64) as usize;
-        let bufs: Vec<&'static [u8]> = (0..n)
+        let iov: Vec<RawIov> = (0..n)
             .step_by(ZEROES.len())
-            .map(|o| &ZEROES[..(n - o).min(ZEROES.len())])
+            .map(|o| RawIov {
+                base: ZEROES.as_ptr() as usize,
+                len: (n - o).min(ZEROES.len()),
+            })
             .collect();
-        let (r, _) = ctx.client.pwritev(ctx.fh, bufs, off + done).await;
+        // SAFETY: static memory, valid forever and never written.
+        let data = unsafe { kiln_client::volume::layer::IoBufs::raw(iov) };
+        let r = ctx.vol.write_bufs(&ctx.fd, data, off + done).await;
         match r {
             Ok(w) if w == n => done += n as u64,
             Ok(w) => return Err((err::EIO, format!("short write of zeros: {w} of {n} bytes"))),

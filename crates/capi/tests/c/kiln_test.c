@@ -1,5 +1,6 @@
 /* C test of libkiln: sync and async I/O with data verified, 64 requests in flight, both
- * completion modes, and errors as -errno. Usage: kiln_test tcp HOST PORT | unix PATH 0 */
+ * completion modes, errors as -errno, and kiln_volume_open of a spec and of a volfile.
+ * Usage: kiln_test tcp HOST PORT | unix PATH 0 [VOLFILE] */
 #include "kiln.h"
 
 #include <errno.h>
@@ -74,9 +75,48 @@ static kiln_t *connect_to(const char *transport, const char *host, int port, uin
     return k;
 }
 
+/* A volume opened in one call: a file written async through it reads back. */
+static void volume_roundtrip(const char *source, const unsigned char *data) {
+    kiln_t *kv = NULL;
+    kiln_options o = {.struct_size = sizeof o, .completion_mode = KILN_COMPLETE_ON_IO_THREAD};
+    int r = kiln_volume_open(source, &o, &kv);
+    CHECK(r == 0 && kv, "kiln_volume_open(%s): %s", source, strerror(-r));
+    if (r != 0) return;
+    kiln_fd_t *fd = NULL;
+    char names[8][32];
+    for (int f = 0; f < 8; f++) {
+        snprintf(names[f], sizeof names[f], "/vol-%d.bin", f);
+        r = kiln_creat(kv, names[f], O_RDWR | O_CREAT | O_TRUNC, 0644, &fd);
+        CHECK(r == 0 && fd, "volume creat %s: %d", names[f], r);
+        if (r != 0) continue;
+        struct waiter w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0};
+        for (int i = 0; i < 8; i++) {
+            struct iovec iov = {(void *)(data + (size_t)(f * 8 + i) * BS), BS};
+            CHECK(kiln_pwritev_async(fd, &iov, 1, (off_t)i * BS, on_done, &w) == 0, "volume write");
+        }
+        wait_for(&w, 8);
+        CHECK(w.errors == 0 && w.bytes == 8L * BS, "volume writes: %d errors", w.errors);
+        CHECK(kiln_close(fd) == 0, "volume close");
+    }
+    unsigned char *back = calloc(8, BS);
+    for (int f = 0; f < 8; f++) {
+        CHECK(kiln_open(kv, names[f], O_RDONLY, &fd) == 0, "volume open %s", names[f]);
+        struct iovec iov[2] = {{back, 4096}, {back + 4096, 8 * BS - 4096}};
+        CHECK(kiln_preadv(fd, iov, 2, 0) == 8L * BS, "volume read");
+        CHECK(memcmp(back, data + (size_t)f * 8 * BS, 8L * BS) == 0, "volume data %s", names[f]);
+        kiln_stat_t st;
+        CHECK(kiln_fstat(fd, &st) == 0 && st.st_size == 8L * BS, "volume fstat");
+        CHECK(kiln_fsync(fd) == 0, "volume fsync");
+        CHECK(kiln_close(fd) == 0, "volume close");
+        CHECK(kiln_unlink(kv, names[f]) == 0, "volume unlink");
+    }
+    free(back);
+    CHECK(kiln_fini(kv) == 0, "volume fini");
+}
+
 int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: %s tcp HOST PORT | unix PATH 0\n", argv[0]);
+    if (argc != 4 && argc != 5) {
+        fprintf(stderr, "usage: %s tcp HOST PORT | unix PATH 0 [VOLFILE]\n", argv[0]);
         return 2;
     }
     kiln_t *k = connect_to(argv[1], argv[2], atoi(argv[3]), KILN_COMPLETE_ON_IO_THREAD);
@@ -167,6 +207,19 @@ int main(int argc, char **argv) {
     CHECK(pw.errors == 0 && memcmp(back + 4, data + 4, (size_t)32 * BS - 4) == 0, "poll-mode data");
     CHECK(kiln_close(fd2) == 0, "close fd2");
     CHECK(kiln_fini(k2) == 0, "fini k2");
+
+    /* kiln_volume_open: the same brick as a spec, a volfile, and bad sources. */
+    char spec[4200];
+    if (strcmp(argv[1], "unix") == 0)
+        snprintf(spec, sizeof spec, "unix:%s:/vol", argv[2]);
+    else
+        snprintf(spec, sizeof spec, "%s:%s:/vol", argv[2], argv[3]);
+    volume_roundtrip(spec, data);
+    if (argc == 5) volume_roundtrip(argv[4], data);
+    kiln_t *none = NULL;
+    CHECK(kiln_volume_open("/nonexistent/vol.toml", NULL, &none) == -ENOENT && !none, "missing volfile");
+    CHECK(kiln_volume_open("127.0.0.1:1:/vol", NULL, &none) == -ECONNREFUSED && !none, "closed port");
+    CHECK(kiln_volume_open(NULL, NULL, &none) == -EINVAL, "NULL source");
 
     CHECK(kiln_close(fd) == 0, "close");
     CHECK(kiln_unlink(k, "/c-test.bin") == 0, "unlink");

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kiln_client::Client;
+use kiln_client::Volume;
 use kiln_fuse::Mode;
 use kiln_server::{Listen, Stats};
 
@@ -25,13 +25,9 @@ impl Mounted {
             kiln_server::spawn_background(&dir.path().join("brick"), &[Listen::Unix(sock.clone())])
                 .expect("brick server");
         let stats = server.stats;
-        let clients = (0..2)
-            .map(|_| {
-                Arc::new(Client::connect(&format!("unix:{}", sock.display())).expect("connect"))
-            })
-            .collect();
+        let vol = Volume::connect(&format!("unix:{}", sock.display())).expect("connect");
         let session = kiln_fuse::mount_background(
-            clients,
+            Arc::new(vol),
             "test:/vol",
             &dir.path().join("mnt"),
             mode,

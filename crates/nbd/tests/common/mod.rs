@@ -111,13 +111,19 @@ pub fn try_start_named_export(
     read_only: bool,
     name: Option<&str>,
 ) -> Result<Running, String> {
-    init_logging();
     let cfg = ExportConfig {
         image: spec.parse()?,
+        volfile: None,
         listen: listen.parse()?,
         export_name: name.map(str::to_owned),
         read_only,
     };
+    try_start_config(cfg)
+}
+
+/// Starts an export of any configuration (a volfile's image, say).
+pub fn try_start_config(cfg: ExportConfig) -> Result<Running, String> {
+    init_logging();
     let (tx, rx) = mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::spawn(move || {

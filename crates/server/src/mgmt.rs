@@ -520,6 +520,7 @@ impl Manager {
             "volfile" => self.volfile(req),
             "brick-start" => self.brick_start(&mut procs, req),
             "brick-stop" => self.brick_stop(&mut procs, req),
+            "brick-report" => self.brick_report(req),
             "peer-sync" => self.peer_sync(req),
             "peer-forget" => self.peer_forget(req),
             other => Err(format!(
@@ -1065,11 +1066,13 @@ impl Manager {
     /// Called once at startup, before the management port answers.
     pub fn restore(&self) {
         let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut moved = Vec::new();
         for mut def in self.load_all() {
             if def.state != VolState::Started {
                 continue;
             }
             let mut changed = false;
+            let mut ports_changed = Vec::new();
             for i in 0..def.bricks.len() {
                 if !def.bricks[i].ip().is_ok_and(is_local) {
                     continue;
@@ -1078,6 +1081,9 @@ impl Manager {
                     Ok((port, pid)) => {
                         let b = &mut def.bricks[i];
                         changed |= b.port != Some(port) || b.pid != Some(pid);
+                        if b.port != Some(port) {
+                            ports_changed.push(i);
+                        }
                         b.port = Some(port);
                         b.pid = Some(pid);
                     }
@@ -1094,7 +1100,65 @@ impl Manager {
                 }
             }
             tracing::info!("volume {}: restored", def.name);
+            if !ports_changed.is_empty() {
+                moved.push((def, ports_changed));
+            }
         }
+        drop(procs);
+        // Bricks that came back on another port: the authority and the other peers must
+        // hand out the new port in volfiles.
+        for (def, bricks) in moved {
+            let r = match &def.authority {
+                None => {
+                    let w = self.sync_all(&def);
+                    if w.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(w.join("; "))
+                    }
+                }
+                Some(auth) => parse_sockaddr(auth).and_then(|a| {
+                    bricks.iter().try_for_each(|&i| {
+                        let b = &def.bricks[i];
+                        let req = json!({
+                            "cmd": "brick-report", "name": def.name, "id": def.id,
+                            "index": i, "port": b.port, "pid": b.pid,
+                        });
+                        call_peer(a, &req).map(|_| ())
+                    })
+                }),
+            };
+            if let Err(e) = r {
+                tracing::warn!("volume {}: new brick ports not passed on: {e}", def.name);
+            }
+        }
+    }
+
+    /// Authority side: a peer restarted one of its bricks on another port.
+    fn brick_report(&self, req: &Value) -> Result<Value, String> {
+        let name = str_arg(req, "name")?;
+        check_name(name)?;
+        let mut def = self.load(name)?;
+        if def.authority.is_some() || req["id"].as_str() != Some(def.id.as_str()) {
+            return Err(format!(
+                "this kilnd is not the authority of volume {name}"
+            ));
+        }
+        let i = index_arg(req, &def)?;
+        def.bricks[i].port = req["port"].as_u64().map(|p| p as u16);
+        def.bricks[i].pid = req["pid"].as_u64().map(|p| p as u32);
+        self.save(&def)?;
+        // The reporter already knows; calling it back now could wait on it.
+        let reporter = def.bricks[i].mgmt_addr().ok();
+        let mut warnings = Vec::new();
+        for a in self.peers(&def) {
+            if Some(a) != reporter {
+                if let Err(e) = self.sync_to(a, &def, false) {
+                    warnings.push(format!("{a} keeps an old copy of the definition: {e}"));
+                }
+            }
+        }
+        Ok(json!({ "volume": name, "warnings": warnings }))
     }
 
     /// True when `pid` is alive and runs the brick whose volfile is `volfile`.

@@ -266,6 +266,14 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
         "and replicated to host b's"
     );
 
+    // Host b's kilnd dies and comes back: it adopts its running brick from its cached copy.
+    let mut old_b = net.procs.remove(1);
+    let _ = old_b.kill();
+    let _ = old_b.wait();
+    net.kilnd(&b, &state_b);
+    let st = call(&b, B_MGMT, json!({ "cmd": "status", "name": "nv" })).unwrap();
+    assert_eq!(online(&st), [true, true], "{st}");
+
     // A change asked of host b goes to the authority, which stops both bricks.
     call(&b, B_MGMT, json!({ "cmd": "stop", "name": "nv" })).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -6,8 +6,8 @@ pub mod auth;
 pub mod brick;
 pub mod cli;
 pub mod conn;
-pub mod mgmt;
 pub mod marks;
+pub mod mgmt;
 pub mod posix;
 pub mod stats;
 

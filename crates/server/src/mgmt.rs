@@ -1140,9 +1140,7 @@ impl Manager {
         check_name(name)?;
         let mut def = self.load(name)?;
         if def.authority.is_some() || req["id"].as_str() != Some(def.id.as_str()) {
-            return Err(format!(
-                "this kilnd is not the authority of volume {name}"
-            ));
+            return Err(format!("this kilnd is not the authority of volume {name}"));
         }
         let i = index_arg(req, &def)?;
         def.bricks[i].port = req["port"].as_u64().map(|p| p as u16);

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kiln_client::{block_on, join_all, Client, Fd, Fh, RawIov, Volume};
+use kiln_client::{block_on, Fd, RawIov, Volume};
 use kiln_layer::trace::{TraceLog, Waterfall};
 use kiln_layer::volfile::{LayerKind, Volfile};
 
@@ -68,7 +68,8 @@ pub struct BenchArgs {
     /// Transport to the server this command starts.
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: Transport,
-    /// Brick directory for the server this command starts (default: a temporary directory).
+    /// Brick directory for the server this command starts (default: a temporary directory);
+    /// with --replica, the directory the bricks brick0, brick1, … are made in.
     #[arg(long)]
     pub brick: Option<PathBuf>,
     /// Use a running server instead (tcp:HOST:PORT or unix:PATH).
@@ -100,6 +101,10 @@ pub struct BenchArgs {
     /// over posix (the baseline for what observability costs).
     #[arg(long, conflicts_with = "profile_points")]
     pub bare: bool,
+    /// Start this many brick servers (each with the replica brick stack: marks over posix) and
+    /// run over a replicate volume of them: every write goes to all, reads to one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub replica: u32,
 }
 
 impl BenchArgs {
@@ -425,10 +430,10 @@ impl Job {
 }
 
 /// Writes the file up to `size` with 1 MiB writes, 8 in flight, if it is shorter.
-pub fn layout(client: &Client, path: &str, size: u64) -> std::io::Result<Fh> {
-    let (fh, attr) = block_on(client.create(path, libc::O_RDWR, 0o644))?;
+pub fn layout(vol: &Volume, path: &str, size: u64) -> std::io::Result<kiln_layer::Fd> {
+    let (fd, attr) = block_on(vol.create(path, libc::O_RDWR | libc::O_CREAT, 0o644))?;
     if attr.size >= size {
-        return Ok(fh);
+        return Ok(fd);
     }
     let chunk = 1u64 << 20;
     let mut off = attr.size / chunk * chunk;
@@ -436,36 +441,68 @@ pub fn layout(client: &Client, path: &str, size: u64) -> std::io::Result<Fh> {
     for (i, b) in pattern.iter_mut().enumerate() {
         *b = (i * 31 % 251) as u8;
     }
-    let pattern = Arc::new(pattern);
     while off < size {
         let futs: Vec<_> = (0..8)
             .map(|k| off + k * chunk)
             .filter(|o| *o < size)
             .map(|o| {
                 let len = chunk.min(size - o) as usize;
-                client.pwritev(fh, vec![ArcSlice(pattern.clone(), len)], o)
+                Some(Box::pin(vol.pwritev(&fd, vec![pattern[..len].to_vec()], o)))
             })
             .collect();
         let n = futs.len() as u64;
-        for (r, _) in join_all(futs) {
+        for (r, _) in block_on(kiln_layer::exec::join_all(futs))
+            .into_iter()
+            .flatten()
+        {
             r?;
         }
         off += n * chunk;
     }
-    Ok(fh)
-}
-
-/// A prefix of a shared buffer, as an owned write buffer.
-struct ArcSlice(Arc<Vec<u8>>, usize);
-
-impl AsRef<[u8]> for ArcSlice {
-    fn as_ref(&self) -> &[u8] {
-        &self.0[..self.1]
-    }
+    Ok(fd)
 }
 
 /// Runs the timed phase against `addr`.
 pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Result<BenchResult> {
+    run_volfile(
+        args,
+        &args.client_volfile(addr),
+        server_pid.into_iter().collect(),
+    )
+}
+
+/// The client stack of a replicate volume over bricks at `addrs`.
+fn replica_volfile(addrs: &[String]) -> Volfile {
+    use kiln_layer::volfile::LayerDef;
+    let mut layers = vec![
+        LayerDef {
+            name: "client".into(),
+            subvolumes: Vec::new(),
+            kind: LayerKind::IoStats {},
+        },
+        LayerDef {
+            name: "replicate".into(),
+            subvolumes: (0..addrs.len()).map(|i| format!("brick{i}")).collect(),
+            kind: LayerKind::Replicate { quorum: None },
+        },
+    ];
+    for (i, a) in addrs.iter().enumerate() {
+        layers.push(LayerDef {
+            name: format!("brick{i}"),
+            subvolumes: Vec::new(),
+            kind: LayerKind::ProtocolClient { remote: a.clone() },
+        });
+    }
+    Volfile { layers }
+}
+
+/// Runs the timed phase over the client stack `volfile`; `server_pids` are the bricks whose
+/// CPU time is reported.
+pub fn run_volfile(
+    args: &BenchArgs,
+    volfile: &Volfile,
+    server_pids: Vec<u32>,
+) -> std::io::Result<BenchResult> {
     if args.bs == 0 || args.bs > kiln_proto::MAX_PAYLOAD_LEN as u64 {
         return Err(std::io::Error::other(format!(
             "--bs must be between 1 and {} bytes",
@@ -480,19 +517,20 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
             "--iodepth and --numjobs must be at least 1",
         ));
     }
-    let setup = Client::connect(addr)?;
+    let setup = Volume::from_volfile(volfile)?;
     let reads = matches!(args.rw, Rw::Read | Rw::Randread | Rw::Randrw);
-    let fh = if reads {
+    let fd = if reads {
         layout(&setup, &args.file, args.size)?
     } else {
-        block_on(setup.create(&args.file, libc::O_RDWR, 0o644))?.0
+        block_on(setup.create(&args.file, libc::O_RDWR | libc::O_CREAT, 0o644))?.0
     };
-    block_on(setup.close(fh))?;
+    block_on(setup.close(fd))?;
+    drop(setup);
 
     let mut jobs = Vec::new();
     TraceLog::global().drain();
     for j in 0..args.numjobs {
-        let vol = Arc::new(Volume::from_volfile(&args.client_volfile(addr))?);
+        let vol = Arc::new(Volume::from_volfile(volfile)?);
         vol.set_trace_every(args.trace_every);
         let fd = block_on(vol.open(&args.file, libc::O_RDWR))?;
         let bufs = (0..args.iodepth)
@@ -501,7 +539,11 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
         jobs.push((vol, fd, bufs));
     }
     let cpu0 = self_cpu_seconds();
-    let srv0 = server_pid.and_then(proc_cpu_seconds);
+    let srv_cpu = || -> Option<f64> {
+        let v: Option<Vec<f64>> = server_pids.iter().map(|p| proc_cpu_seconds(*p)).collect();
+        v.filter(|v| !v.is_empty()).map(|v| v.iter().sum())
+    };
+    let srv0 = srv_cpu();
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_secs_f64(args.runtime);
     let jobs: Vec<Arc<Job>> = jobs
@@ -569,7 +611,7 @@ pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Re
     }
     let runtime_s = t0.elapsed().as_secs_f64();
     let cpu_client_s = self_cpu_seconds() - cpu0;
-    let cpu_server_s = match (srv0, server_pid.and_then(proc_cpu_seconds)) {
+    let cpu_server_s = match (srv0, srv_cpu()) {
         (Some(a), Some(b)) => Some(b - a),
         _ => None,
     };
@@ -617,6 +659,12 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
                 .into(),
         ),
         Some(a) => (None, a.clone(), args.server_pid),
+        None if args.replica > 1 => {
+            if args.profile_points || args.bare || args.delay_read_us.is_some() {
+                return Err("--replica starts its own bricks with the replica stack; it cannot be combined with --profile-points, --bare or --delay-read-us".into());
+            }
+            (None, String::new(), None)
+        }
         None => {
             let s = ChildServer::start(args.brick.clone(), args.transport, |d| {
                 args.server_volfile(d)
@@ -626,7 +674,29 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
             (Some(s), a, Some(p))
         }
     };
-    let r = run(&args, &addr, pid).map_err(|e| format!("bench against {addr} failed: {e}"))?;
+    let r = if args.replica > 1 && args.connect.is_none() {
+        let mut bricks = Vec::new();
+        for i in 0..args.replica {
+            let name = format!("brick{i}");
+            let dir = args.brick.as_ref().map(|b| b.join(&name));
+            if let Some(d) = &dir {
+                std::fs::create_dir_all(d)
+                    .map_err(|e| format!("cannot make brick directory {}: {e}", d.display()))?;
+            }
+            bricks.push(
+                ChildServer::start(dir, args.transport, |d| {
+                    Some(kiln_server::replica_volfile(d, &name))
+                })
+                .map_err(|e| format!("cannot start brick {i}: {e}"))?,
+            );
+        }
+        let addrs: Vec<String> = bricks.iter().map(|b| b.addr.clone()).collect();
+        let pids = bricks.iter().map(|b| b.pid()).collect();
+        run_volfile(&args, &replica_volfile(&addrs), pids)
+            .map_err(|e| format!("bench over replica {} failed: {e}", args.replica))?
+    } else {
+        run(&args, &addr, pid).map_err(|e| format!("bench against {addr} failed: {e}"))?
+    };
     drop(server);
     let transport = if addr.starts_with("unix:") {
         "unix"
@@ -643,6 +713,7 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
     if args.json {
         let v = serde_json::json!({
             "rw": rw, "bs": args.bs, "iodepth": args.iodepth, "numjobs": args.numjobs,
+            "replica": args.replica,
             "size": args.size, "transport": transport,
             "bytes": r.bytes, "ios": r.ios, "runtime_s": r.runtime_s,
             "mb_s": r.mb_s(), "iops": r.iops(),

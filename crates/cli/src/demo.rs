@@ -192,6 +192,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
             trace_every: if qd == 1 { 10 } else { 0 },
             delay_read_us: None,
             bare: false,
+            replica: 1,
         };
         let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
         step(

@@ -61,6 +61,24 @@ enum VolumeCmd {
     List(MgmtOpts),
     /// Print the client volume graph (TOML) of a started volume, as clients fetch it.
     Volfile(NameArgs),
+    /// Self-heal: `heal NAME info` lists the files a replica missed changes of (per replica,
+    /// the marked ranges and bytes); `heal NAME` copies exactly those ranges to the replicas
+    /// that are back, while I/O goes on, and prints progress and the bytes moved.
+    Heal(HealArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct HealArgs {
+    /// The volume's name.
+    name: String,
+    /// `info`: only list what needs healing.
+    #[arg(value_parser = ["info"])]
+    info: Option<String>,
+    /// The volume's secret (default: KILN_SECRET_FILE, else the local kilnd's state directory).
+    #[arg(long)]
+    secret_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    opts: MgmtOpts,
 }
 
 /// Options every management command takes.
@@ -135,6 +153,94 @@ enum Action {
     Trace,
 }
 
+/// `kiln volume heal NAME [info]`: runs on connections of its own (heal locks belong to the
+/// connection that takes them).
+fn heal(a: &HealArgs) -> Result<(), String> {
+    use kiln_layer::exec::block_on;
+    use kiln_layer::heal;
+    let volfile = kiln_client::mgmt::fetch_volfile(&a.opts.server, &a.name)
+        .map_err(|e| format!("cannot fetch the graph of {}: {e}", a.name))?;
+    let secret = match kiln_client::mgmt::secret_file(&a.name, a.secret_file.as_deref()) {
+        Some(p) => Some(kiln_client::mgmt::read_secret(&p).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
+        .map_err(|e| format!("cannot reach the bricks of {}: {e}", a.name))?;
+    if heal::replicate_layers(vol.top()).is_empty() {
+        return Err(format!("{} is not replicated: nothing to heal", a.name));
+    }
+    if a.info.is_some() {
+        let need = block_on(heal::info(vol.top()));
+        if a.opts.json {
+            println!("{}", serde_json::to_string(&need).unwrap_or_default());
+            return Ok(());
+        }
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "Heal backlog of volume {}: {} file(s)",
+            a.name,
+            need.len()
+        );
+        if !need.is_empty() {
+            let _ = writeln!(
+                out,
+                "{:<18} {:<24} {:>8} {:>14}  {}",
+                "Replica set", "Replica behind", "Ranges", "Bytes", "File"
+            );
+        }
+        for n in &need {
+            let bytes = if n.bytes > u64::MAX / 2 {
+                "whole file".to_owned()
+            } else {
+                n.bytes.to_string()
+            };
+            let down = if n.target_up { "" } else { " (down)" };
+            let _ = writeln!(
+                out,
+                "{:<18} {:<24} {:>8} {:>14}  {}",
+                n.set,
+                format!("{}{down}", n.target_name),
+                n.ranges,
+                bytes,
+                n.path
+            );
+        }
+        print!("{out}");
+        return Ok(());
+    }
+    let t0 = std::time::Instant::now();
+    let quiet = a.opts.json;
+    let report = block_on(heal::run(vol.top(), &|n, bytes| {
+        if !quiet {
+            println!("healed {} on {}: {bytes} bytes", n.path, n.target_name);
+        }
+    }));
+    if a.opts.json {
+        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    } else {
+        println!(
+            "heal of {}: {} file(s), {} bytes moved in {:.2} s; {} left for later",
+            a.name,
+            report.files,
+            report.bytes,
+            t0.elapsed().as_secs_f64(),
+            report.left
+        );
+        for e in &report.errors {
+            println!("  error: {e}");
+        }
+    }
+    if report.errors.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} file(s) could not be healed",
+            report.errors.len()
+        ))
+    }
+}
+
 /// `kiln volume`.
 pub fn main(args: VolumeArgs) -> Result<(), String> {
     match args.cmd {
@@ -143,6 +249,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             Ok(())
         }
         VolumeCmd::Profile(p) => profile(&p),
+        VolumeCmd::Heal(a) => heal(&a),
         VolumeCmd::Create(a) => create(&a),
         VolumeCmd::Start(a) => {
             let req = serde_json::json!({

@@ -10,8 +10,10 @@
 //!   other one missed ([`crate::marks`]), *before* acknowledging — an acknowledged write is on a
 //!   quorum, and whatever replica lacks it is named on the ones that have it. With every
 //!   replica up a change costs nothing extra: no pre-operation, no post-operation.
-//! - **Reads** go to one replica that is up and has no marks against it for the file,
-//!   spreading load round-robin; a read that fails on one replica is retried on the next. A
+//! - **Reads** go to one replica that is up and has no marks against it for the file; each
+//!   open handle prefers one replica (handles are spread round-robin, so a sequential stream
+//!   stays on one brick and many files spread over all); a read that fails on one replica is
+//!   retried on the next. A
 //!   replica that is behind never serves a read: marks are read when the file is opened, and a
 //!   miss seen by this client marks the replica bad for the file at once.
 //! - **fsync** reaches every replica that holds the file and needs a quorum.
@@ -61,6 +63,9 @@ enum ChildFd {
 
 /// An open file: a handle per replica.
 struct RepFd {
+    /// The replica this handle reads from while it is up and current: handles spread over
+    /// replicas, a handle sticks to one (a sequential stream stays on one brick).
+    prefer: usize,
     path: String,
     flags: u32,
     kids: Vec<Mutex<ChildFd>>,
@@ -174,10 +179,10 @@ impl Replicate {
             .map_or(0, |s| s.bad.load(Relaxed))
     }
 
-    /// The order to try replicas in for a read: up, not behind, starting round-robin.
-    fn read_order(&self, bad: u32) -> Vec<usize> {
+    /// The order to try replicas in for a read: up, not behind, starting at `start`.
+    fn read_order(&self, bad: u32, start: usize) -> Vec<usize> {
         let n = self.kids.len();
-        let start = self.rr.fetch_add(1, Relaxed) % n;
+        let start = start % n;
         (0..n)
             .map(|k| (start + k) % n)
             .filter(|i| bad & bit(*i) == 0 && self.kids[*i].up())
@@ -383,11 +388,7 @@ impl Replicate {
         op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + 'a,
     ) -> Fut<'a, T> {
         Box::pin(async move {
-            let futs = self
-                .kids
-                .iter()
-                .map(|k| k.up().then(|| op(k)))
-                .collect();
+            let futs = self.kids.iter().map(|k| k.up().then(|| op(k))).collect();
             let mut res = join_all(futs).await;
             self.settle(cx, path, None, &outcomes(&res), range).await?;
             first_ok(&mut res)
@@ -422,7 +423,7 @@ impl Replicate {
         offset: u64,
         dst: ReadDst,
     ) -> FopResult<ReadOut> {
-        let order = self.read_order(rfd.state.bad.load(Relaxed));
+        let order = self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer);
         let mut last = errno::ENOTCONN;
         match dst {
             ReadDst::Any(n) => {
@@ -518,7 +519,9 @@ impl Layer for Replicate {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
-            let up: Vec<usize> = (0..self.kids.len()).filter(|i| self.kids[*i].up()).collect();
+            let up: Vec<usize> = (0..self.kids.len())
+                .filter(|i| self.kids[*i].up())
+                .collect();
             let opens = (0..self.kids.len())
                 .map(|i| up.contains(&i).then(|| self.kids[i].open(cx, path, flags)))
                 .collect();
@@ -553,6 +556,7 @@ impl Layer for Replicate {
             let state = self.state(path);
             state.bad.store(bad, Relaxed);
             Ok(Fd::new(RepFd {
+                prefer: self.rr.fetch_add(1, Relaxed),
                 path: path.to_owned(),
                 flags,
                 kids,
@@ -561,7 +565,13 @@ impl Layer for Replicate {
         })
     }
 
-    fn create<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
+    fn create<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        mode: u32,
+    ) -> Fut<'a, (Fd, Attr)> {
         Box::pin(async move {
             let futs = self
                 .kids
@@ -586,6 +596,7 @@ impl Layer for Replicate {
                 }));
             }
             let rfd = RepFd {
+                prefer: self.rr.fetch_add(1, Relaxed),
                 path: path.to_owned(),
                 flags,
                 kids,
@@ -643,8 +654,14 @@ impl Layer for Replicate {
                     })
                 })
                 .collect();
-            self.settle(cx, &rfd.path, Some(&rfd.state), &res, Some((offset, len as u64)))
-                .await?;
+            self.settle(
+                cx,
+                &rfd.path,
+                Some(&rfd.state),
+                &res,
+                Some((offset, len as u64)),
+            )
+            .await?;
             Ok(Written {
                 n,
                 bufs: shared.into_bufs(),
@@ -663,7 +680,8 @@ impl Layer for Replicate {
                 Box::pin(async move { k.fsync(cx, &fd, datasync).await })
             };
             let res = self.fan_out(cx, rfd, &op).await;
-            self.settle(cx, &rfd.path, None, &outcomes(&res), None).await
+            self.settle(cx, &rfd.path, None, &outcomes(&res), None)
+                .await
         })
     }
 
@@ -685,7 +703,7 @@ impl Layer for Replicate {
         };
         Box::pin(async move {
             let mut last = errno::ENOTCONN;
-            for i in self.read_order(rfd.state.bad.load(Relaxed)) {
+            for i in self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer) {
                 let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
                     let k = k.clone();
                     Box::pin(async move { k.fstat(cx, &fd).await })
@@ -717,7 +735,14 @@ impl Layer for Replicate {
         })
     }
 
-    fn fallocate<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, mode: u32, offset: u64, len: u64) -> Fut<'a, ()> {
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
         let rfd = match rep(fd) {
             Ok(r) => r,
             Err(e) => return fail(e),
@@ -728,8 +753,14 @@ impl Layer for Replicate {
                 Box::pin(async move { k.fallocate(cx, &fd, mode, offset, len).await })
             };
             let res = self.fan_out(cx, rfd, &op).await;
-            self.settle(cx, &rfd.path, Some(&rfd.state), &outcomes(&res), Some((offset, m::WHOLE)))
-                .await
+            self.settle(
+                cx,
+                &rfd.path,
+                Some(&rfd.state),
+                &outcomes(&res),
+                Some((offset, m::WHOLE)),
+            )
+            .await
         })
     }
 
@@ -744,8 +775,14 @@ impl Layer for Replicate {
                 Box::pin(async move { k.discard(cx, &fd, offset, len).await })
             };
             let res = self.fan_out(cx, rfd, &op).await;
-            self.settle(cx, &rfd.path, Some(&rfd.state), &outcomes(&res), Some((offset, len)))
-                .await
+            self.settle(
+                cx,
+                &rfd.path,
+                Some(&rfd.state),
+                &outcomes(&res),
+                Some((offset, len)),
+            )
+            .await
         })
     }
 
@@ -810,7 +847,13 @@ impl Layer for Replicate {
         self.query_path(path, move |k| k.listxattr(cx, path))
     }
 
-    fn readdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, offset: u64, max: u32) -> Fut<'a, ReaddirReply> {
+    fn readdir<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        offset: u64,
+        max: u32,
+    ) -> Fut<'a, ReaddirReply> {
         // One replica's listing, the same one for every page: the first that is up.
         Box::pin(async move {
             let mut last = errno::ENOTCONN;
@@ -830,7 +873,10 @@ impl Layer for Replicate {
 }
 
 /// Runs two futures side by side.
-async fn join2<A: std::future::Future, B: std::future::Future>(a: A, b: B) -> (A::Output, B::Output) {
+async fn join2<A: std::future::Future, B: std::future::Future>(
+    a: A,
+    b: B,
+) -> (A::Output, B::Output) {
     let mut a = std::pin::pin!(a);
     let mut b = std::pin::pin!(b);
     let (mut ra, mut rb) = (None, None);

@@ -89,7 +89,12 @@ impl ProtocolClient {
                             let mut g = link.cur.write().unwrap_or_else(|e| e.into_inner());
                             g.1 += 1;
                             g.0 = Arc::new(c);
-                            tracing::info!(layer = name, gen = g.1, "reconnected to {}", old.server());
+                            tracing::info!(
+                                layer = name,
+                                gen = g.1,
+                                "reconnected to {}",
+                                old.server()
+                            );
                             link.reconnecting.store(false, Ordering::Release);
                             return;
                         }
@@ -216,7 +221,13 @@ impl Layer for ProtocolClient {
     }
 
     fn up(&self) -> bool {
-        let dead = self.link.cur.read().unwrap_or_else(|e| e.into_inner()).0.is_dead();
+        let dead = self
+            .link
+            .cur
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .is_dead();
         if dead {
             self.revive();
         }

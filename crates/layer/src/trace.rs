@@ -154,7 +154,10 @@ pub struct Ctx {
 
 impl Ctx {
     /// A context for an unsampled request.
-    pub const NONE: Ctx = Ctx { trace: None, owner: 0 };
+    pub const NONE: Ctx = Ctx {
+        trace: None,
+        owner: 0,
+    };
 
     /// A context carrying a new trace.
     pub fn traced() -> Ctx {

@@ -116,7 +116,11 @@ impl Marks {
             File::open(&path)?.read_to_end(&mut bytes)?;
             let (n, bad) = replay(&bytes, &mut records);
             if bad {
-                tracing::warn!(records = n, "{}: ignoring a torn record at the end", path.display());
+                tracing::warn!(
+                    records = n,
+                    "{}: ignoring a torn record at the end",
+                    path.display()
+                );
             }
             // Compact: rewrite only what is live, then swap it in.
             let tmp = state.join("pending.log.new");
@@ -133,7 +137,11 @@ impl Marks {
             f.sync_data()?;
             std::fs::rename(&tmp, &path)?;
             log = Some(OpenOptions::new().append(true).open(&path)?);
-            tracing::info!(files = records.len(), "{}: pending marks loaded", dir.display());
+            tracing::info!(
+                files = records.len(),
+                "{}: pending marks loaded",
+                dir.display()
+            );
         }
         Ok(Marks {
             name: name.into(),
@@ -373,7 +381,13 @@ impl Marks {
         })
     }
 
-    fn set_virtual<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str, value: &'a [u8]) -> Fut<'a, ()> {
+    fn set_virtual<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+    ) -> Fut<'a, ()> {
         let bad = |e| {
             tracing::warn!(path, name, "bad {name} value: {e}");
             errno::EINVAL
@@ -433,7 +447,10 @@ impl Marks {
             Some(t) => t.keys().copied().collect(),
             None => return Ok(()),
         };
-        let ops: Vec<_> = targets.iter().map(|t| (b'C', path, *t, 0, m::WHOLE)).collect();
+        let ops: Vec<_> = targets
+            .iter()
+            .map(|t| (b'C', path, *t, 0, m::WHOLE))
+            .collect();
         self.apply(&ops)
     }
 
@@ -531,7 +548,13 @@ impl Layer for Marks {
         })
     }
 
-    fn create<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
+    fn create<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        mode: u32,
+    ) -> Fut<'a, (Fd, Attr)> {
         Box::pin(async move {
             let (inner, attr) = self.child().create(cx, path, flags, mode).await?;
             Ok((
@@ -631,7 +654,14 @@ impl Layer for Marks {
         })
     }
 
-    fn fallocate<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, mode: u32, offset: u64, len: u64) -> Fut<'a, ()> {
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
         let (start, end) = span(offset, len);
         self.gated(cx, fd, start, end, move |inner| {
             self.child().fallocate(cx, inner, mode, offset, len)

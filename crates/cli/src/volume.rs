@@ -185,8 +185,8 @@ fn heal(a: &HealArgs) -> Result<(), String> {
         if !need.is_empty() {
             let _ = writeln!(
                 out,
-                "{:<18} {:<24} {:>8} {:>14}  {}",
-                "Replica set", "Replica behind", "Ranges", "Bytes", "File"
+                "{:<18} {:<24} {:>8} {:>14}  File",
+                "Replica set", "Replica behind", "Ranges", "Bytes"
             );
         }
         for n in &need {

@@ -201,7 +201,7 @@ mod tests {
             x ^= x << 17;
             let off = x % 240;
             let len = 1 + (x >> 20) % 16;
-            if (x >> 40) % 3 == 0 {
+            if (x >> 40).is_multiple_of(3) {
                 r.remove(off, len);
                 bits[off as usize..(off + len) as usize].fill(false);
             } else {

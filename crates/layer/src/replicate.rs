@@ -266,11 +266,7 @@ impl Replicate {
                     .then(|| Box::pin(self.on_child(cx, rfd, i, op)) as Fut<'b, T>)
             })
             .collect();
-        join_all(futs)
-            .await
-            .into_iter()
-            .map(|o| o.map(|r| r))
-            .collect()
+        join_all(futs).await
     }
 
     /// Settles a change: a quorum or an error; misses marked on the replicas that took it.
@@ -365,8 +361,8 @@ impl Replicate {
             .map(|i| Some(self.kids[*i].getxattr(cx, path, m::PENDING)))
             .collect();
         let mut bad = 0;
-        for r in join_all(futs).await.into_iter().flatten() {
-            if let Ok(v) = r {
+        for v in join_all(futs).await.into_iter().flatten().flatten() {
+            {
                 if let Ok(page) = PendingPage::from_wire(&v) {
                     for t in page.targets.0 {
                         if (t.target as usize) < self.kids.len() && !t.ranges.0.is_empty() {
@@ -479,13 +475,12 @@ fn first_ok<T>(res: &mut [Option<FopResult<T>>]) -> FopResult<T> {
     for r in res.iter_mut() {
         match r.take() {
             Some(Ok(v)) => return Ok(v),
-            Some(Err(e)) => {
-                // Prefer a real answer (ENOENT, EEXIST, …) over "not connected".
-                if !have_err || err == errno::ENOTCONN {
-                    err = e;
-                    have_err = true;
-                }
+            // Prefer a real answer (ENOENT, EEXIST, …) over "not connected".
+            Some(Err(e)) if !have_err || err == errno::ENOTCONN => {
+                err = e;
+                have_err = true;
             }
+            Some(Err(_)) => {}
             None => {}
         }
     }

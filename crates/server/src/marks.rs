@@ -181,10 +181,11 @@ impl Marks {
     fn forget(&self, path: &str, key: &Arc<FileKey>) {
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         // Ours, the map's: nobody else.
-        if Arc::strong_count(key) <= 2 && key.state().locks.is_empty() {
-            if files.get(path).is_some_and(|k| Arc::ptr_eq(k, key)) {
-                files.remove(path);
-            }
+        if Arc::strong_count(key) <= 2
+            && key.state().locks.is_empty()
+            && files.get(path).is_some_and(|k| Arc::ptr_eq(k, key))
+        {
+            files.remove(path);
         }
     }
 

@@ -16,7 +16,7 @@ use kiln_layer::exec::block_on;
 use kiln_layer::heal;
 use kiln_layer::marks::{IndexPage, INDEX};
 use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
-use kiln_layer::{Ctx, Layer as _};
+use kiln_layer::Ctx;
 use kiln_proto::Wire;
 
 /// One brick: a kilnd process with the replica stack (marks) on its own directory.

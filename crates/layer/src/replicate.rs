@@ -491,6 +491,16 @@ fn rep(fd: &Fd) -> FopResult<&RepFd> {
     fd.get::<RepFd>()
 }
 
+/// This layer's handle state, or a fop future that fails with `EBADF`.
+macro_rules! try_rep {
+    ($fd:expr) => {
+        match rep($fd) {
+            Ok(r) => r,
+            Err(e) => return fail(e),
+        }
+    };
+}
+
 impl Layer for Replicate {
     fn name(&self) -> &str {
         &self.name
@@ -610,18 +620,12 @@ impl Layer for Replicate {
     }
 
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
-        let rfd = match rep(fd) {
-            Ok(r) => r,
-            Err(e) => return fail(e),
-        };
+        let rfd = try_rep!(fd);
         Box::pin(self.read_one(cx, rfd, offset, dst))
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
-        let rfd = match rep(fd) {
-            Ok(r) => r,
-            Err(e) => return fail(e),
-        };
+        let rfd = try_rep!(fd);
         Box::pin(async move {
             let len = data.len();
             let shared = Shared::new(data);
@@ -665,10 +669,7 @@ impl Layer for Replicate {
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
-        let rfd = match rep(fd) {
-            Ok(r) => r,
-            Err(e) => return fail(e),
-        };
+        let rfd = try_rep!(fd);
         Box::pin(async move {
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
                 let k = k.clone();
@@ -692,10 +693,7 @@ impl Layer for Replicate {
     }
 
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
-        let rfd = match rep(fd) {
-            Ok(r) => r,
-            Err(e) => return fail(e),
-        };
+        let rfd = try_rep!(fd);
         Box::pin(async move {
             let mut last = errno::ENOTCONN;
             for i in self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer) {
@@ -713,10 +711,7 @@ impl Layer for Replicate {
     }
 
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        let rfd = match rep(fd) {
-            Ok(r) => r,
-            Err(e) => return fail(e),
-        };
+        let rfd = try_rep!(fd);
         Box::pin(async move {
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
                 let k = k.clone();
@@ -738,10 +733,7 @@ impl Layer for Replicate {
         offset: u64,
         len: u64,
     ) -> Fut<'a, ()> {
-        let rfd = match rep(fd) {
-            Ok(r) => r,
-            Err(e) => return fail(e),
-        };
+        let rfd = try_rep!(fd);
         Box::pin(async move {
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
                 let k = k.clone();
@@ -760,10 +752,7 @@ impl Layer for Replicate {
     }
 
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
-        let rfd = match rep(fd) {
-            Ok(r) => r,
-            Err(e) => return fail(e),
-        };
+        let rfd = try_rep!(fd);
         Box::pin(async move {
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
                 let k = k.clone();

@@ -457,6 +457,9 @@ impl Conn {
         let mut scratch = vec![0u8; 64 * 1024];
         let mut iov: Vec<RawIov> = Vec::with_capacity(8);
         let mut drained = false;
+        // Stream bytes that a speculative receive put in the wrong place, to be received first.
+        let mut carry: Vec<u8> = Vec::new();
+        let mut carry_at = 0usize;
         loop {
             // Frames queued by callbacks: send them once no reply is ready — known when the
             // last receive came up short, or when a non-blocking one would block.
@@ -481,7 +484,7 @@ impl Conn {
             // With one request in flight, its reply is the only one that can come: receive its
             // payload into its sink in the same call as the header (one system call, not two).
             let mut speculating = None;
-            if cur.is_none() && hdr_got == 0 {
+            if cur.is_none() && hdr_got == 0 && carry.is_empty() {
                 let t = lock(&self.table);
                 // No trace frame may be on its way either: it would land in the sink.
                 let alone = t.pending.len() == 1 && t.traces.is_empty();
@@ -491,6 +494,16 @@ impl Conn {
                         speculating = Some(id);
                     }
                 }
+            }
+            if !carry.is_empty() {
+                let n = scatter(&carry[carry_at..], &iov);
+                carry_at += n;
+                if carry_at == carry.len() {
+                    carry.clear();
+                    carry_at = 0;
+                }
+                self.account(n, cur, &mut hdr_got, &next_hdr)?;
+                continue;
             }
             let flags = if deferred { libc::MSG_DONTWAIT } else { 0 };
             // SAFETY: the vectors point at this thread's header and scratch buffers and at the
@@ -519,9 +532,15 @@ impl Conn {
             }
             self.stats.recv_calls.fetch_add(1, Relaxed);
             drained = (n as usize) < iov.iter().map(|v| v.len).sum::<usize>();
-            let mut left = n as usize;
+            let left = n as usize;
             if let (Some(id), true) = (speculating, left > HEADER_LEN) {
-                let r = self.begin_speculated(id, &next_hdr, left - HEADER_LEN)?;
+                let r = self.begin_speculated(
+                    id,
+                    &next_hdr,
+                    left - HEADER_LEN,
+                    &iov[1..],
+                    &mut carry,
+                )?;
                 hdr_got = 0;
                 if r.is_complete() {
                     self.complete(r);
@@ -530,60 +549,89 @@ impl Conn {
                 }
                 continue;
             }
-            if let Some(r) = cur.as_mut() {
-                left = r.advance(left);
-                if r.is_complete() {
-                    let r = cur.take().expect("current reply");
-                    self.complete(r);
-                }
-            }
-            hdr_got += left;
-            while cur.is_none() && hdr_got == HEADER_LEN {
-                hdr_got = 0;
-                let hdr = Header::parse(&next_hdr).map_err(|e| {
-                    tracing::warn!("bad reply header: {e}");
-                    io::Error::from_raw_os_error(errno::EPROTO as i32)
-                })?;
-                if hdr.kind != KIND_REPLY {
-                    tracing::warn!("server sent a request frame");
-                    return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
-                }
-                let r = self.begin(hdr)?;
-                if r.is_complete() {
-                    self.complete(r);
-                } else {
-                    *cur = Some(r);
-                }
-            }
+            self.account(left, cur, &mut hdr_got, &next_hdr)?;
         }
     }
 
-    /// A header arrived together with `spilled` payload bytes that went straight into the sink
-    /// of request `id`, the only one in flight. Anything but that request's data reply is a
-    /// protocol violation (its bytes are already in the sink).
+    /// Accounts `left` bytes received into the vectors built for `cur` and the next header:
+    /// completes replies and starts the ones whose headers are now whole.
+    fn account(
+        &self,
+        mut left: usize,
+        cur: &mut Option<InReply>,
+        hdr_got: &mut usize,
+        next_hdr: &[u8; HEADER_LEN],
+    ) -> io::Result<()> {
+        if let Some(r) = cur.as_mut() {
+            left = r.advance(left);
+            if r.is_complete() {
+                let r = cur.take().expect("current reply");
+                self.complete(r);
+            }
+        }
+        *hdr_got += left;
+        while cur.is_none() && *hdr_got == HEADER_LEN {
+            *hdr_got = 0;
+            let hdr = Header::parse(next_hdr).map_err(|e| {
+                tracing::warn!("bad reply header: {e}");
+                io::Error::from_raw_os_error(errno::EPROTO as i32)
+            })?;
+            if hdr.kind != KIND_REPLY {
+                tracing::warn!("server sent a request frame");
+                return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
+            }
+            let r = self.begin(hdr)?;
+            if r.is_complete() {
+                self.complete(r);
+            } else {
+                *cur = Some(r);
+            }
+        }
+        Ok(())
+    }
+
+    /// A header arrived together with `spilled` bytes that went straight into the sink of
+    /// request `id`, the only one in flight when the receive began (`after` are the vectors
+    /// that followed the header). When the header is that request's data reply, its payload is
+    /// already in place; whatever landed beyond it (another reply: a request may have been
+    /// submitted meanwhile) or all of it (the header is for another request, or carries
+    /// arguments or an error) is the stream's continuation and is moved to `carry`, to be
+    /// received from there before the socket is read again.
     fn begin_speculated(
         &self,
         id: u64,
         hdr: &[u8; HEADER_LEN],
         spilled: usize,
+        after: &[RawIov],
+        carry: &mut Vec<u8>,
     ) -> io::Result<InReply> {
-        let proto = || io::Error::from_raw_os_error(errno::EPROTO as i32);
         let hdr = Header::parse(hdr).map_err(|e| {
             tracing::warn!("bad reply header: {e}");
-            proto()
+            io::Error::from_raw_os_error(errno::EPROTO as i32)
         })?;
         let fits = hdr.kind == KIND_REPLY
             && hdr.request_id.get() == id
+            && !hdr.traced()
             && hdr.status.get() == 0
-            && hdr.args_len.get() == 0
-            && hdr.payload_len.get() as usize >= spilled;
-        if !fits {
-            tracing::warn!(id, "server sent data that was not the reply in flight");
-            return Err(proto());
+            && hdr.args_len.get() == 0;
+        let keep = if fits {
+            spilled.min(hdr.payload_len.get() as usize)
+        } else {
+            0
+        };
+        if keep < spilled {
+            self.stats
+                .bytes_copied
+                .fetch_add((spilled - keep) as u64, Relaxed);
+            gather(after, keep, spilled - keep, carry);
+        }
+        if hdr.kind != KIND_REPLY {
+            tracing::warn!("server sent a request frame");
+            return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
         }
         let mut r = self.begin(hdr)?;
-        let rest = r.advance(spilled);
-        debug_assert_eq!(rest, 0, "spilled bytes fit the payload");
+        let rest = r.advance(keep);
+        debug_assert_eq!(rest, 0, "kept bytes fit the payload");
         Ok(r)
     }
 
@@ -787,6 +835,44 @@ fn poll_fd(fd: i32, events: i16) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Copies `len` bytes starting `skip` bytes into the memory `iov` describes onto `out`.
+fn gather(iov: &[RawIov], mut skip: usize, mut len: usize, out: &mut Vec<u8>) {
+    for v in iov {
+        if len == 0 {
+            break;
+        }
+        if skip >= v.len {
+            skip -= v.len;
+            continue;
+        }
+        let take = (v.len - skip).min(len);
+        // SAFETY: the vectors were just filled by a receive and stay valid (the request's sink
+        // is kept alive until its completion, which has not run).
+        out.extend_from_slice(unsafe {
+            std::slice::from_raw_parts((v.base + skip) as *const u8, take)
+        });
+        skip = 0;
+        len -= take;
+    }
+}
+
+/// Copies as much of `src` as fits into the memory `iov` describes; returns how much.
+fn scatter(src: &[u8], iov: &[RawIov]) -> usize {
+    let mut done = 0;
+    for v in iov {
+        let take = v.len.min(src.len() - done);
+        // SAFETY: the vectors point at buffers the receive loop may write (see `receive`).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src[done..].as_ptr(), v.base as *mut u8, take);
+        }
+        done += take;
+        if done == src.len() {
+            break;
+        }
+    }
+    done
 }
 
 /// A reply being received.

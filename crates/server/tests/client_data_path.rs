@@ -272,3 +272,36 @@ fn server_killed_mid_request_fails_every_caller() {
     assert!(r.is_err(), "a call on a dead connection must fail");
     assert!(c.is_dead());
 }
+
+/// Short reads from several threads on one connection: a reply shorter than its request's
+/// buffer, received while another request is on its way, must not take the next reply's bytes
+/// for its own (the receive that expects one reply may find two).
+#[test]
+fn short_replies_while_others_are_in_flight() {
+    let k = Kilnd::start();
+    let c = std::sync::Arc::new(Client::connect(&k.tcp).expect("connect"));
+    let (fh, _) = block_on(c.create("short.bin", libc::O_RDWR, 0o644)).expect("create");
+    let content = b"sixteen bytes!!!";
+    assert_eq!(
+        c.pwritev_blocking(fh, &[IoSlice::new(content)], 0)
+            .expect("write"),
+        content.len()
+    );
+    let threads: Vec<_> = (0..3)
+        .map(|t| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                for i in 0..3000 {
+                    let mut buf = vec![0xAAu8; 256];
+                    let n = c
+                        .preadv_blocking(fh, &mut [IoSliceMut::new(&mut buf)], 0)
+                        .unwrap_or_else(|e| panic!("thread {t} read {i}: {e}"));
+                    assert_eq!(&buf[..n], content, "thread {t} read {i}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("reader thread");
+    }
+}

@@ -2,12 +2,17 @@
 //!
 //! `create`, `start`, `stop`, `delete`, `info`, `status`, `list` and `volfile` talk to a kilnd
 //! management daemon (`--server`, default `tcp:127.0.0.1:24007`) with JSON requests over the
-//! MGMT fop (see `kiln_server::mgmt`). `profile` talks to one brick server directly (`--server`,
-//! default the brick default) and gathers the io-stats of the brick and of every client that
+//! MGMT fop (see `kiln_server::mgmt`), proving the management secret: `--mgmt-secret-file`,
+//! else `KILN_MGMT_SECRET_FILE`, else `STATE_DIR/mgmt.secret` (`--state-dir`, default
+//! `/var/lib/kiln`: root can read it on a kilnd host). Only `volfile` works without it.
+//! `heal` fetches the volfile and works on the bricks with the volume's secret. `profile`
+//! talks to one brick server directly (`--server`, default the brick default; the volume's
+//! secret as `heal` finds it) and gathers the io-stats of the brick and of every client that
 //! announced a metrics endpoint to it (mounts, NBD exports).
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 
 use kiln_client::Client;
 use kiln_layer::iostats::{Period, PointReport};
@@ -90,6 +95,68 @@ struct MgmtOpts {
     /// Print the server's JSON reply instead of text.
     #[arg(long)]
     json: bool,
+    /// The kilnd's management secret (default: KILN_MGMT_SECRET_FILE, else
+    /// STATE_DIR/mgmt.secret). Every command but `volfile` needs it.
+    #[arg(long, value_name = "PATH")]
+    mgmt_secret_file: Option<PathBuf>,
+    /// The state directory of this host's kilnd, where the default management secret and the
+    /// volume secrets are (readable by root).
+    #[arg(long, value_name = "DIR", default_value = kiln_client::mgmt::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+}
+
+/// The management secret a command proves, or why there is none (for the refusal's hint).
+enum MgmtSecret {
+    /// Read from this file.
+    From(PathBuf, Vec<u8>),
+    /// None: the default file and what was wrong with it.
+    Missing(PathBuf, String),
+}
+
+impl MgmtOpts {
+    /// Finds the management secret. A file named explicitly must be readable; the default one
+    /// may be missing or root's (`volfile` needs no secret).
+    fn secret(&self) -> Result<MgmtSecret, String> {
+        let explicit =
+            self.mgmt_secret_file.is_some() || std::env::var_os("KILN_MGMT_SECRET_FILE").is_some();
+        let default = self.state_dir.join(kiln_client::mgmt::MGMT_SECRET_FILE);
+        let Some(path) =
+            kiln_client::mgmt::mgmt_secret_file(self.mgmt_secret_file.as_deref(), &self.state_dir)
+        else {
+            return Ok(MgmtSecret::Missing(default, "it does not exist".into()));
+        };
+        match kiln_client::mgmt::read_secret(&path) {
+            Ok(s) if !s.is_empty() => Ok(MgmtSecret::From(path, s)),
+            Ok(_) if explicit => Err(format!(
+                "management secret file {} is empty",
+                path.display()
+            )),
+            Ok(_) => Ok(MgmtSecret::Missing(path, "it is empty".into())),
+            Err(e) if explicit => Err(e.to_string()),
+            Err(e) => Ok(MgmtSecret::Missing(
+                path,
+                format!("cannot read it ({}): run as root", e.kind()),
+            )),
+        }
+    }
+}
+
+/// What to do when the kilnd refused for want of the right management secret.
+fn secret_hint(secret: &MgmtSecret) -> String {
+    match secret {
+        MgmtSecret::Missing(path, why) => format!(
+            ". No management secret: {} — {why}. On a kilnd host run kiln as root (it reads \
+             STATE_DIR/mgmt.secret; --state-dir if not /var/lib/kiln); elsewhere copy that \
+             file from the kilnd host and pass --mgmt-secret-file PATH (or set \
+             KILN_MGMT_SECRET_FILE)",
+            path.display()
+        ),
+        MgmtSecret::From(path, _) => format!(
+            ". {} does not hold this kilnd's management secret: use a copy of the kilnd's \
+             STATE_DIR/mgmt.secret (or of the file its --mgmt-secret-file names)",
+            path.display()
+        ),
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -160,10 +227,7 @@ fn heal(a: &HealArgs) -> Result<(), String> {
     use kiln_layer::heal;
     let volfile = kiln_client::mgmt::fetch_volfile(&a.opts.server, &a.name)
         .map_err(|e| format!("cannot fetch the graph of {}: {e}", a.name))?;
-    let secret = match kiln_client::mgmt::secret_file(&a.name, a.secret_file.as_deref()) {
-        Some(p) => Some(kiln_client::mgmt::read_secret(&p).map_err(|e| e.to_string())?),
-        None => None,
-    };
+    let secret = volume_secret(&a.name, a.secret_file.as_deref(), &a.opts.state_dir)?;
     let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
         .map_err(|e| format!("cannot reach the bricks of {}: {e}", a.name))?;
     if heal::replicate_layers(vol.top()).is_empty() {
@@ -324,19 +388,47 @@ fn name_req(cmd: &str, name: &Option<String>) -> serde_json::Value {
     }
 }
 
-/// One request to the management daemon; errors read like `volume start: NAME: failed: …`.
+/// The secret of volume `name`'s bricks: `explicit`, else `KILN_SECRET_FILE`, else
+/// `STATE_DIR/vols/NAME/secret` when readable; none when nothing is found.
+fn volume_secret(
+    name: &str,
+    explicit: Option<&Path>,
+    state_dir: &Path,
+) -> Result<Option<Vec<u8>>, String> {
+    match kiln_client::mgmt::secret_file_in(name, explicit, state_dir) {
+        Some(p) => kiln_client::mgmt::read_secret(&p)
+            .map(Some)
+            .map_err(|e| e.to_string()),
+        None => Ok(None),
+    }
+}
+
+/// One request to the management daemon, proving the management secret; errors read like
+/// `volume start: NAME: failed: …`, and a refusal for want of the secret says what to do.
 fn mgmt_call(
     opts: &MgmtOpts,
     what: &str,
     req: &serde_json::Value,
 ) -> Result<serde_json::Value, String> {
-    kiln_client::mgmt::call(&opts.server, req).map_err(|e| match req["name"].as_str() {
+    let fail = |e: &str| match req["name"].as_str() {
         Some(n) => {
-            let e = e.to_string();
-            let e = e.strip_prefix(&format!("volume {n}: ")).unwrap_or(&e);
+            let e = e.strip_prefix(&format!("volume {n}: ")).unwrap_or(e);
             format!("volume {what}: {n}: failed: {e}")
         }
         None => format!("volume {what}: failed: {e}"),
+    };
+    let secret = opts.secret().map_err(|e| fail(&e))?;
+    let key = match &secret {
+        MgmtSecret::From(_, s) => Some(s.as_slice()),
+        MgmtSecret::Missing(..) => None,
+    };
+    kiln_client::mgmt::call_with_secret(&opts.server, req, key).map_err(|e| {
+        let msg = fail(&e.to_string());
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            msg + &secret_hint(&secret)
+        } else {
+            msg
+        }
     })
 }
 
@@ -513,7 +605,13 @@ fn http(addr: &str, method: &str, path: &str) -> Result<String, String> {
 }
 
 fn profile(p: &ProfileArgs) -> Result<(), String> {
-    let client = Client::connect(&p.server)
+    // A brick of a managed volume wants the volume's secret.
+    let secret = volume_secret(
+        &p.volume,
+        None,
+        Path::new(kiln_client::mgmt::DEFAULT_STATE_DIR),
+    )?;
+    let client = Client::connect_with_secret(&p.server, secret.as_deref())
         .map_err(|e| format!("volume {}: cannot reach its brick: {e}", p.volume))?;
     let cmd = match p.action {
         Action::Start => PROFILE_START,

@@ -126,8 +126,17 @@ fn fails(args: &[&str]) -> String {
     String::from_utf8(out.stderr).unwrap()
 }
 
-fn status(addr: &str, vol: &str) -> Value {
-    let s = ok(&["volume", "status", vol, "--server", addr, "--json"]);
+fn status(addr: &str, sd: &str, vol: &str) -> Value {
+    let s = ok(&[
+        "volume",
+        "status",
+        vol,
+        "--server",
+        addr,
+        "--state-dir",
+        sd,
+        "--json",
+    ]);
     let v: Value = serde_json::from_str(&s).unwrap();
     v["volumes"][0].clone()
 }
@@ -175,10 +184,12 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     let kd = Kilnd::start(&state);
     let addr = kd.addr.clone();
     let a = addr.as_str();
+    // The CLI proves the management secret kilnd created in its state directory.
+    let sd = state.to_str().unwrap();
 
     let mut create = vec!["volume", "create", "vol", "replica", "3"];
     create.extend(bricks.iter().map(String::as_str));
-    create.extend(["--server", a]);
+    create.extend(["--server", a, "--state-dir", sd]);
     let out = ok(&create);
     assert!(out.contains("volume create: vol: success"), "{out}");
     assert!(dirs.iter().all(|d| d.is_dir()), "brick directories created");
@@ -189,13 +200,21 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     assert_eq!(std::fs::read_to_string(&secret).unwrap().trim().len(), 64);
 
     // Not started: no volfile yet, status says so.
-    assert!(fails(&["volume", "volfile", "vol", "--server", a]).contains("not started"));
-    assert!(ok(&["volume", "status", "vol", "--server", a]).contains("not started"));
+    assert!(
+        fails(&["volume", "volfile", "vol", "--server", a, "--state-dir", sd])
+            .contains("not started")
+    );
+    assert!(
+        ok(&["volume", "status", "vol", "--server", a, "--state-dir", sd]).contains("not started")
+    );
 
-    let out = ok(&["volume", "start", "vol", "--server", a]);
+    let out = ok(&["volume", "start", "vol", "--server", a, "--state-dir", sd]);
     assert!(out.contains("volume start: vol: success"), "{out}");
-    assert!(fails(&["volume", "start", "vol", "--server", a]).contains("already started"));
-    let st = status(a, "vol");
+    assert!(
+        fails(&["volume", "start", "vol", "--server", a, "--state-dir", sd])
+            .contains("already started")
+    );
+    let st = status(a, sd, "vol");
     assert_eq!(online(&st), [true, true, true], "{st}");
     let ports: Vec<u64> = st["bricks"]
         .as_array()
@@ -209,16 +228,19 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
         .iter()
         .map(|b| b["pid"].as_u64().unwrap())
         .collect();
-    let table = ok(&["volume", "status", "vol", "--server", a]);
+    let table = ok(&["volume", "status", "vol", "--server", a, "--state-dir", sd]);
     assert!(
         table.contains("Online") && table.contains(&ports[0].to_string()),
         "{table}"
     );
-    let info = ok(&["volume", "info", "vol", "--server", a]);
+    let info = ok(&["volume", "info", "vol", "--server", a, "--state-dir", sd]);
     assert!(info.contains("Type: Replicate"), "{info}");
     assert!(info.contains("Number of Bricks: 1 x 3 = 3"), "{info}");
     assert!(info.contains(&format!("Brick3: {}", bricks[2])), "{info}");
-    assert_eq!(ok(&["volume", "list", "--server", a]).trim(), "vol");
+    assert_eq!(
+        ok(&["volume", "list", "--server", a, "--state-dir", sd]).trim(),
+        "vol"
+    );
 
     // The volfile: io-stats → replicate → three protocol-clients on the bricks' ports.
     let vf = mgmt::fetch_volfile(a, "vol").unwrap();
@@ -274,9 +296,9 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     assert!(pids.iter().all(|p| pid_alive(*p)), "bricks outlive kilnd");
     let kd = Kilnd::start(&state);
     let a = kd.addr.as_str();
-    let info = ok(&["volume", "info", "vol", "--server", a]);
+    let info = ok(&["volume", "info", "vol", "--server", a, "--state-dir", sd]);
     assert!(info.contains("Status: Started"), "{info}");
-    let st = status(a, "vol");
+    let st = status(a, sd, "vol");
     assert_eq!(online(&st), [true, true, true], "{st}");
     let pids2: Vec<u64> = st["bricks"]
         .as_array()
@@ -290,34 +312,51 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     // SAFETY: kill(2) with a pid and a signal number has no memory effects.
     unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) };
     wait_for(10, "the killed brick to show down", || {
-        online(&status(a, "vol")) == [true, false, true]
+        online(&status(a, sd, "vol")) == [true, false, true]
     });
-    ok(&["volume", "start", "vol", "force", "--server", a]);
-    let st = status(a, "vol");
+    ok(&[
+        "volume",
+        "start",
+        "vol",
+        "force",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let st = status(a, sd, "vol");
     assert_eq!(online(&st), [true, true, true], "{st}");
     assert_ne!(st["bricks"][1]["pid"].as_u64().unwrap(), pids[1]);
     assert_eq!(st["bricks"][0]["pid"].as_u64().unwrap(), pids[0]);
 
     // Delete needs a stopped volume; stop ends every brick.
-    assert!(fails(&["volume", "delete", "vol", "--server", a]).contains("stop it first"));
+    assert!(
+        fails(&["volume", "delete", "vol", "--server", a, "--state-dir", sd])
+            .contains("stop it first")
+    );
     let running: Vec<u64> = st["bricks"]
         .as_array()
         .unwrap()
         .iter()
         .map(|b| b["pid"].as_u64().unwrap())
         .collect();
-    ok(&["volume", "stop", "vol", "--server", a]);
+    ok(&["volume", "stop", "vol", "--server", a, "--state-dir", sd]);
     assert!(
         running.iter().all(|p| !pid_alive(*p)),
         "stop ends the bricks"
     );
-    let st = status(a, "vol");
+    let st = status(a, sd, "vol");
     assert_eq!(st["state"], "stopped");
     assert_eq!(online(&st), [false, false, false], "{st}");
-    assert!(fails(&["volume", "stop", "vol", "--server", a]).contains("not started"));
-    ok(&["volume", "delete", "vol", "--server", a]);
-    assert!(fails(&["volume", "info", "vol", "--server", a]).contains("does not exist"));
-    assert!(ok(&["volume", "list", "--server", a]).contains("No volumes"));
+    assert!(
+        fails(&["volume", "stop", "vol", "--server", a, "--state-dir", sd]).contains("not started")
+    );
+    ok(&["volume", "delete", "vol", "--server", a, "--state-dir", sd]);
+    assert!(
+        fails(&["volume", "info", "vol", "--server", a, "--state-dir", sd])
+            .contains("does not exist")
+    );
+    assert!(ok(&["volume", "list", "--server", a, "--state-dir", sd]).contains("No volumes"));
     assert!(dirs[0].join("hello.img").exists(), "delete leaves the data");
     drop(kd);
 }
@@ -329,6 +368,7 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     let _reaper = BrickReaper(state.clone());
     let kd = Kilnd::start(&state);
     let a = kd.addr.as_str();
+    let sd = state.to_str().unwrap();
     let b = |n: &str| format!("127.0.0.1:{}", tmp.path().join(n).display());
     let (b1, b2, b3) = (b("b1"), b("b2"), b("b3"));
     let nested = b("b1/inner");
@@ -346,25 +386,62 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     for (args, want) in cases {
         let mut full = vec!["volume", "create"];
         full.extend(&args);
-        full.extend(["--server", a]);
+        full.extend(["--server", a, "--state-dir", sd]);
         let err = fails(&full);
         assert!(err.contains(want), "{args:?}: want {want:?} in {err:?}");
     }
-    assert!(ok(&["volume", "list", "--server", a]).contains("No volumes"));
+    assert!(ok(&["volume", "list", "--server", a, "--state-dir", sd]).contains("No volumes"));
 
     // One good volume, then overlaps with it and a duplicate name are refused.
-    ok(&["volume", "create", "one", &b1, &b2, "--server", a]);
-    let err = fails(&["volume", "create", "two", &nested, "--server", a]);
+    ok(&[
+        "volume",
+        "create",
+        "one",
+        &b1,
+        &b2,
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let err = fails(&[
+        "volume",
+        "create",
+        "two",
+        &nested,
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
     assert!(
         err.contains("overlaps") && err.contains("volume one"),
         "{err}"
     );
-    let err = fails(&["volume", "create", "one", &b3, "--server", a]);
+    let err = fails(&[
+        "volume",
+        "create",
+        "one",
+        &b3,
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
     assert!(err.contains("already exists"), "{err}");
-    let err = fails(&["volume", "start", "nope", "--server", a]);
+    let err = fails(&["volume", "start", "nope", "--server", a, "--state-dir", sd]);
     assert!(err.contains("does not exist"), "{err}");
     // --json carries the server's reply.
-    let v: Value = serde_json::from_str(&ok(&["volume", "info", "--server", a, "--json"])).unwrap();
+    let v: Value = serde_json::from_str(&ok(&[
+        "volume",
+        "info",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+        "--json",
+    ]))
+    .unwrap();
     assert_eq!(v["volumes"][0]["type"], "Distribute");
     // A brick server is not a management server: a clear message, not a hang.
     let brick = tmp.path().join("plain");

@@ -8,8 +8,12 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The management port takes no secret (it listens on loopback by default; see kilnd
-//! `--mgmt`). The bricks of a volume do: each volume has its own, which [`secret_file`] finds.
+//! The management port requires the management secret (the kilnd's `STATE_DIR/mgmt.secret`,
+//! or the file its `--mgmt-secret-file` names) for every command but `volfile`: [`call`] proves
+//! it with the same HMAC challenge-response as bricks when [`mgmt_secret_file`] finds it, and
+//! [`call_with_secret`] takes it from the caller. [`fetch_volfile`] needs no secret: a client
+//! volfile holds brick addresses, no secret, so mounting works from any host, as in GlusterFS.
+//! The bricks of a volume require the volume's own secret, which [`secret_file`] finds.
 
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -29,80 +33,229 @@ pub const DEFAULT_SERVER: &str = "tcp:127.0.0.1:24007";
 /// Where a kilnd keeps its state by default.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/kiln";
 
+/// The name of the management secret in a kilnd's state directory.
+pub const MGMT_SECRET_FILE: &str = "mgmt.secret";
+
+/// The management secret file: `explicit` (a `--mgmt-secret-file` option), else
+/// `KILN_MGMT_SECRET_FILE`, else `STATE_DIR/mgmt.secret` when it exists (readable by root on a
+/// host of the cluster).
+pub fn mgmt_secret_file(explicit: Option<&Path>, state_dir: &Path) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_owned());
+    }
+    if let Some(p) = std::env::var_os("KILN_MGMT_SECRET_FILE") {
+        return Some(PathBuf::from(p));
+    }
+    let p = state_dir.join(MGMT_SECRET_FILE);
+    p.exists().then_some(p)
+}
+
 /// Sends one management request (a JSON object with `"cmd"`) to the kilnd at `addr`
-/// (`tcp:HOST:PORT` or `HOST:PORT`) and returns its reply. A reply with `"ok": false` becomes
-/// an error carrying the server's message.
+/// (`tcp:HOST:PORT` or `HOST:PORT`) and returns its reply, proving the management secret that
+/// [`mgmt_secret_file`] finds (with the default state directory `/var/lib/kiln`) when it is
+/// readable. A reply with `"ok": false` becomes an error carrying the server's message; a
+/// refusal for want of the secret, or of a wrong one, is an error of kind `PermissionDenied`.
 pub fn call(addr: &str, req: &serde_json::Value) -> io::Result<serde_json::Value> {
-    let hostport = addr.strip_prefix("tcp:").unwrap_or(addr);
-    let sa = hostport
-        .to_socket_addrs()
-        .map_err(|e| io::Error::new(e.kind(), format!("bad management address {addr}: {e}")))?
-        .next()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address")))?;
-    let ctx = |e: io::Error| io::Error::new(e.kind(), format!("kilnd at {addr}: {e}"));
-    let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(ctx)?;
-    // Starting a volume may take a while (bricks on several hosts); a minute bounds a hang.
-    s.set_read_timeout(Some(Duration::from_secs(120)))
-        .map_err(ctx)?;
-    let args = MgmtReq {
-        json: req.to_string().into_bytes(),
+    let secret = match mgmt_secret_file(None, Path::new(DEFAULT_STATE_DIR)) {
+        Some(p) if std::env::var_os("KILN_MGMT_SECRET_FILE").is_some() => Some(read_secret(&p)?),
+        // The default file may be root's: without it, open commands still work.
+        Some(p) => read_secret(&p).ok(),
+        None => None,
+    };
+    call_with_secret(addr, req, secret.as_deref())
+}
+
+/// [`call`] proving `secret` (when the kilnd asks for one), or none: then only the commands
+/// open to everyone (`volfile`) succeed on a kilnd that requires the secret.
+pub fn call_with_secret(
+    addr: &str,
+    req: &serde_json::Value,
+    secret: Option<&[u8]>,
+) -> io::Result<serde_json::Value> {
+    let mut c = MgmtConn::connect(addr)?;
+    if let Some(secret) = secret {
+        c.authenticate(secret)?;
     }
-    .to_wire();
-    if args.len() > kiln_proto::MAX_ARGS_LEN as usize {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "management request above 64 KiB",
-        ));
+    c.call(req)
+}
+
+/// One blocking connection to a management port.
+struct MgmtConn<'a> {
+    addr: &'a str,
+    sock: TcpStream,
+    next_id: u64,
+}
+
+impl<'a> MgmtConn<'a> {
+    fn connect(addr: &'a str) -> io::Result<MgmtConn<'a>> {
+        let hostport = addr.strip_prefix("tcp:").unwrap_or(addr);
+        let sa = hostport
+            .to_socket_addrs()
+            .map_err(|e| io::Error::new(e.kind(), format!("bad management address {addr}: {e}")))?
+            .next()
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address"))
+            })?;
+        let ctx = |e: io::Error| io::Error::new(e.kind(), format!("kilnd at {addr}: {e}"));
+        let sock = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(ctx)?;
+        // Starting a volume may take a while (bricks on several hosts); two minutes bound a
+        // hang.
+        sock.set_read_timeout(Some(Duration::from_secs(120)))
+            .map_err(ctx)?;
+        Ok(MgmtConn {
+            addr,
+            sock,
+            next_id: 1,
+        })
     }
-    let mut frame = Header::request(Op::Mgmt as u16, 1, args.len() as u32, 0)
-        .to_bytes()
-        .to_vec();
-    frame.extend_from_slice(&args);
-    s.write_all(&frame).map_err(ctx)?;
-    let mut h = [0u8; HEADER_LEN];
-    s.read_exact(&mut h).map_err(ctx)?;
-    let h = Header::parse(&h)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("kilnd at {addr}: {e}")))?;
-    let (alen, plen) = (h.args_len.get() as usize, h.payload_len.get() as usize);
-    let mut rest = vec![0u8; alen + plen];
-    s.read_exact(&mut rest).map_err(ctx)?;
-    match h.status.get() {
-        0 => {}
-        e if e == libc::ENOSYS as u32 => {
+
+    fn ctx(&self, e: io::Error) -> io::Error {
+        io::Error::new(e.kind(), format!("kilnd at {}: {e}", self.addr))
+    }
+
+    /// Sends one request frame; returns the reply's status, arguments and payload.
+    fn exchange(&mut self, op: Op, args: &[u8]) -> io::Result<(u32, Vec<u8>, Vec<u8>)> {
+        if args.len() > kiln_proto::MAX_ARGS_LEN as usize {
             return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!(
-                    "{addr} does not manage volumes (a brick server? point --server at a \
-                     kilnd started without --brick)"
-                ),
-            ))
+                io::ErrorKind::InvalidInput,
+                "management request above 64 KiB",
+            ));
         }
-        e => return Err(ctx(io::Error::from_raw_os_error(e as i32))),
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut frame = Header::request(op as u16, id, args.len() as u32, 0)
+            .to_bytes()
+            .to_vec();
+        frame.extend_from_slice(args);
+        self.sock.write_all(&frame).map_err(|e| self.ctx(e))?;
+        let mut h = [0u8; HEADER_LEN];
+        self.sock.read_exact(&mut h).map_err(|e| self.ctx(e))?;
+        let h = Header::parse(&h).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("kilnd at {}: {e}", self.addr),
+            )
+        })?;
+        let alen = h.args_len.get() as usize;
+        let mut rest = vec![0u8; alen + h.payload_len.get() as usize];
+        self.sock.read_exact(&mut rest).map_err(|e| self.ctx(e))?;
+        let payload = rest.split_off(alen);
+        Ok((h.status.get(), rest, payload))
     }
-    let v: serde_json::Value = serde_json::from_slice(&rest[alen..]).map_err(|e| {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("kilnd at {addr}: bad reply: {e}"),
-        )
-    })?;
-    if v["ok"] == true {
-        Ok(v)
-    } else {
-        Err(io::Error::other(
-            v["error"]
-                .as_str()
-                .unwrap_or("the server refused without saying why")
-                .to_owned(),
-        ))
+
+    /// HELLO, then, when the kilnd asks for it, proves `secret` and checks the kilnd's proof.
+    fn authenticate(&mut self, secret: &[u8]) -> io::Result<()> {
+        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
+        use kiln_proto::ops::{AuthReply, AuthReq, HelloReply, HelloReq};
+        let addr = self.addr;
+        let bad = |what: &str, e: kiln_proto::DecodeError| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("kilnd at {addr}: bad {what} reply: {e}"),
+            )
+        };
+        let hello = HelloReq {
+            version: kiln_proto::frame::VERSION as u32,
+            client: "kiln-mgmt".into(),
+            metrics: String::new(),
+        };
+        let (status, args, _) = self.exchange(Op::Hello, &hello.to_wire())?;
+        if status != 0 {
+            return Err(self.ctx(io::Error::from_raw_os_error(status as i32)));
+        }
+        let hello = HelloReply::from_wire(&args).map_err(|e| bad("HELLO", e))?;
+        if !hello.auth_required {
+            // A kilnd without a secret (older, or a brick): nothing to prove.
+            return Ok(());
+        }
+        let mut nonce = vec![0u8; NONCE_LEN];
+        rustix::rand::getrandom(&mut nonce, rustix::rand::GetRandomFlags::empty())?;
+        let req = AuthReq {
+            proof: hmac_sha256(secret, &client_transcript(&hello.nonce, &nonce)),
+            client_nonce: nonce.clone(),
+        };
+        let (status, args, _) = self.exchange(Op::Auth, &req.to_wire())?;
+        if status == libc::EACCES as u32 {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("kilnd at {addr} refused the management secret: wrong secret"),
+            ));
+        }
+        if status != 0 {
+            return Err(self.ctx(io::Error::from_raw_os_error(status as i32)));
+        }
+        let reply = AuthReply::from_wire(&args).map_err(|e| bad("AUTH", e))?;
+        if reply.proof != hmac_sha256(secret, &server_transcript(&hello.nonce, &nonce)) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("kilnd at {addr} could not prove it holds the management secret"),
+            ));
+        }
+        Ok(())
     }
+
+    fn call(&mut self, req: &serde_json::Value) -> io::Result<serde_json::Value> {
+        let addr = self.addr;
+        let args = MgmtReq {
+            json: req.to_string().into_bytes(),
+        }
+        .to_wire();
+        let (status, _, payload) = self.exchange(Op::Mgmt, &args)?;
+        match status {
+            0 => {}
+            e if e == libc::ENOSYS as u32 => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!(
+                        "{addr} does not manage volumes (a brick server? point --server at a \
+                         kilnd started without --brick)"
+                    ),
+                ))
+            }
+            e => return Err(self.ctx(io::Error::from_raw_os_error(e as i32))),
+        }
+        let v: serde_json::Value = serde_json::from_slice(&payload).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("kilnd at {addr}: bad reply: {e}"),
+            )
+        })?;
+        if v["ok"] == true {
+            return Ok(v);
+        }
+        let msg = v["error"]
+            .as_str()
+            .unwrap_or("the server refused without saying why");
+        if v["auth_required"] == true {
+            Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("kilnd at {addr}: {msg}"),
+            ))
+        } else {
+            Err(io::Error::other(msg.to_owned()))
+        }
+    }
+}
+
+fn hmac_sha256(key: &[u8], msg: &[u8]) -> Vec<u8> {
+    use hmac::Mac;
+    let mut m =
+        hmac::Hmac::<sha2::Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
+    m.update(msg);
+    m.finalize().into_bytes().to_vec()
 }
 
 /// Fetches the client volume graph of `volume` from the kilnd at `server` (any kilnd with a
 /// brick of the volume, or the one where it was created).
+///
+/// Needs no secret (the one command a kilnd answers without one), and sends none: the request
+/// is a single MGMT frame, so a brick that requires its secret refuses it (`PermissionDenied`)
+/// and one without a management handler says `Unsupported`.
 pub fn fetch_volfile(server: &str, volume: &str) -> io::Result<Volfile> {
-    let r = call(
+    let r = call_with_secret(
         server,
         &serde_json::json!({ "cmd": "volfile", "name": volume }),
+        None,
     )?;
     let text = r["volfile"].as_str().ok_or_else(|| {
         io::Error::new(

@@ -40,8 +40,8 @@ pub struct ServeArgs {
     )]
     pub state_dir: PathBuf,
     /// Management mode: the management address (tcp:IP:PORT; port 0 picks one, printed at
-    /// start). Requests there need no secret: keep it on loopback, or restrict it with --allow,
-    /// when other hosts' kilnds must reach it (tcp:0.0.0.0:24007 --allow 10.0.0.0/24).
+    /// start). Every request there but a client's volfile fetch needs the management secret
+    /// (--mgmt-secret-file); other hosts' kilnds reach it with tcp:0.0.0.0:24007.
     #[arg(
         long,
         value_name = "ADDR",
@@ -49,6 +49,11 @@ pub struct ServeArgs {
         conflicts_with_all = ["brick", "volfile"]
     )]
     pub mgmt: Listen,
+    /// Management mode: the management secret that `kiln volume` and other kilnds must prove
+    /// (default STATE_DIR/mgmt.secret; a missing file is created, mode 0600). Every kilnd of a
+    /// cluster needs the same one.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["brick", "volfile"])]
+    pub mgmt_secret_file: Option<PathBuf>,
     /// Require clients to prove this shared secret (HMAC challenge-response; the secret never
     /// crosses the wire). A missing file is created with a new random secret (mode 0600).
     /// Clients read it from the file named by KILN_SECRET_FILE.
@@ -189,7 +194,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
     if args.secret_file.is_some() {
         return fail(
             "--secret-file belongs to a brick; in management mode every volume has its own \
-             secret (STATE_DIR/vols/NAME/secret)"
+             secret (STATE_DIR/vols/NAME/secret); the management port's is --mgmt-secret-file"
                 .into(),
         );
     }
@@ -200,7 +205,8 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         Ok(e) => e,
         Err(e) => return fail(format!("cannot find this executable to run bricks: {e}")),
     };
-    let manager = match mgmt::Manager::open(&args.state_dir, exe) {
+    let secret_file = args.mgmt_secret_file.as_deref();
+    let manager = match mgmt::Manager::open(&args.state_dir, exe, secret_file) {
         Ok(m) => m,
         Err(e) => return fail(e),
     };
@@ -218,6 +224,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         let server = match Server::bind_volfile(&volfile, std::slice::from_ref(&args.mgmt)) {
             Ok(s) => s
                 .with_allow_list(args.allow.clone())
+                .with_secret(manager.secret())
                 .with_mgmt(manager.handler()),
             Err(e) => return fail(e.to_string()),
         };

@@ -503,7 +503,9 @@ impl Conn {
             return self.push(OutReply::new(opcode, id, Err(errno::ENOSYS)));
         };
         self.stats.count(op);
-        if self.secret.is_some() && !self.authed && !matches!(op, Op::Hello | Op::Auth) {
+        // MGMT passes on a management server: its handler decides per command (mgmt::Caller).
+        let open = matches!(op, Op::Hello | Op::Auth) || (op == Op::Mgmt && self.mgmt.is_some());
+        if self.secret.is_some() && !self.authed && !open {
             tracing::warn!(peer = %self.peer, op = op.name(), "request before authentication; closing");
             self.closing = true;
             return self.push(OutReply::new(opcode, id, Err(errno::EACCES)));
@@ -711,10 +713,15 @@ impl Conn {
                 let Some(handler) = self.mgmt.clone() else {
                     return Err(Fail::Errno(errno::ENOSYS));
                 };
+                let caller = crate::mgmt::Caller {
+                    peer: self.peer.clone(),
+                    authenticated: self.secret.is_none() || self.authed,
+                };
                 stack!({
-                    let json = tokio::task::spawn_blocking(move || handler(&req.json))
-                        .await
-                        .map_err(|_| errno::EIO)?;
+                    let json =
+                        tokio::task::spawn_blocking(move || handler.handle(&req.json, &caller))
+                            .await
+                            .map_err(|_| errno::EIO)?;
                     Ok(Done::Reply(Vec::new(), Body::Buf(json)))
                 })
             }

@@ -5,6 +5,8 @@
 //! (`--state-dir`, default `/var/lib/kiln`):
 //!
 //! ```text
+//! mgmt.secret              the management secret (64 hex digits, mode 0600), unless
+//!                          `--mgmt-secret-file` names another file
 //! vols/NAME/volume.json    the definition (or, on a peer, a cached copy of it)
 //! vols/NAME/secret         the volume's shared secret (64 hex digits, mode 0600)
 //! vols/NAME/bricks/N.toml  brick N's volfile; N.log is its output
@@ -27,6 +29,25 @@
 //!
 //! Every reply is a JSON object with `"ok": true` and the command's fields, or `"ok": false`
 //! and `"error"`: a sentence meant for the operator.
+//!
+//! **Authentication.** The management port requires the management secret (`mgmt.secret`
+//! above, created at first start; the same HMAC challenge-response as bricks, see
+//! `kiln_proto::auth`) for every command but one: `volfile`, the client graph of a started
+//! volume, stays open to unauthenticated connections as in GlusterFS, so that `kiln mount
+//! HOST:/VOL` works on a client host without handing it the key to create and delete
+//! volumes. What `volfile` returns is layer names and brick addresses (`tcp:IP:PORT`) — the
+//! same things a port scan finds — and never a secret; the bricks themselves still require
+//! the volume's own secret. Everything else — `create`, `start`, `stop`, `delete`, `info`,
+//! `list`, `status` and the kilnd-to-kilnd commands (`peer-sync` and `brick-start`, which
+//! carry volume secrets, `brick-stop`, `brick-report`, `peer-forget`) — is refused, and the
+//! refusal logged with the peer's address, unless the connection proved the secret. An
+//! unauthenticated connection can do nothing else either: the connection code refuses every
+//! other fop before authentication (see [`Caller`]).
+//!
+//! Kilnds prove the secret to each other too, and a kilnd sends a command (and with it a
+//! volume secret) only to a kilnd that proves the secret back, so every host of a cluster
+//! must hold the same one: copy the first host's `STATE_DIR/mgmt.secret` to the others before
+//! they first start (or start every kilnd with `--mgmt-secret-file` naming a shared copy).
 
 use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsString;
@@ -44,8 +65,57 @@ use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+/// Who sent a MGMT request, as the connection that carried it knows them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The peer's address (`IP:PORT`, or `unix`), for logs.
+    pub peer: String,
+    /// True when the connection proved the server's secret, or the server has none.
+    pub authenticated: bool,
+}
+
 /// What the connection code calls with a MGMT request's JSON; returns the reply's JSON.
-pub type Handler = Arc<dyn Fn(&[u8]) -> Vec<u8> + Send + Sync>;
+///
+/// On a server with a secret, MGMT is the one fop besides HELLO and AUTH that the connection
+/// code lets through before authentication: the handler decides per command, knowing the
+/// [`Caller`]. A plain closure `Fn(&[u8]) -> Vec<u8>` is a handler that does not look at the
+/// caller: it runs only for authenticated callers, and the others get a refusal.
+pub trait MgmtHandler: Send + Sync {
+    /// Answers one request (JSON) from `caller` with the reply's JSON.
+    fn handle(&self, req: &[u8], caller: &Caller) -> Vec<u8>;
+}
+
+impl<F: Fn(&[u8]) -> Vec<u8> + Send + Sync> MgmtHandler for F {
+    fn handle(&self, req: &[u8], caller: &Caller) -> Vec<u8> {
+        if caller.authenticated {
+            self(req)
+        } else {
+            tracing::warn!(peer = %caller.peer, "mgmt: refused a request before authentication");
+            refusal("this request").to_string().into_bytes()
+        }
+    }
+}
+
+/// A MGMT handler as the server holds it.
+pub type Handler = Arc<dyn MgmtHandler>;
+
+/// The commands an unauthenticated connection may send (see the module documentation).
+pub const OPEN_COMMANDS: &[&str] = &["volfile"];
+
+/// The name of the management secret in the state directory.
+pub const MGMT_SECRET_FILE: &str = "mgmt.secret";
+
+/// The reply to an unauthenticated request for `what`: `"auth_required": true` tells clients
+/// to say how to give the secret.
+fn refusal(what: &str) -> Value {
+    json!({
+        "ok": false,
+        "auth_required": true,
+        "error": format!(
+            "{what} needs the management secret, and this connection did not prove it"
+        ),
+    })
+}
 
 /// The management port a kilnd listens on by default (the same as glusterd's).
 pub const DEFAULT_MGMT_PORT: u16 = 24007;
@@ -337,27 +407,92 @@ pub fn placeholder_volfile(state_dir: &Path) -> Volfile {
     ])
 }
 
-/// Sends one MGMT request to the kilnd at `addr` over a plain connection and returns the
-/// reply's JSON (an `"ok": false` reply becomes an error carrying its message). Used between
-/// kilnds; clients use `kiln_client::mgmt::call`.
-pub fn call_peer(addr: SocketAddr, req: &Value) -> Result<Value, String> {
-    let mut s = PeerConn::connect(addr)?;
+/// Sends one MGMT request to the kilnd at `addr`, proving `secret` (the management secret) and
+/// requiring `addr` to prove it back, and returns the reply's JSON (an `"ok": false` reply
+/// becomes an error carrying its message). Used between kilnds; clients use
+/// `kiln_client::mgmt::call`.
+pub fn call_peer(addr: SocketAddr, secret: &[u8], req: &Value) -> Result<Value, String> {
+    let mut s = PeerConn::connect(addr, secret)?;
     s.call(req)
 }
 
-/// A connection to another kilnd's management port.
+/// An authenticated connection to another kilnd's management port.
 struct PeerConn {
     addr: SocketAddr,
     sock: TcpStream,
+    next_id: u64,
 }
 
 impl PeerConn {
-    fn connect(addr: SocketAddr) -> Result<PeerConn, String> {
+    /// Connects and runs the handshake: this kilnd proves the secret, and so must the other
+    /// one — a kilnd that does not ask for it, or cannot prove it, gets no command (commands
+    /// carry volume secrets).
+    fn connect(addr: SocketAddr, secret: &[u8]) -> Result<PeerConn, String> {
+        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
+        use kiln_proto::codec::Wire;
+        use kiln_proto::ops::{AuthReply, AuthReq, HelloReply, HelloReq};
         let sock = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
             .map_err(|e| format!("cannot reach kilnd at {addr}: {e}"))?;
         let _ = sock.set_read_timeout(Some(PEER_CALL_TIMEOUT));
         let _ = sock.set_write_timeout(Some(PEER_CALL_TIMEOUT));
-        Ok(PeerConn { addr, sock })
+        let mut c = PeerConn {
+            addr,
+            sock,
+            next_id: 1,
+        };
+        let hello = HelloReq {
+            version: kiln_proto::frame::VERSION as u32,
+            client: format!("kilnd {} (peer)", env!("CARGO_PKG_VERSION")),
+            metrics: String::new(),
+        };
+        let (status, args, _) = c.exchange(kiln_proto::Op::Hello, &hello.to_wire())?;
+        if status != 0 {
+            return Err(format!(
+                "kilnd at {addr} refused the handshake: {}",
+                io::Error::from_raw_os_error(status as i32)
+            ));
+        }
+        let hello = HelloReply::from_wire(&args)
+            .map_err(|e| format!("kilnd at {addr}: bad HELLO reply: {e}"))?;
+        if !hello.auth_required {
+            return Err(format!(
+                "kilnd at {addr} does not ask for the management secret (a kilnd from before \
+                 management authentication?): not sending it volume commands"
+            ));
+        }
+        let mut nonce = [0u8; NONCE_LEN];
+        random(&mut nonce)?;
+        let req = AuthReq {
+            client_nonce: nonce.to_vec(),
+            proof: crate::auth::mac(secret, &client_transcript(&hello.nonce, &nonce)),
+        };
+        let (status, args, _) = c.exchange(kiln_proto::Op::Auth, &req.to_wire())?;
+        if status == libc::EACCES as u32 {
+            return Err(format!(
+                "kilnd at {addr} refused this host's management secret: every kilnd of a \
+                 cluster needs the same one (copy STATE_DIR/{MGMT_SECRET_FILE} from one host \
+                 to the others, or start them all with --mgmt-secret-file naming a copy)"
+            ));
+        }
+        if status != 0 {
+            return Err(format!(
+                "kilnd at {addr}: authentication failed: {}",
+                io::Error::from_raw_os_error(status as i32)
+            ));
+        }
+        let reply = AuthReply::from_wire(&args)
+            .map_err(|e| format!("kilnd at {addr}: bad AUTH reply: {e}"))?;
+        if !crate::auth::verify(
+            secret,
+            &server_transcript(&hello.nonce, &nonce),
+            &reply.proof,
+        ) {
+            return Err(format!(
+                "kilnd at {addr} could not prove it holds the management secret: not sending \
+                 it volume commands"
+            ));
+        }
+        Ok(c)
     }
 
     /// This end's address: how the peer sees us.
@@ -368,32 +503,46 @@ impl PeerConn {
             .map_err(|e| format!("{}: {e}", self.addr))
     }
 
-    fn call(&mut self, req: &Value) -> Result<Value, String> {
-        use kiln_proto::codec::Wire;
+    /// Sends one request frame and reads its reply: status, arguments, payload.
+    fn exchange(
+        &mut self,
+        op: kiln_proto::Op,
+        args: &[u8],
+    ) -> Result<(u32, Vec<u8>, Vec<u8>), String> {
         use kiln_proto::frame::{Header, HEADER_LEN};
         let addr = self.addr;
         let err = |e: io::Error| format!("kilnd at {addr}: {e}");
-        let args = kiln_proto::ops::MgmtReq {
-            json: req.to_string().into_bytes(),
-        }
-        .to_wire();
-        let hdr = Header::request(kiln_proto::Op::Mgmt as u16, 1, args.len() as u32, 0);
+        let id = self.next_id;
+        self.next_id += 1;
+        let hdr = Header::request(op as u16, id, args.len() as u32, 0);
         let mut frame = hdr.to_bytes().to_vec();
-        frame.extend_from_slice(&args);
+        frame.extend_from_slice(args);
         self.sock.write_all(&frame).map_err(err)?;
         let mut h = [0u8; HEADER_LEN];
         self.sock.read_exact(&mut h).map_err(err)?;
         let h = Header::parse(&h).map_err(|e| format!("kilnd at {addr}: {e}"))?;
-        let mut rest = vec![0u8; h.args_len.get() as usize + h.payload_len.get() as usize];
+        let alen = h.args_len.get() as usize;
+        let mut rest = vec![0u8; alen + h.payload_len.get() as usize];
         self.sock.read_exact(&mut rest).map_err(err)?;
-        if h.status.get() != 0 {
+        let payload = rest.split_off(alen);
+        Ok((h.status.get(), rest, payload))
+    }
+
+    fn call(&mut self, req: &Value) -> Result<Value, String> {
+        use kiln_proto::codec::Wire;
+        let addr = self.addr;
+        let args = kiln_proto::ops::MgmtReq {
+            json: req.to_string().into_bytes(),
+        }
+        .to_wire();
+        let (status, _, payload) = self.exchange(kiln_proto::Op::Mgmt, &args)?;
+        if status != 0 {
             return Err(format!(
                 "kilnd at {addr} refused the request: {}",
-                io::Error::from_raw_os_error(h.status.get() as i32)
+                io::Error::from_raw_os_error(status as i32)
             ));
         }
-        let payload = &rest[h.args_len.get() as usize..];
-        let v: Value = serde_json::from_slice(payload)
+        let v: Value = serde_json::from_slice(&payload)
             .map_err(|e| format!("kilnd at {addr}: bad reply: {e}"))?;
         if v["ok"] == true {
             Ok(v)
@@ -422,6 +571,9 @@ pub struct Manager {
     mgmt_port: Mutex<u16>,
     /// Serialises commands: one change at a time, and the children table.
     procs: Mutex<Procs>,
+    /// The management secret: clients and other kilnds prove it, and this kilnd proves it to
+    /// other kilnds.
+    secret: Arc<[u8]>,
 }
 
 /// The command that runs a brick: this executable, as `kilnd` or as `kiln server`.
@@ -442,18 +594,53 @@ pub fn brick_command() -> io::Result<Vec<OsString>> {
 }
 
 impl Manager {
-    /// Opens (creating) the state directory. `exe` runs a brick (see [`brick_command`]).
-    pub fn open(state: &Path, exe: Vec<OsString>) -> Result<Arc<Manager>, String> {
+    /// Opens (creating) the state directory, and loads the management secret from
+    /// `secret_file`, default `STATE_DIR/mgmt.secret` — a missing file is created with a new
+    /// random secret (mode 0600). `exe` runs a brick (see [`brick_command`]).
+    pub fn open(
+        state: &Path,
+        exe: Vec<OsString>,
+        secret_file: Option<&Path>,
+    ) -> Result<Arc<Manager>, String> {
         for d in [state.join("vols"), state.join("mgmt-root")] {
             fs::create_dir_all(&d)
                 .map_err(|e| format!("cannot create state directory {}: {e}", d.display()))?;
+        }
+        let path = secret_file
+            .map(Path::to_owned)
+            .unwrap_or_else(|| state.join(MGMT_SECRET_FILE));
+        let existed = path.exists();
+        let secret = crate::auth::load_or_create(&path)
+            .map_err(|e| format!("management secret {}: {e}", path.display()))?;
+        if !existed {
+            tracing::info!(
+                "{} is this kilnd's management secret: `kiln volume` reads it as root on this \
+                 host; every other kilnd of the cluster needs a copy",
+                path.display()
+            );
+        }
+        if let Ok(m) = fs::metadata(&path) {
+            use std::os::unix::fs::PermissionsExt;
+            if m.permissions().mode() & 0o077 != 0 {
+                tracing::warn!(
+                    "management secret {} is readable by others (mode {:o}): chmod 600 it",
+                    path.display(),
+                    m.permissions().mode() & 0o777
+                );
+            }
         }
         Ok(Arc::new(Manager {
             state: state.to_owned(),
             exe,
             mgmt_port: Mutex::new(DEFAULT_MGMT_PORT),
             procs: Mutex::default(),
+            secret: secret.into(),
         }))
+    }
+
+    /// The management secret, for the server's handshake (`Server::with_secret`).
+    pub fn secret(&self) -> Vec<u8> {
+        self.secret.to_vec()
     }
 
     /// Records the port the management server bound.
@@ -461,16 +648,37 @@ impl Manager {
         *self.mgmt_port.lock().unwrap_or_else(|e| e.into_inner()) = port;
     }
 
-    /// The handler to attach to the management server.
+    /// The handler to attach to the management server (together with [`Manager::secret`]).
     pub fn handler(self: &Arc<Self>) -> Handler {
-        let m = self.clone();
-        Arc::new(move |req: &[u8]| m.handle(req))
+        self.clone()
     }
 
-    /// Answers one request.
-    pub fn handle(&self, req: &[u8]) -> Vec<u8> {
+    /// [`call_peer`] with this kilnd's secret.
+    fn call_peer(&self, addr: SocketAddr, req: &Value) -> Result<Value, String> {
+        call_peer(addr, &self.secret, req)
+    }
+
+    /// Answers one request from `caller`: only [`OPEN_COMMANDS`] without authentication.
+    pub fn handle(&self, req: &[u8], caller: &Caller) -> Vec<u8> {
         let out = match serde_json::from_slice::<Value>(req) {
-            Ok(v) if v.is_object() => self.dispatch(&v),
+            Ok(v) if v.is_object() => {
+                let cmd = v["cmd"].as_str().unwrap_or_default();
+                if !caller.authenticated && !OPEN_COMMANDS.contains(&cmd) {
+                    tracing::warn!(
+                        peer = %caller.peer,
+                        "mgmt: refused {cmd:?} from {}: not authenticated (no management \
+                         secret proved)",
+                        caller.peer
+                    );
+                    let what = if cmd.is_empty() {
+                        "this request".to_owned()
+                    } else {
+                        format!("`{cmd}`")
+                    };
+                    return refusal(&what).to_string().into_bytes();
+                }
+                self.dispatch(&v)
+            }
             Ok(_) => Err("bad request: not a JSON object".into()),
             Err(e) => Err(format!("bad request: {e}")),
         };
@@ -490,6 +698,7 @@ impl Manager {
         v.to_string().into_bytes()
     }
 
+    /// Runs one request of an authenticated caller (or an open command).
     fn dispatch(&self, req: &Value) -> Result<Value, String> {
         let cmd = req["cmd"]
             .as_str()
@@ -503,7 +712,8 @@ impl Manager {
             if let Ok(def) = self.load(name) {
                 if let Some(auth) = &def.authority {
                     let addr = parse_sockaddr(auth)?;
-                    return call_peer(addr, req)
+                    return self
+                        .call_peer(addr, req)
                         .map_err(|e| format!("volume {name} (authority {auth}): {e}"));
                 }
             }
@@ -709,7 +919,7 @@ impl Manager {
         for addr in self.peers(&def) {
             if let Err(e) = self.sync_to(addr, &def, true) {
                 for a in synced {
-                    let _ = call_peer(a, &json!({ "cmd": "peer-forget", "name": name }));
+                    let _ = self.call_peer(a, &json!({ "cmd": "peer-forget", "name": name }));
                 }
                 let _ = fs::remove_dir_all(self.vol_dir(name));
                 return Err(format!("volume {name} not created: {e}"));
@@ -781,7 +991,7 @@ impl Manager {
                     Ok(())
                 }
                 Ok(_) => b.mgmt_addr().and_then(|a| {
-                    call_peer(a, &json!({ "cmd": "brick-stop", "name": name, "index": i }))
+                    self.call_peer(a, &json!({ "cmd": "brick-stop", "name": name, "index": i }))
                         .map(|_| ())
                 }),
                 Err(e) => Err(e),
@@ -813,7 +1023,7 @@ impl Manager {
         }
         let mut warnings = Vec::new();
         for addr in self.peers(&def) {
-            if let Err(e) = call_peer(addr, &json!({ "cmd": "peer-forget", "name": name })) {
+            if let Err(e) = self.call_peer(addr, &json!({ "cmd": "peer-forget", "name": name })) {
                 warnings.push(format!("{addr} keeps a stale copy: {e}"));
             }
         }
@@ -1011,7 +1221,7 @@ impl Manager {
     /// Sends `def` to the peer at `addr`, naming this kilnd (as the peer reaches it) the
     /// authority.
     fn sync_to(&self, addr: SocketAddr, def: &VolumeDef, with_secret: bool) -> Result<(), String> {
-        let mut c = PeerConn::connect(addr)?;
+        let mut c = PeerConn::connect(addr, &self.secret)?;
         let mut copy = def.clone();
         copy.authority = Some(self.authority_addr(&c)?);
         let mut req = json!({ "cmd": "peer-sync", "def": copy });
@@ -1045,7 +1255,7 @@ impl Manager {
         secret: &str,
     ) -> Result<(u16, u32), String> {
         let addr = def.bricks[i].mgmt_addr()?;
-        let mut c = PeerConn::connect(addr)?;
+        let mut c = PeerConn::connect(addr, &self.secret)?;
         let mut copy = def.clone();
         copy.authority = Some(self.authority_addr(&c)?);
         let r = c.call(&json!({
@@ -1124,7 +1334,7 @@ impl Manager {
                             "cmd": "brick-report", "name": def.name, "id": def.id,
                             "index": i, "port": b.port, "pid": b.pid,
                         });
-                        call_peer(a, &req).map(|_| ())
+                        self.call_peer(a, &req).map(|_| ())
                     })
                 }),
             };
@@ -1342,6 +1552,12 @@ impl Manager {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+}
+
+impl MgmtHandler for Manager {
+    fn handle(&self, req: &[u8], caller: &Caller) -> Vec<u8> {
+        Manager::handle(self, req, caller)
     }
 }
 

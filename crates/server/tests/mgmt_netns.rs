@@ -1,7 +1,9 @@
 //! Volume management across two hosts: two network namespaces joined by a veth pair, a
-//! management kilnd in each. The volume is created on host a with one brick on each host;
-//! host b answers status and hands out the volfile from its cached copy; data written from
-//! host a lands on both bricks. Needs root and `ip netns`; skips (saying why) without them.
+//! management kilnd in each. The hosts share one management secret (host a's
+//! `STATE_DIR/mgmt.secret`, copied to host b; a host with another secret is refused). The
+//! volume is created on host a with one brick on each host; host b answers status and hands out
+//! the volfile from its cached copy (without a secret, as a mounting client asks); data written
+//! from host a lands on both bricks. Needs root and `ip netns`; skips (saying why) without them.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::AsRawFd;
@@ -48,8 +50,9 @@ impl Net {
         Ok(net)
     }
 
-    /// Starts a management kilnd in namespace `ns`, listening on every address of it.
-    fn kilnd(&mut self, ns: &str, state: &Path) {
+    /// Starts a management kilnd in namespace `ns`, listening on every address of it, with
+    /// `extra` arguments.
+    fn kilnd(&mut self, ns: &str, state: &Path, extra: &[&Path]) {
         let child = Command::new("ip")
             .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kilnd")])
             .args([
@@ -60,6 +63,7 @@ impl Net {
                 "--state-dir",
             ])
             .arg(state)
+            .args(extra)
             .env("KILN_LOG", "warn")
             .stdout(Stdio::piped())
             .spawn()
@@ -153,8 +157,12 @@ fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) ->
     .expect("namespace thread")
 }
 
-fn call(ns: &str, addr: &'static str, req: Value) -> std::io::Result<Value> {
-    in_ns(ns, move || mgmt::call(addr, &req))
+/// One management request from namespace `ns`, proving `secret`.
+fn call(ns: &str, secret: &[u8], addr: &'static str, req: Value) -> std::io::Result<Value> {
+    let secret = secret.to_vec();
+    in_ns(ns, move || {
+        mgmt::call_with_secret(addr, &req, Some(&secret))
+    })
 }
 
 const A_MGMT: &str = "tcp:10.77.0.1:24007";
@@ -187,34 +195,61 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
     let (state_a, state_b) = (tmp.path().join("state-a"), tmp.path().join("state-b"));
     let (brick_a, brick_b) = (tmp.path().join("brick-a"), tmp.path().join("brick-b"));
     let (a, b) = (net.a.clone(), net.b.clone());
-    net.kilnd(&a, &state_a);
-    net.kilnd(&b, &state_b);
+    net.kilnd(&a, &state_a, &[]);
+    // Host b first comes up with a management secret of its own.
+    net.kilnd(&b, &state_b, &[]);
+    let secret_file = state_a.join("mgmt.secret");
+    let secret = std::fs::read_to_string(&secret_file)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let secret = secret.as_bytes();
+    assert_ne!(
+        std::fs::read_to_string(state_b.join("mgmt.secret")).unwrap(),
+        std::fs::read_to_string(&secret_file).unwrap(),
+        "each kilnd made its own secret"
+    );
 
     // Create on host a: one brick here, one on host b (default management port).
     let bricks = [
         format!("{A_IP}:{}", brick_a.display()),
         format!("{B_IP}:{}", brick_b.display()),
     ];
-    let r = call(
-        &a,
-        A_MGMT,
-        json!({ "cmd": "create", "name": "nv", "replica": 2, "bricks": bricks }),
-    )
-    .unwrap();
+    let create = json!({ "cmd": "create", "name": "nv", "replica": 2, "bricks": bricks });
+    // Host b does not hold host a's secret: host a refuses to send it the volume (and its
+    // secret), says why, and keeps nothing.
+    let err = call(&a, secret, A_MGMT, create.clone()).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("not created")
+            && msg.contains("refused this host's management secret")
+            && msg.contains("same one"),
+        "{msg}"
+    );
+    assert!(!state_a.join("vols/nv").exists() && !state_b.join("vols/nv").exists());
+    // Share the secret the documented way: copy host a's file to host b, restart host b.
+    let mut old_b = net.procs.remove(1);
+    net.states.remove(1);
+    let _ = old_b.kill();
+    let _ = old_b.wait();
+    std::fs::copy(&secret_file, state_b.join("mgmt.secret")).unwrap();
+    net.kilnd(&b, &state_b, &[]);
+
+    let r = call(&a, secret, A_MGMT, create).unwrap();
     assert_eq!(r["volume"]["authority"], Value::Null, "{r}");
     assert!(brick_b.is_dir(), "host b created its brick directory");
     // Host b holds a copy naming host a the authority, and the volume's secret.
-    let info_b = call(&b, B_MGMT, json!({ "cmd": "info", "name": "nv" })).unwrap();
+    let info_b = call(&b, secret, B_MGMT, json!({ "cmd": "info", "name": "nv" })).unwrap();
     assert_eq!(info_b["volumes"][0]["authority"], A_MGMT, "{info_b}");
     assert_eq!(
         std::fs::read_to_string(state_a.join("vols/nv/secret")).unwrap(),
         std::fs::read_to_string(state_b.join("vols/nv/secret")).unwrap()
     );
 
-    call(&a, A_MGMT, json!({ "cmd": "start", "name": "nv" })).unwrap();
+    call(&a, secret, A_MGMT, json!({ "cmd": "start", "name": "nv" })).unwrap();
 
     // Status and volfile from host b.
-    let st = call(&b, B_MGMT, json!({ "cmd": "status", "name": "nv" })).unwrap();
+    let st = call(&b, secret, B_MGMT, json!({ "cmd": "status", "name": "nv" })).unwrap();
     assert_eq!(online(&st), [true, true], "{st}");
     let vf = in_ns(&b, || mgmt::fetch_volfile(B_MGMT, "nv")).unwrap();
     let remotes: Vec<String> = vf
@@ -237,10 +272,10 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
     assert_eq!(vf.layers[1].kind, LayerKind::Replicate { quorum: None });
 
     // Data through the volfile host b handed out, from host a, with host a's secret.
-    let secret = mgmt::secret_file_in("nv", None, &state_a).unwrap();
+    let vol_secret = mgmt::secret_file_in("nv", None, &state_a).unwrap();
     // SAFETY (edition 2021: safe fn): set before the client threads start; nothing else in
     // this test binary reads the environment concurrently.
-    std::env::set_var("KILN_SECRET_FILE", &secret);
+    std::env::set_var("KILN_SECRET_FILE", &vol_secret);
     let data: Vec<u8> = (0..64 * 1024).map(|i| (i % 239) as u8).collect();
     let expect = data.clone();
     let back = in_ns(&a, move || {
@@ -267,18 +302,24 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
     );
 
     // Host b's kilnd dies and comes back: it adopts its running brick from its cached copy.
+    // This time it names the shared secret with --mgmt-secret-file, the other documented way.
     let mut old_b = net.procs.remove(1);
+    net.states.remove(1);
     let _ = old_b.kill();
     let _ = old_b.wait();
-    net.kilnd(&b, &state_b);
-    let st = call(&b, B_MGMT, json!({ "cmd": "status", "name": "nv" })).unwrap();
+    net.kilnd(
+        &b,
+        &state_b,
+        &[Path::new("--mgmt-secret-file"), secret_file.as_path()],
+    );
+    let st = call(&b, secret, B_MGMT, json!({ "cmd": "status", "name": "nv" })).unwrap();
     assert_eq!(online(&st), [true, true], "{st}");
 
     // A change asked of host b goes to the authority, which stops both bricks.
-    call(&b, B_MGMT, json!({ "cmd": "stop", "name": "nv" })).unwrap();
+    call(&b, secret, B_MGMT, json!({ "cmd": "stop", "name": "nv" })).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let st = call(&a, A_MGMT, json!({ "cmd": "status", "name": "nv" })).unwrap();
+        let st = call(&a, secret, A_MGMT, json!({ "cmd": "status", "name": "nv" })).unwrap();
         if online(&st) == [false, false] {
             assert_eq!(st["volumes"][0]["state"], "stopped");
             break;
@@ -290,8 +331,8 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // Delete on the authority; host b forgets its copy.
-    call(&a, A_MGMT, json!({ "cmd": "delete", "name": "nv" })).unwrap();
-    let list_b = call(&b, B_MGMT, json!({ "cmd": "list" })).unwrap();
+    call(&a, secret, A_MGMT, json!({ "cmd": "delete", "name": "nv" })).unwrap();
+    let list_b = call(&b, secret, B_MGMT, json!({ "cmd": "list" })).unwrap();
     assert_eq!(list_b["volumes"], json!([]), "{list_b}");
     assert!(brick_b.is_dir(), "the data stays");
 }

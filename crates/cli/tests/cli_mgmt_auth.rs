@@ -1,0 +1,577 @@
+//! The management port requires the management secret: a real management kilnd (`kiln server`
+//! without `--brick`), the real `kiln volume` command and raw clients on real sockets.
+//!
+//! Without the secret, or with a wrong one, `kiln volume` is refused with a message saying what
+//! to do, nothing changes, and kilnd logs the refused peer; with the secret kilnd created in its
+//! state directory it works. A raw client that proves nothing can fetch a client volfile (no
+//! secret in it) and nothing else: no command, the kilnd-to-kilnd ones included, hands it a
+//! volume's secret or changes anything.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_client::mgmt;
+use kiln_proto::codec::Wire;
+use kiln_proto::frame::{Header, HEADER_LEN};
+use kiln_proto::ops::{AuthReq, HelloReply, HelloReq, MgmtReq, PathReq};
+use kiln_proto::Op;
+use serde_json::{json, Value};
+
+fn kiln() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    // Only what each test passes decides which secret is used.
+    c.env_remove("KILN_MGMT_SECRET_FILE")
+        .env_remove("KILN_SECRET_FILE");
+    c
+}
+
+/// A management kilnd whose stderr goes to a file, killed when dropped.
+struct Kilnd {
+    child: Child,
+    addr: String,
+    log: PathBuf,
+}
+
+impl Kilnd {
+    fn start(state: &Path, extra: &[&str]) -> Kilnd {
+        let log = state.with_extension("log");
+        let child = kiln()
+            .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
+            .arg("--state-dir")
+            .arg(state)
+            .args(extra)
+            .env("KILN_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn kiln server");
+        let mut kd = Kilnd {
+            child,
+            addr: String::new(),
+            log,
+        };
+        let mut out = BufReader::new(kd.child.stdout.take().unwrap());
+        let mut line = String::new();
+        while kd.addr.is_empty() {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "kilnd exited before announcing its management address: {}",
+                kd.log_text()
+            );
+            if let Some(a) = line.trim().strip_prefix("kilnd: management on ") {
+                kd.addr = a.to_owned();
+            }
+        }
+        kd
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until kilnd's log has a line with every one of `words`; returns the log.
+    fn wait_log(&self, words: &[&str]) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let text = self.log_text();
+            if text.lines().any(|l| words.iter().all(|w| l.contains(w))) {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line with {words:?} in:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Kilnd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Kills every brick process the state directory records (they outlive kilnd on purpose).
+struct BrickReaper(PathBuf);
+
+impl Drop for BrickReaper {
+    fn drop(&mut self) {
+        for e in std::fs::read_dir(self.0.join("vols"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Ok(t) = std::fs::read(e.path().join("volume.json")) else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<Value>(&t) else {
+                continue;
+            };
+            for pid in v["bricks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|b| b["pid"].as_u64())
+            {
+                let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .map(|c| String::from_utf8_lossy(&c).contains(&*self.0.to_string_lossy()))
+                    .unwrap_or(false);
+                if ours {
+                    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                }
+            }
+        }
+    }
+}
+
+fn run(args: &[&str], env: &[(&str, &Path)]) -> Output {
+    let mut c = kiln();
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run kiln")
+}
+
+/// Runs `kiln ARGS` and returns stdout; panics with stderr on failure.
+fn ok(args: &[&str]) -> String {
+    let out = run(args, &[]);
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs `kiln ARGS` (with `env`), expects failure, returns stderr.
+fn fails_env(args: &[&str], env: &[(&str, &Path)]) -> String {
+    let out = run(args, env);
+    assert!(
+        !out.status.success(),
+        "kiln {args:?} succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stderr).unwrap()
+}
+
+fn fails(args: &[&str]) -> String {
+    fails_env(args, &[])
+}
+
+fn mode(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+fn read_secret(p: &Path) -> Vec<u8> {
+    std::fs::read_to_string(p)
+        .unwrap()
+        .trim()
+        .as_bytes()
+        .to_vec()
+}
+
+#[test]
+fn kiln_volume_needs_the_management_secret() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state, &[]);
+    let a = kd.addr.as_str();
+    let sd = state.to_str().unwrap();
+
+    // First start made the secret: 64 hex digits, mode 0600.
+    let secret_path = state.join("mgmt.secret");
+    assert_eq!(
+        mode(&secret_path),
+        0o600,
+        "the management secret is private"
+    );
+    let secret = read_secret(&secret_path);
+    assert_eq!(secret.len(), 64);
+    assert!(secret.iter().all(u8::is_ascii_hexdigit));
+
+    let brick = tmp.path().join("b1");
+    let bspec = format!("127.0.0.1:{}", brick.display());
+    // A state directory without a secret: what a user on another host has.
+    let nowhere = tmp.path().join("nowhere");
+    std::fs::create_dir(&nowhere).unwrap();
+    let nw = nowhere.to_str().unwrap();
+
+    // No secret: refused, with what to do; nothing was created; kilnd logs the peer.
+    let err = fails(&[
+        "volume",
+        "create",
+        "vol",
+        &bspec,
+        "--server",
+        a,
+        "--state-dir",
+        nw,
+    ]);
+    assert!(
+        err.contains("volume create: vol: failed")
+            && err.contains("needs the management secret")
+            && err.contains(&format!("{nw}/mgmt.secret"))
+            && err.contains("run kiln as root")
+            && err.contains("--mgmt-secret-file"),
+        "{err}"
+    );
+    assert!(
+        !state.join("vols/vol").exists(),
+        "the volume was not created"
+    );
+    assert!(!brick.exists(), "nor its brick directory");
+    kd.wait_log(&["refused", "\"create\"", "127.0.0.1:"]);
+    for args in [
+        vec!["volume", "list"],
+        vec!["volume", "info"],
+        vec!["volume", "status"],
+        vec!["volume", "start", "vol"],
+        vec!["volume", "stop", "vol"],
+        vec!["volume", "delete", "vol"],
+    ] {
+        let mut full = args.clone();
+        full.extend(["--server", a, "--state-dir", nw]);
+        let err = fails(&full);
+        assert!(
+            err.contains("needs the management secret"),
+            "{args:?}: {err}"
+        );
+    }
+
+    // A wrong secret, given by option or by environment: refused; kilnd logs the peer.
+    let wrong = tmp.path().join("wrong.secret");
+    std::fs::write(&wrong, format!("{}\n", "ab".repeat(32))).unwrap();
+    let ws = wrong.to_str().unwrap();
+    let err = fails(&[
+        "volume",
+        "create",
+        "vol",
+        &bspec,
+        "--server",
+        a,
+        "--mgmt-secret-file",
+        ws,
+    ]);
+    assert!(
+        err.contains("refused the management secret: wrong secret")
+            && err.contains(&format!(
+                "{ws} does not hold this kilnd's management secret"
+            )),
+        "{err}"
+    );
+    kd.wait_log(&["failed authentication", "127.0.0.1:"]);
+    let err = fails_env(
+        &["volume", "list", "--server", a, "--state-dir", sd],
+        &[("KILN_MGMT_SECRET_FILE", &wrong)],
+    );
+    assert!(err.contains("wrong secret"), "the variable wins: {err}");
+    assert!(
+        !state.join("vols/vol").exists(),
+        "the volume was not created"
+    );
+    // A secret file named explicitly must be readable.
+    let missing = tmp.path().join("missing.secret");
+    let err = fails(&[
+        "volume",
+        "list",
+        "--server",
+        a,
+        "--mgmt-secret-file",
+        missing.to_str().unwrap(),
+    ]);
+    assert!(err.contains("cannot read secret file"), "{err}");
+
+    // The right secret, from the kilnd's state directory: everything works.
+    let out = ok(&[
+        "volume",
+        "create",
+        "vol",
+        &bspec,
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(out.contains("volume create: vol: success"), "{out}");
+    assert!(brick.is_dir());
+    ok(&["volume", "start", "vol", "--server", a, "--state-dir", sd]);
+    assert_eq!(
+        ok(&["volume", "list", "--server", a, "--state-dir", sd]).trim(),
+        "vol"
+    );
+    // The same file by option and by environment.
+    let sp = secret_path.to_str().unwrap();
+    ok(&[
+        "volume",
+        "info",
+        "vol",
+        "--server",
+        a,
+        "--mgmt-secret-file",
+        sp,
+    ]);
+    let out = run(
+        &["volume", "status", "vol", "--server", a, "--state-dir", nw],
+        &[("KILN_MGMT_SECRET_FILE", &secret_path)],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A client volfile needs no secret (what `kiln mount HOST:/VOL` fetches), and has none.
+    let vol_secret = std::fs::read_to_string(state.join("vols/vol/secret")).unwrap();
+    let vf = ok(&["volume", "volfile", "vol", "--server", a, "--state-dir", nw]);
+    assert!(vf.contains("protocol-client"), "{vf}");
+    assert!(!vf.contains(vol_secret.trim()) && !vf.contains(std::str::from_utf8(&secret).unwrap()));
+    let v = mgmt::fetch_volfile(a, "vol").unwrap();
+    assert_eq!(v.layers.len(), 2);
+
+    // Stop and delete with the secret; without it the volume stays started.
+    assert!(
+        fails(&["volume", "stop", "vol", "--server", a, "--state-dir", nw])
+            .contains("needs the management secret")
+    );
+    assert!(ok(&["volume", "info", "vol", "--server", a, "--state-dir", sd]).contains("Started"));
+    ok(&["volume", "stop", "vol", "--server", a, "--state-dir", sd]);
+    ok(&["volume", "delete", "vol", "--server", a, "--state-dir", sd]);
+    assert!(!state.join("vols/vol").exists());
+}
+
+#[test]
+fn kilnd_takes_its_secret_from_mgmt_secret_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let shared = tmp.path().join("cluster.secret");
+    let kd = Kilnd::start(&state, &["--mgmt-secret-file", shared.to_str().unwrap()]);
+    let a = kd.addr.as_str();
+    let sd = state.to_str().unwrap();
+    assert_eq!(mode(&shared), 0o600, "created, private");
+    assert!(
+        !state.join("mgmt.secret").exists(),
+        "no second secret in the state directory"
+    );
+    let err = fails(&["volume", "list", "--server", a, "--state-dir", sd]);
+    assert!(err.contains("needs the management secret"), "{err}");
+    ok(&[
+        "volume",
+        "list",
+        "--server",
+        a,
+        "--mgmt-secret-file",
+        shared.to_str().unwrap(),
+    ]);
+    // An existing file is used as it is (how hosts of a cluster share one).
+    drop(kd);
+    let before = read_secret(&shared);
+    let kd = Kilnd::start(&state, &["--mgmt-secret-file", shared.to_str().unwrap()]);
+    assert_eq!(read_secret(&shared), before);
+    ok(&[
+        "volume",
+        "list",
+        "--server",
+        kd.addr.as_str(),
+        "--mgmt-secret-file",
+        shared.to_str().unwrap(),
+    ]);
+}
+
+/// A raw connection to a management port: frames by hand, no library in between.
+struct Raw {
+    sock: TcpStream,
+    id: u64,
+}
+
+impl Raw {
+    fn connect(addr: &str) -> Raw {
+        let sock = TcpStream::connect(addr.strip_prefix("tcp:").unwrap_or(addr)).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        Raw { sock, id: 0 }
+    }
+
+    /// One request; the reply's status, arguments and payload, or None when the server closed
+    /// the connection.
+    fn send(&mut self, op: Op, args: &[u8]) -> Option<(u32, Vec<u8>, Vec<u8>)> {
+        self.id += 1;
+        let mut f = Header::request(op as u16, self.id, args.len() as u32, 0)
+            .to_bytes()
+            .to_vec();
+        f.extend_from_slice(args);
+        self.sock.write_all(&f).ok()?;
+        let mut h = [0u8; HEADER_LEN];
+        self.sock.read_exact(&mut h).ok()?;
+        let h = Header::parse(&h).unwrap();
+        let alen = h.args_len.get() as usize;
+        let mut rest = vec![0u8; alen + h.payload_len.get() as usize];
+        self.sock.read_exact(&mut rest).ok()?;
+        let payload = rest.split_off(alen);
+        Some((h.status.get(), rest, payload))
+    }
+
+    /// A MGMT request; the reply's raw JSON bytes.
+    fn mgmt(&mut self, req: &Value) -> Vec<u8> {
+        let args = MgmtReq {
+            json: req.to_string().into_bytes(),
+        }
+        .to_wire();
+        let (status, _, payload) = self.send(Op::Mgmt, &args).expect("a MGMT reply");
+        assert_eq!(status, 0, "{req}");
+        payload
+    }
+
+    fn hello(&mut self) -> HelloReply {
+        let req = HelloReq {
+            version: kiln_proto::frame::VERSION as u32,
+            client: "raw".into(),
+            metrics: String::new(),
+        };
+        let (status, args, _) = self.send(Op::Hello, &req.to_wire()).unwrap();
+        assert_eq!(status, 0);
+        HelloReply::from_wire(&args).unwrap()
+    }
+
+    /// True when the server has closed the connection.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.sock.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn an_unauthenticated_client_gets_no_volume_secret() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state, &[]);
+    let a = kd.addr.as_str();
+    let secret = read_secret(&state.join("mgmt.secret"));
+    let brick = tmp.path().join("b1");
+    let bspec = format!("127.0.0.1:{}", brick.display());
+    let authed = |req: Value| mgmt::call_with_secret(a, &req, Some(&secret));
+    authed(json!({ "cmd": "create", "name": "vol", "bricks": [bspec] })).unwrap();
+    authed(json!({ "cmd": "start", "name": "vol" })).unwrap();
+    let vol_secret = read_secret(&state.join("vols/vol/secret"));
+    let def_before = std::fs::read(state.join("vols/vol/volume.json")).unwrap();
+    let def: Value = serde_json::from_slice(&def_before).unwrap();
+
+    // A forged copy that names this client the authority, with a secret of its choosing.
+    let mut forged = def.clone();
+    forged["authority"] = json!("tcp:127.0.0.1:9");
+    let mut evil = forged.clone();
+    evil["name"] = json!("evil");
+    let planted = "cd".repeat(32);
+    let cmds = [
+        json!({ "cmd": "create", "name": "other", "bricks": [format!("127.0.0.1:{}/x", tmp.path().display())] }),
+        json!({ "cmd": "start", "name": "vol", "force": true }),
+        json!({ "cmd": "stop", "name": "vol" }),
+        json!({ "cmd": "delete", "name": "vol" }),
+        json!({ "cmd": "info", "name": "vol" }),
+        json!({ "cmd": "info" }),
+        json!({ "cmd": "list" }),
+        json!({ "cmd": "status", "name": "vol" }),
+        json!({ "cmd": "peer-sync", "def": forged, "secret": planted }),
+        json!({ "cmd": "peer-sync", "def": evil, "secret": planted }),
+        json!({ "cmd": "brick-start", "def": forged, "index": 0, "secret": planted }),
+        json!({ "cmd": "brick-stop", "name": "vol", "index": 0 }),
+        json!({ "cmd": "brick-report", "name": "vol", "id": def["id"], "index": 0, "port": 1, "pid": 1 }),
+        json!({ "cmd": "peer-forget", "name": "vol" }),
+        json!({ "cmd": "secret", "name": "vol" }),
+        json!({ "name": "vol" }),
+    ];
+    // Without HELLO, and after a HELLO with no AUTH: every command but volfile is refused.
+    for hello_first in [false, true] {
+        let mut raw = Raw::connect(a);
+        if hello_first {
+            let h = raw.hello();
+            assert!(
+                h.auth_required && h.nonce.len() == 32,
+                "kilnd asks for the secret"
+            );
+        }
+        for req in &cmds {
+            let reply = raw.mgmt(req);
+            assert!(
+                !contains(&reply, &vol_secret) && !contains(&reply, &secret),
+                "{req} revealed a secret"
+            );
+            let v: Value = serde_json::from_slice(&reply).unwrap();
+            assert_eq!(v["ok"], false, "{req}: {v}");
+            assert_eq!(v["auth_required"], true, "{req}: {v}");
+            assert!(
+                v["error"]
+                    .as_str()
+                    .unwrap()
+                    .contains("needs the management secret"),
+                "{v}"
+            );
+        }
+        // The one open command: the client graph, brick addresses and no secret.
+        let reply = raw.mgmt(&json!({ "cmd": "volfile", "name": "vol" }));
+        assert!(!contains(&reply, &vol_secret) && !contains(&reply, &secret));
+        let v: Value = serde_json::from_slice(&reply).unwrap();
+        assert_eq!(v["ok"], true, "{v}");
+        assert!(v["volfile"].as_str().unwrap().contains("tcp:127.0.0.1:"));
+        // Any other fop (here a profile report, then a lookup) ends the connection.
+        let (status, _, _) = raw
+            .send(
+                Op::Profile,
+                &kiln_proto::ops::ProfileReq {
+                    cmd: kiln_proto::ops::PROFILE_INFO,
+                }
+                .to_wire(),
+            )
+            .unwrap();
+        assert_eq!(status, libc::EACCES as u32);
+        assert!(raw.closed(), "refused fops close the connection");
+        let mut raw = Raw::connect(a);
+        let args = PathReq { path: "/".into() }.to_wire();
+        assert_eq!(raw.send(Op::Lookup, &args).unwrap().0, libc::EACCES as u32);
+    }
+    // A wrong proof: refused and closed.
+    let mut raw = Raw::connect(a);
+    let h = raw.hello();
+    let nonce = [7u8; 32];
+    let proof = kiln_server::auth::mac(
+        b"not the secret",
+        &kiln_proto::auth::client_transcript(&h.nonce, &nonce),
+    );
+    let req = AuthReq {
+        client_nonce: nonce.to_vec(),
+        proof,
+    };
+    assert_eq!(
+        raw.send(Op::Auth, &req.to_wire()).unwrap().0,
+        libc::EACCES as u32
+    );
+    assert!(raw.closed());
+
+    // Nothing changed: the definition, the secret, no planted volume, the brick still runs.
+    assert_eq!(
+        std::fs::read(state.join("vols/vol/volume.json")).unwrap(),
+        def_before
+    );
+    assert_eq!(read_secret(&state.join("vols/vol/secret")), vol_secret);
+    assert!(!state.join("vols/evil").exists());
+    assert!(!state.join("vols/other").exists());
+    let st = authed(json!({ "cmd": "status", "name": "vol" })).unwrap();
+    assert_eq!(st["volumes"][0]["bricks"][0]["online"], true, "{st}");
+    let log = kd.wait_log(&["refused", "\"peer-sync\"", "127.0.0.1:"]);
+    assert!(log.contains("\"brick-start\""), "{log}");
+}

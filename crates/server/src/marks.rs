@@ -10,6 +10,14 @@
 //! before the setxattr is answered (page cache: it survives the brick process dying; an fsync
 //! through this layer also syncs the log), replayed and compacted when the brick starts.
 //!
+//! kilnd runs as root and a local user may be able to write into the brick, so none of these
+//! files is opened by a joined path: `.kiln` is opened relative to the brick root's fd, and the
+//! log and its compaction's temporary file relative to `.kiln`'s fd, none of them following a
+//! symlink (a planted symlink would make kilnd create, append to or truncate a file outside
+//! the brick). `.kiln`, or the log, found to be a symlink or some other odd file when the brick
+//! starts stops the brick from starting; found so later, the mark that needed it fails (EIO)
+//! and the error is logged.
+//!
 //! Heal locks: a heal takes a lock on a file's range on every replica before it reads the
 //! source and writes the target, so that no client write to that range runs on any replica in
 //! between. A lock waits for writes in flight to the range to finish; writes to a locked range
@@ -17,8 +25,9 @@
 //! the cost of a write is one uncontended mutex and a short vector push/pop.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -31,10 +40,14 @@ use kiln_layer::{
 use kiln_proto::codec::Seq;
 use kiln_proto::ops::SETATTR_SIZE;
 use kiln_proto::Wire;
+use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
 
 /// The directory inside a brick that holds Kiln's own records.
 pub const STATE_DIR: &str = ".kiln";
 const LOG: &str = "pending.log";
+/// The compaction's temporary file, renamed over [`LOG`].
+const LOG_NEW: &str = "pending.log.new";
 
 /// A heal lock.
 struct Lock {
@@ -87,6 +100,8 @@ type Records = BTreeMap<String, BTreeMap<u32, RangeSet>>;
 
 struct Store {
     records: Records,
+    /// `.kiln`, once it exists (opened at start, or made at the first mark).
+    state: Option<OwnedFd>,
     log: Option<File>,
     dirty: bool,
 }
@@ -95,7 +110,10 @@ struct Store {
 pub struct Marks {
     name: String,
     kids: Vec<LayerRef>,
+    /// The brick directory: for messages. Files are reached through `root` only.
     dir: PathBuf,
+    /// The brick directory, opened at start.
+    root: OwnedFd,
     store: Mutex<Store>,
     files: Mutex<HashMap<String, Arc<FileKey>>>,
 }
@@ -106,49 +124,58 @@ fn unwrap(fd: &Fd) -> FopResult<&MarkFd> {
 
 impl Marks {
     /// A marks layer for the brick at `dir` over `child`; replays and compacts its log.
+    ///
+    /// Fails when `.kiln` or its log is a symlink or not what it should be: see the module
+    /// documentation.
     pub fn new(name: &str, child: LayerRef, dir: &Path) -> std::io::Result<Marks> {
-        let state = dir.join(STATE_DIR);
+        let root = rfs::open(
+            dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
         let mut records = Records::new();
-        let path = state.join(LOG);
+        let state = open_state_dir(&root, false).inspect_err(|e| {
+            tracing::error!("{}: not starting the brick: {e}", dir.display());
+        })?;
         let mut log = None;
-        if path.exists() {
-            let mut bytes = Vec::new();
-            File::open(&path)?.read_to_end(&mut bytes)?;
-            let (n, bad) = replay(&bytes, &mut records);
-            if bad {
-                tracing::warn!(
-                    records = n,
-                    "{}: ignoring a torn record at the end",
-                    path.display()
-                );
-            }
-            // Compact: rewrite only what is live, then swap it in.
-            let tmp = state.join("pending.log.new");
-            let mut f = File::create(&tmp)?;
-            let mut buf = Vec::new();
-            for (p, targets) in &records {
-                for (t, ranges) in targets {
-                    for (o, l) in ranges.iter() {
-                        record(&mut buf, b'A', p, *t, o, l);
+        if let Some(state) = &state {
+            let path = dir.join(STATE_DIR).join(LOG);
+            match open_log(state, OFlags::RDONLY, Mode::empty()) {
+                Ok(mut f) => {
+                    let mut bytes = Vec::new();
+                    f.read_to_end(&mut bytes)?;
+                    let (n, bad) = replay(&bytes, &mut records);
+                    if bad {
+                        tracing::warn!(
+                            records = n,
+                            "{}: ignoring a torn record at the end",
+                            path.display()
+                        );
                     }
+                    log = Some(compact(dir, state, &records).map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("compacting {}: {e}", path.display()))
+                    })?);
+                    tracing::info!(
+                        files = records.len(),
+                        "{}: pending marks loaded",
+                        dir.display()
+                    );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::error!("{}: not starting the brick: {e}", dir.display());
+                    return Err(e);
                 }
             }
-            f.write_all(&buf)?;
-            f.sync_data()?;
-            std::fs::rename(&tmp, &path)?;
-            log = Some(OpenOptions::new().append(true).open(&path)?);
-            tracing::info!(
-                files = records.len(),
-                "{}: pending marks loaded",
-                dir.display()
-            );
         }
         Ok(Marks {
             name: name.into(),
             kids: vec![child],
             dir: dir.to_owned(),
+            root,
             store: Mutex::new(Store {
                 records,
+                state,
                 log,
                 dirty: false,
             }),
@@ -193,14 +220,14 @@ impl Marks {
     fn apply(&self, ops: &[(u8, &str, u32, u64, u64)]) -> FopResult<()> {
         let mut st = self.store();
         if st.log.is_none() {
-            let dir = self.dir.join(STATE_DIR);
-            std::fs::create_dir_all(&dir).map_err(|e| io_errno(&e))?;
-            let f = OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(dir.join(LOG))
-                .map_err(|e| io_errno(&e))?;
-            st.log = Some(f);
+            let opened = self.open_log_for_append(&mut st);
+            st.log = Some(opened.map_err(|e| {
+                tracing::error!(
+                    "{}: cannot record a pending mark in {STATE_DIR}/{LOG}: {e}",
+                    self.dir.display()
+                );
+                io_errno(&e)
+            })?);
         }
         let mut buf = Vec::new();
         for (kind, path, t, o, l) in ops {
@@ -219,6 +246,19 @@ impl Marks {
             apply_one(&mut st.records, *kind, path, *t, *o, *l);
         }
         Ok(())
+    }
+
+    /// Opens (making them if need be) `.kiln` and the log, for the first mark since start.
+    fn open_log_for_append(&self, st: &mut Store) -> std::io::Result<File> {
+        if st.state.is_none() {
+            st.state = open_state_dir(&self.root, true)?;
+        }
+        let state = st.state.as_ref().expect("made above");
+        open_log(
+            state,
+            OFlags::WRONLY | OFlags::APPEND | OFlags::CREATE,
+            Mode::from_raw_mode(0o644),
+        )
     }
 
     fn pending_page(&self, path: &str) -> Vec<u8> {
@@ -471,8 +511,113 @@ impl Marks {
 /// Operation not supported (a `kiln.` name this layer does not know).
 const EOPNOTSUPP: u32 = 95;
 
+/// The errno for a failed log operation; a refused file (no OS error) is EIO.
 fn io_errno(e: &std::io::Error) -> u32 {
     e.raw_os_error().map_or(errno::EIO, |n| n as u32)
+}
+
+/// Opens `.kiln` beneath the brick `root` without following a symlink, making it when missing
+/// and `create` (`None` when missing and not). A symlink or a non-directory there is refused.
+fn open_state_dir(root: &OwnedFd, create: bool) -> std::io::Result<Option<OwnedFd>> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let open = || rfs::openat(root, STATE_DIR, flags, Mode::empty());
+    let r = match open() {
+        Err(Errno::NOENT) if create => {
+            match rfs::mkdirat(root, STATE_DIR, Mode::from_raw_mode(0o755)) {
+                Ok(()) | Err(Errno::EXIST) => open(),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(Errno::NOENT) => return Ok(None),
+        r => r,
+    };
+    match r {
+        Ok(fd) => Ok(Some(fd)),
+        // O_DIRECTORY | O_NOFOLLOW on a symlink: ENOTDIR (ELOOP on some kernels).
+        Err(Errno::LOOP | Errno::NOTDIR) => {
+            let link = rfs::statat(root, STATE_DIR, AtFlags::SYMLINK_NOFOLLOW)
+                .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink);
+            Err(refused(
+                STATE_DIR,
+                if link {
+                    "is a symbolic link; kilnd does not follow it (the pending marks must be \
+                     in a directory of the brick itself)"
+                } else {
+                    "is not a directory"
+                },
+            ))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Opens the log in the `.kiln` directory `state` without following a symlink; refuses any
+/// file but a regular one with a single link (a hard link could name a file outside).
+fn open_log(state: &OwnedFd, flags: OFlags, mode: Mode) -> std::io::Result<File> {
+    let name = format!("{STATE_DIR}/{LOG}");
+    // NONBLOCK: a FIFO planted there must not hang the open (no effect on a regular file).
+    let flags = flags | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK;
+    let fd = rfs::openat(state, LOG, flags, mode).map_err(|e| match e {
+        Errno::LOOP => refused(&name, "is a symbolic link; kilnd does not follow it"),
+        e => e.into(),
+    })?;
+    let st = rfs::fstat(&fd)?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err(refused(&name, "is not a regular file"));
+    }
+    if st.st_nlink != 1 {
+        return Err(refused(
+            &name,
+            "has more than one hard link (one may be a file outside the brick)",
+        ));
+    }
+    Ok(File::from(fd))
+}
+
+/// Writes the live `records` to a new log in `state` and renames it over the old one; returns
+/// the new log, open for appending.
+fn compact(dir: &Path, state: &OwnedFd, records: &Records) -> std::io::Result<File> {
+    // A leftover from a compaction that did not finish, or something planted: removed (a
+    // symlink itself, never what it points to), then made afresh (O_EXCL follows nothing).
+    if let Ok(st) = rfs::statat(state, LOG_NEW, AtFlags::SYMLINK_NOFOLLOW) {
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+            tracing::warn!(
+                "{}: {STATE_DIR}/{LOG_NEW} is not a regular file (planted?): removing it",
+                dir.display()
+            );
+        }
+        rfs::unlinkat(state, LOG_NEW, AtFlags::empty())?;
+    }
+    let fd = rfs::openat(
+        state,
+        LOG_NEW,
+        OFlags::WRONLY
+            | OFlags::APPEND
+            | OFlags::CREATE
+            | OFlags::EXCL
+            | OFlags::NOFOLLOW
+            | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    )?;
+    let mut f = File::from(fd);
+    let mut buf = Vec::new();
+    for (p, targets) in records {
+        for (t, ranges) in targets {
+            for (o, l) in ranges.iter() {
+                record(&mut buf, b'A', p, *t, o, l);
+            }
+        }
+    }
+    f.write_all(&buf)?;
+    f.sync_data()?;
+    rfs::renameat(state, LOG_NEW, state, LOG)?;
+    rfs::fsync(state)?;
+    Ok(f)
+}
+
+/// A state file kilnd will not use, with why.
+fn refused(name: &str, why: &str) -> std::io::Error {
+    std::io::Error::other(format!("refusing {name} in the brick: it {why}"))
 }
 
 fn record(buf: &mut Vec<u8>, kind: u8, path: &str, target: u32, offset: u64, len: u64) {

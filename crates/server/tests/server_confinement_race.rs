@@ -1045,8 +1045,6 @@ fn rename_racing_lookups_by_a_second_client_never_escapes() {
 /// volume's brick): a local user plants symlinks there that point out, then a client records a
 /// pending mark (or kilnd starts and compacts the log). Nothing outside may change.
 #[test]
-#[ignore = "known escape in marks.rs: the pending log is opened by joined path (std::fs), \
-            following symlinks planted in .kiln; run with --ignored once it is fixed"]
 fn marks_state_dir_symlinks_planted_in_the_brick_are_not_followed() {
     use kiln_proto::codec::Wire;
     let mark = kiln_layer::marks::Mark {
@@ -1056,6 +1054,58 @@ fn marks_state_dir_symlinks_planted_in_the_brick_are_not_followed() {
     }
     .to_wire();
     let mut escapes = Vec::new();
+
+    // `.kiln` itself a symlink to the outside directory, planted before kilnd starts (the log
+    // would be created there): kilnd refuses to start the brick, and says why.
+    {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let brick = tmp.path().join("brick");
+        let outside = tmp.path().join("outside");
+        for d in [&brick, &outside] {
+            std::fs::create_dir(d).expect("mkdir");
+        }
+        populate_outside(&outside);
+        symlink(&outside, brick.join(".kiln")).expect("plant .kiln");
+        let before = snapshot(&[&outside]);
+        let vf = tmp.path().join("brick.toml");
+        let v = kiln_server::replica_volfile(&brick, "brick");
+        std::fs::write(&vf, v.to_toml()).expect("volfile");
+        let log = tmp.path().join("kilnd.log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
+            .arg("--volfile")
+            .arg(&vf)
+            .args(["--listen", "tcp:127.0.0.1:0", "--metrics", "off"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn kilnd");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = child.try_wait().expect("wait kilnd") {
+                break Some(s);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let err = std::fs::read_to_string(&log).unwrap_or_default();
+        eprintln!("marks, .kiln -> outside before start: {status:?}\n{err}");
+        assert!(
+            status.is_some_and(|s| !s.success())
+                && err.contains("refusing .kiln")
+                && err.contains("symbolic link"),
+            "kilnd started a brick whose .kiln is a symlink to outside ({status:?}):\n{err}"
+        );
+        let d = diff(&before, &snapshot(&[&outside]));
+        if !d.is_empty() {
+            escapes.push(format!(".kiln -> outside, before start:\n{}", d.join("\n")));
+        }
+    }
+
     let mut run = |what: &str, k: &mut Kilnd, before: &Snap| {
         let c = k.client();
         let (fh, _) = block_on(c.create("f", libc::O_RDWR, 0o644)).expect("create f");
@@ -1069,12 +1119,13 @@ fn marks_state_dir_symlinks_planted_in_the_brick_are_not_followed() {
         k.assert_serves("after-marks");
     };
 
-    // `.kiln` itself a symlink to the outside directory: the log is created there.
-    let mut k = Kilnd::start(true, |brick, out| {
-        symlink(out, brick.join(".kiln")).expect("plant .kiln")
-    });
+    // `.kiln` itself a symlink to the outside directory, planted while kilnd runs and before
+    // the first mark: the log is created there.
+    let mut k = Kilnd::start(true, |_, _| {});
     let before = k.watched();
+    symlink(&k.outside, k.brick.join(".kiln")).expect("plant .kiln");
     run(".kiln -> outside", &mut k, &before);
+    assert_marks_refusal_logged(&k, "refusing .kiln in the brick: it is a symbolic link");
     drop(k);
 
     // `.kiln/pending.log` a symlink to an outside file, planted while kilnd runs: records are
@@ -1084,6 +1135,7 @@ fn marks_state_dir_symlinks_planted_in_the_brick_are_not_followed() {
     std::fs::create_dir(k.brick.join(".kiln")).expect(".kiln");
     symlink(k.outside.join("secret"), k.brick.join(".kiln/pending.log")).expect("plant log");
     run(".kiln/pending.log -> outside/secret", &mut k, &before);
+    assert_marks_refusal_logged(&k, "refusing .kiln/pending.log in the brick");
     drop(k);
 
     // `.kiln/pending.log.new` (the compaction's temporary file at start) a symlink to an
@@ -1098,10 +1150,24 @@ fn marks_state_dir_symlinks_planted_in_the_brick_are_not_followed() {
     let mut before = before.expect("planted");
     before.extend(snapshot(&[&k.cwd]));
     run(".kiln/pending.log.new -> outside/secret", &mut k, &before);
+    // The planted link was removed (not followed) and the log compacted in its place.
+    let tmp = std::fs::symlink_metadata(k.brick.join(".kiln/pending.log.new"));
+    assert!(tmp.is_err(), "pending.log.new left behind: {tmp:?}");
+    let log = std::fs::symlink_metadata(k.brick.join(".kiln/pending.log")).expect("log");
+    assert!(log.file_type().is_file() && log.len() > 0, "{log:?}");
 
     assert!(
         escapes.is_empty(),
         "the marks layer wrote outside the brick:\n{}",
         escapes.join("\n\n")
+    );
+}
+
+/// Checks kilnd logged why the marks layer refused its state files.
+fn assert_marks_refusal_logged(k: &Kilnd, what: &str) {
+    let log = std::fs::read_to_string(&k.log).unwrap_or_default();
+    assert!(
+        log.contains("cannot record a pending mark") && log.contains(what),
+        "no {what:?} in kilnd's log:\n{log}"
     );
 }

@@ -105,6 +105,11 @@ pub struct BenchArgs {
     /// run over a replicate volume of them: every write goes to all, reads to one.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     pub replica: u32,
+    /// TLS: the servers this command starts get `--tls DIR` and the client uses DIR as its
+    /// identity too (a directory from `kiln tls issue` with --san 127.0.0.1). With --connect,
+    /// set KILN_TLS_DIR instead.
+    #[arg(long, value_name = "DIR", conflicts_with = "connect")]
+    pub tls: Option<PathBuf>,
 }
 
 impl BenchArgs {
@@ -199,6 +204,7 @@ impl ChildServer {
     pub fn start(
         brick: Option<PathBuf>,
         transport: Transport,
+        tls: Option<&std::path::Path>,
         stack: impl FnOnce(&std::path::Path) -> Option<Volfile>,
     ) -> std::io::Result<ChildServer> {
         let tmp = match &brick {
@@ -228,6 +234,9 @@ impl ChildServer {
             None => {
                 cmd.arg("--brick").arg(&dir);
             }
+        }
+        if let Some(t) = tls {
+            cmd.arg("--tls").arg(t);
         }
         let mut child = cmd
             .args(["--listen", &listen, "--metrics", "off"])
@@ -652,6 +661,13 @@ pub fn run_volfile(
 
 /// `kiln bench`.
 pub fn main(args: BenchArgs) -> Result<(), String> {
+    if let Some(t) = &args.tls {
+        if args.transport != Transport::Tcp {
+            return Err("--tls needs --transport tcp".into());
+        }
+        // Before any thread starts: every connection this process makes reads it.
+        std::env::set_var(kiln_tls::ENV_DIR, t);
+    }
     let (server, addr, pid) = match &args.connect {
         Some(_) if args.profile_points || args.bare || args.delay_read_us.is_some() => return Err(
             "--profile-points, --bare and --delay-read-us shape the server this command starts; \
@@ -666,9 +682,12 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
             (None, String::new(), None)
         }
         None => {
-            let s = ChildServer::start(args.brick.clone(), args.transport, |d| {
-                args.server_volfile(d)
-            })
+            let s = ChildServer::start(
+                args.brick.clone(),
+                args.transport,
+                args.tls.as_deref(),
+                |d| args.server_volfile(d),
+            )
             .map_err(|e| format!("cannot start a brick server: {e}"))?;
             let (a, p) = (s.addr.clone(), s.pid());
             (Some(s), a, Some(p))
@@ -684,7 +703,7 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
                     .map_err(|e| format!("cannot make brick directory {}: {e}", d.display()))?;
             }
             bricks.push(
-                ChildServer::start(dir, args.transport, |d| {
+                ChildServer::start(dir, args.transport, args.tls.as_deref(), |d| {
                     Some(kiln_server::replica_volfile(d, &name))
                 })
                 .map_err(|e| format!("cannot start brick {i}: {e}"))?,

@@ -43,7 +43,7 @@ fn step(name: &str, r: std::io::Result<String>) -> Result<(), String> {
 
 /// `kiln demo`.
 pub fn main(args: DemoArgs) -> Result<(), String> {
-    let server = ChildServer::start(None, Transport::Tcp, |_| None)
+    let server = ChildServer::start(None, Transport::Tcp, None, |_| None)
         .map_err(|e| format!("cannot start the brick server: {e}"))?;
     println!(
         "kiln demo: brick server pid {} on {}",
@@ -193,6 +193,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
             delay_read_us: None,
             bare: false,
             replica: 1,
+            tls: None,
         };
         let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
         step(

@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod tls;
 mod volume;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ enum Cmd {
     Nbd(kiln_nbd::NbdArgs),
     /// Volume operations: profile (io-stats tables and request waterfalls), layers.
     Volume(volume::VolumeArgs),
+    /// TLS certificates: a CA and identities for bricks and clients.
+    Tls(tls::TlsArgs),
     /// Unmount a Kiln FUSE mount.
     Umount {
         /// The mount point.
@@ -53,6 +56,7 @@ fn main() -> std::process::ExitCode {
             kiln_fuse::main(a)
         }
         Cmd::Volume(a) => volume::main(a),
+        Cmd::Tls(a) => tls::main(a),
         Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
         Cmd::Nbd(a) => {
             kiln_server::cli::init_logging();

@@ -52,6 +52,7 @@ pub struct Client {
     server: String,
     /// Kept to reconnect with (see [`Client::reconnect`]).
     secret: Option<Vec<u8>>,
+    tls: Option<Arc<kiln_tls::ClientConfig>>,
 }
 
 impl Drop for Client {
@@ -116,7 +117,18 @@ impl Client {
     }
 
     /// Connects and, if the brick asks for it, proves `secret` (the brick proves it back).
+    /// TCP connections use TLS when `KILN_TLS_DIR` names an identity directory (see
+    /// [`kiln_tls`]).
     pub fn connect_with_secret(addr: &str, secret: Option<&[u8]>) -> io::Result<Client> {
+        Client::connect_opts(addr, secret, kiln_tls::client_config_from_env()?)
+    }
+
+    /// [`Client::connect_with_secret`] with an explicit TLS configuration (`None`: plaintext).
+    pub fn connect_opts(
+        addr: &str,
+        secret: Option<&[u8]>,
+        tls: Option<Arc<kiln_tls::ClientConfig>>,
+    ) -> io::Result<Client> {
         let sock: OwnedFd = if let Some(path) = addr.strip_prefix("unix:") {
             let s: OwnedFd = std::os::unix::net::UnixStream::connect(path)
                 .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")))?
@@ -151,12 +163,18 @@ impl Client {
             }
             let s = found.ok_or(last)?;
             s.set_nodelay(true)?;
-            s.into()
+            match &tls {
+                Some(cfg) => kiln_tls::connect(s, cfg.clone(), kiln_tls::server_name(a)?)
+                    .map_err(|e| io::Error::new(e.kind(), format!("{addr}: {e}")))?,
+                None => s.into(),
+            }
         };
+        let tls_on = tls.is_some() && !addr.starts_with("unix:");
         let client = Client {
             conn: Conn::start(sock)?,
             server: addr.to_owned(),
             secret: secret.map(<[u8]>::to_vec),
+            tls,
         };
         let hello: HelloReply = crate::block_on(
             client.call(
@@ -175,6 +193,23 @@ impl Client {
                 io::Error::new(
                     e.kind(),
                     format!("{addr} refused this client (not in its allow-list)"),
+                )
+            } else if e.raw_os_error() == Some(errno::EPROTONOSUPPORT as i32) {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{addr} requires TLS: set {} to a directory with ca.pem, cert.pem \
+                         and key.pem (kiln tls issue)",
+                        kiln_tls::ENV_DIR
+                    ),
+                )
+            } else if tls_on {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "handshake with {addr} failed: {e} (over TLS: did the brick refuse \
+                         this client's certificate? its log says)"
+                    ),
                 )
             } else {
                 io::Error::new(e.kind(), format!("handshake with {addr} failed: {e}"))
@@ -232,7 +267,7 @@ impl Client {
 
     /// A new connection to the same brick with the same secret (after this one failed).
     pub fn reconnect(&self) -> io::Result<Client> {
-        Client::connect_with_secret(&self.server, self.secret.as_deref())
+        Client::connect_opts(&self.server, self.secret.as_deref(), self.tls.clone())
     }
 
     /// The address this client connected to.

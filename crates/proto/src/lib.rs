@@ -37,6 +37,8 @@ pub mod errno {
     pub const EPROTO: u32 = 71;
     /// Message too long.
     pub const EMSGSIZE: u32 = 90;
+    /// The other side speaks another transport (a plaintext client on a TLS-only brick).
+    pub const EPROTONOSUPPORT: u32 = 93;
     /// The connection was reset.
     pub const ECONNRESET: u32 = 104;
     /// Not connected.

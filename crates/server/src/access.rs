@@ -75,8 +75,19 @@ pub fn allowed(allow: &[Cidr], ip: IpAddr) -> bool {
 }
 
 /// Answers the refused client's first frame with `EACCES` and closes (bounded in time).
-pub async fn refuse(mut s: tokio::net::TcpStream, peer: std::net::SocketAddr) {
+pub async fn refuse(s: tokio::net::TcpStream, peer: std::net::SocketAddr) {
     tracing::warn!(%peer, "refused a connection: address not in the allow-list");
+    answer_first_frame(s, errno::EACCES).await;
+}
+
+/// Answers the first frame of a plaintext client on a TLS-only listener with
+/// `EPROTONOSUPPORT` (the client says "requires TLS") and closes.
+pub async fn refuse_plaintext(s: tokio::net::TcpStream, peer: std::net::SocketAddr) {
+    tracing::warn!(%peer, "refused a connection: plaintext client, this brick requires TLS");
+    answer_first_frame(s, errno::EPROTONOSUPPORT).await;
+}
+
+async fn answer_first_frame(mut s: tokio::net::TcpStream, status: u32) {
     let mut h = [0u8; HEADER_LEN];
     let answer = async {
         s.read_exact(&mut h).await?;
@@ -84,7 +95,7 @@ pub async fn refuse(mut s: tokio::net::TcpStream, peer: std::net::SocketAddr) {
             Ok(hdr) => (hdr.opcode.get(), hdr.request_id.get()),
             Err(_) => (0, 0),
         };
-        s.write_all(&Header::reply(op, id, errno::EACCES, 0, 0).to_bytes())
+        s.write_all(&Header::reply(op, id, status, 0, 0).to_bytes())
             .await
     };
     let _ = tokio::time::timeout(Duration::from_secs(2), answer).await;

@@ -59,6 +59,12 @@ pub struct ServeArgs {
     /// Clients read it from the file named by KILN_SECRET_FILE.
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
+    /// Require TLS with mutual certificates on TCP addresses: DIR holds ca.pem (the CA that
+    /// issued the clients' certificates), cert.pem and key.pem (this brick's identity); make
+    /// them with `kiln tls init` and `kiln tls issue`. Plaintext TCP clients are refused with a
+    /// message; Unix-socket clients stay plaintext. Clients set KILN_TLS_DIR to their own.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["state_dir", "mgmt"])]
+    pub tls: Option<PathBuf>,
     /// Only TCP clients from this address range may connect (ADDR/PREFIX; repeat for several;
     /// default: anyone who can reach a listening address). Refused clients get EACCES and the
     /// refusal is logged. Unix-socket clients are governed by the socket file's permissions.
@@ -137,6 +143,16 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
             },
             None => None,
         };
+        let tls = match &args.tls {
+            Some(dir) => match kiln_tls::server_config(dir) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    eprintln!("kilnd: --tls {}: {e}", dir.display());
+                    return std::process::ExitCode::FAILURE;
+                }
+            },
+            None => None,
+        };
         let volfile = match (&args.volfile, &args.brick) {
             (Some(f), _) => match kiln_layer::volfile::Volfile::load(f) {
                 Ok(v) => v,
@@ -150,11 +166,14 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         };
         let server = match Server::bind_volfile(&volfile, &args.listen) {
             Ok(s) => {
-                let s = s.with_limits(limits).with_allow_list(args.allow.clone());
-                match secret {
-                    Some(secret) => s.with_secret(secret),
-                    None => s,
+                let mut s = s.with_limits(limits).with_allow_list(args.allow.clone());
+                if let Some(secret) = secret {
+                    s = s.with_secret(secret);
                 }
+                if let Some(tls) = tls {
+                    s = s.with_tls(tls);
+                }
+                s
             }
             Err(e) => {
                 eprintln!("kilnd: {e}");
@@ -196,6 +215,11 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
             "--secret-file belongs to a brick; in management mode every volume has its own \
              secret (STATE_DIR/vols/NAME/secret); the management port's is --mgmt-secret-file"
                 .into(),
+        );
+    }
+    if args.tls.is_some() {
+        return fail(
+            "--tls belongs to a brick; the management daemon does not speak TLS yet".into(),
         );
     }
     if !matches!(args.mgmt, Listen::Tcp(_)) {

@@ -65,6 +65,7 @@ pub struct Server {
     allow: Vec<access::Cidr>,
     secret: Option<Arc<[u8]>>,
     mgmt: Option<mgmt::Handler>,
+    tls: Option<Arc<kiln_tls::ServerConfig>>,
     tcp: Vec<TcpListener>,
     unix: Vec<UnixListener>,
 }
@@ -116,6 +117,7 @@ impl Server {
             allow: Vec::new(),
             secret: None,
             mgmt: None,
+            tls: None,
             tcp,
             unix,
         })
@@ -157,6 +159,14 @@ impl Server {
         self
     }
 
+    /// TCP clients must connect with TLS and present a certificate this configuration
+    /// accepts (see [`kiln_tls::server_config`]); plaintext ones are refused with a message.
+    /// Unix-socket clients are local and stay plaintext.
+    pub fn with_tls(mut self, tls: Arc<kiln_tls::ServerConfig>) -> Server {
+        self.tls = Some(tls);
+        self
+    }
+
     /// Only TCP clients from these ranges may connect (empty: everyone).
     pub fn with_allow_list(mut self, allow: Vec<access::Cidr>) -> Server {
         self.allow = allow;
@@ -184,6 +194,7 @@ impl Server {
         for l in self.tcp {
             let shared = shared.clone();
             let allow = allow.clone();
+            let tls = self.tls.clone();
             tasks.spawn(async move {
                 loop {
                     match l.accept().await {
@@ -194,6 +205,10 @@ impl Server {
                                 continue;
                             }
                             let _ = s.set_nodelay(true);
+                            if let Some(tls) = &tls {
+                                tokio::spawn(accept_tls(s, peer, tls.clone(), shared.clone()));
+                                continue;
+                            }
                             let fd: OwnedFd = match s.into_std() {
                                 Ok(s) => s.into(),
                                 Err(e) => {
@@ -387,16 +402,27 @@ impl Drop for OpenGuard {
 }
 
 fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
+    if let Some(guard) = admit(shared, &peer) {
+        spawn_serve(fd, guard, peer);
+    }
+}
+
+/// Counts a new connection in, or refuses it when `max_connections` are open.
+fn admit(shared: &Arc<Shared>, peer: &str) -> Option<OpenGuard> {
     let open = shared.open.fetch_add(1, Ordering::AcqRel);
     if open >= shared.limits.max_connections {
         shared.open.fetch_sub(1, Ordering::AcqRel);
         shared.stats.refused.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(%peer, open, "refusing a connection: max_connections reached");
-        return; // dropping `fd` closes it
+        return None;
     }
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(%peer, "connection accepted");
-    let guard = OpenGuard(shared.clone());
+    Some(OpenGuard(shared.clone()))
+}
+
+fn spawn_serve(fd: OwnedFd, guard: OpenGuard, peer: String) {
+    let shared = &guard.0;
     let (stack, stats, limits) = (shared.stack.clone(), shared.stats.clone(), shared.limits);
     let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
     let mgmt = shared.mgmt.clone();
@@ -404,6 +430,50 @@ fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
         conn::serve(fd, stack, stats, clients, limits, secret, mgmt, peer).await;
         drop(guard);
     });
+}
+
+/// A TCP client on a TLS listener: a plaintext one is answered with a clear refusal; a TLS
+/// one is handshaken on a thread of its own (certificate checks included), which then carries
+/// the connection's records while the plaintext end is served like any other socket.
+async fn accept_tls(
+    s: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    tls: Arc<kiln_tls::ServerConfig>,
+    shared: Arc<Shared>,
+) {
+    let mut first = [0u8; 1];
+    let peeked = tokio::time::timeout(std::time::Duration::from_secs(10), s.peek(&mut first));
+    match peeked.await {
+        Ok(Ok(1)) if first[0] == kiln_tls::HANDSHAKE_RECORD => {}
+        Ok(Ok(1)) => {
+            shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+            return access::refuse_plaintext(s, peer).await;
+        }
+        _ => return, // closed, failed or silent before saying anything
+    }
+    let Some(guard) = admit(&shared, &peer.to_string()) else {
+        return;
+    };
+    let tcp = match s.into_std() {
+        Ok(t) => t,
+        Err(e) => return tracing::warn!(%peer, "accept: {e}"),
+    };
+    let rt = tokio::runtime::Handle::current();
+    let started = std::thread::Builder::new()
+        .name("kiln-tls-accept".into())
+        .spawn(move || match kiln_tls::accept(tcp, tls) {
+            Ok(fd) => {
+                let _rt = rt.enter();
+                spawn_serve(fd, guard, format!("{peer} (tls)"));
+            }
+            Err(e) => {
+                guard.0.stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, "refused a TLS client: {e}");
+            }
+        });
+    if let Err(e) = started {
+        tracing::warn!(%peer, "cannot start a TLS thread: {e}");
+    }
 }
 
 /// Out of descriptors or similar: log and back off briefly instead of spinning.

@@ -1,0 +1,66 @@
+//! `kiln tls`: a certificate authority and identities for TLS between clients and bricks.
+
+use std::path::PathBuf;
+
+/// Make certificates for TLS mode (kilnd --tls DIR, clients KILN_TLS_DIR=DIR).
+///
+/// Typical use: `kiln tls init /etc/kiln/ca`, then one `kiln tls issue` per brick host and per
+/// client, each giving a directory with ca.pem, cert.pem and key.pem. Keep ca.key (the CA's
+/// private key) off the machines that only serve or mount.
+#[derive(clap::Args, Debug)]
+pub struct TlsArgs {
+    #[command(subcommand)]
+    cmd: TlsCmd,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum TlsCmd {
+    /// Create a certificate authority: DIR/ca.pem and DIR/ca.key (mode 0600).
+    Init {
+        /// Where to put it (created; existing files are never overwritten).
+        dir: PathBuf,
+        /// The CA's name, as shown in its certificate.
+        #[arg(long, default_value = "Kiln CA")]
+        name: String,
+    },
+    /// Issue an identity (cert.pem, key.pem and a copy of ca.pem) signed by a CA. The same
+    /// certificate serves a brick and a client.
+    Issue {
+        /// The CA directory made by `kiln tls init`.
+        #[arg(long, value_name = "DIR")]
+        ca: PathBuf,
+        /// Where to put the identity (created; existing files are never overwritten).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// The identity's name (host name of a brick, or a client's name); it is also a
+        /// subject alternative name.
+        name: String,
+        /// More names the certificate is valid for: host names and IP addresses clients dial
+        /// (repeat). Bricks on loopback want --san 127.0.0.1 --san localhost.
+        #[arg(long, value_name = "NAME")]
+        san: Vec<String>,
+    },
+}
+
+pub fn main(args: TlsArgs) -> Result<(), String> {
+    match args.cmd {
+        TlsCmd::Init { dir, name } => {
+            kiln_tls::init_ca(&dir, &name)
+                .map_err(|e| format!("cannot create a CA in {}: {e}", dir.display()))?;
+            println!(
+                "created CA {name:?}: {} and {} (keep the key private)",
+                dir.join(kiln_tls::CA_FILE).display(),
+                dir.join(kiln_tls::CA_KEY_FILE).display()
+            );
+        }
+        TlsCmd::Issue { ca, out, name, san } => {
+            kiln_tls::issue(&ca, &out, &name, &san)
+                .map_err(|e| format!("cannot issue {name:?} into {}: {e}", out.display()))?;
+            println!(
+                "issued {name:?} into {} (ca.pem, cert.pem, key.pem)",
+                out.display()
+            );
+        }
+    }
+    Ok(())
+}

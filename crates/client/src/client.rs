@@ -129,7 +129,8 @@ impl Client {
         secret: Option<&[u8]>,
         tls: Option<Arc<kiln_tls::ClientConfig>>,
     ) -> io::Result<Client> {
-        let sock: OwnedFd = if let Some(path) = addr.strip_prefix("unix:") {
+        let mut split_conn = None;
+        let sock: Option<OwnedFd> = if let Some(path) = addr.strip_prefix("unix:") {
             let s: OwnedFd = std::os::unix::net::UnixStream::connect(path)
                 .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")))?
                 .into();
@@ -140,7 +141,7 @@ impl Client {
             if sockopt::set_socket_send_buffer_size_force(&s, 4 << 20).is_err() {
                 let _ = sockopt::set_socket_send_buffer_size(&s, 4 << 20);
             }
-            s
+            Some(s)
         } else {
             let a = addr.strip_prefix("tcp:").unwrap_or(addr);
             let mut last = io::Error::new(
@@ -164,14 +165,23 @@ impl Client {
             let s = found.ok_or(last)?;
             s.set_nodelay(true)?;
             match &tls {
-                Some(cfg) => kiln_tls::connect(s, cfg.clone(), kiln_tls::server_name(a)?)
-                    .map_err(|e| io::Error::new(e.kind(), format!("{addr}: {e}")))?,
-                None => s.into(),
+                Some(cfg) => {
+                    let split = kiln_tls::connect_split(s, cfg.clone(), kiln_tls::server_name(a)?)
+                        .map_err(|e| io::Error::new(e.kind(), format!("{addr}: {e}")))?;
+                    split_conn = Some(Conn::start_tls(split)?);
+                    None
+                }
+                None => Some(s.into()),
             }
         };
         let tls_on = tls.is_some() && !addr.starts_with("unix:");
+        let conn = match (sock, split_conn) {
+            (Some(sock), _) => Conn::start(sock)?,
+            (None, Some(conn)) => conn,
+            (None, None) => unreachable!("a TLS connection starts its own Conn"),
+        };
         let client = Client {
-            conn: Conn::start(sock)?,
+            conn,
             server: addr.to_owned(),
             secret: secret.map(<[u8]>::to_vec),
             tls,

@@ -168,7 +168,11 @@ struct OutFrame {
 
 /// A connection's shared state.
 pub struct Conn {
+    /// The socket requests are sent on (and, without `rx_sock`, replies received from).
     sock: OwnedFd,
+    /// Over TLS: the TCP socket replies are received from, through a record reader, while
+    /// `sock` leads to the tunnel thread that seals requests (see [`kiln_tls::Split`]).
+    rx_sock: Option<OwnedFd>,
     next_id: AtomicU64,
     table: Mutex<Table>,
     sendq: Mutex<VecDeque<OutFrame>>,
@@ -194,8 +198,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Conn {
     /// Wraps a connected, blocking stream socket and starts its receive thread.
     pub fn start(sock: OwnedFd) -> io::Result<Arc<Conn>> {
+        Conn::start_with(sock, None)
+    }
+
+    /// Starts a connection over TLS: requests go to the tunnel thread, replies are opened by
+    /// the receive thread itself, straight into the requests' buffers (one copy, no hand-off).
+    pub fn start_tls(split: kiln_tls::Split) -> io::Result<Arc<Conn>> {
+        Conn::start_with(split.send, Some((split.recv, split.reader)))
+    }
+
+    fn start_with(
+        sock: OwnedFd,
+        tls: Option<(OwnedFd, kiln_tls::RecordReader)>,
+    ) -> io::Result<Arc<Conn>> {
+        let (rx_sock, reader) = match tls {
+            Some((fd, r)) => (Some(fd), Some(r)),
+            None => (None, None),
+        };
         let conn = Arc::new(Conn {
             sock,
+            rx_sock,
             next_id: AtomicU64::new(1),
             table: Mutex::new(Table {
                 pending: HashMap::new(),
@@ -214,7 +236,7 @@ impl Conn {
         let c = conn.clone();
         std::thread::Builder::new()
             .name("kiln-recv".into())
-            .spawn(move || c.receive_loop())?;
+            .spawn(move || c.receive_loop(reader))?;
         Ok(conn)
     }
 
@@ -226,6 +248,38 @@ impl Conn {
     /// Closes the socket's both directions; in-flight requests fail with `ECONNRESET`.
     pub fn shutdown(&self) {
         let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+        if let Some(rx) = &self.rx_sock {
+            let _ = rustix::net::shutdown(rx, rustix::net::Shutdown::Both);
+        }
+    }
+
+    /// Waits until a reply can be received or a request sent.
+    fn wait_in_or_out(&self) -> io::Result<()> {
+        match &self.rx_sock {
+            None => poll_fd(self.sock.as_raw_fd(), libc::POLLIN | libc::POLLOUT),
+            Some(rx) => {
+                let mut p = [
+                    libc::pollfd {
+                        fd: rx.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                    libc::pollfd {
+                        fd: self.sock.as_raw_fd(),
+                        events: libc::POLLOUT,
+                        revents: 0,
+                    },
+                ];
+                // SAFETY: two valid pollfds.
+                if unsafe { libc::poll(p.as_mut_ptr(), 2, -1) } < 0 {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Sends a request.
@@ -432,10 +486,10 @@ impl Conn {
         }
     }
 
-    fn receive_loop(self: Arc<Self>) {
+    fn receive_loop(self: Arc<Self>, mut tls: Option<kiln_tls::RecordReader>) {
         RECEIVER_OF.with(|r| r.set(Arc::as_ptr(&self) as usize));
         let mut cur: Option<InReply> = None;
-        let why = match self.receive(&mut cur) {
+        let why = match self.receive(&mut cur, tls.as_mut()) {
             Ok(()) => errno::ECONNRESET,
             Err(e) => {
                 tracing::debug!("connection failed: {e}");
@@ -450,8 +504,12 @@ impl Conn {
 
     /// Receives replies until the connection ends. `cur` is the reply being received, left in
     /// place on return so that its request can be failed too.
-    fn receive(&self, cur: &mut Option<InReply>) -> io::Result<()> {
-        let fd = self.sock.as_raw_fd();
+    fn receive(
+        &self,
+        cur: &mut Option<InReply>,
+        mut tls: Option<&mut kiln_tls::RecordReader>,
+    ) -> io::Result<()> {
+        let fd = self.rx_sock.as_ref().unwrap_or(&self.sock).as_raw_fd();
         let mut next_hdr = [0u8; HEADER_LEN];
         let mut hdr_got = 0usize;
         let mut scratch = vec![0u8; 64 * 1024];
@@ -466,7 +524,7 @@ impl Conn {
             let mut deferred = !lock(&self.sendq).is_empty();
             if deferred && drained {
                 if !self.flush(false)? {
-                    poll_fd(fd, libc::POLLIN | libc::POLLOUT)?;
+                    self.wait_in_or_out()?;
                 }
                 deferred = !lock(&self.sendq).is_empty();
             }
@@ -505,42 +563,51 @@ impl Conn {
                 self.account(n, cur, &mut hdr_got, &next_hdr)?;
                 continue;
             }
-            let flags = if deferred { libc::MSG_DONTWAIT } else { 0 };
-            // SAFETY: the vectors point at this thread's header and scratch buffers and at the
-            // current request's sink, which its submitter keeps valid until completion.
-            let n = unsafe {
-                let mut msg: libc::msghdr = std::mem::zeroed();
-                msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
-                msg.msg_iovlen = iov.len();
-                libc::recvmsg(fd, &mut msg, flags)
+            let got = match tls.as_deref_mut() {
+                // SAFETY: as below.
+                Some(r) => unsafe {
+                    r.recv(std::os::fd::BorrowedFd::borrow_raw(fd), &iov, deferred)
+                },
+                None => {
+                    let flags = if deferred { libc::MSG_DONTWAIT } else { 0 };
+                    // SAFETY: the vectors point at this thread's header and scratch buffers and
+                    // at the current request's sink, which its submitter keeps valid until
+                    // completion.
+                    let n = unsafe {
+                        let mut msg: libc::msghdr = std::mem::zeroed();
+                        msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
+                        msg.msg_iovlen = iov.len();
+                        libc::recvmsg(fd, &mut msg, flags)
+                    };
+                    if n < 0 {
+                        Err(io::Error::last_os_error())
+                    } else {
+                        Ok(n as usize)
+                    }
+                }
             };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                match e.kind() {
+            let n = match got {
+                Ok(n) => n,
+                Err(e) => match e.kind() {
                     io::ErrorKind::Interrupted => continue,
                     io::ErrorKind::WouldBlock => {
                         if !self.flush(false)? {
-                            poll_fd(fd, libc::POLLIN | libc::POLLOUT)?;
+                            self.wait_in_or_out()?;
                         }
                         continue;
                     }
                     _ => return Err(e),
-                }
-            }
+                },
+            };
             if n == 0 {
                 return Ok(());
             }
             self.stats.recv_calls.fetch_add(1, Relaxed);
-            drained = (n as usize) < iov.iter().map(|v| v.len).sum::<usize>();
-            let left = n as usize;
+            drained = n < iov.iter().map(|v| v.len).sum::<usize>();
+            let left = n;
             if let (Some(id), true) = (speculating, left > HEADER_LEN) {
-                let r = self.begin_speculated(
-                    id,
-                    &next_hdr,
-                    left - HEADER_LEN,
-                    &iov[1..],
-                    &mut carry,
-                )?;
+                let r =
+                    self.begin_speculated(id, &next_hdr, left - HEADER_LEN, &iov[1..], &mut carry)?;
                 hdr_got = 0;
                 if r.is_complete() {
                     self.complete(r);

@@ -180,24 +180,38 @@ pub fn accept(tcp: TcpStream, config: Arc<ServerConfig>) -> io::Result<OwnedFd> 
     tunnel(tcp, conn.into())
 }
 
-fn tunnel(mut tcp: TcpStream, mut conn: rustls::Connection) -> io::Result<OwnedFd> {
+/// Runs the handshake and returns the two directions' ciphers.
+fn establish(
+    tcp: &mut TcpStream,
+    mut conn: rustls::Connection,
+) -> io::Result<(record::Cipher, record::Cipher)> {
     tcp.set_nonblocking(false)?;
     tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     tcp.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    if let Err(e) = handshake(&mut conn, &mut tcp) {
+    if let Err(e) = handshake(&mut conn, tcp) {
         return Err(io::Error::new(e.kind(), handshake_error(e)));
     }
     let secrets = conn.dangerous_extract_secrets().map_err(bad)?;
-    let (tx, rx) = (
-        record::Cipher::new(secrets.tx)?,
-        record::Cipher::new(secrets.rx)?,
-    );
     tcp.set_read_timeout(None)?;
     tcp.set_write_timeout(None)?;
+    Ok((
+        record::Cipher::new(secrets.tx)?,
+        record::Cipher::new(secrets.rx)?,
+    ))
+}
+
+/// A Unix socket pair with room for bursts; the first end is the tunnel's.
+fn pair() -> io::Result<(UnixStream, UnixStream)> {
     let (mine, theirs) = UnixStream::pair()?;
     for s in [&mine, &theirs] {
         grow_buffers(s.as_fd());
     }
+    Ok((mine, theirs))
+}
+
+fn tunnel(mut tcp: TcpStream, conn: rustls::Connection) -> io::Result<OwnedFd> {
+    let (tx, rx) = establish(&mut tcp, conn)?;
+    let (mine, theirs) = pair()?;
     let (net2, app2) = (tcp.try_clone()?, mine.try_clone()?);
     std::thread::Builder::new()
         .name("kiln-tls-tx".into())
@@ -206,6 +220,38 @@ fn tunnel(mut tcp: TcpStream, mut conn: rustls::Connection) -> io::Result<OwnedF
         .name("kiln-tls-rx".into())
         .spawn(move || record::receive_loop(rx, net2, app2))?;
     Ok(theirs.into())
+}
+
+/// A client TLS connection whose receiving side its owner runs: plaintext to send goes into
+/// `send` (a tunnel thread seals it onto the network), and replies are read from `recv`, the
+/// TCP socket itself, through `reader`, straight into the owner's buffers.
+pub struct Split {
+    /// Where plaintext to send is written.
+    pub send: OwnedFd,
+    /// The TCP socket, to receive from with `reader` (and to shut down).
+    pub recv: OwnedFd,
+    /// Opens the records that arrive on `recv`.
+    pub reader: RecordReader,
+}
+
+/// [`connect`], with the receiving side left to the caller (see [`Split`]).
+pub fn connect_split(
+    mut tcp: TcpStream,
+    config: Arc<ClientConfig>,
+    name: ServerName<'static>,
+) -> io::Result<Split> {
+    let conn = rustls::ClientConnection::new(config, name).map_err(bad)?;
+    let (tx, rx) = establish(&mut tcp, conn.into())?;
+    let (mine, theirs) = pair()?;
+    let net = tcp.try_clone()?;
+    std::thread::Builder::new()
+        .name("kiln-tls-tx".into())
+        .spawn(move || record::send_loop(tx, mine, net))?;
+    Ok(Split {
+        send: theirs.into(),
+        recv: tcp.into(),
+        reader: RecordReader::new(rx),
+    })
 }
 
 /// Drives a handshake to its end without reading a byte past it: records are read one at a
@@ -270,6 +316,7 @@ fn grow_buffers(fd: std::os::fd::BorrowedFd<'_>) {
 }
 
 mod record;
+pub use record::RecordReader;
 
 /// Creates a new certificate authority in `dir` (`ca.pem`, and `ca.key` with mode 0600).
 /// Refuses to overwrite an existing one.

@@ -235,6 +235,9 @@ struct Conn {
     out: VecDeque<OutReply>,
     out_bytes: usize,
     done_tx: mpsc::UnboundedSender<Finished>,
+    /// Over TLS: seals replies into records on the TCP socket (requests arrive through the
+    /// tunnel in plaintext).
+    tls_out: Option<kiln_tls::RecordWriter>,
 }
 
 impl Drop for Conn {
@@ -265,19 +268,69 @@ pub async fn serve(
     mgmt: Option<crate::mgmt::Handler>,
     peer: String,
 ) {
-    static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let shared = (stack, stats, clients, limits, secret, mgmt);
+    serve_on(sock, None, shared, peer).await
+}
+
+/// Serves a TLS connection: requests arrive in plaintext from the tunnel on `split.recv`,
+/// replies are sealed straight from their buffers and files onto the TCP socket.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_tls(
+    split: kiln_tls::SplitServer,
+    stack: LayerRef,
+    stats: Arc<Stats>,
+    clients: ClientBook,
+    limits: Limits,
+    secret: Option<Arc<[u8]>>,
+    mgmt: Option<crate::mgmt::Handler>,
+    peer: String,
+) {
+    let shared = (stack, stats, clients, limits, secret, mgmt);
+    let send = Some((split.send, split.writer));
+    serve_on(split.recv, send, shared, peer).await
+}
+
+type SharedParts = (
+    LayerRef,
+    Arc<Stats>,
+    ClientBook,
+    Limits,
+    Option<Arc<[u8]>>,
+    Option<crate::mgmt::Handler>,
+);
+
+fn register(sock: OwnedFd, peer: &str) -> Option<AsyncFd<OwnedFd>> {
     if let Err(e) = rustix::io::ioctl_fionbio(&sock, true) {
         tracing::warn!(%peer, "cannot make socket non-blocking: {e}");
-        return;
+        return None;
     }
     // SAFETY: `OwnedFd` owns a valid open descriptor and returns the same one from `as_raw_fd`
     // until the `AsyncFd` drops it.
-    let fd = match unsafe { AsyncFd::register(sock) } {
-        Ok(fd) => fd,
+    match unsafe { AsyncFd::register(sock) } {
+        Ok(fd) => Some(fd),
         Err(e) => {
             tracing::warn!(%peer, "cannot register socket: {e}");
-            return;
+            None
         }
+    }
+}
+
+async fn serve_on(
+    sock: OwnedFd,
+    send: Option<(OwnedFd, kiln_tls::RecordWriter)>,
+    (stack, stats, clients, limits, secret, mgmt): SharedParts,
+    peer: String,
+) {
+    static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let Some(fd) = register(sock, &peer) else {
+        return;
+    };
+    let (wfd, tls_out) = match send {
+        Some((s, w)) => match register(s, &peer) {
+            Some(wfd) => (Some(wfd), Some(w)),
+            None => return,
+        },
+        None => (None, None),
     };
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut conn = Conn {
@@ -299,10 +352,18 @@ pub async fn serve(
         out: VecDeque::new(),
         out_bytes: 0,
         done_tx,
+        tls_out,
     };
-    match conn.run(&fd, &mut done_rx, &peer).await {
+    match conn
+        .run(&fd, wfd.as_ref().unwrap_or(&fd), &mut done_rx, &peer)
+        .await
+    {
         Ok(()) => tracing::debug!(%peer, "connection closed"),
         Err(e) => tracing::info!(%peer, "connection ended: {e}"),
+    }
+    if let Some(w) = &wfd {
+        // The tunnel thread holds the TCP socket too: this ends its read, and the connection.
+        let _ = rustix::net::shutdown(w.get_ref(), rustix::net::Shutdown::Both);
     }
 }
 
@@ -315,6 +376,7 @@ impl Conn {
     async fn run(
         &mut self,
         fd: &AsyncFd<OwnedFd>,
+        wfd: &AsyncFd<OwnedFd>,
         done_rx: &mut mpsc::UnboundedReceiver<Finished>,
         peer: &str,
     ) -> io::Result<()> {
@@ -334,7 +396,7 @@ impl Conn {
         tokio::pin!(idle_timer);
         loop {
             let reading = self.may_read();
-            let writing = !self.out.is_empty();
+            let writing = self.has_output();
             let quiet = idle_on && self.inflight == 0 && self.out.is_empty();
             tokio::select! {
                 biased;
@@ -381,7 +443,7 @@ impl Conn {
                         }
                         hdr_got += left;
                         if let Err(why) = self.start_frames(&next_hdr, &mut hdr_got, &mut cur) {
-                            return self.fatal(fd, &why).await;
+                            return self.fatal(wfd, &why).await;
                         }
                         // Bytes that landed in the stage: the rest of this frame's arguments
                         // (and, for a WRITE, at most the first STAGE_LEN payload bytes, copied and
@@ -402,7 +464,7 @@ impl Conn {
                                 hdr_got += take;
                                 rest = &rest[take..];
                                 if let Err(why) = self.start_frames(&next_hdr, &mut hdr_got, &mut cur) {
-                                    return self.fatal(fd, &why).await;
+                                    return self.fatal(wfd, &why).await;
                                 }
                             }
                         }
@@ -415,13 +477,13 @@ impl Conn {
                         }
                     }
                 }
-                g = fd.writable(), if writing => g?.retain_ready(),
+                g = wfd.writable(), if writing => g?.retain_ready(),
             }
             while let Ok(f) = done_rx.try_recv() {
                 self.finish(f);
             }
-            self.flush(fd)?;
-            if self.closing && self.out.is_empty() {
+            self.flush(wfd)?;
+            if self.closing && !self.has_output() {
                 return Ok(());
             }
         }
@@ -462,9 +524,9 @@ impl Conn {
         self.push(OutReply::new(0, 0, Err(errno::EPROTO)));
         // Best effort: the peer is already misbehaving, so do not wait on it for long.
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
-        while !self.out.is_empty() && tokio::time::Instant::now() < deadline {
+        while self.has_output() && tokio::time::Instant::now() < deadline {
             self.flush(fd)?;
-            if !self.out.is_empty() {
+            if self.has_output() {
                 let _ = tokio::time::timeout_at(deadline, fd.writable()).await;
             }
         }
@@ -896,9 +958,14 @@ impl Conn {
         }
     }
 
+    /// True while replies (or, over TLS, sealed records) wait to be sent.
+    fn has_output(&self) -> bool {
+        !self.out.is_empty() || self.tls_out.as_ref().is_some_and(|w| w.pending())
+    }
+
     /// Sends queued replies until done or the socket would block.
     fn flush(&mut self, fd: &AsyncFd<OwnedFd>) -> io::Result<()> {
-        while !self.out.is_empty() {
+        while self.has_output() {
             let r = fd.try_io(Interest::WRITABLE, |s| self.send_some(s.as_raw_fd()));
             match r {
                 Ok(()) => {}
@@ -912,6 +979,11 @@ impl Conn {
 
     /// One step of sending: a gathered `sendmsg` of in-memory parts, or one `sendfile`.
     fn send_some(&mut self, sock: i32) -> io::Result<()> {
+        if let Some(mut w) = self.tls_out.take() {
+            let r = self.seal_some(&mut w, sock);
+            self.tls_out = Some(w);
+            return r;
+        }
         let front = self.out.front_mut().expect("non-empty queue");
         // The front reply's file body goes out once its head is sent.
         if front.sent >= front.head.len() {
@@ -991,6 +1063,95 @@ impl Conn {
         }
         debug_assert_eq!(left, 0, "every byte sent is accounted to a reply");
         Ok(())
+    }
+}
+
+impl Conn {
+    /// Over TLS, one step of sending: write sealed records, or seal a batch of queued replies
+    /// (heads and buffers copied into the record slots, file data read into them from the
+    /// page cache) and start writing it. `WouldBlock` when the socket is full.
+    fn seal_some(&mut self, w: &mut kiln_tls::RecordWriter, sock: i32) -> io::Result<()> {
+        // SAFETY: `sock` is this connection's open socket for the duration of the call.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(sock) };
+        if w.pending() {
+            return match w.flush(fd)? {
+                true => Ok(()),
+                false => Err(io::ErrorKind::WouldBlock.into()),
+            };
+        }
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let out = &mut self.out;
+        let (mut idx, mut pos) = (0usize, out[0].sent);
+        let taken = w.seal_from(|room| {
+            let mut filled = 0;
+            while filled < room.len() && idx < out.len() {
+                if pos == 0 && out[idx].stamps_next {
+                    out[idx].stamps_next = false;
+                    if let Some(next) = out.get_mut(idx + 1) {
+                        if let Some(at) = next.stamp_at.take() {
+                            let t = kiln_layer::trace::now_ns().to_le_bytes();
+                            next.head[at..at + 8].copy_from_slice(&t);
+                        }
+                    }
+                }
+                let r = &out[idx];
+                let dst = &mut room[filled..];
+                let n = if pos < r.head.len() {
+                    let k = (r.head.len() - pos).min(dst.len());
+                    dst[..k].copy_from_slice(&r.head[pos..pos + k]);
+                    k
+                } else {
+                    let at = pos - r.head.len();
+                    match &r.body {
+                        Body::None => 0,
+                        Body::Buf(b) => {
+                            let k = (b.len() - at).min(dst.len());
+                            dst[..k].copy_from_slice(&b[at..at + k]);
+                            k
+                        }
+                        Body::File { file, offset, len } => {
+                            let k = (len - at).min(dst.len());
+                            match rustix::io::pread(&**file, &mut dst[..k], offset + at as u64)? {
+                                0 => {
+                                    // The header promised `len` bytes: pad, as for sendfile.
+                                    tracing::warn!("file shrank during a read; padding with zeros");
+                                    dst[..k].fill(0);
+                                    k
+                                }
+                                got => got,
+                            }
+                        }
+                    }
+                };
+                filled += n;
+                pos += n;
+                if pos == r.total() {
+                    idx += 1;
+                    pos = 0;
+                }
+            }
+            Ok(filled)
+        })?;
+        self.out_bytes -= taken;
+        let mut left = taken;
+        while left > 0 {
+            let r = self
+                .out
+                .front_mut()
+                .expect("sealed bytes belong to queued replies");
+            let take = left.min(r.total() - r.sent);
+            r.sent += take;
+            left -= take;
+            if r.sent == r.total() {
+                self.reply_sent();
+            }
+        }
+        match w.flush(fd)? {
+            true => Ok(()),
+            false => Err(io::ErrorKind::WouldBlock.into()),
+        }
     }
 }
 

@@ -461,10 +461,18 @@ async fn accept_tls(
     let rt = tokio::runtime::Handle::current();
     let started = std::thread::Builder::new()
         .name("kiln-tls-accept".into())
-        .spawn(move || match kiln_tls::accept(tcp, tls) {
-            Ok(fd) => {
-                let _rt = rt.enter();
-                spawn_serve(fd, guard, format!("{peer} (tls)"));
+        .spawn(move || match kiln_tls::accept_split(tcp, tls) {
+            Ok(split) => {
+                let shared = &guard.0;
+                let (stack, stats, limits) =
+                    (shared.stack.clone(), shared.stats.clone(), shared.limits);
+                let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
+                let mgmt = shared.mgmt.clone();
+                let peer = format!("{peer} (tls)");
+                rt.spawn(async move {
+                    conn::serve_tls(split, stack, stats, clients, limits, secret, mgmt, peer).await;
+                    drop(guard);
+                });
             }
             Err(e) => {
                 guard.0.stats.refused.fetch_add(1, Ordering::Relaxed);

@@ -9,14 +9,17 @@
 //! uses TLS when `KILN_TLS_DIR` names its directory, and checks that the brick's certificate
 //! names the host it dialled.
 //!
-//! # Tunnels
-//! Kiln's data path works on a socket descriptor with `readv`, `sendmsg` and `sendfile`, and
-//! receives reply payload straight into the caller's buffers. TLS cannot do that in user space
-//! (plaintext only exists after decryption), so a TLS connection is a tunnel: rustls runs the
-//! handshake (TLS 1.3, AES-GCM, certificates checked both ways) and hands over the traffic
-//! keys; then two threads, one per direction, move records between the TCP socket and one end
-//! of a Unix socket pair, sealing and opening them in place ([`record`]), and the connection
-//! code gets the other end and does not know the difference. This costs copies that plaintext
+//! # The data path under TLS
+//! Kiln's data path works on sockets with `readv`, `sendmsg` and `sendfile`, and receives
+//! reply payload straight into the caller's buffers. TLS cannot be zero-copy in user space
+//! (plaintext only exists after decryption), so TLS mode keeps each side's heavy direction
+//! in its own hands and hands the light one to a thread: rustls runs the handshake (TLS 1.3,
+//! AES-GCM, certificates checked both ways) and hands over the traffic keys to our record
+//! layer ([`record`]). A client's receive thread opens reply records in place and copies the
+//! plaintext once into the caller's buffers ([`RecordReader`]); its requests go through a
+//! Unix socket pair to a thread that seals them. A brick seals replies itself, reading file
+//! data from the page cache straight into the record ([`RecordWriter`]); its requests arrive
+//! through a thread that opens them onto a Unix socket pair. This costs copies that plaintext
 //! mode does not pay (measured in `bench/tls.py`), which is why TLS is a choice and not the
 //! default; the shared-secret handshake, which costs nothing after connect, is the default.
 
@@ -162,24 +165,6 @@ pub fn server_name(host_port: &str) -> io::Result<ServerName<'static>> {
         .map_err(|e| bad(format!("{host:?} cannot name a TLS server: {e}")))
 }
 
-/// Runs the client side of a handshake on `tcp` (at most 10 s) and returns the plaintext end
-/// of the tunnel. The tunnel's threads run until either side closes.
-pub fn connect(
-    tcp: TcpStream,
-    config: Arc<ClientConfig>,
-    name: ServerName<'static>,
-) -> io::Result<OwnedFd> {
-    let conn = rustls::ClientConnection::new(config, name).map_err(bad)?;
-    tunnel(tcp, conn.into())
-}
-
-/// Runs the server side of a handshake on `tcp` (blocking, at most 10 s) and returns the
-/// plaintext end of the tunnel.
-pub fn accept(tcp: TcpStream, config: Arc<ServerConfig>) -> io::Result<OwnedFd> {
-    let conn = rustls::ServerConnection::new(config).map_err(bad)?;
-    tunnel(tcp, conn.into())
-}
-
 /// Runs the handshake and returns the two directions' ciphers.
 fn establish(
     tcp: &mut TcpStream,
@@ -200,7 +185,7 @@ fn establish(
     ))
 }
 
-/// A Unix socket pair with room for bursts; the first end is the tunnel's.
+/// A Unix socket pair with room for bursts; the first end is the helper thread's.
 fn pair() -> io::Result<(UnixStream, UnixStream)> {
     let (mine, theirs) = UnixStream::pair()?;
     for s in [&mine, &theirs] {
@@ -209,22 +194,39 @@ fn pair() -> io::Result<(UnixStream, UnixStream)> {
     Ok((mine, theirs))
 }
 
-fn tunnel(mut tcp: TcpStream, conn: rustls::Connection) -> io::Result<OwnedFd> {
-    let (tx, rx) = establish(&mut tcp, conn)?;
+/// A brick's TLS connection whose sending side its owner runs: requests arrive in plaintext
+/// on `recv` (a thread opens them), and replies are sealed by `writer` and written to
+/// `send`, the TCP socket itself.
+pub struct SplitServer {
+    /// Where requests arrive in plaintext.
+    pub recv: OwnedFd,
+    /// The TCP socket, to write sealed records to (and to shut down at the end, which also
+    /// ends the receiving thread).
+    pub send: OwnedFd,
+    /// Seals the replies.
+    pub writer: RecordWriter,
+}
+
+/// Runs the server side of a handshake on `tcp` (blocking, at most 10 s), checking the
+/// client's certificate, and returns the connection (see [`SplitServer`]).
+pub fn accept_split(mut tcp: TcpStream, config: Arc<ServerConfig>) -> io::Result<SplitServer> {
+    let conn = rustls::ServerConnection::new(config).map_err(bad)?;
+    let (tx, rx) = establish(&mut tcp, conn.into())?;
     let (mine, theirs) = pair()?;
-    let (net2, app2) = (tcp.try_clone()?, mine.try_clone()?);
-    std::thread::Builder::new()
-        .name("kiln-tls-tx".into())
-        .spawn(move || record::send_loop(tx, mine, tcp))?;
+    let net = tcp.try_clone()?;
     std::thread::Builder::new()
         .name("kiln-tls-rx".into())
-        .spawn(move || record::receive_loop(rx, net2, app2))?;
-    Ok(theirs.into())
+        .spawn(move || record::receive_loop(rx, net, mine))?;
+    Ok(SplitServer {
+        recv: theirs.into(),
+        send: tcp.into(),
+        writer: RecordWriter::new(tx),
+    })
 }
 
 /// A client TLS connection whose receiving side its owner runs: plaintext to send goes into
-/// `send` (a tunnel thread seals it onto the network), and replies are read from `recv`, the
-/// TCP socket itself, through `reader`, straight into the owner's buffers.
+/// `send` (a thread seals it onto the network), and replies are read from `recv`, the TCP
+/// socket itself, through `reader`, straight into the owner's buffers.
 pub struct Split {
     /// Where plaintext to send is written.
     pub send: OwnedFd,
@@ -234,7 +236,8 @@ pub struct Split {
     pub reader: RecordReader,
 }
 
-/// [`connect`], with the receiving side left to the caller (see [`Split`]).
+/// Runs the client side of a handshake on `tcp` (at most 10 s), checking the brick's
+/// certificate against `name`, and returns the connection (see [`Split`]).
 pub fn connect_split(
     mut tcp: TcpStream,
     config: Arc<ClientConfig>,
@@ -306,7 +309,7 @@ fn handshake_error(e: io::Error) -> String {
     }
 }
 
-/// Both ends of a tunnel buffer a few chunks, so that bursts leave in one system call.
+/// Both ends of the socket pair buffer a few chunks, so that bursts leave in one system call.
 fn grow_buffers(fd: std::os::fd::BorrowedFd<'_>) {
     use rustix::net::sockopt;
     let size = 4 << 20;
@@ -316,7 +319,7 @@ fn grow_buffers(fd: std::os::fd::BorrowedFd<'_>) {
 }
 
 mod record;
-pub use record::RecordReader;
+pub use record::{RecordReader, RecordWriter};
 
 /// Creates a new certificate authority in `dir` (`ca.pem`, and `ca.key` with mode 0600).
 /// Refuses to overwrite an existing one.

@@ -1,10 +1,12 @@
-//! The TLS 1.3 record layer of an established tunnel (RFC 8446 §5), after rustls has done the
-//! handshake and handed over the traffic keys.
+//! The TLS 1.3 record layer (RFC 8446 §5), after rustls has done the handshake and handed
+//! over the traffic keys.
 //!
-//! Keeping the records to ourselves is what makes the tunnel cheap: each direction has its own
-//! thread and key, records are sealed and opened in place in one buffer per direction, and
-//! plaintext moves in and out with one vectored system call per batch — no per-record
-//! allocation and no copy between buffers in user space.
+//! Keeping the records to ourselves is what makes TLS affordable on Kiln's data path: each
+//! direction has its own key and state, so the heavy direction runs in the connection's own
+//! thread or task ([`RecordReader`], [`RecordWriter`]) and the light one in a helper thread
+//! ([`send_loop`], [`receive_loop`]) with no lock between them; records are sealed and opened
+//! in place, and plaintext moves in and out with one vectored system call per batch — no
+//! per-record allocation and no copy between buffers in user space.
 //!
 //! What the peer may send after the handshake is limited to what a Kiln peer sends: application
 //! data and a `close_notify` alert. Session tickets are turned off on both sides and ignored if
@@ -14,6 +16,10 @@
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
+
+use std::os::fd::AsFd;
+
+use rustix::event::{poll, PollFd, PollFlags};
 
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM};
 use rustls::ConnectionTrafficSecrets;
@@ -62,11 +68,7 @@ impl Cipher {
         let (alg, key, iv) = match secrets {
             ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
             ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
-            _ => {
-                return Err(proto(
-                    "negotiated a cipher suite the tunnel does not implement",
-                ))
-            }
+            _ => return Err(proto("negotiated a cipher suite Kiln does not implement")),
         };
         let key = UnboundKey::new(alg, key.as_ref()).map_err(|_| proto("bad traffic key"))?;
         let iv: [u8; NONCE] = iv
@@ -129,8 +131,21 @@ impl Cipher {
     }
 }
 
+/// Waits until `fd` is ready for `what`.
+fn wait(fd: &impl AsFd, what: PollFlags) -> io::Result<()> {
+    let mut p = [PollFd::new(fd, what)];
+    match poll(&mut p, None) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Writes every byte of `parts` (ranges of `buf`) with as few system calls as it takes.
-fn write_all(out: &mut impl Write, buf: &[u8], parts: &[(usize, usize)]) -> io::Result<()> {
+fn write_all(
+    out: &mut (impl Write + AsFd),
+    buf: &[u8],
+    parts: &[(usize, usize)],
+) -> io::Result<()> {
     let mut slices: Vec<IoSlice<'_>> = parts
         .iter()
         .map(|&(at, len)| IoSlice::new(&buf[at..at + len]))
@@ -141,6 +156,7 @@ fn write_all(out: &mut impl Write, buf: &[u8], parts: &[(usize, usize)]) -> io::
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut rest, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait(out, PollFlags::OUT)?,
             Err(e) => return Err(e),
         }
     }
@@ -152,7 +168,7 @@ fn write_all(out: &mut impl Write, buf: &[u8], parts: &[(usize, usize)]) -> io::
 pub fn send_loop(mut tx: Cipher, mut app: UnixStream, mut net: TcpStream) {
     let r = send(&mut tx, &mut app, &mut net);
     if let Err(e) = &r {
-        tracing::debug!("TLS tunnel, sending side: {e}");
+        tracing::debug!("TLS sending thread: {e}");
         let _ = net.shutdown(std::net::Shutdown::Both);
         let _ = app.shutdown(std::net::Shutdown::Both);
     } else {
@@ -207,7 +223,7 @@ pub fn receive_loop(mut rx: Cipher, mut net: TcpStream, mut app: UnixStream) {
             let _ = app.shutdown(std::net::Shutdown::Write);
         }
         Err(e) => {
-            tracing::debug!("TLS tunnel, receiving side: {e}");
+            tracing::debug!("TLS receiving thread: {e}");
             let _ = net.shutdown(std::net::Shutdown::Both);
             let _ = app.shutdown(std::net::Shutdown::Both);
         }
@@ -251,14 +267,16 @@ fn receive(rx: &mut Cipher, net: &mut TcpStream, app: &mut UnixStream) -> io::Re
             Ok(0) => return Ok(()),
             Ok(n) => end += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // The owner of the other direction may have made the shared socket non-blocking.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait(net, PollFlags::IN)?,
             Err(e) => return Err(e),
         }
     }
 }
 
 /// The receiving side of a connection whose owner reads records itself, on its own thread,
-/// and wants plaintext in its own buffers: the client's receive thread, which thus skips the
-/// tunnel's Unix socket (one copy and one thread hand-off less per reply).
+/// and wants plaintext in its own buffers: the client's receive thread (one copy, from the
+/// opened record into the request's buffers).
 pub struct RecordReader {
     rx: Cipher,
     buf: Vec<u8>,
@@ -374,6 +392,99 @@ impl RecordReader {
             }
         }
         done
+    }
+}
+
+/// The sending side of a connection whose owner seals records itself (the brick's
+/// connection task): plaintext is gathered straight into record slots — file data read from
+/// the page cache into them, no intermediate buffer — sealed in place, and written to the
+/// socket without blocking; what the socket does not take waits in the writer.
+pub struct RecordWriter {
+    tx: Cipher,
+    buf: Vec<u8>,
+    /// Sealed records not yet written: ranges of `buf`, the first `done` bytes of the first
+    /// already written.
+    sealed: Vec<(usize, usize)>,
+    done: usize,
+}
+
+impl RecordWriter {
+    pub(crate) fn new(tx: Cipher) -> RecordWriter {
+        RecordWriter {
+            tx,
+            buf: vec![0u8; SLOTS * SLOT],
+            sealed: Vec::with_capacity(SLOTS),
+            done: 0,
+        }
+    }
+
+    /// True while sealed records wait to be written.
+    pub fn pending(&self) -> bool {
+        !self.sealed.is_empty()
+    }
+
+    /// Most plaintext bytes one [`RecordWriter::seal_from`] takes.
+    pub const BATCH: usize = SLOTS * MAX_PLAIN;
+
+    /// Fills record slots with `fill` (called with each slot's plaintext room until it returns
+    /// less than the room) and seals them; returns the plaintext bytes taken. Only when
+    /// nothing is pending.
+    pub fn seal_from(
+        &mut self,
+        mut fill: impl FnMut(&mut [u8]) -> io::Result<usize>,
+    ) -> io::Result<usize> {
+        assert!(!self.pending(), "seal_from with records still pending");
+        let mut total = 0;
+        for i in 0..SLOTS {
+            let rec = &mut self.buf[i * SLOT..(i + 1) * SLOT];
+            let n = fill(&mut rec[HEADER..HEADER + MAX_PLAIN])?;
+            if n == 0 {
+                break;
+            }
+            rec[HEADER + n] = APPLICATION_DATA;
+            let len = self.tx.seal(rec, n + 1)?;
+            self.sealed.push((i * SLOT, len));
+            total += n;
+            if n < MAX_PLAIN {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Writes sealed records to `fd` without blocking: true when all have left, false when
+    /// the socket is full.
+    pub fn flush(&mut self, fd: std::os::fd::BorrowedFd<'_>) -> io::Result<bool> {
+        while !self.sealed.is_empty() {
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(self.sealed.len());
+            for (k, &(at, len)) in self.sealed.iter().enumerate() {
+                let skip = if k == 0 { self.done } else { 0 };
+                slices.push(IoSlice::new(&self.buf[at + skip..at + len]));
+            }
+            let n = match rustix::net::sendmsg(
+                fd,
+                &slices,
+                &mut rustix::net::SendAncillaryBuffer::default(),
+                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+            ) {
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(rustix::io::Errno::AGAIN) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            };
+            let mut left = n;
+            while left > 0 {
+                let (_, len) = self.sealed[0];
+                let take = left.min(len - self.done);
+                self.done += take;
+                left -= take;
+                if self.done == len {
+                    self.sealed.remove(0);
+                    self.done = 0;
+                }
+            }
+        }
+        Ok(true)
     }
 }
 

@@ -23,10 +23,15 @@ struct Kilnd {
 
 impl Kilnd {
     fn start(state: &Path) -> Kilnd {
+        Kilnd::start_with(state, &[])
+    }
+
+    fn start_with(state: &Path, extra: &[&std::ffi::OsStr]) -> Kilnd {
         let child = kiln()
             .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
             .arg("--state-dir")
             .arg(state)
+            .args(extra)
             .env("KILN_LOG", "warn")
             .stdout(Stdio::piped())
             .spawn()
@@ -472,4 +477,103 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     let _ = plain.kill();
     let _ = plain.wait();
     assert!(err.contains("does not manage volumes"), "{err}");
+}
+
+#[test]
+fn tls_volumes_bricks_take_only_clients_with_certificates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (state, pki) = (tmp.path().join("state"), tmp.path().join("pki"));
+    let _reaper = BrickReaper(state.clone());
+    let p = |n: &str| pki.join(n).to_str().unwrap().to_owned();
+    ok(&["tls", "init", &p("ca")]);
+    ok(&[
+        "tls",
+        "issue",
+        "--ca",
+        &p("ca"),
+        "--out",
+        &p("host"),
+        "host",
+        "--san",
+        "127.0.0.1",
+    ]);
+    ok(&[
+        "tls",
+        "issue",
+        "--ca",
+        &p("ca"),
+        "--out",
+        &p("client"),
+        "client",
+    ]);
+    let err = fails(&["tls", "init", &p("ca")]);
+    assert!(
+        err.contains("exists"),
+        "an existing CA is never overwritten: {err}"
+    );
+
+    let host = pki.join("host");
+    let kd = Kilnd::start_with(&state, &[std::ffi::OsStr::new("--tls"), host.as_os_str()]);
+    let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
+    let brick = tmp.path().join("b1");
+    let spec = format!("127.0.0.1:{}", brick.display());
+    ok(&[
+        "volume",
+        "create",
+        "sec",
+        &spec,
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    ok(&["volume", "start", "sec", "--server", a, "--state-dir", sd]);
+    let st = status(a, sd, "sec");
+    assert_eq!(online(&st), [true], "{st}");
+    let port = st["bricks"][0]["port"].as_u64().unwrap();
+    let addr = format!("tcp:127.0.0.1:{port}");
+    let secret = std::fs::read_to_string(mgmt::secret_file_in("sec", None, &state).unwrap())
+        .unwrap()
+        .trim()
+        .to_owned();
+
+    // The secret alone is not enough: the brick wants TLS.
+    let e = kiln_client::Client::connect_opts(&addr, Some(secret.as_bytes()), None)
+        .err()
+        .expect("a plaintext client is refused");
+    assert!(e.to_string().contains("requires TLS"), "{e}");
+    // With a certificate from the CA (and the secret), data goes through.
+    let tls = kiln_tls::client_config(&pki.join("client")).unwrap();
+    let c = kiln_client::Client::connect_opts(&addr, Some(secret.as_bytes()), Some(tls))
+        .expect("a TLS client with the secret");
+    let (fh, _) = block_on(c.create("t.bin", libc::O_RDWR, 0o644)).unwrap();
+    let data: Vec<u8> = (0..300_000).map(|i| (i % 253) as u8).collect();
+    assert_eq!(
+        c.pwritev_blocking(fh, &[std::io::IoSlice::new(&data)], 0)
+            .unwrap(),
+        data.len()
+    );
+    assert_eq!(std::fs::read(brick.join("t.bin")).unwrap(), data);
+    // And a bad identity directory stops kilnd at once, with the reason.
+    drop(kd);
+    let out = kiln()
+        .args([
+            "server",
+            "--mgmt",
+            "tcp:127.0.0.1:0",
+            "--metrics",
+            "off",
+            "--state-dir",
+        ])
+        .arg(&state)
+        .arg("--tls")
+        .arg(tmp.path().join("nowhere"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tls"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -63,7 +63,9 @@ pub struct ServeArgs {
     /// issued the clients' certificates), cert.pem and key.pem (this brick's identity); make
     /// them with `kiln tls init` and `kiln tls issue`. Plaintext TCP clients are refused with a
     /// message; Unix-socket clients stay plaintext. Clients set KILN_TLS_DIR to their own.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["state_dir", "mgmt"])]
+    /// Management mode: every brick this kilnd runs gets --tls DIR (the management port
+    /// itself stays plaintext).
+    #[arg(long, value_name = "DIR")]
     pub tls: Option<PathBuf>,
     /// Only TCP clients from this address range may connect (ADDR/PREFIX; repeat for several;
     /// default: anyone who can reach a listening address). Refused clients get EACCES and the
@@ -217,18 +219,21 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
                 .into(),
         );
     }
-    if args.tls.is_some() {
-        return fail(
-            "--tls belongs to a brick; the management daemon does not speak TLS yet".into(),
-        );
-    }
     if !matches!(args.mgmt, Listen::Tcp(_)) {
         return fail(format!("--mgmt {}: want tcp:IP:PORT", args.mgmt));
     }
-    let exe = match mgmt::brick_command() {
+    let mut exe = match mgmt::brick_command() {
         Ok(e) => e,
         Err(e) => return fail(format!("cannot find this executable to run bricks: {e}")),
     };
+    if let Some(dir) = &args.tls {
+        // Checked now, so that a bad directory fails here and not in every brick.
+        if let Err(e) = kiln_tls::server_config(dir) {
+            return fail(format!("--tls {}: {e}", dir.display()));
+        }
+        exe.push("--tls".into());
+        exe.push(dir.into());
+    }
     let secret_file = args.mgmt_secret_file.as_deref();
     let manager = match mgmt::Manager::open(&args.state_dir, exe, secret_file) {
         Ok(m) => m,

@@ -560,6 +560,19 @@ fn status_text(r: &serde_json::Value) -> String {
                 pid
             );
         }
+        let h = &v["heal"];
+        if h.is_object() {
+            let _ = writeln!(
+                out,
+                "Heal service: backlog {} file(s); healed {} file(s), {} bytes since kilnd started{}",
+                h["backlog"].as_u64().unwrap_or(0),
+                h["healed_files"].as_u64().unwrap_or(0),
+                h["healed_bytes"].as_u64().unwrap_or(0),
+                h["last_error"]
+                    .as_str()
+                    .map_or(String::new(), |e| format!("; last error: {e}"))
+            );
+        }
         out.push('\n');
     }
     out

@@ -577,3 +577,99 @@ fn tls_volumes_bricks_take_only_clients_with_certificates() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn the_heal_service_heals_a_returning_brick_by_itself() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("h{i}"))).collect();
+    let kd = Kilnd::start_with(
+        &state,
+        &[
+            std::ffi::OsStr::new("--heal-interval"),
+            std::ffi::OsStr::new("0.2"),
+        ],
+    );
+    let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
+    let mut create = vec!["volume", "create", "hv", "replica", "3"];
+    let specs: Vec<String> = dirs
+        .iter()
+        .map(|d| format!("127.0.0.1:{}", d.display()))
+        .collect();
+    create.extend(specs.iter().map(String::as_str));
+    create.extend(["--server", a, "--state-dir", sd]);
+    ok(&create);
+    ok(&["volume", "start", "hv", "--server", a, "--state-dir", sd]);
+    let vf = mgmt::fetch_volfile(a, "hv").unwrap();
+    let secret = std::fs::read_to_string(mgmt::secret_file_in("hv", None, &state).unwrap())
+        .unwrap()
+        .trim()
+        .to_owned();
+    let v = Volume::from_volfile_with_secret(&vf, Some(secret.as_bytes())).unwrap();
+    let (fd, _) = block_on(v.create("/img", libc::O_RDWR, 0o644)).unwrap();
+    let base = vec![0x11u8; 4 << 20];
+    assert_eq!(block_on(v.pwritev(&fd, vec![base], 0)).0.unwrap(), 4 << 20);
+    wait_for(20, "the service to have looked once", || {
+        status(a, sd, "hv")["heal"]["last_round"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    });
+
+    // A brick dies; writes go on (2 of 3 is a majority) and are marked for it.
+    let pid = status(a, sd, "hv")["bricks"][2]["pid"].as_u64().unwrap();
+    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    wait_for(10, "the killed brick to show down", || {
+        online(&status(a, sd, "hv")) == [true, true, false]
+    });
+    let mut written = 0u64;
+    for k in 0..64u64 {
+        let off = (k * 61_441) % ((4 << 20) - 8192);
+        let data = vec![(k as u8).wrapping_mul(7) | 1; 8192];
+        let (n, _) = block_on(v.pwritev(&fd, vec![data], off));
+        assert_eq!(n.unwrap(), 8192, "write {k} with a brick down");
+        written += 8192;
+    }
+    wait_for(20, "the service to see the backlog", || {
+        status(a, sd, "hv")["heal"]["backlog"].as_u64() == Some(1)
+    });
+    assert_ne!(
+        std::fs::read(dirs[0].join("img")).unwrap(),
+        std::fs::read(dirs[2].join("img")).unwrap(),
+        "the dead brick missed the writes"
+    );
+
+    // It comes back; nobody runs `kiln volume heal`: the service does.
+    ok(&[
+        "volume",
+        "start",
+        "hv",
+        "force",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    wait_for(30, "the service to heal the returning brick", || {
+        let h = status(a, sd, "hv")["heal"].clone();
+        h["backlog"].as_u64() == Some(0) && h["healed_files"].as_u64().unwrap_or(0) >= 1
+    });
+    let h = status(a, sd, "hv")["heal"].clone();
+    let moved = h["healed_bytes"].as_u64().unwrap();
+    assert!(
+        moved >= written / 2 && moved <= 2 * written,
+        "healed {moved} bytes for {written} written while down"
+    );
+    let first = std::fs::read(dirs[0].join("img")).unwrap();
+    for d in &dirs[1..] {
+        assert!(
+            std::fs::read(d.join("img")).unwrap() == first,
+            "{} differs after the service healed",
+            d.display()
+        );
+    }
+    let table = ok(&["volume", "status", "hv", "--server", a, "--state-dir", sd]);
+    assert!(table.contains("Heal"), "{table}");
+}

@@ -49,6 +49,11 @@ pub struct ServeArgs {
         conflicts_with_all = ["brick", "volfile"]
     )]
     pub mgmt: Listen,
+    /// Management mode: seconds between rounds of the heal service, which heals the replicated
+    /// volumes this kilnd is the authority of by itself (0: off; `kiln volume heal` still
+    /// works).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub heal_interval: f64,
     /// Management mode: the management secret that `kiln volume` and other kilnds must prove
     /// (default STATE_DIR/mgmt.secret; a missing file is created, mode 0600). Every kilnd of a
     /// cluster needs the same one.
@@ -233,6 +238,9 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         }
         exe.push("--tls".into());
         exe.push(dir.into());
+        // The heal service is a client of those bricks: it uses the same identity. (Set
+        // before any thread starts.)
+        std::env::set_var(kiln_tls::ENV_DIR, dir);
     }
     let secret_file = args.mgmt_secret_file.as_deref();
     let manager = match mgmt::Manager::open(&args.state_dir, exe, secret_file) {
@@ -269,6 +277,10 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
             .is_err()
         {
             return fail("restoring volumes failed".into());
+        }
+        if args.heal_interval > 0.0 {
+            let every = std::time::Duration::from_secs_f64(args.heal_interval);
+            crate::healer::start(manager.clone(), every);
         }
         if let Some(a) = addr {
             say(&format!("kilnd: management on {a}"));

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod brick;
 pub mod cli;
 pub mod conn;
+pub mod healer;
 pub mod marks;
 pub mod mgmt;
 pub mod posix;

@@ -574,6 +574,8 @@ pub struct Manager {
     /// The management secret: clients and other kilnds prove it, and this kilnd proves it to
     /// other kilnds.
     secret: Arc<[u8]>,
+    /// The heal service's state (see [`crate::healer`]).
+    healer: crate::healer::Healer,
 }
 
 /// The command that runs a brick: this executable, as `kilnd` or as `kiln server`.
@@ -635,7 +637,13 @@ impl Manager {
             mgmt_port: Mutex::new(DEFAULT_MGMT_PORT),
             procs: Mutex::default(),
             secret: secret.into(),
+            healer: crate::healer::Healer::default(),
         }))
+    }
+
+    /// The heal service's state.
+    pub fn healer(&self) -> &crate::healer::Healer {
+        &self.healer
     }
 
     /// The management secret, for the server's handshake (`Server::with_secret`).
@@ -767,7 +775,7 @@ impl Manager {
     }
 
     /// Every definition (and cached copy) this kilnd holds, by name.
-    fn load_all(&self) -> Vec<VolumeDef> {
+    pub(crate) fn load_all(&self) -> Vec<VolumeDef> {
         let mut names: Vec<String> = fs::read_dir(self.state.join("vols"))
             .into_iter()
             .flatten()
@@ -806,7 +814,7 @@ impl Manager {
         )
     }
 
-    fn read_secret(&self, name: &str) -> Result<String, String> {
+    pub(crate) fn read_secret(&self, name: &str) -> Result<String, String> {
         let p = self.secret_path(name);
         fs::read_to_string(&p)
             .map(|s| s.trim().to_owned())
@@ -1091,6 +1099,7 @@ impl Manager {
                 "state": def.state,
                 "authority": def.authority,
                 "bricks": bricks,
+                "heal": self.healer.view(&def.name),
             }));
         }
         Ok(json!({ "volumes": vols }))

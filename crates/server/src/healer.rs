@@ -1,0 +1,153 @@
+//! The heal service: the management kilnd that is a replicated volume's authority heals it by
+//! itself, while I/O continues — no one has to run `kiln volume heal`.
+//!
+//! Every `--heal-interval` seconds it looks at each started replicated volume it is the
+//! authority of (over connections of its own, kept between rounds; they reconnect to a
+//! returning brick by themselves) and, when a replica that is up is behind, runs the same heal
+//! as `kiln volume heal`: exactly the marked ranges, under heal locks. What it did is in
+//! `kiln volume status` (backlog, files and bytes healed, the last error).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use kiln_layer::heal;
+use serde::Serialize;
+
+use crate::mgmt::{Manager, VolState, VolumeDef};
+
+/// What the heal service knows about one volume.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct VolHeal {
+    /// Files behind on a replica, at the end of the last round (including ones whose replica
+    /// is down and cannot be healed yet).
+    pub backlog: u64,
+    /// Files brought up to date since kilnd started.
+    pub healed_files: u64,
+    /// Bytes copied to replicas that were behind since kilnd started.
+    pub healed_bytes: u64,
+    /// Rounds that found work.
+    pub rounds: u64,
+    /// When the last round ended (seconds since the epoch).
+    pub last_round: u64,
+    /// The last round's first error, if it had one.
+    pub last_error: Option<String>,
+}
+
+/// The service's state, shared with `status`.
+#[derive(Default)]
+pub struct Healer {
+    vols: Mutex<HashMap<String, VolHeal>>,
+}
+
+impl Healer {
+    /// The service's view of `volume`, if it heals it.
+    pub fn view(&self, volume: &str) -> Option<VolHeal> {
+        self.vols
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(volume)
+            .cloned()
+    }
+
+    fn update(&self, volume: &str, f: impl FnOnce(&mut VolHeal)) {
+        let mut v = self.vols.lock().unwrap_or_else(|e| e.into_inner());
+        f(v.entry(volume.to_owned()).or_default());
+    }
+}
+
+/// A volume's client stack as the service uses it, rebuilt when the definition changes.
+struct Client {
+    id: String,
+    ports: Vec<Option<u16>>,
+    vol: kiln_client::Volume,
+}
+
+/// Starts the service thread: a round every `every`.
+pub fn start(manager: Arc<Manager>, every: Duration) {
+    let run = move || {
+        let mut clients: HashMap<String, Client> = HashMap::new();
+        loop {
+            // A timer, not synchronisation: the service polls the marks once per interval.
+            std::thread::sleep(every);
+            let defs: Vec<VolumeDef> = manager
+                .load_all()
+                .into_iter()
+                .filter(|d| d.state == VolState::Started && d.replica > 1)
+                .filter(|d| d.authority.is_none())
+                .collect();
+            clients.retain(|name, _| defs.iter().any(|d| &d.name == name));
+            for def in &defs {
+                round(&manager, def, &mut clients);
+            }
+        }
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("kilnd-heal".into())
+        .spawn(run)
+    {
+        tracing::error!("cannot start the heal service: {e}");
+    }
+}
+
+fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Client>) {
+    let healer = manager.healer();
+    let ports: Vec<Option<u16>> = def.bricks.iter().map(|b| b.port).collect();
+    let stale = clients
+        .get(&def.name)
+        .is_none_or(|c| c.id != def.id || c.ports != ports);
+    if stale {
+        clients.remove(&def.name);
+        match connect(manager, def) {
+            Ok(vol) => {
+                clients.insert(
+                    def.name.clone(),
+                    Client {
+                        id: def.id.clone(),
+                        ports,
+                        vol,
+                    },
+                );
+            }
+            Err(e) => {
+                healer.update(&def.name, |v| v.last_error = Some(e));
+                return;
+            }
+        }
+    }
+    let vol = &clients[&def.name].vol;
+    let need = kiln_layer::exec::block_on(heal::info(vol.top()));
+    let now = || {
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    };
+    if !need.iter().any(|n| n.target_up) {
+        healer.update(&def.name, |v| {
+            v.backlog = need.len() as u64;
+            v.last_round = now();
+        });
+        return;
+    }
+    tracing::info!(volume = %def.name, files = need.len(), "heal service: healing");
+    let report = kiln_layer::exec::block_on(heal::run(vol.top(), &|n, bytes| {
+        tracing::info!(volume = %def.name, file = %n.path, replica = %n.target_name, bytes,
+            "healed");
+    }));
+    let left = kiln_layer::exec::block_on(heal::info(vol.top())).len() as u64;
+    healer.update(&def.name, |v| {
+        v.backlog = left;
+        v.healed_files += report.files;
+        v.healed_bytes += report.bytes;
+        v.rounds += 1;
+        v.last_round = now();
+        v.last_error = report.errors.first().cloned();
+    });
+}
+
+fn connect(manager: &Manager, def: &VolumeDef) -> Result<kiln_client::Volume, String> {
+    let volfile = crate::mgmt::client_volfile(def)?;
+    let secret = manager.read_secret(&def.name)?;
+    kiln_client::Volume::from_volfile_with_secret(&volfile, Some(secret.as_bytes()))
+        .map_err(|e| format!("heal service cannot reach the bricks of {}: {e}", def.name))
+}

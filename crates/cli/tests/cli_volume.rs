@@ -22,8 +22,17 @@ struct Kilnd {
 }
 
 impl Kilnd {
-    fn start(state: &Path) -> Kilnd {
-        Kilnd::start_with(state, &[])
+    /// A daemon whose bricks take ports from `base` (each test its own range: tests in this
+    /// file run in parallel, and daemons do not know each other's ports).
+    fn start(state: &Path, base: u16) -> Kilnd {
+        let base = base.to_string();
+        Kilnd::start_with(
+            state,
+            &[
+                std::ffi::OsStr::new("--brick-port-base"),
+                std::ffi::OsStr::new(&base),
+            ],
+        )
     }
 
     fn start_with(state: &Path, extra: &[&std::ffi::OsStr]) -> Kilnd {
@@ -186,7 +195,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
         .map(|d| format!("127.0.0.1:{}", d.display()))
         .collect();
 
-    let kd = Kilnd::start(&state);
+    let kd = Kilnd::start(&state, 24100);
     let addr = kd.addr.clone();
     let a = addr.as_str();
     // The CLI proves the management secret kilnd created in its state directory.
@@ -299,7 +308,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     // kilnd dies; its bricks do not. A new kilnd on the same state adopts them.
     kd.kill();
     assert!(pids.iter().all(|p| pid_alive(*p)), "bricks outlive kilnd");
-    let kd = Kilnd::start(&state);
+    let kd = Kilnd::start(&state, 24100);
     let a = kd.addr.as_str();
     let info = ok(&["volume", "info", "vol", "--server", a, "--state-dir", sd]);
     assert!(info.contains("Status: Started"), "{info}");
@@ -371,7 +380,7 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let _reaper = BrickReaper(state.clone());
-    let kd = Kilnd::start(&state);
+    let kd = Kilnd::start(&state, 24200);
     let a = kd.addr.as_str();
     let sd = state.to_str().unwrap();
     let b = |n: &str| format!("127.0.0.1:{}", tmp.path().join(n).display());
@@ -513,7 +522,15 @@ fn tls_volumes_bricks_take_only_clients_with_certificates() {
     );
 
     let host = pki.join("host");
-    let kd = Kilnd::start_with(&state, &[std::ffi::OsStr::new("--tls"), host.as_os_str()]);
+    let kd = Kilnd::start_with(
+        &state,
+        &[
+            std::ffi::OsStr::new("--tls"),
+            host.as_os_str(),
+            std::ffi::OsStr::new("--brick-port-base"),
+            std::ffi::OsStr::new("24300"),
+        ],
+    );
     let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
     let brick = tmp.path().join("b1");
     let spec = format!("127.0.0.1:{}", brick.display());
@@ -532,7 +549,8 @@ fn tls_volumes_bricks_take_only_clients_with_certificates() {
     assert_eq!(online(&st), [true], "{st}");
     let port = st["bricks"][0]["port"].as_u64().unwrap();
     let addr = format!("tcp:127.0.0.1:{port}");
-    let secret = std::fs::read_to_string(mgmt::secret_file_in("sec", None, &state).unwrap())
+    // Read from the state directory itself: another test sets KILN_SECRET_FILE meanwhile.
+    let secret = std::fs::read_to_string(state.join("vols/sec/secret"))
         .unwrap()
         .trim()
         .to_owned();
@@ -589,6 +607,8 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
         &[
             std::ffi::OsStr::new("--heal-interval"),
             std::ffi::OsStr::new("0.2"),
+            std::ffi::OsStr::new("--brick-port-base"),
+            std::ffi::OsStr::new("24400"),
         ],
     );
     let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
@@ -602,7 +622,8 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
     ok(&create);
     ok(&["volume", "start", "hv", "--server", a, "--state-dir", sd]);
     let vf = mgmt::fetch_volfile(a, "hv").unwrap();
-    let secret = std::fs::read_to_string(mgmt::secret_file_in("hv", None, &state).unwrap())
+    // Read from the state directory itself: another test sets KILN_SECRET_FILE meanwhile.
+    let secret = std::fs::read_to_string(state.join("vols/hv/secret"))
         .unwrap()
         .trim()
         .to_owned();

@@ -49,6 +49,10 @@ pub struct ServeArgs {
         conflicts_with_all = ["brick", "volfile"]
     )]
     pub mgmt: Listen,
+    /// Management mode: the first TCP port bricks are given (each brick takes the next free
+    /// one; open the range in firewalls).
+    #[arg(long, value_name = "PORT", default_value_t = crate::mgmt::FIRST_BRICK_PORT)]
+    pub brick_port_base: u16,
     /// Management mode: seconds between rounds of the heal service, which heals the replicated
     /// volumes this kilnd is the authority of by itself (0: off; `kiln volume heal` still
     /// works).
@@ -247,6 +251,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         Ok(m) => m,
         Err(e) => return fail(e),
     };
+    manager.set_first_brick_port(args.brick_port_base);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads.clamp(1, 2))
         .thread_name("kilnd-mgmt")

@@ -576,6 +576,8 @@ pub struct Manager {
     secret: Arc<[u8]>,
     /// The heal service's state (see [`crate::healer`]).
     healer: crate::healer::Healer,
+    /// Where brick ports start (`--brick-port-base`).
+    first_brick_port: Mutex<u16>,
 }
 
 /// The command that runs a brick: this executable, as `kilnd` or as `kiln server`.
@@ -638,6 +640,7 @@ impl Manager {
             procs: Mutex::default(),
             secret: secret.into(),
             healer: crate::healer::Healer::default(),
+            first_brick_port: Mutex::new(FIRST_BRICK_PORT),
         }))
     }
 
@@ -649,6 +652,11 @@ impl Manager {
     /// The management secret, for the server's handshake (`Server::with_secret`).
     pub fn secret(&self) -> Vec<u8> {
         self.secret.to_vec()
+    }
+
+    /// Brick ports are allocated from `port` up (default [`FIRST_BRICK_PORT`]).
+    pub fn set_first_brick_port(&self, port: u16) {
+        *lock_port(&self.first_brick_port) = port;
     }
 
     /// Records the port the management server bound.
@@ -1452,7 +1460,7 @@ impl Manager {
                 .filter(|p| !taken.contains(p) && port_free(ip, *p))
             {
                 Some(p) => p,
-                None => free_port(ip, &taken)?,
+                None => free_port(ip, &taken, *lock_port(&self.first_brick_port))?,
             };
             taken.insert(port);
             match self.spawn_brick(procs, &vf_path, ip, port, &def.name, &log_path) {
@@ -1584,11 +1592,15 @@ fn port_free(ip: IpAddr, port: u16) -> bool {
     TcpListener::bind((ip, port)).is_ok()
 }
 
-/// The first free port from [`FIRST_BRICK_PORT`] not in `taken`.
-fn free_port(ip: IpAddr, taken: &BTreeSet<u16>) -> Result<u16, String> {
-    (FIRST_BRICK_PORT..=u16::MAX)
+/// The first free port from `first` not in `taken`.
+fn free_port(ip: IpAddr, taken: &BTreeSet<u16>, first: u16) -> Result<u16, String> {
+    (first..=u16::MAX)
         .find(|p| !taken.contains(p) && port_free(ip, *p))
-        .ok_or_else(|| format!("no free port on {ip} from {FIRST_BRICK_PORT}"))
+        .ok_or_else(|| format!("no free port on {ip} from {first}"))
+}
+
+fn lock_port(m: &Mutex<u16>) -> std::sync::MutexGuard<'_, u16> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn str_arg<'a>(req: &'a Value, key: &str) -> Result<&'a str, String> {

@@ -51,6 +51,9 @@ enum VolumeCmd {
                             127.0.0.1:/srv/scratch"
     )]
     Create(CreateArgs),
+    /// Change a volume option: `kiln volume set NAME allow CIDR[,CIDR...]|all`. The bricks of a
+    /// started volume restart with it (clients reconnect by themselves).
+    Set(SetArgs),
     /// Start a volume's bricks (each brick a process on its host); `force` also restarts bricks
     /// that are down in a started volume.
     Start(StartArgs),
@@ -166,6 +169,23 @@ struct CreateArgs {
     /// `replica N` (optional), then the bricks: HOST:/DIR or HOST:MGMTPORT:/DIR.
     #[arg(required = true, value_name = "[replica N] HOST:/DIR")]
     args: Vec<String>,
+    /// Clients of the bricks may connect only from this address range (ADDR/PREFIX; repeat
+    /// for several; default: from anywhere). Change it later with `kiln volume set`.
+    #[arg(long, value_name = "CIDR")]
+    allow: Vec<String>,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
+#[derive(clap::Args, Debug)]
+struct SetArgs {
+    /// The volume's name.
+    name: String,
+    /// The option: `allow` (the address ranges the bricks take clients from).
+    #[arg(value_parser = ["allow"])]
+    option: String,
+    /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`.
+    value: String,
     #[command(flatten)]
     opts: MgmtOpts,
 }
@@ -315,6 +335,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
         VolumeCmd::Profile(p) => profile(&p),
         VolumeCmd::Heal(a) => heal(&a),
         VolumeCmd::Create(a) => create(&a),
+        VolumeCmd::Set(a) => set(&a),
         VolumeCmd::Start(a) => {
             let req = serde_json::json!({
                 "cmd": "start", "name": a.name, "force": a.force.is_some()
@@ -445,6 +466,28 @@ fn done(opts: &MgmtOpts, what: &str, name: &str, r: &serde_json::Value) -> Resul
     Ok(())
 }
 
+fn set(a: &SetArgs) -> Result<(), String> {
+    let allow: Vec<&str> = match a.value.as_str() {
+        "all" => Vec::new(),
+        v => v
+            .split(',')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect(),
+    };
+    let req = serde_json::json!({ "cmd": "set", "name": a.name, "allow": allow });
+    let r = mgmt_call(&a.opts, "set", &req)?;
+    if a.opts.json {
+        println!("{r}");
+    } else {
+        println!("volume set: {}: success", a.name);
+    }
+    for w in r["warnings"].as_array().into_iter().flatten() {
+        eprintln!("kiln: warning: {}", w.as_str().unwrap_or_default());
+    }
+    Ok(())
+}
+
 fn create(a: &CreateArgs) -> Result<(), String> {
     let mut args = a.args.as_slice();
     let mut replica = 1u64;
@@ -466,7 +509,7 @@ fn create(a: &CreateArgs) -> Result<(), String> {
         ));
     }
     let req = serde_json::json!({
-        "cmd": "create", "name": a.name, "replica": replica, "bricks": args,
+        "cmd": "create", "name": a.name, "replica": replica, "bricks": args, "allow": a.allow,
     });
     let r = mgmt_call(&a.opts, "create", &req)?;
     if a.opts.json {
@@ -505,6 +548,21 @@ fn info_text(r: &serde_json::Value) -> String {
             out,
             "Authority: {}",
             v["authority"].as_str().unwrap_or("this kilnd")
+        );
+        let allow: Vec<&str> = v["allow"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c.as_str())
+            .collect();
+        let _ = writeln!(
+            out,
+            "Clients allowed from: {}",
+            if allow.is_empty() {
+                "anywhere".to_owned()
+            } else {
+                allow.join(", ")
+            }
         );
         let _ = writeln!(out, "Bricks:");
         for (i, b) in bricks.iter().enumerate() {

@@ -694,3 +694,81 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
     let table = ok(&["volume", "status", "hv", "--server", a, "--state-dir", sd]);
     assert!(table.contains("Heal"), "{table}");
 }
+
+#[test]
+fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state, 24500);
+    let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
+    let spec = format!("127.0.0.1:{}", tmp.path().join("ab").display());
+    let err = fails(&[
+        "volume",
+        "create",
+        "al",
+        &spec,
+        "--allow",
+        "10.0.0.0/33",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("10.0.0.0/33"), "a bad range is refused: {err}");
+    ok(&[
+        "volume",
+        "create",
+        "al",
+        &spec,
+        "--allow",
+        "10.9.9.0/24",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    ok(&["volume", "start", "al", "--server", a, "--state-dir", sd]);
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("Clients allowed from: 10.9.9.0/24"), "{info}");
+    let secret = std::fs::read_to_string(state.join("vols/al/secret")).unwrap();
+    let port = status(a, sd, "al")["bricks"][0]["port"].as_u64().unwrap();
+    let addr = format!("tcp:127.0.0.1:{port}");
+    let connect = || kiln_client::Client::connect_opts(&addr, Some(secret.trim().as_bytes()), None);
+    let e = connect().err().expect("loopback is not in 10.9.9.0/24");
+    assert!(e.to_string().contains("allow-list"), "{e}");
+
+    // Allowing loopback restarts the brick with the new list; now the client gets in.
+    ok(&[
+        "volume",
+        "set",
+        "al",
+        "allow",
+        "10.9.9.0/24,127.0.0.0/8",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let port = status(a, sd, "al")["bricks"][0]["port"].as_u64().unwrap();
+    let addr2 = format!("tcp:127.0.0.1:{port}");
+    let c = kiln_client::Client::connect_opts(&addr2, Some(secret.trim().as_bytes()), None)
+        .expect("allowed now");
+    block_on(c.mkdir("in", 0o755)).unwrap();
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("10.9.9.0/24, 127.0.0.0/8"), "{info}");
+    // `all` clears the list.
+    ok(&[
+        "volume",
+        "set",
+        "al",
+        "allow",
+        "all",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("Clients allowed from: anywhere"), "{info}");
+}

@@ -209,6 +209,10 @@ pub struct VolumeDef {
     /// `None` on the authority; on a peer, the authority's management address.
     #[serde(default)]
     pub authority: Option<String>,
+    /// Address ranges clients of the bricks may connect from (empty: anyone); each brick
+    /// gets them as `--allow`.
+    #[serde(default)]
+    pub allow: Vec<String>,
 }
 
 /// Checks a volume name: 1 to 64 of `A-Z a-z 0-9 _ -`, not starting with `-`.
@@ -722,7 +726,7 @@ impl Manager {
         tracing::debug!(cmd, "mgmt request");
         // A change to a volume this kilnd only caches goes to the authority — without holding
         // our lock, since the authority will call back (brick-start) to this kilnd.
-        if matches!(cmd, "start" | "stop" | "delete") {
+        if matches!(cmd, "start" | "stop" | "delete" | "set") {
             let name = str_arg(req, "name")?;
             check_name(name)?;
             if let Ok(def) = self.load(name) {
@@ -739,6 +743,7 @@ impl Manager {
             "create" => self.create(req),
             "start" => self.start(&mut procs, req),
             "stop" => self.stop(&mut procs, req),
+            "set" => self.set(&mut procs, req),
             "delete" => self.delete(req),
             "info" => self.info(req),
             "list" => self.list(),
@@ -866,6 +871,7 @@ impl Manager {
         if self.vol_dir(name).join("volume.json").exists() {
             return Err(format!("volume {name} already exists"));
         }
+        let allow = allow_arg(req)?;
         let mut bricks = Vec::new();
         let mut ips = Vec::new();
         for s in &specs {
@@ -925,6 +931,7 @@ impl Manager {
             bricks,
             state: VolState::Created,
             authority: None,
+            allow,
         };
         fs::create_dir_all(self.vol_dir(name).join("bricks"))
             .map_err(|e| format!("cannot create {}: {e}", self.vol_dir(name).display()))?;
@@ -1028,6 +1035,54 @@ impl Manager {
             ));
         }
         tracing::info!("stopped volume {name}");
+        Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
+    }
+
+    /// Changes a volume's options (today: `allow`, the address ranges its bricks take clients
+    /// from). The bricks of a started volume are restarted with the new options; clients
+    /// reconnect by themselves.
+    fn set(&self, procs: &mut Procs, req: &Value) -> Result<Value, String> {
+        let name = str_arg(req, "name")?;
+        let mut def = self.load(name)?;
+        def.allow = allow_arg(req)?;
+        self.save(&def)?;
+        let mut warnings = self.sync_all(&def);
+        if def.state == VolState::Started {
+            let secret = self.read_secret(name)?;
+            for i in 0..def.bricks.len() {
+                let b = def.bricks[i].clone();
+                let r = match b.ip() {
+                    Ok(ip) if is_local(ip) => {
+                        self.stop_brick(procs, &def, i);
+                        def.bricks[i].pid = None;
+                        self.ensure_brick(procs, &def, i)
+                    }
+                    Ok(_) => b
+                        .mgmt_addr()
+                        .and_then(|a| {
+                            self.call_peer(
+                                a,
+                                &json!({ "cmd": "brick-stop", "name": name, "index": i }),
+                            )
+                        })
+                        .and_then(|_| {
+                            def.bricks[i].pid = None;
+                            self.remote_brick_start(&def, i, &secret)
+                        }),
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok((port, pid)) => {
+                        def.bricks[i].port = Some(port);
+                        def.bricks[i].pid = Some(pid);
+                    }
+                    Err(e) => warnings.push(format!("brick {}: not restarted: {e}", b.spec())),
+                }
+            }
+            self.save(&def)?;
+            warnings.extend(self.sync_all(&def));
+        }
+        tracing::info!(volume = name, allow = ?def.allow, "volume options set");
         Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
     }
 
@@ -1463,7 +1518,7 @@ impl Manager {
                 None => free_port(ip, &taken, *lock_port(&self.first_brick_port))?,
             };
             taken.insert(port);
-            match self.spawn_brick(procs, &vf_path, ip, port, &def.name, &log_path) {
+            match self.spawn_brick(procs, &vf_path, ip, port, &def.name, &def.allow, &log_path) {
                 Ok(pid) => {
                     tracing::info!(
                         "volume {}: brick {} runs as pid {pid} on port {port}",
@@ -1492,6 +1547,7 @@ impl Manager {
         ip: IpAddr,
         port: u16,
         name: &str,
+        allow: &[String],
         log_path: &Path,
     ) -> Result<u32, (String, bool)> {
         let fail = |e: String| (e, false);
@@ -1506,8 +1562,11 @@ impl Manager {
             .arg("--volfile")
             .arg(vf_path)
             .args(["--listen", &listen, "--metrics", "off", "--secret-file"])
-            .arg(self.secret_path(name))
-            .stdin(Stdio::null())
+            .arg(self.secret_path(name));
+        for c in allow {
+            cmd.arg("--allow").arg(c);
+        }
+        cmd.stdin(Stdio::null())
             .stdout(log)
             .stderr(log2)
             // Its own process group: a signal to kilnd's group (Ctrl-C) leaves bricks alone.
@@ -1601,6 +1660,18 @@ fn free_port(ip: IpAddr, taken: &BTreeSet<u16>, first: u16) -> Result<u16, Strin
 
 fn lock_port(m: &Mutex<u16>) -> std::sync::MutexGuard<'_, u16> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The `allow` list of a request: address ranges (ADDR/PREFIX), each checked.
+fn allow_arg(req: &Value) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for v in req["allow"].as_array().into_iter().flatten() {
+        let c = v.as_str().ok_or("bad request: \"allow\" wants strings")?;
+        c.parse::<crate::access::Cidr>()
+            .map_err(|e| format!("allow {c:?}: {e}"))?;
+        out.push(c.to_owned());
+    }
+    Ok(out)
 }
 
 fn str_arg<'a>(req: &'a Value, key: &str) -> Result<&'a str, String> {
@@ -1715,6 +1786,7 @@ mod tests {
                 .collect(),
             state: VolState::Started,
             authority: None,
+            allow: Vec::new(),
         }
     }
 

@@ -256,48 +256,14 @@ impl Drop for Conn {
     }
 }
 
-/// Serves one connected socket until the peer closes it or breaks the protocol.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve(
-    sock: OwnedFd,
-    stack: LayerRef,
-    stats: Arc<Stats>,
-    clients: ClientBook,
-    limits: Limits,
-    secret: Option<Arc<[u8]>>,
-    mgmt: Option<crate::mgmt::Handler>,
-    peer: String,
-) {
-    let shared = (stack, stats, clients, limits, secret, mgmt);
-    serve_on(sock, None, shared, peer).await
+/// What a connection runs on.
+pub enum Sock {
+    /// A plain socket: requests in, replies out (with `sendfile`).
+    Plain(OwnedFd),
+    /// TLS: requests arrive in plaintext from a receiving thread, replies are sealed straight
+    /// from their buffers and files onto the TCP socket (see [`kiln_tls::SplitServer`]).
+    Tls(kiln_tls::SplitServer),
 }
-
-/// Serves a TLS connection: requests arrive in plaintext from the tunnel on `split.recv`,
-/// replies are sealed straight from their buffers and files onto the TCP socket.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve_tls(
-    split: kiln_tls::SplitServer,
-    stack: LayerRef,
-    stats: Arc<Stats>,
-    clients: ClientBook,
-    limits: Limits,
-    secret: Option<Arc<[u8]>>,
-    mgmt: Option<crate::mgmt::Handler>,
-    peer: String,
-) {
-    let shared = (stack, stats, clients, limits, secret, mgmt);
-    let send = Some((split.send, split.writer));
-    serve_on(split.recv, send, shared, peer).await
-}
-
-type SharedParts = (
-    LayerRef,
-    Arc<Stats>,
-    ClientBook,
-    Limits,
-    Option<Arc<[u8]>>,
-    Option<crate::mgmt::Handler>,
-);
 
 fn register(sock: OwnedFd, peer: &str) -> Option<AsyncFd<OwnedFd>> {
     if let Err(e) = rustix::io::ioctl_fionbio(&sock, true) {
@@ -315,14 +281,24 @@ fn register(sock: OwnedFd, peer: &str) -> Option<AsyncFd<OwnedFd>> {
     }
 }
 
-async fn serve_on(
-    sock: OwnedFd,
-    send: Option<(OwnedFd, kiln_tls::RecordWriter)>,
-    (stack, stats, clients, limits, secret, mgmt): SharedParts,
+/// Serves one connection until the peer closes it or breaks the protocol.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve(
+    sock: Sock,
+    stack: LayerRef,
+    stats: Arc<Stats>,
+    clients: ClientBook,
+    limits: Limits,
+    secret: Option<Arc<[u8]>>,
+    mgmt: Option<crate::mgmt::Handler>,
     peer: String,
 ) {
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    let Some(fd) = register(sock, &peer) else {
+    let (recv, send) = match sock {
+        Sock::Plain(s) => (s, None),
+        Sock::Tls(t) => (t.recv, Some((t.send, t.writer))),
+    };
+    let Some(fd) = register(recv, &peer) else {
         return;
     };
     let (wfd, tls_out) = match send {
@@ -362,7 +338,7 @@ async fn serve_on(
         Err(e) => tracing::info!(%peer, "connection ended: {e}"),
     }
     if let Some(w) = &wfd {
-        // The tunnel thread holds the TCP socket too: this ends its read, and the connection.
+        // The receiving thread holds the TCP socket too: this ends its read, and the connection.
         let _ = rustix::net::shutdown(w.get_ref(), rustix::net::Shutdown::Both);
     }
 }

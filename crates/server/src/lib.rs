@@ -404,7 +404,7 @@ impl Drop for OpenGuard {
 
 fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
     if let Some(guard) = admit(shared, &peer) {
-        spawn_serve(fd, guard, peer);
+        spawn_serve(conn::Sock::Plain(fd), guard, peer);
     }
 }
 
@@ -422,13 +422,13 @@ fn admit(shared: &Arc<Shared>, peer: &str) -> Option<OpenGuard> {
     Some(OpenGuard(shared.clone()))
 }
 
-fn spawn_serve(fd: OwnedFd, guard: OpenGuard, peer: String) {
+fn spawn_serve(sock: conn::Sock, guard: OpenGuard, peer: String) {
     let shared = &guard.0;
     let (stack, stats, limits) = (shared.stack.clone(), shared.stats.clone(), shared.limits);
     let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
     let mgmt = shared.mgmt.clone();
     tokio::spawn(async move {
-        conn::serve(fd, stack, stats, clients, limits, secret, mgmt, peer).await;
+        conn::serve(sock, stack, stats, clients, limits, secret, mgmt, peer).await;
         drop(guard);
     });
 }
@@ -464,16 +464,8 @@ async fn accept_tls(
         .name("kiln-tls-accept".into())
         .spawn(move || match kiln_tls::accept_split(tcp, tls) {
             Ok(split) => {
-                let shared = &guard.0;
-                let (stack, stats, limits) =
-                    (shared.stack.clone(), shared.stats.clone(), shared.limits);
-                let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
-                let mgmt = shared.mgmt.clone();
-                let peer = format!("{peer} (tls)");
-                rt.spawn(async move {
-                    conn::serve_tls(split, stack, stats, clients, limits, secret, mgmt, peer).await;
-                    drop(guard);
-                });
+                let _rt = rt.enter();
+                spawn_serve(conn::Sock::Tls(split), guard, format!("{peer} (tls)"));
             }
             Err(e) => {
                 guard.0.stats.refused.fetch_add(1, Ordering::Relaxed);

@@ -1518,7 +1518,7 @@ impl Manager {
                 None => free_port(ip, &taken, *lock_port(&self.first_brick_port))?,
             };
             taken.insert(port);
-            match self.spawn_brick(procs, &vf_path, ip, port, &def.name, &def.allow, &log_path) {
+            match self.spawn_brick(procs, &vf_path, ip, port, def, &log_path) {
                 Ok(pid) => {
                     tracing::info!(
                         "volume {}: brick {} runs as pid {pid} on port {port}",
@@ -1546,8 +1546,7 @@ impl Manager {
         vf_path: &Path,
         ip: IpAddr,
         port: u16,
-        name: &str,
-        allow: &[String],
+        def: &VolumeDef,
         log_path: &Path,
     ) -> Result<u32, (String, bool)> {
         let fail = |e: String| (e, false);
@@ -1562,8 +1561,8 @@ impl Manager {
             .arg("--volfile")
             .arg(vf_path)
             .args(["--listen", &listen, "--metrics", "off", "--secret-file"])
-            .arg(self.secret_path(name));
-        for c in allow {
+            .arg(self.secret_path(&def.name));
+        for c in &def.allow {
             cmd.arg("--allow").arg(c);
         }
         cmd.stdin(Stdio::null())

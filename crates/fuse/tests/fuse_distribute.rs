@@ -235,6 +235,7 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
         bricks: bricks.clone(),
         state: VolState::Started,
         authority: None,
+        allow: Vec::new(),
     };
     let vf = mgmt::client_volfile(&def).expect("client volfile");
     let kinds: Vec<&str> = vf.layers.iter().map(|l| l.kind.type_name()).collect();

@@ -7,11 +7,10 @@
 //! secret in it) and nothing else: no command, the kilnd-to-kilnd ones included, hands it a
 //! volume's secret or changes anything.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use kiln_client::mgmt;
 use kiln_proto::codec::Wire;
@@ -20,151 +19,8 @@ use kiln_proto::ops::{AuthReq, HelloReply, HelloReq, MgmtReq, PathReq};
 use kiln_proto::Op;
 use serde_json::{json, Value};
 
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    // Only what each test passes decides which secret is used.
-    c.env_remove("KILN_MGMT_SECRET_FILE")
-        .env_remove("KILN_SECRET_FILE");
-    c
-}
-
-/// A management kilnd whose stderr goes to a file, killed when dropped.
-struct Kilnd {
-    child: Child,
-    addr: String,
-    log: PathBuf,
-}
-
-impl Kilnd {
-    fn start(state: &Path, extra: &[&str]) -> Kilnd {
-        let log = state.with_extension("log");
-        let child = kiln()
-            .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
-            .arg("--state-dir")
-            .arg(state)
-            .args(extra)
-            .env("KILN_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn kiln server");
-        let mut kd = Kilnd {
-            child,
-            addr: String::new(),
-            log,
-        };
-        let mut out = BufReader::new(kd.child.stdout.take().unwrap());
-        let mut line = String::new();
-        while kd.addr.is_empty() {
-            line.clear();
-            assert!(
-                out.read_line(&mut line).unwrap() > 0,
-                "kilnd exited before announcing its management address: {}",
-                kd.log_text()
-            );
-            if let Some(a) = line.trim().strip_prefix("kilnd: management on ") {
-                kd.addr = a.to_owned();
-            }
-        }
-        kd
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until kilnd's log has a line with every one of `words`; returns the log.
-    fn wait_log(&self, words: &[&str]) -> String {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let text = self.log_text();
-            if text.lines().any(|l| words.iter().all(|w| l.contains(w))) {
-                return text;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no log line with {words:?} in:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Kilnd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Kills every brick process the state directory records (they outlive kilnd on purpose).
-struct BrickReaper(PathBuf);
-
-impl Drop for BrickReaper {
-    fn drop(&mut self) {
-        for e in std::fs::read_dir(self.0.join("vols"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let Ok(t) = std::fs::read(e.path().join("volume.json")) else {
-                continue;
-            };
-            let Ok(v) = serde_json::from_slice::<Value>(&t) else {
-                continue;
-            };
-            for pid in v["bricks"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|b| b["pid"].as_u64())
-            {
-                let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
-                    .map(|c| String::from_utf8_lossy(&c).contains(&*self.0.to_string_lossy()))
-                    .unwrap_or(false);
-                if ours {
-                    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                }
-            }
-        }
-    }
-}
-
-fn run(args: &[&str], env: &[(&str, &Path)]) -> Output {
-    let mut c = kiln();
-    c.args(args);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().expect("run kiln")
-}
-
-/// Runs `kiln ARGS` and returns stdout; panics with stderr on failure.
-fn ok(args: &[&str]) -> String {
-    let out = run(args, &[]);
-    assert!(
-        out.status.success(),
-        "kiln {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// Runs `kiln ARGS` (with `env`), expects failure, returns stderr.
-fn fails_env(args: &[&str], env: &[(&str, &Path)]) -> String {
-    let out = run(args, env);
-    assert!(
-        !out.status.success(),
-        "kiln {args:?} succeeded: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8(out.stderr).unwrap()
-}
-
-fn fails(args: &[&str]) -> String {
-    fails_env(args, &[])
-}
+mod common;
+use common::{fails, fails_env, ok, run, BrickReaper, Kilnd};
 
 fn mode(p: &Path) -> u32 {
     use std::os::unix::fs::PermissionsExt;

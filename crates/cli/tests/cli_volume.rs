@@ -3,142 +3,16 @@
 //! out, and the daemon is killed and restarted on the same state directory.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kiln_client::{block_on, mgmt, Volume};
 use kiln_layer::volfile::LayerKind;
 use serde_json::Value;
 
-fn kiln() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-}
-
-/// A management kilnd (`kiln server` without `--brick`), killed when dropped.
-struct Kilnd {
-    child: Child,
-    addr: String,
-}
-
-impl Kilnd {
-    /// A daemon whose bricks take ports from `base` (each test its own range: tests in this
-    /// file run in parallel, and daemons do not know each other's ports).
-    fn start(state: &Path, base: u16) -> Kilnd {
-        let base = base.to_string();
-        Kilnd::start_with(
-            state,
-            &[
-                std::ffi::OsStr::new("--brick-port-base"),
-                std::ffi::OsStr::new(&base),
-            ],
-        )
-    }
-
-    fn start_with(state: &Path, extra: &[&std::ffi::OsStr]) -> Kilnd {
-        let child = kiln()
-            .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
-            .arg("--state-dir")
-            .arg(state)
-            .args(extra)
-            .env("KILN_LOG", "warn")
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn kiln server");
-        // Owned by the guard from here on: killed and reaped however this ends.
-        let mut kd = Kilnd {
-            child,
-            addr: String::new(),
-        };
-        let mut out = BufReader::new(kd.child.stdout.take().unwrap());
-        let mut line = String::new();
-        while kd.addr.is_empty() {
-            line.clear();
-            assert!(
-                out.read_line(&mut line).unwrap() > 0,
-                "kilnd exited before announcing its management address"
-            );
-            if let Some(a) = line.trim().strip_prefix("kilnd: management on ") {
-                kd.addr = a.to_owned();
-            }
-        }
-        kd
-    }
-
-    fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Kilnd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Kills every brick process the state directory records (they outlive kilnd on purpose).
-struct BrickReaper(PathBuf);
-
-impl Drop for BrickReaper {
-    fn drop(&mut self) {
-        for pid in recorded_pids(&self.0) {
-            // Only processes that run a brick of this state directory.
-            let runs_ours = std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| String::from_utf8_lossy(&c).contains(&*self.0.to_string_lossy()))
-                .unwrap_or(false);
-            if runs_ours {
-                // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            }
-        }
-    }
-}
-
-fn recorded_pids(state: &Path) -> Vec<u64> {
-    let mut pids = Vec::new();
-    for e in std::fs::read_dir(state.join("vols"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        if let Ok(t) = std::fs::read(e.path().join("volume.json")) {
-            if let Ok(v) = serde_json::from_slice::<Value>(&t) {
-                for b in v["bricks"].as_array().into_iter().flatten() {
-                    pids.extend(b["pid"].as_u64());
-                }
-            }
-        }
-    }
-    pids
-}
-
-fn run(args: &[&str]) -> Output {
-    kiln().args(args).output().expect("run kiln")
-}
-
-/// Runs `kiln ARGS` and returns stdout; panics with stderr on failure.
-fn ok(args: &[&str]) -> String {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "kiln {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// Runs `kiln ARGS`, expects failure, returns stderr.
-fn fails(args: &[&str]) -> String {
-    let out = run(args);
-    assert!(
-        !out.status.success(),
-        "kiln {args:?} succeeded: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8(out.stderr).unwrap()
-}
+mod common;
+use common::{fails, kiln, ok, BrickReaper, Kilnd};
 
 fn status(addr: &str, sd: &str, vol: &str) -> Value {
     let s = ok(&[
@@ -195,7 +69,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
         .map(|d| format!("127.0.0.1:{}", d.display()))
         .collect();
 
-    let kd = Kilnd::start(&state, 24100);
+    let kd = Kilnd::start(&state, &["--brick-port-base", "24100"]);
     let addr = kd.addr.clone();
     let a = addr.as_str();
     // The CLI proves the management secret kilnd created in its state directory.
@@ -308,7 +182,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     // kilnd dies; its bricks do not. A new kilnd on the same state adopts them.
     kd.kill();
     assert!(pids.iter().all(|p| pid_alive(*p)), "bricks outlive kilnd");
-    let kd = Kilnd::start(&state, 24100);
+    let kd = Kilnd::start(&state, &["--brick-port-base", "24100"]);
     let a = kd.addr.as_str();
     let info = ok(&["volume", "info", "vol", "--server", a, "--state-dir", sd]);
     assert!(info.contains("Status: Started"), "{info}");
@@ -380,7 +254,7 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let _reaper = BrickReaper(state.clone());
-    let kd = Kilnd::start(&state, 24200);
+    let kd = Kilnd::start(&state, &["--brick-port-base", "24200"]);
     let a = kd.addr.as_str();
     let sd = state.to_str().unwrap();
     let b = |n: &str| format!("127.0.0.1:{}", tmp.path().join(n).display());
@@ -522,13 +396,13 @@ fn tls_volumes_bricks_take_only_clients_with_certificates() {
     );
 
     let host = pki.join("host");
-    let kd = Kilnd::start_with(
+    let kd = Kilnd::start(
         &state,
         &[
-            std::ffi::OsStr::new("--tls"),
-            host.as_os_str(),
-            std::ffi::OsStr::new("--brick-port-base"),
-            std::ffi::OsStr::new("24300"),
+            "--tls",
+            host.to_str().unwrap(),
+            "--brick-port-base",
+            "24300",
         ],
     );
     let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
@@ -602,14 +476,9 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
     let state = tmp.path().join("state");
     let _reaper = BrickReaper(state.clone());
     let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("h{i}"))).collect();
-    let kd = Kilnd::start_with(
+    let kd = Kilnd::start(
         &state,
-        &[
-            std::ffi::OsStr::new("--heal-interval"),
-            std::ffi::OsStr::new("0.2"),
-            std::ffi::OsStr::new("--brick-port-base"),
-            std::ffi::OsStr::new("24400"),
-        ],
+        &["--heal-interval", "0.2", "--brick-port-base", "24400"],
     );
     let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
     let mut create = vec!["volume", "create", "hv", "replica", "3"];
@@ -700,7 +569,7 @@ fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let _reaper = BrickReaper(state.clone());
-    let kd = Kilnd::start(&state, 24500);
+    let kd = Kilnd::start(&state, &["--brick-port-base", "24500"]);
     let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
     let spec = format!("127.0.0.1:{}", tmp.path().join("ab").display());
     let err = fails(&[

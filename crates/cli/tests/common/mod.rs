@@ -1,0 +1,162 @@
+//! What the CLI tests share: the `kiln` command, a management kilnd, and a reaper for the
+//! brick processes a state directory records.
+#![allow(dead_code)] // each test file uses some of these
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub fn kiln() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    // Only what each test passes decides which secret is used.
+    c.env_remove("KILN_MGMT_SECRET_FILE")
+        .env_remove("KILN_SECRET_FILE");
+    c
+}
+
+/// A management kilnd whose stderr goes to a file, killed when dropped.
+pub struct Kilnd {
+    pub child: Child,
+    pub addr: String,
+    pub log: PathBuf,
+}
+
+impl Kilnd {
+    pub fn start(state: &Path, extra: &[&str]) -> Kilnd {
+        let log = state.with_extension("log");
+        let child = kiln()
+            .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
+            .arg("--state-dir")
+            .arg(state)
+            .args(extra)
+            .env("KILN_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn kiln server");
+        let mut kd = Kilnd {
+            child,
+            addr: String::new(),
+            log,
+        };
+        let mut out = BufReader::new(kd.child.stdout.take().unwrap());
+        let mut line = String::new();
+        while kd.addr.is_empty() {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "kilnd exited before announcing its management address: {}",
+                kd.log_text()
+            );
+            if let Some(a) = line.trim().strip_prefix("kilnd: management on ") {
+                kd.addr = a.to_owned();
+            }
+        }
+        kd
+    }
+
+    /// Kills kilnd (not its bricks, which outlive it on purpose).
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until kilnd's log has a line with every one of `words`; returns the log.
+    pub fn wait_log(&self, words: &[&str]) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let text = self.log_text();
+            if text.lines().any(|l| words.iter().all(|w| l.contains(w))) {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line with {words:?} in:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Kilnd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Kills every brick process the state directory records (they outlive kilnd on purpose).
+pub struct BrickReaper(pub PathBuf);
+
+impl Drop for BrickReaper {
+    fn drop(&mut self) {
+        for e in std::fs::read_dir(self.0.join("vols"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Ok(t) = std::fs::read(e.path().join("volume.json")) else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<Value>(&t) else {
+                continue;
+            };
+            for pid in v["bricks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|b| b["pid"].as_u64())
+            {
+                let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .map(|c| String::from_utf8_lossy(&c).contains(&*self.0.to_string_lossy()))
+                    .unwrap_or(false);
+                if ours {
+                    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                }
+            }
+        }
+    }
+}
+
+pub fn run(args: &[&str], env: &[(&str, &Path)]) -> Output {
+    let mut c = kiln();
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run kiln")
+}
+
+/// Runs `kiln ARGS` and returns stdout; panics with stderr on failure.
+pub fn ok(args: &[&str]) -> String {
+    let out = run(args, &[]);
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs `kiln ARGS` (with `env`), expects failure, returns stderr.
+pub fn fails_env(args: &[&str], env: &[(&str, &Path)]) -> String {
+    let out = run(args, env);
+    assert!(
+        !out.status.success(),
+        "kiln {args:?} succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stderr).unwrap()
+}
+
+pub fn fails(args: &[&str]) -> String {
+    fails_env(args, &[])
+}

@@ -1,37 +1,89 @@
 //! Heal: copy to a replica exactly the ranges it missed, while I/O continues.
 //!
 //! The bricks that took a change another replica missed hold marks naming it
-//! ([`crate::marks`]). Heal reads every replica's index, and for each (file, replica behind):
-//! makes sure the file exists there (creating parent directories), then, chunk by chunk
-//! (at most [`CHUNK`] bytes), takes a heal lock on the chunk on every replica that is up, reads
-//! it from an up-to-date replica, writes it to the one behind, clears that chunk's marks and
-//! drops the lock. The lock keeps client writes to the chunk out of the copy on every replica,
-//! so a write is either in the copy or lands after it, everywhere alike; clearing under the
-//! lock means a miss recorded after the copy is never cleared by it.
+//! ([`crate::marks`]). Heal reads every replica's index, and for each (file, replica behind —
+//! the *target*): makes sure the file exists there (creating parent directories), then, chunk
+//! by chunk (at most [`CHUNK`] bytes), takes a heal lock on the chunk on every replica that is
+//! up, reads it from an up-to-date replica (the *source*), writes it to the target, clears that
+//! chunk's marks and drops the lock. The lock keeps client writes to the chunk out of the copy
+//! on every replica; clearing under the lock means a miss recorded after the copy is never
+//! cleared by it.
 //!
-//! Known window: a client write sent to every replica that reaches the replica behind *before*
-//! the chunk's lock and an up-to-date replica only *after* the copy (that replica's process
-//! stalled for longer than heal's lock and read round trips) is overwritten on the healed
-//! replica by the older data. Seen once in ~60 seeded runs of heal-while-writing on this
-//! 2-core machine. The fix is for the brick behind to record the ranges client writes touched
-//! since heal began on the file and for heal's writes to skip them (not built yet).
+//! **Writes that straddle the copy.** A client write goes to every replica at once, and the
+//! copies do not arrive together: one can reach the target before the chunk's lock and the
+//! source only after heal read the chunk (the source's copy waited on the lock, or was simply
+//! slower). Copying the source's older bytes over it would lose an acknowledged write on the
+//! target. So each pass over a file runs in a *heal session* on the target
+//! ([`crate::marks`]): heal begins it before it looks at the file's marks; from then on the
+//! target records the ranges that clients change (and those they were changing as it began),
+//! and heal's writes — through a handle opened with [`crate::marks::HEAL_OPEN`] — take only the
+//! bytes no client changed since: the target's bytes there are the newer ones. Ordering at the
+//! target is exact: a client write and a heal write to the same bytes are registered under one
+//! mutex, a client write is recorded the moment it is let through, and once heal's lock has
+//! lapsed a client write waits for an overlapping heal write rather than run beside it.
+//!
+//! A skipped range is cleared like the rest, but conditionally (`kiln.pending.clear.if`): only
+//! if no holder recorded a new miss for the target since heal read the marks, before the
+//! session began. Skipping is right because the target holds the client's newer bytes; a later
+//! write the target missed (its connection broke, or it failed there) leaves a new mark, and
+//! then the range stays marked and the next pass (a new session) copies it. A heal size change
+//! that would cut bytes a client wrote since the session began is refused and the chunk stays
+//! marked too. A pass ends the session; a file takes at most [`PASSES`] passes per run.
+//!
+//! Before the first copy of a pass heal waits [`GRACE`] when clients had the file open on the
+//! target as the session began. The one case the session cannot see is a write that reached
+//! the target *before* the session began and reaches the source only after heal read the chunk:
+//! with the grace, that needs one replica's copy of a write to lag the other's by more than
+//! [`GRACE`] plus heal's round trips, while that brick answers heal — not seen in the seeded
+//! heal-while-writing runs (see `crates/server/tests/replicate_heal.rs`).
+//!
+//! **Choosing the source.** A source is an up replica, not the target, that no up replica
+//! marks as behind for the chunk (up replicas that hold marks for the target are tried
+//! first). A client write that reached the target but failed on a replica leaves
+//! marks against that replica, and heal then copies from another one; if no replica that is up
+//! is current for a chunk, heal leaves it marked and says so (`ENODATA`): with two replicas
+//! each missing part of the same range and the third down, which bytes are newer is not known.
 //!
 //! Heal must run on connections of its own (a [`crate::replicate::Replicate`] built for it),
-//! not those of a client that also writes: locks belong to a connection, and a connection's
-//! own writes pass its locks.
+//! not those of a client that also writes: locks and sessions belong to a connection, and a
+//! connection's own writes pass its locks.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
+use std::time::Duration;
 
 use kiln_proto::Wire;
 
 use crate::exec::join_all;
-use crate::marks::{self as m, IndexPage, LockReq, Mark, PendingPage};
+use crate::marks::{
+    self as m, CondMark, HealInfo, HealReq, IndexPage, LockReq, Mark, PendingPage, RangeSet,
+};
 use crate::replicate::Replicate;
 use crate::{errno, Ctx, Errno, Fd, FopResult, IoBufs, LayerRef, ReadDst, ReadOut};
 
 /// File exists.
 const EEXIST: Errno = 17;
+/// Try again: the file is still marked after [`PASSES`] passes, or a heal size change was
+/// refused.
+const EAGAIN: Errno = 11;
+/// No data: no replica that is up is current for part of what the target needs.
+const ENODATA: Errno = 61;
+/// Timed out: the session on the target lapsed (heal stalled for a lease).
+const ETIMEDOUT: Errno = 110;
 
 /// Most bytes copied under one lock.
 pub const CHUNK: u64 = 1 << 20;
+
+/// How long heal waits, after it began a session on a file that clients have open on the
+/// target, before it copies: see the module documentation.
+pub const GRACE: Duration = Duration::from_millis(100);
+
+/// Most passes (sessions) over one file in one run.
+pub const PASSES: usize = 8;
+
+/// Most looks at a file's marks within one pass (each copies what is new since the last).
+const ROUNDS: usize = 64;
 
 /// One file a replica needs healed.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -193,6 +245,92 @@ async fn on_all(
     Ok(())
 }
 
+/// Sleeps without a runtime: a thread wakes the task when the time is up.
+async fn sleep(d: Duration) {
+    let done = Arc::new(AtomicBool::new(false));
+    let waker: Arc<Mutex<Option<Waker>>> = Arc::default();
+    let mut started = false;
+    std::future::poll_fn(|cx| {
+        if done.load(Ordering::Acquire) {
+            return Poll::Ready(());
+        }
+        *waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(cx.waker().clone());
+        if !started {
+            started = true;
+            let (done, waker) = (done.clone(), waker.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(d);
+                done.store(true, Ordering::Release);
+                if let Some(w) = waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    w.wake();
+                }
+            });
+        }
+        if done.load(Ordering::Acquire) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+/// One file's marks as the replicas that are up hold them, seen from one target.
+struct View {
+    /// Marks against each replica, over every up replica's page (a listing cut short counts
+    /// as marked from its cut to the end of the file).
+    behind: Vec<RangeSet>,
+    /// The target's listed marks: what can be copied now.
+    need: RangeSet,
+    /// Per replica that answered: the generation of its marks for the target (0: none).
+    gens: Vec<Option<u64>>,
+    /// Up replicas that hold marks for the target.
+    holders: Vec<usize>,
+}
+
+impl View {
+    async fn read(kids: &[LayerRef], up: &[usize], path: &str, target: usize) -> FopResult<View> {
+        let futs = up
+            .iter()
+            .map(|i| Some(kids[*i].getxattr(&Ctx::NONE, path, m::PENDING)))
+            .collect();
+        let mut v = View {
+            behind: vec![RangeSet::default(); kids.len()],
+            need: RangeSet::default(),
+            gens: vec![None; kids.len()],
+            holders: Vec::new(),
+        };
+        for (i, r) in up.iter().zip(join_all(futs).await) {
+            // A replica whose marks are unknown could hold some against the source.
+            let bytes = r.unwrap_or(Err(errno::ENOTCONN))?;
+            let page = PendingPage::from_wire(&bytes).map_err(|_| errno::EPROTO)?;
+            v.gens[*i] = Some(0);
+            for t in page.targets.0 {
+                let tt = t.target as usize;
+                if tt >= kids.len() || tt == *i {
+                    continue;
+                }
+                for r in &t.ranges.0 {
+                    v.behind[tt].add(r.offset, r.len);
+                    if tt == target {
+                        v.need.add(r.offset, r.len);
+                    }
+                }
+                if t.cut != m::WHOLE {
+                    v.behind[tt].add(t.cut, m::WHOLE);
+                }
+                if tt == target {
+                    v.gens[*i] = Some(t.gen);
+                    if !t.ranges.0.is_empty() {
+                        v.holders.push(*i);
+                    }
+                }
+            }
+        }
+        Ok(v)
+    }
+}
+
 /// Brings `path` on replica `target` up to date; returns the bytes copied.
 pub async fn heal_file(r: &Replicate, path: &str, target: usize) -> FopResult<u64> {
     let kids = r.replicas();
@@ -202,22 +340,9 @@ pub async fn heal_file(r: &Replicate, path: &str, target: usize) -> FopResult<u6
         return Err(errno::ENOTCONN);
     }
     let others: Vec<usize> = up.iter().copied().filter(|i| *i != target).collect();
-    // A source: an up replica that holds marks for the target (it took what the target
-    // missed) and has none against itself.
-    let mut source = None;
-    for i in &others {
-        let Ok(v) = kids[*i].getxattr(cx, path, m::PENDING).await else {
-            continue;
-        };
-        let Ok(page) = PendingPage::from_wire(&v) else {
-            continue;
-        };
-        if page.targets.0.iter().any(|t| t.target as usize == target) {
-            source = Some(*i);
-            break;
-        }
-    }
-    let Some(src) = source else {
+    let first = View::read(kids, &up, path, target).await?;
+    // The file's kind and mode come from a replica that took what the target missed.
+    let Some(&src) = first.holders.first() else {
         return Ok(0); // healed meanwhile
     };
     let clear_all = |offset: u64, len: u64| {
@@ -265,98 +390,313 @@ pub async fn heal_file(r: &Replicate, path: &str, target: usize) -> FopResult<u6
             .await?;
         let _ = kids[target].release(cx, fd).await;
     }
-    let sfd = kids[src].open(cx, path, libc::O_RDONLY as u32).await?;
-    let tfd = match kids[target].open(cx, path, libc::O_WRONLY as u32).await {
-        Ok(f) => f,
-        Err(e) => {
-            let _ = kids[src].release(cx, sfd).await;
-            return Err(e);
-        }
+    let tfd = kids[target]
+        .open(cx, path, libc::O_WRONLY as u32 | m::HEAL_OPEN)
+        .await?;
+    let mut h = Healing {
+        kids,
+        up: &up,
+        others: &others,
+        target,
+        path,
+        tfd: &tfd,
+        sfds: vec![None; kids.len()],
+        buf: vec![0u8; CHUNK as usize],
     };
-    let r = copy_marked(kids, &up, src, target, path, &sfd, &tfd).await;
-    let _ = kids[src].release(cx, sfd).await;
+    let r = h.passes(first).await;
+    for (i, fd) in h.sfds.into_iter().enumerate() {
+        if let Some(fd) = fd {
+            let _ = kids[i].release(cx, fd).await;
+        }
+    }
     let _ = kids[target].release(cx, tfd).await;
     r
 }
 
-async fn copy_marked(
-    kids: &[LayerRef],
-    up: &[usize],
-    src: usize,
+/// One file being healed on one target.
+struct Healing<'a> {
+    kids: &'a [LayerRef],
+    up: &'a [usize],
+    /// Up replicas but the target.
+    others: &'a [usize],
     target: usize,
-    path: &str,
-    sfd: &Fd,
-    tfd: &Fd,
-) -> FopResult<u64> {
-    let cx = &Ctx::NONE;
-    let others: Vec<usize> = up.iter().copied().filter(|i| *i != target).collect();
-    let mut moved = 0u64;
-    let mut buf = vec![0u8; CHUNK as usize];
-    loop {
-        let v = kids[src].getxattr(cx, path, m::PENDING).await?;
-        let page = PendingPage::from_wire(&v).map_err(|_| errno::EPROTO)?;
-        let ranges: Vec<(u64, u64)> = page
-            .targets
-            .0
-            .iter()
-            .filter(|t| t.target as usize == target)
-            .flat_map(|t| t.ranges.0.iter().map(|r| (r.offset, r.len)))
-            .collect();
-        if ranges.is_empty() {
-            return Ok(moved);
+    path: &'a str,
+    /// The target's heal handle.
+    tfd: &'a Fd,
+    /// Sources' handles, opened on first use.
+    sfds: Vec<Option<Fd>>,
+    buf: Vec<u8>,
+}
+
+impl Healing<'_> {
+    async fn session(&self, begin: bool) -> FopResult<()> {
+        let v = HealReq {
+            begin: u32::from(begin),
         }
-        for (offset, len) in ranges {
-            let whole = len == m::WHOLE;
-            let end = if whole { u64::MAX } else { offset + len };
-            let mut pos = offset;
-            while pos < end {
-                let n = (end - pos).min(CHUNK);
-                // A range to the end of the file is locked to the end: its last chunk also
-                // sets the size.
-                let lock_len = if whole { m::WHOLE } else { n };
-                let lock = LockReq {
-                    offset: pos,
-                    len: lock_len,
-                    lock: 1,
-                }
-                .to_wire();
-                on_all(kids, up, path, m::LOCK, &lock).await?;
-                let step = copy_chunk(kids, src, target, sfd, tfd, pos, n, whole, &mut buf).await;
-                let cleared = match &step {
-                    Ok((_, last)) => {
-                        let clear_len = if *last && whole { m::WHOLE } else { n };
-                        let v = Mark {
-                            target: target as u32,
-                            offset: pos,
-                            len: clear_len,
-                        }
-                        .to_wire();
-                        on_all(kids, &others, path, m::CLEAR, &v).await
-                    }
-                    Err(_) => Ok(()),
-                };
-                let unlock = LockReq {
-                    offset: pos,
-                    len: lock_len,
-                    lock: 0,
-                }
-                .to_wire();
-                let _ = on_all(kids, up, path, m::LOCK, &unlock).await;
-                let (got, last) = step?;
-                cleared?;
-                moved += got;
-                if last {
-                    break;
-                }
-                pos += n;
+        .to_wire();
+        let t = [self.target];
+        on_all(self.kids, &t, self.path, m::HEAL, &v).await
+    }
+
+    async fn info(&self) -> FopResult<HealInfo> {
+        let v = self.kids[self.target]
+            .getxattr(&Ctx::NONE, self.path, m::HEAL)
+            .await?;
+        HealInfo::from_wire(&v).map_err(|_| errno::EPROTO)
+    }
+
+    /// Passes until the target has no marks left, each in a session of its own.
+    async fn passes(&mut self, mut view: View) -> FopResult<u64> {
+        let mut moved = 0;
+        for _ in 0..PASSES {
+            // The generations are read before the session begins: a miss recorded after it
+            // changes them.
+            let gens = view.gens.clone();
+            self.session(true).await?;
+            let step = self.pass(&gens).await;
+            let _ = self.session(false).await;
+            let (n, no_source) = step?;
+            moved += n;
+            view = View::read(self.kids, self.up, self.path, self.target).await?;
+            if view.need.is_empty() {
+                return Ok(moved);
+            }
+            if no_source {
+                return Err(ENODATA);
             }
         }
+        tracing::warn!(
+            path = self.path,
+            target = self.target,
+            "still marked after {PASSES} heal passes (clients keep changing it and the \
+             target keeps missing some): left for the next run"
+        );
+        Err(EAGAIN)
+    }
+
+    /// One pass: copies every marked range once; returns the bytes written and whether some
+    /// range had no current source.
+    async fn pass(&mut self, gens: &[Option<u64>]) -> FopResult<(u64, bool)> {
+        let info = self.info().await?;
+        if info.live == 0 {
+            return Err(ETIMEDOUT);
+        }
+        if info.busy == 1 {
+            sleep(GRACE).await;
+        }
+        let mut moved = 0u64;
+        let mut tried = RangeSet::default();
+        let mut no_source = false;
+        for _ in 0..ROUNDS {
+            let view = View::read(self.kids, self.up, self.path, self.target).await?;
+            let mut todo = view.need.clone();
+            for (o, l) in tried.iter() {
+                todo.remove(o, l);
+            }
+            if todo.is_empty() {
+                break;
+            }
+            let todo: Vec<(u64, u64)> = todo.iter().collect();
+            for (offset, len) in todo {
+                let whole = len == m::WHOLE;
+                let end = if whole { u64::MAX } else { offset + len };
+                tried.add(offset, len);
+                let mut pos = offset;
+                while pos < end {
+                    let n = (end - pos).min(CHUNK);
+                    // A range to the end of the file is locked to the end: its last chunk also
+                    // sets the size.
+                    let lock_len = if whole { m::WHOLE } else { n };
+                    let Some(src) = self.source(&view, pos, lock_len) else {
+                        tracing::warn!(
+                            path = self.path,
+                            target = self.target,
+                            offset = pos,
+                            "no replica that is up is current for this range: left marked"
+                        );
+                        no_source = true;
+                        if whole {
+                            break;
+                        }
+                        pos += n;
+                        continue;
+                    };
+                    let (got, last) = self.chunk(src, gens, pos, n, whole).await?;
+                    moved += got;
+                    if last {
+                        break;
+                    }
+                    pos += n;
+                }
+            }
+        }
+        Ok((moved, no_source))
+    }
+
+    /// An up replica, not the target, that no up replica marks as behind for the range;
+    /// replicas holding marks for the target first.
+    fn source(&self, view: &View, pos: u64, len: u64) -> Option<usize> {
+        let rest = self.others.iter().filter(|i| !view.holders.contains(i));
+        view.holders
+            .iter()
+            .chain(rest)
+            .copied()
+            .find(|i| !view.behind[*i].overlaps(pos, len))
+    }
+
+    async fn source_fd(&mut self, src: usize) -> FopResult<Fd> {
+        if let Some(fd) = &self.sfds[src] {
+            return Ok(fd.clone());
+        }
+        let fd = self.kids[src]
+            .open(&Ctx::NONE, self.path, libc::O_RDONLY as u32)
+            .await?;
+        self.sfds[src] = Some(fd.clone());
+        Ok(fd)
+    }
+
+    /// Copies one chunk under the lock and clears what the target has now; returns the bytes
+    /// written and whether the source ended there.
+    async fn chunk(
+        &mut self,
+        src: usize,
+        gens: &[Option<u64>],
+        pos: u64,
+        n: u64,
+        whole: bool,
+    ) -> FopResult<(u64, bool)> {
+        let (kids, path, target) = (self.kids, self.path, self.target);
+        let sfd = self.source_fd(src).await?;
+        let lock_len = if whole { m::WHOLE } else { n };
+        let lock = |on: u32| {
+            LockReq {
+                offset: pos,
+                len: lock_len,
+                lock: on,
+            }
+            .to_wire()
+        };
+        on_all(kids, self.up, path, m::LOCK, &lock(1)).await?;
+        let step = copy_chunk(
+            kids,
+            src,
+            target,
+            &sfd,
+            self.tfd,
+            pos,
+            n,
+            whole,
+            &mut self.buf,
+        )
+        .await;
+        let cleared = match &step {
+            Ok((got, wrote, last)) => {
+                let clear_len = if *last && whole { m::WHOLE } else { n };
+                // The bytes a client wrote on the target since the session began: heal's
+                // write skipped them (it says so by coming back short).
+                let skipped = if wrote < got {
+                    self.info().await.map(|i| {
+                        let mut r = RangeSet::default();
+                        for s in i.skipped.0 {
+                            r.add(s.offset, s.len);
+                        }
+                        r
+                    })
+                } else {
+                    Ok(RangeSet::default())
+                };
+                match skipped {
+                    Ok(skipped) => self.clear(gens, &skipped, pos, clear_len).await,
+                    Err(e) => Err(e),
+                }
+            }
+            // Nothing cleared: the chunk stays marked (after a refused size change — a client
+            // wrote past it — the next pass copies it again).
+            Err(_) => Ok(()),
+        };
+        let _ = on_all(kids, self.up, path, m::LOCK, &lock(0)).await;
+        cleared?;
+        match step {
+            Ok((_, wrote, last)) => Ok((wrote, last)),
+            Err(EAGAIN) => Ok((0, true)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Clears the target's marks on `[pos, pos+len)`: the parts heal wrote outright, and the
+    /// parts it skipped unless a holder recorded a new miss for the target since `gens`.
+    async fn clear(
+        &self,
+        gens: &[Option<u64>],
+        skipped: &RangeSet,
+        pos: u64,
+        len: u64,
+    ) -> FopResult<()> {
+        let t = self.target as u32;
+        let plain: Vec<Vec<u8>> = skipped
+            .outside(pos, len)
+            .into_iter()
+            .map(|(offset, len)| {
+                Mark {
+                    target: t,
+                    offset,
+                    len,
+                }
+                .to_wire()
+            })
+            .collect();
+        let mut cond = Vec::new();
+        for (offset, len) in skipped.inside(pos, len) {
+            for i in self.others {
+                // A replica whose generation was not read keeps its mark.
+                if let Some(gen) = gens[*i] {
+                    let v = CondMark {
+                        target: t,
+                        offset,
+                        len,
+                        gen,
+                    }
+                    .to_wire();
+                    cond.push((*i, v));
+                }
+            }
+        }
+        let mut futs = Vec::new();
+        for v in &plain {
+            for i in self.others {
+                futs.push(Some(self.kids[*i].setxattr(
+                    &Ctx::NONE,
+                    self.path,
+                    m::CLEAR,
+                    v,
+                    0,
+                )));
+            }
+        }
+        for (i, v) in &cond {
+            futs.push(Some(self.kids[*i].setxattr(
+                &Ctx::NONE,
+                self.path,
+                m::CLEAR_IF,
+                v,
+                0,
+            )));
+        }
+        for r in join_all(futs).await.into_iter().flatten() {
+            match r {
+                // A conditional clear refused: a new miss; the range stays marked.
+                Ok(()) | Err(EAGAIN) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 }
 
-/// Copies `[pos, pos+n)` from the source to the target; returns the bytes copied and whether
-/// the source ended there (then, for a range to the end of the file, the target's size is
-/// set to the source's).
+/// Copies `[pos, pos+n)` from the source to the target; returns the bytes read, the bytes the
+/// target wrote (fewer when it skipped bytes a client wrote since the session began) and
+/// whether the source ended there (then, for a range to the end of the file, the target's
+/// size is set to the source's).
 #[allow(clippy::too_many_arguments)]
 async fn copy_chunk(
     kids: &[LayerRef],
@@ -368,7 +708,7 @@ async fn copy_chunk(
     n: u64,
     whole: bool,
     buf: &mut Vec<u8>,
-) -> Result<(u64, bool), Errno> {
+) -> Result<(u64, u64, bool), Errno> {
     let cx = &Ctx::NONE;
     let taken = std::mem::take(buf);
     let out = kids[src]
@@ -387,6 +727,7 @@ async fn copy_chunk(
     let mut chunk = data.pop().unwrap_or_default();
     let want = n.min(chunk.len() as u64) as usize;
     let got = got.min(want);
+    let mut wrote = 0;
     if got > 0 {
         // Only the bytes read go out; the buffer's tail is not part of the file.
         let keep_len = chunk.len();
@@ -398,9 +739,10 @@ async fn copy_chunk(
         let mut b = back.pop().unwrap_or_default();
         b.resize(keep_len, 0);
         *buf = b;
-        if w.n != got {
+        if w.n > got {
             return Err(errno::EIO);
         }
+        wrote = w.n;
     } else {
         *buf = chunk;
     }
@@ -416,5 +758,5 @@ async fn copy_chunk(
         };
         kids[target].fsetattr(cx, tfd, &size).await?;
     }
-    Ok((got as u64, last))
+    Ok((got as u64, wrote as u64, last))
 }

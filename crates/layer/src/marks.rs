@@ -8,17 +8,32 @@
 //! Marks travel as extended attributes in a reserved `kiln.` namespace that the brick's marks
 //! layer answers itself (they never reach the file system):
 //!
-//! | name                 | fop      | value                                              |
-//! |----------------------|----------|----------------------------------------------------|
-//! | `kiln.pending.add`   | setxattr | [`Mark`]: `target` missed `[offset, offset+len)`    |
-//! | `kiln.pending.clear` | setxattr | [`Mark`]: `target` has that range now              |
-//! | `kiln.pending`       | getxattr | [`PendingPage`]: this file's marks                  |
-//! | `kiln.pending.index` | getxattr | [`IndexPage`] (on the root): files with marks      |
-//! | `kiln.lock`          | setxattr | [`LockReq`]: heal's range lock on the file          |
+//! | name                    | fop      | value                                              |
+//! |-------------------------|----------|----------------------------------------------------|
+//! | `kiln.pending.add`      | setxattr | [`Mark`]: `target` missed `[offset, offset+len)`    |
+//! | `kiln.pending.clear`    | setxattr | [`Mark`]: `target` has that range now              |
+//! | `kiln.pending.clear.if` | setxattr | [`CondMark`]: the same, unless a mark for `target` was added since `gen` (then `EAGAIN`) |
+//! | `kiln.pending`          | getxattr | [`PendingPage`]: this file's marks                  |
+//! | `kiln.pending.index`    | getxattr | [`IndexPage`] (on the root): files with marks      |
+//! | `kiln.lock`             | setxattr | [`LockReq`]: heal's range lock on the file          |
+//! | `kiln.heal`             | setxattr | [`HealReq`]: begin or end a heal session on the file |
+//! | `kiln.heal`             | getxattr | [`HealInfo`]: the caller's session on the file      |
 //!
 //! `len == WHOLE` means the whole file (it was created, truncated or punched while the replica
 //! was away). A getxattr answer holds at most [`PAGE_BYTES`]; a heal that clears what it healed
-//! and asks again sees the rest.
+//! and asks again sees the rest. A pending page shares its room among the targets, and says
+//! per target where its listing was cut ([`TargetRanges::cut`]), so a reader always knows which
+//! part of a target's marks it has not seen.
+//!
+//! **Heal sessions** (on the replica being healed). Between a heal's `begin` and `end` on a
+//! file, the brick records the byte ranges that changes from other connections (client writes,
+//! truncates, fallocate, discard) touch — and those in flight when the session begins. Heal
+//! writes through a handle opened with [`HEAL_OPEN`]; the brick writes only the parts of such
+//! a write that no client change touched since `begin` (the client's data there is newer than
+//! what heal read from the source), reports the write as short by the bytes it skipped, and
+//! lists them in [`HealInfo::skipped`]. A heal size change is refused (`EAGAIN`) when a client
+//! touched the range it would cut. Without a live session (it lapses [`LOCK_LEASE`] after the
+//! heal's last request on the file) a heal write fails with `ETIMEDOUT`.
 
 #![allow(missing_docs)] // wire struct fields are described in the table above
 
@@ -37,6 +52,14 @@ pub const PENDING: &str = "kiln.pending";
 pub const INDEX: &str = "kiln.pending.index";
 /// Take or drop a heal lock.
 pub const LOCK: &str = "kiln.lock";
+/// Clear a range of a mark unless the mark grew since a generation.
+pub const CLEAR_IF: &str = "kiln.pending.clear.if";
+/// Begin or end a heal session (setxattr); the caller's session (getxattr).
+pub const HEAL: &str = "kiln.heal";
+/// An open flag (beyond every Linux open flag) that makes a handle heal's: its writes skip what
+/// clients changed since the session began. The marks layer takes it off before the file
+/// system sees the open.
+pub const HEAL_OPEN: u32 = 1 << 30;
 /// The reserved namespace.
 pub const PREFIX: &str = "kiln.";
 /// A range length meaning "to the end of the file, whatever its size".
@@ -52,8 +75,10 @@ wire_struct! {
     pub struct Mark { pub target: u32, pub offset: u64, pub len: u64 }
     /// One range.
     pub struct Range { pub offset: u64, pub len: u64 }
-    /// The ranges a replica missed.
-    pub struct TargetRanges { pub target: u32, pub ranges: Seq<Range> }
+    /// The ranges a replica missed. `gen` changes whenever a mark for `target` is added on
+    /// this brick (0: none held); `cut` is where the listing stops ([`WHOLE`]: it is complete;
+    /// else marks from `cut` on may be missing from it).
+    pub struct TargetRanges { pub target: u32, pub ranges: Seq<Range>, pub gen: u64, pub cut: u64 }
     /// A file's marks (possibly the first page of them).
     pub struct PendingPage { pub targets: Seq<TargetRanges>, pub more: bool }
     /// One file with marks, and the bytes it needs, per target.
@@ -62,6 +87,15 @@ wire_struct! {
     pub struct IndexPage { pub entries: Seq<IndexEntry>, pub more: bool }
     /// A heal lock request: `lock` 1 takes `[offset, offset+len)`, 0 drops it.
     pub struct LockReq { pub offset: u64, pub len: u64, pub lock: u32 }
+    /// A conditional clear: `target` has `[offset, offset+len)` now, unless a mark for it was
+    /// added since the brick reported `gen`.
+    pub struct CondMark { pub target: u32, pub offset: u64, pub len: u64, pub gen: u64 }
+    /// `begin` 1 begins (or begins afresh) the caller's heal session on the file, 0 ends it.
+    pub struct HealReq { pub begin: u32 }
+    /// The caller's heal session: `live` 0 when there is none; `busy` 1 when clients had the
+    /// file open or were changing it as the session began; the ranges heal writes skipped
+    /// since the last ask (asking empties the list; more than a page's worth come merged).
+    pub struct HealInfo { pub live: u32, pub busy: u32, pub skipped: Seq<Range> }
 }
 
 /// A set of byte ranges, kept merged.
@@ -154,6 +188,46 @@ impl RangeSet {
         })
     }
 
+    /// The parts of `[offset, offset+len)` in the set, as (offset, len); `len == WHOLE` for a
+    /// part to the end of the file.
+    pub fn inside(&self, offset: u64, len: u64) -> Vec<(u64, u64)> {
+        let end = end_of(offset, len);
+        let mut out = Vec::new();
+        if offset >= end {
+            return out;
+        }
+        let first = self
+            .map
+            .range(..=offset)
+            .next_back()
+            .map_or(offset, |(s, _)| *s);
+        for (s, e) in self.map.range(first..end) {
+            let (a, b) = ((*s).max(offset), (*e).min(end));
+            if a < b {
+                out.push((a, if b == u64::MAX { WHOLE } else { b - a }));
+            }
+        }
+        out
+    }
+
+    /// The parts of `[offset, offset+len)` not in the set, as [`RangeSet::inside`] gives them.
+    pub fn outside(&self, offset: u64, len: u64) -> Vec<(u64, u64)> {
+        let end = end_of(offset, len);
+        let mut out = Vec::new();
+        let mut at = offset;
+        let piece = |a: u64, b: u64| (a, if b == u64::MAX { WHOLE } else { b - a });
+        for (s, l) in self.inside(offset, len) {
+            if s > at {
+                out.push(piece(at, s));
+            }
+            at = end_of(s, l);
+        }
+        if at < end {
+            out.push(piece(at, end));
+        }
+        out
+    }
+
     /// True when any marked range overlaps `[offset, offset+len)`.
     pub fn overlaps(&self, offset: u64, len: u64) -> bool {
         let end = end_of(offset, len);
@@ -188,6 +262,48 @@ mod tests {
         assert!(r.is_empty());
         r.add(77, 0);
         assert!(r.is_empty());
+    }
+
+    #[test]
+    fn inside_and_outside_split_a_range() {
+        let mut r = RangeSet::default();
+        r.add(100, 50);
+        r.add(300, 100);
+        assert_eq!(r.inside(120, 200), vec![(120, 30), (300, 20)]);
+        assert_eq!(r.outside(120, 200), vec![(150, 150)]);
+        assert_eq!(r.inside(0, 100), vec![]);
+        assert_eq!(r.outside(0, 100), vec![(0, 100)]);
+        assert_eq!(r.outside(100, 50), vec![]);
+        assert_eq!(r.outside(350, WHOLE), vec![(400, WHOLE)]);
+        r.add(1000, WHOLE);
+        assert_eq!(r.inside(900, WHOLE), vec![(1000, WHOLE)]);
+        assert_eq!(r.outside(900, 200), vec![(900, 100)]);
+        // Against a bitmap.
+        let mut bits = [false; 128];
+        let mut x = 0x9e37_79b9u64;
+        let mut r = RangeSet::default();
+        for _ in 0..500 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let (off, len) = (x % 120, 1 + (x >> 20) % 8);
+            if (x >> 40).is_multiple_of(2) {
+                r.add(off, len);
+                bits[off as usize..(off + len) as usize].fill(true);
+            }
+            let (qo, ql) = ((x >> 30) % 100, 1 + (x >> 50) % 28);
+            let mut seen = [None; 128];
+            for (s, l) in r.inside(qo, ql) {
+                (s..s + l).for_each(|i| seen[i as usize] = Some(true));
+            }
+            for (s, l) in r.outside(qo, ql) {
+                (s..s + l).for_each(|i| assert!(seen[i as usize].replace(false).is_none()));
+            }
+            for i in 0..128u64 {
+                let want = (qo..qo + ql).contains(&i).then_some(bits[i as usize]);
+                assert_eq!(seen[i as usize], want, "byte {i} of [{qo}, +{ql})");
+            }
+        }
     }
 
     #[test]

@@ -23,6 +23,25 @@
 //! between. A lock waits for writes in flight to the range to finish; writes to a locked range
 //! by other connections wait for the lock to go (or its lease to lapse). When no lock exists
 //! the cost of a write is one uncontended mutex and a short vector push/pop.
+//!
+//! Heal sessions (see [`kiln_layer::marks`]): on the replica being healed, a heal `begin`s a
+//! session on a file; from then until it `end`s (or its lease lapses) every change that another
+//! connection makes to the file adds its range to the session's record, at the moment it is
+//! let through (under the file's state mutex, with the write registered in flight), and the
+//! changes already in flight when the session begins are recorded too. A write through a heal
+//! handle ([`kiln_layer::marks::HEAL_OPEN`]) takes, under the same mutex, only the parts the
+//! record does not hold, and registers itself in flight; a client change that overlaps a heal
+//! write in flight waits for it (that only happens once heal's lock has lapsed). So on this
+//! brick a client change and a heal write to the same bytes are ordered, and whichever order
+//! they take, the client's bytes are what stays. Without a session the cost of a write is as
+//! above: the session list is looked at only when the lock list or it is non-empty. (Like the
+//! locks, sessions are per path: an open with `O_TRUNC`, or a change through another name of
+//! the same file, is not seen.)
+//!
+//! Marks carry a generation per (file, target) in memory: a fresh number (from a counter that
+//! starts at the wall clock, so a restarted brick never reuses one) each time a mark for the
+//! target is added. `kiln.pending.clear.if` clears only when it is unchanged, which lets heal
+//! clear what its writes skipped unless a miss was recorded meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -32,7 +51,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kiln_layer::marks::{self as m, IndexEntry, IndexPage, LockReq, Mark, PendingPage, RangeSet};
+use kiln_layer::marks::{
+    self as m, CondMark, HealInfo, HealReq, IndexEntry, IndexPage, LockReq, Mark, PendingPage,
+    RangeSet,
+};
 use kiln_layer::{
     errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
     SetAttrs, Written,
@@ -57,13 +79,39 @@ struct Lock {
     expires: Instant,
 }
 
-/// Locks and writes in flight on one file.
+/// A change to a file running now.
+struct Inflight {
+    id: u64,
+    owner: u64,
+    start: u64,
+    end: u64,
+    /// A heal write (through a heal handle).
+    heal: bool,
+}
+
+/// A heal session on a file: what other connections changed since it began.
+struct Session {
+    owner: u64,
+    expires: Instant,
+    /// Ranges other connections changed (or were changing) since the session began.
+    written: RangeSet,
+    /// Ranges heal writes skipped that heal has not asked for yet.
+    skipped: RangeSet,
+    /// Clients had the file open, or were changing it, when the session began.
+    busy: bool,
+}
+
+/// Locks, heal sessions and changes in flight on one file.
 #[derive(Default)]
 struct FileState {
     locks: Vec<Lock>,
-    /// (id, owner, start, end) of writes running now.
-    inflight: Vec<(u64, u64, u64, u64)>,
+    inflight: Vec<Inflight>,
     next: u64,
+    sessions: Vec<Session>,
+    /// Handles open on the file through this layer, heal's not counted.
+    clients: u32,
+    /// Lock requests waiting for changes in flight to leave.
+    lockers: u32,
 }
 
 struct FileKey {
@@ -89,17 +137,80 @@ fn span(offset: u64, len: u64) -> (u64, u64) {
     }
 }
 
+/// `[start, end)` as (offset, len) for a [`RangeSet`].
+fn len_of(start: u64, end: u64) -> u64 {
+    if end == u64::MAX {
+        m::WHOLE
+    } else {
+        end - start
+    }
+}
+
 /// An open file seen through this layer.
 struct MarkFd {
     key: Arc<FileKey>,
     inner: Fd,
+    /// Opened with [`m::HEAL_OPEN`]: writes are heal's.
+    heal: bool,
 }
+
+impl MarkFd {
+    fn new(key: Arc<FileKey>, inner: Fd, heal: bool) -> MarkFd {
+        if !heal {
+            key.state().clients += 1;
+        }
+        MarkFd { key, inner, heal }
+    }
+}
+
+impl Drop for MarkFd {
+    fn drop(&mut self) {
+        if !self.heal {
+            let mut st = self.key.state();
+            st.clients = st.clients.saturating_sub(1);
+        }
+    }
+}
+
+/// A lock request waiting for changes in flight, counted in [`FileState::lockers`] until
+/// dropped.
+struct Locker<'a>(&'a FileKey);
+
+impl Drop for Locker<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.state();
+        st.lockers = st.lockers.saturating_sub(1);
+    }
+}
+
+/// A change registered in flight; leaves when dropped (also when its future is dropped).
+struct Entered<'a> {
+    key: &'a FileKey,
+    id: u64,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        Marks::leave(self.key, self.id);
+    }
+}
+
+/// Operation would block / try again.
+const EAGAIN: u32 = 11;
+/// Timed out: a heal write whose session lapsed.
+const ETIMEDOUT: u32 = 110;
 
 /// Marks by file, then by target replica.
 type Records = BTreeMap<String, BTreeMap<u32, RangeSet>>;
 
+/// Generations by file, then by target: see the module documentation.
+type Gens = BTreeMap<String, BTreeMap<u32, u64>>;
+
 struct Store {
     records: Records,
+    gens: Gens,
+    /// The next generation.
+    next_gen: u64,
     /// `.kiln`, once it exists (opened at start, or made at the first mark).
     state: Option<OwnedFd>,
     log: Option<File>,
@@ -168,6 +279,18 @@ impl Marks {
                 }
             }
         }
+        // Generations start at the wall clock (ns): a restarted brick never reuses one.
+        let mut next_gen = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            .max(1);
+        let mut gens = Gens::new();
+        for (path, targets) in &records {
+            for t in targets.keys() {
+                gens.entry(path.clone()).or_default().insert(*t, next_gen);
+                next_gen += 1;
+            }
+        }
         Ok(Marks {
             name: name.into(),
             kids: vec![child],
@@ -175,6 +298,8 @@ impl Marks {
             root,
             store: Mutex::new(Store {
                 records,
+                gens,
+                next_gen,
                 state,
                 log,
                 dirty: false,
@@ -209,7 +334,12 @@ impl Marks {
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         // Ours, the map's: nobody else.
         if Arc::strong_count(key) <= 2
-            && key.state().locks.is_empty()
+            && {
+                let mut st = key.state();
+                let now = Instant::now();
+                st.sessions.retain(|s| s.expires > now);
+                st.locks.is_empty() && st.sessions.is_empty()
+            }
             && files.get(path).is_some_and(|k| Arc::ptr_eq(k, key))
         {
             files.remove(path);
@@ -219,8 +349,36 @@ impl Marks {
     /// Appends records to the log (creating `.kiln` on first use) and applies them.
     fn apply(&self, ops: &[(u8, &str, u32, u64, u64)]) -> FopResult<()> {
         let mut st = self.store();
+        self.apply_locked(&mut st, ops)
+    }
+
+    /// Clears `[offset, offset+len)` of `target`'s marks on `path` unless a mark for it was
+    /// added since generation `gen` (`EAGAIN`).
+    fn clear_if(&self, path: &str, target: u32, gen: u64, offset: u64, len: u64) -> FopResult<()> {
+        let mut st = self.store();
+        let now = st
+            .gens
+            .get(path)
+            .and_then(|g| g.get(&target))
+            .copied()
+            .unwrap_or(0);
+        if now != gen {
+            return Err(EAGAIN);
+        }
+        let held = st
+            .records
+            .get(path)
+            .and_then(|t| t.get(&target))
+            .is_some_and(|r| r.overlaps(offset, len));
+        if !held {
+            return Ok(());
+        }
+        self.apply_locked(&mut st, &[(b'C', path, target, offset, len)])
+    }
+
+    fn apply_locked(&self, st: &mut Store, ops: &[(u8, &str, u32, u64, u64)]) -> FopResult<()> {
         if st.log.is_none() {
-            let opened = self.open_log_for_append(&mut st);
+            let opened = self.open_log_for_append(st);
             st.log = Some(opened.map_err(|e| {
                 tracing::error!(
                     "{}: cannot record a pending mark in {STATE_DIR}/{LOG}: {e}",
@@ -244,6 +402,18 @@ impl Marks {
         st.dirty = true;
         for (kind, path, t, o, l) in ops {
             apply_one(&mut st.records, *kind, path, *t, *o, *l);
+            if *kind == b'A' {
+                let g = st.next_gen;
+                st.next_gen += 1;
+                st.gens.entry((*path).to_owned()).or_default().insert(*t, g);
+            } else if !st.records.get(*path).is_some_and(|r| r.contains_key(t)) {
+                if let Some(g) = st.gens.get_mut(*path) {
+                    g.remove(t);
+                    if g.is_empty() {
+                        st.gens.remove(*path);
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -267,20 +437,23 @@ impl Marks {
             targets: Seq(Vec::new()),
             more: false,
         };
-        let mut size = 0;
         if let Some(targets) = st.records.get(path) {
-            'outer: for (t, ranges) in targets {
+            // The page's room, shared among the targets (each has a few marks, mostly).
+            let per = ((m::PAGE_BYTES / targets.len().max(1)).saturating_sub(32) / 16).max(1);
+            let gens = st.gens.get(path);
+            for (t, ranges) in targets {
                 let mut tr = m::TargetRanges {
                     target: *t,
                     ranges: Seq(Vec::new()),
+                    gen: gens.and_then(|g| g.get(t)).copied().unwrap_or(0),
+                    cut: m::WHOLE,
                 };
-                for (offset, len) in ranges.iter() {
-                    if size + 16 > m::PAGE_BYTES {
+                for (i, (offset, len)) in ranges.iter().enumerate() {
+                    if i == per {
+                        tr.cut = offset;
                         page.more = true;
-                        page.targets.0.push(tr);
-                        break 'outer;
+                        break;
                     }
-                    size += 16;
                     tr.ranges.0.push(m::Range { offset, len });
                 }
                 page.targets.0.push(tr);
@@ -320,10 +493,14 @@ impl Marks {
         let key = self.key(path);
         loop {
             let notified = key.changed.notified();
-            let wait = {
+            let (wait, busy) = {
                 let mut st = key.state();
                 let now = Instant::now();
                 st.locks.retain(|l| l.expires > now);
+                // A heal at work on the file (waiting for a lock counts) keeps its session.
+                for s in st.sessions.iter_mut().filter(|s| s.owner == owner) {
+                    s.expires = s.expires.max(now + m::LOCK_LEASE);
+                }
                 let blocked_by = st
                     .locks
                     .iter()
@@ -333,7 +510,7 @@ impl Marks {
                 let busy = st
                     .inflight
                     .iter()
-                    .any(|w| w.1 != owner && overlap((w.2, w.3), (start, end)));
+                    .any(|w| w.owner != owner && overlap((w.start, w.end), (start, end)));
                 if blocked_by.is_none() && !busy {
                     st.locks.push(Lock {
                         owner,
@@ -343,8 +520,15 @@ impl Marks {
                     });
                     return Ok(());
                 }
-                blocked_by.map_or(m::LOCK_LEASE, |e| e.saturating_duration_since(now))
+                if busy {
+                    // Counted (under the mutex, so no leave is missed): writes in flight wake
+                    // us as they leave.
+                    st.lockers += 1;
+                }
+                let wait = blocked_by.map_or(m::LOCK_LEASE, |e| e.saturating_duration_since(now));
+                (wait, busy)
             };
+            let _counted = busy.then_some(Locker(&key));
             let _ = tokio::time::timeout(wait, notified).await;
         }
     }
@@ -358,30 +542,48 @@ impl Marks {
         self.forget(path, &key);
     }
 
-    /// Waits until `[start, end)` of the file is not locked by another connection, then
-    /// registers a write in flight there. Returns its id.
+    /// Waits until `[start, end)` of the file is not locked by another connection (nor being
+    /// written by another connection's heal), then registers a client change in flight there
+    /// and records it in the file's heal sessions. Returns its id.
     async fn enter(key: &FileKey, owner: u64, start: u64, end: u64) -> u64 {
         loop {
             let notified = key.changed.notified();
             let wait = {
                 let mut st = key.state();
                 let mut wait = None;
-                if !st.locks.is_empty() {
+                if !st.locks.is_empty() || !st.sessions.is_empty() {
                     let now = Instant::now();
                     st.locks.retain(|l| l.expires > now);
+                    st.sessions.retain(|s| s.expires > now);
                     wait = st
                         .locks
                         .iter()
                         .filter(|l| l.owner != owner && overlap((l.start, l.end), (start, end)))
                         .map(|l| l.expires.saturating_duration_since(now))
                         .min();
+                    let healing = st.inflight.iter().any(|w| {
+                        w.heal && w.owner != owner && overlap((w.start, w.end), (start, end))
+                    });
+                    if wait.is_none() && healing {
+                        // Woken when the heal write leaves.
+                        wait = Some(m::LOCK_LEASE);
+                    }
                 }
                 match wait {
                     Some(w) => w,
                     None => {
                         st.next += 1;
                         let id = st.next;
-                        st.inflight.push((id, owner, start, end));
+                        st.inflight.push(Inflight {
+                            id,
+                            owner,
+                            start,
+                            end,
+                            heal: false,
+                        });
+                        for s in st.sessions.iter_mut().filter(|s| s.owner != owner) {
+                            s.written.add(start, len_of(start, end));
+                        }
                         return id;
                     }
                 }
@@ -390,15 +592,140 @@ impl Marks {
         }
     }
 
+    /// Waits until `[start, end)` is not locked by another connection, then registers a heal
+    /// write there and returns its id and the parts of the range no client changed since
+    /// `owner`'s session began (the others are added to the session's skipped list). With
+    /// `cut` (a size change from `start` on) it is all or nothing: `EAGAIN` if a client
+    /// changed anything from `start` on. `ETIMEDOUT` without a live session.
+    async fn enter_heal(
+        key: &FileKey,
+        owner: u64,
+        start: u64,
+        end: u64,
+        cut: bool,
+    ) -> FopResult<(u64, Vec<(u64, u64)>)> {
+        loop {
+            let notified = key.changed.notified();
+            let wait = {
+                let mut st = key.state();
+                let now = Instant::now();
+                st.locks.retain(|l| l.expires > now);
+                st.sessions.retain(|s| s.expires > now);
+                let wait = st
+                    .locks
+                    .iter()
+                    .filter(|l| l.owner != owner && overlap((l.start, l.end), (start, end)))
+                    .map(|l| l.expires.saturating_duration_since(now))
+                    .min();
+                if wait.is_none() {
+                    let st = &mut *st;
+                    let Some(s) = st.sessions.iter_mut().find(|s| s.owner == owner) else {
+                        return Err(ETIMEDOUT);
+                    };
+                    s.expires = now + m::LOCK_LEASE;
+                    let len = len_of(start, end);
+                    let keep = if cut {
+                        if s.written.overlaps(start, m::WHOLE) {
+                            return Err(EAGAIN);
+                        }
+                        vec![(start, len)]
+                    } else {
+                        for (o, l) in s.written.inside(start, len) {
+                            s.skipped.add(o, l);
+                        }
+                        s.written.outside(start, len)
+                    };
+                    st.next += 1;
+                    let id = st.next;
+                    st.inflight.push(Inflight {
+                        id,
+                        owner,
+                        start,
+                        end,
+                        heal: true,
+                    });
+                    return Ok((id, keep));
+                }
+                wait.unwrap_or(m::LOCK_LEASE)
+            };
+            let _ = tokio::time::timeout(wait, notified).await;
+        }
+    }
+
     fn leave(key: &FileKey, id: u64) {
         let mut st = key.state();
-        if let Some(i) = st.inflight.iter().position(|w| w.0 == id) {
-            st.inflight.swap_remove(i);
+        let mut heal = false;
+        if let Some(i) = st.inflight.iter().position(|w| w.id == id) {
+            heal = st.inflight.swap_remove(i).heal;
         }
-        if !st.locks.is_empty() {
+        if heal || st.lockers > 0 || !st.locks.is_empty() {
             drop(st);
             key.changed.notify_waiters();
         }
+    }
+
+    /// Begins (afresh) `owner`'s heal session on `path`: changes in flight now count as
+    /// changed since it began.
+    fn heal_begin(&self, owner: u64, path: &str) {
+        let key = self.key(path);
+        let mut st = key.state();
+        let now = Instant::now();
+        st.sessions.retain(|s| s.expires > now && s.owner != owner);
+        let mut written = RangeSet::default();
+        for w in st.inflight.iter().filter(|w| !w.heal && w.owner != owner) {
+            written.add(w.start, len_of(w.start, w.end));
+        }
+        let busy = st.clients > 0 || !written.is_empty();
+        st.sessions.push(Session {
+            owner,
+            expires: now + m::LOCK_LEASE,
+            written,
+            skipped: RangeSet::default(),
+            busy,
+        });
+    }
+
+    fn heal_end(&self, owner: u64, path: &str) {
+        let key = self.key(path);
+        key.state().sessions.retain(|s| s.owner != owner);
+        self.forget(path, &key);
+    }
+
+    /// `owner`'s session on `path`, as [`HealInfo`]; hands over (and forgets) what its writes
+    /// skipped.
+    fn heal_info(&self, owner: u64, path: &str) -> Vec<u8> {
+        let key = self.key(path);
+        let mut info = HealInfo::default();
+        {
+            let mut st = key.state();
+            let now = Instant::now();
+            st.sessions.retain(|s| s.expires > now);
+            if let Some(s) = st.sessions.iter_mut().find(|s| s.owner == owner) {
+                s.expires = now + m::LOCK_LEASE;
+                info.live = 1;
+                info.busy = u32::from(s.busy);
+                let skipped = std::mem::take(&mut s.skipped);
+                let room = m::PAGE_BYTES / 16 - 1;
+                let mut rest: Option<(u64, u64)> = None;
+                for (i, (o, l)) in skipped.iter().enumerate() {
+                    if i < room {
+                        info.skipped.0.push(m::Range { offset: o, len: l });
+                    } else {
+                        // Past the page's room: one range over all the rest.
+                        let end = if l == m::WHOLE { u64::MAX } else { o + l };
+                        rest = Some(rest.map_or((o, end), |(a, b)| (a, b.max(end))));
+                    }
+                }
+                if let Some((a, b)) = rest {
+                    info.skipped.0.push(m::Range {
+                        offset: a,
+                        len: len_of(a, b),
+                    });
+                }
+            }
+        }
+        self.forget(path, &key);
+        info.to_wire()
     }
 
     /// Runs a change to `[start, end)` of an open file under the lock rules.
@@ -416,9 +743,50 @@ impl Marks {
         };
         Box::pin(async move {
             let id = Marks::enter(&mfd.key, cx.owner, start, end).await;
-            let r = call(&mfd.inner).await;
-            Marks::leave(&mfd.key, id);
-            r
+            let _in = Entered { key: &mfd.key, id };
+            call(&mfd.inner).await
+        })
+    }
+
+    /// A write through a heal handle: only the parts no client changed since the session
+    /// began; the reply counts the bytes written (fewer than sent when some were skipped).
+    fn heal_write<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        mfd: &'a MarkFd,
+        offset: u64,
+        data: IoBufs,
+    ) -> Fut<'a, Written> {
+        Box::pin(async move {
+            let len = data.len() as u64;
+            if len == 0 {
+                return self.child().write(cx, &mfd.inner, offset, data).await;
+            }
+            let (start, end) = span(offset, len);
+            let (id, keep) = Marks::enter_heal(&mfd.key, cx.owner, start, end, false).await?;
+            let _in = Entered { key: &mfd.key, id };
+            if keep == [(offset, len)] {
+                let w = self.child().write(cx, &mfd.inner, offset, data).await?;
+                // Heal's writes are whole or an error: a short one would read as "skipped".
+                return if w.n as u64 == len {
+                    Ok(w)
+                } else {
+                    Err(errno::EIO)
+                };
+            }
+            let mut n = 0;
+            for (o, l) in keep {
+                let bytes = copy_out(&data, (o - offset) as usize, l as usize);
+                let w = self
+                    .child()
+                    .write(cx, &mfd.inner, o, IoBufs::owned(vec![bytes]))
+                    .await?;
+                if w.n as u64 != l {
+                    return Err(errno::EIO);
+                }
+                n += w.n;
+            }
+            Ok(Written { n, bufs: data })
         })
     }
 
@@ -445,6 +813,29 @@ impl Marks {
                 let kind = if name == m::ADD { b'A' } else { b'C' };
                 let r = self.apply(&[(kind, path, mark.target, mark.offset, mark.len)]);
                 Box::pin(std::future::ready(r))
+            }
+            m::CLEAR_IF => {
+                let c = match CondMark::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if let Err(e) = crate::brick::check_path(path) {
+                    return fail(e);
+                }
+                let r = self.clear_if(path, c.target, c.gen, c.offset, c.len);
+                Box::pin(std::future::ready(r))
+            }
+            m::HEAL => {
+                let req = match HealReq::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if req.begin == 1 {
+                    self.heal_begin(cx.owner, path);
+                } else {
+                    self.heal_end(cx.owner, path);
+                }
+                Box::pin(std::future::ready(Ok(())))
             }
             m::LOCK => {
                 let req = match LockReq::from_wire(value) {
@@ -510,6 +901,28 @@ impl Marks {
 
 /// Operation not supported (a `kiln.` name this layer does not know).
 const EOPNOTSUPP: u32 = 95;
+
+/// `len` bytes of a write's data from byte `from` on, copied out.
+fn copy_out(data: &IoBufs, from: usize, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    let mut skip = from;
+    for v in data.iov() {
+        if out.len() == len {
+            break;
+        }
+        if skip >= v.len {
+            skip -= v.len;
+            continue;
+        }
+        // SAFETY: a write's vectors point to memory that its `IoBufs` keeps valid, and that
+        // nobody writes, for as long as it lives; `data` is borrowed for this whole call.
+        let s = unsafe { std::slice::from_raw_parts(v.base as *const u8, v.len) };
+        let take = (v.len - skip).min(len - out.len());
+        out.extend_from_slice(&s[skip..skip + take]);
+        skip = 0;
+    }
+    out
+}
 
 /// The errno for a failed log operation; a refused file (no OS error) is EIO.
 fn io_errno(e: &std::io::Error) -> u32 {
@@ -686,11 +1099,9 @@ impl Layer for Marks {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
-            let inner = self.child().open(cx, path, flags).await?;
-            Ok(Fd::new(MarkFd {
-                key: self.key(path),
-                inner,
-            }))
+            let heal = flags & m::HEAL_OPEN != 0;
+            let inner = self.child().open(cx, path, flags & !m::HEAL_OPEN).await?;
+            Ok(Fd::new(MarkFd::new(self.key(path), inner, heal)))
         })
     }
 
@@ -702,14 +1113,12 @@ impl Layer for Marks {
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
         Box::pin(async move {
-            let (inner, attr) = self.child().create(cx, path, flags, mode).await?;
-            Ok((
-                Fd::new(MarkFd {
-                    key: self.key(path),
-                    inner,
-                }),
-                attr,
-            ))
+            let heal = flags & m::HEAL_OPEN != 0;
+            let (inner, attr) = self
+                .child()
+                .create(cx, path, flags & !m::HEAL_OPEN, mode)
+                .await?;
+            Ok((Fd::new(MarkFd::new(self.key(path), inner, heal)), attr))
         })
     }
 
@@ -751,6 +1160,9 @@ impl Layer for Marks {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        if let Some(f) = unwrap(fd).ok().filter(|f| f.heal) {
+            return self.heal_write(cx, f, offset, data);
+        }
         let (start, end) = span(offset, data.len() as u64);
         self.gated(cx, fd, start, end, move |inner| {
             self.child().write(cx, inner, offset, data)
@@ -776,6 +1188,15 @@ impl Layer for Marks {
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
         if attrs.valid & SETATTR_SIZE != 0 {
             let start = attrs.size;
+            if let Some(f) = unwrap(fd).ok().filter(|f| f.heal) {
+                // Heal sets the size only where no client changed anything since it began.
+                return Box::pin(async move {
+                    let (id, _) =
+                        Marks::enter_heal(&f.key, cx.owner, start, u64::MAX, true).await?;
+                    let _in = Entered { key: &f.key, id };
+                    self.child().fsetattr(cx, &f.inner, attrs).await
+                });
+            }
             return self.gated(cx, fd, start, u64::MAX, move |inner| {
                 self.child().fsetattr(cx, inner, attrs)
             });
@@ -828,6 +1249,7 @@ impl Layer for Marks {
         let r = match name {
             m::PENDING => Ok(self.pending_page(path)),
             m::INDEX => Ok(self.index_page()),
+            m::HEAL => Ok(self.heal_info(cx.owner, path)),
             _ => Err(EOPNOTSUPP),
         };
         Box::pin(std::future::ready(r))
@@ -866,5 +1288,230 @@ impl Layer for Marks {
             self.child().rename(cx, from, to, flags).await?;
             self.rename_marks(from, to)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K: u64 = 1024;
+
+    fn stack(dir: &Path) -> Marks {
+        let brick = Arc::new(crate::Brick::open(dir).unwrap());
+        let posix: LayerRef = Arc::new(crate::posix::Posix::new("posix", brick));
+        Marks::new("marks", posix, dir).unwrap()
+    }
+
+    fn run<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    fn cx(owner: u64) -> Ctx {
+        Ctx::NONE.with_owner(owner)
+    }
+
+    async fn write(l: &Marks, cx: &Ctx, fd: &Fd, off: u64, byte: u8, len: u64) -> FopResult<u64> {
+        let data = vec![byte; len as usize];
+        l.write(cx, fd, off, IoBufs::owned(vec![data]))
+            .await
+            .map(|w| w.n as u64)
+    }
+
+    async fn session(l: &Marks, cx: &Ctx, begin: u32) {
+        let v = HealReq { begin }.to_wire();
+        l.setxattr(cx, "f", m::HEAL, &v, 0).await.unwrap();
+    }
+
+    async fn info(l: &Marks, cx: &Ctx) -> HealInfo {
+        HealInfo::from_wire(&l.getxattr(cx, "f", m::HEAL).await.unwrap()).unwrap()
+    }
+
+    fn ranges(info: &HealInfo) -> Vec<(u64, u64)> {
+        info.skipped.0.iter().map(|r| (r.offset, r.len)).collect()
+    }
+
+    #[test]
+    fn heal_writes_skip_what_clients_changed_since_the_session_began() {
+        let root = tempfile::tempdir().unwrap();
+        let l = stack(root.path());
+        let (c, h) = (cx(1), cx(2));
+        run(async {
+            let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+            let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+            assert_eq!(write(&l, &c, &fd, 0, b'a', 64 * K).await, Ok(64 * K));
+            let hflags = libc::O_WRONLY as u32 | m::HEAL_OPEN;
+            let hfd = l.open(&h, "f", hflags).await.unwrap();
+            // No session: a heal write has nothing to go by.
+            assert_eq!(write(&l, &h, &hfd, 0, b'h', 10).await, Err(ETIMEDOUT));
+
+            session(&l, &h, 1).await;
+            let i = info(&l, &h).await;
+            assert_eq!((i.live, i.busy), (1, 1), "a client has the file open");
+            assert_eq!(write(&l, &c, &fd, 8 * K, b'c', 8 * K).await, Ok(8 * K));
+            // The client's newer bytes stay; the reply counts what was written.
+            assert_eq!(write(&l, &h, &hfd, 0, b'h', 64 * K).await, Ok(56 * K));
+            let got = std::fs::read(root.path().join("f")).unwrap();
+            let mut want = vec![b'h'; 64 * K as usize];
+            want[8 * K as usize..16 * K as usize].fill(b'c');
+            assert!(got == want, "the heal write overwrote the client's bytes");
+            assert_eq!(ranges(&info(&l, &h).await), vec![(8 * K, 8 * K)]);
+            assert_eq!(
+                ranges(&info(&l, &h).await),
+                vec![],
+                "asking empties the list"
+            );
+            // The record lasts the whole session.
+            assert_eq!(write(&l, &h, &hfd, 4 * K, b'h', 8 * K).await, Ok(4 * K));
+            assert_eq!(ranges(&info(&l, &h).await), vec![(8 * K, 4 * K)]);
+
+            // A heal size change that would cut what a client wrote is refused.
+            assert_eq!(write(&l, &c, &fd, 100 * K, b'c', 4 * K).await, Ok(4 * K));
+            let cut = SetAttrs {
+                valid: SETATTR_SIZE,
+                size: 64 * K,
+                ..Default::default()
+            };
+            assert_eq!(l.fsetattr(&h, &hfd, &cut).await.err(), Some(EAGAIN));
+            assert_eq!(l.fstat(&c, &fd).await.unwrap().size, 104 * K);
+
+            session(&l, &h, 0).await;
+            assert_eq!(info(&l, &h).await.live, 0);
+            assert_eq!(write(&l, &h, &hfd, 0, b'h', 10).await, Err(ETIMEDOUT));
+            // A new session starts with nothing recorded.
+            session(&l, &h, 1).await;
+            assert_eq!(write(&l, &h, &hfd, 0, b'h', 64 * K).await, Ok(64 * K));
+            assert!(l.fsetattr(&h, &hfd, &cut).await.is_ok());
+            assert_eq!(l.fstat(&c, &fd).await.unwrap().size, 64 * K);
+            session(&l, &h, 0).await;
+
+            l.release(&c, fd).await.unwrap();
+            session(&l, &h, 1).await;
+            let i = info(&l, &h).await;
+            assert_eq!((i.live, i.busy), (1, 0), "no client has the file open");
+            session(&l, &h, 0).await;
+            l.release(&h, hfd).await.unwrap();
+        });
+    }
+
+    #[test]
+    fn a_change_in_flight_when_the_session_begins_counts() {
+        let root = tempfile::tempdir().unwrap();
+        let l = stack(root.path());
+        run(async {
+            let key = l.key("f");
+            let id = Marks::enter(&key, 1, 4 * K, 8 * K).await;
+            session(&l, &cx(2), 1).await;
+            Marks::leave(&key, id);
+            let (id, keep) = Marks::enter_heal(&key, 2, 0, 16 * K, false).await.unwrap();
+            Marks::leave(&key, id);
+            assert_eq!(keep, vec![(0, 4 * K), (8 * K, 8 * K)]);
+            let i = info(&l, &cx(2)).await;
+            assert_eq!(i.busy, 1);
+            assert_eq!(ranges(&i), vec![(4 * K, 4 * K)]);
+        });
+    }
+
+    #[test]
+    fn a_lock_waiting_for_a_write_in_flight_is_woken_when_it_leaves() {
+        let root = tempfile::tempdir().unwrap();
+        let l = Arc::new(stack(root.path()));
+        run(async {
+            let key = l.key("f");
+            let id = Marks::enter(&key, 1, 0, 4 * K).await;
+            let l2 = l.clone();
+            let lock = tokio::spawn(async move { l2.lock(2, "f", 0, 8 * K).await });
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            assert!(!lock.is_finished(), "the lock waits for the write");
+            let t = Instant::now();
+            Marks::leave(&key, id);
+            lock.await.unwrap().unwrap();
+            // Not the lease (10 s): woken as the write left.
+            assert!(t.elapsed() < std::time::Duration::from_secs(2));
+        });
+    }
+
+    #[test]
+    fn a_conditional_clear_is_refused_after_a_new_mark() {
+        let root = tempfile::tempdir().unwrap();
+        let l = stack(root.path());
+        let c = cx(1);
+        run(async {
+            let set = |name: &'static str, v: Vec<u8>| {
+                let l = &l;
+                let c = &c;
+                async move { l.setxattr(c, "f", name, &v, 0).await }
+            };
+            let gen = || {
+                let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+                p.targets.0.iter().find(|t| t.target == 1).map(|t| t.gen)
+            };
+            let mark = |offset, len| {
+                Mark {
+                    target: 1,
+                    offset,
+                    len,
+                }
+                .to_wire()
+            };
+            let cond = |offset, len, gen| {
+                CondMark {
+                    target: 1,
+                    offset,
+                    len,
+                    gen,
+                }
+                .to_wire()
+            };
+            set(m::ADD, mark(0, 4 * K)).await.unwrap();
+            let g1 = gen().unwrap();
+            assert!(g1 > 0);
+            set(m::ADD, mark(8 * K, 4 * K)).await.unwrap();
+            let g2 = gen().unwrap();
+            assert_ne!(g1, g2);
+            assert_eq!(set(m::CLEAR_IF, cond(0, 4 * K, g1)).await, Err(EAGAIN));
+            set(m::CLEAR_IF, cond(0, 4 * K, g2)).await.unwrap();
+            let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+            let r: Vec<_> = p.targets.0[0].ranges.0.iter().map(|r| r.offset).collect();
+            assert_eq!(r, vec![8 * K]);
+            // Nothing held for a target: a clear against generation 0 is a no-op.
+            let none = CondMark {
+                target: 2,
+                offset: 0,
+                len: m::WHOLE,
+                gen: 0,
+            };
+            set(m::CLEAR_IF, none.to_wire()).await.unwrap();
+            // Cleared out, the generation is gone; a new mark gets a new one.
+            set(m::CLEAR, mark(0, m::WHOLE)).await.unwrap();
+            assert_eq!(gen(), None);
+            set(m::ADD, mark(0, 4 * K)).await.unwrap();
+            assert!(gen().is_some_and(|g| g != g1 && g != g2));
+        });
+    }
+
+    #[test]
+    fn a_pending_page_shares_its_room_and_says_where_it_cut() {
+        let root = tempfile::tempdir().unwrap();
+        let l = stack(root.path());
+        let mut ops = Vec::new();
+        for i in 0..5000u64 {
+            ops.push((b'A', "f", 0u32, i * 32, 16u64));
+        }
+        for i in 0..3u64 {
+            ops.push((b'A', "f", 1u32, i * 32, 16u64));
+        }
+        l.apply(&ops).unwrap();
+        let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+        assert!(p.more);
+        let (t0, t1) = (&p.targets.0[0], &p.targets.0[1]);
+        let n = t0.ranges.0.len() as u64;
+        assert!(n > 100 && n < 5000, "{n}");
+        assert_eq!(t0.cut, n * 32, "the first range not listed");
+        assert_eq!((t1.ranges.0.len(), t1.cut), (3, m::WHOLE));
     }
 }

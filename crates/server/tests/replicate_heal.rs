@@ -2,7 +2,13 @@
 //! with SIGKILL mid-stream), a real client stack over TCP, heal, and a byte-for-byte check of
 //! every replica's file on disk against a model of the acknowledged writes.
 //!
-//! Runs are seeded: `KILN_SEED=N` repeats one; a failure prints its seed.
+//! Heal runs both after the writes stop and while they go on (into the very ranges it copies,
+//! from bricks that take writes later than the one being healed). The second is where a write
+//! that reaches the returning brick before heal's lock and the source after heal's read would
+//! be overwritten by the source's older bytes; heal sessions ([`kiln_layer::marks`]) keep it.
+//!
+//! Runs are seeded: `KILN_SEED=N` repeats one, `KILN_RUNS=N` sets how many the heal-while-
+//! writing test makes; a failure prints its seed.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -14,7 +20,7 @@ use std::time::{Duration, Instant};
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::heal;
-use kiln_layer::marks::{IndexPage, INDEX};
+use kiln_layer::marks::{IndexPage, ADD, INDEX};
 use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 use kiln_layer::Ctx;
 use kiln_proto::Wire;
@@ -29,10 +35,31 @@ struct Brick {
 
 impl Brick {
     fn new(root: &Path, i: usize) -> Brick {
+        Brick::slow(root, i, None)
+    }
+
+    /// A brick whose writes wait `delay` (µs, with probability `p`) before they reach the
+    /// marks layer, as on a slow disk: with `Some`, the brick stack has a delay-gen on top.
+    fn slow(root: &Path, i: usize, delay: Option<(u64, f64)>) -> Brick {
         let dir = root.join(format!("brick{i}"));
         std::fs::create_dir_all(&dir).unwrap();
         let volfile = root.join(format!("brick{i}.toml"));
-        let v = kiln_server::replica_volfile(&dir, &format!("brick{i}"));
+        let mut v = kiln_server::replica_volfile(&dir, &format!("brick{i}"));
+        if let Some((delay_us, probability)) = delay {
+            v.layers.insert(
+                1,
+                LayerDef {
+                    name: "slow-writes".into(),
+                    subvolumes: Vec::new(),
+                    kind: LayerKind::DelayGen {
+                        fops: vec!["write".into()],
+                        delay_us,
+                        probability,
+                        seed: 7 + i as u64,
+                    },
+                },
+            );
+        }
         std::fs::write(&volfile, v.to_toml()).unwrap();
         let mut b = Brick {
             dir,
@@ -228,8 +255,8 @@ fn kill_run(seed: u64) {
     writer.join().expect("writer");
     block_on(vol.fsync(&fd, false)).expect("fsync");
 
-    // Heal on connections of its own, as the heal service does. (Heal while writes go on has
-    // a known window, see kiln_layer::heal; this test checks the guarantee that holds.)
+    // Heal on connections of its own, as the heal service does. (Heal while the writes go on:
+    // `heal_while_verified_writes_go_on_twenty_runs`.)
     let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
     let need = block_on(heal::info(healer.top()));
     assert!(
@@ -269,21 +296,269 @@ fn kill_run(seed: u64) {
 
 #[test]
 fn kill9_one_of_three_during_verified_writes_twenty_runs() {
-    let seeds: Vec<u64> = match std::env::var("KILN_SEED") {
+    for (run, seed) in seeds(20).iter().enumerate() {
+        eprintln!("run {run}: seed {seed}");
+        kill_run(*seed);
+    }
+}
+
+const LIVE_FILE: &str = "live.raw";
+const LIVE_SIZE: u64 = 4 << 20;
+const LIVE_BLOCK: u64 = 32 << 10;
+/// Writer threads: each owns the blocks `b` with `b % WRITERS == its index`, so writes in flight
+/// never overlap one another and the model of acknowledged writes does not depend on their
+/// order, while together they cover every chunk heal copies.
+const WRITERS: u64 = 4;
+/// Writes acknowledged while the victim is down: at least this many, at most twice.
+const DOWN_WRITES: u64 = 30;
+/// How long writes wait on the bricks heal copies from (µs).
+const SLOW_US: u64 = 2000;
+/// While heal runs, one write in `FOCUS` goes to a block the victim missed.
+const FOCUS: u64 = 2;
+
+/// One seeded run: kill -9 a brick while `WRITERS` threads stream verified writes, restart it,
+/// and heal it *while the writes go on* (into the ranges being healed); then every replica
+/// equals the model of acknowledged writes.
+fn heal_during_writes_run(seed: u64) {
+    let root = tempfile::tempdir().unwrap();
+    let mut rng = Rng(seed | 1);
+    let victim = (rng.next() % 3) as usize;
+    // The replicas heal copies from take writes a little later than the victim: a write's copy
+    // can then reach the victim before heal's lock and a source after heal's read.
+    let mut bricks: Vec<Brick> = (0..3)
+        .map(|i| Brick::slow(root.path(), i, (i != victim).then_some((SLOW_US, 1.0))))
+        .collect();
+    let vol = Arc::new(Volume::from_volfile(&volfile(&bricks)).expect("connect"));
+
+    let fd = block_on(vol.create(LIVE_FILE, libc::O_RDWR | libc::O_CREAT, 0o644))
+        .expect("create")
+        .0;
+    let size = kiln_layer::SetAttrs {
+        valid: kiln_proto::ops::SETATTR_SIZE,
+        size: LIVE_SIZE,
+        ..Default::default()
+    };
+    block_on(vol.top().fsetattr(&Ctx::NONE, &fd, &size)).expect("size the file");
+    let model = Arc::new(std::sync::Mutex::new(vec![0u8; LIVE_SIZE as usize]));
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    // While `down`, writers note the blocks they write (the victim misses them); while
+    // `healing`, every other write goes to one of those, the ranges heal is copying.
+    let down = Arc::new(AtomicBool::new(false));
+    let healing = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|k| {
+            let (vol, fd, model, acked, stop, down, healing) = (
+                vol.clone(),
+                fd.clone(),
+                model.clone(),
+                acked.clone(),
+                stop.clone(),
+                down.clone(),
+                healing.clone(),
+            );
+            let mut rng = Rng(rng.next() | 1);
+            std::thread::spawn(move || {
+                let mine = LIVE_SIZE / LIVE_BLOCK / WRITERS;
+                let mut missed = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let pick = rng.next();
+                    let block = if healing.load(Ordering::Relaxed)
+                        && !missed.is_empty()
+                        && pick.is_multiple_of(FOCUS)
+                    {
+                        missed[(pick >> 8) as usize % missed.len()]
+                    } else {
+                        (rng.next() % mine) * WRITERS + k
+                    };
+                    if down.load(Ordering::Relaxed) {
+                        missed.push(block);
+                    }
+                    // Within the block: a random start and end on 512-byte boundaries.
+                    let head = (rng.next() % 16) * 512;
+                    let tail = (rng.next() % 16) * 512;
+                    let off = block * LIVE_BLOCK + head;
+                    let len = (LIVE_BLOCK - head - tail) as usize;
+                    let fill = rng.next();
+                    let buf: Vec<u8> = (0..len)
+                        .map(|i| (fill.wrapping_add(i as u64 * 7) >> 3) as u8)
+                        .collect();
+                    let (r, back) = block_on(vol.pwritev(&fd, vec![buf], off));
+                    let w = r.unwrap_or_else(|e| {
+                        panic!(
+                            "seed {seed}: write at {off} failed with one brick down at most: {e}"
+                        )
+                    });
+                    assert_eq!(w, len, "seed {seed}: short write");
+                    model.lock().unwrap()[off as usize..off as usize + len]
+                        .copy_from_slice(&back[0]);
+                    acked.fetch_add(1, Ordering::AcqRel);
+                }
+            })
+        })
+        .collect();
+    let at = |k: u64| {
+        let a = acked.clone();
+        wait_for(
+            &format!("{k} acknowledged writes (seed {seed})"),
+            60,
+            move || a.load(Ordering::Acquire) >= k,
+        )
+    };
+    at(10 + rng.next() % 20);
+    bricks[victim].kill9();
+    down.store(true, Ordering::Relaxed);
+    let now = acked.load(Ordering::Acquire);
+    at(now + DOWN_WRITES + rng.next() % DOWN_WRITES);
+    down.store(false, Ordering::Relaxed);
+    bricks[victim].start();
+    let rep = heal::replicate_layers(vol.top()).remove(0);
+    wait_for(
+        &format!("the client to reconnect (seed {seed})"),
+        30,
+        || rep.children()[victim].up(),
+    );
+    let now = acked.load(Ordering::Acquire);
+    at(now + 4);
+
+    // Heal while the writers go on.
+    let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
+    let during = acked.load(Ordering::Acquire);
+    healing.store(true, Ordering::Relaxed);
+    let t0 = Instant::now();
+    let report = block_on(heal::run(healer.top(), &|_, _| {}));
+    let took = t0.elapsed();
+    healing.store(false, Ordering::Relaxed);
+    let during = acked.load(Ordering::Acquire) - during;
+    let now = acked.load(Ordering::Acquire);
+    at(now + 8);
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.join().expect("writer");
+    }
+    block_on(vol.fsync(&fd, false)).expect("fsync");
+    eprintln!(
+        "seed {seed}: victim {victim}, {} writes ({during} during heal), heal moved {} B in {took:?}",
+        acked.load(Ordering::Acquire),
+        report.bytes,
+    );
+    assert!(
+        report.errors.is_empty(),
+        "seed {seed}: heal errors {:?}",
+        report.errors
+    );
+    assert_eq!(report.left, 0, "seed {seed}: heal left files behind");
+    assert!(report.bytes > 0, "seed {seed}: heal moved nothing");
+    assert!(
+        during > 0,
+        "seed {seed}: no write was acknowledged while heal ran"
+    );
+    assert!(index_empty(&healer), "seed {seed}: marks remain after heal");
+
+    let want = model.lock().unwrap().clone();
+    for (i, b) in bricks.iter().enumerate() {
+        let got = b.file(LIVE_FILE);
+        assert_eq!(got.len(), want.len(), "seed {seed}: brick {i} size differs");
+        if let Some(at) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            panic!(
+                "seed {seed}: brick {i} (victim {victim}) differs from the acknowledged writes \
+                 at byte {at}"
+            );
+        }
+    }
+    let (r, back) = block_on(vol.preadv(&fd, vec![vec![0u8; LIVE_SIZE as usize]], 0));
+    assert_eq!(r.expect("read"), LIVE_SIZE as usize);
+    assert!(back[0] == want, "seed {seed}: volume read differs");
+    let _ = block_on(vol.close(fd));
+}
+
+/// Seeds: `KILN_SEED=N` repeats one run; else `runs` seeds from the clock.
+fn seeds(runs: u64) -> Vec<u64> {
+    match std::env::var("KILN_SEED") {
         Ok(s) => vec![s.parse().expect("KILN_SEED is a number")],
         Err(_) => {
             let base = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_nanos() as u64;
-            (0..20)
+            (0..runs)
                 .map(|i| base.wrapping_add(i * 0x9e37_79b9))
                 .collect()
         }
-    };
-    for (run, seed) in seeds.iter().enumerate() {
+    }
+}
+
+#[test]
+fn heal_while_verified_writes_go_on_twenty_runs() {
+    let runs = std::env::var("KILN_RUNS").map_or(20, |s| s.parse().expect("KILN_RUNS is a number"));
+    for (run, seed) in seeds(runs).iter().enumerate() {
         eprintln!("run {run}: seed {seed}");
-        kill_run(*seed);
+        heal_during_writes_run(*seed);
+    }
+}
+
+/// A replica that a write reached while another one missed it is newer there, even inside a
+/// range marked as missed on it: heal must not copy to it from the replica that missed the
+/// write. Here replica 0 missed [0, 256K) (marked on 1 and 2), then took a write to
+/// [64K, 128K) that replica 1 missed (marked on 0 and 2); replica 2 has everything. With
+/// replica 2 down no replica is current for all of [0, 256K): heal leaves both marked and
+/// says so. With it back, heal copies 2 → 0, then 0 → 1, and all three agree.
+#[test]
+fn heal_copies_only_from_a_replica_that_is_current() {
+    const N: usize = 256 << 10;
+    let root = tempfile::tempdir().unwrap();
+    let mut bricks: Vec<Brick> = (0..3).map(|i| Brick::new(root.path(), i)).collect();
+    let vol = Volume::from_volfile(&volfile(&bricks)).expect("connect");
+    let (fd, _) = block_on(vol.create("two.raw", libc::O_RDWR | libc::O_CREAT, 0o644)).unwrap();
+    let _ = block_on(vol.close(fd));
+    let pattern = |tag: u8| -> Vec<u8> { (0..N).map(|i| tag ^ (i / 512) as u8).collect() };
+    let newer = pattern(0x11);
+    let mut on0 = pattern(0x22);
+    on0[64 << 10..128 << 10].copy_from_slice(&newer[64 << 10..128 << 10]);
+    let mut on1 = newer.clone();
+    on1[64 << 10..128 << 10].copy_from_slice(&pattern(0x33)[64 << 10..128 << 10]);
+    for (b, data) in bricks.iter().zip([&on0, &on1, &newer]) {
+        std::fs::write(b.dir.join("two.raw"), data).unwrap();
+    }
+    let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
+    let rep = heal::replicate_layers(healer.top()).remove(0);
+    let mark = |on: usize, target: u32, offset: u64, len: u64| {
+        let v = kiln_layer::marks::Mark {
+            target,
+            offset,
+            len,
+        }
+        .to_wire();
+        block_on(rep.children()[on].setxattr(&Ctx::NONE, "two.raw", ADD, &v, 0)).unwrap();
+    };
+    for on in [1, 2] {
+        mark(on, 0, 0, N as u64);
+    }
+    for on in [0, 2] {
+        mark(on, 1, 64 << 10, 64 << 10);
+    }
+
+    bricks[2].kill9();
+    wait_for("the healer to see brick 2 down", 30, || {
+        !rep.children()[2].up()
+    });
+    let report = block_on(heal::run(healer.top(), &|_, _| {}));
+    eprintln!("with replica 2 down: {report:?}");
+    assert_eq!(report.files, 0, "{report:?}");
+    assert_eq!(report.left, 2, "{report:?}");
+    assert_eq!(report.errors.len(), 2, "{report:?}");
+    assert!(bricks[0].file("two.raw") == on0, "replica 0 was copied to");
+    assert!(bricks[1].file("two.raw") == on1, "replica 1 was copied to");
+
+    bricks[2].start();
+    wait_for("the healer to reconnect", 30, || rep.children()[2].up());
+    let report = block_on(heal::run(healer.top(), &|_, _| {}));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    eprintln!("with replica 2 back: {report:?}");
+    assert_eq!((report.files, report.left), (2, 0), "{report:?}");
+    assert!(index_empty(&healer), "marks remain after heal");
+    for (i, b) in bricks.iter().enumerate() {
+        assert!(b.file("two.raw") == newer, "replica {i} differs after heal");
     }
 }
 

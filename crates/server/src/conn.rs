@@ -1058,58 +1058,56 @@ impl Conn {
         if self.out.is_empty() {
             return Ok(());
         }
+        let cap = kiln_tls::RecordWriter::BATCH;
         let out = &mut self.out;
-        let (mut idx, mut pos) = (0usize, out[0].sent);
-        let taken = w.seal_from(|room| {
-            let mut filled = 0;
-            while filled < room.len() && idx < out.len() {
-                if pos == 0 && out[idx].stamps_next {
-                    out[idx].stamps_next = false;
-                    if let Some(next) = out.get_mut(idx + 1) {
-                        if let Some(at) = next.stamp_at.take() {
-                            let t = kiln_layer::trace::now_ns().to_le_bytes();
-                            next.head[at..at + 8].copy_from_slice(&t);
-                        }
+        let (mut idx, mut pos, mut taken) = (0usize, out[0].sent, 0usize);
+        while taken < cap && idx < out.len() {
+            if pos == 0 && out[idx].stamps_next {
+                out[idx].stamps_next = false;
+                if let Some(next) = out.get_mut(idx + 1) {
+                    if let Some(at) = next.stamp_at.take() {
+                        let t = kiln_layer::trace::now_ns().to_le_bytes();
+                        next.head[at..at + 8].copy_from_slice(&t);
                     }
-                }
-                let r = &out[idx];
-                let dst = &mut room[filled..];
-                let n = if pos < r.head.len() {
-                    let k = (r.head.len() - pos).min(dst.len());
-                    dst[..k].copy_from_slice(&r.head[pos..pos + k]);
-                    k
-                } else {
-                    let at = pos - r.head.len();
-                    match &r.body {
-                        Body::None => 0,
-                        Body::Buf(b) => {
-                            let k = (b.len() - at).min(dst.len());
-                            dst[..k].copy_from_slice(&b[at..at + k]);
-                            k
-                        }
-                        Body::File { file, offset, len } => {
-                            let k = (len - at).min(dst.len());
-                            match rustix::io::pread(&**file, &mut dst[..k], offset + at as u64)? {
-                                0 => {
-                                    // The header promised `len` bytes: pad, as for sendfile.
-                                    tracing::warn!("file shrank during a read; padding with zeros");
-                                    dst[..k].fill(0);
-                                    k
-                                }
-                                got => got,
-                            }
-                        }
-                    }
-                };
-                filled += n;
-                pos += n;
-                if pos == r.total() {
-                    idx += 1;
-                    pos = 0;
                 }
             }
-            Ok(filled)
-        })?;
+            let r = &out[idx];
+            let room = cap - taken;
+            let n = if pos < r.head.len() {
+                let k = (r.head.len() - pos).min(room);
+                w.put(taken, &r.head[pos..pos + k]);
+                k
+            } else {
+                let at = pos - r.head.len();
+                match &r.body {
+                    Body::None => 0,
+                    Body::Buf(b) => {
+                        let k = (b.len() - at).min(room);
+                        w.put(taken, &b[at..at + k]);
+                        k
+                    }
+                    Body::File { file, offset, len } => {
+                        let k = (len - at).min(room);
+                        match w.read_file(taken, k, file, offset + at as u64)? {
+                            0 => {
+                                // The header promised `len` bytes: pad, as for sendfile.
+                                tracing::warn!("file shrank during a read; padding with zeros");
+                                w.zero(taken, k);
+                                k
+                            }
+                            got => got,
+                        }
+                    }
+                }
+            };
+            taken += n;
+            pos += n;
+            if pos == r.total() {
+                idx += 1;
+                pos = 0;
+            }
+        }
+        w.seal(taken)?;
         self.out_bytes -= taken;
         let mut left = taken;
         while left > 0 {

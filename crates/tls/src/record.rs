@@ -45,7 +45,7 @@ const NEW_SESSION_TICKET: u8 = 4;
 const RECORD_LIMIT: u64 = 1 << 24;
 
 /// Full records gathered per batch on the sending side.
-const SLOTS: usize = 16;
+const SLOTS: usize = 64;
 /// One record's room: header, plaintext, content type, tag.
 const SLOT: usize = HEADER + MAX_PLAIN + 1 + TAG;
 /// The receiving side's buffer: room for many records per read.
@@ -423,33 +423,91 @@ impl RecordWriter {
         !self.sealed.is_empty()
     }
 
-    /// Most plaintext bytes one [`RecordWriter::seal_from`] takes.
+    /// Most plaintext bytes one batch takes: the batch is laid into the record slots' rooms
+    /// as one logical span of this many bytes ([`RecordWriter::put`],
+    /// [`RecordWriter::read_file`]), then sealed ([`RecordWriter::seal`]).
     pub const BATCH: usize = SLOTS * MAX_PLAIN;
 
-    /// Fills record slots with `fill` (called with each slot's plaintext room until it returns
-    /// less than the room) and seals them; returns the plaintext bytes taken. Only when
-    /// nothing is pending.
-    pub fn seal_from(
-        &mut self,
-        mut fill: impl FnMut(&mut [u8]) -> io::Result<usize>,
-    ) -> io::Result<usize> {
-        assert!(!self.pending(), "seal_from with records still pending");
-        let mut total = 0;
-        for i in 0..SLOTS {
-            let rec = &mut self.buf[i * SLOT..(i + 1) * SLOT];
-            let n = fill(&mut rec[HEADER..HEADER + MAX_PLAIN])?;
-            if n == 0 {
+    /// The rooms covering logical bytes `at..at + len` of the batch.
+    fn rooms(&mut self, at: usize, len: usize) -> Vec<&mut [u8]> {
+        assert!(
+            !self.pending() && at + len <= Self::BATCH,
+            "batch span out of place"
+        );
+        let mut out = Vec::new();
+        let (mut at, mut left) = (at, len);
+        for (i, rec) in self.buf.chunks_mut(SLOT).enumerate() {
+            let room = i * MAX_PLAIN..(i + 1) * MAX_PLAIN;
+            if left == 0 {
                 break;
             }
-            rec[HEADER + n] = APPLICATION_DATA;
-            let len = self.tx.seal(rec, n + 1)?;
-            self.sealed.push((i * SLOT, len));
-            total += n;
-            if n < MAX_PLAIN {
-                break;
+            if at >= room.end {
+                continue;
+            }
+            let from = at - room.start;
+            let take = (MAX_PLAIN - from).min(left);
+            out.push(&mut rec[HEADER + from..HEADER + from + take]);
+            at += take;
+            left -= take;
+        }
+        out
+    }
+
+    /// Copies `src` to logical bytes `at..` of the batch.
+    pub fn put(&mut self, at: usize, src: &[u8]) {
+        let mut done = 0;
+        for room in self.rooms(at, src.len()) {
+            let n = room.len();
+            room.copy_from_slice(&src[done..done + n]);
+            done += n;
+        }
+    }
+
+    /// Zeroes logical bytes `at..at + len` of the batch.
+    pub fn zero(&mut self, at: usize, len: usize) {
+        for room in self.rooms(at, len) {
+            room.fill(0);
+        }
+    }
+
+    /// Reads `len` bytes of `file` from `offset` straight into logical bytes `at..` of the
+    /// batch (one `preadv`); returns how many it read (fewer at the end of the file).
+    pub fn read_file(
+        &mut self,
+        at: usize,
+        len: usize,
+        file: &std::fs::File,
+        offset: u64,
+    ) -> io::Result<usize> {
+        let mut iov: Vec<IoSliceMut<'_>> = self
+            .rooms(at, len)
+            .into_iter()
+            .map(IoSliceMut::new)
+            .collect();
+        loop {
+            match rustix::io::preadv(file, &mut iov, offset) {
+                Err(rustix::io::Errno::INTR) => continue,
+                r => return r.map_err(io::Error::from),
             }
         }
-        Ok(total)
+    }
+
+    /// Seals the first `n` bytes of the batch into records (every record full but the last);
+    /// then [`RecordWriter::flush`] writes them.
+    pub fn seal(&mut self, n: usize) -> io::Result<()> {
+        assert!(!self.pending() && n <= Self::BATCH, "seal out of place");
+        let mut left = n;
+        for (i, rec) in self.buf.chunks_mut(SLOT).enumerate() {
+            if left == 0 {
+                break;
+            }
+            let len = left.min(MAX_PLAIN);
+            rec[HEADER + len] = APPLICATION_DATA;
+            let sealed = self.tx.seal(rec, len + 1)?;
+            self.sealed.push((i * SLOT, sealed));
+            left -= len;
+        }
+        Ok(())
     }
 
     /// Writes sealed records to `fd` without blocking: true when all have left, false when

@@ -4,18 +4,24 @@
 For every repetition (--reps, default 3) this runs, in an order that flips from one
 repetition to the next:
 
-  kiln_rep3_write    kiln bench --replica 3 --rw write --bs 128k --iodepth 32 (three brick
-                     processes with the replica stack, bricks on a tmpfs)
+  kiln_rep3_write    kiln bench --replica 3 --rw write --bs 128k --iodepth 32 --transport unix
+                     (three brick processes with the replica stack, bricks on a tmpfs,
+                     reached over their Unix sockets: what a volume's client on the bricks'
+                     host uses, see README "Volumes")
+  kiln_rep3_write_tcp  the same over loopback TCP (what a client on another host pays, as
+                     far as one machine can show it)
   gluster_rep3_write fio --ioengine=gfapi_async --rw=write --bs=128k --iodepth=32 on the
                      rep3 volume of ../shared/bench/gluster.sh (1x3, bricks on a tmpfs)
-  kiln_rep3_read     kiln bench --replica 3 --rw read --bs 128k --iodepth 32
-  kiln_single_read   kiln bench --rw read --bs 128k --iodepth 32 (one brick, default stack)
+  kiln_rep3_read     kiln bench --replica 3 --rw read --bs 128k --iodepth 32 --transport unix
+  kiln_single_read   kiln bench --rw read --bs 128k --iodepth 32 --transport unix (one brick,
+                     default stack)
 
 each on a --size file (default 1g) for --runtime seconds (default 10). It prints the medians
 and the ratios the replicate work is held to:
 
   rep3_write_vs_gluster      Kiln rep3 write MB/s / GlusterFS rep3 write MB/s   >= 2.5
   rep3_write_p99_vs_gluster  Kiln rep3 write p99 / GlusterFS rep3 write p99     <= 0.1
+  rep3_write_tcp_vs_gluster  the same over TCP (reported, no target)
   rep3_read_vs_single        Kiln rep3 read MB/s / Kiln single-brick read MB/s  >= 0.9
 
 A human table goes to stderr, one JSON object to stdout (and to --out FILE). The machine is
@@ -111,11 +117,12 @@ class RepBench(c.GlusterRef):
         return {"mb_s": sec["bw_bytes"] / 1e6,
                 "p50_us": pct["50.000000"] / 1e3, "p99_us": pct["99.000000"] / 1e3}
 
-    def kiln_bench(self, rw: str, replica: int, rep: int, runtime: float | None = None) -> dict:
+    def kiln_bench(self, rw: str, replica: int, rep: int, runtime: float | None = None,
+                   transport: str = "unix") -> dict:
         brick = TMPFS / f"{'rep' if replica > 1 else 'single'}"
         cmd = [str(self.kiln), "bench", "--rw", rw, "--bs", "128k", "--iodepth", "32",
                "--size", self.args.size, "--runtime", str(runtime or self.args.runtime),
-               "--brick", str(brick), "--json"]
+               "--brick", str(brick), "--transport", transport, "--json"]
         if replica > 1:
             cmd += ["--replica", str(replica)]
         rc, out, err = c.run_group(cmd, timeout=self.args.runtime * 3 + 300, cwd=self.root)
@@ -130,6 +137,7 @@ class RepBench(c.GlusterRef):
     def run(self) -> dict:
         jobs = {
             "kiln_rep3_write": lambda r: self.kiln_bench("write", 3, r),
+            "kiln_rep3_write_tcp": lambda r: self.kiln_bench("write", 3, r, transport="tcp"),
             "kiln_rep3_read": lambda r: self.kiln_bench("read", 3, r),
             "kiln_single_read": lambda r: self.kiln_bench("read", 1, r),
         }
@@ -160,6 +168,10 @@ class RepBench(c.GlusterRef):
         if g:
             ratio("rep3_write_vs_gluster", k["mb_s"], g["mb_s"], 2.5, ">=")
             ratio("rep3_write_p99_vs_gluster", k["p99_us"], g["p99_us"], 0.1, "<=")
+            kt = med["kiln_rep3_write_tcp"]
+            ratios.append({"name": "rep3_write_tcp_vs_gluster",
+                           "value": round(kt["mb_s"] / g["mb_s"], 3), "target": "none",
+                           "pass": True})
         ratio("rep3_read_vs_single", med["kiln_rep3_read"]["mb_s"],
               med["kiln_single_read"]["mb_s"], 0.9, ">=")
         return {"reps": self.args.reps, "runtime_s": self.args.runtime, "size": self.args.size,

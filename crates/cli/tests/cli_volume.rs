@@ -149,7 +149,13 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     for (l, port) in vf.layers[2..].iter().zip(&ports) {
         match &l.kind {
             LayerKind::ProtocolClient { remote } => {
-                assert_eq!(remote, &format!("tcp:127.0.0.1:{port}"))
+                // Local bricks: their Unix socket first, then TCP.
+                let (sock, tcp) = remote.split_once(',').expect("two addresses");
+                assert!(
+                    sock.starts_with(&format!("unix:{}/run/vol-", state.display())),
+                    "{remote}"
+                );
+                assert_eq!(tcp, format!("tcp:127.0.0.1:{port}"));
             }
             other => panic!("{other:?}"),
         }
@@ -164,6 +170,10 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     std::env::set_var("KILN_SECRET_FILE", &sf);
     {
         let v = Volume::from_volfile(&vf).unwrap();
+        // Every brick is on this host: reached through its Unix socket.
+        for c in v.clients() {
+            assert!(c.server().starts_with("unix:"), "{}", c.server());
+        }
         let data: Vec<u8> = (0..256 * 1024).map(|i| (i * 7 % 251) as u8).collect();
         let (fd, _) = block_on(v.create("/hello.img", libc::O_RDWR, 0o644)).unwrap();
         let (n, _) = block_on(v.pwritev(&fd, vec![data.clone()], 0));

@@ -110,7 +110,9 @@ impl Volume {
     }
 
     /// Builds a client stack, connecting every protocol-client (with the secret from
-    /// `KILN_SECRET_FILE`, if set).
+    /// `KILN_SECRET_FILE`, if set). A protocol-client's `remote` may list alternatives,
+    /// comma-separated, tried in order: a volume's graph offers a brick's Unix socket before
+    /// its TCP address, and the socket is used only when that TCP address is on this host.
     pub fn from_volfile(v: &Volfile) -> io::Result<Volume> {
         Volume::from_volfile_with_secret(v, None)
     }
@@ -119,10 +121,11 @@ impl Volume {
     pub fn from_volfile_with_secret(v: &Volfile, secret: Option<&[u8]>) -> io::Result<Volume> {
         let mut clients = Vec::new();
         let mut err = None;
-        let connect = |remote: &str| match secret {
+        let connect_one = |remote: &str| match secret {
             Some(s) => Client::connect_with_secret(remote, Some(s)),
             None => Client::connect(remote),
         };
+        let connect = |remote: &str| connect_first(remote, connect_one);
         let top = v.build(&mut |def, _kids| match &def.kind {
             LayerKind::ProtocolClient { remote } => match connect(remote) {
                 Ok(c) => {
@@ -570,4 +573,46 @@ impl Volume {
             cb(r);
         });
     }
+}
+
+/// Connects to the first alternative in `remotes` (comma-separated) that answers. A `unix:`
+/// alternative is tried only when a TCP alternative names an address of this host: it is then
+/// the same brick's local socket (a path on another host would mean nothing here).
+fn connect_first(
+    remotes: &str,
+    connect: impl Fn(&str) -> io::Result<Client>,
+) -> io::Result<Client> {
+    let alts: Vec<&str> = remotes.split(',').map(str::trim).collect();
+    if alts.len() == 1 {
+        return connect(alts[0]);
+    }
+    let here = alts.iter().any(|a| {
+        let hp = a.strip_prefix("tcp:").unwrap_or(a);
+        !a.starts_with("unix:")
+            && std::net::ToSocketAddrs::to_socket_addrs(hp)
+                .into_iter()
+                .flatten()
+                .any(|sa| {
+                    !sa.ip().is_unspecified() && std::net::TcpListener::bind((sa.ip(), 0)).is_ok()
+                })
+    });
+    let mut last = None;
+    for a in alts {
+        if a.starts_with("unix:") && !here {
+            continue;
+        }
+        match connect(a) {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                tracing::debug!("{a}: {e}; trying the next address");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("no usable address in {remotes:?}"),
+        )
+    }))
 }

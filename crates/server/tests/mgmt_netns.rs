@@ -265,10 +265,15 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
         remotes[0].starts_with(&format!("tcp:{A_IP}:")),
         "{remotes:?}"
     );
+    // Host b's own brick is offered at its Unix socket first, then over TCP.
+    let (sock, tcp) = remotes[1]
+        .split_once(',')
+        .expect("two addresses for b's brick");
     assert!(
-        remotes[1].starts_with(&format!("tcp:{B_IP}:")),
+        sock.starts_with("unix:") && sock.ends_with("nv-1.sock"),
         "{remotes:?}"
     );
+    assert!(tcp.starts_with(&format!("tcp:{B_IP}:")), "{remotes:?}");
     assert_eq!(vf.layers[1].kind, LayerKind::Replicate { quorum: None });
 
     // Data through the volfile host b handed out, from host a, with host a's secret.

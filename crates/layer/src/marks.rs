@@ -13,11 +13,22 @@
 //! | `kiln.pending.add`      | setxattr | [`Mark`]: `target` missed `[offset, offset+len)`    |
 //! | `kiln.pending.clear`    | setxattr | [`Mark`]: `target` has that range now              |
 //! | `kiln.pending.clear.if` | setxattr | [`CondMark`]: the same, unless a mark for `target` was added since `gen` (then `EAGAIN`) |
+//! | `kiln.pending.flag`     | setxattr | [`FlagMark`]: `target` missed an [`ENTRY`] or [`META`] change of this path |
+//! | `kiln.pending.flag.clear.if` | setxattr | [`CondFlag`]: those flags are healed, unless a mark for `target` was added since `gen` (then `EAGAIN`) |
 //! | `kiln.pending`          | getxattr | [`PendingPage`]: this file's marks                  |
 //! | `kiln.pending.index`    | getxattr | [`IndexPage`] (on the root): files with marks      |
 //! | `kiln.lock`             | setxattr | [`LockReq`]: heal's range lock on the file          |
 //! | `kiln.heal`             | setxattr | [`HealReq`]: begin or end a heal session on the file |
 //! | `kiln.heal`             | getxattr | [`HealInfo`]: the caller's session on the file      |
+//!
+//! **Entry and metadata marks** ("flags", per path and target, beside the byte ranges):
+//! [`ENTRY`] on a path says the target missed a change of the *name* — it was created (file,
+//! directory, symlink, hard link), removed, or renamed from or to — so the target may hold
+//! the wrong thing there, or something that should be gone, or nothing; heal makes the
+//! target's entry match the source's (see [`crate::heal`]). [`META`] says the target missed a
+//! change of the path's attributes (mode, owner, times, xattrs). Flags are marked on the
+//! name itself, not on its parent directory, so heal touches exactly the names that changed.
+//! A mark of any kind (bytes or flags) for a target gives it a new generation.
 //!
 //! `len == WHOLE` means the whole file (it was created, truncated or punched while the replica
 //! was away). A getxattr answer holds at most [`PAGE_BYTES`]; a heal that clears what it healed
@@ -60,6 +71,14 @@ pub const HEAL: &str = "kiln.heal";
 /// clients changed since the session began. The marks layer takes it off before the file
 /// system sees the open.
 pub const HEAL_OPEN: u32 = 1 << 30;
+/// Add flags ([`FlagMark`]).
+pub const FLAG: &str = "kiln.pending.flag";
+/// Clear flags unless a mark was added since a generation ([`CondFlag`]).
+pub const FLAG_CLEAR_IF: &str = "kiln.pending.flag.clear.if";
+/// Flag: the target missed a change of this name (create, remove, rename from or to).
+pub const ENTRY: u32 = 1;
+/// Flag: the target missed a change of this path's attributes or xattrs.
+pub const META: u32 = 2;
 /// The reserved namespace.
 pub const PREFIX: &str = "kiln.";
 /// A range length meaning "to the end of the file, whatever its size".
@@ -77,12 +96,26 @@ wire_struct! {
     pub struct Range { pub offset: u64, pub len: u64 }
     /// The ranges a replica missed. `gen` changes whenever a mark for `target` is added on
     /// this brick (0: none held); `cut` is where the listing stops ([`WHOLE`]: it is complete;
-    /// else marks from `cut` on may be missing from it).
-    pub struct TargetRanges { pub target: u32, pub ranges: Seq<Range>, pub gen: u64, pub cut: u64 }
+    /// else marks from `cut` on may be missing from it); `flags` are its [`ENTRY`]/[`META`]
+    /// marks.
+    pub struct TargetRanges {
+        pub target: u32,
+        pub ranges: Seq<Range>,
+        pub gen: u64,
+        pub cut: u64,
+        pub flags: u32,
+    }
     /// A file's marks (possibly the first page of them).
     pub struct PendingPage { pub targets: Seq<TargetRanges>, pub more: bool }
-    /// One file with marks, and the bytes it needs, per target.
-    pub struct IndexEntry { pub path: String, pub target: u32, pub ranges: u64, pub bytes: u64 }
+    /// One file with marks, and the bytes it needs, per target; `flags` its entry/metadata
+    /// marks.
+    pub struct IndexEntry {
+        pub path: String,
+        pub target: u32,
+        pub ranges: u64,
+        pub bytes: u64,
+        pub flags: u32,
+    }
     /// Files with marks (possibly the first page).
     pub struct IndexPage { pub entries: Seq<IndexEntry>, pub more: bool }
     /// A heal lock request: `lock` 1 takes `[offset, offset+len)`, 0 drops it.
@@ -90,6 +123,12 @@ wire_struct! {
     /// A conditional clear: `target` has `[offset, offset+len)` now, unless a mark for it was
     /// added since the brick reported `gen`.
     pub struct CondMark { pub target: u32, pub offset: u64, pub len: u64, pub gen: u64 }
+    /// Flags ([`ENTRY`], [`META`]) that `target` missed on this path.
+    pub struct FlagMark { pub target: u32, pub flags: u32 }
+    /// `target` has `flags` healed now, unless a mark for it was added since `gen`; with
+    /// `data` 1 the same record marks the whole file's bytes for `target` (heal made the
+    /// name a new, empty file there: its bytes are copied next).
+    pub struct CondFlag { pub target: u32, pub flags: u32, pub gen: u64, pub data: u32 }
     /// `begin` 1 begins (or begins afresh) the caller's heal session on the file, 0 ends it.
     pub struct HealReq { pub begin: u32 }
     /// The caller's heal session: `live` 0 when there is none; `busy` 1 when clients had the

@@ -52,8 +52,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kiln_layer::marks::{
-    self as m, CondMark, HealInfo, HealReq, IndexEntry, IndexPage, LockReq, Mark, PendingPage,
-    RangeSet,
+    self as m, CondFlag, CondMark, FlagMark, HealInfo, HealReq, IndexEntry, IndexPage, LockReq,
+    Mark, PendingPage, RangeSet,
 };
 use kiln_layer::{
     errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
@@ -203,11 +203,15 @@ const ETIMEDOUT: u32 = 110;
 /// Marks by file, then by target replica.
 type Records = BTreeMap<String, BTreeMap<u32, RangeSet>>;
 
+/// Entry/metadata flags ([`m::ENTRY`], [`m::META`]) by path, then by target.
+type Flags = BTreeMap<String, BTreeMap<u32, u32>>;
+
 /// Generations by file, then by target: see the module documentation.
 type Gens = BTreeMap<String, BTreeMap<u32, u64>>;
 
 struct Store {
     records: Records,
+    flags: Flags,
     gens: Gens,
     /// The next generation.
     next_gen: u64,
@@ -245,6 +249,7 @@ impl Marks {
             Mode::empty(),
         )?;
         let mut records = Records::new();
+        let mut flags = Flags::new();
         let state = open_state_dir(&root, false).inspect_err(|e| {
             tracing::error!("{}: not starting the brick: {e}", dir.display());
         })?;
@@ -255,7 +260,7 @@ impl Marks {
                 Ok(mut f) => {
                     let mut bytes = Vec::new();
                     f.read_to_end(&mut bytes)?;
-                    let (n, bad) = replay(&bytes, &mut records);
+                    let (n, bad) = replay(&bytes, &mut records, &mut flags);
                     if bad {
                         tracing::warn!(
                             records = n,
@@ -263,11 +268,12 @@ impl Marks {
                             path.display()
                         );
                     }
-                    log = Some(compact(dir, state, &records).map_err(|e| {
+                    log = Some(compact(dir, state, &records, &flags).map_err(|e| {
                         std::io::Error::new(e.kind(), format!("compacting {}: {e}", path.display()))
                     })?);
                     tracing::info!(
                         files = records.len(),
+                        names = flags.len(),
                         "{}: pending marks loaded",
                         dir.display()
                     );
@@ -285,11 +291,17 @@ impl Marks {
             .map_or(1, |d| d.as_nanos() as u64)
             .max(1);
         let mut gens = Gens::new();
-        for (path, targets) in &records {
-            for t in targets.keys() {
-                gens.entry(path.clone()).or_default().insert(*t, next_gen);
-                next_gen += 1;
-            }
+        let held = records
+            .iter()
+            .flat_map(|(p, t)| t.keys().map(move |t| (p, *t)))
+            .chain(
+                flags
+                    .iter()
+                    .flat_map(|(p, t)| t.keys().map(move |t| (p, *t))),
+            );
+        for (path, t) in held {
+            gens.entry(path.clone()).or_default().insert(t, next_gen);
+            next_gen += 1;
         }
         Ok(Marks {
             name: name.into(),
@@ -298,6 +310,7 @@ impl Marks {
             root,
             store: Mutex::new(Store {
                 records,
+                flags,
                 gens,
                 next_gen,
                 state,
@@ -376,6 +389,45 @@ impl Marks {
         self.apply_locked(&mut st, &[(b'C', path, target, offset, len)])
     }
 
+    /// Clears `bits` of `target`'s flags on `path` unless a mark for it was added since
+    /// generation `gen` (`EAGAIN`).
+    /// With `data`, marks the whole file's bytes for `target` in the same record.
+    fn clear_flags_if(
+        &self,
+        path: &str,
+        target: u32,
+        gen: u64,
+        bits: u32,
+        data: bool,
+    ) -> FopResult<()> {
+        let mut st = self.store();
+        let now = st
+            .gens
+            .get(path)
+            .and_then(|g| g.get(&target))
+            .copied()
+            .unwrap_or(0);
+        if now != gen {
+            return Err(EAGAIN);
+        }
+        let held = st
+            .flags
+            .get(path)
+            .and_then(|t| t.get(&target))
+            .is_some_and(|f| f & bits != 0);
+        let mut ops = Vec::new();
+        if held {
+            ops.push((b'f', path, target, u64::from(bits), 0));
+        }
+        if data {
+            ops.push((b'A', path, target, 0, m::WHOLE));
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        self.apply_locked(&mut st, &ops)
+    }
+
     fn apply_locked(&self, st: &mut Store, ops: &[(u8, &str, u32, u64, u64)]) -> FopResult<()> {
         if st.log.is_none() {
             let opened = self.open_log_for_append(st);
@@ -401,12 +453,14 @@ impl Marks {
             })?;
         st.dirty = true;
         for (kind, path, t, o, l) in ops {
-            apply_one(&mut st.records, *kind, path, *t, *o, *l);
-            if *kind == b'A' {
+            apply_one(&mut st.records, &mut st.flags, *kind, path, *t, *o, *l);
+            if *kind == b'A' || *kind == b'F' {
                 let g = st.next_gen;
                 st.next_gen += 1;
                 st.gens.entry((*path).to_owned()).or_default().insert(*t, g);
-            } else if !st.records.get(*path).is_some_and(|r| r.contains_key(t)) {
+            } else if !st.records.get(*path).is_some_and(|r| r.contains_key(t))
+                && !st.flags.get(*path).is_some_and(|r| r.contains_key(t))
+            {
                 if let Some(g) = st.gens.get_mut(*path) {
                     g.remove(t);
                     if g.is_empty() {
@@ -437,16 +491,26 @@ impl Marks {
             targets: Seq(Vec::new()),
             more: false,
         };
-        if let Some(targets) = st.records.get(path) {
+        let empty = BTreeMap::new();
+        let records = st.records.get(path).unwrap_or(&empty);
+        let flags = st.flags.get(path);
+        let mut targets: Vec<u32> = records.keys().copied().collect();
+        targets.extend(flags.into_iter().flat_map(|f| f.keys().copied()));
+        targets.sort_unstable();
+        targets.dedup();
+        if !targets.is_empty() {
             // The page's room, shared among the targets (each has a few marks, mostly).
-            let per = ((m::PAGE_BYTES / targets.len().max(1)).saturating_sub(32) / 16).max(1);
+            let per = ((m::PAGE_BYTES / targets.len().max(1)).saturating_sub(40) / 16).max(1);
             let gens = st.gens.get(path);
-            for (t, ranges) in targets {
+            let none = RangeSet::default();
+            for t in &targets {
+                let ranges = records.get(t).unwrap_or(&none);
                 let mut tr = m::TargetRanges {
                     target: *t,
                     ranges: Seq(Vec::new()),
                     gen: gens.and_then(|g| g.get(t)).copied().unwrap_or(0),
                     cut: m::WHOLE,
+                    flags: flags.and_then(|f| f.get(t)).copied().unwrap_or(0),
                 };
                 for (i, (offset, len)) in ranges.iter().enumerate() {
                     if i == per {
@@ -469,19 +533,32 @@ impl Marks {
             more: false,
         };
         let mut size = 0;
-        'outer: for (path, targets) in &st.records {
-            for (t, ranges) in targets {
-                let need = 32 + path.len();
+        // Paths with byte marks or flags, in path order (a parent before what is in it).
+        let mut paths: Vec<&String> = st.records.keys().chain(st.flags.keys()).collect();
+        paths.sort_unstable();
+        paths.dedup();
+        let none = BTreeMap::new();
+        'outer: for path in paths {
+            let records = st.records.get(path).unwrap_or(&none);
+            let flags = st.flags.get(path);
+            let mut targets: Vec<u32> = records.keys().copied().collect();
+            targets.extend(flags.into_iter().flat_map(|f| f.keys().copied()));
+            targets.sort_unstable();
+            targets.dedup();
+            for t in targets {
+                let need = 40 + path.len();
                 if size + need > m::PAGE_BYTES {
                     page.more = true;
                     break 'outer;
                 }
                 size += need;
+                let ranges = records.get(&t);
                 page.entries.0.push(IndexEntry {
                     path: path.clone(),
-                    target: *t,
-                    ranges: ranges.count() as u64,
-                    bytes: ranges.bytes(),
+                    target: t,
+                    ranges: ranges.map_or(0, |r| r.count() as u64),
+                    bytes: ranges.map_or(0, |r| r.bytes()),
+                    flags: flags.and_then(|f| f.get(&t)).copied().unwrap_or(0),
                 });
             }
         }
@@ -546,6 +623,17 @@ impl Marks {
     /// written by another connection's heal), then registers a client change in flight there
     /// and records it in the file's heal sessions. Returns its id.
     async fn enter(key: &FileKey, owner: u64, start: u64, end: u64) -> u64 {
+        Marks::enter_as(key, owner, start, end, true).await
+    }
+
+    /// A change of a name or of attributes (no bytes): waits for heal's locks on the path
+    /// and registers in flight (so a lock waits for it), but is not a data change a heal
+    /// session should keep its bytes for.
+    async fn enter_ns(key: &FileKey, owner: u64) -> u64 {
+        Marks::enter_as(key, owner, 0, u64::MAX, false).await
+    }
+
+    async fn enter_as(key: &FileKey, owner: u64, start: u64, end: u64, record: bool) -> u64 {
         loop {
             let notified = key.changed.notified();
             let wait = {
@@ -581,8 +669,10 @@ impl Marks {
                             end,
                             heal: false,
                         });
-                        for s in st.sessions.iter_mut().filter(|s| s.owner != owner) {
-                            s.written.add(start, len_of(start, end));
+                        if record {
+                            for s in st.sessions.iter_mut().filter(|s| s.owner != owner) {
+                                s.written.add(start, len_of(start, end));
+                            }
                         }
                         return id;
                     }
@@ -748,6 +838,39 @@ impl Marks {
         })
     }
 
+    /// Runs a change of names or attributes of `path` (and `also`: a rename's other name)
+    /// once no other connection's heal lock holds them, registered in flight meanwhile (a heal
+    /// lock waits for it). Costs, without locks, what a write's gate costs.
+    fn named<'a, T: Send + 'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        also: Option<&'a str>,
+        call: impl FnOnce() -> Fut<'a, T> + Send + 'a,
+    ) -> Fut<'a, T> {
+        Box::pin(async move {
+            let key = self.key(path);
+            let other = also.map(|p| (p, self.key(p)));
+            let id = Marks::enter_ns(&key, cx.owner).await;
+            let first = Entered { key: &key, id };
+            let second = match &other {
+                Some((_, k)) => Some(Entered {
+                    key: k,
+                    id: Marks::enter_ns(k, cx.owner).await,
+                }),
+                None => None,
+            };
+            let r = call().await;
+            drop(second);
+            drop(first);
+            self.forget(path, &key);
+            if let Some((p, k)) = &other {
+                self.forget(p, k);
+            }
+            r
+        })
+    }
+
     /// A write through a heal handle: only the parts no client changed since the session
     /// began; the reply counts the bytes written (fewer than sent when some were skipped).
     fn heal_write<'a>(
@@ -814,6 +937,28 @@ impl Marks {
                 let r = self.apply(&[(kind, path, mark.target, mark.offset, mark.len)]);
                 Box::pin(std::future::ready(r))
             }
+            m::FLAG => {
+                let f = match FlagMark::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if let Err(e) = crate::brick::check_path(path) {
+                    return fail(e);
+                }
+                let r = self.apply(&[(b'F', path, f.target, u64::from(f.flags), 0)]);
+                Box::pin(std::future::ready(r))
+            }
+            m::FLAG_CLEAR_IF => {
+                let c = match CondFlag::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if let Err(e) = crate::brick::check_path(path) {
+                    return fail(e);
+                }
+                let r = self.clear_flags_if(path, c.target, c.gen, c.flags, c.data == 1);
+                Box::pin(std::future::ready(r))
+            }
             m::CLEAR_IF => {
                 let c = match CondMark::from_wire(value) {
                     Ok(v) => v,
@@ -854,36 +999,91 @@ impl Marks {
         }
     }
 
-    /// Moves a renamed file's marks to its new name. (A renamed directory's files keep theirs
-    /// under the old names; heal finds those missing and reports them.)
+    /// Moves a renamed path's marks, and those of everything beneath it (a renamed
+    /// directory), to the new name. Marks held at the new name (and beneath) before are
+    /// dropped but for its entry flags: what was there is gone.
     fn rename_marks(&self, from: &str, to: &str) -> FopResult<()> {
-        let moved: Vec<(u32, Vec<(u64, u64)>)> = match self.store().records.get(from) {
-            Some(targets) => targets
-                .iter()
-                .map(|(t, r)| (*t, r.iter().collect()))
-                .collect(),
-            None => return Ok(()),
+        let mut st = self.store();
+        let under = |p: &str, root: &str| {
+            p == root || (p.starts_with(root) && p.as_bytes().get(root.len()) == Some(&b'/'))
         };
-        let mut ops = Vec::new();
-        for (t, ranges) in &moved {
-            ops.push((b'C', from, *t, 0, m::WHOLE));
-            for (o, l) in ranges {
-                ops.push((b'A', to, *t, *o, *l));
+        let moved = |p: &str| format!("{to}{}", &p[from.len()..]);
+        let mut ops: Vec<(u8, String, u32, u64, u64)> = Vec::new();
+        // What the new name held goes (entry flags stay: they say the name changed).
+        for (p, targets) in st.records.range(to.to_owned()..) {
+            if !p.starts_with(to) {
+                break;
+            }
+            if under(p, to) {
+                for t in targets.keys() {
+                    ops.push((b'C', p.clone(), *t, 0, m::WHOLE));
+                }
             }
         }
-        self.apply(&ops)
+        for (p, targets) in st.flags.range(to.to_owned()..) {
+            if !p.starts_with(to) {
+                break;
+            }
+            if under(p, to) {
+                for t in targets.keys() {
+                    ops.push((b'f', p.clone(), *t, u64::from(m::META), 0));
+                }
+            }
+        }
+        for (p, targets) in st.records.range(from.to_owned()..) {
+            if !p.starts_with(from) {
+                break;
+            }
+            if under(p, from) {
+                for (t, r) in targets {
+                    ops.push((b'C', p.clone(), *t, 0, m::WHOLE));
+                    for (o, l) in r.iter() {
+                        ops.push((b'A', moved(p), *t, o, l));
+                    }
+                }
+            }
+        }
+        for (p, targets) in st.flags.range(from.to_owned()..) {
+            if !p.starts_with(from) {
+                break;
+            }
+            if under(p, from) {
+                for (t, f) in targets {
+                    // The old name keeps its entry flag: the target may still hold it.
+                    ops.push((b'f', p.clone(), *t, u64::from(m::META), 0));
+                    ops.push((b'F', moved(p), *t, u64::from(*f), 0));
+                }
+            }
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let refs: Vec<(u8, &str, u32, u64, u64)> = ops
+            .iter()
+            .map(|(k, p, t, o, l)| (*k, p.as_str(), *t, *o, *l))
+            .collect();
+        self.apply_locked(&mut st, &refs)
     }
 
+    /// Drops a removed file's byte marks and metadata flags (its entry flags stay: the name
+    /// may still be on a target that missed its creation or removal).
     fn drop_marks(&self, path: &str) -> FopResult<()> {
-        let targets: Vec<u32> = match self.store().records.get(path) {
-            Some(t) => t.keys().copied().collect(),
-            None => return Ok(()),
-        };
-        let ops: Vec<_> = targets
-            .iter()
-            .map(|t| (b'C', path, *t, 0, m::WHOLE))
-            .collect();
-        self.apply(&ops)
+        let mut st = self.store();
+        let mut ops: Vec<(u8, &str, u32, u64, u64)> = Vec::new();
+        if let Some(t) = st.records.get(path) {
+            ops.extend(t.keys().map(|t| (b'C', path, *t, 0, m::WHOLE)));
+        }
+        if let Some(t) = st.flags.get(path) {
+            ops.extend(
+                t.iter()
+                    .filter(|(_, f)| **f & m::META != 0)
+                    .map(|(t, _)| (b'f', path, *t, u64::from(m::META), 0)),
+            );
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        self.apply_locked(&mut st, &ops)
     }
 
     fn sync_log(&self) -> FopResult<()> {
@@ -989,7 +1189,7 @@ fn open_log(state: &OwnedFd, flags: OFlags, mode: Mode) -> std::io::Result<File>
 
 /// Writes the live `records` to a new log in `state` and renames it over the old one; returns
 /// the new log, open for appending.
-fn compact(dir: &Path, state: &OwnedFd, records: &Records) -> std::io::Result<File> {
+fn compact(dir: &Path, state: &OwnedFd, records: &Records, flags: &Flags) -> std::io::Result<File> {
     // A leftover from a compaction that did not finish, or something planted: removed (a
     // symlink itself, never what it points to), then made afresh (O_EXCL follows nothing).
     if let Ok(st) = rfs::statat(state, LOG_NEW, AtFlags::SYMLINK_NOFOLLOW) {
@@ -1021,6 +1221,11 @@ fn compact(dir: &Path, state: &OwnedFd, records: &Records) -> std::io::Result<Fi
             }
         }
     }
+    for (p, targets) in flags {
+        for (t, f) in targets {
+            record(&mut buf, b'F', p, *t, u64::from(*f), 0);
+        }
+    }
     f.write_all(&buf)?;
     f.sync_data()?;
     rfs::renameat(state, LOG_NEW, state, LOG)?;
@@ -1042,8 +1247,36 @@ fn record(buf: &mut Vec<u8>, kind: u8, path: &str, target: u32, offset: u64, len
     buf.extend_from_slice(path.as_bytes());
 }
 
-fn apply_one(records: &mut Records, kind: u8, path: &str, target: u32, offset: u64, len: u64) {
-    if kind == b'A' {
+/// Applies one record: `A`/`C` add/clear bytes `[offset, offset+len)`, `F`/`f` set/clear the
+/// flag bits in `offset`.
+fn apply_one(
+    records: &mut Records,
+    flags: &mut Flags,
+    kind: u8,
+    path: &str,
+    target: u32,
+    offset: u64,
+    len: u64,
+) {
+    if kind == b'F' {
+        *flags
+            .entry(path.to_owned())
+            .or_default()
+            .entry(target)
+            .or_default() |= offset as u32;
+    } else if kind == b'f' {
+        if let Some(targets) = flags.get_mut(path) {
+            if let Some(f) = targets.get_mut(&target) {
+                *f &= !(offset as u32);
+                if *f == 0 {
+                    targets.remove(&target);
+                }
+            }
+            if targets.is_empty() {
+                flags.remove(path);
+            }
+        }
+    } else if kind == b'A' {
         records
             .entry(path.to_owned())
             .or_default()
@@ -1064,7 +1297,7 @@ fn apply_one(records: &mut Records, kind: u8, path: &str, target: u32, offset: u
 }
 
 /// Replays a log; returns the records read and whether the tail was torn or bad.
-fn replay(mut bytes: &[u8], records: &mut Records) -> (usize, bool) {
+fn replay(mut bytes: &[u8], records: &mut Records, flags: &mut Flags) -> (usize, bool) {
     let mut n = 0;
     while !bytes.is_empty() {
         if bytes.len() < 23 {
@@ -1075,13 +1308,13 @@ fn replay(mut bytes: &[u8], records: &mut Records) -> (usize, bool) {
         let offset = u64::from_le_bytes(bytes[5..13].try_into().expect("8 bytes"));
         let len = u64::from_le_bytes(bytes[13..21].try_into().expect("8 bytes"));
         let plen = u16::from_le_bytes(bytes[21..23].try_into().expect("2 bytes")) as usize;
-        if bytes.len() < 23 + plen || !(kind == b'A' || kind == b'C') {
+        if bytes.len() < 23 + plen || !matches!(kind, b'A' | b'C' | b'F' | b'f') {
             return (n, true);
         }
         let Ok(path) = std::str::from_utf8(&bytes[23..23 + plen]) else {
             return (n, true);
         };
-        apply_one(records, kind, path, target, offset, len);
+        apply_one(records, flags, kind, path, target, offset, len);
         bytes = &bytes[23 + plen..];
         n += 1;
     }
@@ -1115,8 +1348,9 @@ impl Layer for Marks {
         Box::pin(async move {
             let heal = flags & m::HEAL_OPEN != 0;
             let (inner, attr) = self
-                .child()
-                .create(cx, path, flags & !m::HEAL_OPEN, mode)
+                .named(cx, path, None, || {
+                    self.child().create(cx, path, flags & !m::HEAL_OPEN, mode)
+                })
                 .await?;
             Ok((Fd::new(MarkFd::new(self.key(path), inner, heal)), attr))
         })
@@ -1202,6 +1436,11 @@ impl Layer for Marks {
             });
         }
         match unwrap(fd) {
+            Ok(f) if !f.heal => Box::pin(async move {
+                let id = Marks::enter_ns(&f.key, cx.owner).await;
+                let _in = Entered { key: &f.key, id };
+                self.child().fsetattr(cx, &f.inner, attrs).await
+            }),
             Ok(f) => self.child().fsetattr(cx, &f.inner, attrs),
             Err(e) => fail(e),
         }
@@ -1209,7 +1448,9 @@ impl Layer for Marks {
 
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
         if attrs.valid & SETATTR_SIZE == 0 {
-            return self.child().setattr(cx, path, attrs);
+            return self.named(cx, path, None, move || {
+                self.child().setattr(cx, path, attrs)
+            });
         }
         Box::pin(async move {
             let key = self.key(path);
@@ -1266,27 +1507,60 @@ impl Layer for Marks {
         if name.starts_with(m::PREFIX) {
             return self.set_virtual(cx, path, name, value);
         }
-        self.child().setxattr(cx, path, name, value, flags)
+        self.named(cx, path, None, move || {
+            self.child().setxattr(cx, path, name, value, flags)
+        })
     }
 
     fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
         if name.starts_with(m::PREFIX) {
             return fail(EOPNOTSUPP);
         }
-        self.child().removexattr(cx, path, name)
+        self.named(cx, path, None, move || {
+            self.child().removexattr(cx, path, name)
+        })
     }
 
     fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        Box::pin(async move {
-            self.child().unlink(cx, path).await?;
-            self.drop_marks(path)
+        self.named(cx, path, None, move || {
+            Box::pin(async move {
+                self.child().unlink(cx, path).await?;
+                self.drop_marks(path)
+            })
+        })
+    }
+
+    fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
+        self.named(cx, path, None, move || self.child().mkdir(cx, path, mode))
+    }
+
+    fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        self.named(cx, path, None, move || {
+            Box::pin(async move {
+                self.child().rmdir(cx, path).await?;
+                self.drop_marks(path)
+            })
+        })
+    }
+
+    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.named(cx, path, None, move || {
+            self.child().symlink(cx, target, path)
+        })
+    }
+
+    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.named(cx, path, None, move || {
+            self.child().link(cx, existing, path)
         })
     }
 
     fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
-        Box::pin(async move {
-            self.child().rename(cx, from, to, flags).await?;
-            self.rename_marks(from, to)
+        self.named(cx, from, Some(to), move || {
+            Box::pin(async move {
+                self.child().rename(cx, from, to, flags).await?;
+                self.rename_marks(from, to)
+            })
         })
     }
 }
@@ -1492,6 +1766,59 @@ mod tests {
             set(m::ADD, mark(0, 4 * K)).await.unwrap();
             assert!(gen().is_some_and(|g| g != g1 && g != g2));
         });
+    }
+
+    #[test]
+    fn flags_survive_a_restart_and_move_with_a_renamed_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let flags = |l: &Marks, path: &str| {
+            let p = PendingPage::from_wire(&l.pending_page(path)).unwrap();
+            p.targets
+                .0
+                .iter()
+                .map(|t| (t.target, t.flags))
+                .collect::<Vec<_>>()
+        };
+        {
+            let l = stack(root.path());
+            l.apply(&[
+                (b'F', "d", 1, u64::from(m::ENTRY), 0),
+                (b'F', "d/f", 2, u64::from(m::META), 0),
+                (b'A', "d/f", 2, 0, 4 * K),
+                (b'F', "dx", 1, u64::from(m::META), 0),
+            ])
+            .unwrap();
+            l.rename_marks("d", "e").unwrap();
+            assert_eq!(
+                flags(&l, "d"),
+                vec![(1, m::ENTRY)],
+                "the old name keeps ENTRY"
+            );
+            assert_eq!(flags(&l, "d/f"), vec![], "META moved");
+            assert_eq!(flags(&l, "dx"), vec![(1, m::META)], "not beneath d");
+            assert_eq!(flags(&l, "e/f"), vec![(2, m::META)]);
+            let gen = PendingPage::from_wire(&l.pending_page("e"))
+                .unwrap()
+                .targets
+                .0[0]
+                .gen;
+            let no = CondFlag {
+                target: 1,
+                flags: m::ENTRY,
+                gen: gen + 1,
+                data: 0,
+            };
+            let set = |v: Vec<u8>| run(l.setxattr(&cx(1), "e", m::FLAG_CLEAR_IF, &v, 0));
+            assert_eq!(set(no.to_wire()), Err(EAGAIN));
+            set(CondFlag { gen, ..no }.to_wire()).unwrap();
+            assert_eq!(flags(&l, "e"), vec![]);
+        }
+        let l = stack(root.path());
+        assert_eq!(flags(&l, "d"), vec![(1, m::ENTRY)]);
+        assert_eq!(flags(&l, "e/f"), vec![(2, m::META)]);
+        let idx = IndexPage::from_wire(&l.index_page()).unwrap();
+        let e = idx.entries.0.iter().find(|e| e.path == "e/f").unwrap();
+        assert_eq!((e.flags, e.bytes), (m::META, 4 * K));
     }
 
     #[test]

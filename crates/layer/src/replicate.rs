@@ -21,10 +21,14 @@
 //!   that follow at once: its handles are reopened on first use. Heal ([`crate::heal`]) copies
 //!   what it missed and clears the marks, after which reads use it again.
 //!
-//! Known limits (documented, not hidden): metadata-only changes (chmod, xattrs) and directory
-//! entry changes (mkdir, unlink, rename) that miss a replica are not marked — the file data is;
-//! a client that dies in the middle of a write may leave replicas different for the range it
-//! never acknowledged.
+//! - **Names and attributes are marked too.** A change of a name (create, mkdir, symlink,
+//!   link, unlink, rmdir; a rename's both names) that misses a replica flags the name
+//!   [`m::ENTRY`] for it; a change of attributes or xattrs (setattr without a size, setxattr,
+//!   removexattr) flags the path [`m::META`]. Heal makes the replica's entry, and then its
+//!   attributes, match. A replica flagged `ENTRY` for a name does not serve its reads.
+//!
+//! Known limits (documented, not hidden): a client that dies in the middle of a write may leave
+//! replicas different for the range it never acknowledged.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
@@ -33,7 +37,7 @@ use std::sync::{Arc, Mutex, Weak};
 use kiln_proto::Wire;
 
 use crate::exec::join_all;
-use crate::marks::{self as m, Mark, PendingPage};
+use crate::marks::{self as m, FlagMark, Mark, PendingPage};
 use crate::{
     errno, fail, Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
     ReaddirReply, SetAttrs, StatfsReply, Written,
@@ -113,6 +117,46 @@ impl Shared {
         };
         // SAFETY: as in `share`.
         unsafe { IoBufs::from_parts(self.iov, keep) }
+    }
+}
+
+/// What a replica that missed a change needs healed.
+#[derive(Clone, Copy, Default)]
+struct Miss<'a> {
+    /// Bytes (`None`: nothing data-wise).
+    range: Option<(u64, u64)>,
+    /// [`m::ENTRY`] / [`m::META`] flags for the path.
+    flags: u32,
+    /// Another path flagged the same (a rename's new name).
+    also: Option<&'a str>,
+}
+
+impl Miss<'_> {
+    fn bytes(offset: u64, len: u64) -> Miss<'static> {
+        Miss {
+            range: Some((offset, len)),
+            ..Default::default()
+        }
+    }
+
+    fn flags(flags: u32) -> Miss<'static> {
+        Miss {
+            flags,
+            ..Default::default()
+        }
+    }
+
+    /// A setattr's: bytes from the new size on, metadata for anything else it sets.
+    fn setattr(attrs: &SetAttrs) -> Miss<'static> {
+        Miss {
+            range: (attrs.valid & SETATTR_SIZE != 0).then_some((attrs.size, m::WHOLE)),
+            flags: if attrs.valid & !SETATTR_SIZE != 0 {
+                m::META
+            } else {
+                0
+            },
+            also: None,
+        }
     }
 }
 
@@ -270,14 +314,14 @@ impl Replicate {
     }
 
     /// Settles a change: a quorum or an error; misses marked on the replicas that took it.
-    /// `range` is what a miss needs healed (`None`: nothing data-wise).
+    /// `miss` is what a miss needs healed.
     async fn settle(
         &self,
         cx: &Ctx,
         path: &str,
         state: Option<&FileState>,
         outcomes: &[Option<FopResult<()>>],
-        range: Option<(u64, u64)>,
+        miss: Miss<'_>,
     ) -> FopResult<()> {
         let mut ok = Vec::new();
         let mut missed = Vec::new();
@@ -300,8 +344,8 @@ impl Replicate {
                 s.bad
                     .fetch_or(missed.iter().fold(0, |b, i| b | bit(*i)), Relaxed);
             }
-            if let Some((offset, len)) = range {
-                self.mark(cx, path, &ok, &missed, offset, len).await?;
+            if miss.range.is_some() || miss.flags != 0 {
+                self.mark(cx, path, &ok, &missed, miss).await?;
             }
         }
         if ok.len() < self.quorum {
@@ -317,31 +361,43 @@ impl Replicate {
         Ok(())
     }
 
-    /// Records on each replica in `on` that every replica in `missed` lacks a range.
+    /// Records on each replica in `on` that every replica in `missed` lacks a range, or
+    /// missed a change of the name or attributes.
     async fn mark(
         &self,
         cx: &Ctx,
         path: &str,
         on: &[usize],
         missed: &[usize],
-        offset: u64,
-        len: u64,
+        miss: Miss<'_>,
     ) -> FopResult<()> {
-        let values: Vec<Vec<u8>> = missed
-            .iter()
-            .map(|t| {
-                Mark {
-                    target: *t as u32,
+        let mut values: Vec<(&str, &str, Vec<u8>)> = Vec::new();
+        for t in missed {
+            let target = *t as u32;
+            if let Some((offset, len)) = miss.range {
+                let v = Mark {
+                    target,
                     offset,
                     len,
+                };
+                values.push((path, m::ADD, v.to_wire()));
+            }
+            if miss.flags != 0 {
+                let v = FlagMark {
+                    target,
+                    flags: miss.flags,
                 }
-                .to_wire()
-            })
-            .collect();
+                .to_wire();
+                if let Some(also) = miss.also {
+                    values.push((also, m::FLAG, v.clone()));
+                }
+                values.push((path, m::FLAG, v));
+            }
+        }
         let mut futs = Vec::new();
         for i in on {
-            for v in &values {
-                futs.push(Some(self.kids[*i].setxattr(cx, path, m::ADD, v, 0)));
+            for (p, name, v) in &values {
+                futs.push(Some(self.kids[*i].setxattr(cx, p, name, v, 0)));
             }
         }
         let done = join_all(futs).await;
@@ -365,7 +421,10 @@ impl Replicate {
             {
                 if let Ok(page) = PendingPage::from_wire(&v) {
                     for t in page.targets.0 {
-                        if (t.target as usize) < self.kids.len() && !t.ranges.0.is_empty() {
+                        let named = t.flags & m::ENTRY != 0;
+                        if (t.target as usize) < self.kids.len()
+                            && (!t.ranges.0.is_empty() || named)
+                        {
                             bad |= bit(t.target as usize);
                         }
                     }
@@ -380,13 +439,13 @@ impl Replicate {
         &'a self,
         cx: &'a Ctx,
         path: &'a str,
-        range: Option<(u64, u64)>,
+        miss: Miss<'a>,
         op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + 'a,
     ) -> Fut<'a, T> {
         Box::pin(async move {
             let futs = self.kids.iter().map(|k| k.up().then(|| op(k))).collect();
             let mut res = join_all(futs).await;
-            self.settle(cx, path, None, &outcomes(&res), range).await?;
+            self.settle(cx, path, None, &outcomes(&res), miss).await?;
             first_ok(&mut res)
         })
     }
@@ -459,6 +518,15 @@ impl Replicate {
                 Err(last)
             }
         }
+    }
+}
+
+/// A create's miss: the whole file, and the name.
+fn create_miss() -> Miss<'static> {
+    Miss {
+        range: Some((0, m::WHOLE)),
+        flags: m::ENTRY,
+        also: None,
     }
 }
 
@@ -586,7 +654,7 @@ impl Layer for Replicate {
             let res = join_all(futs).await;
             let state = self.state(path);
             let settled = self
-                .settle(cx, path, Some(&state), &outcomes(&res), Some((0, m::WHOLE)))
+                .settle(cx, path, Some(&state), &outcomes(&res), create_miss())
                 .await;
             let mut kids = Vec::with_capacity(self.kids.len());
             let mut attr = None;
@@ -658,7 +726,7 @@ impl Layer for Replicate {
                 &rfd.path,
                 Some(&rfd.state),
                 &res,
-                Some((offset, len as u64)),
+                Miss::bytes(offset, len as u64),
             )
             .await?;
             Ok(Written {
@@ -676,7 +744,7 @@ impl Layer for Replicate {
                 Box::pin(async move { k.fsync(cx, &fd, datasync).await })
             };
             let res = self.fan_out(cx, rfd, &op).await;
-            self.settle(cx, &rfd.path, None, &outcomes(&res), None)
+            self.settle(cx, &rfd.path, None, &outcomes(&res), Miss::default())
                 .await
         })
     }
@@ -718,8 +786,8 @@ impl Layer for Replicate {
                 Box::pin(async move { k.fsetattr(cx, &fd, attrs).await })
             };
             let mut res = self.fan_out(cx, rfd, &op).await;
-            let range = (attrs.valid & SETATTR_SIZE != 0).then_some((attrs.size, m::WHOLE));
-            self.settle(cx, &rfd.path, Some(&rfd.state), &outcomes(&res), range)
+            let miss = Miss::setattr(attrs);
+            self.settle(cx, &rfd.path, Some(&rfd.state), &outcomes(&res), miss)
                 .await?;
             first_ok(&mut res)
         })
@@ -745,7 +813,7 @@ impl Layer for Replicate {
                 &rfd.path,
                 Some(&rfd.state),
                 &outcomes(&res),
-                Some((offset, m::WHOLE)),
+                Miss::bytes(offset, m::WHOLE),
             )
             .await
         })
@@ -764,39 +832,49 @@ impl Layer for Replicate {
                 &rfd.path,
                 Some(&rfd.state),
                 &outcomes(&res),
-                Some((offset, len)),
+                Miss::bytes(offset, len),
             )
             .await
         })
     }
 
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        let range = (attrs.valid & SETATTR_SIZE != 0).then_some((attrs.size, m::WHOLE));
-        self.change_path(cx, path, range, move |k| k.setattr(cx, path, attrs))
+        self.change_path(cx, path, Miss::setattr(attrs), move |k| {
+            k.setattr(cx, path, attrs)
+        })
     }
 
     fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        self.change_path(cx, path, None, move |k| k.unlink(cx, path))
+        let miss = Miss::flags(m::ENTRY);
+        self.change_path(cx, path, miss, move |k| k.unlink(cx, path))
     }
 
     fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
-        self.change_path(cx, path, None, move |k| k.mkdir(cx, path, mode))
+        let miss = Miss::flags(m::ENTRY);
+        self.change_path(cx, path, miss, move |k| k.mkdir(cx, path, mode))
     }
 
     fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        self.change_path(cx, path, None, move |k| k.rmdir(cx, path))
+        let miss = Miss::flags(m::ENTRY);
+        self.change_path(cx, path, miss, move |k| k.rmdir(cx, path))
     }
 
     fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
-        self.change_path(cx, from, None, move |k| k.rename(cx, from, to, flags))
+        let miss = Miss {
+            also: Some(to),
+            ..Miss::flags(m::ENTRY)
+        };
+        self.change_path(cx, from, miss, move |k| k.rename(cx, from, to, flags))
     }
 
     fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        self.change_path(cx, path, None, move |k| k.symlink(cx, target, path))
+        let miss = Miss::flags(m::ENTRY);
+        self.change_path(cx, path, miss, move |k| k.symlink(cx, target, path))
     }
 
     fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        self.change_path(cx, path, None, move |k| k.link(cx, existing, path))
+        let miss = Miss::flags(m::ENTRY);
+        self.change_path(cx, path, miss, move |k| k.link(cx, existing, path))
     }
 
     fn setxattr<'a>(
@@ -810,13 +888,15 @@ impl Layer for Replicate {
         if name.starts_with(m::PREFIX) {
             return fail(errno::EPERM);
         }
-        self.change_path(cx, path, None, move |k| {
+        self.change_path(cx, path, Miss::flags(m::META), move |k| {
             k.setxattr(cx, path, name, value, flags)
         })
     }
 
     fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
-        self.change_path(cx, path, None, move |k| k.removexattr(cx, path, name))
+        self.change_path(cx, path, Miss::flags(m::META), move |k| {
+            k.removexattr(cx, path, name)
+        })
     }
 
     fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {

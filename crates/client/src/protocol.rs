@@ -46,12 +46,28 @@ struct Link {
 pub struct ProtocolClient {
     name: String,
     link: Arc<Link>,
+    /// The brick is on this host (see [`is_local_address`]).
+    local: bool,
+}
+
+/// True when `addr` (`unix:PATH`, `tcp:HOST:PORT` or `HOST:PORT`) leads to this host: a Unix
+/// socket, or an address this host can bind.
+pub fn is_local_address(addr: &str) -> bool {
+    if addr.starts_with("unix:") {
+        return true;
+    }
+    let hp = addr.strip_prefix("tcp:").unwrap_or(addr);
+    std::net::ToSocketAddrs::to_socket_addrs(hp)
+        .into_iter()
+        .flatten()
+        .any(|sa| !sa.ip().is_unspecified() && std::net::TcpListener::bind((sa.ip(), 0)).is_ok())
 }
 
 impl ProtocolClient {
     /// A protocol-client layer named `name` over a connected client.
     pub fn new(name: &str, client: Arc<Client>) -> ProtocolClient {
         ProtocolClient {
+            local: is_local_address(client.server()),
             name: name.into(),
             link: Arc::new(Link {
                 cur: RwLock::new((client, 0)),
@@ -218,6 +234,10 @@ fn path(p: &str) -> String {
 impl Layer for ProtocolClient {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn local(&self) -> bool {
+        self.local
     }
 
     fn up(&self) -> bool {

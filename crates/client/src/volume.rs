@@ -586,16 +586,9 @@ fn connect_first(
     if alts.len() == 1 {
         return connect(alts[0]);
     }
-    let here = alts.iter().any(|a| {
-        let hp = a.strip_prefix("tcp:").unwrap_or(a);
-        !a.starts_with("unix:")
-            && std::net::ToSocketAddrs::to_socket_addrs(hp)
-                .into_iter()
-                .flatten()
-                .any(|sa| {
-                    !sa.ip().is_unspecified() && std::net::TcpListener::bind((sa.ip(), 0)).is_ok()
-                })
-    });
+    let here = alts
+        .iter()
+        .any(|a| !a.starts_with("unix:") && crate::protocol::is_local_address(a));
     let mut last = None;
     for a in alts {
         if a.starts_with("unix:") && !here {

@@ -282,6 +282,13 @@ macro_rules! declare_layer {
                 self.children().first().is_none_or(|c| c.up())
             }
 
+            /// True when this layer's storage is on this host (a protocol-client over a Unix
+            /// socket or to an address of this host); the default asks the first child.
+            /// Replicate prefers such replicas for reads.
+            fn local(&self) -> bool {
+                self.children().first().is_some_and(|c| c.local())
+            }
+
             /// This layer as `Any`, for operator tools that look for a layer type.
             fn as_any(&self) -> Option<&dyn Any> {
                 None

@@ -11,10 +11,10 @@
 //!   quorum, and whatever replica lacks it is named on the ones that have it. With every
 //!   replica up a change costs nothing extra: no pre-operation, no post-operation.
 //! - **Reads** go to one replica that is up and has no marks against it for the file; each
-//!   open handle prefers one replica (handles are spread round-robin, so a sequential stream
-//!   stays on one brick and many files spread over all); a read that fails on one replica is
-//!   retried on the next. A
-//!   replica that is behind never serves a read: marks are read when the file is opened, and a
+//!   open handle prefers one replica — one on this host when there is one ([`Layer::local`]),
+//!   handles taking turns among those (so a sequential stream stays on one brick and many
+//!   files spread over the local ones) — and a read that fails on one replica is retried on
+//!   the next. A replica that is behind never serves a read: marks are read when the file is opened, and a
 //!   miss seen by this client marks the replica bad for the file at once.
 //! - **fsync** reaches every replica that holds the file and needs a quorum.
 //! - A replica that comes back (its protocol-client reconnects by itself) gets the changes
@@ -221,6 +221,20 @@ impl Replicate {
             .get(path)
             .and_then(Weak::upgrade)
             .map_or(0, |s| s.bad.load(Relaxed))
+    }
+
+    /// The replica a new handle reads from first: the replicas on this host that are up
+    /// take turns (spreading handles over them); with none, all replicas do.
+    fn pick_preferred(&self) -> usize {
+        let turn = self.rr.fetch_add(1, Relaxed);
+        let local: Vec<usize> = (0..self.kids.len())
+            .filter(|i| self.kids[*i].local() && self.kids[*i].up())
+            .collect();
+        if local.is_empty() {
+            turn
+        } else {
+            local[turn % local.len()]
+        }
     }
 
     /// The order to try replicas in for a read: up, not behind, starting at `start`.
@@ -629,7 +643,7 @@ impl Layer for Replicate {
             let state = self.state(path);
             state.bad.store(bad, Relaxed);
             Ok(Fd::new(RepFd {
-                prefer: self.rr.fetch_add(1, Relaxed),
+                prefer: self.pick_preferred(),
                 path: path.to_owned(),
                 flags,
                 kids,
@@ -669,7 +683,7 @@ impl Layer for Replicate {
                 }));
             }
             let rfd = RepFd {
-                prefer: self.rr.fetch_add(1, Relaxed),
+                prefer: self.pick_preferred(),
                 path: path.to_owned(),
                 flags,
                 kids,

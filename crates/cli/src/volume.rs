@@ -269,20 +269,30 @@ fn heal(a: &HealArgs) -> Result<(), String> {
         if !need.is_empty() {
             let _ = writeln!(
                 out,
-                "{:<18} {:<24} {:>8} {:>14}  File",
-                "Replica set", "Replica behind", "Ranges", "Bytes"
+                "{:<18} {:<24} {:>8} {:>24}  File",
+                "Replica set", "Replica behind", "Ranges", "Missed"
             );
         }
         for n in &need {
-            let bytes = if n.bytes > u64::MAX / 2 {
-                "whole file".to_owned()
-            } else {
-                n.bytes.to_string()
-            };
+            // What the replica missed: its name (created, removed, renamed), its attributes
+            // (mode, owner, times, xattrs), data bytes.
+            let mut missed = Vec::new();
+            if n.entry {
+                missed.push("name".to_owned());
+            }
+            if n.metadata {
+                missed.push("attrs".to_owned());
+            }
+            if n.bytes > u64::MAX / 2 {
+                missed.push("whole file".to_owned());
+            } else if n.ranges > 0 {
+                missed.push(format!("{} bytes", n.bytes));
+            }
+            let bytes = missed.join(" + ");
             let down = if n.target_up { "" } else { " (down)" };
             let _ = writeln!(
                 out,
-                "{:<18} {:<24} {:>8} {:>14}  {}",
+                "{:<18} {:<24} {:>8} {:>24}  {}",
                 n.set,
                 format!("{}{down}", n.target_name),
                 n.ranges,

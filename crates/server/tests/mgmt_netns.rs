@@ -5,6 +5,9 @@
 //! the volfile from its cached copy (without a secret, as a mounting client asks); data written
 //! from host a lands on both bricks. Needs root and `ip netns`; skips (saying why) without them.
 
+mod common;
+use common::ip;
+
 use std::io::{BufRead, BufReader};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -106,22 +109,6 @@ impl Drop for Net {
         }
         let _ = ip(&["netns", "del", &self.a]);
         let _ = ip(&["netns", "del", &self.b]);
-    }
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
     }
 }
 

@@ -4,6 +4,9 @@
 //! read at once — which only holds if every handle prefers the local replica. Needs root and
 //! `ip netns`; skips (saying why) without them.
 
+mod common;
+use common::ip;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -15,22 +18,6 @@ use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 
 const HOST_IP: &str = "10.78.0.1";
 const NS_IP: &str = "10.78.0.2";
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
 
 /// A namespace joined to this one by a veth pair; bricks started in it die with it.
 struct Remote {

@@ -222,3 +222,20 @@ pub fn spawn_tcp_kilnd(
         .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"));
     (child, addr.to_owned())
 }
+
+/// Runs `ip ARGS` (network namespaces, veth pairs); the error says what failed.
+pub fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}

@@ -1,0 +1,164 @@
+//! What the replica-3 tests share: brick processes with the replica stack, the client graph
+//! over them, a seeded generator, bounded waits, and the check that no marks are left.
+#![allow(dead_code)] // each test file uses some of these
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_client::Volume;
+use kiln_layer::exec::block_on;
+use kiln_layer::heal;
+use kiln_layer::marks::{IndexPage, INDEX};
+use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
+use kiln_layer::Ctx;
+use kiln_proto::Wire;
+
+/// One brick: a kilnd process with the replica stack (marks) on its own directory.
+pub struct Brick {
+    pub dir: PathBuf,
+    volfile: PathBuf,
+    pub addr: String,
+    pub child: Option<Child>,
+}
+
+impl Brick {
+    pub fn new(root: &Path, i: usize) -> Brick {
+        Brick::slow(root, i, None)
+    }
+
+    /// A brick whose writes wait `delay` (µs, with probability `p`) before they reach the
+    /// marks layer, as on a slow disk: with `Some`, the brick stack has a delay-gen on top.
+    pub fn slow(root: &Path, i: usize, delay: Option<(u64, f64)>) -> Brick {
+        let dir = root.join(format!("brick{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let volfile = root.join(format!("brick{i}.toml"));
+        let mut v = kiln_server::replica_volfile(&dir, &format!("brick{i}"));
+        if let Some((delay_us, probability)) = delay {
+            v.layers.insert(
+                1,
+                LayerDef {
+                    name: "slow-writes".into(),
+                    subvolumes: Vec::new(),
+                    kind: LayerKind::DelayGen {
+                        fops: vec!["write".into()],
+                        delay_us,
+                        probability,
+                        seed: 7 + i as u64,
+                    },
+                },
+            );
+        }
+        std::fs::write(&volfile, v.to_toml()).unwrap();
+        let mut b = Brick {
+            dir,
+            volfile,
+            addr: "tcp:127.0.0.1:0".into(),
+            child: None,
+        };
+        b.start();
+        b
+    }
+
+    /// Starts kilnd on the brick's address (the first time: any port, then the same one).
+    pub fn start(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
+                .arg("--volfile")
+                .arg(&self.volfile)
+                .args(["--listen", &self.addr, "--metrics", "off"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .stdin(Stdio::null())
+                .spawn()
+                .expect("spawn kilnd");
+            let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+            let mut line = String::new();
+            out.read_line(&mut line).expect("kilnd output");
+            if let Some(a) = line.trim().strip_prefix("kilnd: listening on ") {
+                self.addr = a.to_owned();
+                // Keep reading its stdout so it never blocks on a full pipe.
+                std::thread::spawn(move || for _ in out.lines() {});
+                self.child = Some(child);
+                return;
+            }
+            // The port may still be held by the killed process's socket for a moment.
+            let _ = child.kill();
+            let _ = child.wait();
+            assert!(
+                Instant::now() < deadline,
+                "kilnd did not start on {}: {line:?}",
+                self.addr
+            );
+            std::thread::yield_now();
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill(); // SIGKILL
+            let _ = c.wait();
+        }
+    }
+
+    pub fn file(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.dir.join(name)).unwrap_or_default()
+    }
+}
+
+impl Drop for Brick {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn volfile(bricks: &[Brick]) -> Volfile {
+    let mut layers = vec![LayerDef {
+        name: "rep".into(),
+        subvolumes: (0..bricks.len()).map(|i| format!("client-{i}")).collect(),
+        kind: LayerKind::Replicate { quorum: None },
+    }];
+    for (i, b) in bricks.iter().enumerate() {
+        layers.push(LayerDef {
+            name: format!("client-{i}"),
+            subvolumes: Vec::new(),
+            kind: LayerKind::ProtocolClient {
+                remote: b.addr.clone(),
+            },
+        });
+    }
+    Volfile { layers }
+}
+
+/// xorshift64*: the test's only source of randomness, from the seed.
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// Waits for `cond` with a deadline; panics with `what` when it does not come.
+pub fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+pub fn index_empty(vol: &Volume) -> bool {
+    heal::replicate_layers(vol.top()).iter().all(|r| {
+        r.children().iter().all(|k| {
+            block_on(k.getxattr(&Ctx::NONE, "", INDEX))
+                .ok()
+                .and_then(|v| IndexPage::from_wire(&v).ok())
+                .is_some_and(|p| p.entries.0.is_empty())
+        })
+    })
+}

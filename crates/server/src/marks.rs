@@ -221,6 +221,17 @@ struct Store {
     dirty: bool,
 }
 
+impl Store {
+    /// The generation of `target`'s marks on `path`: it changes whenever one is added.
+    fn gen(&self, path: &str, target: u32) -> u64 {
+        self.gens
+            .get(path)
+            .and_then(|g| g.get(&target))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
 /// The marks layer.
 pub struct Marks {
     name: String,
@@ -369,13 +380,7 @@ impl Marks {
     /// added since generation `gen` (`EAGAIN`).
     fn clear_if(&self, path: &str, target: u32, gen: u64, offset: u64, len: u64) -> FopResult<()> {
         let mut st = self.store();
-        let now = st
-            .gens
-            .get(path)
-            .and_then(|g| g.get(&target))
-            .copied()
-            .unwrap_or(0);
-        if now != gen {
+        if st.gen(path, target) != gen {
             return Err(EAGAIN);
         }
         let held = st
@@ -401,13 +406,7 @@ impl Marks {
         data: bool,
     ) -> FopResult<()> {
         let mut st = self.store();
-        let now = st
-            .gens
-            .get(path)
-            .and_then(|g| g.get(&target))
-            .copied()
-            .unwrap_or(0);
-        if now != gen {
+        if st.gen(path, target) != gen {
             return Err(EAGAIN);
         }
         let held = st
@@ -501,14 +500,13 @@ impl Marks {
         if !targets.is_empty() {
             // The page's room, shared among the targets (each has a few marks, mostly).
             let per = ((m::PAGE_BYTES / targets.len().max(1)).saturating_sub(40) / 16).max(1);
-            let gens = st.gens.get(path);
             let none = RangeSet::default();
             for t in &targets {
                 let ranges = records.get(t).unwrap_or(&none);
                 let mut tr = m::TargetRanges {
                     target: *t,
                     ranges: Seq(Vec::new()),
-                    gen: gens.and_then(|g| g.get(t)).copied().unwrap_or(0),
+                    gen: st.gen(path, *t),
                     cut: m::WHOLE,
                     flags: flags.and_then(|f| f.get(t)).copied().unwrap_or(0),
                 };

@@ -23,7 +23,7 @@ enum Cmd {
     /// Load generator on the native API (fio-like): throughput, latency percentiles, CPU.
     Bench(bench::BenchArgs),
     /// Run a brick server in the foreground (the same as `kilnd`).
-    Server(kiln_server::cli::ServeArgs),
+    Server(kilnd::ServeArgs),
     /// Mount a volume with FUSE (foreground; stop with SIGTERM or `kiln umount`).
     Mount(kiln_fuse::MountArgs),
     // Help text comes from `NbdArgs`' own doc comment.
@@ -42,24 +42,24 @@ enum Cmd {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Server(a) => return kiln_server::cli::main(a),
+        Cmd::Server(a) => return kilnd::main(a),
         Cmd::Demo(a) => {
-            kiln_server::cli::init_logging();
+            kilnd::init_logging();
             demo::main(a)
         }
         Cmd::Bench(a) => {
-            kiln_server::cli::init_logging();
+            kilnd::init_logging();
             bench::main(a)
         }
         Cmd::Mount(a) => {
-            kiln_server::cli::init_logging();
+            kilnd::init_logging();
             kiln_fuse::main(a)
         }
         Cmd::Volume(a) => volume::main(a),
         Cmd::Tls(a) => tls::main(a),
         Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
         Cmd::Nbd(a) => {
-            kiln_server::cli::init_logging();
+            kilnd::init_logging();
             kiln_nbd::main(a)
         }
     };

@@ -2,7 +2,7 @@
 //!
 //! `create`, `start`, `stop`, `delete`, `info`, `status`, `list` and `volfile` talk to a kilnd
 //! management daemon (`--server`, default `tcp:127.0.0.1:24007`) with JSON requests over the
-//! MGMT fop (see `kiln_server::mgmt`), proving the management secret: `--mgmt-secret-file`,
+//! MGMT fop (see `kiln_mgmt`), proving the management secret: `--mgmt-secret-file`,
 //! else `KILN_MGMT_SECRET_FILE`, else `STATE_DIR/mgmt.secret` (`--state-dir`, default
 //! `/var/lib/kiln`: root can read it on a kilnd host). Only `volfile` works without it.
 //! `heal` fetches the volfile and works on the bricks with the volume's secret. `profile`
@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use kiln_client::Client;
 use kiln_layer::iostats::{Period, PointReport};
 use kiln_layer::trace::{Timeline, Waterfall};
+use kiln_mgmt::Request;
 use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 
 /// Volume operations.
@@ -347,27 +348,38 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
         VolumeCmd::Create(a) => create(&a),
         VolumeCmd::Set(a) => set(&a),
         VolumeCmd::Start(a) => {
-            let req = serde_json::json!({
-                "cmd": "start", "name": a.name, "force": a.force.is_some()
-            });
-            let r = mgmt_call(&a.opts, "start", &req)?;
+            let req = Request::Start {
+                name: a.name.clone(),
+                force: a.force.is_some(),
+            };
+            let r = mgmt_call(&a.opts, &req)?;
             done(&a.opts, "start", &a.name, &r)
         }
         VolumeCmd::Stop(a) => {
             let r = mgmt_call(
                 &a.opts,
-                "stop",
-                &serde_json::json!({"cmd": "stop", "name": a.name}),
+                &Request::Stop {
+                    name: a.name.clone(),
+                },
             )?;
             done(&a.opts, "stop", &a.name, &r)
         }
         VolumeCmd::Delete(a) => {
-            let req = serde_json::json!({"cmd": "delete", "name": a.name});
-            let r = mgmt_call(&a.opts, "delete", &req)?;
+            let r = mgmt_call(
+                &a.opts,
+                &Request::Delete {
+                    name: a.name.clone(),
+                },
+            )?;
             done(&a.opts, "delete", &a.name, &r)
         }
         VolumeCmd::Info(a) => {
-            let r = mgmt_call(&a.opts, "info", &name_req("info", &a.name))?;
+            let r = mgmt_call(
+                &a.opts,
+                &Request::Info {
+                    name: a.name.clone(),
+                },
+            )?;
             if a.opts.json {
                 println!("{r}");
             } else {
@@ -376,7 +388,12 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             Ok(())
         }
         VolumeCmd::Status(a) => {
-            let r = mgmt_call(&a.opts, "status", &name_req("status", &a.name))?;
+            let r = mgmt_call(
+                &a.opts,
+                &Request::Status {
+                    name: a.name.clone(),
+                },
+            )?;
             if a.opts.json {
                 println!("{r}");
             } else {
@@ -385,7 +402,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             Ok(())
         }
         VolumeCmd::List(o) => {
-            let r = mgmt_call(&o, "list", &serde_json::json!({"cmd": "list"}))?;
+            let r = mgmt_call(&o, &Request::List)?;
             if o.json {
                 println!("{r}");
                 return Ok(());
@@ -400,8 +417,12 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             Ok(())
         }
         VolumeCmd::Volfile(a) => {
-            let req = serde_json::json!({"cmd": "volfile", "name": a.name});
-            let r = mgmt_call(&a.opts, "volfile", &req)?;
+            let r = mgmt_call(
+                &a.opts,
+                &Request::Volfile {
+                    name: a.name.clone(),
+                },
+            )?;
             if a.opts.json {
                 println!("{r}");
             } else {
@@ -409,13 +430,6 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             }
             Ok(())
         }
-    }
-}
-
-fn name_req(cmd: &str, name: &Option<String>) -> serde_json::Value {
-    match name {
-        Some(n) => serde_json::json!({ "cmd": cmd, "name": n }),
-        None => serde_json::json!({ "cmd": cmd }),
     }
 }
 
@@ -436,11 +450,9 @@ fn volume_secret(
 
 /// One request to the management daemon, proving the management secret; errors read like
 /// `volume start: NAME: failed: …`, and a refusal for want of the secret says what to do.
-fn mgmt_call(
-    opts: &MgmtOpts,
-    what: &str,
-    req: &serde_json::Value,
-) -> Result<serde_json::Value, String> {
+fn mgmt_call(opts: &MgmtOpts, req: &Request) -> Result<serde_json::Value, String> {
+    let what = req.cmd();
+    let req = &req.to_json();
     let fail = |e: &str| match req["name"].as_str() {
         Some(n) => {
             let e = e.strip_prefix(&format!("volume {n}: ")).unwrap_or(e);
@@ -477,16 +489,20 @@ fn done(opts: &MgmtOpts, what: &str, name: &str, r: &serde_json::Value) -> Resul
 }
 
 fn set(a: &SetArgs) -> Result<(), String> {
-    let allow: Vec<&str> = match a.value.as_str() {
+    let allow: Vec<String> = match a.value.as_str() {
         "all" => Vec::new(),
         v => v
             .split(',')
             .map(str::trim)
             .filter(|c| !c.is_empty())
+            .map(str::to_owned)
             .collect(),
     };
-    let req = serde_json::json!({ "cmd": "set", "name": a.name, "allow": allow });
-    let r = mgmt_call(&a.opts, "set", &req)?;
+    let req = Request::Set {
+        name: a.name.clone(),
+        allow,
+    };
+    let r = mgmt_call(&a.opts, &req)?;
     if a.opts.json {
         println!("{r}");
     } else {
@@ -518,10 +534,13 @@ fn create(a: &CreateArgs) -> Result<(), String> {
             a.name
         ));
     }
-    let req = serde_json::json!({
-        "cmd": "create", "name": a.name, "replica": replica, "bricks": args, "allow": a.allow,
-    });
-    let r = mgmt_call(&a.opts, "create", &req)?;
+    let req = Request::Create {
+        name: a.name.clone(),
+        replica: Some(replica),
+        bricks: args.to_vec(),
+        allow: a.allow.clone(),
+    };
+    let r = mgmt_call(&a.opts, &req)?;
     if a.opts.json {
         println!("{r}");
     } else {

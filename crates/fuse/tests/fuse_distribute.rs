@@ -5,7 +5,7 @@
 //!
 //! The graphs are the ones the management daemon makes: each brick runs
 //! `mgmt::brick_volfile` (io-stats → marks → dispatch → posix) through kilnd's own entry point
-//! (`kiln_server::cli::main`, the code `kilnd --volfile F --listen tcp:… --secret-file S`
+//! (`kilnd::main`, the code `kilnd --volfile F --listen tcp:… --secret-file S`
 //! runs) on TCP with the volume's secret, and the mount's stack is `mgmt::client_volfile`, what
 //! `kiln mount HOST:/VOL` fetches (io-stats → distribute → one protocol-client per brick). The
 //! bricks run in this process, not as spawned `kilnd` processes: kiln-fuse's tests have no
@@ -23,8 +23,8 @@ use clap::Parser;
 use kiln_client::volume::layer::distribute::{name_hash, Layout, LAYOUT_XATTR};
 use kiln_client::Volume;
 use kiln_fuse::Mode;
-use kiln_server::cli::ServeArgs;
-use kiln_server::mgmt::{self, BrickDef, VolState, VolumeDef};
+use kiln_mgmt::{self as mgmt, BrickDef, VolState, VolumeDef};
+use kilnd::ServeArgs;
 
 const VOLUME: &str = "fdist";
 const BRICKS: usize = 4;
@@ -78,7 +78,7 @@ fn start_brick(tmp: &Path, i: usize, dir: &Path, secret: &Path) -> u16 {
         let args = ServeArgs::try_parse_from(argv).expect("kilnd arguments");
         let server = std::thread::Builder::new()
             .name(format!("kilnd-brick{i}"))
-            .spawn(move || kiln_server::cli::main(args))
+            .spawn(move || kilnd::main(args))
             .expect("brick thread");
         let deadline = Instant::now() + Duration::from_secs(15);
         while !server.is_finished() {

@@ -76,7 +76,7 @@ fn fake_mgmt(dir: &Path, volfile: String) -> u16 {
             .build()
             .unwrap();
         rt.block_on(async move {
-            let handler: kiln_server::mgmt::Handler = Arc::new(move |req: &[u8]| {
+            let handler: kiln_server::control::Handler = Arc::new(move |req: &[u8]| {
                 let req: serde_json::Value = serde_json::from_slice(req).unwrap_or_default();
                 let reply = if req["cmd"] == "volfile" && req["name"] == "vol" {
                     serde_json::json!({ "ok": true, "volfile": volfile })

@@ -4,11 +4,9 @@
 pub mod access;
 pub mod auth;
 pub mod brick;
-pub mod cli;
 pub mod conn;
-pub mod healer;
+pub mod control;
 pub mod marks;
-pub mod mgmt;
 pub mod posix;
 pub mod stats;
 
@@ -65,7 +63,7 @@ pub struct Server {
     limits: Limits,
     allow: Vec<access::Cidr>,
     secret: Option<Arc<[u8]>>,
-    mgmt: Option<mgmt::Handler>,
+    mgmt: Option<control::Handler>,
     tls: Option<Arc<kiln_tls::ServerConfig>>,
     tcp: Vec<TcpListener>,
     unix: Vec<UnixListener>,
@@ -153,9 +151,9 @@ impl Server {
         self
     }
 
-    /// Answers MGMT requests with this handler (volume management, see [`mgmt`]); without
+    /// Answers MGMT requests with this handler (volume management, see [`control`]); without
     /// one they fail with `ENOSYS`.
-    pub fn with_mgmt(mut self, handler: mgmt::Handler) -> Server {
+    pub fn with_mgmt(mut self, handler: control::Handler) -> Server {
         self.mgmt = Some(handler);
         self
     }
@@ -387,7 +385,7 @@ struct Shared {
     clients: conn::ClientBook,
     limits: Limits,
     secret: Option<Arc<[u8]>>,
-    mgmt: Option<mgmt::Handler>,
+    mgmt: Option<control::Handler>,
     /// Connections being served now.
     open: AtomicUsize,
 }

@@ -3,5 +3,5 @@
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
-    kiln_server::cli::main(kiln_server::cli::ServeArgs::parse())
+    kilnd::main(kilnd::ServeArgs::parse())
 }

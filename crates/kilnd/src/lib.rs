@@ -1,9 +1,11 @@
-//! The `kilnd` command line, shared with `kiln server`.
+//! The `kilnd` command line, shared with `kiln server`: one binary, two roles. With `--brick`
+//! or `--volfile` it is a brick server (`kiln-server`); without, the management daemon
+//! (`kiln-mgmt`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::{Listen, Server};
+use kiln_server::{Listen, Server};
 
 /// Kiln server. With `--brick DIR` (or `--volfile`): a brick server that exports DIR to Kiln
 /// clients over TCP and/or a Unix socket. Without: the management daemon, which keeps volume
@@ -51,7 +53,7 @@ pub struct ServeArgs {
     pub mgmt: Listen,
     /// Management mode: the first TCP port bricks are given (each brick takes the next free
     /// one; open the range in firewalls).
-    #[arg(long, value_name = "PORT", default_value_t = crate::mgmt::FIRST_BRICK_PORT)]
+    #[arg(long, value_name = "PORT", default_value_t = kiln_mgmt::FIRST_BRICK_PORT)]
     pub brick_port_base: u16,
     /// Management mode: seconds between rounds of the heal service, which heals the replicated
     /// volumes this kilnd is the authority of by itself (0: off; `kiln volume heal` still
@@ -80,13 +82,13 @@ pub struct ServeArgs {
     /// default: anyone who can reach a listening address). Refused clients get EACCES and the
     /// refusal is logged. Unix-socket clients are governed by the socket file's permissions.
     #[arg(long, value_name = "CIDR")]
-    pub allow: Vec<crate::access::Cidr>,
+    pub allow: Vec<kiln_server::access::Cidr>,
     /// Connections served at once; more are closed at once with a log line.
-    #[arg(long, default_value_t = crate::Limits::default().max_connections)]
+    #[arg(long, default_value_t = kiln_server::Limits::default().max_connections)]
     pub max_connections: usize,
     /// Requests one connection may have waiting for replies before the server stops reading
     /// it (bounds memory per client together with an 8 MiB cap on queued reply bytes).
-    #[arg(long, default_value_t = crate::Limits::default().max_inflight)]
+    #[arg(long, default_value_t = kiln_server::Limits::default().max_inflight)]
     pub max_inflight: usize,
     /// Seconds after which a connection with nothing in flight that sends nothing is closed;
     /// 0 (the default) never closes one, because clients do not reconnect by themselves yet.
@@ -139,13 +141,13 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         }
     };
     rt.block_on(async {
-        let limits = crate::Limits {
+        let limits = kiln_server::Limits {
             max_connections: args.max_connections.max(1),
             max_inflight: args.max_inflight.max(1),
             idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout.max(0.0)),
         };
         let secret = match &args.secret_file {
-            Some(p) => match crate::auth::load_or_create(p) {
+            Some(p) => match kiln_server::auth::load_or_create(p) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     eprintln!("kilnd: {e}");
@@ -172,7 +174,7 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
                     return std::process::ExitCode::FAILURE;
                 }
             },
-            (None, Some(dir)) => crate::default_volfile(dir),
+            (None, Some(dir)) => kiln_server::default_volfile(dir),
             (None, None) => unreachable!("without --brick or --volfile kilnd manages volumes"),
         };
         let server = match Server::bind_volfile(&volfile, &args.listen) {
@@ -216,7 +218,7 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
 /// The management daemon: restores the bricks of started volumes, then answers MGMT requests
 /// on `--mgmt` until killed.
 fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
-    use crate::mgmt;
+    use kiln_mgmt as mgmt;
     let fail = |e: String| {
         eprintln!("kilnd: {e}");
         std::process::ExitCode::FAILURE
@@ -285,7 +287,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         }
         if args.heal_interval > 0.0 {
             let every = std::time::Duration::from_secs_f64(args.heal_interval);
-            crate::healer::start(manager.clone(), every);
+            kiln_mgmt::healer::start(manager.clone(), every);
         }
         if let Some(a) = addr {
             say(&format!("kilnd: management on {a}"));

@@ -19,20 +19,23 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use kiln_layer::{Ctx, Fd, IoBufs, LayerRef, ReadDst, ReadOut, Trace};
-use kiln_proto::codec::{Seq, Wire};
+use kiln_layer::{Ctx, Fd, LayerRef, Trace};
+use kiln_proto::codec::Wire;
 use kiln_proto::frame::{Header, HEADER_LEN, KIND_REQUEST};
 use kiln_proto::iov::RawIov;
 use kiln_proto::ops::*;
 use kiln_proto::{errno, Op};
 use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
 use tokio::sync::mpsc;
 
 use crate::brick::Errno;
 use crate::stats::Stats;
 
 pub use crate::posix::SENDFILE_MIN;
+
+mod fops;
+mod send;
+
 /// Bytes read past a header at a frame boundary: enough for the arguments of every fop but
 /// long paths, so a small request costs one `readv`. A WRITE whose payload starts inside it has
 /// at most this many payload bytes copied (counted in `Stats::bytes_copied`).
@@ -221,7 +224,7 @@ struct Conn {
     /// The shared secret clients must prove, if the server has one.
     secret: Option<Arc<[u8]>>,
     /// Answers MGMT requests, on a kilnd that manages volumes.
-    mgmt: Option<crate::mgmt::Handler>,
+    mgmt: Option<crate::control::Handler>,
     /// The nonce sent in HELLO (all zero before HELLO).
     nonce: [u8; kiln_proto::auth::NONCE_LEN],
     hello_done: bool,
@@ -290,7 +293,7 @@ pub async fn serve(
     clients: ClientBook,
     limits: Limits,
     secret: Option<Arc<[u8]>>,
-    mgmt: Option<crate::mgmt::Handler>,
+    mgmt: Option<crate::control::Handler>,
     peer: String,
 ) {
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -541,7 +544,7 @@ impl Conn {
             return self.push(OutReply::new(opcode, id, Err(errno::ENOSYS)));
         };
         self.stats.count(op);
-        // MGMT passes on a management server: its handler decides per command (mgmt::Caller).
+        // MGMT passes on a management server: its handler decides per command (control::Caller).
         let open = matches!(op, Op::Hello | Op::Auth) || (op == Op::Mgmt && self.mgmt.is_some());
         if self.secret.is_some() && !self.authed && !open {
             tracing::warn!(peer = %self.peer, op = op.name(), "request before authentication; closing");
@@ -644,488 +647,6 @@ impl Conn {
         self.next_fh += 1;
         self.handles.insert(fh, fd);
         fh
-    }
-
-    /// Decodes a request and starts it: protocol fops (HELLO, AUTH, PROFILE, RELEASE's handle
-    /// bookkeeping) are answered here, file fops go down the stack.
-    fn fop(&mut self, op: Op, args: &[u8], payload: Vec<u8>, cx: Ctx) -> Result<Step, Fail> {
-        let stack = self.stack.clone();
-        let stats = self.stats.clone();
-        cx.stamp(|| "brick: dispatch".into());
-        fn reply(v: &impl Wire) -> Result<Done, Errno> {
-            Ok(Done::Reply(v.to_wire(), Body::None))
-        }
-        fn empty() -> Result<Done, Errno> {
-            Ok(Done::Reply(Vec::new(), Body::None))
-        }
-        macro_rules! stack {
-            ($body:expr) => {
-                Ok(Step::Stack(Box::pin(async move { $body })))
-            };
-        }
-        match op {
-            Op::Hello => {
-                let req = HelloReq::from_wire(args)?;
-                tracing::debug!(client = %req.client, version = req.version, "hello");
-                if !req.metrics.is_empty() {
-                    self.clients
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(self.conn_id, req.metrics);
-                }
-                if self.secret.is_some() {
-                    fill_random(&mut self.nonce)?;
-                }
-                self.hello_done = true;
-                let r = HelloReply {
-                    version: kiln_proto::frame::VERSION as u32,
-                    server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
-                    max_payload: kiln_proto::MAX_PAYLOAD_LEN,
-                    auth_required: self.secret.is_some(),
-                    nonce: if self.secret.is_some() {
-                        self.nonce.to_vec()
-                    } else {
-                        Vec::new()
-                    },
-                };
-                Ok(Step::Now(r.to_wire(), Body::None))
-            }
-            Op::Auth => {
-                let req = AuthReq::from_wire(args)?;
-                let Some(secret) = self.secret.clone() else {
-                    // Nothing to prove to a server without a secret.
-                    return Ok(Step::Now(
-                        AuthReply { proof: Vec::new() }.to_wire(),
-                        Body::None,
-                    ));
-                };
-                use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
-                let ok = self.hello_done
-                    && req.client_nonce.len() == NONCE_LEN
-                    && crate::auth::verify(
-                        &secret,
-                        &client_transcript(&self.nonce, &req.client_nonce),
-                        &req.proof,
-                    );
-                if !ok {
-                    tracing::warn!(peer = %self.peer, "a client failed authentication; closing");
-                    self.stats
-                        .refused
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    self.closing = true;
-                    return Err(Fail::Errno(errno::EACCES));
-                }
-                self.authed = true;
-                let proof =
-                    crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
-                Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
-            }
-            Op::Profile => {
-                let req = ProfileReq::from_wire(args)?;
-                let points = kiln_layer::iostats::points();
-                if req.cmd == PROFILE_START {
-                    points.iter().for_each(|p| p.start_interval());
-                }
-                let mut report = kiln_layer::metrics::profile_json("kilnd");
-                let clients: Vec<String> = {
-                    let c = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-                    let mut v: Vec<String> = c.values().cloned().collect();
-                    v.sort();
-                    v.dedup();
-                    v
-                };
-                report["clients"] = clients.into();
-                if req.cmd == PROFILE_STOP {
-                    points.iter().for_each(|p| p.stop_interval());
-                }
-                Ok(Step::Now(
-                    Vec::new(),
-                    Body::Buf(report.to_string().into_bytes()),
-                ))
-            }
-            Op::Mgmt => {
-                // Served only by a kilnd that keeps volume definitions (see `mgmt`). Commands
-                // may spawn processes and talk to other hosts: they run on the blocking pool,
-                // and the reply is a JSON payload like PROFILE's.
-                let req = MgmtReq::from_wire(args)?;
-                let Some(handler) = self.mgmt.clone() else {
-                    return Err(Fail::Errno(errno::ENOSYS));
-                };
-                let caller = crate::mgmt::Caller {
-                    peer: self.peer.clone(),
-                    authenticated: self.secret.is_none() || self.authed,
-                };
-                stack!({
-                    let json =
-                        tokio::task::spawn_blocking(move || handler.handle(&req.json, &caller))
-                            .await
-                            .map_err(|_| errno::EIO)?;
-                    Ok(Done::Reply(Vec::new(), Body::Buf(json)))
-                })
-            }
-            Op::Lookup => {
-                let req = PathReq::from_wire(args)?;
-                stack!(reply(&stack.lookup(&cx, &req.path).await?))
-            }
-            Op::Fstat => {
-                let fd = self.handle(HandleReq::from_wire(args)?.fh)?;
-                stack!(reply(&stack.fstat(&cx, &fd).await?))
-            }
-            Op::Setattr => {
-                let req = SetattrReq::from_wire(args)?;
-                stack!(reply(&stack.setattr(&cx, &req.path, &req.attrs).await?))
-            }
-            Op::Fsetattr => {
-                let req = FsetattrReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!(reply(&stack.fsetattr(&cx, &fd, &req.attrs).await?))
-            }
-            Op::Open => {
-                let req = OpenReq::from_wire(args)?;
-                stack!(Ok(Done::Open(stack.open(&cx, &req.path, req.flags).await?)))
-            }
-            Op::Create => {
-                let req = CreateReq::from_wire(args)?;
-                stack!({
-                    let (fd, attr) = stack.create(&cx, &req.path, req.flags, req.mode).await?;
-                    Ok(Done::Create(fd, attr))
-                })
-            }
-            Op::Read => {
-                let req = ReadReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                let len = req.len.min(kiln_proto::MAX_PAYLOAD_LEN);
-                stack!({
-                    let body = match stack.read(&cx, &fd, req.offset, ReadDst::Any(len)).await? {
-                        ReadOut::Buf(b) => Body::Buf(b),
-                        ReadOut::File { file, offset, len } => Body::File { file, offset, len },
-                        ReadOut::Into { .. } => return Err(errno::EIO),
-                    };
-                    stats.add_read(body.len());
-                    Ok(Done::Reply(Vec::new(), body))
-                })
-            }
-            Op::Write => {
-                let req = WriteReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    let w = stack
-                        .write(&cx, &fd, req.offset, IoBufs::owned(vec![payload]))
-                        .await?;
-                    stats.add_written(w.n);
-                    reply(&WriteReply {
-                        written: w.n as u32,
-                    })
-                })
-            }
-            Op::Fsync => {
-                let req = FsyncReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    stack.fsync(&cx, &fd, req.datasync).await?;
-                    empty()
-                })
-            }
-            Op::Release => {
-                let fh = HandleReq::from_wire(args)?.fh;
-                let fd = self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
-                stack!({
-                    stack.release(&cx, fd).await?;
-                    empty()
-                })
-            }
-            Op::Unlink => {
-                let req = PathReq::from_wire(args)?;
-                stack!({
-                    stack.unlink(&cx, &req.path).await?;
-                    empty()
-                })
-            }
-            Op::Mkdir => {
-                let req = MkdirReq::from_wire(args)?;
-                stack!(reply(&stack.mkdir(&cx, &req.path, req.mode).await?))
-            }
-            Op::Rmdir => {
-                let req = PathReq::from_wire(args)?;
-                stack!({
-                    stack.rmdir(&cx, &req.path).await?;
-                    empty()
-                })
-            }
-            Op::Rename => {
-                let req = RenameReq::from_wire(args)?;
-                stack!({
-                    stack.rename(&cx, &req.from, &req.to, req.flags).await?;
-                    empty()
-                })
-            }
-            Op::Readdir => {
-                let req = ReaddirReq::from_wire(args)?;
-                // Keep the reply under the argument limit: an entry costs < 128 bytes + name.
-                let max = req.max.min(256);
-                stack!(reply(
-                    &stack.readdir(&cx, &req.path, req.offset, max).await?
-                ))
-            }
-            Op::Symlink => {
-                let req = SymlinkReq::from_wire(args)?;
-                stack!(reply(&stack.symlink(&cx, &req.target, &req.path).await?))
-            }
-            Op::Readlink => {
-                let req = PathReq::from_wire(args)?;
-                stack!(reply(&ReadlinkReply {
-                    target: stack.readlink(&cx, &req.path).await?,
-                }))
-            }
-            Op::Link => {
-                let req = LinkReq::from_wire(args)?;
-                stack!(reply(&stack.link(&cx, &req.existing, &req.path).await?))
-            }
-            Op::Statfs => {
-                let req = PathReq::from_wire(args)?;
-                stack!(reply(&stack.statfs(&cx, &req.path).await?))
-            }
-            Op::Getxattr => {
-                let req = XattrReq::from_wire(args)?;
-                stack!(reply(&XattrValue {
-                    value: stack.getxattr(&cx, &req.path, &req.name).await?,
-                }))
-            }
-            Op::Setxattr => {
-                let req = SetxattrReq::from_wire(args)?;
-                stack!({
-                    stack
-                        .setxattr(&cx, &req.path, &req.name, &req.value, req.flags)
-                        .await?;
-                    empty()
-                })
-            }
-            Op::Listxattr => {
-                let req = PathReq::from_wire(args)?;
-                stack!(reply(&XattrNames {
-                    names: Seq(stack.listxattr(&cx, &req.path).await?),
-                }))
-            }
-            Op::Removexattr => {
-                let req = XattrReq::from_wire(args)?;
-                stack!({
-                    stack.removexattr(&cx, &req.path, &req.name).await?;
-                    empty()
-                })
-            }
-            Op::Fallocate => {
-                let req = FallocateReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    stack
-                        .fallocate(&cx, &fd, req.mode, req.offset, req.len)
-                        .await?;
-                    empty()
-                })
-            }
-            Op::Discard => {
-                let req = DiscardReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    stack.discard(&cx, &fd, req.offset, req.len).await?;
-                    empty()
-                })
-            }
-        }
-    }
-
-    /// True while replies (or, over TLS, sealed records) wait to be sent.
-    fn has_output(&self) -> bool {
-        !self.out.is_empty() || self.tls_out.as_ref().is_some_and(|w| w.pending())
-    }
-
-    /// Sends queued replies until done or the socket would block.
-    fn flush(&mut self, fd: &AsyncFd<OwnedFd>) -> io::Result<()> {
-        while self.has_output() {
-            let r = fd.try_io(Interest::WRITABLE, |s| self.send_some(s.as_raw_fd()));
-            match r {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    /// One step of sending: a gathered `sendmsg` of in-memory parts, or one `sendfile`.
-    fn send_some(&mut self, sock: i32) -> io::Result<()> {
-        if let Some(mut w) = self.tls_out.take() {
-            let r = self.seal_some(&mut w, sock);
-            self.tls_out = Some(w);
-            return r;
-        }
-        let front = self.out.front_mut().expect("non-empty queue");
-        // The front reply's file body goes out once its head is sent.
-        if front.sent >= front.head.len() {
-            if let Body::File { file, offset, len } = &front.body {
-                let done = front.sent - front.head.len();
-                let mut off = offset + done as u64;
-                let want = len - done;
-                let n = sendfile(sock, file, &mut off, want)?;
-                let n = if n == 0 {
-                    // The file shrank under us; the header promised `len` bytes, so pad.
-                    tracing::warn!("file shrank during a read; padding the reply with zeros");
-                    send_zeros(sock, want)?
-                } else {
-                    n
-                };
-                front.sent += n;
-                self.out_bytes -= n;
-                if front.sent == front.total() {
-                    self.reply_sent();
-                }
-                return Ok(());
-            }
-        }
-        let mut iov: Vec<RawIov> = Vec::with_capacity(GATHER_MAX);
-        let mut more = false;
-        for i in 0..self.out.len() {
-            if iov.len() + 2 > GATHER_MAX {
-                break;
-            }
-            if self.out[i].stamps_next && self.out[i].sent == 0 {
-                self.out[i].stamps_next = false;
-                if let Some(next) = self.out.get_mut(i + 1) {
-                    if let Some(at) = next.stamp_at.take() {
-                        let t = kiln_layer::trace::now_ns().to_le_bytes();
-                        next.head[at..at + 8].copy_from_slice(&t);
-                    }
-                }
-            }
-            let r = &self.out[i];
-            if r.sent < r.head.len() {
-                iov.push(raw(&r.head[r.sent..]));
-            }
-            match &r.body {
-                Body::None => {}
-                Body::Buf(b) => {
-                    let skip = r.sent.saturating_sub(r.head.len());
-                    if skip < b.len() {
-                        iov.push(raw(&b[skip..]));
-                    }
-                }
-                Body::File { .. } => {
-                    more = true;
-                    break;
-                }
-            }
-        }
-        let n = sendmsg(sock, &iov, more)?;
-        self.out_bytes -= n;
-        let mut left = n;
-        while left > 0 {
-            let r = self
-                .out
-                .front_mut()
-                .expect("sent bytes belong to queued replies");
-            let in_memory = match r.body {
-                Body::File { .. } => r.head.len(),
-                _ => r.total(),
-            };
-            let take = left.min(in_memory - r.sent);
-            r.sent += take;
-            left -= take;
-            if r.sent == r.total() {
-                self.reply_sent();
-            } else {
-                break;
-            }
-        }
-        debug_assert_eq!(left, 0, "every byte sent is accounted to a reply");
-        Ok(())
-    }
-}
-
-impl Conn {
-    /// Over TLS, one step of sending: write sealed records, or seal a batch of queued replies
-    /// (heads and buffers copied into the record slots, file data read into them from the
-    /// page cache) and start writing it. `WouldBlock` when the socket is full.
-    fn seal_some(&mut self, w: &mut kiln_tls::RecordWriter, sock: i32) -> io::Result<()> {
-        // SAFETY: `sock` is this connection's open socket for the duration of the call.
-        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(sock) };
-        if w.pending() {
-            return match w.flush(fd)? {
-                true => Ok(()),
-                false => Err(io::ErrorKind::WouldBlock.into()),
-            };
-        }
-        if self.out.is_empty() {
-            return Ok(());
-        }
-        let cap = kiln_tls::RecordWriter::BATCH;
-        let out = &mut self.out;
-        let (mut idx, mut pos, mut taken) = (0usize, out[0].sent, 0usize);
-        while taken < cap && idx < out.len() {
-            if pos == 0 && out[idx].stamps_next {
-                out[idx].stamps_next = false;
-                if let Some(next) = out.get_mut(idx + 1) {
-                    if let Some(at) = next.stamp_at.take() {
-                        let t = kiln_layer::trace::now_ns().to_le_bytes();
-                        next.head[at..at + 8].copy_from_slice(&t);
-                    }
-                }
-            }
-            let r = &out[idx];
-            let room = cap - taken;
-            let n = if pos < r.head.len() {
-                let k = (r.head.len() - pos).min(room);
-                w.put(taken, &r.head[pos..pos + k]);
-                k
-            } else {
-                let at = pos - r.head.len();
-                match &r.body {
-                    Body::None => 0,
-                    Body::Buf(b) => {
-                        let k = (b.len() - at).min(room);
-                        w.put(taken, &b[at..at + k]);
-                        k
-                    }
-                    Body::File { file, offset, len } => {
-                        let k = (len - at).min(room);
-                        match w.read_file(taken, k, file, offset + at as u64)? {
-                            0 => {
-                                // The header promised `len` bytes: pad, as for sendfile.
-                                tracing::warn!("file shrank during a read; padding with zeros");
-                                w.zero(taken, k);
-                                k
-                            }
-                            got => got,
-                        }
-                    }
-                }
-            };
-            taken += n;
-            pos += n;
-            if pos == r.total() {
-                idx += 1;
-                pos = 0;
-            }
-        }
-        w.seal(taken)?;
-        self.out_bytes -= taken;
-        let mut left = taken;
-        while left > 0 {
-            let r = self
-                .out
-                .front_mut()
-                .expect("sealed bytes belong to queued replies");
-            let take = left.min(r.total() - r.sent);
-            r.sent += take;
-            left -= take;
-            if r.sent == r.total() {
-                self.reply_sent();
-            }
-        }
-        match w.flush(fd)? {
-            true => Ok(()),
-            false => Err(io::ErrorKind::WouldBlock.into()),
-        }
     }
 }
 
@@ -1239,31 +760,4 @@ fn recv_into(
     } else {
         Ok((r as usize, iov[..n].iter().map(|v| v.len).sum()))
     }
-}
-
-/// `sendmsg` of gathered vectors; `more` tells the kernel that file data follows at once.
-fn sendmsg(sock: i32, iov: &[RawIov], more: bool) -> io::Result<usize> {
-    // SAFETY: a zeroed msghdr is valid (no name, no control data).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = iov.len();
-    let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT | if more { libc::MSG_MORE } else { 0 };
-    // SAFETY: `msg` points at `iov`, whose vectors point into live reply buffers.
-    let r = unsafe { libc::sendmsg(sock, &msg, flags) };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r as usize)
-    }
-}
-
-fn sendfile(sock: i32, file: &File, offset: &mut u64, len: usize) -> io::Result<usize> {
-    // SAFETY: `sock` is this connection's open socket for the duration of the call.
-    let out = unsafe { std::os::fd::BorrowedFd::borrow_raw(sock) };
-    rustix::fs::sendfile(out, file, Some(offset), len).map_err(io::Error::from)
-}
-
-fn send_zeros(sock: i32, len: usize) -> io::Result<usize> {
-    static ZEROS: [u8; 4096] = [0; 4096];
-    sendmsg(sock, &[raw(&ZEROS[..len.min(ZEROS.len())])], false)
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 use kiln_layer::heal;
 use serde::Serialize;
 
-use crate::mgmt::{Manager, VolState, VolumeDef};
+use crate::{Manager, VolState, VolumeDef};
 
 /// What the heal service knows about one volume.
 #[derive(Debug, Default, Clone, Serialize)]

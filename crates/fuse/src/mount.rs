@@ -1,0 +1,190 @@
+//! Mounting and unmounting: the FUSE session in the background or in the foreground until a
+//! signal, and the lazy unmount.
+
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kiln_client::volume::Source;
+use kiln_client::Volume;
+
+use crate::*;
+
+/// Waits for SIGINT or SIGTERM (blocked by `block_signals`); false if waiting failed.
+fn wait_for_signal() -> bool {
+    // SAFETY: plain signal-set manipulation on a zeroed sigset_t, and sigwait into a local.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        let mut sig = 0;
+        let r = libc::sigwait(&set, &mut sig);
+        if r != 0 {
+            tracing::warn!("sigwait failed: {}", std::io::Error::from_raw_os_error(r));
+        }
+        r == 0
+    }
+}
+
+fn block_signals() {
+    // SAFETY: as above; threads started afterwards inherit the mask, so only `sigwait` sees them.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+fn is_mountpoint(dir: &Path) -> bool {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let Ok(canon) = dir.canonicalize() else {
+        return false;
+    };
+    let canon = canon.to_string_lossy().into_owned();
+    mounts
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(canon.as_str()))
+}
+
+/// Mounts the volume of the client stack `vol` on `mountpoint` and serves it from background
+/// threads until the returned session is dropped or joined (after an unmount).
+pub fn mount_background(
+    vol: Arc<Volume>,
+    source: &str,
+    mountpoint: &Path,
+    mode: Mode,
+    attr_timeout: Duration,
+    threads: usize,
+) -> Result<fuser::BackgroundSession, String> {
+    let fs = KilnFs::new(vol, mode, attr_timeout)
+        .map_err(|e| format!("cannot read the root of {source}: {e}"))?;
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        fuser::MountOption::FSName(format!("kiln:{source}")),
+        fuser::MountOption::Subtype("kiln".into()),
+        fuser::MountOption::DefaultPermissions,
+        fuser::MountOption::CUSTOM("allow_other".into()),
+    ];
+    config.n_threads = Some(threads.max(1));
+    config.clone_fd = true;
+    let session = fuser::Session::new(fs, mountpoint, &config)
+        .map_err(|e| format!("cannot mount on {}: {e}", mountpoint.display()))?;
+    session
+        .spawn()
+        .map_err(|e| format!("cannot start the FUSE session: {e}"))
+}
+
+/// What `kiln mount`'s arguments name: the stack's source, a label for the mount and the mount
+/// point. With `--volfile`, one positional argument is the mount point; two are a label and the
+/// mount point.
+pub fn mount_target(args: &MountArgs) -> Result<(Source, String, PathBuf), String> {
+    match (&args.volfile, &args.mountpoint) {
+        (Some(v), None) => Ok((
+            Source::Volfile(v.clone()),
+            v.display().to_string(),
+            PathBuf::from(&args.source),
+        )),
+        (Some(v), Some(m)) => Ok((Source::Volfile(v.clone()), args.source.clone(), m.clone())),
+        (None, Some(m)) => Ok((Source::parse(&args.source)?, args.source.clone(), m.clone())),
+        (None, None) => Err("missing the mount point: kiln mount SERVER:/VOL DIR".into()),
+    }
+}
+
+/// `kiln mount`.
+pub fn main(args: MountArgs) -> Result<(), String> {
+    let (source, label, mountpoint) = mount_target(&args)?;
+    match std::fs::metadata(&mountpoint) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(format!(
+                "mount point {} is not a directory",
+                mountpoint.display()
+            ))
+        }
+        Err(e) => return Err(format!("mount point {}: {e}", mountpoint.display())),
+    }
+    if is_mountpoint(&mountpoint) {
+        return Err(format!(
+            "mount point {} is busy: something is already mounted there",
+            mountpoint.display()
+        ));
+    }
+    block_signals();
+    kiln_client::start_metrics(&args.metrics, "kiln-mount")?;
+    let vol = Volume::from_source(&source).map_err(|e| format!("cannot reach {source}: {e}"))?;
+    let bg = mount_background(
+        Arc::new(vol),
+        &label,
+        &mountpoint,
+        args.mode,
+        Duration::from_secs_f64(args.attr_timeout.max(0.0)),
+        args.threads,
+    )?;
+    println!(
+        "kiln: mounted {} on {} ({:?} mode)",
+        label,
+        mountpoint.display(),
+        args.mode
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    // Serve until a signal arrives (then unmount) or the file system is unmounted from outside.
+    enum Event {
+        Signal,
+        Ended(std::io::Result<()>),
+    }
+    let (tx, rx) = std::sync::mpsc::channel::<Event>();
+    let tx2 = tx.clone();
+    std::thread::spawn(move || {
+        if wait_for_signal() {
+            let _ = tx.send(Event::Signal);
+        }
+    });
+    std::thread::spawn(move || {
+        let _ = tx2.send(Event::Ended(bg.join()));
+    });
+    loop {
+        match rx.recv() {
+            Ok(Event::Signal) => {
+                tracing::info!("signal received, unmounting {}", mountpoint.display());
+                if let Err(e) = umount(&mountpoint) {
+                    tracing::warn!("{e}; detaching instead");
+                    let _ = umount_lazy(&mountpoint);
+                }
+            }
+            Ok(Event::Ended(Ok(()))) => return Ok(()),
+            Ok(Event::Ended(Err(e))) => return Err(format!("FUSE session ended: {e}")),
+            Err(_) => return Err("FUSE session thread vanished".into()),
+        }
+    }
+}
+
+fn umount_lazy(dir: &Path) -> Result<(), String> {
+    let c =
+        std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|_| "bad path".to_owned())?;
+    // SAFETY: a valid NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+        return Err(format!(
+            "cannot detach {}: {}",
+            dir.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+/// `kiln umount DIR`.
+pub fn umount(dir: &Path) -> Result<(), String> {
+    let c =
+        std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|_| "bad path".to_owned())?;
+    // SAFETY: a valid NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(format!("cannot unmount {}: {e}", dir.display()));
+    }
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! The distribute layer over in-memory subvolumes.
+
+use super::layout::LAYOUT_HEADER;
+use super::*;
+use crate::exec::block_on;
+
+#[test]
+fn hash_is_stable() {
+    // Part of the on-disk format: these values must never change.
+    assert_eq!(name_hash(""), 0xab3e_7c0b);
+    assert_eq!(name_hash("a"), 0x1a80_b1b3);
+    assert_eq!(name_hash("file-1"), 0x74de_da27);
+}
+
+#[test]
+fn hash_spreads_names_evenly() {
+    for n in [2usize, 3, 4, 7, 16] {
+        let l = Layout::equal(n);
+        let mut counts = vec![0u32; n];
+        let total = 60_000u32;
+        for i in 0..total {
+            counts[l.subvol(name_hash(&format!("file-{i}")))] += 1;
+        }
+        let want = total as f64 / n as f64;
+        for (s, &c) in counts.iter().enumerate() {
+            let dev = (c as f64 - want).abs() / want;
+            assert!(
+                dev < 0.05,
+                "{n} subvolumes: subvolume {s} got {c}, want ~{want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn equal_layout_covers_the_space() {
+    for n in [0usize, 1, 2, 3, 4, 5, 100, 1 << 16, 1 << 20] {
+        let l = Layout::equal(n);
+        let n = n.clamp(1, u16::MAX as usize);
+        assert_eq!(l.ranges().len(), n);
+        assert_eq!(l.ranges()[0].start, 0);
+        assert_eq!(l.ranges().last().unwrap().end, u32::MAX);
+        assert_eq!(Layout::decode(&l.encode(), n), Some(l.clone()));
+        assert_eq!(l.subvol(0), 0);
+        assert_eq!(l.subvol(u32::MAX), n - 1);
+    }
+}
+
+#[test]
+fn layout_round_trips() {
+    let l = Layout {
+        ranges: vec![
+            Range {
+                start: 0,
+                end: 9,
+                subvol: 2,
+            },
+            Range {
+                start: 10,
+                end: 0x8000_0000,
+                subvol: 0,
+            },
+            Range {
+                start: 0x8000_0001,
+                end: u32::MAX,
+                subvol: 2,
+            },
+        ],
+    };
+    let b = l.encode();
+    assert_eq!(Layout::decode(&b, 3), Some(l.clone()));
+    assert_eq!(l.subvol(5), 2);
+    assert_eq!(l.subvol(10), 0);
+    assert_eq!(l.subvol(0x8000_0000), 0);
+    assert_eq!(l.subvol(0x8000_0001), 2);
+    // Subvolume 2 does not exist in a two-subvolume layer.
+    assert_eq!(Layout::decode(&b, 2), None);
+}
+
+#[test]
+fn bad_layouts_are_refused() {
+    let good = Layout::equal(4).encode();
+    let mut cases: Vec<Vec<u8>> = vec![
+        vec![],
+        b"KLAY".to_vec(),
+        good[..good.len() - 1].to_vec(),
+        [good.clone(), vec![0]].concat(),
+    ];
+    let mut bad_magic = good.clone();
+    bad_magic[0] = b'X';
+    cases.push(bad_magic);
+    let mut bad_version = good.clone();
+    bad_version[4] = 2;
+    cases.push(bad_version);
+    let mut zero = good[..LAYOUT_HEADER].to_vec();
+    zero[6] = 0;
+    zero[7] = 0;
+    cases.push(zero);
+    let gap = Layout {
+        ranges: vec![
+            Range {
+                start: 0,
+                end: 9,
+                subvol: 0,
+            },
+            Range {
+                start: 11,
+                end: u32::MAX,
+                subvol: 1,
+            },
+        ],
+    };
+    cases.push(gap.encode());
+    let overlap = Layout {
+        ranges: vec![
+            Range {
+                start: 0,
+                end: 9,
+                subvol: 0,
+            },
+            Range {
+                start: 9,
+                end: u32::MAX,
+                subvol: 1,
+            },
+        ],
+    };
+    cases.push(overlap.encode());
+    let short = Layout {
+        ranges: vec![Range {
+            start: 0,
+            end: 0xffff,
+            subvol: 0,
+        }],
+    };
+    cases.push(short.encode());
+    let backwards = Layout {
+        ranges: vec![
+            Range {
+                start: 0,
+                end: 9,
+                subvol: 0,
+            },
+            Range {
+                start: 10,
+                end: 5,
+                subvol: 1,
+            },
+        ],
+    };
+    cases.push(backwards.encode());
+    for c in &cases {
+        assert_eq!(Layout::decode(c, 4), None, "{c:?}");
+    }
+    // Random bytes, with and without a valid header: never a panic.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for round in 0..20_000 {
+        let len = (round % 64) as usize;
+        let mut b: Vec<u8> = (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        if round % 2 == 0 && b.len() >= LAYOUT_HEADER {
+            b[..6].copy_from_slice(&good[..6]);
+        }
+        if let Some(l) = Layout::decode(&b, 4) {
+            assert_eq!(l.ranges().last().unwrap().end, u32::MAX);
+        }
+    }
+}
+
+/// A subvolume whose layout xattr holds `value` and which has nothing else.
+struct Stub {
+    value: FopResult<Vec<u8>>,
+}
+
+impl Layer for Stub {
+    fn name(&self) -> &str {
+        "stub"
+    }
+    fn getxattr<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a str) -> Fut<'a, Vec<u8>> {
+        Box::pin(std::future::ready(self.value.clone()))
+    }
+}
+
+fn over(value: FopResult<Vec<u8>>, n: usize) -> Distribute {
+    let kids = (0..n)
+        .map(|_| {
+            Arc::new(Stub {
+                value: value.clone(),
+            }) as LayerRef
+        })
+        .collect();
+    Distribute::new("dist", kids)
+}
+
+#[test]
+fn damaged_layout_xattr_means_the_default() {
+    for v in [
+        Ok(b"garbage".to_vec()),
+        Ok(vec![]),
+        Err(ENODATA),
+        Err(libc::EIO as Errno),
+    ] {
+        let d = over(v, 3);
+        let l = block_on(d.layout(&Ctx::NONE, "dir"));
+        assert_eq!(*l, Layout::equal(3));
+    }
+    let custom = Layout {
+        ranges: vec![Range {
+            start: 0,
+            end: u32::MAX,
+            subvol: 1,
+        }],
+    };
+    let d = over(Ok(custom.encode()), 3);
+    assert_eq!(*block_on(d.layout(&Ctx::NONE, "dir")), custom);
+    assert_eq!(block_on(d.hashed(&Ctx::NONE, "dir/anything")), Ok(1));
+}
+
+#[test]
+fn no_subvolumes_is_an_error_not_a_panic() {
+    let d = Distribute::new("dist", Vec::new());
+    let cx = Ctx::NONE;
+    assert_eq!(block_on(d.lookup(&cx, "a")).err(), Some(ENOTCONN));
+    assert!(block_on(d.create(&cx, "a", 0, 0o644)).is_err());
+    assert!(block_on(d.mkdir(&cx, "a", 0o755)).is_err());
+    assert!(block_on(d.readdir(&cx, "", 0, 10)).is_err());
+    assert!(block_on(d.statfs(&cx, "")).is_err());
+    assert!(block_on(d.rename(&cx, "a", "b", 0)).is_err());
+    let foreign = Fd::new(5u32);
+    assert_eq!(block_on(d.fstat(&cx, &foreign)).err(), Some(EBADF));
+}

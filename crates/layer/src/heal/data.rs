@@ -1,0 +1,531 @@
+//! Healing a file's data: the marked ranges read from a replica that is not behind and
+//! written to the one that is, chunk by chunk under heal locks, inside a heal session.
+
+use kiln_proto::Wire;
+
+use crate::exec::join_all;
+use crate::marks::{self as m, CondMark, HealInfo, HealReq, LockReq, Mark, PendingPage, RangeSet};
+use crate::replicate::Replicate;
+use crate::{errno, Ctx, Errno, Fd, FopResult, IoBufs, LayerRef, ReadDst, ReadOut};
+
+use super::entries::heal_flags;
+use super::*;
+
+/// One file's marks as the replicas that are up hold them, seen from one target.
+pub(super) struct View {
+    /// Marks against each replica, over every up replica's page (a listing cut short counts
+    /// as marked from its cut to the end of the file).
+    pub(super) behind: Vec<RangeSet>,
+    /// The target's listed marks: what can be copied now.
+    pub(super) need: RangeSet,
+    /// Per replica that answered: the generation of its marks for the target (0: none).
+    pub(super) gens: Vec<Option<u64>>,
+    /// Up replicas that hold marks for the target.
+    pub(super) holders: Vec<usize>,
+    /// Flags ([`m::ENTRY`], [`m::META`]) against each replica, over every up replica's page.
+    pub(super) flagged: Vec<u32>,
+    /// Up replicas that hold flags for the target.
+    pub(super) flag_holders: Vec<usize>,
+}
+
+impl View {
+    pub(super) async fn read(
+        kids: &[LayerRef],
+        up: &[usize],
+        path: &str,
+        target: usize,
+    ) -> FopResult<View> {
+        let futs = up
+            .iter()
+            .map(|i| Some(kids[*i].getxattr(&Ctx::NONE, path, m::PENDING)))
+            .collect();
+        let mut v = View {
+            behind: vec![RangeSet::default(); kids.len()],
+            need: RangeSet::default(),
+            gens: vec![None; kids.len()],
+            holders: Vec::new(),
+            flagged: vec![0; kids.len()],
+            flag_holders: Vec::new(),
+        };
+        for (i, r) in up.iter().zip(join_all(futs).await) {
+            // A replica whose marks are unknown could hold some against the source.
+            let bytes = r.unwrap_or(Err(errno::ENOTCONN))?;
+            let page = PendingPage::from_wire(&bytes).map_err(|_| errno::EPROTO)?;
+            v.gens[*i] = Some(0);
+            for t in page.targets.0 {
+                let tt = t.target as usize;
+                if tt >= kids.len() || tt == *i {
+                    continue;
+                }
+                for r in &t.ranges.0 {
+                    v.behind[tt].add(r.offset, r.len);
+                    if tt == target {
+                        v.need.add(r.offset, r.len);
+                    }
+                }
+                if t.cut != m::WHOLE {
+                    v.behind[tt].add(t.cut, m::WHOLE);
+                }
+                v.flagged[tt] |= t.flags;
+                if tt == target && t.flags != 0 {
+                    v.flag_holders.push(*i);
+                }
+                if tt == target {
+                    v.gens[*i] = Some(t.gen);
+                    if !t.ranges.0.is_empty() {
+                        v.holders.push(*i);
+                    }
+                }
+            }
+        }
+        Ok(v)
+    }
+}
+
+/// Brings `path` on replica `target` up to date — its entry, then its bytes, then its
+/// attributes; returns the bytes copied.
+pub async fn heal_file(r: &Replicate, path: &str, target: usize) -> FopResult<u64> {
+    let kids = r.replicas();
+    let up: Vec<usize> = (0..kids.len()).filter(|i| kids[*i].up()).collect();
+    if !up.contains(&target) {
+        return Err(errno::ENOTCONN);
+    }
+    let first = View::read(kids, &up, path, target).await?;
+    if first.flagged[target] & m::ENTRY != 0 {
+        heal_flags(kids, &up, path, target, m::ENTRY).await?;
+    }
+    let moved = heal_data(kids, &up, path, target).await?;
+    heal_flags(kids, &up, path, target, m::META).await?;
+    Ok(moved)
+}
+
+/// Brings the bytes of `path` on replica `target` up to date; returns the bytes copied.
+pub(super) async fn heal_data(
+    kids: &[LayerRef],
+    up: &[usize],
+    path: &str,
+    target: usize,
+) -> FopResult<u64> {
+    let cx = &Ctx::NONE;
+    let up = up.to_vec();
+    let others: Vec<usize> = up.iter().copied().filter(|i| *i != target).collect();
+    let first = View::read(kids, &up, path, target).await?;
+    // The file's kind and mode come from a replica that took what the target missed.
+    let Some(&src) = first.holders.first() else {
+        return Ok(0); // healed meanwhile
+    };
+    let clear_all = |offset: u64, len: u64| {
+        let v = Mark {
+            target: target as u32,
+            offset,
+            len,
+        }
+        .to_wire();
+        let others = others.clone();
+        async move { on_all(kids, &others, path, m::CLEAR, &v).await }
+    };
+    let attr = match kids[src].lookup(cx, path).await {
+        Ok(a) => a,
+        Err(errno::ENOENT) => {
+            // Gone from the source since: nothing to copy.
+            clear_all(0, m::WHOLE).await?;
+            return Ok(0);
+        }
+        Err(e) => return Err(e),
+    };
+    let is_dir = attr.mode & libc::S_IFMT == libc::S_IFDIR;
+    for p in parents(path) {
+        match kids[target].mkdir(cx, p, 0o755).await {
+            Ok(_) | Err(EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if is_dir {
+        match kids[target].mkdir(cx, path, attr.mode & 0o7777).await {
+            Ok(_) | Err(EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+        clear_all(0, m::WHOLE).await?;
+        return Ok(0);
+    }
+    if kids[target].lookup(cx, path).await == Err(errno::ENOENT) {
+        let (fd, _) = kids[target]
+            .create(
+                cx,
+                path,
+                (libc::O_CREAT | libc::O_WRONLY) as u32,
+                attr.mode & 0o7777,
+            )
+            .await?;
+        let _ = kids[target].release(cx, fd).await;
+    }
+    let tfd = kids[target]
+        .open(cx, path, libc::O_WRONLY as u32 | m::HEAL_OPEN)
+        .await?;
+    let mut h = Healing {
+        kids,
+        up: &up,
+        others: &others,
+        target,
+        path,
+        tfd: &tfd,
+        sfds: vec![None; kids.len()],
+        buf: vec![0u8; CHUNK as usize],
+    };
+    let r = h.passes(first).await;
+    for (i, fd) in h.sfds.into_iter().enumerate() {
+        if let Some(fd) = fd {
+            let _ = kids[i].release(cx, fd).await;
+        }
+    }
+    let _ = kids[target].release(cx, tfd).await;
+    r
+}
+
+/// One file being healed on one target.
+pub(super) struct Healing<'a> {
+    kids: &'a [LayerRef],
+    up: &'a [usize],
+    /// Up replicas but the target.
+    others: &'a [usize],
+    target: usize,
+    path: &'a str,
+    /// The target's heal handle.
+    tfd: &'a Fd,
+    /// Sources' handles, opened on first use.
+    sfds: Vec<Option<Fd>>,
+    buf: Vec<u8>,
+}
+
+impl Healing<'_> {
+    pub(super) async fn session(&self, begin: bool) -> FopResult<()> {
+        let v = HealReq {
+            begin: u32::from(begin),
+        }
+        .to_wire();
+        let t = [self.target];
+        on_all(self.kids, &t, self.path, m::HEAL, &v).await
+    }
+
+    pub(super) async fn info(&self) -> FopResult<HealInfo> {
+        let v = self.kids[self.target]
+            .getxattr(&Ctx::NONE, self.path, m::HEAL)
+            .await?;
+        HealInfo::from_wire(&v).map_err(|_| errno::EPROTO)
+    }
+
+    /// Passes until the target has no marks left, each in a session of its own.
+    pub(super) async fn passes(&mut self, mut view: View) -> FopResult<u64> {
+        let mut moved = 0;
+        for _ in 0..PASSES {
+            // The generations are read before the session begins: a miss recorded after it
+            // changes them.
+            let gens = view.gens.clone();
+            self.session(true).await?;
+            let step = self.pass(&gens).await;
+            let _ = self.session(false).await;
+            let (n, no_source) = step?;
+            moved += n;
+            view = View::read(self.kids, self.up, self.path, self.target).await?;
+            if view.need.is_empty() {
+                return Ok(moved);
+            }
+            if no_source {
+                return Err(ENODATA);
+            }
+        }
+        tracing::warn!(
+            path = self.path,
+            target = self.target,
+            "still marked after {PASSES} heal passes (clients keep changing it and the \
+             target keeps missing some): left for the next run"
+        );
+        Err(EAGAIN)
+    }
+
+    /// One pass: copies every marked range once; returns the bytes written and whether some
+    /// range had no current source.
+    pub(super) async fn pass(&mut self, gens: &[Option<u64>]) -> FopResult<(u64, bool)> {
+        let info = self.info().await?;
+        if info.live == 0 {
+            return Err(ETIMEDOUT);
+        }
+        if info.busy == 1 {
+            sleep(GRACE).await;
+        }
+        let mut moved = 0u64;
+        let mut tried = RangeSet::default();
+        let mut no_source = false;
+        for _ in 0..ROUNDS {
+            let view = View::read(self.kids, self.up, self.path, self.target).await?;
+            let mut todo = view.need.clone();
+            for (o, l) in tried.iter() {
+                todo.remove(o, l);
+            }
+            if todo.is_empty() {
+                break;
+            }
+            let todo: Vec<(u64, u64)> = todo.iter().collect();
+            for (offset, len) in todo {
+                let whole = len == m::WHOLE;
+                let end = if whole { u64::MAX } else { offset + len };
+                tried.add(offset, len);
+                let mut pos = offset;
+                while pos < end {
+                    let n = (end - pos).min(CHUNK);
+                    // A range to the end of the file is locked to the end: its last chunk also
+                    // sets the size.
+                    let lock_len = if whole { m::WHOLE } else { n };
+                    let Some(src) = self.source(&view, pos, lock_len) else {
+                        tracing::warn!(
+                            path = self.path,
+                            target = self.target,
+                            offset = pos,
+                            "no replica that is up is current for this range: left marked"
+                        );
+                        no_source = true;
+                        if whole {
+                            break;
+                        }
+                        pos += n;
+                        continue;
+                    };
+                    let (got, last) = self.chunk(src, gens, pos, n, whole).await?;
+                    moved += got;
+                    if last {
+                        break;
+                    }
+                    pos += n;
+                }
+            }
+        }
+        Ok((moved, no_source))
+    }
+
+    /// An up replica, not the target, that no up replica marks as behind for the range;
+    /// replicas holding marks for the target first.
+    pub(super) fn source(&self, view: &View, pos: u64, len: u64) -> Option<usize> {
+        let rest = self.others.iter().filter(|i| !view.holders.contains(i));
+        view.holders
+            .iter()
+            .chain(rest)
+            .copied()
+            .find(|i| !view.behind[*i].overlaps(pos, len))
+    }
+
+    pub(super) async fn source_fd(&mut self, src: usize) -> FopResult<Fd> {
+        if let Some(fd) = &self.sfds[src] {
+            return Ok(fd.clone());
+        }
+        let fd = self.kids[src]
+            .open(&Ctx::NONE, self.path, libc::O_RDONLY as u32)
+            .await?;
+        self.sfds[src] = Some(fd.clone());
+        Ok(fd)
+    }
+
+    /// Copies one chunk under the lock and clears what the target has now; returns the bytes
+    /// written and whether the source ended there.
+    pub(super) async fn chunk(
+        &mut self,
+        src: usize,
+        gens: &[Option<u64>],
+        pos: u64,
+        n: u64,
+        whole: bool,
+    ) -> FopResult<(u64, bool)> {
+        let (kids, path, target) = (self.kids, self.path, self.target);
+        let sfd = self.source_fd(src).await?;
+        let lock_len = if whole { m::WHOLE } else { n };
+        let lock = |on: u32| {
+            LockReq {
+                offset: pos,
+                len: lock_len,
+                lock: on,
+            }
+            .to_wire()
+        };
+        on_all(kids, self.up, path, m::LOCK, &lock(1)).await?;
+        let step = copy_chunk(
+            kids,
+            src,
+            target,
+            &sfd,
+            self.tfd,
+            pos,
+            n,
+            whole,
+            &mut self.buf,
+        )
+        .await;
+        let cleared = match &step {
+            Ok((got, wrote, last)) => {
+                let clear_len = if *last && whole { m::WHOLE } else { n };
+                // The bytes a client wrote on the target since the session began: heal's
+                // write skipped them (it says so by coming back short).
+                let skipped = if wrote < got {
+                    self.info().await.map(|i| {
+                        let mut r = RangeSet::default();
+                        for s in i.skipped.0 {
+                            r.add(s.offset, s.len);
+                        }
+                        r
+                    })
+                } else {
+                    Ok(RangeSet::default())
+                };
+                match skipped {
+                    Ok(skipped) => self.clear(gens, &skipped, pos, clear_len).await,
+                    Err(e) => Err(e),
+                }
+            }
+            // Nothing cleared: the chunk stays marked (after a refused size change — a client
+            // wrote past it — the next pass copies it again).
+            Err(_) => Ok(()),
+        };
+        let _ = on_all(kids, self.up, path, m::LOCK, &lock(0)).await;
+        cleared?;
+        match step {
+            Ok((_, wrote, last)) => Ok((wrote, last)),
+            Err(EAGAIN) => Ok((0, true)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Clears the target's marks on `[pos, pos+len)`: the parts heal wrote outright, and the
+    /// parts it skipped unless a holder recorded a new miss for the target since `gens`.
+    pub(super) async fn clear(
+        &self,
+        gens: &[Option<u64>],
+        skipped: &RangeSet,
+        pos: u64,
+        len: u64,
+    ) -> FopResult<()> {
+        let t = self.target as u32;
+        let plain: Vec<Vec<u8>> = skipped
+            .outside(pos, len)
+            .into_iter()
+            .map(|(offset, len)| {
+                Mark {
+                    target: t,
+                    offset,
+                    len,
+                }
+                .to_wire()
+            })
+            .collect();
+        let mut cond = Vec::new();
+        for (offset, len) in skipped.inside(pos, len) {
+            for i in self.others {
+                // A replica whose generation was not read keeps its mark.
+                if let Some(gen) = gens[*i] {
+                    let v = CondMark {
+                        target: t,
+                        offset,
+                        len,
+                        gen,
+                    }
+                    .to_wire();
+                    cond.push((*i, v));
+                }
+            }
+        }
+        let mut futs = Vec::new();
+        for v in &plain {
+            for i in self.others {
+                futs.push(Some(self.kids[*i].setxattr(
+                    &Ctx::NONE,
+                    self.path,
+                    m::CLEAR,
+                    v,
+                    0,
+                )));
+            }
+        }
+        for (i, v) in &cond {
+            futs.push(Some(self.kids[*i].setxattr(
+                &Ctx::NONE,
+                self.path,
+                m::CLEAR_IF,
+                v,
+                0,
+            )));
+        }
+        for r in join_all(futs).await.into_iter().flatten() {
+            match r {
+                // A conditional clear refused: a new miss; the range stays marked.
+                Ok(()) | Err(EAGAIN) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies `[pos, pos+n)` from the source to the target; returns the bytes read, the bytes the
+/// target wrote (fewer when it skipped bytes a client wrote since the session began) and
+/// whether the source ended there (then, for a range to the end of the file, the target's
+/// size is set to the source's).
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn copy_chunk(
+    kids: &[LayerRef],
+    src: usize,
+    target: usize,
+    sfd: &Fd,
+    tfd: &Fd,
+    pos: u64,
+    n: u64,
+    whole: bool,
+    buf: &mut Vec<u8>,
+) -> Result<(u64, u64, bool), Errno> {
+    let cx = &Ctx::NONE;
+    let taken = std::mem::take(buf);
+    let out = kids[src]
+        .read(cx, sfd, pos, ReadDst::Into(IoBufs::owned(vec![taken])))
+        .await;
+    let (got, mut data) = match out {
+        Ok(ReadOut::Into { n: got, bufs }) => {
+            (got, bufs.into_owned::<Vec<u8>>().unwrap_or_default())
+        }
+        Ok(_) => return Err(errno::EIO),
+        Err(e) => {
+            *buf = vec![0u8; CHUNK as usize];
+            return Err(e);
+        }
+    };
+    let mut chunk = data.pop().unwrap_or_default();
+    let want = n.min(chunk.len() as u64) as usize;
+    let got = got.min(want);
+    let mut wrote = 0;
+    if got > 0 {
+        // Only the bytes read go out; the buffer's tail is not part of the file.
+        let keep_len = chunk.len();
+        chunk.truncate(got);
+        let w = kids[target]
+            .write(cx, tfd, pos, IoBufs::owned(vec![chunk]))
+            .await?;
+        let mut back = w.bufs.into_owned::<Vec<u8>>().unwrap_or_default();
+        let mut b = back.pop().unwrap_or_default();
+        b.resize(keep_len, 0);
+        *buf = b;
+        if w.n > got {
+            return Err(errno::EIO);
+        }
+        wrote = w.n;
+    } else {
+        *buf = chunk;
+    }
+    if buf.len() < CHUNK as usize {
+        buf.resize(CHUNK as usize, 0);
+    }
+    let last = (got as u64) < n;
+    if whole && last {
+        let size = crate::SetAttrs {
+            valid: kiln_proto::ops::SETATTR_SIZE,
+            size: pos + got as u64,
+            ..Default::default()
+        };
+        kids[target].fsetattr(cx, tfd, &size).await?;
+    }
+    Ok((got as u64, wrote as u64, last))
+}

@@ -1,0 +1,339 @@
+//! Healing names and attributes: entries created, removed or re-created and mode, owner,
+//! times and user xattrs copied, from a replica that is not behind.
+
+use kiln_proto::Wire;
+
+use crate::exec::join_all;
+use crate::marks::{self as m, CondFlag, FlagMark, LockReq};
+use crate::{errno, Ctx, FopResult, LayerRef};
+
+use super::*;
+
+/// The child path `name` of directory `dir` (`""`: the root).
+pub(super) fn child(dir: &str, name: &str) -> String {
+    if dir.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+/// Every name in directory `path` of one replica.
+pub(super) async fn list(kid: &LayerRef, path: &str) -> FopResult<Vec<(String, crate::Attr)>> {
+    let mut out = Vec::new();
+    let mut offset = 0;
+    loop {
+        let page = kid.readdir(&Ctx::NONE, path, offset, 512).await?;
+        offset += page.entries.0.len() as u64;
+        out.extend(page.entries.0.into_iter().map(|e| (e.name, e.attr)));
+        if page.eof {
+            return Ok(out);
+        }
+    }
+}
+
+pub(super) fn kind(a: &crate::Attr) -> u32 {
+    a.mode & libc::S_IFMT
+}
+
+/// Removes `path` from one replica, and, for a directory, all it holds.
+pub(super) async fn remove_tree(kid: &LayerRef, path: &str) -> FopResult<()> {
+    let cx = &Ctx::NONE;
+    let attr = match kid.lookup(cx, path).await {
+        Ok(a) => a,
+        Err(errno::ENOENT) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if kind(&attr) != libc::S_IFDIR {
+        return match kid.unlink(cx, path).await {
+            Ok(()) | Err(errno::ENOENT) => Ok(()),
+            Err(e) => Err(e),
+        };
+    }
+    // Depth first, without recursion in async code: directories are removed once emptied.
+    let mut stack = vec![(path.to_owned(), false)];
+    while let Some((dir, listed)) = stack.pop() {
+        if listed {
+            match kid.rmdir(cx, &dir).await {
+                Ok(()) | Err(errno::ENOENT) => {}
+                Err(e) => return Err(e),
+            }
+            continue;
+        }
+        stack.push((dir.clone(), true));
+        for (name, a) in list(kid, &dir).await? {
+            let p = child(&dir, &name);
+            if kind(&a) == libc::S_IFDIR {
+                stack.push((p, false));
+            } else {
+                match kid.unlink(cx, &p).await {
+                    Ok(()) | Err(errno::ENOENT) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Heals `flags` ([`m::ENTRY`], [`m::META`]) of `path` on `target`, pass after pass until no
+/// flag of those is left for it (a flag marked again meanwhile is healed again).
+pub(super) async fn heal_flags(
+    kids: &[LayerRef],
+    up: &[usize],
+    path: &str,
+    target: usize,
+    flags: u32,
+) -> FopResult<()> {
+    for _ in 0..PASSES {
+        let view = View::read(kids, up, path, target).await?;
+        let want = view.flagged[target] & flags;
+        if want == 0 {
+            return Ok(());
+        }
+        // The source: up, not the target, flagged for nothing that is healed here (an entry
+        // heal also copies the attributes); holders first.
+        let behind = m::ENTRY | want;
+        let others: Vec<usize> = up.iter().copied().filter(|i| *i != target).collect();
+        let rest = others.iter().filter(|i| !view.flag_holders.contains(i));
+        let Some(src) = view
+            .flag_holders
+            .iter()
+            .chain(rest)
+            .copied()
+            .find(|i| view.flagged[*i] & behind == 0)
+        else {
+            tracing::warn!(
+                path,
+                target,
+                "no replica that is up is current for this name: left marked"
+            );
+            return Err(ENODATA);
+        };
+        let lock = |on: u32| {
+            LockReq {
+                offset: 0,
+                len: m::WHOLE,
+                lock: on,
+            }
+            .to_wire()
+        };
+        on_all(kids, up, path, m::LOCK, &lock(1)).await?;
+        let step = heal_flags_locked(kids, &view, &others, path, target, src, want).await;
+        let _ = on_all(kids, up, path, m::LOCK, &lock(0)).await;
+        step?;
+    }
+    Err(EAGAIN)
+}
+
+/// One pass of [`heal_flags`], under the heal lock on `path` on every up replica: makes the
+/// target's entry (with [`m::ENTRY`]) and attributes match the source's, then clears what it
+/// healed on every other up replica unless a mark was added since `view` was read.
+pub(super) async fn heal_flags_locked(
+    kids: &[LayerRef],
+    view: &View,
+    others: &[usize],
+    path: &str,
+    target: usize,
+    src: usize,
+    want: u32,
+) -> FopResult<()> {
+    let cx = &Ctx::NONE;
+    let (s, t) = (&kids[src], &kids[target]);
+    let sa = match s.lookup(cx, path).await {
+        Ok(a) => Some(a),
+        Err(errno::ENOENT) => None,
+        Err(e) => return Err(e),
+    };
+    let mut ta = match t.lookup(cx, path).await {
+        Ok(a) => Some(a),
+        Err(errno::ENOENT) => None,
+        Err(e) => return Err(e),
+    };
+    let mut whole = false;
+    let mut clear = want;
+    if want & m::ENTRY != 0 {
+        let Some(sa) = &sa else {
+            // Gone on the source: gone on the target (a directory with all it holds).
+            if ta.is_some() {
+                remove_tree(t, path).await?;
+            }
+            return clear_flags(kids, view, others, path, target, m::ENTRY | m::META, false).await;
+        };
+        let same = match &ta {
+            Some(a) if kind(a) != kind(sa) => false,
+            Some(_) if kind(sa) == libc::S_IFLNK => {
+                s.readlink(cx, path).await? == t.readlink(cx, path).await?
+            }
+            Some(_) => true,
+            None => false,
+        };
+        if !same && ta.is_some() {
+            remove_tree(t, path).await?;
+            ta = None;
+        }
+        let mut names: Vec<String> = Vec::new();
+        match kind(sa) {
+            libc::S_IFDIR => {
+                if ta.is_none() {
+                    mkdir_parents(t, path).await?;
+                    match t.mkdir(cx, path, sa.mode & 0o7777).await {
+                        Ok(_) | Err(EEXIST) => {}
+                        Err(e) => return Err(e),
+                    }
+                } else {
+                    // Both have it: what the target holds and the source does not goes too.
+                    names.extend(list(t, path).await?.into_iter().map(|(n, _)| n));
+                }
+                // What it holds is healed name by name: flagged on the source for the target.
+                names.extend(list(s, path).await?.into_iter().map(|(n, _)| n));
+                names.sort_unstable();
+                names.dedup();
+            }
+            libc::S_IFLNK => {
+                if ta.is_none() {
+                    mkdir_parents(t, path).await?;
+                    let to = s.readlink(cx, path).await?;
+                    t.symlink(cx, &to, path).await?;
+                }
+            }
+            libc::S_IFREG => {
+                if ta.is_none() {
+                    mkdir_parents(t, path).await?;
+                    let flags = (libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY) as u32;
+                    let (fd, _) = t.create(cx, path, flags, sa.mode & 0o7777).await?;
+                    let _ = t.release(cx, fd).await;
+                }
+                // Its bytes may be another file's (created or renamed over while the target
+                // was away): all of them are copied.
+                whole = true;
+            }
+            _ => {
+                tracing::warn!(path, target, "cannot heal a special file: left marked");
+                return Err(errno::EINVAL);
+            }
+        }
+        let v = FlagMark {
+            target: target as u32,
+            flags: m::ENTRY,
+        }
+        .to_wire();
+        for n in names {
+            s.setxattr(cx, &child(path, &n), m::FLAG, &v, 0).await?;
+        }
+        clear |= m::META;
+    }
+    if let Some(sa) = &sa {
+        if kind(sa) != libc::S_IFLNK {
+            copy_meta(s, t, path, sa).await?;
+        }
+    }
+    clear_flags(kids, view, others, path, target, clear, whole).await
+}
+
+/// Clears `flags` for `target` on `others`, each unless it added a mark since `view`; with
+/// `whole`, marks all the file's bytes for `target` in the same step.
+pub(super) async fn clear_flags(
+    kids: &[LayerRef],
+    view: &View,
+    others: &[usize],
+    path: &str,
+    target: usize,
+    flags: u32,
+    whole: bool,
+) -> FopResult<()> {
+    let values: Vec<(usize, Vec<u8>)> = others
+        .iter()
+        .filter_map(|i| {
+            view.gens[*i].map(|gen| {
+                let v = CondFlag {
+                    target: target as u32,
+                    flags,
+                    gen,
+                    data: u32::from(whole),
+                };
+                (*i, v.to_wire())
+            })
+        })
+        .collect();
+    let mut futs = Vec::new();
+    for (i, v) in &values {
+        futs.push(Some(kids[*i].setxattr(
+            &Ctx::NONE,
+            path,
+            m::FLAG_CLEAR_IF,
+            v,
+            0,
+        )));
+    }
+    for r in join_all(futs).await.into_iter().flatten() {
+        match r {
+            // Marked again meanwhile: the next pass heals it again.
+            Ok(()) | Err(EAGAIN) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Makes the parent directories of `path` on one replica (their own flags set their modes).
+pub(super) async fn mkdir_parents(kid: &LayerRef, path: &str) -> FopResult<()> {
+    for p in parents(path) {
+        match kid.mkdir(&Ctx::NONE, p, 0o755).await {
+            Ok(_) | Err(EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Copies mode, owner, times and `user.` xattrs of `path` from the source to the target.
+pub(super) async fn copy_meta(
+    s: &LayerRef,
+    t: &LayerRef,
+    path: &str,
+    sa: &crate::Attr,
+) -> FopResult<()> {
+    use kiln_proto::ops::{SETATTR_ATIME, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_UID};
+    let cx = &Ctx::NONE;
+    let ta = t.lookup(cx, path).await?;
+    let mut set = crate::SetAttrs {
+        valid: SETATTR_MODE | SETATTR_ATIME | SETATTR_MTIME,
+        mode: sa.mode & 0o7777,
+        atime: sa.atime.clone(),
+        mtime: sa.mtime.clone(),
+        ..Default::default()
+    };
+    if (ta.uid, ta.gid) != (sa.uid, sa.gid) {
+        set.valid |= SETATTR_UID | SETATTR_GID;
+        set.uid = sa.uid;
+        set.gid = sa.gid;
+    }
+    t.setattr(cx, path, &set).await?;
+    let user = |n: &String| n.starts_with("user.");
+    let have: Vec<String> = s
+        .listxattr(cx, path)
+        .await?
+        .into_iter()
+        .filter(user)
+        .collect();
+    for n in t.listxattr(cx, path).await?.into_iter().filter(user) {
+        if !have.contains(&n) {
+            match t.removexattr(cx, path, &n).await {
+                Ok(()) | Err(ENODATA) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    for n in &have {
+        let v = match s.getxattr(cx, path, n).await {
+            Ok(v) => v,
+            Err(ENODATA) => continue,
+            Err(e) => return Err(e),
+        };
+        if t.getxattr(cx, path, n).await.ok().as_ref() != Some(&v) {
+            t.setxattr(cx, path, n, &v, 0).await?;
+        }
+    }
+    Ok(())
+}

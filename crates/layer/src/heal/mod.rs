@@ -1,0 +1,307 @@
+//! Heal: copy to a replica exactly the ranges it missed, while I/O continues.
+//!
+//! The bricks that took a change another replica missed hold marks naming it
+//! ([`crate::marks`]). Heal reads every replica's index, and for each (file, replica behind —
+//! the *target*): makes sure the file exists there (creating parent directories), then, chunk
+//! by chunk (at most [`CHUNK`] bytes), takes a heal lock on the chunk on every replica that is
+//! up, reads it from an up-to-date replica (the *source*), writes it to the target, clears that
+//! chunk's marks and drops the lock. The lock keeps client writes to the chunk out of the copy
+//! on every replica; clearing under the lock means a miss recorded after the copy is never
+//! cleared by it.
+//!
+//! **Writes that straddle the copy.** A client write goes to every replica at once, and the
+//! copies do not arrive together: one can reach the target before the chunk's lock and the
+//! source only after heal read the chunk (the source's copy waited on the lock, or was simply
+//! slower). Copying the source's older bytes over it would lose an acknowledged write on the
+//! target. So each pass over a file runs in a *heal session* on the target
+//! ([`crate::marks`]): heal begins it before it looks at the file's marks; from then on the
+//! target records the ranges that clients change (and those they were changing as it began),
+//! and heal's writes — through a handle opened with [`crate::marks::HEAL_OPEN`] — take only the
+//! bytes no client changed since: the target's bytes there are the newer ones. Ordering at the
+//! target is exact: a client write and a heal write to the same bytes are registered under one
+//! mutex, a client write is recorded the moment it is let through, and once heal's lock has
+//! lapsed a client write waits for an overlapping heal write rather than run beside it.
+//!
+//! A skipped range is cleared like the rest, but conditionally (`kiln.pending.clear.if`): only
+//! if no holder recorded a new miss for the target since heal read the marks, before the
+//! session began. Skipping is right because the target holds the client's newer bytes; a later
+//! write the target missed (its connection broke, or it failed there) leaves a new mark, and
+//! then the range stays marked and the next pass (a new session) copies it. A heal size change
+//! that would cut bytes a client wrote since the session began is refused and the chunk stays
+//! marked too. A pass ends the session; a file takes at most [`PASSES`] passes per run.
+//!
+//! Before the first copy of a pass heal waits [`GRACE`] when clients had the file open on the
+//! target as the session began. The one case the session cannot see is a write that reached
+//! the target *before* the session began and reaches the source only after heal read the chunk:
+//! with the grace, that needs one replica's copy of a write to lag the other's by more than
+//! [`GRACE`] plus heal's round trips, while that brick answers heal — not seen in the seeded
+//! heal-while-writing runs (see `crates/server/tests/replicate_heal.rs`).
+//!
+//! **Choosing the source.** A source is an up replica, not the target, that no up replica
+//! marks as behind for the chunk (up replicas that hold marks for the target are tried
+//! first). A client write that reached the target but failed on a replica leaves
+//! marks against that replica, and heal then copies from another one; if no replica that is up
+//! is current for a chunk, heal leaves it marked and says so (`ENODATA`): with two replicas
+//! each missing part of the same range and the third down, which bytes are newer is not known.
+//!
+//! **Names and attributes.** A name flagged [`crate::marks::ENTRY`] for the target is healed
+//! first, then the file's bytes, then a [`crate::marks::META`] flag. Under a heal lock on the
+//! name on every up replica (the bricks hold client changes of that name, and of its
+//! attributes, until it goes), heal looks the name up on a source — an up replica, not the
+//! target, itself flagged for none of what is healed (holders first) — and on the target:
+//! gone on the source, it is removed on the target (a directory with all it holds); of another
+//! type (or a symlink to elsewhere), it is removed and made anew; missing, it is made (a
+//! directory with its mode, a symlink with its target, a file empty). A directory's contents
+//! are then flagged `ENTRY` on the source, name by name (the source's names, and the
+//! target's too when both had the directory), and healed like any flagged name, in path
+//! order in the same run; a file's bytes are all marked for copying, in the same step that
+//! clears its flag. Then mode, owner, times and `user.` xattrs are copied. **The rule for
+//! removing:** a name is removed from the target only when it is flagged for the target and
+//! the source is not flagged behind for it; a name that reached only the target (a create
+//! the source missed) carries a flag against the source on the target, so that source is
+//! refused, and with no current source the name is left flagged (`ENODATA`). Nothing is
+//! removed because a listing lacks it. Flags are cleared conditionally
+//! (`kiln.pending.flag.clear.if`) against the generations read before the lock: a flag
+//! marked again meanwhile stays, and the next pass heals it again.
+//!
+//! Heal must run on connections of its own (a [`crate::replicate::Replicate`] built for it),
+//! not those of a client that also writes: locks and sessions belong to a connection, and a
+//! connection's own writes pass its locks.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use kiln_proto::Wire;
+
+use crate::exec::join_all;
+use crate::marks::{self as m, IndexPage};
+use crate::replicate::Replicate;
+use crate::{Ctx, Errno, FopResult, LayerRef};
+
+mod data;
+mod entries;
+
+pub use data::heal_file;
+use data::*;
+
+/// File exists.
+const EEXIST: Errno = 17;
+/// Try again: the file is still marked after [`PASSES`] passes, or a heal size change was
+/// refused.
+const EAGAIN: Errno = 11;
+/// No data: no replica that is up is current for part of what the target needs.
+const ENODATA: Errno = 61;
+/// Timed out: the session on the target lapsed (heal stalled for a lease).
+const ETIMEDOUT: Errno = 110;
+
+/// Most bytes copied under one lock.
+pub const CHUNK: u64 = 1 << 20;
+
+/// How long heal waits, after it began a session on a file that clients have open on the
+/// target, before it copies: see the module documentation.
+pub const GRACE: Duration = Duration::from_millis(100);
+
+/// Most passes (sessions) over one file in one run.
+pub const PASSES: usize = 8;
+
+/// Most looks at a file's marks within one pass (each copies what is new since the last).
+const ROUNDS: usize = 64;
+
+/// One file a replica needs healed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Need {
+    /// The replicate layer's name.
+    pub set: String,
+    /// The file.
+    pub path: String,
+    /// The replica behind (its index in the set) and its layer name.
+    pub target: usize,
+    /// Its layer name.
+    pub target_name: String,
+    /// Marked ranges.
+    pub ranges: u64,
+    /// Marked bytes (a range "to the end of the file" counts as unknown: u64::MAX).
+    pub bytes: u64,
+    /// False while the replica behind is down (nothing can be healed yet).
+    pub target_up: bool,
+    /// The replica missed a change of this name (created, removed, renamed from or to).
+    pub entry: bool,
+    /// The replica missed a change of this path's attributes or xattrs.
+    pub metadata: bool,
+}
+
+/// What a heal run did.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Report {
+    /// Files brought up to date.
+    pub files: u64,
+    /// Bytes copied to replicas that were behind.
+    pub bytes: u64,
+    /// Files left for later (their replica is down, or an error).
+    pub left: u64,
+    /// Errors, as text.
+    pub errors: Vec<String>,
+}
+
+/// Every replicate layer in a stack.
+pub fn replicate_layers(top: &LayerRef) -> Vec<LayerRef> {
+    fn walk(l: &LayerRef, out: &mut Vec<LayerRef>) {
+        if l.as_any().is_some_and(|a| a.is::<Replicate>()) {
+            out.push(l.clone());
+            return;
+        }
+        for c in l.children() {
+            walk(c, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(top, &mut out);
+    out
+}
+
+fn rep(l: &LayerRef) -> &Replicate {
+    l.as_any()
+        .and_then(|a| a.downcast_ref::<Replicate>())
+        .expect("replicate_layers returns replicate layers")
+}
+
+/// What needs healing in every replicate layer of a stack.
+pub async fn info(top: &LayerRef) -> Vec<Need> {
+    let mut out = Vec::new();
+    for l in replicate_layers(top) {
+        out.extend(needs(rep(&l)).await);
+    }
+    out
+}
+
+/// The first page of one replica set's index, merged over its replicas that are up.
+async fn needs(r: &Replicate) -> Vec<Need> {
+    let kids = r.replicas();
+    let futs = kids
+        .iter()
+        .map(|k| k.up().then(|| k.getxattr(&Ctx::NONE, "", m::INDEX)))
+        .collect();
+    let mut by: std::collections::BTreeMap<(String, u32), (u64, u64, u32)> = Default::default();
+    for v in join_all(futs).await.into_iter().flatten().flatten() {
+        let Ok(page) = IndexPage::from_wire(&v) else {
+            tracing::warn!("a brick sent an index page that does not decode");
+            continue;
+        };
+        for e in page.entries.0 {
+            let slot = by.entry((e.path, e.target)).or_default();
+            slot.0 = slot.0.max(e.ranges);
+            slot.1 = slot.1.max(e.bytes);
+            slot.2 |= e.flags;
+        }
+    }
+    by.into_iter()
+        .filter(|((_, t), _)| (*t as usize) < kids.len())
+        .map(|((path, t), (ranges, bytes, flags))| Need {
+            set: crate::Layer::name(r).to_owned(),
+            path,
+            target: t as usize,
+            target_name: kids[t as usize].name().to_owned(),
+            ranges,
+            bytes,
+            target_up: kids[t as usize].up(),
+            entry: flags & m::ENTRY != 0,
+            metadata: flags & m::META != 0,
+        })
+        .collect()
+}
+
+/// Heals every replicate layer of a stack once over; `progress` hears of each file done.
+pub async fn run(top: &LayerRef, progress: &(dyn Fn(&Need, u64) + Sync)) -> Report {
+    let mut report = Report::default();
+    for l in replicate_layers(top) {
+        let r = rep(&l);
+        // Pages: what is healed is cleared, so the next look shows the rest.
+        let mut seen = std::collections::HashSet::new();
+        loop {
+            let list = needs(r).await;
+            let fresh: Vec<Need> = list
+                .into_iter()
+                .filter(|n| seen.insert((n.path.clone(), n.target)))
+                .collect();
+            if fresh.is_empty() {
+                break;
+            }
+            for need in fresh {
+                if !need.target_up {
+                    report.left += 1;
+                    continue;
+                }
+                match heal_file(r, &need.path, need.target).await {
+                    Ok(bytes) => {
+                        report.files += 1;
+                        report.bytes += bytes;
+                        progress(&need, bytes);
+                    }
+                    Err(e) => {
+                        report.left += 1;
+                        report.errors.push(format!(
+                            "{}: {} on {}: errno {e}",
+                            need.set, need.path, need.target_name
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    report
+}
+
+/// Parent directories of `path`, outermost first.
+fn parents(path: &str) -> Vec<&str> {
+    path.match_indices('/').map(|(i, _)| &path[..i]).collect()
+}
+
+/// Calls setxattr `name` with `value` on every replica in `on`; fails if any fails.
+async fn on_all(
+    kids: &[LayerRef],
+    on: &[usize],
+    path: &str,
+    name: &str,
+    value: &[u8],
+) -> FopResult<()> {
+    let futs = on
+        .iter()
+        .map(|i| Some(kids[*i].setxattr(&Ctx::NONE, path, name, value, 0)))
+        .collect();
+    for r in join_all(futs).await.into_iter().flatten() {
+        r?;
+    }
+    Ok(())
+}
+
+/// Sleeps without a runtime: a thread wakes the task when the time is up.
+async fn sleep(d: Duration) {
+    let done = Arc::new(AtomicBool::new(false));
+    let waker: Arc<Mutex<Option<Waker>>> = Arc::default();
+    let mut started = false;
+    std::future::poll_fn(|cx| {
+        if done.load(Ordering::Acquire) {
+            return Poll::Ready(());
+        }
+        *waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(cx.waker().clone());
+        if !started {
+            started = true;
+            let (done, waker) = (done.clone(), waker.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(d);
+                done.store(true, Ordering::Release);
+                if let Some(w) = waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    w.wake();
+                }
+            });
+        }
+        if done.load(Ordering::Acquire) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}

@@ -1,0 +1,393 @@
+//! The commands that change or show volumes: create, start, stop, set, delete, info, list,
+//! status and volfile.
+
+use std::fs;
+use std::net::SocketAddr;
+
+use serde_json::{json, Value};
+
+use crate::*;
+
+impl Manager {
+    pub(crate) fn create(
+        &self,
+        name: &str,
+        replica: Option<u64>,
+        specs: &[String],
+        allow: &[String],
+    ) -> Result<Value, String> {
+        check_name(name)?;
+        let replica = match replica {
+            None => 1,
+            Some(r) if (1..=64).contains(&r) => r as usize,
+            Some(r) => return Err(format!("bad replica count {r}: want a number from 1 to 64")),
+        };
+        if specs.is_empty() {
+            return Err(format!(
+                "volume {name}: no bricks given (want HOST:/DIR, at least {replica})"
+            ));
+        }
+        if !specs.len().is_multiple_of(replica) {
+            return Err(format!(
+                "volume {name}: {} brick(s) do not make replica sets of {replica}: give a \
+                 multiple of {replica} bricks",
+                specs.len()
+            ));
+        }
+        if self.vol_dir(name).join("volume.json").exists() {
+            return Err(format!("volume {name} already exists"));
+        }
+        let allow = check_allow(allow)?;
+        let mut bricks = Vec::new();
+        let mut ips = Vec::new();
+        for s in specs {
+            let b = parse_brick(s)?;
+            ips.push(b.ip().map_err(|e| format!("brick {s}: {e}"))?);
+            bricks.push(b);
+        }
+        // Same host (by address), same or nested directory: refuse.
+        for j in 0..bricks.len() {
+            for i in 0..j {
+                if ips[i] != ips[j] {
+                    continue;
+                }
+                let (a, b) = (&bricks[i], &bricks[j]);
+                if a.dir == b.dir {
+                    return Err(format!("brick {} is given twice", b.spec()));
+                }
+                if b.dir.starts_with(&a.dir) || a.dir.starts_with(&b.dir) {
+                    return Err(format!(
+                        "bricks {} and {} nest: a brick may not be inside another",
+                        a.spec(),
+                        b.spec()
+                    ));
+                }
+            }
+        }
+        for other in self.load_all() {
+            for ob in &other.bricks {
+                let Ok(oip) = ob.ip() else { continue };
+                for (b, ip) in bricks.iter().zip(&ips) {
+                    if *ip == oip && (b.dir.starts_with(&ob.dir) || ob.dir.starts_with(&b.dir)) {
+                        return Err(format!(
+                            "brick {} overlaps brick {} of volume {}",
+                            b.spec(),
+                            ob.spec(),
+                            other.name
+                        ));
+                    }
+                }
+            }
+        }
+        for (b, ip) in bricks.iter().zip(&ips) {
+            if is_local(*ip) {
+                fs::create_dir_all(&b.dir).map_err(|e| {
+                    format!("cannot create brick directory {}: {e}", b.dir.display())
+                })?;
+            }
+        }
+        let mut raw = [0u8; 32];
+        random(&mut raw)?;
+        let secret = hex(&raw);
+        random(&mut raw[..8])?;
+        let def = VolumeDef {
+            name: name.to_owned(),
+            id: hex(&raw[..8]),
+            replica,
+            bricks,
+            state: VolState::Created,
+            authority: None,
+            allow,
+        };
+        fs::create_dir_all(self.vol_dir(name).join("bricks"))
+            .map_err(|e| format!("cannot create {}: {e}", self.vol_dir(name).display()))?;
+        self.write_secret(name, &secret)?;
+        self.save(&def)?;
+        // Every other host with a brick gets a copy (and creates its brick directories).
+        let mut synced = Vec::new();
+        for addr in self.peers(&def) {
+            if let Err(e) = self.sync_to(addr, &def, true) {
+                for a in synced {
+                    let _ = self.call_peer(
+                        a,
+                        &Request::PeerForget {
+                            name: name.to_owned(),
+                        },
+                    );
+                }
+                let _ = fs::remove_dir_all(self.vol_dir(name));
+                return Err(format!("volume {name} not created: {e}"));
+            }
+            synced.push(addr);
+        }
+        tracing::info!("created volume {name} ({} bricks)", def.bricks.len());
+        Ok(json!({ "volume": def_json(&def) }))
+    }
+
+    pub(crate) fn start(
+        &self,
+        procs: &mut Procs,
+        name: &str,
+        force: bool,
+    ) -> Result<Value, String> {
+        let mut def = self.load(name)?;
+        if def.state == VolState::Started && !force {
+            return Err(format!(
+                "volume {name} is already started (`start {name} force` restarts bricks that \
+                 are down)"
+            ));
+        }
+        let secret = self.read_secret(name)?;
+        let mut errors = Vec::new();
+        let mut up = 0;
+        for i in 0..def.bricks.len() {
+            let b = def.bricks[i].clone();
+            let r = match b.ip() {
+                Ok(ip) if is_local(ip) => self.ensure_brick(procs, &def, i),
+                Ok(_) => self.remote_brick_start(&def, i, &secret),
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok((port, pid)) => {
+                    def.bricks[i].port = Some(port);
+                    def.bricks[i].pid = Some(pid);
+                    up += 1;
+                }
+                Err(e) => errors.push(format!("brick {}: {e}", b.spec())),
+            }
+        }
+        if up > 0 {
+            def.state = VolState::Started;
+        }
+        self.save(&def)?;
+        let warnings = self.sync_all(&def);
+        if !errors.is_empty() {
+            return Err(format!(
+                "volume {name}: {} of {} bricks did not start: {}",
+                errors.len(),
+                def.bricks.len(),
+                errors.join("; ")
+            ));
+        }
+        tracing::info!("started volume {name}");
+        Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
+    }
+
+    pub(crate) fn stop(&self, procs: &mut Procs, name: &str) -> Result<Value, String> {
+        let mut def = self.load(name)?;
+        if def.state != VolState::Started {
+            return Err(format!("volume {name} is not started"));
+        }
+        let mut errors = Vec::new();
+        for i in 0..def.bricks.len() {
+            let b = def.bricks[i].clone();
+            let r = match b.ip() {
+                Ok(ip) if is_local(ip) => {
+                    self.stop_brick(procs, &def, i);
+                    Ok(())
+                }
+                Ok(_) => b.mgmt_addr().and_then(|a| {
+                    self.call_peer(
+                        a,
+                        &Request::BrickStop {
+                            name: name.to_owned(),
+                            index: i,
+                        },
+                    )
+                    .map(|_| ())
+                }),
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(()) => def.bricks[i].pid = None,
+                Err(e) => errors.push(format!("brick {}: {e}", b.spec())),
+            }
+        }
+        def.state = VolState::Stopped;
+        self.save(&def)?;
+        let warnings = self.sync_all(&def);
+        if !errors.is_empty() {
+            return Err(format!(
+                "volume {name} stopped, but {} brick(s) may still run: {}",
+                errors.len(),
+                errors.join("; ")
+            ));
+        }
+        tracing::info!("stopped volume {name}");
+        Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
+    }
+
+    /// Changes a volume's options (today: `allow`, the address ranges its bricks take clients
+    /// from). The bricks of a started volume are restarted with the new options; clients
+    /// reconnect by themselves.
+    pub(crate) fn set(
+        &self,
+        procs: &mut Procs,
+        name: &str,
+        allow: &[String],
+    ) -> Result<Value, String> {
+        let mut def = self.load(name)?;
+        def.allow = check_allow(allow)?;
+        self.save(&def)?;
+        let mut warnings = self.sync_all(&def);
+        if def.state == VolState::Started {
+            let secret = self.read_secret(name)?;
+            for i in 0..def.bricks.len() {
+                let b = def.bricks[i].clone();
+                let r = match b.ip() {
+                    Ok(ip) if is_local(ip) => {
+                        self.stop_brick(procs, &def, i);
+                        def.bricks[i].pid = None;
+                        self.ensure_brick(procs, &def, i)
+                    }
+                    Ok(_) => b
+                        .mgmt_addr()
+                        .and_then(|a| {
+                            self.call_peer(
+                                a,
+                                &Request::BrickStop {
+                                    name: name.to_owned(),
+                                    index: i,
+                                },
+                            )
+                        })
+                        .and_then(|_| {
+                            def.bricks[i].pid = None;
+                            self.remote_brick_start(&def, i, &secret)
+                        }),
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok((port, pid)) => {
+                        def.bricks[i].port = Some(port);
+                        def.bricks[i].pid = Some(pid);
+                    }
+                    Err(e) => warnings.push(format!("brick {}: not restarted: {e}", b.spec())),
+                }
+            }
+            self.save(&def)?;
+            warnings.extend(self.sync_all(&def));
+        }
+        tracing::info!(volume = name, allow = ?def.allow, "volume options set");
+        Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
+    }
+
+    pub(crate) fn delete(&self, name: &str) -> Result<Value, String> {
+        let def = self.load(name)?;
+        if def.state == VolState::Started {
+            return Err(format!("volume {name} is started: stop it first"));
+        }
+        let mut warnings = Vec::new();
+        for addr in self.peers(&def) {
+            if let Err(e) = self.call_peer(
+                addr,
+                &Request::PeerForget {
+                    name: name.to_owned(),
+                },
+            ) {
+                warnings.push(format!("{addr} keeps a stale copy: {e}"));
+            }
+        }
+        fs::remove_dir_all(self.vol_dir(name))
+            .map_err(|e| format!("cannot remove volume {name}: {e}"))?;
+        tracing::info!("deleted volume {name} (brick data left in place)");
+        Ok(json!({ "volume": name, "deleted": true, "warnings": warnings }))
+    }
+
+    pub(crate) fn info(&self, name: Option<&str>) -> Result<Value, String> {
+        let defs = match name {
+            Some(n) => {
+                check_name(n)?;
+                vec![self.load(n)?]
+            }
+            None => self.load_all(),
+        };
+        Ok(json!({ "volumes": defs.iter().map(def_json).collect::<Vec<_>>() }))
+    }
+
+    pub(crate) fn list(&self) -> Result<Value, String> {
+        let names: Vec<String> = self.load_all().into_iter().map(|d| d.name).collect();
+        Ok(json!({ "volumes": names }))
+    }
+
+    pub(crate) fn status(&self, procs: &mut Procs, name: Option<&str>) -> Result<Value, String> {
+        let defs = match name {
+            Some(n) => {
+                check_name(n)?;
+                vec![self.load(n)?]
+            }
+            None => self.load_all(),
+        };
+        let mut vols = Vec::new();
+        for def in &defs {
+            let mut bricks = Vec::new();
+            for (i, b) in def.bricks.iter().enumerate() {
+                let ip = b.ip().ok();
+                let local = ip.is_some_and(is_local);
+                let online = match (ip, b.port) {
+                    (Some(ip), Some(port)) if def.state == VolState::Started => {
+                        let pid_ok = !local
+                            || b.pid.is_some_and(|pid| {
+                                self.pid_runs_brick(
+                                    procs,
+                                    pid,
+                                    &self.brick_volfile_path(&def.name, i),
+                                )
+                            });
+                        pid_ok && port_answers(SocketAddr::new(ip, port))
+                    }
+                    _ => false,
+                };
+                bricks.push(json!({
+                    "brick": b.spec(),
+                    "host": b.host,
+                    "dir": b.dir,
+                    "port": b.port,
+                    "pid": b.pid,
+                    "online": online,
+                }));
+            }
+            vols.push(json!({
+                "name": def.name,
+                "state": def.state,
+                "authority": def.authority,
+                "bricks": bricks,
+                "heal": self.healer.view(&def.name),
+            }));
+        }
+        Ok(json!({ "volumes": vols }))
+    }
+
+    pub(crate) fn volfile(&self, name: &str) -> Result<Value, String> {
+        check_name(name)?;
+        let def = self.load(name)?;
+        if def.state != VolState::Started {
+            return Err(format!("volume {name} is not started"));
+        }
+        let v = self.client_volfile_here(&def)?;
+        Ok(json!({ "volume": name, "volfile": v.to_toml() }))
+    }
+}
+
+/// An `allow` list: address ranges (ADDR/PREFIX), each checked.
+pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
+    for c in allow {
+        c.parse::<kiln_server::access::Cidr>()
+            .map_err(|e| format!("allow {c:?}: {e}"))?;
+    }
+    Ok(allow.to_vec())
+}
+
+/// A definition as commands show it (everything but the secret, which is not in it).
+pub(crate) fn def_json(def: &VolumeDef) -> Value {
+    let mut v = serde_json::to_value(def).expect("a definition serialises");
+    v["type"] = match (def.replica > 1, def.bricks.len() > def.replica) {
+        (true, true) => "Distributed-Replicate",
+        (true, false) => "Replicate",
+        (false, true) => "Distribute",
+        (false, false) => "Single",
+    }
+    .into();
+    v["state_word"] = def.state.word().into();
+    v
+}

@@ -1,0 +1,181 @@
+//! Volume definitions: a volume, its bricks, where each brick lives, and the checks a
+//! definition passes before it is stored.
+
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::*;
+
+/// One brick of a volume.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct BrickDef {
+    /// The host as given (IP address or name).
+    pub host: String,
+    /// The management port of the host's kilnd, when not [`DEFAULT_MGMT_PORT`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mgmt_port: Option<u16>,
+    /// The brick directory on that host.
+    pub dir: PathBuf,
+    /// The port the brick serves (or last served) on.
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// The brick process, while it runs (a pid on the brick's host).
+    #[serde(default)]
+    pub pid: Option<u32>,
+}
+
+impl BrickDef {
+    /// `HOST:/DIR`, or `HOST:PORT:/DIR` with a management port.
+    pub fn spec(&self) -> String {
+        match self.mgmt_port {
+            Some(p) => format!("{}:{p}:{}", self.host, self.dir.display()),
+            None => format!("{}:{}", self.host, self.dir.display()),
+        }
+    }
+
+    /// The host's address.
+    pub fn ip(&self) -> Result<IpAddr, String> {
+        resolve(&self.host)
+    }
+
+    /// The management address of the brick's host.
+    pub fn mgmt_addr(&self) -> Result<SocketAddr, String> {
+        Ok(SocketAddr::new(
+            self.ip()?,
+            self.mgmt_port.unwrap_or(DEFAULT_MGMT_PORT),
+        ))
+    }
+}
+
+/// Where a volume is in its life.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum VolState {
+    /// Defined, never started.
+    Created,
+    /// Its bricks should run.
+    Started,
+    /// Its bricks were stopped.
+    Stopped,
+}
+
+impl VolState {
+    pub(crate) fn word(self) -> &'static str {
+        match self {
+            VolState::Created => "Created",
+            VolState::Started => "Started",
+            VolState::Stopped => "Stopped",
+        }
+    }
+}
+
+/// A volume definition.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct VolumeDef {
+    /// The volume's name.
+    pub name: String,
+    /// Random, fixed at create: tells two volumes of the same name apart.
+    pub id: String,
+    /// Bricks per replica set.
+    pub replica: usize,
+    /// The bricks, replica sets in order (bricks `k*replica .. (k+1)*replica` are set `k`).
+    pub bricks: Vec<BrickDef>,
+    /// Created, started or stopped.
+    pub state: VolState,
+    /// `None` on the authority; on a peer, the authority's management address.
+    #[serde(default)]
+    pub authority: Option<String>,
+    /// Address ranges clients of the bricks may connect from (empty: anyone); each brick
+    /// gets them as `--allow`.
+    #[serde(default)]
+    pub allow: Vec<String>,
+}
+
+/// Checks a volume name: 1 to 64 of `A-Z a-z 0-9 _ -`, not starting with `-`.
+pub fn check_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "bad volume name {name:?}: use 1 to 64 letters, digits, '_' or '-' (not first)"
+        ))
+    }
+}
+
+/// Parses `HOST:/DIR` or `HOST:PORT:/DIR` (PORT: the management port of HOST's kilnd).
+pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
+    let want = "want HOST:/DIR or HOST:MGMTPORT:/DIR with an absolute directory";
+    let i = s
+        .find(":/")
+        .ok_or_else(|| format!("bad brick {s:?}: {want}"))?;
+    let (hp, dir) = (&s[..i], &s[i + 1..]);
+    let (host, mgmt_port) = match hp.rsplit_once(':') {
+        Some((h, p)) => (
+            h,
+            Some(
+                p.parse::<u16>()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| format!("bad brick {s:?}: {p:?} is not a port; {want}"))?,
+            ),
+        ),
+        None => (hp, None),
+    };
+    if host.is_empty() {
+        return Err(format!("bad brick {s:?}: no host; {want}"));
+    }
+    let mut clean = PathBuf::from("/");
+    for c in Path::new(dir).components() {
+        match c {
+            Component::RootDir => {}
+            Component::Normal(n) => clean.push(n),
+            Component::CurDir | Component::ParentDir | Component::Prefix(_) => {
+                return Err(format!(
+                    "bad brick {s:?}: the directory may not contain '.' or '..'"
+                ))
+            }
+        }
+    }
+    if clean == Path::new("/") {
+        return Err(format!(
+            "bad brick {s:?}: the root directory cannot be a brick"
+        ));
+    }
+    Ok(BrickDef {
+        host: host.to_owned(),
+        mgmt_port,
+        dir: clean,
+        port: None,
+        pid: None,
+    })
+}
+
+/// The first address `host` resolves to (IPv4 preferred).
+pub fn resolve(host: &str) -> Result<IpAddr, String> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    let addrs: Vec<SocketAddr> = (host, 0)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve host {host:?}: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .map(|a| a.ip())
+        .ok_or_else(|| format!("host {host:?} has no address"))
+}
+
+/// True when this host can bind `ip`: the brick is ours to run.
+pub(crate) fn is_local(ip: IpAddr) -> bool {
+    !ip.is_unspecified() && TcpListener::bind((ip, 0)).is_ok()
+}

@@ -1,0 +1,197 @@
+//! The MGMT commands as one typed request: what `kiln volume` and other kilnds send, decoded
+//! once at the edge. On the wire a request is a JSON object whose `"cmd"` names the variant
+//! (kebab-case) and whose other fields are the variant's; a missing optional field takes its
+//! default, and an unknown command or a field of the wrong type is refused with serde's
+//! message naming it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::VolumeDef;
+
+/// One MGMT request.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(tag = "cmd", rename_all = "kebab-case")]
+pub enum Request {
+    /// Define a volume: `bricks` are `HOST:/DIR` or `HOST:PORT:/DIR`, in replica-set order.
+    Create {
+        /// The volume's name.
+        name: String,
+        /// Copies of each file (default 1).
+        #[serde(default)]
+        replica: Option<u64>,
+        /// The bricks.
+        #[serde(default)]
+        bricks: Vec<String>,
+        /// Address ranges (ADDR/PREFIX) clients may connect from; empty: anyone.
+        #[serde(default)]
+        allow: Vec<String>,
+    },
+    /// Run the volume's bricks; `force` also restarts bricks that died.
+    Start {
+        /// The volume.
+        name: String,
+        /// Revive dead bricks of a started volume.
+        #[serde(default)]
+        force: bool,
+    },
+    /// Stop the volume's bricks.
+    Stop {
+        /// The volume.
+        name: String,
+    },
+    /// Change the volume's allow-list (restarting a started volume's bricks).
+    Set {
+        /// The volume.
+        name: String,
+        /// The new list; empty: anyone.
+        #[serde(default)]
+        allow: Vec<String>,
+    },
+    /// Remove a stopped volume's definition (the brick directories stay).
+    Delete {
+        /// The volume.
+        name: String,
+    },
+    /// Definitions: one volume, or every one.
+    Info {
+        /// The volume, or none for all.
+        #[serde(default)]
+        name: Option<String>,
+    },
+    /// Volume names.
+    List,
+    /// Brick processes, ports and heal state: one volume, or every one.
+    Status {
+        /// The volume, or none for all.
+        #[serde(default)]
+        name: Option<String>,
+    },
+    /// The client graph of a started volume: the one command open without the secret.
+    Volfile {
+        /// The volume.
+        name: String,
+    },
+    /// Kilnd to kilnd: cache `def` (and its secret) and run brick `index` here.
+    BrickStart {
+        /// The authority's definition.
+        def: VolumeDef,
+        /// The brick to run.
+        index: usize,
+        /// The volume secret (64 hex digits).
+        #[serde(default)]
+        secret: Option<String>,
+    },
+    /// Kilnd to kilnd: stop brick `index` of `name` here.
+    BrickStop {
+        /// The volume.
+        name: String,
+        /// The brick to stop.
+        index: usize,
+    },
+    /// Kilnd to the authority: brick `index` runs again, on `port` as `pid`.
+    BrickReport {
+        /// The volume.
+        name: String,
+        /// The volume's id, so a report for an older volume of the same name is refused.
+        id: String,
+        /// The brick.
+        index: usize,
+        /// Its port now.
+        #[serde(default)]
+        port: Option<u16>,
+        /// Its process now.
+        #[serde(default)]
+        pid: Option<u32>,
+    },
+    /// Kilnd to kilnd: keep this copy of the authority's definition (and its secret).
+    PeerSync {
+        /// The definition.
+        def: VolumeDef,
+        /// The volume secret (64 hex digits).
+        #[serde(default)]
+        secret: Option<String>,
+    },
+    /// Kilnd to kilnd: drop the cached copy of `name`.
+    PeerForget {
+        /// The volume.
+        name: String,
+    },
+}
+
+impl Request {
+    /// The command's wire name, for logs and refusals.
+    pub fn cmd(&self) -> &'static str {
+        match self {
+            Request::Create { .. } => "create",
+            Request::Start { .. } => "start",
+            Request::Stop { .. } => "stop",
+            Request::Set { .. } => "set",
+            Request::Delete { .. } => "delete",
+            Request::Info { .. } => "info",
+            Request::List => "list",
+            Request::Status { .. } => "status",
+            Request::Volfile { .. } => "volfile",
+            Request::BrickStart { .. } => "brick-start",
+            Request::BrickStop { .. } => "brick-stop",
+            Request::BrickReport { .. } => "brick-report",
+            Request::PeerSync { .. } => "peer-sync",
+            Request::PeerForget { .. } => "peer-forget",
+        }
+    }
+
+    /// True for the commands an unauthenticated connection may send: only `volfile` (see the
+    /// crate documentation).
+    pub fn is_open(&self) -> bool {
+        matches!(self, Request::Volfile { .. })
+    }
+
+    /// The volume a change names, for the commands a peer that only caches the volume
+    /// forwards to its authority.
+    pub fn forwarded_volume(&self) -> Option<&str> {
+        match self {
+            Request::Start { name, .. }
+            | Request::Stop { name }
+            | Request::Set { name, .. }
+            | Request::Delete { name } => Some(name),
+            _ => None,
+        }
+    }
+
+    /// The request as JSON, for [`crate::call_peer`] and clients.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("a request serialises")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_wire_form_is_what_clients_send() {
+        let r: Request = serde_json::from_value(json!({ "cmd": "volfile", "name": "v" })).unwrap();
+        assert_eq!(r, Request::Volfile { name: "v".into() });
+        assert!(r.is_open());
+        assert_eq!(crate::OPEN_COMMANDS, [r.cmd()]);
+        let r: Request = serde_json::from_value(json!({ "cmd": "list" })).unwrap();
+        assert_eq!(r, Request::List);
+        let r: Request =
+            serde_json::from_value(json!({ "cmd": "start", "name": "v", "force": true })).unwrap();
+        assert_eq!(r.forwarded_volume(), Some("v"));
+        assert_eq!(r.to_json()["cmd"], "start");
+        let r: Request = serde_json::from_value(json!({ "cmd": "info" })).unwrap();
+        assert_eq!(r, Request::Info { name: None });
+    }
+
+    #[test]
+    fn unknown_commands_and_wrong_types_are_named() {
+        let e = serde_json::from_value::<Request>(json!({ "cmd": "explode" })).unwrap_err();
+        assert!(e.to_string().contains("explode"), "{e}");
+        let e =
+            serde_json::from_value::<Request>(json!({ "cmd": "create", "name": 3 })).unwrap_err();
+        assert!(e.to_string().contains("invalid type"), "{e}");
+        let e = serde_json::from_value::<Request>(json!({ "name": "v" })).unwrap_err();
+        assert!(e.to_string().contains("cmd"), "{e}");
+    }
+}

@@ -1,0 +1,118 @@
+//! The graphs kilnd hands out: a brick's stack, a volume's client stack, and the stack
+//! behind the management port.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
+
+use crate::*;
+
+/// The volfile a brick runs: io-stats (`NAME-brick-N`) → marks → dispatch → posix.
+pub fn brick_volfile(volume: &str, index: usize, dir: &Path) -> Volfile {
+    Volfile::linear(vec![
+        (format!("{volume}-brick-{index}"), LayerKind::IoStats {}),
+        (
+            "marks".into(),
+            LayerKind::Marks {
+                directory: dir.to_owned(),
+            },
+        ),
+        ("dispatch".into(), LayerKind::Dispatch {}),
+        (
+            "posix".into(),
+            LayerKind::Posix {
+                directory: dir.to_owned(),
+            },
+        ),
+    ])
+}
+
+/// The client volfile of a started volume: io-stats `NAME` → distribute `NAME-dht` (with more
+/// than one replica set) → replicate `NAME-replicate-K` (with replica > 1) → protocol-client
+/// `NAME-client-N` for brick N.
+pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
+    let name = &def.name;
+    let mut clients = Vec::new();
+    for (i, b) in def.bricks.iter().enumerate() {
+        let port = b.port.ok_or_else(|| {
+            format!(
+                "volume {name}: brick {} has no port yet (start the volume)",
+                b.spec()
+            )
+        })?;
+        clients.push(LayerDef {
+            name: format!("{name}-client-{i}"),
+            subvolumes: Vec::new(),
+            kind: LayerKind::ProtocolClient {
+                remote: format!("tcp:{}", SocketAddr::new(b.ip()?, port)),
+            },
+        });
+    }
+    let replica = def.replica.max(1);
+    let sets = def.bricks.len() / replica;
+    let mut layers = Vec::new();
+    let mut set_tops = Vec::new();
+    let mut replicates = Vec::new();
+    if replica > 1 {
+        for k in 0..sets {
+            let lname = format!("{name}-replicate-{k}");
+            set_tops.push(lname.clone());
+            replicates.push(LayerDef {
+                name: lname,
+                subvolumes: clients[k * replica..(k + 1) * replica]
+                    .iter()
+                    .map(|c| c.name.clone())
+                    .collect(),
+                kind: LayerKind::Replicate { quorum: None },
+            });
+        }
+    } else {
+        set_tops = clients.iter().map(|c| c.name.clone()).collect();
+    }
+    let below_top = if sets > 1 {
+        layers.push(LayerDef {
+            name: format!("{name}-dht"),
+            subvolumes: set_tops,
+            kind: LayerKind::Distribute {},
+        });
+        format!("{name}-dht")
+    } else {
+        set_tops[0].clone()
+    };
+    layers.insert(
+        0,
+        LayerDef {
+            name: name.clone(),
+            subvolumes: vec![below_top],
+            kind: LayerKind::IoStats {},
+        },
+    );
+    layers.extend(replicates);
+    layers.extend(clients);
+    let v = Volfile { layers };
+    v.check().map_err(|e| format!("volume {name}: {e}"))?;
+    Ok(v)
+}
+
+/// The stack behind the management port: every file fop fails (error-gen, ENOSYS) over an
+/// empty directory; only HELLO and MGMT mean anything there.
+pub fn placeholder_volfile(state_dir: &Path) -> Volfile {
+    Volfile::linear(vec![
+        (
+            "mgmt".into(),
+            LayerKind::ErrorGen {
+                fops: Vec::new(),
+                error: libc::ENOSYS.to_string(),
+                probability: 1.0,
+                seed: 1,
+            },
+        ),
+        (
+            "mgmt-root".into(),
+            LayerKind::Posix {
+                directory: state_dir.join("mgmt-root"),
+            },
+        ),
+    ])
+}

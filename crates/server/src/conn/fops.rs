@@ -1,0 +1,306 @@
+//! One request decoded and run against the brick's stack: the connection's fop dispatcher.
+
+use kiln_layer::{Ctx, IoBufs, ReadDst, ReadOut};
+use kiln_proto::codec::{Seq, Wire};
+use kiln_proto::ops::*;
+use kiln_proto::{errno, Op};
+
+use crate::brick::Errno;
+
+use super::*;
+
+impl Conn {
+    /// Decodes a request and starts it: protocol fops (HELLO, AUTH, PROFILE, RELEASE's handle
+    /// bookkeeping) are answered here, file fops go down the stack.
+    pub(super) fn fop(
+        &mut self,
+        op: Op,
+        args: &[u8],
+        payload: Vec<u8>,
+        cx: Ctx,
+    ) -> Result<Step, Fail> {
+        let stack = self.stack.clone();
+        let stats = self.stats.clone();
+        cx.stamp(|| "brick: dispatch".into());
+        fn reply(v: &impl Wire) -> Result<Done, Errno> {
+            Ok(Done::Reply(v.to_wire(), Body::None))
+        }
+        fn empty() -> Result<Done, Errno> {
+            Ok(Done::Reply(Vec::new(), Body::None))
+        }
+        macro_rules! stack {
+            ($body:expr) => {
+                Ok(Step::Stack(Box::pin(async move { $body })))
+            };
+        }
+        match op {
+            Op::Hello => {
+                let req = HelloReq::from_wire(args)?;
+                tracing::debug!(client = %req.client, version = req.version, "hello");
+                if !req.metrics.is_empty() {
+                    self.clients
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(self.conn_id, req.metrics);
+                }
+                if self.secret.is_some() {
+                    fill_random(&mut self.nonce)?;
+                }
+                self.hello_done = true;
+                let r = HelloReply {
+                    version: kiln_proto::frame::VERSION as u32,
+                    server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
+                    max_payload: kiln_proto::MAX_PAYLOAD_LEN,
+                    auth_required: self.secret.is_some(),
+                    nonce: if self.secret.is_some() {
+                        self.nonce.to_vec()
+                    } else {
+                        Vec::new()
+                    },
+                };
+                Ok(Step::Now(r.to_wire(), Body::None))
+            }
+            Op::Auth => {
+                let req = AuthReq::from_wire(args)?;
+                let Some(secret) = self.secret.clone() else {
+                    // Nothing to prove to a server without a secret.
+                    return Ok(Step::Now(
+                        AuthReply { proof: Vec::new() }.to_wire(),
+                        Body::None,
+                    ));
+                };
+                use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
+                let ok = self.hello_done
+                    && req.client_nonce.len() == NONCE_LEN
+                    && crate::auth::verify(
+                        &secret,
+                        &client_transcript(&self.nonce, &req.client_nonce),
+                        &req.proof,
+                    );
+                if !ok {
+                    tracing::warn!(peer = %self.peer, "a client failed authentication; closing");
+                    self.stats
+                        .refused
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.closing = true;
+                    return Err(Fail::Errno(errno::EACCES));
+                }
+                self.authed = true;
+                let proof =
+                    crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
+                Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
+            }
+            Op::Profile => {
+                let req = ProfileReq::from_wire(args)?;
+                let points = kiln_layer::iostats::points();
+                if req.cmd == PROFILE_START {
+                    points.iter().for_each(|p| p.start_interval());
+                }
+                let mut report = kiln_layer::metrics::profile_json("kilnd");
+                let clients: Vec<String> = {
+                    let c = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut v: Vec<String> = c.values().cloned().collect();
+                    v.sort();
+                    v.dedup();
+                    v
+                };
+                report["clients"] = clients.into();
+                if req.cmd == PROFILE_STOP {
+                    points.iter().for_each(|p| p.stop_interval());
+                }
+                Ok(Step::Now(
+                    Vec::new(),
+                    Body::Buf(report.to_string().into_bytes()),
+                ))
+            }
+            Op::Mgmt => {
+                // Served only by a kilnd that keeps volume definitions (see `control`). Commands
+                // may spawn processes and talk to other hosts: they run on the blocking pool,
+                // and the reply is a JSON payload like PROFILE's.
+                let req = MgmtReq::from_wire(args)?;
+                let Some(handler) = self.mgmt.clone() else {
+                    return Err(Fail::Errno(errno::ENOSYS));
+                };
+                let caller = crate::control::Caller {
+                    peer: self.peer.clone(),
+                    authenticated: self.secret.is_none() || self.authed,
+                };
+                stack!({
+                    let json =
+                        tokio::task::spawn_blocking(move || handler.handle(&req.json, &caller))
+                            .await
+                            .map_err(|_| errno::EIO)?;
+                    Ok(Done::Reply(Vec::new(), Body::Buf(json)))
+                })
+            }
+            Op::Lookup => {
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&stack.lookup(&cx, &req.path).await?))
+            }
+            Op::Fstat => {
+                let fd = self.handle(HandleReq::from_wire(args)?.fh)?;
+                stack!(reply(&stack.fstat(&cx, &fd).await?))
+            }
+            Op::Setattr => {
+                let req = SetattrReq::from_wire(args)?;
+                stack!(reply(&stack.setattr(&cx, &req.path, &req.attrs).await?))
+            }
+            Op::Fsetattr => {
+                let req = FsetattrReq::from_wire(args)?;
+                let fd = self.handle(req.fh)?;
+                stack!(reply(&stack.fsetattr(&cx, &fd, &req.attrs).await?))
+            }
+            Op::Open => {
+                let req = OpenReq::from_wire(args)?;
+                stack!(Ok(Done::Open(stack.open(&cx, &req.path, req.flags).await?)))
+            }
+            Op::Create => {
+                let req = CreateReq::from_wire(args)?;
+                stack!({
+                    let (fd, attr) = stack.create(&cx, &req.path, req.flags, req.mode).await?;
+                    Ok(Done::Create(fd, attr))
+                })
+            }
+            Op::Read => {
+                let req = ReadReq::from_wire(args)?;
+                let fd = self.handle(req.fh)?;
+                let len = req.len.min(kiln_proto::MAX_PAYLOAD_LEN);
+                stack!({
+                    let body = match stack.read(&cx, &fd, req.offset, ReadDst::Any(len)).await? {
+                        ReadOut::Buf(b) => Body::Buf(b),
+                        ReadOut::File { file, offset, len } => Body::File { file, offset, len },
+                        ReadOut::Into { .. } => return Err(errno::EIO),
+                    };
+                    stats.add_read(body.len());
+                    Ok(Done::Reply(Vec::new(), body))
+                })
+            }
+            Op::Write => {
+                let req = WriteReq::from_wire(args)?;
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    let w = stack
+                        .write(&cx, &fd, req.offset, IoBufs::owned(vec![payload]))
+                        .await?;
+                    stats.add_written(w.n);
+                    reply(&WriteReply {
+                        written: w.n as u32,
+                    })
+                })
+            }
+            Op::Fsync => {
+                let req = FsyncReq::from_wire(args)?;
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    stack.fsync(&cx, &fd, req.datasync).await?;
+                    empty()
+                })
+            }
+            Op::Release => {
+                let fh = HandleReq::from_wire(args)?.fh;
+                let fd = self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
+                stack!({
+                    stack.release(&cx, fd).await?;
+                    empty()
+                })
+            }
+            Op::Unlink => {
+                let req = PathReq::from_wire(args)?;
+                stack!({
+                    stack.unlink(&cx, &req.path).await?;
+                    empty()
+                })
+            }
+            Op::Mkdir => {
+                let req = MkdirReq::from_wire(args)?;
+                stack!(reply(&stack.mkdir(&cx, &req.path, req.mode).await?))
+            }
+            Op::Rmdir => {
+                let req = PathReq::from_wire(args)?;
+                stack!({
+                    stack.rmdir(&cx, &req.path).await?;
+                    empty()
+                })
+            }
+            Op::Rename => {
+                let req = RenameReq::from_wire(args)?;
+                stack!({
+                    stack.rename(&cx, &req.from, &req.to, req.flags).await?;
+                    empty()
+                })
+            }
+            Op::Readdir => {
+                let req = ReaddirReq::from_wire(args)?;
+                // Keep the reply under the argument limit: an entry costs < 128 bytes + name.
+                let max = req.max.min(256);
+                stack!(reply(
+                    &stack.readdir(&cx, &req.path, req.offset, max).await?
+                ))
+            }
+            Op::Symlink => {
+                let req = SymlinkReq::from_wire(args)?;
+                stack!(reply(&stack.symlink(&cx, &req.target, &req.path).await?))
+            }
+            Op::Readlink => {
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&ReadlinkReply {
+                    target: stack.readlink(&cx, &req.path).await?,
+                }))
+            }
+            Op::Link => {
+                let req = LinkReq::from_wire(args)?;
+                stack!(reply(&stack.link(&cx, &req.existing, &req.path).await?))
+            }
+            Op::Statfs => {
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&stack.statfs(&cx, &req.path).await?))
+            }
+            Op::Getxattr => {
+                let req = XattrReq::from_wire(args)?;
+                stack!(reply(&XattrValue {
+                    value: stack.getxattr(&cx, &req.path, &req.name).await?,
+                }))
+            }
+            Op::Setxattr => {
+                let req = SetxattrReq::from_wire(args)?;
+                stack!({
+                    stack
+                        .setxattr(&cx, &req.path, &req.name, &req.value, req.flags)
+                        .await?;
+                    empty()
+                })
+            }
+            Op::Listxattr => {
+                let req = PathReq::from_wire(args)?;
+                stack!(reply(&XattrNames {
+                    names: Seq(stack.listxattr(&cx, &req.path).await?),
+                }))
+            }
+            Op::Removexattr => {
+                let req = XattrReq::from_wire(args)?;
+                stack!({
+                    stack.removexattr(&cx, &req.path, &req.name).await?;
+                    empty()
+                })
+            }
+            Op::Fallocate => {
+                let req = FallocateReq::from_wire(args)?;
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    stack
+                        .fallocate(&cx, &fd, req.mode, req.offset, req.len)
+                        .await?;
+                    empty()
+                })
+            }
+            Op::Discard => {
+                let req = DiscardReq::from_wire(args)?;
+                let fd = self.handle(req.fh)?;
+                stack!({
+                    stack.discard(&cx, &fd, req.offset, req.len).await?;
+                    empty()
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! The control API: the `kiln.` virtual xattrs heal and replicate speak (pending pages, the
+//! index, marks, locks and sessions set through setxattr).
+
+use std::collections::BTreeMap;
+
+use kiln_layer::marks::{
+    self as m, CondFlag, CondMark, FlagMark, HealReq, IndexEntry, IndexPage, LockReq, Mark,
+    PendingPage, RangeSet,
+};
+use kiln_layer::{errno, fail, Ctx, Fut, IoBufs};
+use kiln_proto::codec::Seq;
+use kiln_proto::Wire;
+
+use super::*;
+
+impl Marks {
+    pub(super) fn pending_page(&self, path: &str) -> Vec<u8> {
+        let st = self.store();
+        let mut page = PendingPage {
+            targets: Seq(Vec::new()),
+            more: false,
+        };
+        let empty = BTreeMap::new();
+        let records = st.records.get(path).unwrap_or(&empty);
+        let flags = st.flags.get(path);
+        let mut targets: Vec<u32> = records.keys().copied().collect();
+        targets.extend(flags.into_iter().flat_map(|f| f.keys().copied()));
+        targets.sort_unstable();
+        targets.dedup();
+        if !targets.is_empty() {
+            // The page's room, shared among the targets (each has a few marks, mostly).
+            let per = ((m::PAGE_BYTES / targets.len().max(1)).saturating_sub(40) / 16).max(1);
+            let none = RangeSet::default();
+            for t in &targets {
+                let ranges = records.get(t).unwrap_or(&none);
+                let mut tr = m::TargetRanges {
+                    target: *t,
+                    ranges: Seq(Vec::new()),
+                    gen: st.gen(path, *t),
+                    cut: m::WHOLE,
+                    flags: flags.and_then(|f| f.get(t)).copied().unwrap_or(0),
+                };
+                for (i, (offset, len)) in ranges.iter().enumerate() {
+                    if i == per {
+                        tr.cut = offset;
+                        page.more = true;
+                        break;
+                    }
+                    tr.ranges.0.push(m::Range { offset, len });
+                }
+                page.targets.0.push(tr);
+            }
+        }
+        page.to_wire()
+    }
+
+    pub(super) fn index_page(&self) -> Vec<u8> {
+        let st = self.store();
+        let mut page = IndexPage {
+            entries: Seq(Vec::new()),
+            more: false,
+        };
+        let mut size = 0;
+        // Paths with byte marks or flags, in path order (a parent before what is in it).
+        let mut paths: Vec<&String> = st.records.keys().chain(st.flags.keys()).collect();
+        paths.sort_unstable();
+        paths.dedup();
+        let none = BTreeMap::new();
+        'outer: for path in paths {
+            let records = st.records.get(path).unwrap_or(&none);
+            let flags = st.flags.get(path);
+            let mut targets: Vec<u32> = records.keys().copied().collect();
+            targets.extend(flags.into_iter().flat_map(|f| f.keys().copied()));
+            targets.sort_unstable();
+            targets.dedup();
+            for t in targets {
+                let need = 40 + path.len();
+                if size + need > m::PAGE_BYTES {
+                    page.more = true;
+                    break 'outer;
+                }
+                size += need;
+                let ranges = records.get(&t);
+                page.entries.0.push(IndexEntry {
+                    path: path.clone(),
+                    target: t,
+                    ranges: ranges.map_or(0, |r| r.count() as u64),
+                    bytes: ranges.map_or(0, |r| r.bytes()),
+                    flags: flags.and_then(|f| f.get(&t)).copied().unwrap_or(0),
+                });
+            }
+        }
+        page.to_wire()
+    }
+
+    pub(super) fn set_virtual<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+    ) -> Fut<'a, ()> {
+        let bad = |e| {
+            tracing::warn!(path, name, "bad {name} value: {e}");
+            errno::EINVAL
+        };
+        match name {
+            m::ADD | m::CLEAR => {
+                let mark = match Mark::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if let Err(e) = crate::brick::check_path(path) {
+                    return fail(e);
+                }
+                let kind = if name == m::ADD { b'A' } else { b'C' };
+                let r = self.apply(&[(kind, path, mark.target, mark.offset, mark.len)]);
+                Box::pin(std::future::ready(r))
+            }
+            m::FLAG => {
+                let f = match FlagMark::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if let Err(e) = crate::brick::check_path(path) {
+                    return fail(e);
+                }
+                let r = self.apply(&[(b'F', path, f.target, u64::from(f.flags), 0)]);
+                Box::pin(std::future::ready(r))
+            }
+            m::FLAG_CLEAR_IF => {
+                let c = match CondFlag::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if let Err(e) = crate::brick::check_path(path) {
+                    return fail(e);
+                }
+                let r = self.clear_flags_if(path, c.target, c.gen, c.flags, c.data == 1);
+                Box::pin(std::future::ready(r))
+            }
+            m::CLEAR_IF => {
+                let c = match CondMark::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if let Err(e) = crate::brick::check_path(path) {
+                    return fail(e);
+                }
+                let r = self.clear_if(path, c.target, c.gen, c.offset, c.len);
+                Box::pin(std::future::ready(r))
+            }
+            m::HEAL => {
+                let req = match HealReq::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                if req.begin == 1 {
+                    self.heal_begin(cx.owner, path);
+                } else {
+                    self.heal_end(cx.owner, path);
+                }
+                Box::pin(std::future::ready(Ok(())))
+            }
+            m::LOCK => {
+                let req = match LockReq::from_wire(value) {
+                    Ok(v) => v,
+                    Err(e) => return fail(bad(e)),
+                };
+                let (start, end) = span(req.offset, req.len);
+                if req.lock == 1 {
+                    Box::pin(self.lock(cx.owner, path, start, end))
+                } else {
+                    self.unlock(cx.owner, path, start, end);
+                    Box::pin(std::future::ready(Ok(())))
+                }
+            }
+            _ => fail(EOPNOTSUPP),
+        }
+    }
+}
+
+/// Operation not supported (a `kiln.` name this layer does not know).
+pub(super) const EOPNOTSUPP: u32 = 95;
+
+/// `len` bytes of a write's data from byte `from` on, copied out.
+pub(super) fn copy_out(data: &IoBufs, from: usize, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    let mut skip = from;
+    for v in data.iov() {
+        if out.len() == len {
+            break;
+        }
+        if skip >= v.len {
+            skip -= v.len;
+            continue;
+        }
+        // SAFETY: a write's vectors point to memory that its `IoBufs` keeps valid, and that
+        // nobody writes, for as long as it lives; `data` is borrowed for this whole call.
+        let s = unsafe { std::slice::from_raw_parts(v.base as *const u8, v.len) };
+        let take = (v.len - skip).min(len - out.len());
+        out.extend_from_slice(&s[skip..skip + take]);
+        skip = 0;
+    }
+    out
+}

@@ -1,0 +1,256 @@
+//! The marks layer's fops: every change is gated by the locks, recorded in sessions, and
+//! its misses marked; `kiln.` xattrs go to the control API.
+
+use std::sync::Arc;
+
+use kiln_layer::marks::{self as m};
+use kiln_layer::{
+    fail, Attr, Ctx, Fd, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, SetAttrs, Written,
+};
+use kiln_proto::ops::SETATTR_SIZE;
+
+use super::*;
+
+impl Layer for Marks {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn children(&self) -> &[LayerRef] {
+        &self.kids
+    }
+
+    fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        Box::pin(async move {
+            let heal = flags & m::HEAL_OPEN != 0;
+            let inner = self.child().open(cx, path, flags & !m::HEAL_OPEN).await?;
+            Ok(Fd::new(MarkFd::new(self.key(path), inner, heal)))
+        })
+    }
+
+    fn create<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        mode: u32,
+    ) -> Fut<'a, (Fd, Attr)> {
+        Box::pin(async move {
+            let heal = flags & m::HEAL_OPEN != 0;
+            let (inner, attr) = self
+                .named(cx, path, None, || {
+                    self.child().create(cx, path, flags & !m::HEAL_OPEN, mode)
+                })
+                .await?;
+            Ok((Fd::new(MarkFd::new(self.key(path), inner, heal)), attr))
+        })
+    }
+
+    fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
+        Box::pin(async move {
+            let (inner, key) = {
+                let mfd = unwrap(&fd)?;
+                (mfd.inner.clone(), mfd.key.clone())
+            };
+            drop(fd);
+            let r = self.child().release(cx, inner).await;
+            // The path the key was made for is not kept; look it up by identity.
+            let path = {
+                let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+                files
+                    .iter()
+                    .find(|(_, k)| Arc::ptr_eq(k, &key))
+                    .map(|(p, _)| p.clone())
+            };
+            if let Some(p) = path {
+                self.forget(&p, &key);
+            }
+            r
+        })
+    }
+
+    fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
+        match unwrap(fd) {
+            Ok(f) => self.child().fstat(cx, &f.inner),
+            Err(e) => fail(e),
+        }
+    }
+
+    fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
+        match unwrap(fd) {
+            Ok(f) => self.child().read(cx, &f.inner, offset, dst),
+            Err(e) => fail(e),
+        }
+    }
+
+    fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        if let Some(f) = unwrap(fd).ok().filter(|f| f.heal) {
+            return self.heal_write(cx, f, offset, data);
+        }
+        let (start, end) = span(offset, data.len() as u64);
+        self.gated(cx, fd, start, end, move |inner| {
+            self.child().write(cx, inner, offset, data)
+        })
+    }
+
+    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
+        let f = match unwrap(fd) {
+            Ok(f) => f,
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            self.child().fsync(cx, &f.inner, datasync).await?;
+            let dirty = self.store().dirty;
+            if dirty {
+                // A rare, small sync: the log is only written when a replica missed a change.
+                self.sync_log()?;
+            }
+            Ok(())
+        })
+    }
+
+    fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        if attrs.valid & SETATTR_SIZE != 0 {
+            let start = attrs.size;
+            if let Some(f) = unwrap(fd).ok().filter(|f| f.heal) {
+                // Heal sets the size only where no client changed anything since it began.
+                return Box::pin(async move {
+                    let (id, _) =
+                        Marks::enter_heal(&f.key, cx.owner, start, u64::MAX, true).await?;
+                    let _in = Entered { key: &f.key, id };
+                    self.child().fsetattr(cx, &f.inner, attrs).await
+                });
+            }
+            return self.gated(cx, fd, start, u64::MAX, move |inner| {
+                self.child().fsetattr(cx, inner, attrs)
+            });
+        }
+        match unwrap(fd) {
+            Ok(f) if !f.heal => Box::pin(async move {
+                let id = Marks::enter_ns(&f.key, cx.owner).await;
+                let _in = Entered { key: &f.key, id };
+                self.child().fsetattr(cx, &f.inner, attrs).await
+            }),
+            Ok(f) => self.child().fsetattr(cx, &f.inner, attrs),
+            Err(e) => fail(e),
+        }
+    }
+
+    fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        if attrs.valid & SETATTR_SIZE == 0 {
+            return self.named(cx, path, None, move || {
+                self.child().setattr(cx, path, attrs)
+            });
+        }
+        Box::pin(async move {
+            let key = self.key(path);
+            let id = Marks::enter(&key, cx.owner, attrs.size, u64::MAX).await;
+            let r = self.child().setattr(cx, path, attrs).await;
+            Marks::leave(&key, id);
+            drop(key);
+            r
+        })
+    }
+
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
+        let (start, end) = span(offset, len);
+        self.gated(cx, fd, start, end, move |inner| {
+            self.child().fallocate(cx, inner, mode, offset, len)
+        })
+    }
+
+    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
+        let (start, end) = span(offset, len);
+        self.gated(cx, fd, start, end, move |inner| {
+            self.child().discard(cx, inner, offset, len)
+        })
+    }
+
+    fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
+        if !name.starts_with(m::PREFIX) {
+            return self.child().getxattr(cx, path, name);
+        }
+        let r = match name {
+            m::PENDING => Ok(self.pending_page(path)),
+            m::INDEX => Ok(self.index_page()),
+            m::HEAL => Ok(self.heal_info(cx.owner, path)),
+            _ => Err(EOPNOTSUPP),
+        };
+        Box::pin(std::future::ready(r))
+    }
+
+    fn setxattr<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+        flags: u32,
+    ) -> Fut<'a, ()> {
+        if name.starts_with(m::PREFIX) {
+            return self.set_virtual(cx, path, name, value);
+        }
+        self.named(cx, path, None, move || {
+            self.child().setxattr(cx, path, name, value, flags)
+        })
+    }
+
+    fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
+        if name.starts_with(m::PREFIX) {
+            return fail(EOPNOTSUPP);
+        }
+        self.named(cx, path, None, move || {
+            self.child().removexattr(cx, path, name)
+        })
+    }
+
+    fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        self.named(cx, path, None, move || {
+            Box::pin(async move {
+                self.child().unlink(cx, path).await?;
+                self.drop_marks(path)
+            })
+        })
+    }
+
+    fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
+        self.named(cx, path, None, move || self.child().mkdir(cx, path, mode))
+    }
+
+    fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        self.named(cx, path, None, move || {
+            Box::pin(async move {
+                self.child().rmdir(cx, path).await?;
+                self.drop_marks(path)
+            })
+        })
+    }
+
+    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.named(cx, path, None, move || {
+            self.child().symlink(cx, target, path)
+        })
+    }
+
+    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.named(cx, path, None, move || {
+            self.child().link(cx, existing, path)
+        })
+    }
+
+    fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+        self.named(cx, from, Some(to), move || {
+            Box::pin(async move {
+                self.child().rename(cx, from, to, flags).await?;
+                self.rename_marks(from, to)
+            })
+        })
+    }
+}

@@ -1,0 +1,330 @@
+//! The marks layer: a brick's records of what other replicas missed, and heal's range locks.
+//!
+//! The replicate layer (client side) writes marks on the replicas that took a change another
+//! replica missed, and reads them to keep a replica that is behind from serving reads; heal
+//! reads the index, copies the marked ranges and clears them. All of that travels as
+//! `kiln.`-namespace xattrs ([`kiln_layer::marks`]) which this layer answers itself.
+//!
+//! Records live in memory and in an append-only log, `.kiln/pending.log` in the brick
+//! directory (clients cannot name `.kiln`: the brick refuses the path). The log is written
+//! before the setxattr is answered (page cache: it survives the brick process dying; an fsync
+//! through this layer also syncs the log), replayed and compacted when the brick starts.
+//!
+//! kilnd runs as root and a local user may be able to write into the brick, so none of these
+//! files is opened by a joined path: `.kiln` is opened relative to the brick root's fd, and the
+//! log and its compaction's temporary file relative to `.kiln`'s fd, none of them following a
+//! symlink (a planted symlink would make kilnd create, append to or truncate a file outside
+//! the brick). `.kiln`, or the log, found to be a symlink or some other odd file when the brick
+//! starts stops the brick from starting; found so later, the mark that needed it fails (EIO)
+//! and the error is logged.
+//!
+//! Heal locks: a heal takes a lock on a file's range on every replica before it reads the
+//! source and writes the target, so that no client write to that range runs on any replica in
+//! between. A lock waits for writes in flight to the range to finish; writes to a locked range
+//! by other connections wait for the lock to go (or its lease to lapse). When no lock exists
+//! the cost of a write is one uncontended mutex and a short vector push/pop.
+//!
+//! Heal sessions (see [`kiln_layer::marks`]): on the replica being healed, a heal `begin`s a
+//! session on a file; from then until it `end`s (or its lease lapses) every change that another
+//! connection makes to the file adds its range to the session's record, at the moment it is
+//! let through (under the file's state mutex, with the write registered in flight), and the
+//! changes already in flight when the session begins are recorded too. A write through a heal
+//! handle ([`kiln_layer::marks::HEAL_OPEN`]) takes, under the same mutex, only the parts the
+//! record does not hold, and registers itself in flight; a client change that overlaps a heal
+//! write in flight waits for it (that only happens once heal's lock has lapsed). So on this
+//! brick a client change and a heal write to the same bytes are ordered, and whichever order
+//! they take, the client's bytes are what stays. Without a session the cost of a write is as
+//! above: the session list is looked at only when the lock list or it is non-empty. (Like the
+//! locks, sessions are per path: an open with `O_TRUNC`, or a change through another name of
+//! the same file, is not seen.)
+//!
+//! Marks carry a generation per (file, target) in memory: a fresh number (from a counter that
+//! starts at the wall clock, so a restarted brick never reuses one) each time a mark for the
+//! target is added. `kiln.pending.clear.if` clears only when it is unchanged, which lets heal
+//! clear what its writes skipped unless a miss was recorded meanwhile.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use kiln_layer::marks::RangeSet;
+use kiln_layer::{Fd, FopResult, LayerRef};
+use rustix::fs::{self as rfs, Mode, OFlags};
+
+mod control;
+mod layer;
+mod locks;
+mod log;
+mod sessions;
+#[cfg(test)]
+mod tests;
+
+use control::*;
+use locks::*;
+use log::*;
+
+/// The directory inside a brick that holds Kiln's own records.
+pub const STATE_DIR: &str = ".kiln";
+const LOG: &str = "pending.log";
+/// The compaction's temporary file, renamed over [`LOG`].
+const LOG_NEW: &str = "pending.log.new";
+
+/// A heal lock.
+struct Lock {
+    owner: u64,
+    start: u64,
+    end: u64,
+    expires: Instant,
+}
+
+/// A change to a file running now.
+struct Inflight {
+    id: u64,
+    owner: u64,
+    start: u64,
+    end: u64,
+    /// A heal write (through a heal handle).
+    heal: bool,
+}
+
+/// A heal session on a file: what other connections changed since it began.
+struct Session {
+    owner: u64,
+    expires: Instant,
+    /// Ranges other connections changed (or were changing) since the session began.
+    written: RangeSet,
+    /// Ranges heal writes skipped that heal has not asked for yet.
+    skipped: RangeSet,
+    /// Clients had the file open, or were changing it, when the session began.
+    busy: bool,
+}
+
+/// Locks, heal sessions and changes in flight on one file.
+#[derive(Default)]
+struct FileState {
+    locks: Vec<Lock>,
+    inflight: Vec<Inflight>,
+    next: u64,
+    sessions: Vec<Session>,
+    /// Handles open on the file through this layer, heal's not counted.
+    clients: u32,
+    /// Lock requests waiting for changes in flight to leave.
+    lockers: u32,
+}
+
+struct FileKey {
+    st: Mutex<FileState>,
+    changed: tokio::sync::Notify,
+}
+
+impl FileKey {
+    fn state(&self) -> MutexGuard<'_, FileState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// An open file seen through this layer.
+struct MarkFd {
+    key: Arc<FileKey>,
+    inner: Fd,
+    /// Opened with [`m::HEAL_OPEN`]: writes are heal's.
+    heal: bool,
+}
+
+impl MarkFd {
+    fn new(key: Arc<FileKey>, inner: Fd, heal: bool) -> MarkFd {
+        if !heal {
+            key.state().clients += 1;
+        }
+        MarkFd { key, inner, heal }
+    }
+}
+
+impl Drop for MarkFd {
+    fn drop(&mut self) {
+        if !self.heal {
+            let mut st = self.key.state();
+            st.clients = st.clients.saturating_sub(1);
+        }
+    }
+}
+
+/// Operation would block / try again.
+const EAGAIN: u32 = 11;
+/// Timed out: a heal write whose session lapsed.
+const ETIMEDOUT: u32 = 110;
+
+/// Marks by file, then by target replica.
+type Records = BTreeMap<String, BTreeMap<u32, RangeSet>>;
+
+/// Entry/metadata flags ([`m::ENTRY`], [`m::META`]) by path, then by target.
+type Flags = BTreeMap<String, BTreeMap<u32, u32>>;
+
+/// Generations by file, then by target: see the module documentation.
+type Gens = BTreeMap<String, BTreeMap<u32, u64>>;
+
+struct Store {
+    records: Records,
+    flags: Flags,
+    gens: Gens,
+    /// The next generation.
+    next_gen: u64,
+    /// `.kiln`, once it exists (opened at start, or made at the first mark).
+    state: Option<OwnedFd>,
+    log: Option<File>,
+    dirty: bool,
+}
+
+impl Store {
+    /// The generation of `target`'s marks on `path`: it changes whenever one is added.
+    fn gen(&self, path: &str, target: u32) -> u64 {
+        self.gens
+            .get(path)
+            .and_then(|g| g.get(&target))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// The marks layer.
+pub struct Marks {
+    name: String,
+    kids: Vec<LayerRef>,
+    /// The brick directory: for messages. Files are reached through `root` only.
+    dir: PathBuf,
+    /// The brick directory, opened at start.
+    root: OwnedFd,
+    store: Mutex<Store>,
+    files: Mutex<HashMap<String, Arc<FileKey>>>,
+}
+
+fn unwrap(fd: &Fd) -> FopResult<&MarkFd> {
+    fd.get::<MarkFd>()
+}
+
+impl Marks {
+    /// A marks layer for the brick at `dir` over `child`; replays and compacts its log.
+    ///
+    /// Fails when `.kiln` or its log is a symlink or not what it should be: see the module
+    /// documentation.
+    pub fn new(name: &str, child: LayerRef, dir: &Path) -> std::io::Result<Marks> {
+        let root = rfs::open(
+            dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let mut records = Records::new();
+        let mut flags = Flags::new();
+        let state = open_state_dir(&root, false).inspect_err(|e| {
+            tracing::error!("{}: not starting the brick: {e}", dir.display());
+        })?;
+        let mut log = None;
+        if let Some(state) = &state {
+            let path = dir.join(STATE_DIR).join(LOG);
+            match open_log(state, OFlags::RDONLY, Mode::empty()) {
+                Ok(mut f) => {
+                    let mut bytes = Vec::new();
+                    f.read_to_end(&mut bytes)?;
+                    let (n, bad) = replay(&bytes, &mut records, &mut flags);
+                    if bad {
+                        tracing::warn!(
+                            records = n,
+                            "{}: ignoring a torn record at the end",
+                            path.display()
+                        );
+                    }
+                    log = Some(compact(dir, state, &records, &flags).map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("compacting {}: {e}", path.display()))
+                    })?);
+                    tracing::info!(
+                        files = records.len(),
+                        names = flags.len(),
+                        "{}: pending marks loaded",
+                        dir.display()
+                    );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::error!("{}: not starting the brick: {e}", dir.display());
+                    return Err(e);
+                }
+            }
+        }
+        // Generations start at the wall clock (ns): a restarted brick never reuses one.
+        let mut next_gen = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            .max(1);
+        let mut gens = Gens::new();
+        let held = records
+            .iter()
+            .flat_map(|(p, t)| t.keys().map(move |t| (p, *t)))
+            .chain(
+                flags
+                    .iter()
+                    .flat_map(|(p, t)| t.keys().map(move |t| (p, *t))),
+            );
+        for (path, t) in held {
+            gens.entry(path.clone()).or_default().insert(t, next_gen);
+            next_gen += 1;
+        }
+        Ok(Marks {
+            name: name.into(),
+            kids: vec![child],
+            dir: dir.to_owned(),
+            root,
+            store: Mutex::new(Store {
+                records,
+                flags,
+                gens,
+                next_gen,
+                state,
+                log,
+                dirty: false,
+            }),
+            files: Mutex::default(),
+        })
+    }
+
+    fn child(&self) -> &LayerRef {
+        &self.kids[0]
+    }
+
+    fn store(&self) -> MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn key(&self, path: &str) -> Arc<FileKey> {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        files
+            .entry(path.to_owned())
+            .or_insert_with(|| {
+                Arc::new(FileKey {
+                    st: Mutex::default(),
+                    changed: tokio::sync::Notify::new(),
+                })
+            })
+            .clone()
+    }
+
+    /// Forgets a file's lock state when nobody holds it.
+    fn forget(&self, path: &str, key: &Arc<FileKey>) {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        // Ours, the map's: nobody else.
+        if Arc::strong_count(key) <= 2
+            && {
+                let mut st = key.state();
+                let now = Instant::now();
+                st.sessions.retain(|s| s.expires > now);
+                st.locks.is_empty() && st.sessions.is_empty()
+            }
+            && files.get(path).is_some_and(|k| Arc::ptr_eq(k, key))
+        {
+            files.remove(path);
+        }
+    }
+}

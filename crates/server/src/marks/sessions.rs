@@ -1,0 +1,118 @@
+//! Heal sessions on the replica being healed: what other connections changed since a heal
+//! began, and heal's own writes, which skip it.
+
+use std::time::Instant;
+
+use kiln_layer::marks::{self as m, HealInfo, RangeSet};
+use kiln_layer::{errno, Ctx, Fut, IoBufs, Written};
+use kiln_proto::Wire;
+
+use super::*;
+
+impl Marks {
+    /// Begins (afresh) `owner`'s heal session on `path`: changes in flight now count as
+    /// changed since it began.
+    pub(super) fn heal_begin(&self, owner: u64, path: &str) {
+        let key = self.key(path);
+        let mut st = key.state();
+        let now = Instant::now();
+        st.sessions.retain(|s| s.expires > now && s.owner != owner);
+        let mut written = RangeSet::default();
+        for w in st.inflight.iter().filter(|w| !w.heal && w.owner != owner) {
+            written.add(w.start, len_of(w.start, w.end));
+        }
+        let busy = st.clients > 0 || !written.is_empty();
+        st.sessions.push(Session {
+            owner,
+            expires: now + m::LOCK_LEASE,
+            written,
+            skipped: RangeSet::default(),
+            busy,
+        });
+    }
+
+    pub(super) fn heal_end(&self, owner: u64, path: &str) {
+        let key = self.key(path);
+        key.state().sessions.retain(|s| s.owner != owner);
+        self.forget(path, &key);
+    }
+
+    /// `owner`'s session on `path`, as [`HealInfo`]; hands over (and forgets) what its writes
+    /// skipped.
+    pub(super) fn heal_info(&self, owner: u64, path: &str) -> Vec<u8> {
+        let key = self.key(path);
+        let mut info = HealInfo::default();
+        {
+            let mut st = key.state();
+            let now = Instant::now();
+            st.sessions.retain(|s| s.expires > now);
+            if let Some(s) = st.sessions.iter_mut().find(|s| s.owner == owner) {
+                s.expires = now + m::LOCK_LEASE;
+                info.live = 1;
+                info.busy = u32::from(s.busy);
+                let skipped = std::mem::take(&mut s.skipped);
+                let room = m::PAGE_BYTES / 16 - 1;
+                let mut rest: Option<(u64, u64)> = None;
+                for (i, (o, l)) in skipped.iter().enumerate() {
+                    if i < room {
+                        info.skipped.0.push(m::Range { offset: o, len: l });
+                    } else {
+                        // Past the page's room: one range over all the rest.
+                        let end = if l == m::WHOLE { u64::MAX } else { o + l };
+                        rest = Some(rest.map_or((o, end), |(a, b)| (a, b.max(end))));
+                    }
+                }
+                if let Some((a, b)) = rest {
+                    info.skipped.0.push(m::Range {
+                        offset: a,
+                        len: len_of(a, b),
+                    });
+                }
+            }
+        }
+        self.forget(path, &key);
+        info.to_wire()
+    }
+
+    /// A write through a heal handle: only the parts no client changed since the session
+    /// began; the reply counts the bytes written (fewer than sent when some were skipped).
+    pub(super) fn heal_write<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        mfd: &'a MarkFd,
+        offset: u64,
+        data: IoBufs,
+    ) -> Fut<'a, Written> {
+        Box::pin(async move {
+            let len = data.len() as u64;
+            if len == 0 {
+                return self.child().write(cx, &mfd.inner, offset, data).await;
+            }
+            let (start, end) = span(offset, len);
+            let (id, keep) = Marks::enter_heal(&mfd.key, cx.owner, start, end, false).await?;
+            let _in = Entered { key: &mfd.key, id };
+            if keep == [(offset, len)] {
+                let w = self.child().write(cx, &mfd.inner, offset, data).await?;
+                // Heal's writes are whole or an error: a short one would read as "skipped".
+                return if w.n as u64 == len {
+                    Ok(w)
+                } else {
+                    Err(errno::EIO)
+                };
+            }
+            let mut n = 0;
+            for (o, l) in keep {
+                let bytes = copy_out(&data, (o - offset) as usize, l as usize);
+                let w = self
+                    .child()
+                    .write(cx, &mfd.inner, o, IoBufs::owned(vec![bytes]))
+                    .await?;
+                if w.n as u64 != l {
+                    return Err(errno::EIO);
+                }
+                n += w.n;
+            }
+            Ok(Written { n, bufs: data })
+        })
+    }
+}

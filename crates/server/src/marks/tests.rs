@@ -1,0 +1,282 @@
+//! The marks layer against a real brick directory.
+
+use super::*;
+use kiln_layer::marks::{
+    self as m, CondFlag, CondMark, HealInfo, HealReq, IndexPage, Mark, PendingPage,
+};
+use kiln_layer::{Ctx, IoBufs, Layer, SetAttrs};
+use kiln_proto::ops::SETATTR_SIZE;
+use kiln_proto::Wire;
+
+const K: u64 = 1024;
+
+fn stack(dir: &Path) -> Marks {
+    let brick = Arc::new(crate::Brick::open(dir).unwrap());
+    let posix: LayerRef = Arc::new(crate::posix::Posix::new("posix", brick));
+    Marks::new("marks", posix, dir).unwrap()
+}
+
+fn run<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+fn cx(owner: u64) -> Ctx {
+    Ctx::NONE.with_owner(owner)
+}
+
+async fn write(l: &Marks, cx: &Ctx, fd: &Fd, off: u64, byte: u8, len: u64) -> FopResult<u64> {
+    let data = vec![byte; len as usize];
+    l.write(cx, fd, off, IoBufs::owned(vec![data]))
+        .await
+        .map(|w| w.n as u64)
+}
+
+async fn session(l: &Marks, cx: &Ctx, begin: u32) {
+    let v = HealReq { begin }.to_wire();
+    l.setxattr(cx, "f", m::HEAL, &v, 0).await.unwrap();
+}
+
+async fn info(l: &Marks, cx: &Ctx) -> HealInfo {
+    HealInfo::from_wire(&l.getxattr(cx, "f", m::HEAL).await.unwrap()).unwrap()
+}
+
+fn ranges(info: &HealInfo) -> Vec<(u64, u64)> {
+    info.skipped.0.iter().map(|r| (r.offset, r.len)).collect()
+}
+
+#[test]
+fn heal_writes_skip_what_clients_changed_since_the_session_began() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let (c, h) = (cx(1), cx(2));
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+        assert_eq!(write(&l, &c, &fd, 0, b'a', 64 * K).await, Ok(64 * K));
+        let hflags = libc::O_WRONLY as u32 | m::HEAL_OPEN;
+        let hfd = l.open(&h, "f", hflags).await.unwrap();
+        // No session: a heal write has nothing to go by.
+        assert_eq!(write(&l, &h, &hfd, 0, b'h', 10).await, Err(ETIMEDOUT));
+
+        session(&l, &h, 1).await;
+        let i = info(&l, &h).await;
+        assert_eq!((i.live, i.busy), (1, 1), "a client has the file open");
+        assert_eq!(write(&l, &c, &fd, 8 * K, b'c', 8 * K).await, Ok(8 * K));
+        // The client's newer bytes stay; the reply counts what was written.
+        assert_eq!(write(&l, &h, &hfd, 0, b'h', 64 * K).await, Ok(56 * K));
+        let got = std::fs::read(root.path().join("f")).unwrap();
+        let mut want = vec![b'h'; 64 * K as usize];
+        want[8 * K as usize..16 * K as usize].fill(b'c');
+        assert!(got == want, "the heal write overwrote the client's bytes");
+        assert_eq!(ranges(&info(&l, &h).await), vec![(8 * K, 8 * K)]);
+        assert_eq!(
+            ranges(&info(&l, &h).await),
+            vec![],
+            "asking empties the list"
+        );
+        // The record lasts the whole session.
+        assert_eq!(write(&l, &h, &hfd, 4 * K, b'h', 8 * K).await, Ok(4 * K));
+        assert_eq!(ranges(&info(&l, &h).await), vec![(8 * K, 4 * K)]);
+
+        // A heal size change that would cut what a client wrote is refused.
+        assert_eq!(write(&l, &c, &fd, 100 * K, b'c', 4 * K).await, Ok(4 * K));
+        let cut = SetAttrs {
+            valid: SETATTR_SIZE,
+            size: 64 * K,
+            ..Default::default()
+        };
+        assert_eq!(l.fsetattr(&h, &hfd, &cut).await.err(), Some(EAGAIN));
+        assert_eq!(l.fstat(&c, &fd).await.unwrap().size, 104 * K);
+
+        session(&l, &h, 0).await;
+        assert_eq!(info(&l, &h).await.live, 0);
+        assert_eq!(write(&l, &h, &hfd, 0, b'h', 10).await, Err(ETIMEDOUT));
+        // A new session starts with nothing recorded.
+        session(&l, &h, 1).await;
+        assert_eq!(write(&l, &h, &hfd, 0, b'h', 64 * K).await, Ok(64 * K));
+        assert!(l.fsetattr(&h, &hfd, &cut).await.is_ok());
+        assert_eq!(l.fstat(&c, &fd).await.unwrap().size, 64 * K);
+        session(&l, &h, 0).await;
+
+        l.release(&c, fd).await.unwrap();
+        session(&l, &h, 1).await;
+        let i = info(&l, &h).await;
+        assert_eq!((i.live, i.busy), (1, 0), "no client has the file open");
+        session(&l, &h, 0).await;
+        l.release(&h, hfd).await.unwrap();
+    });
+}
+
+#[test]
+fn a_change_in_flight_when_the_session_begins_counts() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    run(async {
+        let key = l.key("f");
+        let id = Marks::enter(&key, 1, 4 * K, 8 * K).await;
+        session(&l, &cx(2), 1).await;
+        Marks::leave(&key, id);
+        let (id, keep) = Marks::enter_heal(&key, 2, 0, 16 * K, false).await.unwrap();
+        Marks::leave(&key, id);
+        assert_eq!(keep, vec![(0, 4 * K), (8 * K, 8 * K)]);
+        let i = info(&l, &cx(2)).await;
+        assert_eq!(i.busy, 1);
+        assert_eq!(ranges(&i), vec![(4 * K, 4 * K)]);
+    });
+}
+
+#[test]
+fn a_lock_waiting_for_a_write_in_flight_is_woken_when_it_leaves() {
+    let root = tempfile::tempdir().unwrap();
+    let l = Arc::new(stack(root.path()));
+    run(async {
+        let key = l.key("f");
+        let id = Marks::enter(&key, 1, 0, 4 * K).await;
+        let l2 = l.clone();
+        let lock = tokio::spawn(async move { l2.lock(2, "f", 0, 8 * K).await });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!lock.is_finished(), "the lock waits for the write");
+        let t = Instant::now();
+        Marks::leave(&key, id);
+        lock.await.unwrap().unwrap();
+        // Not the lease (10 s): woken as the write left.
+        assert!(t.elapsed() < std::time::Duration::from_secs(2));
+    });
+}
+
+#[test]
+fn a_conditional_clear_is_refused_after_a_new_mark() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let c = cx(1);
+    run(async {
+        let set = |name: &'static str, v: Vec<u8>| {
+            let l = &l;
+            let c = &c;
+            async move { l.setxattr(c, "f", name, &v, 0).await }
+        };
+        let gen = || {
+            let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+            p.targets.0.iter().find(|t| t.target == 1).map(|t| t.gen)
+        };
+        let mark = |offset, len| {
+            Mark {
+                target: 1,
+                offset,
+                len,
+            }
+            .to_wire()
+        };
+        let cond = |offset, len, gen| {
+            CondMark {
+                target: 1,
+                offset,
+                len,
+                gen,
+            }
+            .to_wire()
+        };
+        set(m::ADD, mark(0, 4 * K)).await.unwrap();
+        let g1 = gen().unwrap();
+        assert!(g1 > 0);
+        set(m::ADD, mark(8 * K, 4 * K)).await.unwrap();
+        let g2 = gen().unwrap();
+        assert_ne!(g1, g2);
+        assert_eq!(set(m::CLEAR_IF, cond(0, 4 * K, g1)).await, Err(EAGAIN));
+        set(m::CLEAR_IF, cond(0, 4 * K, g2)).await.unwrap();
+        let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+        let r: Vec<_> = p.targets.0[0].ranges.0.iter().map(|r| r.offset).collect();
+        assert_eq!(r, vec![8 * K]);
+        // Nothing held for a target: a clear against generation 0 is a no-op.
+        let none = CondMark {
+            target: 2,
+            offset: 0,
+            len: m::WHOLE,
+            gen: 0,
+        };
+        set(m::CLEAR_IF, none.to_wire()).await.unwrap();
+        // Cleared out, the generation is gone; a new mark gets a new one.
+        set(m::CLEAR, mark(0, m::WHOLE)).await.unwrap();
+        assert_eq!(gen(), None);
+        set(m::ADD, mark(0, 4 * K)).await.unwrap();
+        assert!(gen().is_some_and(|g| g != g1 && g != g2));
+    });
+}
+
+#[test]
+fn flags_survive_a_restart_and_move_with_a_renamed_directory() {
+    let root = tempfile::tempdir().unwrap();
+    let flags = |l: &Marks, path: &str| {
+        let p = PendingPage::from_wire(&l.pending_page(path)).unwrap();
+        p.targets
+            .0
+            .iter()
+            .map(|t| (t.target, t.flags))
+            .collect::<Vec<_>>()
+    };
+    {
+        let l = stack(root.path());
+        l.apply(&[
+            (b'F', "d", 1, u64::from(m::ENTRY), 0),
+            (b'F', "d/f", 2, u64::from(m::META), 0),
+            (b'A', "d/f", 2, 0, 4 * K),
+            (b'F', "dx", 1, u64::from(m::META), 0),
+        ])
+        .unwrap();
+        l.rename_marks("d", "e").unwrap();
+        assert_eq!(
+            flags(&l, "d"),
+            vec![(1, m::ENTRY)],
+            "the old name keeps ENTRY"
+        );
+        assert_eq!(flags(&l, "d/f"), vec![], "META moved");
+        assert_eq!(flags(&l, "dx"), vec![(1, m::META)], "not beneath d");
+        assert_eq!(flags(&l, "e/f"), vec![(2, m::META)]);
+        let gen = PendingPage::from_wire(&l.pending_page("e"))
+            .unwrap()
+            .targets
+            .0[0]
+            .gen;
+        let no = CondFlag {
+            target: 1,
+            flags: m::ENTRY,
+            gen: gen + 1,
+            data: 0,
+        };
+        let set = |v: Vec<u8>| run(l.setxattr(&cx(1), "e", m::FLAG_CLEAR_IF, &v, 0));
+        assert_eq!(set(no.to_wire()), Err(EAGAIN));
+        set(CondFlag { gen, ..no }.to_wire()).unwrap();
+        assert_eq!(flags(&l, "e"), vec![]);
+    }
+    let l = stack(root.path());
+    assert_eq!(flags(&l, "d"), vec![(1, m::ENTRY)]);
+    assert_eq!(flags(&l, "e/f"), vec![(2, m::META)]);
+    let idx = IndexPage::from_wire(&l.index_page()).unwrap();
+    let e = idx.entries.0.iter().find(|e| e.path == "e/f").unwrap();
+    assert_eq!((e.flags, e.bytes), (m::META, 4 * K));
+}
+
+#[test]
+fn a_pending_page_shares_its_room_and_says_where_it_cut() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let mut ops = Vec::new();
+    for i in 0..5000u64 {
+        ops.push((b'A', "f", 0u32, i * 32, 16u64));
+    }
+    for i in 0..3u64 {
+        ops.push((b'A', "f", 1u32, i * 32, 16u64));
+    }
+    l.apply(&ops).unwrap();
+    let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+    assert!(p.more);
+    let (t0, t1) = (&p.targets.0[0], &p.targets.0[1]);
+    let n = t0.ranges.0.len() as u64;
+    assert!(n > 100 && n < 5000, "{n}");
+    assert_eq!(t0.cut, n * 32, "the first range not listed");
+    assert_eq!((t1.ranges.0.len(), t1.cut), (3, m::WHOLE));
+}

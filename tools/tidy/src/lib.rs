@@ -1,0 +1,257 @@
+//! Kiln's tidy checks, run by `cargo test -p kiln-tidy` (and so by `scripts/test.sh`):
+//!
+//! - no Rust source file over [`MAX_FILE_LINES`] lines;
+//! - no function outside test code over [`MAX_FN_LINES`] lines, except those in
+//!   `tools/tidy/long-functions.txt`, an allow-list that only shrinks: a listed function may
+//!   not grow past its recorded length, and one that is no longer long must leave the list;
+//! - no fix-me marker (the word in capitals): write the fix, or an issue, instead.
+//!
+//! The function scanner is a line-based brace counter that skips comments, strings and
+//! character literals: good enough for rustfmt-formatted code, which is all the tree holds.
+#![warn(missing_docs)]
+
+use std::path::{Path, PathBuf};
+
+/// The most lines a source file may have.
+pub const MAX_FILE_LINES: usize = 1000;
+/// The most lines a non-test function may have.
+pub const MAX_FN_LINES: usize = 100;
+
+/// A function found in a file: its name, first line (1-based) and length in lines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Func {
+    /// The function's name.
+    pub name: String,
+    /// The line of its `fn` keyword.
+    pub line: usize,
+    /// Lines from the `fn` line to the closing brace, inclusive.
+    pub lines: usize,
+    /// True inside `#[cfg(test)]` code or a `#[test]` function.
+    pub test: bool,
+}
+
+/// Every `.rs` file beneath `root`'s `crates`, `bench`, `fuzz` and `tools` folders (build
+/// output and hidden folders skipped), sorted.
+pub fn sources(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for top in ["crates", "bench", "fuzz", "tools"] {
+        walk(&root.join(top), &mut out);
+    }
+    out.sort();
+    out
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') || name == "target" || name == "artifacts" || name == "corpus" {
+            continue;
+        }
+        if p.is_dir() {
+            walk(&p, out);
+        } else if name.ends_with(".rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// `line` with comments, string and char literal contents blanked, carrying block-comment
+/// and string state across lines.
+struct Scrubber {
+    in_block: usize,
+    in_str: bool,
+    raw_hashes: Option<usize>,
+}
+
+impl Scrubber {
+    fn scrub(&mut self, line: &str) -> String {
+        let b = line.as_bytes();
+        let mut out = String::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            let c = b[i];
+            if self.in_block > 0 {
+                if b[i..].starts_with(b"*/") {
+                    self.in_block -= 1;
+                    i += 2;
+                } else if b[i..].starts_with(b"/*") {
+                    self.in_block += 1;
+                    i += 2;
+                } else {
+                    i += 1;
+                }
+                continue;
+            }
+            if let Some(h) = self.raw_hashes {
+                if c == b'"' && b[i + 1..].iter().take(h).filter(|&&x| x == b'#').count() == h {
+                    self.raw_hashes = None;
+                    out.push('"');
+                    i += 1 + h;
+                } else {
+                    i += 1;
+                }
+                continue;
+            }
+            if self.in_str {
+                if c == b'\\' {
+                    i += 2;
+                } else {
+                    if c == b'"' {
+                        self.in_str = false;
+                        out.push('"');
+                    }
+                    i += 1;
+                }
+                continue;
+            }
+            if b[i..].starts_with(b"//") {
+                break;
+            }
+            if b[i..].starts_with(b"/*") {
+                self.in_block = 1;
+                i += 2;
+                continue;
+            }
+            if c == b'r' && (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#')) {
+                let h = b[i + 1..].iter().take_while(|&&x| x == b'#').count();
+                if b.get(i + 1 + h) == Some(&b'"') {
+                    self.raw_hashes = Some(h);
+                    out.push('"');
+                    i += 2 + h;
+                    continue;
+                }
+            }
+            if c == b'"' {
+                self.in_str = true;
+                out.push('"');
+                i += 1;
+                continue;
+            }
+            if c == b'\'' {
+                // A char literal ('x', '\n', '\u{..}') or a lifetime ('a): blank a literal.
+                let rest = &b[i + 1..];
+                let lit = match rest {
+                    [b'\\', ..] => rest.iter().skip(1).position(|&x| x == b'\'').map(|p| p + 2),
+                    [_, b'\'', ..] => Some(2),
+                    _ => None,
+                };
+                if let Some(n) = lit {
+                    out.push_str("' '");
+                    i += 1 + n;
+                    continue;
+                }
+            }
+            out.push(c as char);
+            i += 1;
+        }
+        out
+    }
+}
+
+/// The functions of a Rust source text.
+pub fn functions(text: &str) -> Vec<Func> {
+    let mut sc = Scrubber {
+        in_block: 0,
+        in_str: false,
+        raw_hashes: None,
+    };
+    let lines: Vec<String> = text.lines().map(|l| sc.scrub(l)).collect();
+    let raw: Vec<&str> = text.lines().collect();
+    // Depths at which test code (a #[cfg(test)] item or a #[test] fn) began.
+    let mut test_depth: Vec<i64> = Vec::new();
+    let mut pending_test_attr = false;
+    // Open functions: (name, first line, depth before its body, test).
+    let mut open: Vec<(String, usize, i64, bool)> = Vec::new();
+    let mut waiting: Option<(String, usize, bool)> = None;
+    let mut depth: i64 = 0;
+    let mut out = Vec::new();
+    for (n, l) in lines.iter().enumerate() {
+        let t = raw[n].trim_start();
+        if t.starts_with("#[cfg(test)]")
+            || t.starts_with("#[test]")
+            || t.starts_with("#[tokio::test")
+        {
+            pending_test_attr = true;
+        }
+        if let Some(name) = fn_name(l) {
+            let test = pending_test_attr || !test_depth.is_empty();
+            waiting = Some((name, n + 1, test));
+        }
+        for ch in l.chars() {
+            match ch {
+                '{' => {
+                    if let Some((name, line, test)) = waiting.take() {
+                        open.push((name, line, depth, test));
+                    }
+                    if pending_test_attr {
+                        test_depth.push(depth);
+                        pending_test_attr = false;
+                    }
+                    depth += 1;
+                }
+                '}' => {
+                    depth -= 1;
+                    if test_depth.last() == Some(&depth) {
+                        test_depth.pop();
+                    }
+                    if open.last().is_some_and(|o| o.2 == depth) {
+                        let (name, line, _, test) = open.pop().expect("checked");
+                        out.push(Func {
+                            name,
+                            line,
+                            lines: n + 2 - line,
+                            test,
+                        });
+                    }
+                }
+                ';' => {
+                    // A declaration without a body (a trait method), or an attributed item
+                    // that ended: nothing is waiting any more.
+                    if waiting.is_some() && !l.contains('{') {
+                        waiting = None;
+                    }
+                    if pending_test_attr && !t.starts_with("#[") {
+                        pending_test_attr = false;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// The name after `fn ` when the line declares a function.
+fn fn_name(scrubbed: &str) -> Option<String> {
+    let mut words = scrubbed.split_whitespace().peekable();
+    while let Some(w) = words.next() {
+        let w = w
+            .trim_start_matches("pub(crate)")
+            .trim_start_matches("pub(super)");
+        if w == "fn" {
+            let name: String = words
+                .next()?
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            return (!name.is_empty()).then_some(name);
+        }
+        if !matches!(
+            w,
+            "" | "pub" | "async" | "const" | "unsafe" | "extern" | "\"C\"" | "\" \"" | "default"
+        ) {
+            return None;
+        }
+    }
+    None
+}
+
+/// True for a file that is test code as a whole (integration tests, test modules).
+pub fn is_test_file(rel: &str) -> bool {
+    rel.contains("/tests/") || rel.ends_with("/tests.rs")
+}

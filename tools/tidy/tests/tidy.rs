@@ -1,0 +1,124 @@
+//! The tree's style rules (see `kiln_tidy`), checked on every test run.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use kiln_tidy::{functions, is_test_file, sources, MAX_FILE_LINES, MAX_FN_LINES};
+
+fn root() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+}
+
+fn rel(p: &Path) -> String {
+    p.strip_prefix(root())
+        .unwrap_or(p)
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// `path::name` → recorded length, from the allow-list.
+fn allowed() -> BTreeMap<String, usize> {
+    let text = std::fs::read_to_string(root().join("tools/tidy/long-functions.txt"))
+        .expect("tools/tidy/long-functions.txt");
+    let mut out = BTreeMap::new();
+    for l in text.lines().map(str::trim) {
+        if l.is_empty() || l.starts_with('#') {
+            continue;
+        }
+        let mut f = l.split_whitespace();
+        let (Some(key), Some(n)) = (f.next(), f.next()) else {
+            panic!("long-functions.txt: bad line {l:?}: want PATH::NAME LINES");
+        };
+        out.insert(key.to_owned(), n.parse().expect("a line count"));
+    }
+    out
+}
+
+#[test]
+fn no_source_file_is_over_the_limit() {
+    let mut long = Vec::new();
+    for p in sources(root()) {
+        let n = std::fs::read_to_string(&p)
+            .unwrap_or_default()
+            .lines()
+            .count();
+        if n > MAX_FILE_LINES {
+            long.push(format!("{} ({n} lines)", rel(&p)));
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "files over {MAX_FILE_LINES} lines (split them by job): {long:#?}"
+    );
+}
+
+#[test]
+fn no_function_is_over_the_limit_and_the_allow_list_only_shrinks() {
+    let allow = allowed();
+    let mut seen = BTreeMap::new();
+    let mut bad = Vec::new();
+    for p in sources(root()) {
+        let r = rel(&p);
+        if is_test_file(&r) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        for f in functions(&text).into_iter().filter(|f| !f.test) {
+            let key = format!("{r}::{}", f.name);
+            if f.lines <= MAX_FN_LINES {
+                continue;
+            }
+            match allow.get(&key) {
+                Some(&max) if f.lines <= max => {
+                    seen.insert(key, f.lines);
+                }
+                Some(&max) => bad.push(format!(
+                    "{key} (line {}) grew to {} lines; the allow-list records {max}",
+                    f.line, f.lines
+                )),
+                None => bad.push(format!("{key} (line {}): {} lines", f.line, f.lines)),
+            }
+        }
+    }
+    for key in allow.keys() {
+        if !seen.contains_key(key) {
+            bad.push(format!(
+                "{key} is in tools/tidy/long-functions.txt but is no longer over \
+                 {MAX_FN_LINES} lines (or is gone): take it off the list"
+            ));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "functions over {MAX_FN_LINES} lines: {bad:#?}"
+    );
+}
+
+#[test]
+fn no_fixme_markers() {
+    let marker = ["FIX", "ME"].concat();
+    let mut found = Vec::new();
+    for p in sources(root()) {
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        for (n, l) in text.lines().enumerate() {
+            if l.contains(&marker) {
+                found.push(format!("{}:{}", rel(&p), n + 1));
+            }
+        }
+    }
+    assert!(found.is_empty(), "{marker} markers: {found:#?}");
+}
+
+#[test]
+fn the_scanner_measures_functions_and_skips_tests() {
+    let src = "fn a() {\n    let s = \"}\";\n    let c = '}';\n    // }\n}\n\n#[cfg(test)]\nmod tests {\n    fn b() {\n    }\n}\n\ntrait T {\n    fn c(&self);\n    fn d(&self) {\n        x();\n    }\n}\n";
+    let f = functions(src);
+    let get = |n: &str| f.iter().find(|x| x.name == n).cloned().expect(n);
+    assert_eq!(
+        (get("a").line, get("a").lines, get("a").test),
+        (1, 5, false)
+    );
+    assert!(get("b").test);
+    assert_eq!((get("d").line, get("d").lines), (15, 3));
+    assert!(f.iter().all(|x| x.name != "c"));
+}

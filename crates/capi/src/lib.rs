@@ -56,6 +56,7 @@ pub struct kiln_options {
 /// File attributes.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
+#[allow(missing_docs)] // fields are named after the POSIX `struct stat` fields they carry
 pub struct kiln_stat_t {
     pub st_ino: u64,
     pub st_mode: u32,

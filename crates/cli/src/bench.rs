@@ -286,8 +286,9 @@ pub fn proc_cpu_seconds(pid: u32) -> Option<f64> {
 
 /// CPU seconds this process has used.
 pub fn self_cpu_seconds() -> f64 {
-    // SAFETY: getrusage writes into the zeroed struct we pass.
+    // SAFETY: rusage is plain old data; all-zero is a valid value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the struct we pass, which lives for the call.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
     t(ru.ru_utime) + t(ru.ru_stime)

@@ -668,10 +668,10 @@ impl Client {
         }
         .to_wire();
         let slot = Arc::new(Slot::default());
-        // SAFETY: the sink points into `bufs`' heap memory, which the connection keeps alive
-        // (boxed as `keep`) until the completion is delivered; moving the `Vec` into the box
-        // does not move its elements.
+        // Moving the `Vec` into the box does not move its elements.
         let keep: Box<dyn std::any::Any + Send> = Box::new(bufs);
+        // SAFETY: the sink points into `bufs`' heap memory, which the connection keeps alive
+        // (boxed as `keep`) until the completion is delivered.
         let submitted = unsafe {
             self.conn.submit(
                 Op::Read,

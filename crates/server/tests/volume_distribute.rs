@@ -340,9 +340,11 @@ fn statfs_sums_the_bricks() {
     let (mut blocks, mut files) = (0u64, 0u64);
     for b in &c.bricks {
         let path = CString::new(b.as_os_str().as_bytes()).unwrap();
-        // SAFETY: a valid C string and a zeroed statvfs to fill.
+        // SAFETY: statvfs is plain old data; all-zero is a valid value.
         let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
-        assert_eq!(unsafe { libc::statvfs(path.as_ptr(), &mut v) }, 0);
+        // SAFETY: a valid C string and a statvfs to fill, both alive for the call.
+        let rc = unsafe { libc::statvfs(path.as_ptr(), &mut v) };
+        assert_eq!(rc, 0);
         assert_eq!(v.f_frsize, s.frsize);
         blocks += v.f_blocks;
         files += v.f_files;

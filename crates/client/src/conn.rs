@@ -41,8 +41,7 @@ mod metrics;
 use metrics::live;
 pub use metrics::render_metrics;
 
-/// A Linux errno value.
-pub type Errno = u32;
+pub use kiln_proto::Errno;
 
 /// A successful reply: its encoded arguments and how many payload bytes landed in the sink.
 #[derive(Debug, Default)]

@@ -26,52 +26,16 @@ pub use kiln_proto::ops::{Attr, DirEntry, SetAttrs, StatfsReply, Time};
 pub use volume::Volume;
 
 use std::future::Future;
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
-
-struct ThreadWaker(std::thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
 
 /// Runs a future to completion on the calling thread (for tools and tests without a runtime).
-pub fn block_on<F: Future>(fut: F) -> F::Output {
-    let mut fut = std::pin::pin!(fut);
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
-}
+pub use kiln_layer::exec::block_on;
 
 /// Runs several futures concurrently on the calling thread and returns their outputs in order:
 /// the way to keep many requests in flight without an async runtime.
 pub fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
-    let mut futs: Vec<_> = futs.into_iter().map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut left = futs.len();
-    while left > 0 {
-        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-                    *o = Some(v);
-                    left -= 1;
-                }
-            }
-        }
-        if left > 0 {
-            std::thread::park();
-        }
-    }
-    out.into_iter()
+    let futs = futs.into_iter().map(|f| Some(Box::pin(f))).collect();
+    block_on(kiln_layer::exec::join_all(futs))
+        .into_iter()
         .map(|o| o.expect("every future completed"))
         .collect()
 }

@@ -60,7 +60,12 @@ pub fn is_local_address(addr: &str) -> bool {
     std::net::ToSocketAddrs::to_socket_addrs(hp)
         .into_iter()
         .flatten()
-        .any(|sa| !sa.ip().is_unspecified() && std::net::TcpListener::bind((sa.ip(), 0)).is_ok())
+        .any(|sa| is_local_ip(sa.ip()))
+}
+
+/// True when this host can bind `ip` (an unspecified address is nobody's).
+pub fn is_local_ip(ip: std::net::IpAddr) -> bool {
+    !ip.is_unspecified() && std::net::TcpListener::bind((ip, 0)).is_ok()
 }
 
 impl ProtocolClient {

@@ -63,30 +63,44 @@ impl Trigger {
     }
 }
 
-/// Fails matching fops with `errno` (without calling the child).
-pub struct ErrorGen {
+/// What a fault does to a fop it fires on.
+#[derive(Debug, Clone, Copy)]
+pub enum Effect {
+    /// error-gen: fail with this errno, without calling the child.
+    Fail(Errno),
+    /// delay-gen: hold the fop back this long, then call the child.
+    ///
+    /// The delay holds the calling thread, as a slow disk would (on the brick: that
+    /// connection's task). Timer slack is set to 1 ns on threads that sleep here, so a 100 µs
+    /// delay is 100 µs, not the default 50 µs more.
+    Delay(Duration),
+}
+
+/// A fault layer (error-gen or delay-gen): when its trigger fires on a fop, the effect
+/// happens; otherwise the fop goes to the child untouched.
+pub struct Fault {
     name: String,
     children: [LayerRef; 1],
     trigger: Trigger,
-    errno: Errno,
-    /// Errors injected so far.
+    effect: Effect,
+    /// Faults injected so far.
     pub injected: AtomicU64,
 }
 
-impl ErrorGen {
-    /// An error-gen layer above `child`.
-    pub fn new(name: &str, child: LayerRef, trigger: Trigger, errno: Errno) -> ErrorGen {
-        ErrorGen {
+impl Fault {
+    /// A fault layer named `name` above `child`.
+    pub fn new(name: &str, child: LayerRef, trigger: Trigger, effect: Effect) -> Fault {
+        Fault {
             name: name.into(),
             children: [child],
             trigger,
-            errno,
+            effect,
             injected: AtomicU64::new(0),
         }
     }
 }
 
-impl Interpose for ErrorGen {
+impl Interpose for Fault {
     fn name(&self) -> &str {
         &self.name
     }
@@ -103,41 +117,19 @@ impl Interpose for ErrorGen {
     ) -> Fut<'a, T> {
         if self.trigger.fires(op) {
             self.injected.fetch_add(1, Relaxed);
-            tracing::debug!(layer = %self.name, op = op.name(), errno = self.errno, "injecting error");
-            return crate::fail(self.errno);
+            match self.effect {
+                Effect::Fail(errno) => {
+                    tracing::debug!(layer = %self.name, op = op.name(), errno, "injecting error");
+                    return crate::fail(errno);
+                }
+                Effect::Delay(d) => precise_sleep(d),
+            }
         }
         call()
     }
 }
 
-crate::interpose_all!(ErrorGen);
-
-/// Holds matching fops back by `delay` before calling the child.
-///
-/// The delay holds the calling thread, as a slow disk would (on the brick: that connection's
-/// task). Timer slack is set to 1 ns on threads that sleep here, so a 100 µs delay is
-/// 100 µs, not the default 50 µs more.
-pub struct DelayGen {
-    name: String,
-    children: [LayerRef; 1],
-    trigger: Trigger,
-    delay: Duration,
-    /// Delays injected so far.
-    pub injected: AtomicU64,
-}
-
-impl DelayGen {
-    /// A delay-gen layer above `child`.
-    pub fn new(name: &str, child: LayerRef, trigger: Trigger, delay: Duration) -> DelayGen {
-        DelayGen {
-            name: name.into(),
-            children: [child],
-            trigger,
-            delay,
-            injected: AtomicU64::new(0),
-        }
-    }
-}
+crate::interpose_all!(Fault);
 
 /// Sleeps `d` on this thread with 1 ns timer slack.
 fn precise_sleep(d: Duration) {
@@ -159,31 +151,6 @@ fn precise_sleep(d: Duration) {
         std::thread::sleep(left);
     }
 }
-
-impl Interpose for DelayGen {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn children(&self) -> &[LayerRef] {
-        &self.children
-    }
-
-    fn around<'a, T: FopOutput + Send + 'a>(
-        &'a self,
-        _cx: &'a Ctx,
-        op: Op,
-        call: Box<dyn FnOnce() -> Fut<'a, T> + Send + 'a>,
-    ) -> Fut<'a, T> {
-        if self.trigger.fires(op) {
-            self.injected.fetch_add(1, Relaxed);
-            precise_sleep(self.delay);
-        }
-        call()
-    }
-}
-
-crate::interpose_all!(DelayGen);
 
 #[cfg(test)]
 mod tests {

@@ -34,8 +34,7 @@ pub use kiln_proto::ops::{Attr, ReaddirReply, SetAttrs, StatfsReply};
 pub use kiln_proto::{errno, Op};
 pub use trace::{Ctx, Trace};
 
-/// A Linux errno value.
-pub type Errno = u32;
+pub use kiln_proto::Errno;
 /// The result of a fop.
 pub type FopResult<T> = Result<T, Errno>;
 /// The future a fop returns.

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::faults::{DelayGen, ErrorGen, Trigger};
+use crate::faults::{Effect, Fault, Trigger};
 use crate::iostats::IoStats;
 use crate::LayerRef;
 
@@ -460,22 +460,22 @@ impl Volfile {
                 error,
                 probability,
                 seed,
-            } => Arc::new(ErrorGen::new(
+            } => Arc::new(Fault::new(
                 name,
                 kids.remove(0),
                 Trigger::new(fops, *probability, *seed).map_err(|e| format!("{name}: {e}"))?,
-                parse_errno(error).map_err(|e| format!("{name}: {e}"))?,
+                Effect::Fail(parse_errno(error).map_err(|e| format!("{name}: {e}"))?),
             )),
             LayerKind::DelayGen {
                 fops,
                 delay_us,
                 probability,
                 seed,
-            } => Arc::new(DelayGen::new(
+            } => Arc::new(Fault::new(
                 name,
                 kids.remove(0),
                 Trigger::new(fops, *probability, *seed).map_err(|e| format!("{name}: {e}"))?,
-                Duration::from_micros(*delay_us),
+                Effect::Delay(Duration::from_micros(*delay_us)),
             )),
             LayerKind::Distribute {} => Arc::new(crate::distribute::Distribute::new(name, kids)),
             LayerKind::Replicate { quorum } => {

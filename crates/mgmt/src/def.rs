@@ -1,7 +1,7 @@
 //! Volume definitions: a volume, its bricks, where each brick lives, and the checks a
 //! definition passes before it is stored.
 
-use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -177,5 +177,5 @@ pub fn resolve(host: &str) -> Result<IpAddr, String> {
 
 /// True when this host can bind `ip`: the brick is ours to run.
 pub(crate) fn is_local(ip: IpAddr) -> bool {
-    !ip.is_unspecified() && TcpListener::bind((ip, 0)).is_ok()
+    kiln_client::protocol::is_local_ip(ip)
 }

@@ -10,22 +10,7 @@ use crate::*;
 
 /// The volfile a brick runs: io-stats (`NAME-brick-N`) → marks → dispatch → posix.
 pub fn brick_volfile(volume: &str, index: usize, dir: &Path) -> Volfile {
-    Volfile::linear(vec![
-        (format!("{volume}-brick-{index}"), LayerKind::IoStats {}),
-        (
-            "marks".into(),
-            LayerKind::Marks {
-                directory: dir.to_owned(),
-            },
-        ),
-        ("dispatch".into(), LayerKind::Dispatch {}),
-        (
-            "posix".into(),
-            LayerKind::Posix {
-                directory: dir.to_owned(),
-            },
-        ),
-    ])
+    kiln_server::replica_volfile(dir, &format!("{volume}-brick-{index}"))
 }
 
 /// The client volfile of a started volume: io-stats `NAME` → distribute `NAME-dht` (with more

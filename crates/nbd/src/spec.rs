@@ -1,8 +1,6 @@
 //! Parsing what the user types: the image spec `ADDR:/VOL/PATH` and the `--listen` address.
 
 use std::fmt;
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::str::FromStr;
 
 /// Which image to export: a server address, a volume name and a path in the volume.
@@ -88,39 +86,7 @@ impl fmt::Display for ImageSpec {
 }
 
 /// Where the export listens for NBD clients.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Listen {
-    /// A TCP address; port 0 picks a free port.
-    Tcp(SocketAddr),
-    /// A Unix socket path (a stale socket file there is replaced).
-    Unix(PathBuf),
-}
-
-impl FromStr for Listen {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Listen, String> {
-        if let Some(p) = s.strip_prefix("unix:") {
-            if p.is_empty() {
-                return Err(format!("bad listen address {s:?}: empty socket path"));
-            }
-            return Ok(Listen::Unix(PathBuf::from(p)));
-        }
-        let a = s.strip_prefix("tcp:").unwrap_or(s);
-        a.parse().map(Listen::Tcp).map_err(|e| {
-            format!("bad listen address {s:?}: {e} (want unix:PATH or tcp:IP:PORT, e.g. tcp:127.0.0.1:10809)")
-        })
-    }
-}
-
-impl fmt::Display for Listen {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Listen::Tcp(a) => write!(f, "tcp:{a}"),
-            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
-        }
-    }
-}
+pub use kiln_proto::Listen;
 
 /// The NBD URI (as qemu, libnbd and fio take it) of export `name` on `listen`.
 pub fn nbd_uri(listen: &Listen, name: &str) -> String {

@@ -5,15 +5,20 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod addr;
 pub mod auth;
 pub mod codec;
 pub mod frame;
 pub mod iov;
 pub mod ops;
 
+pub use addr::Listen;
 pub use codec::{DecodeError, Wire};
 pub use frame::{Header, HeaderError, HEADER_LEN, MAX_ARGS_LEN, MAX_PAYLOAD_LEN};
 pub use ops::Op;
+
+/// A Linux errno value, as fops return it and the frame header carries it.
+pub type Errno = u32;
 
 /// Linux errno values the protocol itself produces (others pass through from the brick).
 pub mod errno {

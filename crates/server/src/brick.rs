@@ -15,10 +15,7 @@ use kiln_proto::errno;
 use kiln_proto::ops::*;
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
 
-/// A Linux errno value.
-pub type Errno = u32;
-/// Result of a brick fop.
-pub type FopResult<T> = Result<T, Errno>;
+pub use kiln_layer::{Errno, FopResult};
 
 fn err(e: rustix::io::Errno) -> Errno {
     e.raw_os_error() as u32

@@ -10,9 +10,8 @@ pub mod marks;
 pub mod posix;
 pub mod stats;
 
-use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -24,36 +23,7 @@ pub use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_layer::LayerRef;
 pub use stats::Stats;
 
-/// Where a server listens.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Listen {
-    /// A TCP address; port 0 picks a free port.
-    Tcp(SocketAddr),
-    /// A Unix socket path (an existing socket file there is replaced).
-    Unix(PathBuf),
-}
-
-impl std::str::FromStr for Listen {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Listen, String> {
-        if let Some(p) = s.strip_prefix("unix:") {
-            return Ok(Listen::Unix(PathBuf::from(p)));
-        }
-        let a = s.strip_prefix("tcp:").unwrap_or(s);
-        a.parse()
-            .map(Listen::Tcp)
-            .map_err(|e| format!("bad listen address {s:?}: {e} (want tcp:IP:PORT or unix:PATH)"))
-    }
-}
-
-impl std::fmt::Display for Listen {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Listen::Tcp(a) => write!(f, "tcp:{a}"),
-            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
-        }
-    }
-}
+pub use kiln_proto::Listen;
 
 /// A bound server, ready to run.
 pub struct Server {

@@ -192,6 +192,27 @@ impl ProtocolClient {
         })
     }
 
+    /// OPEN or HEAL_OPEN.
+    fn open_as<'a>(&'a self, cx: &'a Ctx, op: Op, p: &'a str, flags: u32) -> Fut<'a, Fd> {
+        // Read before sending: a reconnect in between makes the handle look stale (safe),
+        // never a stale handle look current.
+        let gen = self.gen();
+        let f = self.call::<OpenReply>(
+            cx,
+            op,
+            &OpenReq {
+                path: path(p),
+                flags,
+            },
+        );
+        Box::pin(async move {
+            Ok(Fd::new(RemoteFd {
+                fh: f.await?.fh,
+                gen,
+            }))
+        })
+    }
+
     fn unit<'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, ()> {
         let f = self.send(cx, op, req.to_wire(), &[], Vec::new(), None);
         Box::pin(async move { f.await?.result.map(|_| ()) })
@@ -234,6 +255,18 @@ macro_rules! try_fut {
 
 fn path(p: &str) -> String {
     wire_path(p)
+}
+
+/// The control fops ([`kiln_layer::for_each_control_fop`]): `(path, argument)` out, one value
+/// back.
+macro_rules! control_methods {
+    (() $( ($name:ident, $op:ident, $arg:ty, $ret:ty) )*) => {
+        $(
+            fn $name<'a>(&'a self, cx: &'a Ctx, p: &'a str, arg: &'a $arg) -> Fut<'a, $ret> {
+                self.call::<$ret>(cx, Op::$op, &(path(p), arg.clone()))
+            }
+        )*
+    };
 }
 
 impl Layer for ProtocolClient {
@@ -286,24 +319,14 @@ impl Layer for ProtocolClient {
     }
 
     fn open<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32) -> Fut<'a, Fd> {
-        // Read before sending: a reconnect in between makes the handle look stale (safe),
-        // never a stale handle look current.
-        let gen = self.gen();
-        let f = self.call::<OpenReply>(
-            cx,
-            Op::Open,
-            &OpenReq {
-                path: path(p),
-                flags,
-            },
-        );
-        Box::pin(async move {
-            Ok(Fd::new(RemoteFd {
-                fh: f.await?.fh,
-                gen,
-            }))
-        })
+        self.open_as(cx, Op::Open, p, flags)
     }
+
+    fn heal_open<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32) -> Fut<'a, Fd> {
+        self.open_as(cx, Op::HealOpen, p, flags)
+    }
+
+    kiln_layer::for_each_control_fop!(control_methods);
 
     fn create<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
         let req = CreateReq {

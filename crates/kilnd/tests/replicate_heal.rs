@@ -17,9 +17,7 @@ use std::time::Instant;
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::heal;
-use kiln_layer::marks::ADD;
 use kiln_layer::Ctx;
-use kiln_proto::Wire;
 
 mod replica;
 use replica::{index_empty, volfile, wait_for, Brick, Rng};
@@ -378,9 +376,8 @@ fn heal_copies_only_from_a_replica_that_is_current() {
             target,
             offset,
             len,
-        }
-        .to_wire();
-        block_on(rep.children()[on].setxattr(&Ctx::NONE, "two.raw", ADD, &v, 0)).unwrap();
+        };
+        block_on(rep.children()[on].mark_add(&Ctx::NONE, "two.raw", &v)).unwrap();
     };
     for on in [1, 2] {
         mark(on, 0, 0, N as u64);

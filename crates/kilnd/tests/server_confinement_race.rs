@@ -747,13 +747,11 @@ fn rename_racing_lookups_by_a_second_client_never_escapes() {
 /// pending mark (or kilnd starts and compacts the log). Nothing outside may change.
 #[test]
 fn marks_state_dir_symlinks_planted_in_the_brick_are_not_followed() {
-    use kiln_proto::codec::Wire;
     let mark = kiln_layer::marks::Mark {
         target: 1,
         offset: 0,
         len: 4096,
-    }
-    .to_wire();
+    };
     let mut escapes = Vec::new();
 
     // `.kiln` itself a symlink to the outside directory, planted before kilnd starts (the log
@@ -808,10 +806,16 @@ fn marks_state_dir_symlinks_planted_in_the_brick_are_not_followed() {
     }
 
     let mut run = |what: &str, k: &mut Kilnd, before: &Snap| {
-        let c = k.client();
+        let c = std::sync::Arc::new(k.client());
         let (fh, _) = block_on(c.create("f", libc::O_RDWR, 0o644)).expect("create f");
         block_on(c.close(fh)).expect("close");
-        let r = block_on(c.setxattr("f", kiln_layer::marks::ADD, &mark, 0));
+        let pc = kiln_client::protocol::ProtocolClient::new("marks", c);
+        let r = block_on(kiln_layer::Layer::mark_add(
+            &pc,
+            &kiln_layer::Ctx::NONE,
+            "f",
+            &mark,
+        ));
         eprintln!("marks, {what}: adding a mark: {r:?}");
         let d = diff(before, &k.watched());
         if !d.is_empty() {

@@ -22,8 +22,8 @@ use crate::{Ctx, FopOutput, Fut, Interpose, LayerRef, Op};
 /// Block-size buckets: 2^0 .. 2^24 bytes (the largest payload is 16 MiB).
 const SIZE_BUCKETS: usize = 25;
 /// Slots per opcode (opcodes start at 1).
-const OPS: usize = 32;
-const _: () = assert!(OPS > 28, "every opcode has a slot");
+const OPS: usize = 64;
+const _: () = assert!(Op::ALL.len() < OPS, "every opcode has a slot of its own");
 
 #[derive(Default)]
 struct OpStats {
@@ -135,7 +135,7 @@ impl IoStatsData {
     pub fn new(name: &str) -> Arc<IoStatsData> {
         let d = Arc::new(IoStatsData {
             name: name.to_owned(),
-            ops: Default::default(),
+            ops: std::array::from_fn(|_| OpStats::default()),
             read_sizes: Default::default(),
             write_sizes: Default::default(),
             born: Instant::now(),

@@ -207,6 +207,20 @@ pub struct Written {
     pub bufs: IoBufs,
 }
 
+/// The errno with which a brick refuses a client's setxattr or removexattr of `name`, if Kiln
+/// reserves it: `trusted.kiln.*` is Kiln's own (a directory's layout travels as LAYOUT_SET,
+/// replication state as the control fops), and `security.*` belongs to the brick host's
+/// security modules, not to clients.
+pub fn reserved_xattr(name: &str) -> Option<Errno> {
+    if name.starts_with("trusted.kiln.") {
+        Some(errno::EPERM)
+    } else if name.starts_with("security.") {
+        Some(errno::EOPNOTSUPP)
+    } else {
+        None
+    }
+}
+
 /// A fop future that fails at once.
 pub fn fail<'a, T: Send + 'a>(e: Errno) -> Fut<'a, T> {
     Box::pin(std::future::ready(Err(e)))
@@ -244,6 +258,46 @@ macro_rules! for_each_fop {
             (removexattr, Removexattr, (path: &'a str, name: &'a str), ())
             (fallocate, Fallocate, (fd: &'a $crate::Fd, mode: u32, offset: u64, len: u64), ())
             (discard, Discard, (fd: &'a $crate::Fd, offset: u64, len: u64), ())
+            (heal_open, HealOpen, (path: &'a str, flags: u32), $crate::Fd)
+            (mark_add, MarkAdd, (path: &'a str, arg: &'a $crate::marks::Mark), ())
+            (mark_clear, MarkClear, (path: &'a str, arg: &'a $crate::marks::Mark), ())
+            (mark_clear_if, MarkClearIf, (path: &'a str, arg: &'a $crate::marks::CondMark), ())
+            (flag_add, FlagAdd, (path: &'a str, arg: &'a $crate::marks::FlagMark), ())
+            (flag_clear_if, FlagClearIf, (path: &'a str, arg: &'a $crate::marks::CondFlag), ())
+            (heal_lock, HealLock, (path: &'a str, arg: &'a $crate::marks::LockReq), ())
+            (heal_session, HealSession, (path: &'a str, arg: &'a $crate::marks::HealReq), ())
+            (pending, Pending, (path: &'a str, arg: &'a ()), $crate::marks::PendingPage)
+            (pending_index, PendingIndex, (path: &'a str, arg: &'a ()), $crate::marks::IndexPage)
+            (heal_info, HealInfo, (path: &'a str, arg: &'a ()), $crate::marks::HealInfo)
+            (layout_get, LayoutGet, (path: &'a str, arg: &'a ()), Vec<u8>)
+            (layout_set, LayoutSet, (path: &'a str, arg: &'a Vec<u8>), ())
+        }
+    };
+}
+
+/// Calls `$m!` with the control fops: the fops whose request is `(path, argument)` and whose
+/// reply is one value, both encoded with the argument codec — the replication control fops
+/// (what replicas missed, heal locks and sessions) and the distribute layout. The protocol
+/// server's dispatch and the protocol client's encoding are generated from this list, and each
+/// entry is also in [`for_each_fop`] (so a layer, io-stats and the fuzzer see it like any fop;
+/// a fop in one list but not the other does not compile).
+#[macro_export]
+macro_rules! for_each_control_fop {
+    ($m:ident $(, $extra:tt)*) => {
+        $m! {
+            ($($extra)*)
+            (mark_add, MarkAdd, $crate::marks::Mark, ())
+            (mark_clear, MarkClear, $crate::marks::Mark, ())
+            (mark_clear_if, MarkClearIf, $crate::marks::CondMark, ())
+            (flag_add, FlagAdd, $crate::marks::FlagMark, ())
+            (flag_clear_if, FlagClearIf, $crate::marks::CondFlag, ())
+            (heal_lock, HealLock, $crate::marks::LockReq, ())
+            (heal_session, HealSession, $crate::marks::HealReq, ())
+            (pending, Pending, (), $crate::marks::PendingPage)
+            (pending_index, PendingIndex, (), $crate::marks::IndexPage)
+            (heal_info, HealInfo, (), $crate::marks::HealInfo)
+            (layout_get, LayoutGet, (), Vec<u8>)
+            (layout_set, LayoutSet, Vec<u8>, ())
         }
     };
 }
@@ -335,6 +389,9 @@ macro_rules! no_data {
     ($($t:ty),*) => { $(impl FopOutput for $t {})* };
 }
 no_data!(
+    marks::PendingPage,
+    marks::IndexPage,
+    marks::HealInfo,
     Attr,
     Fd,
     (Fd, Attr),

@@ -5,21 +5,23 @@
 //! A replica with marks against it never serves a read of that file; heal copies exactly the
 //! marked ranges to it and then clears them.
 //!
-//! Marks travel as extended attributes in a reserved `kiln.` namespace that the brick's marks
-//! layer answers itself (they never reach the file system):
+//! Marks travel as the replication control fops (see [`crate::for_each_control_fop`]), which
+//! the brick's marks layer answers itself (they never reach the file system); each is typed,
+//! counted by io-stats and shown by `kiln volume profile` like any fop:
 //!
-//! | name                    | fop      | value                                              |
-//! |-------------------------|----------|----------------------------------------------------|
-//! | `kiln.pending.add`      | setxattr | [`Mark`]: `target` missed `[offset, offset+len)`    |
-//! | `kiln.pending.clear`    | setxattr | [`Mark`]: `target` has that range now              |
-//! | `kiln.pending.clear.if` | setxattr | [`CondMark`]: the same, unless a mark for `target` was added since `gen` (then `EAGAIN`) |
-//! | `kiln.pending.flag`     | setxattr | [`FlagMark`]: `target` missed an [`ENTRY`] or [`META`] change of this path |
-//! | `kiln.pending.flag.clear.if` | setxattr | [`CondFlag`]: those flags are healed, unless a mark for `target` was added since `gen` (then `EAGAIN`) |
-//! | `kiln.pending`          | getxattr | [`PendingPage`]: this file's marks                  |
-//! | `kiln.pending.index`    | getxattr | [`IndexPage`] (on the root): files with marks      |
-//! | `kiln.lock`             | setxattr | [`LockReq`]: heal's range lock on the file          |
-//! | `kiln.heal`             | setxattr | [`HealReq`]: begin or end a heal session on the file |
-//! | `kiln.heal`             | getxattr | [`HealInfo`]: the caller's session on the file      |
+//! | fop              | argument     | reply          | meaning                                   |
+//! |------------------|--------------|----------------|-------------------------------------------|
+//! | `mark_add`       | [`Mark`]     |                | `target` missed `[offset, offset+len)`     |
+//! | `mark_clear`     | [`Mark`]     |                | `target` has that range now                |
+//! | `mark_clear_if`  | [`CondMark`] |                | the same, unless a mark for `target` was added since `gen` (then `EAGAIN`) |
+//! | `flag_add`       | [`FlagMark`] |                | `target` missed an [`ENTRY`] or [`META`] change of this path |
+//! | `flag_clear_if`  | [`CondFlag`] |                | those flags are healed, unless a mark for `target` was added since `gen` (then `EAGAIN`) |
+//! | `pending`        |              | [`PendingPage`]| this file's marks                          |
+//! | `pending_index`  |              | [`IndexPage`]  | (on the root) files with marks             |
+//! | `heal_lock`      | [`LockReq`]  |                | heal's range lock on the file              |
+//! | `heal_session`   | [`HealReq`]  |                | begin or end a heal session on the file    |
+//! | `heal_info`      |              | [`HealInfo`]   | the caller's session on the file           |
+//! | `heal_open`      | open flags   | a handle       | a handle whose writes are heal's (below)   |
 //!
 //! **Entry and metadata marks** ("flags", per path and target, beside the byte ranges):
 //! [`ENTRY`] on a path says the target missed a change of the *name* — it was created (file,
@@ -31,7 +33,7 @@
 //! A mark of any kind (bytes or flags) for a target gives it a new generation.
 //!
 //! `len == WHOLE` means the whole file (it was created, truncated or punched while the replica
-//! was away). A getxattr answer holds at most [`PAGE_BYTES`]; a heal that clears what it healed
+//! was away). A `pending` or `pending_index` reply holds at most [`PAGE_BYTES`]; a heal that clears what it healed
 //! and asks again sees the rest. A pending page shares its room among the targets, and says
 //! per target where its listing was cut ([`TargetRanges::cut`]), so a reader always knows which
 //! part of a target's marks it has not seen.
@@ -39,7 +41,7 @@
 //! **Heal sessions** (on the replica being healed). Between a heal's `begin` and `end` on a
 //! file, the brick records the byte ranges that changes from other connections (client writes,
 //! truncates, fallocate, discard) touch — and those in flight when the session begins. Heal
-//! writes through a handle opened with [`HEAL_OPEN`]; the brick writes only the parts of such
+//! writes through a handle opened with `heal_open`; the brick writes only the parts of such
 //! a write that no client change touched since `begin` (the client's data there is newer than
 //! what heal read from the source), reports the write as short by the bytes it skipped, and
 //! lists them in [`HealInfo::skipped`]. A heal size change is refused (`EAGAIN`) when a client
@@ -50,92 +52,19 @@
 
 use std::collections::BTreeMap;
 
-use kiln_proto::codec::Seq;
-use kiln_proto::wire_struct;
-
-/// Add a mark.
-pub const ADD: &str = "kiln.pending.add";
-/// Clear a range of a mark.
-pub const CLEAR: &str = "kiln.pending.clear";
-/// Read a file's marks.
-pub const PENDING: &str = "kiln.pending";
-/// Read the brick's index of files with marks.
-pub const INDEX: &str = "kiln.pending.index";
-/// Take or drop a heal lock.
-pub const LOCK: &str = "kiln.lock";
-/// Clear a range of a mark unless the mark grew since a generation.
-pub const CLEAR_IF: &str = "kiln.pending.clear.if";
-/// Begin or end a heal session (setxattr); the caller's session (getxattr).
-pub const HEAL: &str = "kiln.heal";
-/// An open flag (beyond every Linux open flag) that makes a handle heal's: its writes skip what
-/// clients changed since the session began. The marks layer takes it off before the file
-/// system sees the open.
-pub const HEAL_OPEN: u32 = 1 << 30;
-/// Add flags ([`FlagMark`]).
-pub const FLAG: &str = "kiln.pending.flag";
-/// Clear flags unless a mark was added since a generation ([`CondFlag`]).
-pub const FLAG_CLEAR_IF: &str = "kiln.pending.flag.clear.if";
 /// Flag: the target missed a change of this name (create, remove, rename from or to).
 pub const ENTRY: u32 = 1;
 /// Flag: the target missed a change of this path's attributes or xattrs.
 pub const META: u32 = 2;
-/// The reserved namespace.
-pub const PREFIX: &str = "kiln.";
 /// A range length meaning "to the end of the file, whatever its size".
 pub const WHOLE: u64 = u64::MAX;
-/// Most bytes of marks in one getxattr answer.
+/// Most bytes of marks in one `pending` or `pending_index` reply.
 pub const PAGE_BYTES: usize = 60 * 1024;
 /// How long a heal lock lasts unless dropped or renewed: a heal that dies cannot hold writes
 /// back for longer.
 pub const LOCK_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
 
-wire_struct! {
-    /// One pending mark: replica `target` (its index in the replicate layer) missed a range.
-    pub struct Mark { pub target: u32, pub offset: u64, pub len: u64 }
-    /// One range.
-    pub struct Range { pub offset: u64, pub len: u64 }
-    /// The ranges a replica missed. `gen` changes whenever a mark for `target` is added on
-    /// this brick (0: none held); `cut` is where the listing stops ([`WHOLE`]: it is complete;
-    /// else marks from `cut` on may be missing from it); `flags` are its [`ENTRY`]/[`META`]
-    /// marks.
-    pub struct TargetRanges {
-        pub target: u32,
-        pub ranges: Seq<Range>,
-        pub gen: u64,
-        pub cut: u64,
-        pub flags: u32,
-    }
-    /// A file's marks (possibly the first page of them).
-    pub struct PendingPage { pub targets: Seq<TargetRanges>, pub more: bool }
-    /// One file with marks, and the bytes it needs, per target; `flags` its entry/metadata
-    /// marks.
-    pub struct IndexEntry {
-        pub path: String,
-        pub target: u32,
-        pub ranges: u64,
-        pub bytes: u64,
-        pub flags: u32,
-    }
-    /// Files with marks (possibly the first page).
-    pub struct IndexPage { pub entries: Seq<IndexEntry>, pub more: bool }
-    /// A heal lock request: `lock` 1 takes `[offset, offset+len)`, 0 drops it.
-    pub struct LockReq { pub offset: u64, pub len: u64, pub lock: u32 }
-    /// A conditional clear: `target` has `[offset, offset+len)` now, unless a mark for it was
-    /// added since the brick reported `gen`.
-    pub struct CondMark { pub target: u32, pub offset: u64, pub len: u64, pub gen: u64 }
-    /// Flags ([`ENTRY`], [`META`]) that `target` missed on this path.
-    pub struct FlagMark { pub target: u32, pub flags: u32 }
-    /// `target` has `flags` healed now, unless a mark for it was added since `gen`; with
-    /// `data` 1 the same record marks the whole file's bytes for `target` (heal made the
-    /// name a new, empty file there: its bytes are copied next).
-    pub struct CondFlag { pub target: u32, pub flags: u32, pub gen: u64, pub data: u32 }
-    /// `begin` 1 begins (or begins afresh) the caller's heal session on the file, 0 ends it.
-    pub struct HealReq { pub begin: u32 }
-    /// The caller's heal session: `live` 0 when there is none; `busy` 1 when clients had the
-    /// file open or were changing it as the session began; the ranges heal writes skipped
-    /// since the last ask (asking empties the list; more than a page's worth come merged).
-    pub struct HealInfo { pub live: u32, pub busy: u32, pub skipped: Seq<Range> }
-}
+pub use kiln_proto::marks::*;
 
 /// A set of byte ranges, kept merged.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

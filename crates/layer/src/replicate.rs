@@ -34,10 +34,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 
-use kiln_proto::Wire;
-
 use crate::exec::join_all;
-use crate::marks::{self as m, FlagMark, Mark, PendingPage};
+use crate::marks::{self as m, FlagMark, Mark};
 use crate::{
     errno, fail, Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
     ReaddirReply, SetAttrs, StatfsReply, Written,
@@ -385,38 +383,38 @@ impl Replicate {
         missed: &[usize],
         miss: Miss<'_>,
     ) -> FopResult<()> {
-        let mut values: Vec<(&str, &str, Vec<u8>)> = Vec::new();
+        let mut marks: Vec<Mark> = Vec::new();
+        let mut flags: Vec<(&str, FlagMark)> = Vec::new();
         for t in missed {
             let target = *t as u32;
             if let Some((offset, len)) = miss.range {
-                let v = Mark {
+                marks.push(Mark {
                     target,
                     offset,
                     len,
-                };
-                values.push((path, m::ADD, v.to_wire()));
+                });
             }
             if miss.flags != 0 {
                 let v = FlagMark {
                     target,
                     flags: miss.flags,
-                }
-                .to_wire();
+                };
                 if let Some(also) = miss.also {
-                    values.push((also, m::FLAG, v.clone()));
+                    flags.push((also, v.clone()));
                 }
-                values.push((path, m::FLAG, v));
+                flags.push((path, v));
             }
         }
+        let values = marks.len() + flags.len();
         let mut futs = Vec::new();
         for i in on {
-            for (p, name, v) in &values {
-                futs.push(Some(self.kids[*i].setxattr(cx, p, name, v, 0)));
-            }
+            let k = &self.kids[*i];
+            futs.extend(marks.iter().map(|v| Some(k.mark_add(cx, path, v))));
+            futs.extend(flags.iter().map(|(p, v)| Some(k.flag_add(cx, p, v))));
         }
         let done = join_all(futs).await;
         let marked = done.iter().filter(|r| matches!(r, Some(Ok(())))).count();
-        if marked < values.len() {
+        if marked < values {
             // Not one replica holding the change could record the miss: do not acknowledge.
             tracing::error!(layer = self.name, path, "could not record a missed change");
             return Err(errno::EIO);
@@ -428,20 +426,14 @@ impl Replicate {
     async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> u32 {
         let futs = which
             .iter()
-            .map(|i| Some(self.kids[*i].getxattr(cx, path, m::PENDING)))
+            .map(|i| Some(self.kids[*i].pending(cx, path, &())))
             .collect();
         let mut bad = 0;
-        for v in join_all(futs).await.into_iter().flatten().flatten() {
-            {
-                if let Ok(page) = PendingPage::from_wire(&v) {
-                    for t in page.targets.0 {
-                        let named = t.flags & m::ENTRY != 0;
-                        if (t.target as usize) < self.kids.len()
-                            && (!t.ranges.0.is_empty() || named)
-                        {
-                            bad |= bit(t.target as usize);
-                        }
-                    }
+        for page in join_all(futs).await.into_iter().flatten().flatten() {
+            for t in page.targets.0 {
+                let named = t.flags & m::ENTRY != 0;
+                if (t.target as usize) < self.kids.len() && (!t.ranges.0.is_empty() || named) {
+                    bad |= bit(t.target as usize);
                 }
             }
         }
@@ -899,8 +891,8 @@ impl Layer for Replicate {
         value: &'a [u8],
         flags: u32,
     ) -> Fut<'a, ()> {
-        if name.starts_with(m::PREFIX) {
-            return fail(errno::EPERM);
+        if let Some(e) = crate::reserved_xattr(name) {
+            return fail(e);
         }
         self.change_path(cx, path, Miss::flags(m::META), move |k| {
             k.setxattr(cx, path, name, value, flags)
@@ -919,6 +911,16 @@ impl Layer for Replicate {
 
     fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
         self.query_path(path, move |k| k.getxattr(cx, path, name))
+    }
+
+    fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, Vec<u8>> {
+        self.query_path(path, move |k| k.layout_get(cx, path, arg))
+    }
+
+    fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
+        self.change_path(cx, path, Miss::flags(m::META), move |k| {
+            k.layout_set(cx, path, arg)
+        })
     }
 
     fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {

@@ -124,6 +124,25 @@ macro_rules! wire_int {
 }
 wire_int!(u8, u16, u32, u64, i64);
 
+/// No arguments: encodes as nothing.
+impl Wire for () {
+    fn encode(&self, _: &mut Enc) {}
+    fn decode(_: &mut Dec<'_>) -> Result<Self, DecodeError> {
+        Ok(())
+    }
+}
+
+/// Two values, one after the other: a control fop's request is `(path, arguments)`.
+impl<A: Wire, B: Wire> Wire for (A, B) {
+    fn encode(&self, e: &mut Enc) {
+        self.0.encode(e);
+        self.1.encode(e);
+    }
+    fn decode(d: &mut Dec<'_>) -> Result<Self, DecodeError> {
+        Ok((A::decode(d)?, B::decode(d)?))
+    }
+}
+
 impl Wire for bool {
     fn encode(&self, e: &mut Enc) {
         (*self as u8).encode(e)

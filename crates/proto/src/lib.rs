@@ -10,6 +10,7 @@ pub mod auth;
 pub mod codec;
 pub mod frame;
 pub mod iov;
+pub mod marks;
 pub mod ops;
 
 pub use addr::Listen;
@@ -38,6 +39,8 @@ pub mod errno {
     pub const ERANGE: u32 = 34;
     /// Unknown opcode.
     pub const ENOSYS: u32 = 38;
+    /// Operation not supported.
+    pub const EOPNOTSUPP: u32 = 95;
     /// Protocol error: a malformed frame or arguments.
     pub const EPROTO: u32 = 71;
     /// Message too long.

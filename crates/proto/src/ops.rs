@@ -93,6 +93,33 @@ ops! {
     /// Volume management (create, start, volfile, heal, …): the request and the reply's
     /// payload are JSON (see [`MgmtReq`]). Served by a kilnd that keeps volume definitions.
     Mgmt = 29,
+    /// Replication control (`crate::marks`): replica `target` missed a byte range of a file.
+    MarkAdd = 30,
+    /// Replication control: `target` has that range now.
+    MarkClear = 31,
+    /// Replication control: the same, unless a mark was added since a generation (`EAGAIN`).
+    MarkClearIf = 32,
+    /// Replication control: `target` missed an entry or metadata change of a path.
+    FlagAdd = 33,
+    /// Replication control: those flags are healed, unless a mark was added since a generation.
+    FlagClearIf = 34,
+    /// Replication control: take or drop heal's range lock on a file.
+    HealLock = 35,
+    /// Replication control: begin or end the caller's heal session on a file.
+    HealSession = 36,
+    /// Replication control: a file's marks (a page of them).
+    Pending = 37,
+    /// Replication control: the brick's index of files with marks (a page of it).
+    PendingIndex = 38,
+    /// Replication control: the caller's heal session on a file, and what its writes skipped.
+    HealInfo = 39,
+    /// Open a file for heal: writes through the handle skip what clients changed since the
+    /// caller's heal session began.
+    HealOpen = 40,
+    /// Read a directory's distribute layout (empty when it has none).
+    LayoutGet = 41,
+    /// Store a directory's distribute layout (checked to be one before it is stored).
+    LayoutSet = 42,
 }
 
 wire_struct! {

@@ -13,6 +13,8 @@ use kiln_layer::{
     ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
+use kiln_layer::distribute::{Layout, LAYOUT_XATTR};
+
 use crate::brick::{self, Brick};
 
 /// Reads at or above this size are handed up as a file region, sent with `sendfile`; smaller
@@ -257,6 +259,19 @@ impl Layer for Posix {
         flags: u32,
     ) -> Fut<'a, ()> {
         now(cx, || self.brick.setxattr(path, name, value, flags))
+    }
+
+    fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, Vec<u8>> {
+        now(cx, || self.brick.getxattr(path, LAYOUT_XATTR))
+    }
+
+    fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
+        // Any number of subvolumes: this checks the form; distribute checks the ranges.
+        if Layout::decode(arg, usize::MAX).is_none() {
+            tracing::warn!(path, "refused a malformed directory layout");
+            return fail(errno::EINVAL);
+        }
+        now(cx, || self.brick.setxattr(path, LAYOUT_XATTR, arg, 0))
     }
 
     fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {

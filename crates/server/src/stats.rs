@@ -6,9 +6,9 @@ use kiln_proto::Op;
 
 /// Server-wide counters. Relaxed atomics: each counter is independent and only ever summed for
 /// display, so no ordering with other memory is needed.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
-    calls: [AtomicU64; 32],
+    calls: [AtomicU64; 64],
     /// Payload bytes sent in READ replies.
     pub bytes_read: AtomicU64,
     /// Payload bytes written by WRITE requests.
@@ -24,7 +24,21 @@ pub struct Stats {
     pub refused: AtomicU64,
 }
 
-const _: () = assert!(Op::ALL.len() < 32);
+const _: () = assert!(Op::ALL.len() < 64);
+
+impl Default for Stats {
+    fn default() -> Stats {
+        Stats {
+            calls: [const { AtomicU64::new(0) }; 64],
+            bytes_read: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
+            bytes_copied: AtomicU64::new(0),
+            bad_frames: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        }
+    }
+}
 
 impl Stats {
     /// Counts one call of `op`.

@@ -10,10 +10,8 @@ use std::time::{Duration, Instant};
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::heal;
-use kiln_layer::marks::{IndexPage, INDEX};
 use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 use kiln_layer::Ctx;
-use kiln_proto::Wire;
 
 /// One brick: a kilnd process with the replica stack (marks) on its own directory.
 pub struct Brick {
@@ -155,10 +153,7 @@ pub fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
 pub fn index_empty(vol: &Volume) -> bool {
     heal::replicate_layers(vol.top()).iter().all(|r| {
         r.children().iter().all(|k| {
-            block_on(k.getxattr(&Ctx::NONE, "", INDEX))
-                .ok()
-                .and_then(|v| IndexPage::from_wire(&v).ok())
-                .is_some_and(|p| p.entries.0.is_empty())
+            block_on(k.pending_index(&Ctx::NONE, "", &())).is_ok_and(|p| p.entries.0.is_empty())
         })
     })
 }

@@ -270,7 +270,7 @@ impl Distribute {
         let mut found = None;
         let mut definitive = false;
         for kid in &self.kids {
-            match kid.getxattr(cx, dir, LAYOUT_XATTR).await {
+            match kid.layout_get(cx, dir, &()).await {
                 Ok(v) => {
                     found = Layout::decode(&v, self.kids.len());
                     if found.is_none() {
@@ -392,16 +392,11 @@ impl Distribute {
             Ok(a) => a.mode & 0o7777,
             Err(_) => 0o755,
         };
-        let layout = self
-            .with(from, |k| k.getxattr(cx, path, LAYOUT_XATTR))
-            .await
-            .ok();
+        let layout = self.with(from, |k| k.layout_get(cx, path, &())).await.ok();
         for &i in on {
             let made = self.with(i, |k| k.mkdir(cx, path, mode)).await;
             if let (Ok(_), Some(l)) = (&made, &layout) {
-                let _ = self
-                    .with(i, |k| k.setxattr(cx, path, LAYOUT_XATTR, l, 0))
-                    .await;
+                let _ = self.with(i, |k| k.layout_set(cx, path, l)).await;
             }
             if let Err(e) = made {
                 tracing::warn!(
@@ -450,7 +445,7 @@ impl Distribute {
         let layout = Layout::equal(self.kids.len());
         let bytes = layout.encode();
         let rs = self
-            .on_others(None, |k| k.setxattr(cx, path, LAYOUT_XATTR, &bytes, 0))
+            .on_others(None, |k| k.layout_set(cx, path, &bytes))
             .await;
         for (i, r) in rs {
             if let Err(e) = r {

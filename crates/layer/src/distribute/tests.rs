@@ -173,7 +173,7 @@ fn bad_layouts_are_refused() {
     }
 }
 
-/// A subvolume whose layout xattr holds `value` and which has nothing else.
+/// A subvolume whose layout holds `value` and which has nothing else.
 struct Stub {
     value: FopResult<Vec<u8>>,
 }
@@ -182,7 +182,7 @@ impl Layer for Stub {
     fn name(&self) -> &str {
         "stub"
     }
-    fn getxattr<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a str) -> Fut<'a, Vec<u8>> {
+    fn layout_get<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, Vec<u8>> {
         Box::pin(std::future::ready(self.value.clone()))
     }
 }

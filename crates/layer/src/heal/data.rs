@@ -1,10 +1,8 @@
 //! Healing a file's data: the marked ranges read from a replica that is not behind and
 //! written to the one that is, chunk by chunk under heal locks, inside a heal session.
 
-use kiln_proto::Wire;
-
 use crate::exec::join_all;
-use crate::marks::{self as m, CondMark, HealInfo, HealReq, LockReq, Mark, PendingPage, RangeSet};
+use crate::marks::{self as m, CondMark, HealInfo, HealReq, LockReq, Mark, RangeSet};
 use crate::replicate::Replicate;
 use crate::{errno, Ctx, Errno, Fd, FopResult, IoBufs, LayerRef, ReadDst, ReadOut};
 
@@ -37,7 +35,7 @@ impl View {
     ) -> FopResult<View> {
         let futs = up
             .iter()
-            .map(|i| Some(kids[*i].getxattr(&Ctx::NONE, path, m::PENDING)))
+            .map(|i| Some(kids[*i].pending(&Ctx::NONE, path, &())))
             .collect();
         let mut v = View {
             behind: vec![RangeSet::default(); kids.len()],
@@ -49,8 +47,7 @@ impl View {
         };
         for (i, r) in up.iter().zip(join_all(futs).await) {
             // A replica whose marks are unknown could hold some against the source.
-            let bytes = r.unwrap_or(Err(errno::ENOTCONN))?;
-            let page = PendingPage::from_wire(&bytes).map_err(|_| errno::EPROTO)?;
+            let page = r.unwrap_or(Err(errno::ENOTCONN))?;
             v.gens[*i] = Some(0);
             for t in page.targets.0 {
                 let tt = t.target as usize;
@@ -119,10 +116,9 @@ pub(super) async fn heal_data(
             target: target as u32,
             offset,
             len,
-        }
-        .to_wire();
+        };
         let others = others.clone();
-        async move { on_all(kids, &others, path, m::CLEAR, &v).await }
+        async move { on_all(kids, &others, |k| k.mark_clear(&Ctx::NONE, path, &v)).await }
     };
     let attr = match kids[src].lookup(cx, path).await {
         Ok(a) => a,
@@ -160,7 +156,7 @@ pub(super) async fn heal_data(
         let _ = kids[target].release(cx, fd).await;
     }
     let tfd = kids[target]
-        .open(cx, path, libc::O_WRONLY as u32 | m::HEAL_OPEN)
+        .heal_open(cx, path, libc::O_WRONLY as u32)
         .await?;
     let mut h = Healing {
         kids,
@@ -201,17 +197,16 @@ impl Healing<'_> {
     pub(super) async fn session(&self, begin: bool) -> FopResult<()> {
         let v = HealReq {
             begin: u32::from(begin),
-        }
-        .to_wire();
-        let t = [self.target];
-        on_all(self.kids, &t, self.path, m::HEAL, &v).await
+        };
+        self.kids[self.target]
+            .heal_session(&Ctx::NONE, self.path, &v)
+            .await
     }
 
     pub(super) async fn info(&self) -> FopResult<HealInfo> {
-        let v = self.kids[self.target]
-            .getxattr(&Ctx::NONE, self.path, m::HEAL)
-            .await?;
-        HealInfo::from_wire(&v).map_err(|_| errno::EPROTO)
+        self.kids[self.target]
+            .heal_info(&Ctx::NONE, self.path, &())
+            .await
     }
 
     /// Passes until the target has no marks left, each in a session of its own.
@@ -337,15 +332,13 @@ impl Healing<'_> {
         let (kids, path, target) = (self.kids, self.path, self.target);
         let sfd = self.source_fd(src).await?;
         let lock_len = if whole { m::WHOLE } else { n };
-        let lock = |on: u32| {
-            LockReq {
-                offset: pos,
-                len: lock_len,
-                lock: on,
-            }
-            .to_wire()
+        let lock = |on: u32| LockReq {
+            offset: pos,
+            len: lock_len,
+            lock: on,
         };
-        on_all(kids, self.up, path, m::LOCK, &lock(1)).await?;
+        let (take, drop) = (lock(1), lock(0));
+        on_all(kids, self.up, |k| k.heal_lock(&Ctx::NONE, path, &take)).await?;
         let step = copy_chunk(
             kids,
             src,
@@ -383,7 +376,7 @@ impl Healing<'_> {
             // wrote past it — the next pass copies it again).
             Err(_) => Ok(()),
         };
-        let _ = on_all(kids, self.up, path, m::LOCK, &lock(0)).await;
+        let _ = on_all(kids, self.up, |k| k.heal_lock(&Ctx::NONE, path, &drop)).await;
         cleared?;
         match step {
             Ok((_, wrote, last)) => Ok((wrote, last)),
@@ -402,16 +395,13 @@ impl Healing<'_> {
         len: u64,
     ) -> FopResult<()> {
         let t = self.target as u32;
-        let plain: Vec<Vec<u8>> = skipped
+        let plain: Vec<Mark> = skipped
             .outside(pos, len)
             .into_iter()
-            .map(|(offset, len)| {
-                Mark {
-                    target: t,
-                    offset,
-                    len,
-                }
-                .to_wire()
+            .map(|(offset, len)| Mark {
+                target: t,
+                offset,
+                len,
             })
             .collect();
         let mut cond = Vec::new();
@@ -424,8 +414,7 @@ impl Healing<'_> {
                         offset,
                         len,
                         gen,
-                    }
-                    .to_wire();
+                    };
                     cond.push((*i, v));
                 }
             }
@@ -433,23 +422,11 @@ impl Healing<'_> {
         let mut futs = Vec::new();
         for v in &plain {
             for i in self.others {
-                futs.push(Some(self.kids[*i].setxattr(
-                    &Ctx::NONE,
-                    self.path,
-                    m::CLEAR,
-                    v,
-                    0,
-                )));
+                futs.push(Some(self.kids[*i].mark_clear(&Ctx::NONE, self.path, v)));
             }
         }
         for (i, v) in &cond {
-            futs.push(Some(self.kids[*i].setxattr(
-                &Ctx::NONE,
-                self.path,
-                m::CLEAR_IF,
-                v,
-                0,
-            )));
+            futs.push(Some(self.kids[*i].mark_clear_if(&Ctx::NONE, self.path, v)));
         }
         for r in join_all(futs).await.into_iter().flatten() {
             match r {

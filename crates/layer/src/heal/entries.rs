@@ -1,8 +1,6 @@
 //! Healing names and attributes: entries created, removed or re-created and mode, owner,
 //! times and user xattrs copied, from a replica that is not behind.
 
-use kiln_proto::Wire;
-
 use crate::exec::join_all;
 use crate::marks::{self as m, CondFlag, FlagMark, LockReq};
 use crate::{errno, Ctx, FopResult, LayerRef};
@@ -110,17 +108,15 @@ pub(super) async fn heal_flags(
             );
             return Err(ENODATA);
         };
-        let lock = |on: u32| {
-            LockReq {
-                offset: 0,
-                len: m::WHOLE,
-                lock: on,
-            }
-            .to_wire()
+        let lock = |on: u32| LockReq {
+            offset: 0,
+            len: m::WHOLE,
+            lock: on,
         };
-        on_all(kids, up, path, m::LOCK, &lock(1)).await?;
+        let (take, drop) = (lock(1), lock(0));
+        on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &take)).await?;
         let step = heal_flags_locked(kids, &view, &others, path, target, src, want).await;
-        let _ = on_all(kids, up, path, m::LOCK, &lock(0)).await;
+        let _ = on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &drop)).await;
         step?;
     }
     Err(EAGAIN)
@@ -216,10 +212,9 @@ pub(super) async fn heal_flags_locked(
         let v = FlagMark {
             target: target as u32,
             flags: m::ENTRY,
-        }
-        .to_wire();
+        };
         for n in names {
-            s.setxattr(cx, &child(path, &n), m::FLAG, &v, 0).await?;
+            s.flag_add(cx, &child(path, &n), &v).await?;
         }
         clear |= m::META;
     }
@@ -242,7 +237,7 @@ pub(super) async fn clear_flags(
     flags: u32,
     whole: bool,
 ) -> FopResult<()> {
-    let values: Vec<(usize, Vec<u8>)> = others
+    let values: Vec<(usize, CondFlag)> = others
         .iter()
         .filter_map(|i| {
             view.gens[*i].map(|gen| {
@@ -252,19 +247,13 @@ pub(super) async fn clear_flags(
                     gen,
                     data: u32::from(whole),
                 };
-                (*i, v.to_wire())
+                (*i, v)
             })
         })
         .collect();
     let mut futs = Vec::new();
     for (i, v) in &values {
-        futs.push(Some(kids[*i].setxattr(
-            &Ctx::NONE,
-            path,
-            m::FLAG_CLEAR_IF,
-            v,
-            0,
-        )));
+        futs.push(Some(kids[*i].flag_clear_if(&Ctx::NONE, path, v)));
     }
     for r in join_all(futs).await.into_iter().flatten() {
         match r {

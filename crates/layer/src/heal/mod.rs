@@ -16,13 +16,13 @@
 //! target. So each pass over a file runs in a *heal session* on the target
 //! ([`crate::marks`]): heal begins it before it looks at the file's marks; from then on the
 //! target records the ranges that clients change (and those they were changing as it began),
-//! and heal's writes — through a handle opened with [`crate::marks::HEAL_OPEN`] — take only the
+//! and heal's writes — through a handle opened with `heal_open` — take only the
 //! bytes no client changed since: the target's bytes there are the newer ones. Ordering at the
 //! target is exact: a client write and a heal write to the same bytes are registered under one
 //! mutex, a client write is recorded the moment it is let through, and once heal's lock has
 //! lapsed a client write waits for an overlapping heal write rather than run beside it.
 //!
-//! A skipped range is cleared like the rest, but conditionally (`kiln.pending.clear.if`): only
+//! A skipped range is cleared like the rest, but conditionally (`mark_clear_if`): only
 //! if no holder recorded a new miss for the target since heal read the marks, before the
 //! session began. Skipping is right because the target holds the client's newer bytes; a later
 //! write the target missed (its connection broke, or it failed there) leaves a new mark, and
@@ -61,7 +61,7 @@
 //! the source missed) carries a flag against the source on the target, so that source is
 //! refused, and with no current source the name is left flagged (`ENODATA`). Nothing is
 //! removed because a listing lacks it. Flags are cleared conditionally
-//! (`kiln.pending.flag.clear.if`) against the generations read before the lock: a flag
+//! (`flag_clear_if`) against the generations read before the lock: a flag
 //! marked again meanwhile stays, and the next pass heals it again.
 //!
 //! Heal must run on connections of its own (a [`crate::replicate::Replicate`] built for it),
@@ -73,10 +73,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
-use kiln_proto::Wire;
-
 use crate::exec::join_all;
-use crate::marks::{self as m, IndexPage};
+use crate::marks::{self as m};
 use crate::replicate::Replicate;
 use crate::{Ctx, Errno, FopResult, LayerRef};
 
@@ -181,14 +179,10 @@ async fn needs(r: &Replicate) -> Vec<Need> {
     let kids = r.replicas();
     let futs = kids
         .iter()
-        .map(|k| k.up().then(|| k.getxattr(&Ctx::NONE, "", m::INDEX)))
+        .map(|k| k.up().then(|| k.pending_index(&Ctx::NONE, "", &())))
         .collect();
     let mut by: std::collections::BTreeMap<(String, u32), (u64, u64, u32)> = Default::default();
-    for v in join_all(futs).await.into_iter().flatten().flatten() {
-        let Ok(page) = IndexPage::from_wire(&v) else {
-            tracing::warn!("a brick sent an index page that does not decode");
-            continue;
-        };
+    for page in join_all(futs).await.into_iter().flatten().flatten() {
         for e in page.entries.0 {
             let slot = by.entry((e.path, e.target)).or_default();
             slot.0 = slot.0.max(e.ranges);
@@ -258,18 +252,13 @@ fn parents(path: &str) -> Vec<&str> {
     path.match_indices('/').map(|(i, _)| &path[..i]).collect()
 }
 
-/// Calls setxattr `name` with `value` on every replica in `on`; fails if any fails.
-async fn on_all(
-    kids: &[LayerRef],
+/// Runs the control fop `op` on every replica in `on`; fails if any fails.
+async fn on_all<'a>(
+    kids: &'a [LayerRef],
     on: &[usize],
-    path: &str,
-    name: &str,
-    value: &[u8],
+    op: impl Fn(&'a LayerRef) -> crate::Fut<'a, ()>,
 ) -> FopResult<()> {
-    let futs = on
-        .iter()
-        .map(|i| Some(kids[*i].setxattr(&Ctx::NONE, path, name, value, 0)))
-        .collect();
+    let futs = on.iter().map(|i| Some(op(&kids[*i]))).collect();
     for r in join_all(futs).await.into_iter().flatten() {
         r?;
     }

@@ -34,105 +34,10 @@ impl Conn {
             };
         }
         match op {
-            Op::Hello => {
-                let req = HelloReq::from_wire(args)?;
-                tracing::debug!(client = %req.client, version = req.version, "hello");
-                if !req.metrics.is_empty() {
-                    self.clients
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(self.conn_id, req.metrics);
-                }
-                if self.secret.is_some() {
-                    fill_random(&mut self.nonce)?;
-                }
-                self.hello_done = true;
-                let r = HelloReply {
-                    version: kiln_proto::frame::VERSION as u32,
-                    server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
-                    max_payload: kiln_proto::MAX_PAYLOAD_LEN,
-                    auth_required: self.secret.is_some(),
-                    nonce: if self.secret.is_some() {
-                        self.nonce.to_vec()
-                    } else {
-                        Vec::new()
-                    },
-                };
-                Ok(Step::Now(r.to_wire(), Body::None))
-            }
-            Op::Auth => {
-                let req = AuthReq::from_wire(args)?;
-                let Some(secret) = self.secret.clone() else {
-                    // Nothing to prove to a server without a secret.
-                    return Ok(Step::Now(
-                        AuthReply { proof: Vec::new() }.to_wire(),
-                        Body::None,
-                    ));
-                };
-                use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
-                let ok = self.hello_done
-                    && req.client_nonce.len() == NONCE_LEN
-                    && crate::auth::verify(
-                        &secret,
-                        &client_transcript(&self.nonce, &req.client_nonce),
-                        &req.proof,
-                    );
-                if !ok {
-                    tracing::warn!(peer = %self.peer, "a client failed authentication; closing");
-                    self.stats
-                        .refused
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    self.closing = true;
-                    return Err(Fail::Errno(errno::EACCES));
-                }
-                self.authed = true;
-                let proof =
-                    crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
-                Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
-            }
-            Op::Profile => {
-                let req = ProfileReq::from_wire(args)?;
-                let points = kiln_layer::iostats::points();
-                if req.cmd == PROFILE_START {
-                    points.iter().for_each(|p| p.start_interval());
-                }
-                let mut report = kiln_layer::metrics::profile_json("kilnd");
-                let clients: Vec<String> = {
-                    let c = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-                    let mut v: Vec<String> = c.values().cloned().collect();
-                    v.sort();
-                    v.dedup();
-                    v
-                };
-                report["clients"] = clients.into();
-                if req.cmd == PROFILE_STOP {
-                    points.iter().for_each(|p| p.stop_interval());
-                }
-                Ok(Step::Now(
-                    Vec::new(),
-                    Body::Buf(report.to_string().into_bytes()),
-                ))
-            }
-            Op::Mgmt => {
-                // Served only by a kilnd that keeps volume definitions (see `control`). Commands
-                // may spawn processes and talk to other hosts: they run on the blocking pool,
-                // and the reply is a JSON payload like PROFILE's.
-                let req = MgmtReq::from_wire(args)?;
-                let Some(handler) = self.mgmt.clone() else {
-                    return Err(Fail::Errno(errno::ENOSYS));
-                };
-                let caller = crate::control::Caller {
-                    peer: self.peer.clone(),
-                    authenticated: self.secret.is_none() || self.authed,
-                };
-                stack!({
-                    let json =
-                        tokio::task::spawn_blocking(move || handler.handle(&req.json, &caller))
-                            .await
-                            .map_err(|_| errno::EIO)?;
-                    Ok(Done::Reply(Vec::new(), Body::Buf(json)))
-                })
-            }
+            Op::Hello => self.hello(args),
+            Op::Auth => self.auth(args),
+            Op::Profile => self.profile(args),
+            Op::Mgmt => self.mgmt(args),
             Op::Lookup => {
                 let req = PathReq::from_wire(args)?;
                 stack!(reply(&stack.lookup(&cx, &req.path).await?))
@@ -263,6 +168,7 @@ impl Conn {
             }
             Op::Setxattr => {
                 let req = SetxattrReq::from_wire(args)?;
+                self.refuse_reserved(&req.path, &req.name)?;
                 stack!({
                     stack
                         .setxattr(&cx, &req.path, &req.name, &req.value, req.flags)
@@ -278,6 +184,7 @@ impl Conn {
             }
             Op::Removexattr => {
                 let req = XattrReq::from_wire(args)?;
+                self.refuse_reserved(&req.path, &req.name)?;
                 stack!({
                     stack.removexattr(&cx, &req.path, &req.name).await?;
                     empty()
@@ -293,6 +200,13 @@ impl Conn {
                     empty()
                 })
             }
+            kiln_layer::for_each_control_fop!(control_ops) => control(stack, op, args, cx),
+            Op::HealOpen => {
+                let req = OpenReq::from_wire(args)?;
+                stack!(Ok(Done::Open(
+                    stack.heal_open(&cx, &req.path, req.flags).await?
+                )))
+            }
             Op::Discard => {
                 let req = DiscardReq::from_wire(args)?;
                 let fd = self.handle(req.fh)?;
@@ -303,4 +217,150 @@ impl Conn {
             }
         }
     }
+
+    /// HELLO: the client's name and metrics endpoint; the server's limits and, with a secret,
+    /// the nonce AUTH must prove it over.
+    fn hello(&mut self, args: &[u8]) -> Result<Step, Fail> {
+        let req = HelloReq::from_wire(args)?;
+        tracing::debug!(client = %req.client, version = req.version, "hello");
+        if !req.metrics.is_empty() {
+            self.clients
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(self.conn_id, req.metrics);
+        }
+        if self.secret.is_some() {
+            fill_random(&mut self.nonce)?;
+        }
+        self.hello_done = true;
+        let r = HelloReply {
+            version: kiln_proto::frame::VERSION as u32,
+            server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
+            max_payload: kiln_proto::MAX_PAYLOAD_LEN,
+            auth_required: self.secret.is_some(),
+            nonce: if self.secret.is_some() {
+                self.nonce.to_vec()
+            } else {
+                Vec::new()
+            },
+        };
+        Ok(Step::Now(r.to_wire(), Body::None))
+    }
+
+    /// AUTH: checks the client's proof of the secret and proves it back.
+    fn auth(&mut self, args: &[u8]) -> Result<Step, Fail> {
+        let req = AuthReq::from_wire(args)?;
+        let Some(secret) = self.secret.clone() else {
+            // Nothing to prove to a server without a secret.
+            return Ok(Step::Now(
+                AuthReply { proof: Vec::new() }.to_wire(),
+                Body::None,
+            ));
+        };
+        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
+        let ok = self.hello_done
+            && req.client_nonce.len() == NONCE_LEN
+            && crate::auth::verify(
+                &secret,
+                &client_transcript(&self.nonce, &req.client_nonce),
+                &req.proof,
+            );
+        if !ok {
+            tracing::warn!(peer = %self.peer, "a client failed authentication; closing");
+            self.stats
+                .refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.closing = true;
+            return Err(Fail::Errno(errno::EACCES));
+        }
+        self.authed = true;
+        let proof = crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
+        Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
+    }
+
+    /// PROFILE: this process's io-stats as JSON, with the clients that reported endpoints.
+    fn profile(&mut self, args: &[u8]) -> Result<Step, Fail> {
+        let req = ProfileReq::from_wire(args)?;
+        let points = kiln_layer::iostats::points();
+        if req.cmd == PROFILE_START {
+            points.iter().for_each(|p| p.start_interval());
+        }
+        let mut report = kiln_layer::metrics::profile_json("kilnd");
+        let clients: Vec<String> = {
+            let c = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+            let mut v: Vec<String> = c.values().cloned().collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        report["clients"] = clients.into();
+        if req.cmd == PROFILE_STOP {
+            points.iter().for_each(|p| p.stop_interval());
+        }
+        Ok(Step::Now(
+            Vec::new(),
+            Body::Buf(report.to_string().into_bytes()),
+        ))
+    }
+
+    /// MGMT: served only by a kilnd that keeps volume definitions (see `control`). Commands
+    /// may spawn processes and talk to other hosts: they run on the blocking pool, and the
+    /// reply is a JSON payload like PROFILE's.
+    fn mgmt(&mut self, args: &[u8]) -> Result<Step, Fail> {
+        let req = MgmtReq::from_wire(args)?;
+        let Some(handler) = self.mgmt.clone() else {
+            return Err(Fail::Errno(errno::ENOSYS));
+        };
+        let caller = crate::control::Caller {
+            peer: self.peer.clone(),
+            authenticated: self.secret.is_none() || self.authed,
+        };
+        Ok(Step::Stack(Box::pin(async move {
+            let json = tokio::task::spawn_blocking(move || handler.handle(&req.json, &caller))
+                .await
+                .map_err(|_| errno::EIO)?;
+            Ok(Done::Reply(Vec::new(), Body::Buf(json)))
+        })))
+    }
+
+    /// Refuses a client's change of an xattr Kiln reserves (see
+    /// [`kiln_layer::reserved_xattr`]), with a log line naming the peer.
+    fn refuse_reserved(&self, path: &str, name: &str) -> Result<(), Fail> {
+        match kiln_layer::reserved_xattr(name) {
+            Some(e) => {
+                tracing::warn!(peer = %self.peer, path, name, "refused a change of a reserved xattr");
+                Err(Fail::Errno(e))
+            }
+            None => Ok(()),
+        }
+    }
 }
+
+/// The ops of [`kiln_layer::for_each_control_fop`], as a pattern.
+macro_rules! control_ops {
+    (() $( ($name:ident, $op:ident, $arg:ty, $ret:ty) )*) => {
+        $( Op::$op )|*
+    };
+}
+use control_ops;
+
+/// Runs a control fop: its request is `(path, argument)`, its reply one value.
+macro_rules! control_fn {
+    (() $( ($name:ident, $op:ident, $arg:ty, $ret:ty) )*) => {
+        fn control(stack: LayerRef, op: Op, args: &[u8], cx: Ctx) -> Result<Step, Fail> {
+            match op {
+                $(
+                    Op::$op => {
+                        let (path, arg) = <(String, $arg)>::from_wire(args)?;
+                        Ok(Step::Stack(Box::pin(async move {
+                            let r: $ret = stack.$name(&cx, &path, &arg).await?;
+                            Ok(Done::Reply(r.to_wire(), Body::None))
+                        })))
+                    }
+                )*
+                _ => Err(Fail::Errno(errno::ENOSYS)),
+            }
+        }
+    };
+}
+kiln_layer::for_each_control_fop!(control_fn);

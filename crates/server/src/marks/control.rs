@@ -1,5 +1,5 @@
-//! The control API: the `kiln.` virtual xattrs heal and replicate speak (pending pages, the
-//! index, marks, locks and sessions set through setxattr).
+//! The control API behind the replication control fops heal and replicate speak: pending
+//! pages, the index, marks and flags, locks and sessions.
 
 use std::collections::BTreeMap;
 
@@ -7,14 +7,13 @@ use kiln_layer::marks::{
     self as m, CondFlag, CondMark, FlagMark, HealReq, IndexEntry, IndexPage, LockReq, Mark,
     PendingPage, RangeSet,
 };
-use kiln_layer::{errno, fail, Ctx, Fut, IoBufs};
+use kiln_layer::{fail, Fut, IoBufs};
 use kiln_proto::codec::Seq;
-use kiln_proto::Wire;
 
 use super::*;
 
 impl Marks {
-    pub(super) fn pending_page(&self, path: &str) -> Vec<u8> {
+    pub(super) fn pending_page(&self, path: &str) -> PendingPage {
         let st = self.store();
         let mut page = PendingPage {
             targets: Seq(Vec::new()),
@@ -51,10 +50,10 @@ impl Marks {
                 page.targets.0.push(tr);
             }
         }
-        page.to_wire()
+        page
     }
 
-    pub(super) fn index_page(&self) -> Vec<u8> {
+    pub(super) fn index_page(&self) -> IndexPage {
         let st = self.store();
         let mut page = IndexPage {
             entries: Seq(Vec::new()),
@@ -90,98 +89,58 @@ impl Marks {
                 });
             }
         }
-        page.to_wire()
+        page
     }
 
-    pub(super) fn set_virtual<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        name: &'a str,
-        value: &'a [u8],
-    ) -> Fut<'a, ()> {
-        let bad = |e| {
-            tracing::warn!(path, name, "bad {name} value: {e}");
-            errno::EINVAL
-        };
-        match name {
-            m::ADD | m::CLEAR => {
-                let mark = match Mark::from_wire(value) {
-                    Ok(v) => v,
-                    Err(e) => return fail(bad(e)),
-                };
-                if let Err(e) = crate::brick::check_path(path) {
-                    return fail(e);
-                }
-                let kind = if name == m::ADD { b'A' } else { b'C' };
-                let r = self.apply(&[(kind, path, mark.target, mark.offset, mark.len)]);
-                Box::pin(std::future::ready(r))
-            }
-            m::FLAG => {
-                let f = match FlagMark::from_wire(value) {
-                    Ok(v) => v,
-                    Err(e) => return fail(bad(e)),
-                };
-                if let Err(e) = crate::brick::check_path(path) {
-                    return fail(e);
-                }
-                let r = self.apply(&[(b'F', path, f.target, u64::from(f.flags), 0)]);
-                Box::pin(std::future::ready(r))
-            }
-            m::FLAG_CLEAR_IF => {
-                let c = match CondFlag::from_wire(value) {
-                    Ok(v) => v,
-                    Err(e) => return fail(bad(e)),
-                };
-                if let Err(e) = crate::brick::check_path(path) {
-                    return fail(e);
-                }
-                let r = self.clear_flags_if(path, c.target, c.gen, c.flags, c.data == 1);
-                Box::pin(std::future::ready(r))
-            }
-            m::CLEAR_IF => {
-                let c = match CondMark::from_wire(value) {
-                    Ok(v) => v,
-                    Err(e) => return fail(bad(e)),
-                };
-                if let Err(e) = crate::brick::check_path(path) {
-                    return fail(e);
-                }
-                let r = self.clear_if(path, c.target, c.gen, c.offset, c.len);
-                Box::pin(std::future::ready(r))
-            }
-            m::HEAL => {
-                let req = match HealReq::from_wire(value) {
-                    Ok(v) => v,
-                    Err(e) => return fail(bad(e)),
-                };
-                if req.begin == 1 {
-                    self.heal_begin(cx.owner, path);
-                } else {
-                    self.heal_end(cx.owner, path);
-                }
-                Box::pin(std::future::ready(Ok(())))
-            }
-            m::LOCK => {
-                let req = match LockReq::from_wire(value) {
-                    Ok(v) => v,
-                    Err(e) => return fail(bad(e)),
-                };
-                let (start, end) = span(req.offset, req.len);
-                if req.lock == 1 {
-                    Box::pin(self.lock(cx.owner, path, start, end))
-                } else {
-                    self.unlock(cx.owner, path, start, end);
-                    Box::pin(std::future::ready(Ok(())))
-                }
-            }
-            _ => fail(EOPNOTSUPP),
+    /// MARK_ADD (`b'A'`) or MARK_CLEAR (`b'C'`).
+    pub(super) fn apply_mark(&self, kind: u8, path: &str, mark: &Mark) -> FopResult<()> {
+        crate::brick::check_path(path)?;
+        self.apply(&[(kind, path, mark.target, mark.offset, mark.len)])
+    }
+
+    /// FLAG_ADD.
+    pub(super) fn apply_flag(&self, path: &str, f: &FlagMark) -> FopResult<()> {
+        crate::brick::check_path(path)?;
+        self.apply(&[(b'F', path, f.target, u64::from(f.flags), 0)])
+    }
+
+    /// FLAG_CLEAR_IF.
+    pub(super) fn apply_flag_clear(&self, path: &str, c: &CondFlag) -> FopResult<()> {
+        crate::brick::check_path(path)?;
+        self.clear_flags_if(path, c.target, c.gen, c.flags, c.data == 1)
+    }
+
+    /// MARK_CLEAR_IF.
+    pub(super) fn apply_mark_clear(&self, path: &str, c: &CondMark) -> FopResult<()> {
+        crate::brick::check_path(path)?;
+        self.clear_if(path, c.target, c.gen, c.offset, c.len)
+    }
+
+    /// HEAL_SESSION: `begin` 1 begins (afresh), anything else ends the caller's session.
+    pub(super) fn apply_session(&self, owner: u64, path: &str, req: &HealReq) -> FopResult<()> {
+        crate::brick::check_path(path)?;
+        if req.begin == 1 {
+            self.heal_begin(owner, path);
+        } else {
+            self.heal_end(owner, path);
+        }
+        Ok(())
+    }
+
+    /// HEAL_LOCK: `lock` 1 takes the range (waiting for writes in flight), else drops it.
+    pub(super) fn lock_req<'a>(&'a self, owner: u64, path: &'a str, req: &LockReq) -> Fut<'a, ()> {
+        if let Err(e) = crate::brick::check_path(path) {
+            return fail(e);
+        }
+        let (start, end) = span(req.offset, req.len);
+        if req.lock == 1 {
+            Box::pin(self.lock(owner, path, start, end))
+        } else {
+            self.unlock(owner, path, start, end);
+            Box::pin(std::future::ready(Ok(())))
         }
     }
 }
-
-/// Operation not supported (a `kiln.` name this layer does not know).
-pub(super) const EOPNOTSUPP: u32 = 95;
 
 /// `len` bytes of a write's data from byte `from` on, copied out.
 pub(super) fn copy_out(data: &IoBufs, from: usize, len: usize) -> Vec<u8> {

@@ -1,11 +1,14 @@
 //! The marks layer's fops: every change is gated by the locks, recorded in sessions, and
-//! its misses marked; `kiln.` xattrs go to the control API.
+//! its misses marked; the replication control fops go to the control API.
 
 use std::sync::Arc;
 
-use kiln_layer::marks::{self as m};
+use kiln_layer::marks::{
+    CondFlag, CondMark, FlagMark, HealInfo, HealReq, IndexPage, LockReq, Mark, PendingPage,
+};
 use kiln_layer::{
-    fail, Attr, Ctx, Fd, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, SetAttrs, Written,
+    fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, SetAttrs,
+    Written,
 };
 use kiln_proto::ops::SETATTR_SIZE;
 
@@ -22,10 +25,56 @@ impl Layer for Marks {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
-            let heal = flags & m::HEAL_OPEN != 0;
-            let inner = self.child().open(cx, path, flags & !m::HEAL_OPEN).await?;
-            Ok(Fd::new(MarkFd::new(self.key(path), inner, heal)))
+            let inner = self.child().open(cx, path, flags).await?;
+            Ok(Fd::new(MarkFd::new(self.key(path), inner, false)))
         })
+    }
+
+    fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        Box::pin(async move {
+            let inner = self.child().open(cx, path, flags).await?;
+            Ok(Fd::new(MarkFd::new(self.key(path), inner, true)))
+        })
+    }
+
+    fn mark_add<'a>(&'a self, _: &'a Ctx, path: &'a str, arg: &'a Mark) -> Fut<'a, ()> {
+        ready(self.apply_mark(b'A', path, arg))
+    }
+
+    fn mark_clear<'a>(&'a self, _: &'a Ctx, path: &'a str, arg: &'a Mark) -> Fut<'a, ()> {
+        ready(self.apply_mark(b'C', path, arg))
+    }
+
+    fn mark_clear_if<'a>(&'a self, _: &'a Ctx, path: &'a str, arg: &'a CondMark) -> Fut<'a, ()> {
+        ready(self.apply_mark_clear(path, arg))
+    }
+
+    fn flag_add<'a>(&'a self, _: &'a Ctx, path: &'a str, arg: &'a FlagMark) -> Fut<'a, ()> {
+        ready(self.apply_flag(path, arg))
+    }
+
+    fn flag_clear_if<'a>(&'a self, _: &'a Ctx, path: &'a str, arg: &'a CondFlag) -> Fut<'a, ()> {
+        ready(self.apply_flag_clear(path, arg))
+    }
+
+    fn heal_lock<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a LockReq) -> Fut<'a, ()> {
+        self.lock_req(cx.owner, path, arg)
+    }
+
+    fn heal_session<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a HealReq) -> Fut<'a, ()> {
+        ready(self.apply_session(cx.owner, path, arg))
+    }
+
+    fn pending<'a>(&'a self, _: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, PendingPage> {
+        ready(Ok(self.pending_page(path)))
+    }
+
+    fn pending_index<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, IndexPage> {
+        ready(Ok(self.index_page()))
+    }
+
+    fn heal_info<'a>(&'a self, cx: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, HealInfo> {
+        ready(Ok(Marks::heal_info(self, cx.owner, path)))
     }
 
     fn create<'a>(
@@ -36,13 +85,12 @@ impl Layer for Marks {
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
         Box::pin(async move {
-            let heal = flags & m::HEAL_OPEN != 0;
             let (inner, attr) = self
                 .named(cx, path, None, || {
-                    self.child().create(cx, path, flags & !m::HEAL_OPEN, mode)
+                    self.child().create(cx, path, flags, mode)
                 })
                 .await?;
-            Ok((Fd::new(MarkFd::new(self.key(path), inner, heal)), attr))
+            Ok((Fd::new(MarkFd::new(self.key(path), inner, false)), attr))
         })
     }
 
@@ -173,19 +221,6 @@ impl Layer for Marks {
         })
     }
 
-    fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
-        if !name.starts_with(m::PREFIX) {
-            return self.child().getxattr(cx, path, name);
-        }
-        let r = match name {
-            m::PENDING => Ok(self.pending_page(path)),
-            m::INDEX => Ok(self.index_page()),
-            m::HEAL => Ok(self.heal_info(cx.owner, path)),
-            _ => Err(EOPNOTSUPP),
-        };
-        Box::pin(std::future::ready(r))
-    }
-
     fn setxattr<'a>(
         &'a self,
         cx: &'a Ctx,
@@ -194,18 +229,18 @@ impl Layer for Marks {
         value: &'a [u8],
         flags: u32,
     ) -> Fut<'a, ()> {
-        if name.starts_with(m::PREFIX) {
-            return self.set_virtual(cx, path, name, value);
-        }
         self.named(cx, path, None, move || {
             self.child().setxattr(cx, path, name, value, flags)
         })
     }
 
+    fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
+        self.named(cx, path, None, move || {
+            self.child().layout_set(cx, path, arg)
+        })
+    }
+
     fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
-        if name.starts_with(m::PREFIX) {
-            return fail(EOPNOTSUPP);
-        }
         self.named(cx, path, None, move || {
             self.child().removexattr(cx, path, name)
         })
@@ -253,4 +288,9 @@ impl Layer for Marks {
             })
         })
     }
+}
+
+/// A fop future for a result that is ready now.
+fn ready<'a, T: Send + 'a>(r: FopResult<T>) -> Fut<'a, T> {
+    Box::pin(std::future::ready(r))
 }

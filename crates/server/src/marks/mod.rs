@@ -3,11 +3,11 @@
 //! The replicate layer (client side) writes marks on the replicas that took a change another
 //! replica missed, and reads them to keep a replica that is behind from serving reads; heal
 //! reads the index, copies the marked ranges and clears them. All of that travels as
-//! `kiln.`-namespace xattrs ([`kiln_layer::marks`]) which this layer answers itself.
+//! typed replication control fops ([`kiln_layer::marks`]) which this layer answers itself.
 //!
 //! Records live in memory and in an append-only log, `.kiln/pending.log` in the brick
 //! directory (clients cannot name `.kiln`: the brick refuses the path). The log is written
-//! before the setxattr is answered (page cache: it survives the brick process dying; an fsync
+//! before the control fop is answered (page cache: it survives the brick process dying; an fsync
 //! through this layer also syncs the log), replayed and compacted when the brick starts.
 //!
 //! kilnd runs as root and a local user may be able to write into the brick, so none of these
@@ -29,7 +29,7 @@
 //! connection makes to the file adds its range to the session's record, at the moment it is
 //! let through (under the file's state mutex, with the write registered in flight), and the
 //! changes already in flight when the session begins are recorded too. A write through a heal
-//! handle ([`kiln_layer::marks::HEAL_OPEN`]) takes, under the same mutex, only the parts the
+//! handle (`heal_open`) takes, under the same mutex, only the parts the
 //! record does not hold, and registers itself in flight; a client change that overlaps a heal
 //! write in flight waits for it (that only happens once heal's lock has lapsed). So on this
 //! brick a client change and a heal write to the same bytes are ordered, and whichever order
@@ -40,7 +40,7 @@
 //!
 //! Marks carry a generation per (file, target) in memory: a fresh number (from a counter that
 //! starts at the wall clock, so a restarted brick never reuses one) each time a mark for the
-//! target is added. `kiln.pending.clear.if` clears only when it is unchanged, which lets heal
+//! target is added. `mark_clear_if` clears only when it is unchanged, which lets heal
 //! clear what its writes skipped unless a miss was recorded meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
@@ -131,7 +131,7 @@ impl FileKey {
 struct MarkFd {
     key: Arc<FileKey>,
     inner: Fd,
-    /// Opened with [`m::HEAL_OPEN`]: writes are heal's.
+    /// Opened with `heal_open`: writes are heal's.
     heal: bool,
 }
 

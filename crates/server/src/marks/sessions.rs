@@ -5,7 +5,6 @@ use std::time::Instant;
 
 use kiln_layer::marks::{self as m, HealInfo, RangeSet};
 use kiln_layer::{errno, Ctx, Fut, IoBufs, Written};
-use kiln_proto::Wire;
 
 use super::*;
 
@@ -39,7 +38,7 @@ impl Marks {
 
     /// `owner`'s session on `path`, as [`HealInfo`]; hands over (and forgets) what its writes
     /// skipped.
-    pub(super) fn heal_info(&self, owner: u64, path: &str) -> Vec<u8> {
+    pub(super) fn heal_info(&self, owner: u64, path: &str) -> HealInfo {
         let key = self.key(path);
         let mut info = HealInfo::default();
         {
@@ -71,7 +70,7 @@ impl Marks {
             }
         }
         self.forget(path, &key);
-        info.to_wire()
+        info
     }
 
     /// A write through a heal handle: only the parts no client changed since the session

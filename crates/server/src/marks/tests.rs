@@ -1,9 +1,7 @@
 //! The marks layer against a real brick directory.
 
 use super::*;
-use kiln_layer::marks::{
-    self as m, CondFlag, CondMark, HealInfo, HealReq, IndexPage, Mark, PendingPage,
-};
+use kiln_layer::marks::{self as m, CondFlag, CondMark, HealInfo, HealReq, Mark};
 use kiln_layer::{Ctx, IoBufs, Layer, SetAttrs};
 use kiln_proto::ops::SETATTR_SIZE;
 use kiln_proto::Wire;
@@ -36,12 +34,11 @@ async fn write(l: &Marks, cx: &Ctx, fd: &Fd, off: u64, byte: u8, len: u64) -> Fo
 }
 
 async fn session(l: &Marks, cx: &Ctx, begin: u32) {
-    let v = HealReq { begin }.to_wire();
-    l.setxattr(cx, "f", m::HEAL, &v, 0).await.unwrap();
+    l.heal_session(cx, "f", &HealReq { begin }).await.unwrap();
 }
 
 async fn info(l: &Marks, cx: &Ctx) -> HealInfo {
-    HealInfo::from_wire(&l.getxattr(cx, "f", m::HEAL).await.unwrap()).unwrap()
+    Layer::heal_info(l, cx, "f", &()).await.unwrap()
 }
 
 fn ranges(info: &HealInfo) -> Vec<(u64, u64)> {
@@ -57,8 +54,7 @@ fn heal_writes_skip_what_clients_changed_since_the_session_began() {
         let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
         let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
         assert_eq!(write(&l, &c, &fd, 0, b'a', 64 * K).await, Ok(64 * K));
-        let hflags = libc::O_WRONLY as u32 | m::HEAL_OPEN;
-        let hfd = l.open(&h, "f", hflags).await.unwrap();
+        let hfd = l.heal_open(&h, "f", libc::O_WRONLY as u32).await.unwrap();
         // No session: a heal write has nothing to go by.
         assert_eq!(write(&l, &h, &hfd, 0, b'h', 10).await, Err(ETIMEDOUT));
 
@@ -154,41 +150,42 @@ fn a_conditional_clear_is_refused_after_a_new_mark() {
     let l = stack(root.path());
     let c = cx(1);
     run(async {
-        let set = |name: &'static str, v: Vec<u8>| {
-            let l = &l;
-            let c = &c;
-            async move { l.setxattr(c, "f", name, &v, 0).await }
+        let add = |v: Mark| {
+            let (l, c) = (&l, &c);
+            async move { l.mark_add(c, "f", &v).await }
+        };
+        let clear = |v: Mark| {
+            let (l, c) = (&l, &c);
+            async move { l.mark_clear(c, "f", &v).await }
+        };
+        let clear_if = |v: CondMark| {
+            let (l, c) = (&l, &c);
+            async move { l.mark_clear_if(c, "f", &v).await }
         };
         let gen = || {
-            let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+            let p = l.pending_page("f");
             p.targets.0.iter().find(|t| t.target == 1).map(|t| t.gen)
         };
-        let mark = |offset, len| {
-            Mark {
-                target: 1,
-                offset,
-                len,
-            }
-            .to_wire()
+        let mark = |offset, len| Mark {
+            target: 1,
+            offset,
+            len,
         };
-        let cond = |offset, len, gen| {
-            CondMark {
-                target: 1,
-                offset,
-                len,
-                gen,
-            }
-            .to_wire()
+        let cond = |offset, len, gen| CondMark {
+            target: 1,
+            offset,
+            len,
+            gen,
         };
-        set(m::ADD, mark(0, 4 * K)).await.unwrap();
+        add(mark(0, 4 * K)).await.unwrap();
         let g1 = gen().unwrap();
         assert!(g1 > 0);
-        set(m::ADD, mark(8 * K, 4 * K)).await.unwrap();
+        add(mark(8 * K, 4 * K)).await.unwrap();
         let g2 = gen().unwrap();
         assert_ne!(g1, g2);
-        assert_eq!(set(m::CLEAR_IF, cond(0, 4 * K, g1)).await, Err(EAGAIN));
-        set(m::CLEAR_IF, cond(0, 4 * K, g2)).await.unwrap();
-        let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+        assert_eq!(clear_if(cond(0, 4 * K, g1)).await, Err(EAGAIN));
+        clear_if(cond(0, 4 * K, g2)).await.unwrap();
+        let p = l.pending_page("f");
         let r: Vec<_> = p.targets.0[0].ranges.0.iter().map(|r| r.offset).collect();
         assert_eq!(r, vec![8 * K]);
         // Nothing held for a target: a clear against generation 0 is a no-op.
@@ -198,11 +195,11 @@ fn a_conditional_clear_is_refused_after_a_new_mark() {
             len: m::WHOLE,
             gen: 0,
         };
-        set(m::CLEAR_IF, none.to_wire()).await.unwrap();
+        clear_if(none).await.unwrap();
         // Cleared out, the generation is gone; a new mark gets a new one.
-        set(m::CLEAR, mark(0, m::WHOLE)).await.unwrap();
+        clear(mark(0, m::WHOLE)).await.unwrap();
         assert_eq!(gen(), None);
-        set(m::ADD, mark(0, 4 * K)).await.unwrap();
+        add(mark(0, 4 * K)).await.unwrap();
         assert!(gen().is_some_and(|g| g != g1 && g != g2));
     });
 }
@@ -211,7 +208,7 @@ fn a_conditional_clear_is_refused_after_a_new_mark() {
 fn flags_survive_a_restart_and_move_with_a_renamed_directory() {
     let root = tempfile::tempdir().unwrap();
     let flags = |l: &Marks, path: &str| {
-        let p = PendingPage::from_wire(&l.pending_page(path)).unwrap();
+        let p = l.pending_page(path);
         p.targets
             .0
             .iter()
@@ -236,26 +233,22 @@ fn flags_survive_a_restart_and_move_with_a_renamed_directory() {
         assert_eq!(flags(&l, "d/f"), vec![], "META moved");
         assert_eq!(flags(&l, "dx"), vec![(1, m::META)], "not beneath d");
         assert_eq!(flags(&l, "e/f"), vec![(2, m::META)]);
-        let gen = PendingPage::from_wire(&l.pending_page("e"))
-            .unwrap()
-            .targets
-            .0[0]
-            .gen;
+        let gen = l.pending_page("e").targets.0[0].gen;
         let no = CondFlag {
             target: 1,
             flags: m::ENTRY,
             gen: gen + 1,
             data: 0,
         };
-        let set = |v: Vec<u8>| run(l.setxattr(&cx(1), "e", m::FLAG_CLEAR_IF, &v, 0));
-        assert_eq!(set(no.to_wire()), Err(EAGAIN));
-        set(CondFlag { gen, ..no }.to_wire()).unwrap();
+        let set = |v: CondFlag| run(l.flag_clear_if(&cx(1), "e", &v));
+        assert_eq!(set(no.clone()), Err(EAGAIN));
+        set(CondFlag { gen, ..no }).unwrap();
         assert_eq!(flags(&l, "e"), vec![]);
     }
     let l = stack(root.path());
     assert_eq!(flags(&l, "d"), vec![(1, m::ENTRY)]);
     assert_eq!(flags(&l, "e/f"), vec![(2, m::META)]);
-    let idx = IndexPage::from_wire(&l.index_page()).unwrap();
+    let idx = l.index_page();
     let e = idx.entries.0.iter().find(|e| e.path == "e/f").unwrap();
     assert_eq!((e.flags, e.bytes), (m::META, 4 * K));
 }
@@ -272,8 +265,12 @@ fn a_pending_page_shares_its_room_and_says_where_it_cut() {
         ops.push((b'A', "f", 1u32, i * 32, 16u64));
     }
     l.apply(&ops).unwrap();
-    let p = PendingPage::from_wire(&l.pending_page("f")).unwrap();
+    let p = l.pending_page("f");
     assert!(p.more);
+    assert!(
+        p.to_wire().len() <= m::PAGE_BYTES,
+        "a page fits its room on the wire"
+    );
     let (t0, t1) = (&p.targets.0[0], &p.targets.0[1]);
     let n = t0.ranges.0.len() as u64;
     assert!(n > 100 && n < 5000, "{n}");

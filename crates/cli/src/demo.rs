@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use kiln_client::{block_on, join_all, Client};
+use kiln_client::{block_on, join_all, Volume};
 
 use crate::bench::{self, BenchArgs, ChildServer, Rw, Transport};
 
@@ -50,13 +50,14 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         server.pid(),
         server.addr
     );
-    let c = Client::connect(&server.addr).map_err(|e| e.to_string())?;
+    // The volume API: a client stack (io-stats → protocol-client) over the brick.
+    let c = Volume::connect(&server.addr).map_err(|e| e.to_string())?;
 
     step(
-        "mkdir /demo",
-        block_on(c.mkdir("/demo", 0o755)).map(|a| format!("mode {:o}", a.mode)),
+        "mkdir demo",
+        block_on(c.mkdir("demo", 0o755)).map(|a| format!("mode {:o}", a.mode)),
     )?;
-    let (fh, _) = block_on(c.create("/demo/data.bin", libc::O_RDWR | libc::O_EXCL, 0o644))
+    let (fh, _) = block_on(c.create("demo/data.bin", libc::O_RDWR | libc::O_EXCL, 0o644))
         .map_err(|e| e.to_string())?;
 
     // Write: 1 MiB requests, 16 in flight. The data is made before the clock starts, so the
@@ -78,14 +79,14 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         let futs: Vec<_> = batch
             .into_iter()
             .enumerate()
-            .map(|(k, b)| c.pwritev(fh, vec![b], ((i + k) * chunk) as u64))
+            .map(|(k, b)| c.pwritev(&fh, vec![b], ((i + k) * chunk) as u64))
             .collect();
         i += futs.len();
         for (r, _) in join_all(futs) {
             written += r.map_err(|e| format!("write: {e}"))?;
         }
     }
-    block_on(c.fsync(fh, false)).map_err(|e| format!("fsync: {e}"))?;
+    block_on(c.fsync(&fh, false)).map_err(|e| format!("fsync: {e}"))?;
     let wt = t.elapsed().as_secs_f64();
     step(
         "write + fsync",
@@ -104,7 +105,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     for batch in (0..chunks).collect::<Vec<_>>().chunks(16) {
         let futs: Vec<_> = batch
             .iter()
-            .map(|&i| c.preadv(fh, vec![vec![0u8; 4096]; 256], (i * chunk) as u64))
+            .map(|&i| c.preadv(&fh, vec![vec![0u8; 4096]; 256], (i * chunk) as u64))
             .collect();
         for (&i, (n, bufs)) in batch.iter().zip(join_all(futs)) {
             let n = n.map_err(|e| format!("read: {e}"))?;
@@ -140,8 +141,8 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     step(
         "setxattr/getxattr",
         (|| {
-            block_on(c.setxattr("/demo/data.bin", "user.kiln.demo", b"fired", 0))?;
-            let v = block_on(c.getxattr("/demo/data.bin", "user.kiln.demo"))?;
+            block_on(c.setxattr("demo/data.bin", "user.kiln.demo", b"fired", 0))?;
+            let v = block_on(c.getxattr("demo/data.bin", "user.kiln.demo"))?;
             Ok(format!(
                 "user.kiln.demo = {:?}",
                 String::from_utf8_lossy(&v)
@@ -151,17 +152,17 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     step(
         "rename + symlink",
         (|| {
-            block_on(c.rename("/demo/data.bin", "/demo/image.raw", 0))?;
-            block_on(c.symlink("image.raw", "/demo/latest"))?;
+            block_on(c.rename("demo/data.bin", "demo/image.raw", 0))?;
+            block_on(c.symlink("image.raw", "demo/latest"))?;
             Ok(format!(
-                "/demo/latest -> {}",
-                block_on(c.readlink("/demo/latest"))?
+                "demo/latest -> {}",
+                block_on(c.readlink("demo/latest"))?
             ))
         })(),
     )?;
     step(
-        "readdir /demo",
-        block_on(c.readdir("/demo")).map(|es| {
+        "readdir demo",
+        block_on(c.readdir("demo")).map(|es| {
             es.iter()
                 .map(|e| format!("{} ({} B)", e.name, e.attr.size))
                 .collect::<Vec<_>>()
@@ -170,7 +171,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     )?;
     step(
         "statfs",
-        block_on(c.statfs("/")).map(|s| format!("{} MiB free", (s.bavail * s.frsize) >> 20)),
+        block_on(c.statfs("")).map(|s| format!("{} MiB free", (s.bavail * s.frsize) >> 20)),
     )?;
 
     for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {
@@ -216,15 +217,19 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
             }
         }
     }
-    let copied = c.stats().bytes_copied.load(Ordering::Relaxed);
+    let copied: u64 = c
+        .clients()
+        .iter()
+        .map(|k| k.stats().bytes_copied.load(Ordering::Relaxed))
+        .sum();
     step(
         "bytes copied in user space",
         Ok(format!("{copied} (payload went socket <-> your buffers)")),
     )?;
-    for p in ["/demo/latest", "/demo/image.raw"] {
+    for p in ["demo/latest", "demo/image.raw"] {
         block_on(c.unlink(p)).map_err(|e| e.to_string())?;
     }
-    block_on(c.rmdir("/demo")).map_err(|e| e.to_string())?;
+    block_on(c.rmdir("demo")).map_err(|e| e.to_string())?;
     println!("kiln demo: done; the brick and its data are removed");
     Ok(())
 }

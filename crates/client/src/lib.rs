@@ -1,11 +1,15 @@
-//! Kiln's native client: an asynchronous, vectored, zero-copy API to a brick.
+//! Kiln's native client: an asynchronous, vectored, zero-copy API to a volume.
+//!
+//! [`Volume`] is the API: it runs a volume's client stack (distribute, replicate, io-stats,
+//! protocol-client) built from its graph. [`Client`] is one connection to one brick, what a
+//! protocol-client layer sends through.
 //!
 //! ```no_run
 //! # fn main() -> std::io::Result<()> {
-//! use kiln_client::{block_on, Client};
-//! let c = Client::connect("tcp:127.0.0.1:24100")?;
-//! let (fh, _) = block_on(c.create("/hello", libc::O_RDWR, 0o644))?;
-//! let (n, _) = block_on(c.pwritev(fh, vec![b"hello".to_vec()], 0));
+//! use kiln_client::{block_on, Volume};
+//! let v = Volume::connect("tcp:127.0.0.1:24100")?;
+//! let (fd, _) = block_on(v.create("hello", libc::O_RDWR, 0o644))?;
+//! let (n, _) = block_on(v.pwritev(&fd, vec![b"hello".to_vec()], 0));
 //! assert_eq!(n?, 5);
 //! # Ok(()) }
 //! ```

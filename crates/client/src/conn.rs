@@ -84,16 +84,22 @@ pub struct Slot {
 struct SlotState {
     done: Option<Completion>,
     waker: Option<Waker>,
+    /// A thread is blocked in [`Slot::wait`]: only then is the condition variable signalled
+    /// (signalling it is a futex system call even with nobody waiting, on every request a
+    /// future waits for).
+    blocked: bool,
 }
 
 impl Slot {
     fn complete(&self, c: Completion) {
-        let waker = {
+        let (waker, blocked) = {
             let mut s = lock(&self.state);
             s.done = Some(c);
-            s.waker.take()
+            (s.waker.take(), s.blocked)
         };
-        self.cv.notify_all();
+        if blocked {
+            self.cv.notify_all();
+        }
         if let Some(w) = waker {
             w.wake();
         }
@@ -106,6 +112,9 @@ impl Slot {
             if let Some(c) = s.done.take() {
                 return c;
             }
+            // Set under the lock that `complete` takes before it reads it: a completion after
+            // this point sees it and signals.
+            s.blocked = true;
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
         }
     }

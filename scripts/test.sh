@@ -35,3 +35,17 @@ echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo test"
 cargo test --workspace --locked
+
+# Fuzz every decoder a peer can reach (Kiln frames and fop arguments, NBD options and requests,
+# TLS records) for KILN_FUZZ_SECS seconds per target (default 30; 0 skips). The fuzz targets
+# build with a nightly toolchain; without one this is skipped with a warning, not failed.
+fuzz_secs=${KILN_FUZZ_SECS:-30}
+[[ $fuzz_secs =~ ^[0-9]+$ ]] || { echo "test.sh: KILN_FUZZ_SECS must be a number of seconds, not $fuzz_secs" >&2; exit 1; }
+if [ "$fuzz_secs" = 0 ]; then
+  echo "== fuzzing skipped (KILN_FUZZ_SECS=0)"
+elif ! rustup run nightly rustc --version >/dev/null 2>&1; then
+  echo "== WARNING: fuzzing skipped: no nightly toolchain (rustup toolchain install nightly)" >&2
+else
+  echo "== fuzzing every target for ${fuzz_secs}s"
+  KILN_FUZZ_QUIET=1 scripts/fuzz.sh "$fuzz_secs"
+fi

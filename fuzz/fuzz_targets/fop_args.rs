@@ -1,8 +1,11 @@
 //! Fuzzes every fop's argument decoder: the first byte picks the fop, the rest is its argument
-//! block. Decoding never panics, and an accepted value re-encodes to the same bytes.
+//! block. Decoding never panics, and an accepted value re-encodes to the same bytes. The
+//! replication control fops and LAYOUT_GET/SET take `(path, argument)` and reply with one value
+//! (kiln_layer::for_each_control_fop); they are here with their argument and reply types.
 #![no_main]
 
 use kiln_proto::codec::Wire;
+use kiln_proto::marks::*;
 use kiln_proto::ops::*;
 use libfuzzer_sys::fuzz_target;
 
@@ -14,7 +17,7 @@ fn roundtrip<T: Wire + PartialEq + std::fmt::Debug>(bytes: &[u8]) {
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, rest)) = data.split_first() else { return };
-    match which % 32 {
+    match which % 45 {
         0 => roundtrip::<HelloReq>(rest),
         1 => roundtrip::<HelloReply>(rest),
         2 => roundtrip::<PathReq>(rest),
@@ -46,6 +49,19 @@ fuzz_target!(|data: &[u8]| {
         28 => roundtrip::<Attr>(rest),
         29 => roundtrip::<AuthReq>(rest),
         30 => roundtrip::<AuthReply>(rest),
+        31 => roundtrip::<(String, Mark)>(rest),
+        32 => roundtrip::<(String, CondMark)>(rest),
+        33 => roundtrip::<(String, FlagMark)>(rest),
+        34 => roundtrip::<(String, CondFlag)>(rest),
+        35 => roundtrip::<(String, LockReq)>(rest),
+        36 => roundtrip::<(String, HealReq)>(rest),
+        37 => roundtrip::<(String, ())>(rest),
+        38 => roundtrip::<(String, Vec<u8>)>(rest),
+        39 => roundtrip::<PendingPage>(rest),
+        40 => roundtrip::<IndexPage>(rest),
+        41 => roundtrip::<HealInfo>(rest),
+        42 => roundtrip::<MgmtReq>(rest),
+        43 => roundtrip::<ProfileReq>(rest),
         _ => roundtrip::<DirEntry>(rest),
     }
 });

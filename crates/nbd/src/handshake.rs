@@ -108,9 +108,15 @@ where
         }
         let data = rd.read_vec(len as usize).await?;
         tracing::debug!(option, len, "nbd option");
-        match option {
-            opt::EXPORT_NAME => {
-                let name = String::from_utf8_lossy(&data);
+        let parsed = match parse_option(option, &data) {
+            Ok(o) => o,
+            Err(msg) => {
+                reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
+                continue;
+            }
+        };
+        match parsed {
+            ClientOption::ExportName(name) => {
                 if !sh.name_matches(&name) {
                     // This option cannot be refused with an error: the protocol says close.
                     return Err(invalid(format!(
@@ -133,16 +139,12 @@ where
                     structured,
                 }));
             }
-            opt::ABORT => {
+            ClientOption::Abort => {
                 // The client may already have closed; that is fine.
                 let _ = reply(w, option, rep::ACK, &[]).await;
                 return Ok(None);
             }
-            opt::LIST => {
-                if !data.is_empty() {
-                    reply(w, option, rep::ERR_INVALID, b"NBD_OPT_LIST takes no data").await?;
-                    continue;
-                }
+            ClientOption::List => {
                 let name = sh.name.as_bytes();
                 let mut d = Vec::with_capacity(4 + name.len() + sh.description.len());
                 d.extend_from_slice(&(name.len() as u32).to_be_bytes());
@@ -151,23 +153,11 @@ where
                 reply(w, option, rep::SERVER, &d).await?;
                 reply(w, option, rep::ACK, &[]).await?;
             }
-            opt::STRUCTURED_REPLY => {
-                if !data.is_empty() {
-                    let msg = b"NBD_OPT_STRUCTURED_REPLY takes no data";
-                    reply(w, option, rep::ERR_INVALID, msg).await?;
-                    continue;
-                }
+            ClientOption::StructuredReply => {
                 structured = true;
                 reply(w, option, rep::ACK, &[]).await?;
             }
-            opt::INFO | opt::GO => {
-                let (name, requests) = match parse_info(&data) {
-                    Ok(v) => v,
-                    Err(msg) => {
-                        reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
-                        continue;
-                    }
-                };
+            ClientOption::Info { go, name, requests } => {
                 if !sh.name_matches(&name) {
                     let msg = format!(
                         "no export named {name:?}; this server exports {:?}",
@@ -212,7 +202,7 @@ where
                     reply(w, option, rep::INFO, &d).await?;
                 }
                 reply(w, option, rep::ACK, &[]).await?;
-                if option == opt::GO {
+                if go {
                     let backend = backend.take().expect("opened above");
                     return Ok(Some(Negotiated {
                         backend,
@@ -220,11 +210,63 @@ where
                     }));
                 }
             }
-            _ => {
+            ClientOption::Unsupported(_) => {
                 let msg = format!("option {option} is not supported by kiln nbd");
                 reply(w, option, rep::ERR_UNSUP, msg.as_bytes()).await?;
             }
         }
+    }
+}
+
+/// One handshake option as the client sent it, decoded from its number and data (what the
+/// server makes of it is up to [`handshake`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientOption {
+    /// `NBD_OPT_EXPORT_NAME`: the export name (not UTF-8 is replaced, since this option
+    /// allows no error reply).
+    ExportName(String),
+    /// `NBD_OPT_ABORT` (any data is ignored).
+    Abort,
+    /// `NBD_OPT_LIST`.
+    List,
+    /// `NBD_OPT_STRUCTURED_REPLY`.
+    StructuredReply,
+    /// `NBD_OPT_INFO` (`go` false) or `NBD_OPT_GO` (`go` true).
+    Info {
+        /// `NBD_OPT_GO`: enter transmission after the reply.
+        go: bool,
+        /// The export name.
+        name: String,
+        /// The `NBD_INFO_*` types asked for, in order.
+        requests: Vec<u16>,
+    },
+    /// An option this server does not support (`NBD_REP_ERR_UNSUP`).
+    Unsupported(u32),
+}
+
+/// Decodes option `option` with data `data` as the client sent it (pure: no I/O, so it can be
+/// tested and fuzzed on its own). `Err` is the message of the `NBD_REP_ERR_INVALID` reply.
+pub fn parse_option(option: u32, data: &[u8]) -> Result<ClientOption, String> {
+    match option {
+        opt::EXPORT_NAME => Ok(ClientOption::ExportName(
+            String::from_utf8_lossy(data).into_owned(),
+        )),
+        opt::ABORT => Ok(ClientOption::Abort),
+        opt::LIST if !data.is_empty() => Err("NBD_OPT_LIST takes no data".into()),
+        opt::LIST => Ok(ClientOption::List),
+        opt::STRUCTURED_REPLY if !data.is_empty() => {
+            Err("NBD_OPT_STRUCTURED_REPLY takes no data".into())
+        }
+        opt::STRUCTURED_REPLY => Ok(ClientOption::StructuredReply),
+        opt::INFO | opt::GO => {
+            let (name, requests) = parse_info(data)?;
+            Ok(ClientOption::Info {
+                go: option == opt::GO,
+                name,
+                requests,
+            })
+        }
+        other => Ok(ClientOption::Unsupported(other)),
     }
 }
 
@@ -284,6 +326,35 @@ mod tests {
         assert_eq!(
             parse_info(&[0, 0, 0, 0, 0, 0]).unwrap(),
             (String::new(), vec![])
+        );
+    }
+
+    #[test]
+    fn options_decode_as_the_handshake_answers_them() {
+        assert_eq!(
+            parse_option(opt::EXPORT_NAME, b"a\xffb"),
+            Ok(ClientOption::ExportName("a\u{fffd}b".into()))
+        );
+        assert_eq!(parse_option(opt::ABORT, b"x"), Ok(ClientOption::Abort));
+        assert_eq!(parse_option(opt::LIST, b""), Ok(ClientOption::List));
+        assert!(parse_option(opt::LIST, b"x").is_err());
+        assert_eq!(
+            parse_option(opt::STRUCTURED_REPLY, b""),
+            Ok(ClientOption::StructuredReply)
+        );
+        assert!(parse_option(opt::STRUCTURED_REPLY, b"x").is_err());
+        assert_eq!(
+            parse_option(opt::GO, &[0, 0, 0, 1, b'v', 0, 1, 0, 3]),
+            Ok(ClientOption::Info {
+                go: true,
+                name: "v".into(),
+                requests: vec![info::BLOCK_SIZE]
+            })
+        );
+        assert!(parse_option(opt::INFO, &[0, 0, 0, 1]).is_err());
+        assert_eq!(
+            parse_option(opt::STARTTLS, b""),
+            Ok(ClientOption::Unsupported(opt::STARTTLS))
         );
     }
 

@@ -41,9 +41,9 @@ use crate::reader::Reader;
 /// Largest Kiln request payload.
 const KILN_MAX: usize = kiln_proto::MAX_PAYLOAD_LEN as usize;
 /// Bytes that may be in flight per NBD connection (requests accepted, replies not yet sent).
-const IN_FLIGHT_BYTES: usize = 256 << 20;
+pub const IN_FLIGHT_BYTES: usize = 256 << 20;
 /// The semaphore counts in units of this many bytes.
-const PERMIT_UNIT: usize = 4096;
+pub const PERMIT_UNIT: usize = 4096;
 /// Replies gathered into one vectored write at most.
 const MAX_BATCH: usize = 64;
 /// Refused requests logged at `warn` per connection; later ones at `debug`.
@@ -186,50 +186,62 @@ impl Ctx {
 
     /// Checks a request against the export; `Err` is the NBD error and a message.
     fn check(&self, req: &Request) -> Result<(), (u32, String)> {
-        let allowed = match req.cmd {
-            cmd::READ => cflag::FUA | if self.structured { cflag::DF } else { 0 },
-            cmd::WRITE | cmd::FLUSH | cmd::TRIM => cflag::FUA,
-            cmd::WRITE_ZEROES => cflag::FUA | cflag::NO_HOLE | cflag::FAST_ZERO,
-            c => return Err((err::EINVAL, format!("unknown command {c}"))),
-        };
-        if req.flags & !allowed != 0 {
+        check_request(req, self.size, self.structured, self.read_only)
+    }
+}
+
+/// Checks request `req` against an export of `size` bytes (pure, so it can be tested and
+/// fuzzed on its own): the command, its flags (`DF` only with `structured` replies), writes to a
+/// `read_only` export, the block size and the range. `Err` is the NBD error and a message.
+pub fn check_request(
+    req: &Request,
+    size: u64,
+    structured: bool,
+    read_only: bool,
+) -> Result<(), (u32, String)> {
+    let allowed = match req.cmd {
+        cmd::READ => cflag::FUA | if structured { cflag::DF } else { 0 },
+        cmd::WRITE | cmd::FLUSH | cmd::TRIM => cflag::FUA,
+        cmd::WRITE_ZEROES => cflag::FUA | cflag::NO_HOLE | cflag::FAST_ZERO,
+        c => return Err((err::EINVAL, format!("unknown command {c}"))),
+    };
+    if req.flags & !allowed != 0 {
+        return Err((
+            err::EINVAL,
+            format!("unsupported command flags {:#x}", req.flags & !allowed),
+        ));
+    }
+    let writes = matches!(req.cmd, cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES);
+    if writes && read_only {
+        return Err((err::EPERM, "the export is read-only".into()));
+    }
+    if matches!(req.cmd, cmd::READ | cmd::WRITE) && req.len > MAX_BLOCK {
+        return Err((
+            err::EINVAL,
+            format!(
+                "{} bytes exceed the maximum block size {MAX_BLOCK}",
+                req.len
+            ),
+        ));
+    }
+    if req.cmd != cmd::FLUSH {
+        let end = req.offset.checked_add(req.len as u64);
+        if end.is_none_or(|e| e > size) {
+            let e = if matches!(req.cmd, cmd::WRITE | cmd::WRITE_ZEROES) {
+                err::ENOSPC
+            } else {
+                err::EINVAL
+            };
             return Err((
-                err::EINVAL,
-                format!("unsupported command flags {:#x}", req.flags & !allowed),
-            ));
-        }
-        let writes = matches!(req.cmd, cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES);
-        if writes && self.read_only {
-            return Err((err::EPERM, "the export is read-only".into()));
-        }
-        if matches!(req.cmd, cmd::READ | cmd::WRITE) && req.len > MAX_BLOCK {
-            return Err((
-                err::EINVAL,
+                e,
                 format!(
-                    "{} bytes exceed the maximum block size {MAX_BLOCK}",
-                    req.len
+                    "{} bytes at {} lie beyond the end of the export ({} bytes)",
+                    req.len, req.offset, size
                 ),
             ));
         }
-        if req.cmd != cmd::FLUSH {
-            let end = req.offset.checked_add(req.len as u64);
-            if end.is_none_or(|e| e > self.size) {
-                let e = if matches!(req.cmd, cmd::WRITE | cmd::WRITE_ZEROES) {
-                    err::ENOSPC
-                } else {
-                    err::EINVAL
-                };
-                return Err((
-                    e,
-                    format!(
-                        "{} bytes at {} lie beyond the end of the export ({} bytes)",
-                        req.len, req.offset, self.size
-                    ),
-                ));
-            }
-        }
-        Ok(())
     }
+    Ok(())
 }
 
 /// How the reader stopped.
@@ -245,8 +257,10 @@ pub enum End {
     Error(io::Error),
 }
 
-/// Permits a request holds while in flight (its bytes, in `PERMIT_UNIT`s).
-fn cost(req: &Request) -> u32 {
+/// Permits a request holds while in flight (its bytes, in [`PERMIT_UNIT`]s). Never more than
+/// the whole budget ([`IN_FLIGHT_BYTES`] / [`PERMIT_UNIT`]), whatever the client asks for, or
+/// the request would wait for ever.
+pub fn cost(req: &Request) -> u32 {
     let bytes = match req.cmd {
         cmd::READ | cmd::WRITE => (req.len.min(MAX_BLOCK)) as usize,
         _ => 0,

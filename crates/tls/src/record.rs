@@ -300,6 +300,14 @@ impl RecordReader {
         }
     }
 
+    /// A reader of records sealed with `secrets`, the first of them with sequence number `seq`
+    /// (what rustls hands over after a handshake). For tests and fuzzing, which feed it
+    /// ciphertext with [`RecordReader::read_from`]; connections get theirs from
+    /// [`crate::connect_split`].
+    pub fn from_secrets(seq: u64, secrets: ConnectionTrafficSecrets) -> io::Result<RecordReader> {
+        Ok(RecordReader::new(Cipher::new((seq, secrets))?))
+    }
+
     /// Like `recvmsg` on the socket `fd`, but delivering plaintext: fills `iov` in order with
     /// what is ready, reading and opening records when nothing is. Returns 0 at the end of
     /// the stream; with `nonblocking`, `WouldBlock` when nothing is ready.
@@ -311,6 +319,44 @@ impl RecordReader {
         fd: std::os::fd::BorrowedFd<'_>,
         iov: &[kiln_proto::iov::RawIov],
         nonblocking: bool,
+    ) -> io::Result<usize> {
+        let flags = if nonblocking {
+            rustix::net::RecvFlags::DONTWAIT
+        } else {
+            rustix::net::RecvFlags::empty()
+        };
+        // SAFETY: our caller makes the same promise about `iov`.
+        unsafe {
+            self.recv_with(iov, |buf| {
+                rustix::net::recv(fd, buf, flags)
+                    .map(|(n, _)| n)
+                    .map_err(io::Error::from)
+            })
+        }
+    }
+
+    /// Like [`RecordReader::recv`], with the ciphertext read from `src` instead of a socket
+    /// and the plaintext delivered into `out` (not empty): tests and fuzzing feed a reader
+    /// this way. Returns 0 once `src` ends or the peer's `close_notify` has been opened;
+    /// errors from `src` (such as `WouldBlock`) are returned as they are.
+    pub fn read_from(&mut self, src: &mut impl Read, out: &mut [u8]) -> io::Result<usize> {
+        let iov = [kiln_proto::iov::RawIov {
+            base: out.as_mut_ptr() as usize,
+            len: out.len(),
+        }];
+        // SAFETY: the vector describes `out`, which is borrowed mutably for the whole call.
+        unsafe { self.recv_with(&iov, |buf| src.read(buf)) }
+    }
+
+    /// The loop behind [`RecordReader::recv`]: `read` fills the buffer it is given with
+    /// ciphertext and returns how much (0 at the end of the stream).
+    ///
+    /// # Safety
+    /// As for [`RecordReader::recv`]: every vector must describe memory the caller may write.
+    unsafe fn recv_with(
+        &mut self,
+        iov: &[kiln_proto::iov::RawIov],
+        mut read: impl FnMut(&mut [u8]) -> io::Result<usize>,
     ) -> io::Result<usize> {
         loop {
             if !self.plain.is_empty() {
@@ -325,19 +371,14 @@ impl RecordReader {
                 self.buf.copy_within(self.start..self.end, 0);
                 (self.start, self.end) = (0, self.end - self.start);
             }
-            let flags = if nonblocking {
-                rustix::net::RecvFlags::DONTWAIT
-            } else {
-                rustix::net::RecvFlags::empty()
-            };
-            match rustix::net::recv(fd, &mut self.buf[self.end..], flags) {
-                Ok((0, _)) => self.closed = true,
-                Ok((n, _)) => {
+            match read(&mut self.buf[self.end..]) {
+                Ok(0) => self.closed = true,
+                Ok(n) => {
                     self.end += n;
                     self.open_ready()?;
                 }
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
         }
     }
@@ -632,6 +673,38 @@ mod tests {
         rx.open(&mut again).expect("first");
         let mut replay = first;
         assert!(rx.open(&mut replay).is_err(), "replayed record accepted");
+    }
+
+    #[test]
+    fn a_reader_fed_from_memory_delivers_data_and_refuses_garbage() {
+        let secrets = || ConnectionTrafficSecrets::Aes256Gcm {
+            key: AeadKey::from([0x42; 32]),
+            iv: Iv::from([9; NONCE]),
+        };
+        let (mut tx, _) = pair();
+        let mut wire = sealed(&mut tx, b"hello ", APPLICATION_DATA);
+        wire.extend(sealed(&mut tx, &[4, 0, 0, 1], HANDSHAKE)); // a session ticket: dropped
+        wire.extend(sealed(&mut tx, b"world", APPLICATION_DATA));
+        wire.extend(sealed(&mut tx, &[1, 0], ALERT));
+        wire.extend(sealed(&mut tx, b"after the end", APPLICATION_DATA));
+        let mut rd = RecordReader::from_secrets(7, secrets()).expect("reader");
+        let (mut src, mut out, mut got) = (&wire[..], [0u8; 4], Vec::new());
+        loop {
+            match rd.read_from(&mut src, &mut out).expect("read") {
+                0 => break,
+                n => got.extend_from_slice(&out[..n]),
+            }
+        }
+        assert_eq!(got, b"hello world");
+
+        // A well-formed header over garbage, and a header that is not application data.
+        let mut garbage = vec![APPLICATION_DATA, 3, 3, 0, 17];
+        garbage.extend([0x5a; 17]);
+        for bad in [&garbage[..], &[HANDSHAKE, 3, 3, 0, 17][..]] {
+            let mut rd = RecordReader::from_secrets(7, secrets()).expect("reader");
+            let e = rd.read_from(&mut &bad[..], &mut out).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        }
     }
 
     #[test]

@@ -138,41 +138,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     )?;
     block_on(c.close(fh)).map_err(|e| e.to_string())?;
 
-    step(
-        "setxattr/getxattr",
-        (|| {
-            block_on(c.setxattr("demo/data.bin", "user.kiln.demo", b"fired", 0))?;
-            let v = block_on(c.getxattr("demo/data.bin", "user.kiln.demo"))?;
-            Ok(format!(
-                "user.kiln.demo = {:?}",
-                String::from_utf8_lossy(&v)
-            ))
-        })(),
-    )?;
-    step(
-        "rename + symlink",
-        (|| {
-            block_on(c.rename("demo/data.bin", "demo/image.raw", 0))?;
-            block_on(c.symlink("image.raw", "demo/latest"))?;
-            Ok(format!(
-                "demo/latest -> {}",
-                block_on(c.readlink("demo/latest"))?
-            ))
-        })(),
-    )?;
-    step(
-        "readdir demo",
-        block_on(c.readdir("demo")).map(|es| {
-            es.iter()
-                .map(|e| format!("{} ({} B)", e.name, e.attr.size))
-                .collect::<Vec<_>>()
-                .join(", ")
-        }),
-    )?;
-    step(
-        "statfs",
-        block_on(c.statfs("")).map(|s| format!("{} MiB free", (s.bavail * s.frsize) >> 20)),
-    )?;
+    metadata(&c)?;
 
     for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {
         let a = BenchArgs {
@@ -231,5 +197,45 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     }
     block_on(c.rmdir("demo")).map_err(|e| e.to_string())?;
     println!("kiln demo: done; the brick and its data are removed");
+    Ok(())
+}
+
+/// The metadata fops, on the file the data steps wrote.
+fn metadata(c: &Volume) -> Result<(), String> {
+    step(
+        "setxattr/getxattr",
+        (|| {
+            block_on(c.setxattr("demo/data.bin", "user.kiln.demo", b"fired", 0))?;
+            let v = block_on(c.getxattr("demo/data.bin", "user.kiln.demo"))?;
+            Ok(format!(
+                "user.kiln.demo = {:?}",
+                String::from_utf8_lossy(&v)
+            ))
+        })(),
+    )?;
+    step(
+        "rename + symlink",
+        (|| {
+            block_on(c.rename("demo/data.bin", "demo/image.raw", 0))?;
+            block_on(c.symlink("image.raw", "demo/latest"))?;
+            Ok(format!(
+                "demo/latest -> {}",
+                block_on(c.readlink("demo/latest"))?
+            ))
+        })(),
+    )?;
+    step(
+        "readdir demo",
+        block_on(c.readdir("demo")).map(|es| {
+            es.iter()
+                .map(|e| format!("{} ({} B)", e.name, e.attr.size))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }),
+    )?;
+    step(
+        "statfs",
+        block_on(c.statfs("")).map(|s| format!("{} MiB free", (s.bavail * s.frsize) >> 20)),
+    )?;
     Ok(())
 }

@@ -2,8 +2,9 @@
 //!
 //! - no Rust source file over [`MAX_FILE_LINES`] lines;
 //! - no function outside test code over [`MAX_FN_LINES`] lines, except those in
-//!   `tools/tidy/long-functions.txt`, an allow-list that only shrinks: a listed function may
-//!   not grow past its recorded length, and one that is no longer long must leave the list;
+//!   `tools/tidy/long-functions.txt`, an allow-list that only shrinks: a listed function must
+//!   have exactly its recorded length (a shorter one lowers the record, so it cannot grow
+//!   back), and one that is no longer long must leave the list;
 //! - no fix-me marker (the word in capitals): write the fix, or an issue, instead.
 //!
 //! The function scanner is a line-based brace counter that skips comments, strings and

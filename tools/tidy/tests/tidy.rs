@@ -69,8 +69,16 @@ fn no_function_is_over_the_limit_and_the_allow_list_only_shrinks() {
                 continue;
             }
             match allow.get(&key) {
-                Some(&max) if f.lines <= max => {
+                Some(&max) if f.lines == max => {
                     seen.insert(key, f.lines);
+                }
+                Some(&max) if f.lines < max => {
+                    seen.insert(key.clone(), f.lines);
+                    bad.push(format!(
+                        "{key} shrank to {} lines: record that in tools/tidy/long-functions.txt \
+                         (it was {max}) so it cannot grow back",
+                        f.lines
+                    ));
                 }
                 Some(&max) => bad.push(format!(
                     "{key} (line {}) grew to {} lines; the allow-list records {max}",

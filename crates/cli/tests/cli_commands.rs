@@ -20,7 +20,7 @@ fn demo_runs_end_to_end_and_verifies_data() {
     );
     assert!(stdout.contains("every byte matches"), "{stdout}");
     assert!(stdout.contains("user.kiln.demo = \"fired\""), "{stdout}");
-    assert!(stdout.contains("/demo/latest -> image.raw"), "{stdout}");
+    assert!(stdout.contains("demo/latest -> image.raw"), "{stdout}");
     let copied = stdout
         .lines()
         .find(|l| l.contains("bytes copied in user space"))

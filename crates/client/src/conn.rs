@@ -38,7 +38,6 @@ use kiln_proto::{errno, Op};
 
 mod metrics;
 
-use metrics::live;
 pub use metrics::render_metrics;
 
 pub use kiln_proto::Errno;
@@ -200,6 +199,13 @@ thread_local! {
     static RECEIVER_OF: Cell<usize> = const { Cell::new(0) };
     /// The connection this thread is batching submissions for (its address), or 0.
     static CORKED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Every connection alive in this process, for `/metrics`.
+fn live() -> &'static Mutex<Vec<std::sync::Weak<Conn>>> {
+    static LIVE: std::sync::OnceLock<Mutex<Vec<std::sync::Weak<Conn>>>> =
+        std::sync::OnceLock::new();
+    LIVE.get_or_init(Mutex::default)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -1,24 +1,26 @@
 //! Brick processes: spawned, adopted after a restart, supervised and stopped.
 
-use std::collections::{BTreeSet, HashMap};
+use crate::def::{is_local, parse_sockaddr, VolState, VolumeDef};
+use crate::manager::{Manager, Procs};
+use crate::peers::CONNECT_TIMEOUT;
+use crate::request::Request;
+use crate::store::write_atomic;
+use crate::volfiles::brick_volfile;
+use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::fs;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::*;
-
-/// Brick processes this kilnd spawned (so it can reap them) — everything else it knows about
-/// bricks is on disk.
-#[derive(Default)]
-pub(crate) struct Procs {
-    children: HashMap<u32, Child>,
-}
+/// How long a brick may take to bind its port after being spawned.
+const BRICK_START_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a brick may take to exit after SIGTERM before it gets SIGKILL.
+const BRICK_STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The command that runs a brick: this executable, as `kilnd` or as `kiln server`.
 pub fn brick_command() -> io::Result<Vec<OsString>> {

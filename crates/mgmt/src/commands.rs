@@ -4,9 +4,12 @@
 use std::fs;
 use std::net::SocketAddr;
 
+use crate::bricks::port_answers;
+use crate::def::{check_name, is_local, parse_brick, VolState, VolumeDef};
+use crate::manager::{Manager, Procs};
+use crate::request::Request;
+use crate::store::{hex, random};
 use serde_json::{json, Value};
-
-use crate::*;
 
 impl Manager {
     pub(crate) fn create(

@@ -6,8 +6,6 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::*;
-
 /// One brick of a volume.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct BrickDef {
@@ -178,4 +176,25 @@ pub fn resolve(host: &str) -> Result<IpAddr, String> {
 /// True when this host can bind `ip`: the brick is ours to run.
 pub(crate) fn is_local(ip: IpAddr) -> bool {
     kiln_client::protocol::is_local_ip(ip)
+}
+
+/// The management port a kilnd listens on by default (the same as glusterd's).
+pub const DEFAULT_MGMT_PORT: u16 = 24007;
+/// `index` as a brick of `def`, or a bad-request error.
+pub(crate) fn check_index(index: usize, def: &VolumeDef) -> Result<usize, String> {
+    if index < def.bricks.len() {
+        Ok(index)
+    } else {
+        Err(format!(
+            "bad request: volume {} has no brick {index}",
+            def.name
+        ))
+    }
+}
+
+pub(crate) fn parse_sockaddr(s: &str) -> Result<SocketAddr, String> {
+    s.strip_prefix("tcp:")
+        .unwrap_or(s)
+        .parse()
+        .map_err(|e| format!("bad address {s:?}: {e}"))
 }

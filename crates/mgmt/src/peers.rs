@@ -5,10 +5,18 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::time::Duration;
 
+use crate::def::{check_index, check_name, is_local, VolState, VolumeDef};
+use crate::manager::{Manager, Procs, MGMT_SECRET_FILE};
+use crate::request::Request;
+use crate::store::random;
 use serde_json::{json, Value};
 
-use crate::*;
+/// Connect timeout for probes of bricks and calls to other kilnds.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a call to another kilnd may take (it may start bricks).
+const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Sends one MGMT request to the kilnd at `addr`, proving `secret` (the management secret) and
 /// requiring `addr` to prove it back, and returns the reply's JSON (an `"ok": false` reply

@@ -6,9 +6,10 @@ use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use crate::def::{check_name, is_local, VolumeDef};
+use crate::manager::Manager;
+use crate::volfiles::client_volfile;
 use kiln_layer::volfile::{LayerKind, Volfile};
-
-use crate::*;
 
 impl Manager {
     pub(crate) fn vol_dir(&self, name: &str) -> PathBuf {

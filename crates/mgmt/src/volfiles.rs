@@ -4,9 +4,8 @@
 use std::net::SocketAddr;
 use std::path::Path;
 
+use crate::def::VolumeDef;
 use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
-
-use crate::*;
 
 /// The volfile a brick runs: io-stats (`NAME-brick-N`) → marks → dispatch → posix.
 pub fn brick_volfile(volume: &str, index: usize, dir: &Path) -> Volfile {

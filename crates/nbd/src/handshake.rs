@@ -12,7 +12,7 @@ use std::io;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
-use crate::export::{open_backend, Backend, Shared};
+use crate::backend::{open_backend, Backend, Shared};
 use crate::proto::{self, info, opt, rep, tflag, MAX_BLOCK, MIN_BLOCK, PREFERRED_BLOCK};
 use crate::reader::Reader;
 

@@ -26,6 +26,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod export;
 pub mod handshake;
 pub mod metrics;

@@ -17,6 +17,10 @@ use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
 
 pub use kiln_layer::{Errno, FopResult};
 
+/// The directory inside a brick that holds Kiln's own records (the marks layer's log):
+/// clients cannot name it.
+pub const STATE_DIR: &str = ".kiln";
+
 fn err(e: rustix::io::Errno) -> Errno {
     e.raw_os_error() as u32
 }
@@ -57,7 +61,7 @@ pub fn check_path(path: &str) -> FopResult<&str> {
         }
     }
     // The brick's own records (pending marks) are not part of the volume.
-    if path.split('/').next() == Some(crate::marks::STATE_DIR) {
+    if path.split('/').next() == Some(STATE_DIR) {
         return Err(errno::EACCES);
     }
     Ok(path)
@@ -230,7 +234,7 @@ impl Brick {
             if name == b"." || name == b".." {
                 continue;
             }
-            if path.is_empty() && name == crate::marks::STATE_DIR.as_bytes() {
+            if path.is_empty() && name == STATE_DIR.as_bytes() {
                 continue;
             }
             if index < offset {

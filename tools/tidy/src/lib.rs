@@ -256,3 +256,229 @@ fn fn_name(scrubbed: &str) -> Option<String> {
 pub fn is_test_file(rel: &str) -> bool {
     rel.contains("/tests/") || rel.ends_with("/tests.rs")
 }
+
+/// The import cycles among the modules of the crate whose sources are under `src`: each
+/// strongly connected group of two or more modules (named `a::b`, the root `crate`), where a
+/// module imports another when its file names it through a `crate::`, `super::` or
+/// `use child::` path. A module root declaring (`mod x;`) and re-exporting (`pub use`) its
+/// children does not count; using their items does. Inline `#[cfg(test)] mod tests` blocks
+/// (whose `super` is the file itself) are left out.
+pub fn module_cycles(src: &Path) -> Vec<Vec<String>> {
+    let mut files = Vec::new();
+    walk(src, &mut files);
+    let module = |p: &Path| -> Vec<String> {
+        let rel = p.strip_prefix(src).unwrap_or(p).with_extension("");
+        let mut parts: Vec<String> = rel
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        if matches!(
+            parts.last().map(String::as_str),
+            Some("lib" | "main" | "mod")
+        ) {
+            parts.pop();
+        }
+        parts
+    };
+    let mods: Vec<Vec<String>> = files.iter().map(|f| module(f)).collect();
+    let known = |path: &[String]| -> Option<usize> {
+        (0..=path.len())
+            .rev()
+            .find_map(|n| mods.iter().position(|m| m[..] == path[..n]))
+    };
+    let mut edges: Vec<Vec<usize>> = vec![Vec::new(); files.len()];
+    for (i, f) in files.iter().enumerate() {
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        let is_root = f
+            .file_name()
+            .is_some_and(|n| n == "lib.rs" || n == "mod.rs" || n == "main.rs");
+        let here = &mods[i];
+        let parent: Vec<String> = here[..here.len().saturating_sub(1)].to_vec();
+        for path in import_paths(&text) {
+            let (start, rest): (Vec<String>, &[String]) = match path.first().map(String::as_str) {
+                Some("crate") => (Vec::new(), &path[1..]),
+                Some("super") => (parent.clone(), &path[1..]),
+                Some(child)
+                    if is_root
+                        && mods.iter().any(|m| {
+                            m.len() == here.len() + 1
+                                && m.starts_with(here)
+                                && m.last().is_some_and(|l| l == child)
+                        }) =>
+                {
+                    (here.clone(), &path[..])
+                }
+                _ => continue,
+            };
+            let mut full = start;
+            full.extend(rest.iter().filter(|s| *s != "*").cloned());
+            if let Some(j) = known(&full) {
+                if j != i && !edges[i].contains(&j) {
+                    edges[i].push(j);
+                }
+            }
+        }
+    }
+    let name = |m: &Vec<String>| {
+        if m.is_empty() {
+            "crate".to_owned()
+        } else {
+            m.join("::")
+        }
+    };
+    strongly_connected(&edges)
+        .into_iter()
+        .filter(|c| c.len() > 1)
+        .map(|c| {
+            let mut v: Vec<String> = c.iter().map(|&i| name(&mods[i])).collect();
+            v.sort();
+            v
+        })
+        .collect()
+}
+
+/// The `crate::…`, `super::…` and `use x::…` paths of a file, as segments (a brace group
+/// `p::{a, b::c}` gives `p::a` and `p::b::c`); comments, re-exports and the inline test
+/// module are left out.
+fn import_paths(text: &str) -> Vec<Vec<String>> {
+    let body = text
+        .split("#[cfg(test)]\nmod tests {")
+        .next()
+        .unwrap_or(text);
+    let mut code = String::new();
+    let mut in_pub_use = false;
+    for line in body.lines() {
+        let line = line.split("//").next().unwrap_or("");
+        let t = line.trim_start();
+        if t.starts_with("pub use ") || t.starts_with("pub(crate) use ") || in_pub_use {
+            in_pub_use = !line.contains(';');
+            continue;
+        }
+        code.push_str(line);
+        code.push('\n');
+    }
+    let mut out = Vec::new();
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    let b = code.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        let at_start = i == 0 || !word(b[i - 1] as char) && b[i - 1] != b':';
+        let rest = &code[i..];
+        let lead = ["crate::", "super::"]
+            .into_iter()
+            .find(|l| rest.starts_with(l));
+        let used = rest.strip_prefix("use ").filter(|_| at_start);
+        if let (true, Some(l)) = (at_start, lead) {
+            out.extend(expand(&l[..l.len() - 2], &rest[l.len()..]));
+            i += l.len();
+        } else if let Some(u) = used {
+            let u = u.trim_start();
+            if !u.starts_with("crate::") && !u.starts_with("super::") && !u.starts_with("std") {
+                if let Some((first, after)) = u.split_once("::") {
+                    if first.chars().all(word) {
+                        out.extend(expand(first, after));
+                    }
+                }
+            }
+            i += 4;
+        } else {
+            i += rest.chars().next().map_or(1, char::len_utf8);
+        }
+    }
+    out
+}
+
+/// `lead::rest…` as paths: segments up to the first character that is not part of a path, and
+/// one level of `{a, b::c}`.
+fn expand(lead: &str, rest: &str) -> Vec<Vec<String>> {
+    let word = |c: char| c.is_alphanumeric() || c == '_' || c == '*';
+    let mut segs = vec![lead.to_owned()];
+    let mut r = rest;
+    loop {
+        if let Some(inner) = r.strip_prefix('{') {
+            let group = inner.split('}').next().unwrap_or("");
+            return group
+                .split(',')
+                .filter_map(|item| {
+                    let item = item.split(" as ").next().unwrap_or("").trim();
+                    let mut v = segs.clone();
+                    v.extend(
+                        item.split("::")
+                            .map(str::trim)
+                            .filter(|s| !s.is_empty() && *s != "self")
+                            .map(str::to_owned),
+                    );
+                    (!item.is_empty()).then_some(v)
+                })
+                .collect();
+        }
+        let n = r.find(|c: char| !word(c)).unwrap_or(r.len());
+        if n == 0 {
+            break;
+        }
+        segs.push(r[..n].to_owned());
+        r = &r[n..];
+        match r.strip_prefix("::") {
+            Some(next) => r = next,
+            None => break,
+        }
+    }
+    vec![segs]
+}
+
+/// Tarjan's strongly connected components of a graph given as adjacency lists.
+fn strongly_connected(edges: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    struct T<'a> {
+        e: &'a [Vec<usize>],
+        index: Vec<Option<usize>>,
+        low: Vec<usize>,
+        on: Vec<bool>,
+        stack: Vec<usize>,
+        next: usize,
+        out: Vec<Vec<usize>>,
+    }
+    fn visit(t: &mut T<'_>, v: usize) {
+        t.index[v] = Some(t.next);
+        t.low[v] = t.next;
+        t.next += 1;
+        t.stack.push(v);
+        t.on[v] = true;
+        for &w in &t.e[v] {
+            match t.index[w] {
+                None => {
+                    visit(t, w);
+                    t.low[v] = t.low[v].min(t.low[w]);
+                }
+                Some(iw) if t.on[w] => t.low[v] = t.low[v].min(iw),
+                Some(_) => {}
+            }
+        }
+        if Some(t.low[v]) == t.index[v] {
+            let mut comp = Vec::new();
+            while let Some(w) = t.stack.pop() {
+                t.on[w] = false;
+                comp.push(w);
+                if w == v {
+                    break;
+                }
+            }
+            t.out.push(comp);
+        }
+    }
+    let n = edges.len();
+    let mut t = T {
+        e: edges,
+        index: vec![None; n],
+        low: vec![0; n],
+        on: vec![false; n],
+        stack: Vec::new(),
+        next: 0,
+        out: Vec::new(),
+    };
+    for v in 0..n {
+        if t.index[v].is_none() {
+            visit(&mut t, v);
+        }
+    }
+    t.out
+}

@@ -130,3 +130,49 @@ fn the_scanner_measures_functions_and_skips_tests() {
     assert_eq!((get("d").line, get("d").lines), (15, 3));
     assert!(f.iter().all(|x| x.name != "c"));
 }
+
+#[test]
+fn no_import_cycles_between_modules() {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(root().join("crates"))
+        .expect("crates/")
+        .flatten()
+    {
+        let src = e.path().join("src");
+        if src.is_dir() {
+            for c in kiln_tidy::module_cycles(&src) {
+                found.push(format!("{}: {}", rel(&e.path()), c.join(" <-> ")));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "modules that import each other: {found:#?}"
+    );
+}
+
+#[test]
+fn the_cycle_finder_sees_a_cycle_and_ignores_re_exports() {
+    let dir = std::env::temp_dir().join(format!("kiln-tidy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("m")).unwrap();
+    let w = |p: &str, s: &str| std::fs::write(dir.join(p), s).unwrap();
+    w("lib.rs", "mod a;\nmod b;\nmod m;\npub use a::A;\n");
+    w("a.rs", "use crate::b::B;\npub struct A;\n");
+    w(
+        "b.rs",
+        "pub struct B;\nfn f() { let _ = crate::{a::A, m::x}; }\n",
+    );
+    w("m/mod.rs", "mod x;\npub use x::X;\n");
+    w("m/x.rs", "use super::*;\npub struct X;\n");
+    let c = kiln_tidy::module_cycles(&dir);
+    assert_eq!(c, vec![vec!["a".to_owned(), "b".to_owned()]], "{c:?}");
+    w("b.rs", "pub struct B;\n");
+    assert!(kiln_tidy::module_cycles(&dir).is_empty());
+    w("m/mod.rs", "mod x;\nuse x::X;\n");
+    assert_eq!(
+        kiln_tidy::module_cycles(&dir),
+        vec![vec!["m".to_owned(), "m::x".to_owned()]]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

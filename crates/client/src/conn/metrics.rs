@@ -1,16 +1,9 @@
 //! Every live connection's counters, rendered for `/metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use super::*;
-
-/// Every connection alive in this process, for `/metrics`.
-pub(super) fn live() -> &'static Mutex<Vec<std::sync::Weak<Conn>>> {
-    static LIVE: std::sync::OnceLock<Mutex<Vec<std::sync::Weak<Conn>>>> =
-        std::sync::OnceLock::new();
-    LIVE.get_or_init(Mutex::default)
-}
 
 /// Appends the counters of every live connection of this process, summed, in Prometheus text
 /// format (what a mount or an NBD export adds to its `/metrics`).

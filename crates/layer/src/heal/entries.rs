@@ -5,6 +5,7 @@ use crate::exec::join_all;
 use crate::marks::{self as m, CondFlag, FlagMark, LockReq};
 use crate::{errno, Ctx, FopResult, LayerRef};
 
+use super::view::View;
 use super::*;
 
 /// The child path `name` of directory `dir` (`""`: the root).

@@ -80,9 +80,9 @@ use crate::{Ctx, Errno, FopResult, LayerRef};
 
 mod data;
 mod entries;
+mod view;
 
 pub use data::heal_file;
-use data::*;
 
 /// File exists.
 const EEXIST: Errno = 17;

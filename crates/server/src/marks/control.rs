@@ -7,9 +7,10 @@ use kiln_layer::marks::{
     self as m, CondFlag, CondMark, FlagMark, HealReq, IndexEntry, IndexPage, LockReq, Mark,
     PendingPage, RangeSet,
 };
-use kiln_layer::{fail, Fut, IoBufs};
+use kiln_layer::{fail, Fut};
 use kiln_proto::codec::Seq;
 
+use super::locks::span;
 use super::*;
 
 impl Marks {
@@ -140,26 +141,4 @@ impl Marks {
             Box::pin(std::future::ready(Ok(())))
         }
     }
-}
-
-/// `len` bytes of a write's data from byte `from` on, copied out.
-pub(super) fn copy_out(data: &IoBufs, from: usize, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len);
-    let mut skip = from;
-    for v in data.iov() {
-        if out.len() == len {
-            break;
-        }
-        if skip >= v.len {
-            skip -= v.len;
-            continue;
-        }
-        // SAFETY: a write's vectors point to memory that its `IoBufs` keeps valid, and that
-        // nobody writes, for as long as it lives; `data` is borrowed for this whole call.
-        let s = unsafe { std::slice::from_raw_parts(v.base as *const u8, v.len) };
-        let take = (v.len - skip).min(len - out.len());
-        out.extend_from_slice(&s[skip..skip + take]);
-        skip = 0;
-    }
-    out
 }

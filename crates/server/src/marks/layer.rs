@@ -12,6 +12,7 @@ use kiln_layer::{
 };
 use kiln_proto::ops::SETATTR_SIZE;
 
+use super::locks::{span, Entered};
 use super::*;
 
 impl Layer for Marks {

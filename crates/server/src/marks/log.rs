@@ -15,6 +15,89 @@ use rustix::io::Errno;
 use super::*;
 
 impl Marks {
+    /// A marks layer for the brick at `dir` over `child`; replays and compacts its log.
+    ///
+    /// Fails when `.kiln` or its log is a symlink or not what it should be: see the module
+    /// documentation.
+    pub fn new(name: &str, child: LayerRef, dir: &Path) -> std::io::Result<Marks> {
+        let root = rfs::open(
+            dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let mut records = Records::new();
+        let mut flags = Flags::new();
+        let state = open_state_dir(&root, false).inspect_err(|e| {
+            tracing::error!("{}: not starting the brick: {e}", dir.display());
+        })?;
+        let mut log = None;
+        if let Some(state) = &state {
+            let path = dir.join(STATE_DIR).join(LOG);
+            match open_log(state, OFlags::RDONLY, Mode::empty()) {
+                Ok(mut f) => {
+                    let mut bytes = Vec::new();
+                    f.read_to_end(&mut bytes)?;
+                    let (n, bad) = replay(&bytes, &mut records, &mut flags);
+                    if bad {
+                        tracing::warn!(
+                            records = n,
+                            "{}: ignoring a torn record at the end",
+                            path.display()
+                        );
+                    }
+                    log = Some(compact(dir, state, &records, &flags).map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("compacting {}: {e}", path.display()))
+                    })?);
+                    tracing::info!(
+                        files = records.len(),
+                        names = flags.len(),
+                        "{}: pending marks loaded",
+                        dir.display()
+                    );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::error!("{}: not starting the brick: {e}", dir.display());
+                    return Err(e);
+                }
+            }
+        }
+        // Generations start at the wall clock (ns): a restarted brick never reuses one.
+        let mut next_gen = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            .max(1);
+        let mut gens = Gens::new();
+        let held = records
+            .iter()
+            .flat_map(|(p, t)| t.keys().map(move |t| (p, *t)))
+            .chain(
+                flags
+                    .iter()
+                    .flat_map(|(p, t)| t.keys().map(move |t| (p, *t))),
+            );
+        for (path, t) in held {
+            gens.entry(path.clone()).or_default().insert(t, next_gen);
+            next_gen += 1;
+        }
+        Ok(Marks {
+            name: name.into(),
+            kids: vec![child],
+            dir: dir.to_owned(),
+            root,
+            store: Mutex::new(Store {
+                records,
+                flags,
+                gens,
+                next_gen,
+                state,
+                log,
+                dirty: false,
+            }),
+            files: Mutex::default(),
+        })
+    }
+
     /// Appends records to the log (creating `.kiln` on first use) and applies them.
     pub(super) fn apply(&self, ops: &[(u8, &str, u32, u64, u64)]) -> FopResult<()> {
         let mut st = self.store();

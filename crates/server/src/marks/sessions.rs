@@ -6,6 +6,7 @@ use std::time::Instant;
 use kiln_layer::marks::{self as m, HealInfo, RangeSet};
 use kiln_layer::{errno, Ctx, Fut, IoBufs, Written};
 
+use super::locks::{len_of, span, Entered};
 use super::*;
 
 impl Marks {
@@ -114,4 +115,26 @@ impl Marks {
             Ok(Written { n, bufs: data })
         })
     }
+}
+
+/// `len` bytes of a write's data from byte `from` on, copied out.
+fn copy_out(data: &IoBufs, from: usize, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    let mut skip = from;
+    for v in data.iov() {
+        if out.len() == len {
+            break;
+        }
+        if skip >= v.len {
+            skip -= v.len;
+            continue;
+        }
+        // SAFETY: a write's vectors point to memory that its `IoBufs` keeps valid, and that
+        // nobody writes, for as long as it lives; `data` is borrowed for this whole call.
+        let s = unsafe { std::slice::from_raw_parts(v.base as *const u8, v.len) };
+        let take = (v.len - skip).min(len - out.len());
+        out.extend_from_slice(&s[skip..skip + take]);
+        skip = 0;
+    }
+    out
 }

@@ -1,5 +1,7 @@
 //! The marks layer against a real brick directory.
 
+use std::path::Path;
+
 use super::*;
 use kiln_layer::marks::{self as m, CondFlag, CondMark, HealInfo, HealReq, Mark};
 use kiln_layer::{Ctx, IoBufs, Layer, SetAttrs};

@@ -1,0 +1,122 @@
+//! Answering MGMT requests: authentication by command, decoding into [`Request`], forwarding
+//! a change of a volume this kilnd only caches to its authority, and running the rest.
+
+use std::net::SocketAddr;
+
+use kiln_server::control::{refusal, Caller, MgmtHandler};
+use serde_json::{json, Value};
+
+use crate::def::{check_name, parse_sockaddr};
+use crate::manager::Manager;
+use crate::peers::call_peer;
+use crate::request::Request;
+
+/// The commands an unauthenticated connection may send (see the module documentation).
+pub const OPEN_COMMANDS: &[&str] = &["volfile"];
+
+impl Manager {
+    /// [`call_peer`] with this kilnd's secret.
+    pub(crate) fn call_peer(&self, addr: SocketAddr, req: &Request) -> Result<Value, String> {
+        call_peer(addr, &self.secret, &req.to_json())
+    }
+
+    /// Answers one request from `caller`: only [`OPEN_COMMANDS`] without authentication.
+    pub fn handle(&self, req: &[u8], caller: &Caller) -> Vec<u8> {
+        let out = match serde_json::from_slice::<Value>(req) {
+            Ok(v) if v.is_object() => {
+                // Authentication is checked on the command's name before anything else of the
+                // request is looked at.
+                let cmd = v["cmd"].as_str().unwrap_or_default();
+                if !caller.authenticated && !OPEN_COMMANDS.contains(&cmd) {
+                    tracing::warn!(
+                        peer = %caller.peer,
+                        "mgmt: refused {cmd:?} from {}: not authenticated (no management \
+                         secret proved)",
+                        caller.peer
+                    );
+                    let what = if cmd.is_empty() {
+                        "this request".to_owned()
+                    } else {
+                        format!("`{cmd}`")
+                    };
+                    return refusal(&what).into_bytes();
+                }
+                match serde_json::from_value::<Request>(v) {
+                    Ok(r) => self.dispatch(r),
+                    Err(e) => Err(format!("bad request: {e}")),
+                }
+            }
+            Ok(_) => Err("bad request: not a JSON object".into()),
+            Err(e) => Err(format!("bad request: {e}")),
+        };
+        let v = match out {
+            Ok(mut v) => {
+                if !v.is_object() {
+                    v = json!({ "result": v });
+                }
+                v["ok"] = true.into();
+                v
+            }
+            Err(e) => {
+                tracing::info!("mgmt: {e}");
+                json!({ "ok": false, "error": e })
+            }
+        };
+        v.to_string().into_bytes()
+    }
+
+    /// Runs one request of an authenticated caller (or an open command).
+    fn dispatch(&self, req: Request) -> Result<Value, String> {
+        tracing::debug!(cmd = req.cmd(), "mgmt request");
+        // A change to a volume this kilnd only caches goes to the authority — without holding
+        // our lock, since the authority will call back (brick-start) to this kilnd.
+        if let Some(name) = req.forwarded_volume() {
+            check_name(name)?;
+            if let Ok(def) = self.load(name) {
+                if let Some(auth) = &def.authority {
+                    let addr = parse_sockaddr(auth)?;
+                    return self
+                        .call_peer(addr, &req)
+                        .map_err(|e| format!("volume {name} (authority {auth}): {e}"));
+                }
+            }
+        }
+        let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
+        let procs = &mut procs;
+        match req {
+            Request::Create {
+                name,
+                replica,
+                bricks,
+                allow,
+            } => self.create(&name, replica, &bricks, &allow),
+            Request::Start { name, force } => self.start(procs, &name, force),
+            Request::Stop { name } => self.stop(procs, &name),
+            Request::Set { name, allow } => self.set(procs, &name, &allow),
+            Request::Delete { name } => self.delete(&name),
+            Request::Info { name } => self.info(name.as_deref()),
+            Request::List => self.list(),
+            Request::Status { name } => self.status(procs, name.as_deref()),
+            Request::Volfile { name } => self.volfile(&name),
+            Request::BrickStart { def, index, secret } => {
+                self.brick_start(procs, def, index, secret.as_deref())
+            }
+            Request::BrickStop { name, index } => self.brick_stop(procs, &name, index),
+            Request::BrickReport {
+                name,
+                id,
+                index,
+                port,
+                pid,
+            } => self.brick_report(&name, &id, index, port, pid),
+            Request::PeerSync { def, secret } => self.peer_sync(def, secret.as_deref()),
+            Request::PeerForget { name } => self.peer_forget(&name),
+        }
+    }
+}
+
+impl MgmtHandler for Manager {
+    fn handle(&self, req: &[u8], caller: &Caller) -> Vec<u8> {
+        Manager::handle(self, req, caller)
+    }
+}

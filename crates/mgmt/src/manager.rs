@@ -1,0 +1,121 @@
+//! The volume manager of one kilnd: its state directory, its secret, the brick processes it
+//! spawned, and the heal service's view. What it does is spread by job over the sibling
+//! modules (store, commands, peers, bricks, dispatch), each an `impl Manager` of its own.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::{Arc, Mutex};
+
+use kiln_server::control::Handler;
+
+use crate::def::DEFAULT_MGMT_PORT;
+use crate::healing::Healer;
+
+/// The name of the management secret in the state directory.
+pub const MGMT_SECRET_FILE: &str = "mgmt.secret";
+
+/// The first port tried for a brick.
+pub const FIRST_BRICK_PORT: u16 = 24100;
+/// Brick processes this kilnd spawned (so it can reap them) — everything else it knows about
+/// bricks is on disk.
+#[derive(Default)]
+pub(crate) struct Procs {
+    pub(crate) children: HashMap<u32, Child>,
+}
+
+/// The volume manager of one kilnd.
+pub struct Manager {
+    pub(crate) state: PathBuf,
+    /// The program and leading arguments that run a brick.
+    pub(crate) exe: Vec<OsString>,
+    /// This kilnd's management port (for peers to call back, recorded as authority).
+    pub(crate) mgmt_port: Mutex<u16>,
+    /// Serialises commands: one change at a time, and the children table.
+    pub(crate) procs: Mutex<Procs>,
+    /// The management secret: clients and other kilnds prove it, and this kilnd proves it to
+    /// other kilnds.
+    pub(crate) secret: Arc<[u8]>,
+    /// The heal service's state (see `crate::healer`).
+    pub(crate) healer: Healer,
+    /// Where brick ports start (`--brick-port-base`).
+    pub(crate) first_brick_port: Mutex<u16>,
+}
+
+impl Manager {
+    /// Opens (creating) the state directory, and loads the management secret from
+    /// `secret_file`, default `STATE_DIR/mgmt.secret` — a missing file is created with a new
+    /// random secret (mode 0600). `exe` runs a brick (see `brick_command`).
+    pub fn open(
+        state: &Path,
+        exe: Vec<OsString>,
+        secret_file: Option<&Path>,
+    ) -> Result<Arc<Manager>, String> {
+        for d in [state.join("vols"), state.join("mgmt-root")] {
+            fs::create_dir_all(&d)
+                .map_err(|e| format!("cannot create state directory {}: {e}", d.display()))?;
+        }
+        let path = secret_file
+            .map(Path::to_owned)
+            .unwrap_or_else(|| state.join(MGMT_SECRET_FILE));
+        let existed = path.exists();
+        let secret = kiln_server::auth::load_or_create(&path)
+            .map_err(|e| format!("management secret {}: {e}", path.display()))?;
+        if !existed {
+            tracing::info!(
+                "{} is this kilnd's management secret: `kiln volume` reads it as root on this \
+                 host; every other kilnd of the cluster needs a copy",
+                path.display()
+            );
+        }
+        if let Ok(m) = fs::metadata(&path) {
+            use std::os::unix::fs::PermissionsExt;
+            if m.permissions().mode() & 0o077 != 0 {
+                tracing::warn!(
+                    "management secret {} is readable by others (mode {:o}): chmod 600 it",
+                    path.display(),
+                    m.permissions().mode() & 0o777
+                );
+            }
+        }
+        Ok(Arc::new(Manager {
+            state: state.to_owned(),
+            exe,
+            mgmt_port: Mutex::new(DEFAULT_MGMT_PORT),
+            procs: Mutex::default(),
+            secret: secret.into(),
+            healer: Healer::default(),
+            first_brick_port: Mutex::new(FIRST_BRICK_PORT),
+        }))
+    }
+
+    /// The heal service's state.
+    pub fn healer(&self) -> &Healer {
+        &self.healer
+    }
+
+    /// The management secret, for the server's handshake (`Server::with_secret`).
+    pub fn secret(&self) -> Vec<u8> {
+        self.secret.to_vec()
+    }
+
+    /// Brick ports are allocated from `port` up (default [`FIRST_BRICK_PORT`]).
+    pub fn set_first_brick_port(&self, port: u16) {
+        *self
+            .first_brick_port
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = port;
+    }
+
+    /// Records the port the management server bound.
+    pub fn set_mgmt_port(&self, port: u16) {
+        *self.mgmt_port.lock().unwrap_or_else(|e| e.into_inner()) = port;
+    }
+
+    /// The handler to attach to the management server (together with [`Manager::secret`]).
+    pub fn handler(self: &Arc<Self>) -> Handler {
+        self.clone()
+    }
+}

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use kiln_layer::{
     errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, ReadDst, ReadOut, ReaddirReply,
-    SetAttrs, StatfsReply, Written,
+    Written,
 };
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::iov::RawIov;
@@ -257,6 +257,41 @@ fn path(p: &str) -> String {
     wire_path(p)
 }
 
+/// A path fop's argument as its request field.
+macro_rules! wire_arg {
+    (path, $self:ident, $e:expr) => {
+        path($e)
+    };
+    (text, $self:ident, $e:expr) => {
+        $e.to_owned()
+    };
+    (val, $self:ident, $e:expr) => {
+        $e
+    };
+    (refd, $self:ident, $e:expr) => {
+        $e.clone()
+    };
+    (handle, $self:ident, $e:expr) => {
+        try_fut!($self.fh($e))
+    };
+}
+
+/// The path fops ([`kiln_layer::for_each_path_fop`]): one request struct out, one value back.
+macro_rules! path_methods {
+    (() $( ($name:ident, $op:ident, $req:path { $( $f:ident : $ty:ty => $kind:ident ),* },
+            $ret:ty, $wire:ty, $to_ret:tt, $to_wire:tt) )*) => {
+        $(
+            fn $name<'a>(&'a self, cx: &'a Ctx, $( $f: $ty ),*) -> Fut<'a, $ret> {
+                // A struct literal needs a type name, not a path fragment.
+                type Req = $req;
+                let req = Req { $( $f: wire_arg!($kind, self, $f) ),* };
+                let f = self.call::<$wire>(cx, Op::$op, &req);
+                Box::pin(async move { f.await.map($to_ret) })
+            }
+        )*
+    };
+}
+
 /// The control fops ([`kiln_layer::for_each_control_fop`]): `(path, argument)` out, one value
 /// back.
 macro_rules! control_methods {
@@ -292,32 +327,6 @@ impl Layer for ProtocolClient {
         !dead
     }
 
-    fn lookup<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, Attr> {
-        self.call(cx, Op::Lookup, &PathReq { path: path(p) })
-    }
-
-    fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
-        let fh = try_fut!(self.fh(fd));
-        self.call(cx, Op::Fstat, &HandleReq { fh })
-    }
-
-    fn setattr<'a>(&'a self, cx: &'a Ctx, p: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        let req = SetattrReq {
-            path: path(p),
-            attrs: attrs.clone(),
-        };
-        self.call(cx, Op::Setattr, &req)
-    }
-
-    fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        let fh = try_fut!(self.fh(fd));
-        let req = FsetattrReq {
-            fh,
-            attrs: attrs.clone(),
-        };
-        self.call(cx, Op::Fsetattr, &req)
-    }
-
     fn open<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32) -> Fut<'a, Fd> {
         self.open_as(cx, Op::Open, p, flags)
     }
@@ -327,6 +336,7 @@ impl Layer for ProtocolClient {
     }
 
     kiln_layer::for_each_control_fop!(control_methods);
+    kiln_layer::for_each_path_fop!(path_methods);
 
     fn create<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
         let req = CreateReq {
@@ -404,42 +414,9 @@ impl Layer for ProtocolClient {
         })
     }
 
-    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
-        let fh = try_fut!(self.fh(fd));
-        self.unit(cx, Op::Fsync, &FsyncReq { fh, datasync })
-    }
-
     fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
         let fh = try_fut!(self.fh(&fd));
         self.unit(cx, Op::Release, &HandleReq { fh })
-    }
-
-    fn unlink<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, ()> {
-        self.unit(cx, Op::Unlink, &PathReq { path: path(p) })
-    }
-
-    fn mkdir<'a>(&'a self, cx: &'a Ctx, p: &'a str, mode: u32) -> Fut<'a, Attr> {
-        self.call(
-            cx,
-            Op::Mkdir,
-            &MkdirReq {
-                path: path(p),
-                mode,
-            },
-        )
-    }
-
-    fn rmdir<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, ()> {
-        self.unit(cx, Op::Rmdir, &PathReq { path: path(p) })
-    }
-
-    fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
-        let req = RenameReq {
-            from: path(from),
-            to: path(to),
-            flags,
-        };
-        self.unit(cx, Op::Rename, &req)
     }
 
     fn readdir<'a>(
@@ -455,40 +432,6 @@ impl Layer for ProtocolClient {
             max,
         };
         self.call(cx, Op::Readdir, &req)
-    }
-
-    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, p: &'a str) -> Fut<'a, Attr> {
-        let req = SymlinkReq {
-            target: target.into(),
-            path: path(p),
-        };
-        self.call(cx, Op::Symlink, &req)
-    }
-
-    fn readlink<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, String> {
-        let f = self.call::<ReadlinkReply>(cx, Op::Readlink, &PathReq { path: path(p) });
-        Box::pin(async move { Ok(f.await?.target) })
-    }
-
-    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, p: &'a str) -> Fut<'a, Attr> {
-        let req = LinkReq {
-            existing: path(existing),
-            path: path(p),
-        };
-        self.call(cx, Op::Link, &req)
-    }
-
-    fn statfs<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, StatfsReply> {
-        self.call(cx, Op::Statfs, &PathReq { path: path(p) })
-    }
-
-    fn getxattr<'a>(&'a self, cx: &'a Ctx, p: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
-        let req = XattrReq {
-            path: path(p),
-            name: name.into(),
-        };
-        let f = self.call::<XattrValue>(cx, Op::Getxattr, &req);
-        Box::pin(async move { Ok(f.await?.value) })
     }
 
     fn setxattr<'a>(
@@ -522,31 +465,5 @@ impl Layer for ProtocolClient {
             name: name.into(),
         };
         self.unit(cx, Op::Removexattr, &req)
-    }
-
-    fn fallocate<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        mode: u32,
-        offset: u64,
-        len: u64,
-    ) -> Fut<'a, ()> {
-        let fh = try_fut!(self.fh(fd));
-        self.unit(
-            cx,
-            Op::Fallocate,
-            &FallocateReq {
-                fh,
-                mode,
-                offset,
-                len,
-            },
-        )
-    }
-
-    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
-        let fh = try_fut!(self.fh(fd));
-        self.unit(cx, Op::Discard, &DiscardReq { fh, offset, len })
     }
 }

@@ -275,6 +275,74 @@ macro_rules! for_each_fop {
     };
 }
 
+/// Calls `$m!` with the path fops whose request is one argument struct and whose reply is one
+/// value: name, opcode, the request type with each field's Layer argument (`field: type =>
+/// kind`, where kind says how it crosses the wire: `path` is normalised by the client, `text`
+/// is sent as given, `val` is copied, `refd` is borrowed from the request on the brick,
+/// `handle` is an open file, sent as the brick's handle number `fh`), the
+/// fop's result type, the reply's wire type, and the two conversions between them. The brick's
+/// dispatch and the protocol client's encoding of these fops are generated from this list;
+/// each is also in [`for_each_fop`] (a fop missing from either side, or written by hand as
+/// well, does not compile).
+#[macro_export]
+macro_rules! for_each_path_fop {
+    ($m:ident $(, $extra:tt)*) => {
+        $m! {
+            ($($extra)*)
+            (lookup, Lookup, $crate::__wire::PathReq { path: &'a str => path },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (fstat, Fstat, $crate::__wire::HandleReq { fh: &'a $crate::Fd => handle },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (fsetattr, Fsetattr,
+                $crate::__wire::FsetattrReq { fh: &'a $crate::Fd => handle, attrs: &'a $crate::SetAttrs => refd },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (fsync, Fsync,
+                $crate::__wire::FsyncReq { fh: &'a $crate::Fd => handle, datasync: bool => val },
+                (), (), (|r| r), (|v| v))
+            (fallocate, Fallocate,
+                $crate::__wire::FallocateReq {
+                    fh: &'a $crate::Fd => handle, mode: u32 => val, offset: u64 => val, len: u64 => val
+                },
+                (), (), (|r| r), (|v| v))
+            (discard, Discard,
+                $crate::__wire::DiscardReq { fh: &'a $crate::Fd => handle, offset: u64 => val, len: u64 => val },
+                (), (), (|r| r), (|v| v))
+            (setattr, Setattr,
+                $crate::__wire::SetattrReq { path: &'a str => path, attrs: &'a $crate::SetAttrs => refd },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (unlink, Unlink, $crate::__wire::PathReq { path: &'a str => path },
+                (), (), (|r| r), (|v| v))
+            (mkdir, Mkdir, $crate::__wire::MkdirReq { path: &'a str => path, mode: u32 => val },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (rmdir, Rmdir, $crate::__wire::PathReq { path: &'a str => path },
+                (), (), (|r| r), (|v| v))
+            (rename, Rename,
+                $crate::__wire::RenameReq { from: &'a str => path, to: &'a str => path, flags: u32 => val },
+                (), (), (|r| r), (|v| v))
+            (symlink, Symlink,
+                $crate::__wire::SymlinkReq { target: &'a str => text, path: &'a str => path },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (readlink, Readlink, $crate::__wire::PathReq { path: &'a str => path },
+                String, $crate::__wire::ReadlinkReply,
+                (|r: $crate::__wire::ReadlinkReply| r.target),
+                (|v| $crate::__wire::ReadlinkReply { target: v }))
+            (link, Link,
+                $crate::__wire::LinkReq { existing: &'a str => path, path: &'a str => path },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (statfs, Statfs, $crate::__wire::PathReq { path: &'a str => path },
+                $crate::StatfsReply, $crate::StatfsReply, (|r| r), (|v| v))
+            (getxattr, Getxattr,
+                $crate::__wire::XattrReq { path: &'a str => path, name: &'a str => text },
+                Vec<u8>, $crate::__wire::XattrValue,
+                (|r: $crate::__wire::XattrValue| r.value),
+                (|v| $crate::__wire::XattrValue { value: v }))
+        }
+    };
+}
+
+#[doc(hidden)]
+pub use kiln_proto::ops as __wire;
+
 /// Calls `$m!` with the control fops: the fops whose request is `(path, argument)` and whose
 /// reply is one value, both encoded with the argument codec — the replication control fops
 /// (what replicas missed, heal locks and sessions) and the distribute layout. The protocol

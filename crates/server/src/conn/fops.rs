@@ -20,7 +20,6 @@ impl Conn {
         cx: Ctx,
     ) -> Result<Step, Fail> {
         let stack = self.stack.clone();
-        let stats = self.stats.clone();
         cx.stamp(|| "brick: dispatch".into());
         fn reply(v: &impl Wire) -> Result<Done, Errno> {
             Ok(Done::Reply(v.to_wire(), Body::None))
@@ -38,23 +37,6 @@ impl Conn {
             Op::Auth => self.auth(args),
             Op::Profile => self.profile(args),
             Op::Mgmt => self.mgmt(args),
-            Op::Lookup => {
-                let req = PathReq::from_wire(args)?;
-                stack!(reply(&stack.lookup(&cx, &req.path).await?))
-            }
-            Op::Fstat => {
-                let fd = self.handle(HandleReq::from_wire(args)?.fh)?;
-                stack!(reply(&stack.fstat(&cx, &fd).await?))
-            }
-            Op::Setattr => {
-                let req = SetattrReq::from_wire(args)?;
-                stack!(reply(&stack.setattr(&cx, &req.path, &req.attrs).await?))
-            }
-            Op::Fsetattr => {
-                let req = FsetattrReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!(reply(&stack.fsetattr(&cx, &fd, &req.attrs).await?))
-            }
             Op::Open => {
                 let req = OpenReq::from_wire(args)?;
                 stack!(Ok(Done::Open(stack.open(&cx, &req.path, req.flags).await?)))
@@ -66,71 +48,13 @@ impl Conn {
                     Ok(Done::Create(fd, attr))
                 })
             }
-            Op::Read => {
-                let req = ReadReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                let len = req.len.min(kiln_proto::MAX_PAYLOAD_LEN);
-                stack!({
-                    let body = match stack.read(&cx, &fd, req.offset, ReadDst::Any(len)).await? {
-                        ReadOut::Buf(b) => Body::Buf(b),
-                        ReadOut::File { file, offset, len } => Body::File { file, offset, len },
-                        ReadOut::Into { .. } => return Err(errno::EIO),
-                    };
-                    stats.add_read(body.len());
-                    Ok(Done::Reply(Vec::new(), body))
-                })
-            }
-            Op::Write => {
-                let req = WriteReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    let w = stack
-                        .write(&cx, &fd, req.offset, IoBufs::owned(vec![payload]))
-                        .await?;
-                    stats.add_written(w.n);
-                    reply(&WriteReply {
-                        written: w.n as u32,
-                    })
-                })
-            }
-            Op::Fsync => {
-                let req = FsyncReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    stack.fsync(&cx, &fd, req.datasync).await?;
-                    empty()
-                })
-            }
+            Op::Read => self.read(stack, args, cx),
+            Op::Write => self.write(stack, args, payload, cx),
             Op::Release => {
                 let fh = HandleReq::from_wire(args)?.fh;
                 let fd = self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
                 stack!({
                     stack.release(&cx, fd).await?;
-                    empty()
-                })
-            }
-            Op::Unlink => {
-                let req = PathReq::from_wire(args)?;
-                stack!({
-                    stack.unlink(&cx, &req.path).await?;
-                    empty()
-                })
-            }
-            Op::Mkdir => {
-                let req = MkdirReq::from_wire(args)?;
-                stack!(reply(&stack.mkdir(&cx, &req.path, req.mode).await?))
-            }
-            Op::Rmdir => {
-                let req = PathReq::from_wire(args)?;
-                stack!({
-                    stack.rmdir(&cx, &req.path).await?;
-                    empty()
-                })
-            }
-            Op::Rename => {
-                let req = RenameReq::from_wire(args)?;
-                stack!({
-                    stack.rename(&cx, &req.from, &req.to, req.flags).await?;
                     empty()
                 })
             }
@@ -141,30 +65,6 @@ impl Conn {
                 stack!(reply(
                     &stack.readdir(&cx, &req.path, req.offset, max).await?
                 ))
-            }
-            Op::Symlink => {
-                let req = SymlinkReq::from_wire(args)?;
-                stack!(reply(&stack.symlink(&cx, &req.target, &req.path).await?))
-            }
-            Op::Readlink => {
-                let req = PathReq::from_wire(args)?;
-                stack!(reply(&ReadlinkReply {
-                    target: stack.readlink(&cx, &req.path).await?,
-                }))
-            }
-            Op::Link => {
-                let req = LinkReq::from_wire(args)?;
-                stack!(reply(&stack.link(&cx, &req.existing, &req.path).await?))
-            }
-            Op::Statfs => {
-                let req = PathReq::from_wire(args)?;
-                stack!(reply(&stack.statfs(&cx, &req.path).await?))
-            }
-            Op::Getxattr => {
-                let req = XattrReq::from_wire(args)?;
-                stack!(reply(&XattrValue {
-                    value: stack.getxattr(&cx, &req.path, &req.name).await?,
-                }))
             }
             Op::Setxattr => {
                 let req = SetxattrReq::from_wire(args)?;
@@ -190,32 +90,50 @@ impl Conn {
                     empty()
                 })
             }
-            Op::Fallocate => {
-                let req = FallocateReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    stack
-                        .fallocate(&cx, &fd, req.mode, req.offset, req.len)
-                        .await?;
-                    empty()
-                })
-            }
             kiln_layer::for_each_control_fop!(control_ops) => control(stack, op, args, cx),
+            kiln_layer::for_each_path_fop!(path_ops) => self.path_fop(stack, op, args, cx),
             Op::HealOpen => {
                 let req = OpenReq::from_wire(args)?;
                 stack!(Ok(Done::Open(
                     stack.heal_open(&cx, &req.path, req.flags).await?
                 )))
             }
-            Op::Discard => {
-                let req = DiscardReq::from_wire(args)?;
-                let fd = self.handle(req.fh)?;
-                stack!({
-                    stack.discard(&cx, &fd, req.offset, req.len).await?;
-                    empty()
-                })
-            }
         }
+    }
+
+    /// READ: the data comes back as a buffer or as a file region the reply sends with
+    /// `sendfile`.
+    fn read(&self, stack: LayerRef, args: &[u8], cx: Ctx) -> Result<Step, Fail> {
+        let req = ReadReq::from_wire(args)?;
+        let fd = self.handle(req.fh)?;
+        let len = req.len.min(kiln_proto::MAX_PAYLOAD_LEN);
+        let stats = self.stats.clone();
+        Ok(Step::Stack(Box::pin(async move {
+            let body = match stack.read(&cx, &fd, req.offset, ReadDst::Any(len)).await? {
+                ReadOut::Buf(b) => Body::Buf(b),
+                ReadOut::File { file, offset, len } => Body::File { file, offset, len },
+                ReadOut::Into { .. } => return Err(errno::EIO),
+            };
+            stats.add_read(body.len());
+            Ok(Done::Reply(Vec::new(), body))
+        })))
+    }
+
+    /// WRITE: the payload was received straight into the buffer written from.
+    fn write(&self, stack: LayerRef, args: &[u8], payload: Vec<u8>, cx: Ctx) -> Result<Step, Fail> {
+        let req = WriteReq::from_wire(args)?;
+        let fd = self.handle(req.fh)?;
+        let stats = self.stats.clone();
+        Ok(Step::Stack(Box::pin(async move {
+            let w = stack
+                .write(&cx, &fd, req.offset, IoBufs::owned(vec![payload]))
+                .await?;
+            stats.add_written(w.n);
+            let r = WriteReply {
+                written: w.n as u32,
+            };
+            Ok(Done::Reply(r.to_wire(), Body::None))
+        })))
     }
 
     /// HELLO: the client's name and metrics endpoint; the server's limits and, with a secret,
@@ -364,3 +282,58 @@ macro_rules! control_fn {
     };
 }
 kiln_layer::for_each_control_fop!(control_fn);
+
+/// The ops of [`kiln_layer::for_each_path_fop`], as a pattern.
+macro_rules! path_ops {
+    (() $( ($name:ident, $op:ident, $($rest:tt)*) )*) => {
+        $( Op::$op )|*
+    };
+}
+use path_ops;
+
+/// A path fop's request field, taken out before the fop runs: a handle number becomes the
+/// open file it names (or the request fails with EBADF).
+macro_rules! take_arg {
+    (handle, $conn:expr, $e:expr) => {
+        $conn.handle($e)?
+    };
+    ($kind:ident, $conn:expr, $e:expr) => {
+        $e
+    };
+}
+
+/// A path fop's argument as the stack takes it.
+macro_rules! stack_arg {
+    (val, $e:expr) => {
+        $e
+    };
+    ($kind:ident, $e:expr) => {
+        &$e
+    };
+}
+
+/// Runs a path fop: decodes its request, calls the stack, encodes its reply.
+macro_rules! path_fn {
+    (() $( ($name:ident, $op:ident, $req:path { $( $f:ident : $ty:ty => $kind:ident ),* },
+            $ret:ty, $wire:ty, $to_ret:tt, $to_wire:tt) )*) => {
+        impl Conn {
+            fn path_fop(&self, stack: LayerRef, op: Op, args: &[u8], cx: Ctx) -> Result<Step, Fail> {
+                match op {
+                    $(
+                        Op::$op => {
+                            let req = <$req>::from_wire(args)?;
+                            $( let $f = take_arg!($kind, self, req.$f); )*
+                            Ok(Step::Stack(Box::pin(async move {
+                                let r: $ret = stack.$name(&cx, $( stack_arg!($kind, $f) ),*).await?;
+                                let w: $wire = $to_wire(r);
+                                Ok(Done::Reply(w.to_wire(), Body::None))
+                            })))
+                        }
+                    )*
+                    _ => Err(Fail::Errno(errno::ENOSYS)),
+                }
+            }
+        }
+    };
+}
+kiln_layer::for_each_path_fop!(path_fn);

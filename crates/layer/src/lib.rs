@@ -12,16 +12,14 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-pub mod distribute;
 pub mod exec;
-pub mod faults;
-pub mod heal;
-pub mod iostats;
-pub mod marks;
+pub mod layers;
 pub mod metrics;
-pub mod replicate;
 pub mod trace;
 pub mod volfile;
+
+pub use layers::replicate::{heal, marks};
+pub use layers::{distribute, faults, iostats, replicate};
 
 use std::any::Any;
 use std::fs::File;

@@ -3,11 +3,8 @@
 
 pub mod access;
 pub mod auth;
-pub mod brick;
 pub mod conn;
 pub mod control;
-pub mod marks;
-pub mod posix;
 pub mod stats;
 
 use std::os::fd::OwnedFd;
@@ -17,8 +14,9 @@ use std::sync::Arc;
 
 use tokio::net::{TcpListener, UnixListener};
 
-pub use brick::Brick;
 pub use conn::Limits;
+pub use kiln_layer::layers::posix::brick::{self, Brick};
+pub use kiln_layer::layers::{marks, posix};
 pub use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_layer::LayerRef;
 pub use stats::Stats;

@@ -5,7 +5,7 @@ use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::ops::*;
 use kiln_proto::{errno, Op};
 
-use crate::brick::Errno;
+use kiln_layer::Errno;
 
 use super::*;
 

@@ -28,10 +28,10 @@ use kiln_proto::{errno, Op};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
-use crate::brick::Errno;
 use crate::stats::Stats;
+use kiln_layer::Errno;
 
-pub use crate::posix::SENDFILE_MIN;
+pub use kiln_layer::layers::posix::SENDFILE_MIN;
 
 mod fops;
 mod send;

@@ -3,16 +3,16 @@
 use std::path::Path;
 
 use super::*;
-use kiln_layer::marks::{self as m, CondFlag, CondMark, HealInfo, HealReq, Mark};
-use kiln_layer::{Ctx, IoBufs, Layer, SetAttrs};
+use crate::marks::{self as m, CondFlag, CondMark, HealInfo, HealReq, Mark};
+use crate::{Ctx, IoBufs, Layer, SetAttrs};
 use kiln_proto::ops::SETATTR_SIZE;
 use kiln_proto::Wire;
 
 const K: u64 = 1024;
 
 fn stack(dir: &Path) -> Marks {
-    let brick = Arc::new(crate::Brick::open(dir).unwrap());
-    let posix: LayerRef = Arc::new(crate::posix::Posix::new("posix", brick));
+    let brick = Arc::new(crate::layers::posix::brick::Brick::open(dir).unwrap());
+    let posix: LayerRef = Arc::new(crate::layers::posix::Posix::new("posix", brick));
     Marks::new("marks", posix, dir).unwrap()
 }
 

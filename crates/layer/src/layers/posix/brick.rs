@@ -15,7 +15,7 @@ use kiln_proto::errno;
 use kiln_proto::ops::*;
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
 
-pub use kiln_layer::{Errno, FopResult};
+pub use crate::{Errno, FopResult};
 
 /// The directory inside a brick that holds Kiln's own records (the marks layer's log):
 /// clients cannot name it.

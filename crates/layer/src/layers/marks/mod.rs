@@ -3,7 +3,7 @@
 //! The replicate layer (client side) writes marks on the replicas that took a change another
 //! replica missed, and reads them to keep a replica that is behind from serving reads; heal
 //! reads the index, copies the marked ranges and clears them. All of that travels as
-//! typed replication control fops ([`kiln_layer::marks`]) which this layer answers itself.
+//! typed replication control fops ([`crate::marks`]) which this layer answers itself.
 //!
 //! Records live in memory and in an append-only log, `.kiln/pending.log` in the brick
 //! directory (clients cannot name `.kiln`: the brick refuses the path). The log is written
@@ -24,7 +24,7 @@
 //! by other connections wait for the lock to go (or its lease to lapse). When no lock exists
 //! the cost of a write is one uncontended mutex and a short vector push/pop.
 //!
-//! Heal sessions (see [`kiln_layer::marks`]): on the replica being healed, a heal `begin`s a
+//! Heal sessions (see [`crate::marks`]): on the replica being healed, a heal `begin`s a
 //! session on a file; from then until it `end`s (or its lease lapses) every change that another
 //! connection makes to the file adds its range to the session's record, at the moment it is
 //! let through (under the file's state mutex, with the write registered in flight), and the
@@ -51,8 +51,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kiln_layer::marks::RangeSet;
-use kiln_layer::{Fd, FopResult, LayerRef};
+use crate::marks::RangeSet;
+use crate::{Fd, FopResult, LayerRef};
 
 mod control;
 mod layer;
@@ -62,7 +62,7 @@ mod sessions;
 #[cfg(test)]
 mod tests;
 
-pub use crate::brick::STATE_DIR;
+pub use crate::layers::posix::brick::STATE_DIR;
 const LOG: &str = "pending.log";
 /// The compaction's temporary file, renamed over [`LOG`].
 const LOG_NEW: &str = "pending.log.new";

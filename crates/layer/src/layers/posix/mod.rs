@@ -8,14 +8,16 @@
 use std::fs::File;
 use std::sync::Arc;
 
-use kiln_layer::{
+use crate::{
     errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, RawIov, ReadDst, ReadOut,
     ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
-use kiln_layer::distribute::{Layout, LAYOUT_XATTR};
+use crate::distribute::{Layout, LAYOUT_XATTR};
 
-use crate::brick::{self, Brick};
+use brick::Brick;
+
+pub mod brick;
 
 /// Reads at or above this size are handed up as a file region, sent with `sendfile`; smaller
 /// ones are read into a buffer and gathered with their header into one `sendmsg`.
@@ -302,12 +304,12 @@ impl Layer for Posix {
 /// blocking thread pool so the connection keeps serving; everything else passes inline.
 pub struct Dispatch {
     name: String,
-    children: [kiln_layer::LayerRef; 1],
+    children: [crate::LayerRef; 1],
 }
 
 impl Dispatch {
     /// A dispatch layer above `child`. Must run inside a Tokio runtime.
-    pub fn new(name: &str, child: kiln_layer::LayerRef) -> Dispatch {
+    pub fn new(name: &str, child: crate::LayerRef) -> Dispatch {
         Dispatch {
             name: name.into(),
             children: [child],
@@ -317,7 +319,7 @@ impl Dispatch {
     /// Runs `f` (a fop on the child) on the blocking pool.
     fn offload<'a>(
         &'a self,
-        f: impl FnOnce(kiln_layer::LayerRef) -> FopResult<()> + Send + 'static,
+        f: impl FnOnce(crate::LayerRef) -> FopResult<()> + Send + 'static,
     ) -> Fut<'a, ()> {
         let child = self.children[0].clone();
         let h = tokio::task::spawn_blocking(move || f(child));
@@ -330,13 +332,13 @@ impl Layer for Dispatch {
         &self.name
     }
 
-    fn children(&self) -> &[kiln_layer::LayerRef] {
+    fn children(&self) -> &[crate::LayerRef] {
         &self.children
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
         let (cx, fd) = (cx.clone(), fd.clone());
-        self.offload(move |c| kiln_layer::exec::block_on(c.fsync(&cx, &fd, datasync)))
+        self.offload(move |c| crate::exec::block_on(c.fsync(&cx, &fd, datasync)))
     }
 
     fn fallocate<'a>(
@@ -348,11 +350,11 @@ impl Layer for Dispatch {
         len: u64,
     ) -> Fut<'a, ()> {
         let (cx, fd) = (cx.clone(), fd.clone());
-        self.offload(move |c| kiln_layer::exec::block_on(c.fallocate(&cx, &fd, mode, offset, len)))
+        self.offload(move |c| crate::exec::block_on(c.fallocate(&cx, &fd, mode, offset, len)))
     }
 
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
         let (cx, fd) = (cx.clone(), fd.clone());
-        self.offload(move |c| kiln_layer::exec::block_on(c.discard(&cx, &fd, offset, len)))
+        self.offload(move |c| crate::exec::block_on(c.discard(&cx, &fd, offset, len)))
     }
 }

@@ -3,8 +3,8 @@
 
 use std::time::Instant;
 
-use kiln_layer::marks::{self as m};
-use kiln_layer::{fail, Ctx, Fd, FopResult, Fut};
+use crate::marks::{self as m};
+use crate::{fail, Ctx, Fd, FopResult, Fut};
 
 use super::*;
 

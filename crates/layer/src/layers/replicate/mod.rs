@@ -41,6 +41,9 @@ use crate::{
     ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
+pub mod heal;
+pub mod marks;
+
 /// Stale handle: the replica's connection was re-established since the handle was opened.
 pub const ESTALE: Errno = 116;
 const ENOENT: Errno = errno::ENOENT;

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use kiln_layer::marks::{
+use crate::marks::{
     CondFlag, CondMark, FlagMark, HealInfo, HealReq, IndexPage, LockReq, Mark, PendingPage,
 };
-use kiln_layer::{
+use crate::{
     fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, SetAttrs,
     Written,
 };

@@ -7,8 +7,8 @@ use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
-use kiln_layer::marks::{self as m};
-use kiln_layer::{errno, FopResult};
+use crate::marks::{self as m};
+use crate::{errno, FopResult};
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 

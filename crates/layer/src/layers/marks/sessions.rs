@@ -3,8 +3,8 @@
 
 use std::time::Instant;
 
-use kiln_layer::marks::{self as m, HealInfo, RangeSet};
-use kiln_layer::{errno, Ctx, Fut, IoBufs, Written};
+use crate::marks::{self as m, HealInfo, RangeSet};
+use crate::{errno, Ctx, Fut, IoBufs, Written};
 
 use super::locks::{len_of, span, Entered};
 use super::*;

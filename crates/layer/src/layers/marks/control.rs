@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 
-use kiln_layer::marks::{
+use crate::marks::{
     self as m, CondFlag, CondMark, FlagMark, HealReq, IndexEntry, IndexPage, LockReq, Mark,
     PendingPage, RangeSet,
 };
-use kiln_layer::{fail, Fut};
+use crate::{fail, Fut};
 use kiln_proto::codec::Seq;
 
 use super::locks::span;
@@ -95,31 +95,31 @@ impl Marks {
 
     /// MARK_ADD (`b'A'`) or MARK_CLEAR (`b'C'`).
     pub(super) fn apply_mark(&self, kind: u8, path: &str, mark: &Mark) -> FopResult<()> {
-        crate::brick::check_path(path)?;
+        crate::layers::posix::brick::check_path(path)?;
         self.apply(&[(kind, path, mark.target, mark.offset, mark.len)])
     }
 
     /// FLAG_ADD.
     pub(super) fn apply_flag(&self, path: &str, f: &FlagMark) -> FopResult<()> {
-        crate::brick::check_path(path)?;
+        crate::layers::posix::brick::check_path(path)?;
         self.apply(&[(b'F', path, f.target, u64::from(f.flags), 0)])
     }
 
     /// FLAG_CLEAR_IF.
     pub(super) fn apply_flag_clear(&self, path: &str, c: &CondFlag) -> FopResult<()> {
-        crate::brick::check_path(path)?;
+        crate::layers::posix::brick::check_path(path)?;
         self.clear_flags_if(path, c.target, c.gen, c.flags, c.data == 1)
     }
 
     /// MARK_CLEAR_IF.
     pub(super) fn apply_mark_clear(&self, path: &str, c: &CondMark) -> FopResult<()> {
-        crate::brick::check_path(path)?;
+        crate::layers::posix::brick::check_path(path)?;
         self.clear_if(path, c.target, c.gen, c.offset, c.len)
     }
 
     /// HEAL_SESSION: `begin` 1 begins (afresh), anything else ends the caller's session.
     pub(super) fn apply_session(&self, owner: u64, path: &str, req: &HealReq) -> FopResult<()> {
-        crate::brick::check_path(path)?;
+        crate::layers::posix::brick::check_path(path)?;
         if req.begin == 1 {
             self.heal_begin(owner, path);
         } else {
@@ -130,7 +130,7 @@ impl Marks {
 
     /// HEAL_LOCK: `lock` 1 takes the range (waiting for writes in flight), else drops it.
     pub(super) fn lock_req<'a>(&'a self, owner: u64, path: &'a str, req: &LockReq) -> Fut<'a, ()> {
-        if let Err(e) = crate::brick::check_path(path) {
+        if let Err(e) = crate::layers::posix::brick::check_path(path) {
             return fail(e);
         }
         let (start, end) = span(req.offset, req.len);

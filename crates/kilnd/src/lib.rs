@@ -196,17 +196,9 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         for a in server.local_addrs() {
             say(&format!("kilnd: listening on {a}"));
         }
-        if args.metrics != "off" {
-            let stats = server.stats();
-            let extra: kiln_layer::metrics::Extra =
-                Arc::new(move |out: &mut String| stats.render(out));
-            match kiln_layer::metrics::serve(&args.metrics, "kilnd", Some(extra)) {
-                Ok(ep) => say(&format!("kilnd: metrics on http://{}/metrics", ep.addr)),
-                Err(e) => {
-                    eprintln!("kilnd: cannot serve metrics on {}: {e}", args.metrics);
-                    return std::process::ExitCode::FAILURE;
-                }
-            }
+        if let Err(e) = serve_metrics(&args.metrics, &server) {
+            eprintln!("kilnd: {e}");
+            return std::process::ExitCode::FAILURE;
         }
         use std::io::Write;
         let _ = std::io::stdout().flush();
@@ -292,16 +284,24 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         if let Some(a) = addr {
             say(&format!("kilnd: management on {a}"));
         }
-        if args.metrics != "off" {
-            let stats = server.stats();
-            let extra: kiln_layer::metrics::Extra =
-                Arc::new(move |out: &mut String| stats.render(out));
-            match kiln_layer::metrics::serve(&args.metrics, "kilnd", Some(extra)) {
-                Ok(ep) => say(&format!("kilnd: metrics on http://{}/metrics", ep.addr)),
-                Err(e) => return fail(format!("cannot serve metrics on {}: {e}", args.metrics)),
-            }
+        if let Err(e) = serve_metrics(&args.metrics, &server) {
+            return fail(e);
         }
         server.run().await;
         std::process::ExitCode::SUCCESS
     })
+}
+
+/// Serves `/metrics` (the server's counters with the process's io-stats) on `addr` unless it is
+/// "off", and prints where.
+fn serve_metrics(addr: &str, server: &Server) -> Result<(), String> {
+    if addr == "off" {
+        return Ok(());
+    }
+    let stats = server.stats();
+    let extra: kiln_layer::metrics::Extra = Arc::new(move |out: &mut String| stats.render(out));
+    let ep = kiln_layer::metrics::serve(addr, "kilnd", Some(extra))
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    say(&format!("kilnd: metrics on http://{}/metrics", ep.addr));
+    Ok(())
 }

@@ -2,9 +2,8 @@
 //! not a client's to change: against a kilnd running a replica brick's stack (io-stats → marks
 //! → dispatch → posix).
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 
 use kiln_client::protocol::ProtocolClient;
@@ -13,6 +12,8 @@ use kiln_layer::distribute::{Layout, LAYOUT_XATTR};
 use kiln_layer::marks::{HealReq, LockReq, Mark, WHOLE};
 use kiln_layer::{Ctx, Layer};
 use kiln_proto::ops::PROFILE_INFO;
+
+mod common;
 
 struct Brick {
     child: Child,
@@ -36,23 +37,13 @@ impl Brick {
         let vf = dir.path().join("brick.vol");
         std::fs::write(&vf, kiln_server::replica_volfile(&brick, "brick").to_toml()).unwrap();
         let log = dir.path().join("kilnd.log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-            .arg("--volfile")
-            .arg(&vf)
-            .args(["--listen", "tcp:127.0.0.1:0", "--metrics", "off"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("kilnd: listening on ")
-            .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"))
-            .to_owned();
+        let args = [
+            "--volfile".as_ref(),
+            vf.as_os_str(),
+            "--metrics".as_ref(),
+            "off".as_ref(),
+        ];
+        let (child, addr) = common::spawn_kilnd(&args, Some(&log));
         Brick {
             child,
             addr,

@@ -199,15 +199,21 @@ pub fn spawn_tcp_kilnd(
     extra: &[&std::ffi::OsStr],
     log: Option<&std::path::Path>,
 ) -> (Child, String) {
+    let mut args: Vec<&std::ffi::OsStr> = vec!["--brick".as_ref(), brick.as_os_str()];
+    args.extend_from_slice(extra);
+    spawn_kilnd(&args, log)
+}
+
+/// Starts kilnd with `args` (which name its brick or volfile) listening on a free loopback TCP
+/// port, stderr to `log` (or discarded); returns the child and its address without `tcp:`.
+pub fn spawn_kilnd(args: &[&std::ffi::OsStr], log: Option<&std::path::Path>) -> (Child, String) {
     let stderr = match log {
         Some(p) => Stdio::from(std::fs::File::create(p).expect("log file")),
         None => Stdio::null(),
     };
     let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-        .arg("--brick")
-        .arg(brick)
+        .args(args)
         .args(["--listen", "tcp:127.0.0.1:0"])
-        .args(extra)
         .stdout(Stdio::piped())
         .stderr(stderr)
         .spawn()

@@ -91,6 +91,54 @@ fn check_len(total: usize) -> io::Result<u32> {
     Ok(total as u32)
 }
 
+/// A path fop's parameter type on [`Client`]: an open file is a brick handle number.
+macro_rules! client_ty {
+    (handle, $ty:ty) => {
+        Fh
+    };
+    ($kind:ident, $ty:ty) => {
+        $ty
+    };
+}
+
+/// A path fop's argument as its request field, on [`Client`].
+macro_rules! client_arg {
+    (path, $e:expr) => {
+        wire_path($e)
+    };
+    (text, $e:expr) => {
+        $e.to_owned()
+    };
+    (val, $e:expr) => {
+        $e
+    };
+    (refd, $e:expr) => {
+        $e.clone()
+    };
+    (handle, $e:expr) => {
+        $e.0
+    };
+}
+
+/// [`Client`]'s path and handle fops, from [`kiln_layer::for_each_path_fop`]: the same
+/// requests the protocol-client layer sends, with brick handle numbers for open files.
+macro_rules! client_methods {
+    (() $( ($name:ident, $op:ident, $req:path { $( $f:ident : $ty:ty => $kind:ident ),* },
+            $ret:ty, $wire:ty, $to_ret:tt, $to_wire:tt) )*) => {
+        $(
+            #[doc = concat!("The `", stringify!($name), "` fop (see `kiln_layer::Layer`).")]
+            // The table's types borrow for 'a; a fop whose only argument is a handle has none.
+            #[allow(clippy::extra_unused_lifetimes)]
+            pub async fn $name<'a>(&self, $( $f: client_ty!($kind, $ty) ),*) -> io::Result<$ret> {
+                // A struct literal needs a type name, not a path fragment.
+                type Req = $req;
+                let req = Req { $( $f: client_arg!($kind, $f) ),* };
+                self.call::<$wire>(Op::$op, &req).await.map($to_ret)
+            }
+        )*
+    };
+}
+
 impl Client {
     /// Connects to a brick at `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH` and says hello. When
     /// the brick requires a secret, it is read from the file named by `KILN_SECRET_FILE`.
@@ -336,6 +384,8 @@ impl Client {
         self.call_raw(op, req.to_wire()).await.map(|_| ())
     }
 
+    kiln_layer::for_each_path_fop!(client_methods);
+
     /// Profiling on the brick: `cmd` is `PROFILE_INFO`, `PROFILE_START` or `PROFILE_STOP`
     /// (see `kiln_proto::ops`). Returns the brick's io-stats report as JSON, with the metrics
     /// endpoints its clients announced.
@@ -364,40 +414,6 @@ impl Client {
                 format!("bad profile reply: {e}"),
             )
         })
-    }
-
-    /// Attributes of `path`, not following a final symlink.
-    pub async fn lookup(&self, path: &str) -> io::Result<Attr> {
-        self.call(
-            Op::Lookup,
-            &PathReq {
-                path: wire_path(path),
-            },
-        )
-        .await
-    }
-
-    /// Attributes of an open file.
-    pub async fn fstat(&self, fh: Fh) -> io::Result<Attr> {
-        self.call(Op::Fstat, &HandleReq { fh: fh.0 }).await
-    }
-
-    /// Changes the attributes `attrs.valid` selects on `path`.
-    pub async fn setattr(&self, path: &str, attrs: SetAttrs) -> io::Result<Attr> {
-        self.call(
-            Op::Setattr,
-            &SetattrReq {
-                path: wire_path(path),
-                attrs,
-            },
-        )
-        .await
-    }
-
-    /// Changes the attributes `attrs.valid` selects on an open file (works after unlink).
-    pub async fn fsetattr(&self, fh: Fh, attrs: SetAttrs) -> io::Result<Attr> {
-        self.call(Op::Fsetattr, &FsetattrReq { fh: fh.0, attrs })
-            .await
     }
 
     /// Opens an existing file with Linux `O_*` flags.
@@ -434,59 +450,6 @@ impl Client {
         self.call_unit(Op::Release, &HandleReq { fh: fh.0 }).await
     }
 
-    /// Flushes a file to stable storage (`datasync`: data only, like `fdatasync`).
-    pub async fn fsync(&self, fh: Fh, datasync: bool) -> io::Result<()> {
-        self.call_unit(Op::Fsync, &FsyncReq { fh: fh.0, datasync })
-            .await
-    }
-
-    /// Removes a file.
-    pub async fn unlink(&self, path: &str) -> io::Result<()> {
-        self.call_unit(
-            Op::Unlink,
-            &PathReq {
-                path: wire_path(path),
-            },
-        )
-        .await
-    }
-
-    /// Makes a directory.
-    pub async fn mkdir(&self, path: &str, mode: u32) -> io::Result<Attr> {
-        self.call(
-            Op::Mkdir,
-            &MkdirReq {
-                path: wire_path(path),
-                mode,
-            },
-        )
-        .await
-    }
-
-    /// Removes an empty directory.
-    pub async fn rmdir(&self, path: &str) -> io::Result<()> {
-        self.call_unit(
-            Op::Rmdir,
-            &PathReq {
-                path: wire_path(path),
-            },
-        )
-        .await
-    }
-
-    /// Renames `from` to `to` (`flags`: Linux `RENAME_*`).
-    pub async fn rename(&self, from: &str, to: &str, flags: u32) -> io::Result<()> {
-        self.call_unit(
-            Op::Rename,
-            &RenameReq {
-                from: wire_path(from),
-                to: wire_path(to),
-                flags,
-            },
-        )
-        .await
-    }
-
     /// Lists a whole directory with attributes (`.` and `..` left out).
     pub async fn readdir(&self, path: &str) -> io::Result<Vec<DirEntry>> {
         let path = wire_path(path);
@@ -508,68 +471,6 @@ impl Client {
                 return Ok(out);
             }
         }
-    }
-
-    /// Makes `path` a symlink to `target`.
-    pub async fn symlink(&self, target: &str, path: &str) -> io::Result<Attr> {
-        self.call(
-            Op::Symlink,
-            &SymlinkReq {
-                target: target.to_owned(),
-                path: wire_path(path),
-            },
-        )
-        .await
-    }
-
-    /// Reads a symlink.
-    pub async fn readlink(&self, path: &str) -> io::Result<String> {
-        let r: ReadlinkReply = self
-            .call(
-                Op::Readlink,
-                &PathReq {
-                    path: wire_path(path),
-                },
-            )
-            .await?;
-        Ok(r.target)
-    }
-
-    /// Makes `path` a hard link to `existing`.
-    pub async fn link(&self, existing: &str, path: &str) -> io::Result<Attr> {
-        self.call(
-            Op::Link,
-            &LinkReq {
-                existing: wire_path(existing),
-                path: wire_path(path),
-            },
-        )
-        .await
-    }
-
-    /// File system statistics.
-    pub async fn statfs(&self, path: &str) -> io::Result<StatfsReply> {
-        self.call(
-            Op::Statfs,
-            &PathReq {
-                path: wire_path(path),
-            },
-        )
-        .await
-    }
-
-    /// Reads an extended attribute.
-    pub async fn getxattr(&self, path: &str, name: &str) -> io::Result<Vec<u8>> {
-        let r: XattrValue = self
-            .call(
-                Op::Getxattr,
-                &XattrReq {
-                    path: wire_path(path),
-                    name: name.to_owned(),
-                },
-            )
-            .await?;
-        Ok(r.value)
     }
 
     /// Sets an extended attribute (`flags`: `XATTR_CREATE` / `XATTR_REPLACE`).
@@ -609,33 +510,6 @@ impl Client {
             &XattrReq {
                 path: wire_path(path),
                 name: name.to_owned(),
-            },
-        )
-        .await
-    }
-
-    /// Allocates space (`mode`: Linux `FALLOC_FL_*`).
-    pub async fn fallocate(&self, fh: Fh, mode: u32, offset: u64, len: u64) -> io::Result<()> {
-        self.call_unit(
-            Op::Fallocate,
-            &FallocateReq {
-                fh: fh.0,
-                mode,
-                offset,
-                len,
-            },
-        )
-        .await
-    }
-
-    /// Discards a range (punches a hole, keeps the size).
-    pub async fn discard(&self, fh: Fh, offset: u64, len: u64) -> io::Result<()> {
-        self.call_unit(
-            Op::Discard,
-            &DiscardReq {
-                fh: fh.0,
-                offset,
-                len,
             },
         )
         .await

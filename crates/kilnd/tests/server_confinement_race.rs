@@ -255,7 +255,7 @@ fn proc_magic_links_planted_in_the_brick_are_never_followed() {
             mode: 0o600,
             ..Default::default()
         };
-        refused(block_on(c.setattr(l, chmod)), r, &format!("setattr {l}"));
+        refused(block_on(c.setattr(l, &chmod)), r, &format!("setattr {l}"));
         refused(block_on(c.unlink(&x)), r, &format!("unlink {x}"));
         refused(block_on(c.rmdir(&x)), r, &format!("rmdir {x}"));
         refused(block_on(c.rename(&x, "y", 0)), r, &format!("rename {x}"));
@@ -491,7 +491,7 @@ async fn race_op(c: &Client, cx: &RaceCtx, t: usize, j: u64) -> (&'static str, i
                 mode: 0o644,
                 ..Default::default()
             };
-            c.setattr("race/d/f", a)
+            c.setattr("race/d/f", &a)
                 .await
                 .map(|a| cx.is_f(&a, "setattr race/d/f"))
         }

@@ -38,7 +38,7 @@ pub fn create_image(brick_sock: &Path, path: &str, size: u64) {
     let (fh, _) = block_on(c.create(path, libc::O_RDWR, 0o644)).expect("create image");
     block_on(c.setattr(
         path,
-        SetAttrs {
+        &SetAttrs {
             valid: kiln_proto::ops::SETATTR_SIZE,
             size,
             ..Default::default()

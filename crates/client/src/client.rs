@@ -240,7 +240,7 @@ impl Client {
                 &HelloReq {
                     version: kiln_proto::frame::VERSION as u32,
                     client: "kiln-client".into(),
-                    metrics: kiln_layer::metrics::local_endpoint()
+                    metrics: kiln_metrics::local_endpoint()
                         .map(|a| a.to_string())
                         .unwrap_or_default(),
                 },

@@ -49,8 +49,8 @@ pub fn start_metrics(addr: &str, process: &str) -> Result<(), String> {
     if addr == "off" {
         return Ok(());
     }
-    let extra: kiln_layer::metrics::Extra = std::sync::Arc::new(crate::conn::render_metrics);
-    let ep = kiln_layer::metrics::serve(addr, process, Some(extra))
+    let extra: kiln_metrics::Extra = std::sync::Arc::new(crate::conn::render_metrics);
+    let ep = kiln_metrics::serve(addr, process, Some(extra))
         .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
     tracing::info!("metrics on http://{}/metrics", ep.addr);
     Ok(())

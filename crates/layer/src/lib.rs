@@ -226,49 +226,51 @@ pub fn fail<'a, T: Send + 'a>(e: Errno) -> Fut<'a, T> {
 
 /// Calls `$m!` with the list of every fop: name, opcode, arguments (beyond the context) and
 /// result type. One list drives the trait and every layer that wraps all fops alike.
+///
+/// The fops written here are the ones whose wire form is handled by hand (handles opened and
+/// released, payload, clamped or checked arguments); the rest are derived from
+/// [`for_each_path_fop`] and [`for_each_control_fop`], so each fop is listed exactly once.
 #[macro_export]
 macro_rules! for_each_fop {
     ($m:ident $(, $extra:tt)*) => {
+        $crate::for_each_path_fop!($crate::__fops_with_path, $m, ($($extra)*));
+    };
+}
+
+/// Step 1 of [`for_each_fop`]: the path fops, turned into trait entries; then the control fops.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __fops_with_path {
+    (($m:ident ($($extra:tt)*))
+     $( ($name:ident, $op:ident, $req:path { $( $f:ident : $ty:ty => $kind:ident ),* },
+         $ret:ty, $wire:ty, $to_ret:tt, $to_wire:tt) )*) => {
+        $crate::for_each_control_fop!(
+            $crate::__fops_with_control, $m, ($($extra)*), ($( ($name, $op, ($($f: $ty),*), $ret) )*)
+        );
+    };
+}
+
+/// Step 2 of [`for_each_fop`]: the control fops turned into trait entries, with the path fops
+/// and the fops written by hand, handed to `$m`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __fops_with_control {
+    (($m:ident ($($extra:tt)*) ($($path:tt)*))
+     $( ($name:ident, $op:ident, $arg:ty, $ret:ty) )*) => {
         $m! {
             ($($extra)*)
-            (lookup, Lookup, (path: &'a str), $crate::Attr)
-            (fstat, Fstat, (fd: &'a $crate::Fd), $crate::Attr)
-            (setattr, Setattr, (path: &'a str, attrs: &'a $crate::SetAttrs), $crate::Attr)
-            (fsetattr, Fsetattr, (fd: &'a $crate::Fd, attrs: &'a $crate::SetAttrs), $crate::Attr)
             (open, Open, (path: &'a str, flags: u32), $crate::Fd)
             (create, Create, (path: &'a str, flags: u32, mode: u32), ($crate::Fd, $crate::Attr))
+            (heal_open, HealOpen, (path: &'a str, flags: u32), $crate::Fd)
+            (release, Release, (fd: $crate::Fd), ())
             (read, Read, (fd: &'a $crate::Fd, offset: u64, dst: $crate::ReadDst), $crate::ReadOut)
             (write, Write, (fd: &'a $crate::Fd, offset: u64, data: $crate::IoBufs), $crate::Written)
-            (fsync, Fsync, (fd: &'a $crate::Fd, datasync: bool), ())
-            (release, Release, (fd: $crate::Fd), ())
-            (unlink, Unlink, (path: &'a str), ())
-            (mkdir, Mkdir, (path: &'a str, mode: u32), $crate::Attr)
-            (rmdir, Rmdir, (path: &'a str), ())
-            (rename, Rename, (from: &'a str, to: &'a str, flags: u32), ())
             (readdir, Readdir, (path: &'a str, offset: u64, max: u32), $crate::ReaddirReply)
-            (symlink, Symlink, (target: &'a str, path: &'a str), $crate::Attr)
-            (readlink, Readlink, (path: &'a str), String)
-            (link, Link, (existing: &'a str, path: &'a str), $crate::Attr)
-            (statfs, Statfs, (path: &'a str), $crate::StatfsReply)
-            (getxattr, Getxattr, (path: &'a str, name: &'a str), Vec<u8>)
             (setxattr, Setxattr, (path: &'a str, name: &'a str, value: &'a [u8], flags: u32), ())
             (listxattr, Listxattr, (path: &'a str), Vec<String>)
             (removexattr, Removexattr, (path: &'a str, name: &'a str), ())
-            (fallocate, Fallocate, (fd: &'a $crate::Fd, mode: u32, offset: u64, len: u64), ())
-            (discard, Discard, (fd: &'a $crate::Fd, offset: u64, len: u64), ())
-            (heal_open, HealOpen, (path: &'a str, flags: u32), $crate::Fd)
-            (mark_add, MarkAdd, (path: &'a str, arg: &'a $crate::marks::Mark), ())
-            (mark_clear, MarkClear, (path: &'a str, arg: &'a $crate::marks::Mark), ())
-            (mark_clear_if, MarkClearIf, (path: &'a str, arg: &'a $crate::marks::CondMark), ())
-            (flag_add, FlagAdd, (path: &'a str, arg: &'a $crate::marks::FlagMark), ())
-            (flag_clear_if, FlagClearIf, (path: &'a str, arg: &'a $crate::marks::CondFlag), ())
-            (heal_lock, HealLock, (path: &'a str, arg: &'a $crate::marks::LockReq), ())
-            (heal_session, HealSession, (path: &'a str, arg: &'a $crate::marks::HealReq), ())
-            (pending, Pending, (path: &'a str, arg: &'a ()), $crate::marks::PendingPage)
-            (pending_index, PendingIndex, (path: &'a str, arg: &'a ()), $crate::marks::IndexPage)
-            (heal_info, HealInfo, (path: &'a str, arg: &'a ()), $crate::marks::HealInfo)
-            (layout_get, LayoutGet, (path: &'a str, arg: &'a ()), Vec<u8>)
-            (layout_set, LayoutSet, (path: &'a str, arg: &'a Vec<u8>), ())
+            $($path)*
+            $( ($name, $op, (path: &'a str, arg: &'a $arg), $ret) )*
         }
     };
 }
@@ -279,12 +281,11 @@ macro_rules! for_each_fop {
 /// is sent as given, `val` is copied, `refd` is borrowed from the request on the brick,
 /// `handle` is an open file, sent as the brick's handle number `fh`), the
 /// fop's result type, the reply's wire type, and the two conversions between them. The brick's
-/// dispatch and the protocol client's encoding of these fops are generated from this list;
-/// each is also in [`for_each_fop`] (a fop missing from either side, or written by hand as
-/// well, does not compile).
+/// dispatch and the protocol client's encoding of these fops are generated from this list, and
+/// [`for_each_fop`] includes them (a fop also written by hand on either side does not compile).
 #[macro_export]
 macro_rules! for_each_path_fop {
-    ($m:ident $(, $extra:tt)*) => {
+    ($m:path $(, $extra:tt)*) => {
         $m! {
             ($($extra)*)
             (lookup, Lookup, $crate::__wire::PathReq { path: &'a str => path },
@@ -344,12 +345,11 @@ pub use kiln_proto::ops as __wire;
 /// Calls `$m!` with the control fops: the fops whose request is `(path, argument)` and whose
 /// reply is one value, both encoded with the argument codec — the replication control fops
 /// (what replicas missed, heal locks and sessions) and the distribute layout. The protocol
-/// server's dispatch and the protocol client's encoding are generated from this list, and each
-/// entry is also in [`for_each_fop`] (so a layer, io-stats and the fuzzer see it like any fop;
-/// a fop in one list but not the other does not compile).
+/// server's dispatch and the protocol client's encoding are generated from this list, and
+/// [`for_each_fop`] includes it (so a layer, io-stats and the fuzzer see each like any fop).
 #[macro_export]
 macro_rules! for_each_control_fop {
-    ($m:ident $(, $extra:tt)*) => {
+    ($m:path $(, $extra:tt)*) => {
         $m! {
             ($($extra)*)
             (mark_add, MarkAdd, $crate::marks::Mark, ())

@@ -647,8 +647,8 @@ impl Distribute {
         name: &str,
         f: impl Fn(&'b LayerRef) -> Fut<'b, ()>,
     ) -> FopResult<()> {
-        if name == LAYOUT_XATTR {
-            return Err(EPERM);
+        if let Some(e) = crate::reserved_xattr(name) {
+            return Err(e);
         }
         let (i, a) = self.locate(cx, path).await?;
         if is_dir(&a) {

@@ -903,6 +903,9 @@ impl Layer for Replicate {
     }
 
     fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
+        if let Some(e) = crate::reserved_xattr(name) {
+            return fail(e);
+        }
         self.change_path(cx, path, Miss::flags(m::META), move |k| {
             k.removexattr(cx, path, name)
         })

@@ -9,10 +9,7 @@ use serde_json::{json, Value};
 use crate::def::{check_name, parse_sockaddr};
 use crate::manager::Manager;
 use crate::peers::call_peer;
-use crate::request::Request;
-
-/// The commands an unauthenticated connection may send (see the module documentation).
-pub const OPEN_COMMANDS: &[&str] = &["volfile"];
+use crate::request::{Request, OPEN_COMMANDS};
 
 impl Manager {
     /// [`call_peer`] with this kilnd's secret.

@@ -65,10 +65,9 @@ mod volfiles;
 
 pub use bricks::brick_command;
 pub use def::*;
-pub use dispatch::OPEN_COMMANDS;
 pub use manager::{Manager, FIRST_BRICK_PORT, MGMT_SECRET_FILE};
 pub use peers::call_peer;
-pub use request::Request;
+pub use request::{Request, OPEN_COMMANDS};
 pub use volfiles::{brick_volfile, client_volfile, placeholder_volfile};
 
 #[cfg(test)]

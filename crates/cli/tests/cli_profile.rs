@@ -186,8 +186,29 @@ fn stages(w: &serde_json::Value) -> Vec<(String, f64)> {
 
 #[test]
 fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
-    let base = bench_waterfall(None);
-    let slow = bench_waterfall(Some("100"));
+    // Stage medians add up to the end-to-end median (a wide band: this is a noisy machine;
+    // bench/ measures the 5% claim). A burst of load on the shared machine can break that
+    // identity for one measurement window; a missing or double-counted stage breaks it in
+    // every window, so up to three windows are taken and one must hold for both runs.
+    let adds_up = |w: &serde_json::Value| {
+        let (sum, e2e) = (
+            w["sum_p50_us"].as_f64().unwrap(),
+            w["end_to_end_p50_us"].as_f64().unwrap(),
+        );
+        let why = format!("stages sum to {sum} µs, end to end {e2e} µs");
+        ((sum - e2e).abs() <= 0.15 * e2e, why)
+    };
+    let mut tries = Vec::new();
+    let (base, slow) = loop {
+        let (base, slow) = (bench_waterfall(None), bench_waterfall(Some("100")));
+        let (ok_a, why_a) = adds_up(&base);
+        let (ok_b, why_b) = adds_up(&slow);
+        if ok_a && ok_b {
+            break (base, slow);
+        }
+        tries.push(format!("{why_a}; with 100 µs at posix: {why_b}"));
+        assert!(tries.len() < 3, "in every window: {tries:#?}");
+    };
     let (a, b) = (stages(&base), stages(&slow));
     // Every stage the issue names is there, the network parts separately.
     for want in [
@@ -209,18 +230,6 @@ fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
         assert!(
             a.iter().any(|(s, _)| s.contains(want)),
             "no stage {want:?} in {a:?}"
-        );
-    }
-    // Stage medians add up to the end-to-end median (a wide band: this is a noisy machine;
-    // bench/ measures the 5% claim).
-    for w in [&base, &slow] {
-        let (sum, e2e) = (
-            w["sum_p50_us"].as_f64().unwrap(),
-            w["end_to_end_p50_us"].as_f64().unwrap(),
-        );
-        assert!(
-            (sum - e2e).abs() <= 0.15 * e2e,
-            "stages sum to {sum} µs, end to end {e2e} µs"
         );
     }
     // Same shape with the delay-gen (it stamps nothing itself) …

@@ -17,8 +17,10 @@ use std::path::{Path, PathBuf};
 use kiln_client::Client;
 use kiln_layer::iostats::{Period, PointReport};
 use kiln_layer::trace::{Timeline, Waterfall};
-use kiln_mgmt::Request;
+use kiln_mgmt::response::{Changed, Deleted, Envelope, Infos, Names, Statuses, VolfileText};
+use kiln_mgmt::{Request, VolState};
 use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
+use serde::{de::DeserializeOwned, Serialize};
 
 /// Volume operations.
 #[derive(clap::Args, Debug)]
@@ -352,82 +354,56 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
                 name: a.name.clone(),
                 force: a.force.is_some(),
             };
-            let r = mgmt_call(&a.opts, &req)?;
-            done(&a.opts, "start", &a.name, &r)
+            done(&a.opts, "start", &a.name, &mgmt_call(&a.opts, &req)?)
         }
         VolumeCmd::Stop(a) => {
-            let r = mgmt_call(
-                &a.opts,
-                &Request::Stop {
-                    name: a.name.clone(),
-                },
-            )?;
-            done(&a.opts, "stop", &a.name, &r)
+            let req = Request::Stop {
+                name: a.name.clone(),
+            };
+            done(&a.opts, "stop", &a.name, &mgmt_call(&a.opts, &req)?)
         }
         VolumeCmd::Delete(a) => {
-            let r = mgmt_call(
-                &a.opts,
-                &Request::Delete {
-                    name: a.name.clone(),
-                },
-            )?;
-            done(&a.opts, "delete", &a.name, &r)
+            let req = Request::Delete {
+                name: a.name.clone(),
+            };
+            let r: Deleted = mgmt_call(&a.opts, &req)?;
+            show(&a.opts, &r, |_| {
+                format!("volume delete: {}: success\n", a.name)
+            });
+            warn(&r.warnings);
+            Ok(())
         }
         VolumeCmd::Info(a) => {
-            let r = mgmt_call(
-                &a.opts,
-                &Request::Info {
-                    name: a.name.clone(),
-                },
-            )?;
-            if a.opts.json {
-                println!("{r}");
-            } else {
-                print!("{}", info_text(&r));
-            }
+            let req = Request::Info {
+                name: a.name.clone(),
+            };
+            show(&a.opts, &mgmt_call::<Infos>(&a.opts, &req)?, info_text);
             Ok(())
         }
         VolumeCmd::Status(a) => {
-            let r = mgmt_call(
-                &a.opts,
-                &Request::Status {
-                    name: a.name.clone(),
-                },
-            )?;
-            if a.opts.json {
-                println!("{r}");
-            } else {
-                print!("{}", status_text(&r));
-            }
+            let req = Request::Status {
+                name: a.name.clone(),
+            };
+            show(&a.opts, &mgmt_call::<Statuses>(&a.opts, &req)?, status_text);
             Ok(())
         }
         VolumeCmd::List(o) => {
-            let r = mgmt_call(&o, &Request::List)?;
-            if o.json {
-                println!("{r}");
-                return Ok(());
-            }
-            let names = r["volumes"].as_array().cloned().unwrap_or_default();
-            if names.is_empty() {
-                println!("No volumes present");
-            }
-            for n in names {
-                println!("{}", n.as_str().unwrap_or_default());
-            }
+            show(&o, &mgmt_call::<Names>(&o, &Request::List)?, |r| {
+                if r.volumes.is_empty() {
+                    "No volumes present\n".to_owned()
+                } else {
+                    r.volumes.iter().map(|n| format!("{n}\n")).collect()
+                }
+            });
             Ok(())
         }
         VolumeCmd::Volfile(a) => {
-            let r = mgmt_call(
-                &a.opts,
-                &Request::Volfile {
-                    name: a.name.clone(),
-                },
-            )?;
-            if a.opts.json {
-                println!("{r}");
-            } else {
-                print!("{}", r["volfile"].as_str().unwrap_or_default());
-            }
+            let req = Request::Volfile {
+                name: a.name.clone(),
+            };
+            show(&a.opts, &mgmt_call::<VolfileText>(&a.opts, &req)?, |r| {
+                r.volfile.clone()
+            });
             Ok(())
         }
     }
@@ -448,12 +424,13 @@ fn volume_secret(
     }
 }
 
-/// One request to the management daemon, proving the management secret; errors read like
-/// `volume start: NAME: failed: …`, and a refusal for want of the secret says what to do.
-fn mgmt_call(opts: &MgmtOpts, req: &Request) -> Result<serde_json::Value, String> {
+/// One request to the management daemon, proving the management secret, and its reply of
+/// type `T` (the one `req` names); errors read like `volume start: NAME: failed: …`, and a
+/// refusal for want of the secret says what to do.
+fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> Result<T, String> {
     let what = req.cmd();
-    let req = &req.to_json();
-    let fail = |e: &str| match req["name"].as_str() {
+    let json = &req.to_json();
+    let fail = |e: &str| match json["name"].as_str() {
         Some(n) => {
             let e = e.strip_prefix(&format!("volume {n}: ")).unwrap_or(e);
             format!("volume {what}: {n}: failed: {e}")
@@ -465,26 +442,42 @@ fn mgmt_call(opts: &MgmtOpts, req: &Request) -> Result<serde_json::Value, String
         MgmtSecret::From(_, s) => Some(s.as_slice()),
         MgmtSecret::Missing(..) => None,
     };
-    kiln_client::mgmt::call_with_secret(&opts.server, req, key).map_err(|e| {
+    let v = kiln_client::mgmt::call_with_secret(&opts.server, json, key).map_err(|e| {
         let msg = fail(&e.to_string());
         if e.kind() == std::io::ErrorKind::PermissionDenied {
             msg + &secret_hint(&secret)
         } else {
             msg
         }
-    })
+    })?;
+    kiln_mgmt::response::decode_value(v).map_err(|e| fail(&e))
+}
+
+/// Prints a reply: as the wire's JSON object (its fields beside `"ok": true`) with `--json`,
+/// else as `text` renders it.
+fn show<T: Serialize>(opts: &MgmtOpts, r: &T, text: impl FnOnce(&T) -> String) {
+    if opts.json {
+        let e = Envelope {
+            ok: true,
+            error: None,
+            reply: Some(r),
+        };
+        println!("{}", serde_json::to_string(&e).expect("a reply serialises"));
+    } else {
+        print!("{}", text(r));
+    }
+}
+
+fn warn(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("kiln: warning: {w}");
+    }
 }
 
 /// Prints the success line of a change (or the JSON reply) and any warnings.
-fn done(opts: &MgmtOpts, what: &str, name: &str, r: &serde_json::Value) -> Result<(), String> {
-    if opts.json {
-        println!("{r}");
-    } else {
-        println!("volume {what}: {name}: success");
-    }
-    for w in r["warnings"].as_array().into_iter().flatten() {
-        eprintln!("kiln: warning: {}", w.as_str().unwrap_or_default());
-    }
+fn done(opts: &MgmtOpts, what: &str, name: &str, r: &Changed) -> Result<(), String> {
+    show(opts, r, |_| format!("volume {what}: {name}: success\n"));
+    warn(&r.warnings);
     Ok(())
 }
 
@@ -502,16 +495,7 @@ fn set(a: &SetArgs) -> Result<(), String> {
         name: a.name.clone(),
         allow,
     };
-    let r = mgmt_call(&a.opts, &req)?;
-    if a.opts.json {
-        println!("{r}");
-    } else {
-        println!("volume set: {}: success", a.name);
-    }
-    for w in r["warnings"].as_array().into_iter().flatten() {
-        eprintln!("kiln: warning: {}", w.as_str().unwrap_or_default());
-    }
-    Ok(())
+    done(&a.opts, "set", &a.name, &mgmt_call(&a.opts, &req)?)
 }
 
 fn create(a: &CreateArgs) -> Result<(), String> {
@@ -540,32 +524,30 @@ fn create(a: &CreateArgs) -> Result<(), String> {
         bricks: args.to_vec(),
         allow: a.allow.clone(),
     };
-    let r = mgmt_call(&a.opts, &req)?;
-    if a.opts.json {
-        println!("{r}");
-    } else {
-        println!(
-            "volume create: {}: success: please start the volume to access data",
+    let r: Changed = mgmt_call(&a.opts, &req)?;
+    show(&a.opts, &r, |_| {
+        format!(
+            "volume create: {}: success: please start the volume to access data\n",
             a.name
-        );
-    }
+        )
+    });
+    warn(&r.warnings);
     Ok(())
 }
 
-fn info_text(r: &serde_json::Value) -> String {
+fn info_text(r: &Infos) -> String {
     let mut out = String::new();
-    let vols = r["volumes"].as_array().cloned().unwrap_or_default();
-    if vols.is_empty() {
+    if r.volumes.is_empty() {
         out.push_str("No volumes present\n");
     }
-    for v in vols {
-        let bricks = v["bricks"].as_array().cloned().unwrap_or_default();
-        let replica = v["replica"].as_u64().unwrap_or(1).max(1);
-        let n = bricks.len() as u64;
-        let _ = writeln!(out, "\nVolume Name: {}", v["name"].as_str().unwrap_or("?"));
-        let _ = writeln!(out, "Type: {}", v["type"].as_str().unwrap_or("?"));
-        let _ = writeln!(out, "Volume ID: {}", v["id"].as_str().unwrap_or("?"));
-        let _ = writeln!(out, "Status: {}", v["state_word"].as_str().unwrap_or("?"));
+    for v in &r.volumes {
+        let d = &v.def;
+        let replica = d.replica.max(1);
+        let n = d.bricks.len();
+        let _ = writeln!(out, "\nVolume Name: {}", d.name);
+        let _ = writeln!(out, "Type: {}", v.kind.word());
+        let _ = writeln!(out, "Volume ID: {}", d.id);
+        let _ = writeln!(out, "Status: {}", v.state_word);
         let _ = writeln!(
             out,
             "Number of Bricks: {} x {} = {}",
@@ -576,49 +558,34 @@ fn info_text(r: &serde_json::Value) -> String {
         let _ = writeln!(
             out,
             "Authority: {}",
-            v["authority"].as_str().unwrap_or("this kilnd")
+            d.authority.as_deref().unwrap_or("this kilnd")
         );
-        let allow: Vec<&str> = v["allow"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|c| c.as_str())
-            .collect();
         let _ = writeln!(
             out,
             "Clients allowed from: {}",
-            if allow.is_empty() {
+            if d.allow.is_empty() {
                 "anywhere".to_owned()
             } else {
-                allow.join(", ")
+                d.allow.join(", ")
             }
         );
         let _ = writeln!(out, "Bricks:");
-        for (i, b) in bricks.iter().enumerate() {
-            let spec = match b["mgmt_port"].as_u64() {
-                Some(p) => format!("{}:{p}:{}", b["host"].as_str().unwrap_or("?"), dir(b)),
-                None => format!("{}:{}", b["host"].as_str().unwrap_or("?"), dir(b)),
-            };
-            let _ = writeln!(out, "Brick{}: {spec}", i + 1);
+        for (i, b) in d.bricks.iter().enumerate() {
+            let _ = writeln!(out, "Brick{}: {}", i + 1, b.spec());
         }
     }
     out
 }
 
-fn dir(b: &serde_json::Value) -> &str {
-    b["dir"].as_str().unwrap_or("?")
-}
-
-fn status_text(r: &serde_json::Value) -> String {
+fn status_text(r: &Statuses) -> String {
     let mut out = String::new();
-    let vols = r["volumes"].as_array().cloned().unwrap_or_default();
-    if vols.is_empty() {
+    if r.volumes.is_empty() {
         out.push_str("No volumes present\n");
     }
-    for v in vols {
-        let name = v["name"].as_str().unwrap_or("?");
+    for v in &r.volumes {
+        let name = &v.name;
         let _ = writeln!(out, "Status of volume: {name}");
-        if v["state"] != "started" {
+        if v.state != VolState::Started {
             let _ = writeln!(out, "Volume {name} is not started\n");
             continue;
         }
@@ -628,35 +595,26 @@ fn status_text(r: &serde_json::Value) -> String {
             "Brick", "TCP Port", "Online", "Pid"
         );
         let _ = writeln!(out, "{}", "-".repeat(76));
-        for b in v["bricks"].as_array().into_iter().flatten() {
-            let online = b["online"] == true;
-            let port = b["port"]
-                .as_u64()
-                .filter(|_| online)
-                .map_or("N/A".into(), |p| p.to_string());
-            let pid = b["pid"]
-                .as_u64()
-                .filter(|_| online)
-                .map_or("N/A".into(), |p| p.to_string());
+        for b in &v.bricks {
+            let shown = |x: Option<String>| x.filter(|_| b.online).unwrap_or("N/A".into());
             let _ = writeln!(
                 out,
                 "{:<50} {:>8} {:>7} {:>8}",
-                format!("Brick {}", b["brick"].as_str().unwrap_or("?")),
-                port,
-                if online { "Y" } else { "N" },
-                pid
+                format!("Brick {}", b.brick),
+                shown(b.port.map(|p| p.to_string())),
+                if b.online { "Y" } else { "N" },
+                shown(b.pid.map(|p| p.to_string())),
             );
         }
-        let h = &v["heal"];
-        if h.is_object() {
+        if let Some(h) = &v.heal {
             let _ = writeln!(
                 out,
                 "Heal service: backlog {} file(s); healed {} file(s), {} bytes since kilnd started{}",
-                h["backlog"].as_u64().unwrap_or(0),
-                h["healed_files"].as_u64().unwrap_or(0),
-                h["healed_bytes"].as_u64().unwrap_or(0),
-                h["last_error"]
-                    .as_str()
+                h.backlog,
+                h.healed_files,
+                h.healed_bytes,
+                h.last_error
+                    .as_ref()
                     .map_or(String::new(), |e| format!("; last error: {e}"))
             );
         }

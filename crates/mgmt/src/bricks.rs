@@ -4,6 +4,7 @@ use crate::def::{is_local, parse_sockaddr, VolState, VolumeDef};
 use crate::manager::{Manager, Procs};
 use crate::peers::CONNECT_TIMEOUT;
 use crate::request::Request;
+use crate::response::Ack;
 use crate::store::write_atomic;
 use crate::volfiles::brick_volfile;
 use std::collections::BTreeSet;
@@ -105,7 +106,7 @@ impl Manager {
                             port: b.port,
                             pid: b.pid,
                         };
-                        self.call_peer(a, &req).map(|_| ())
+                        self.call_peer::<Ack>(a, &req).map(|_| ())
                     })
                 }),
             };

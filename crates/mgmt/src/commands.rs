@@ -8,8 +8,11 @@ use crate::bricks::port_answers;
 use crate::def::{check_name, is_local, parse_brick, VolState, VolumeDef};
 use crate::manager::{Manager, Procs};
 use crate::request::Request;
+use crate::response::{
+    Ack, BrickStatus, BrickStopped, Changed, Deleted, Infos, Names, Response, Statuses,
+    VolfileText, VolumeStatus, VolumeView,
+};
 use crate::store::{hex, random};
-use serde_json::{json, Value};
 
 impl Manager {
     pub(crate) fn create(
@@ -18,7 +21,7 @@ impl Manager {
         replica: Option<u64>,
         specs: &[String],
         allow: &[String],
-    ) -> Result<Value, String> {
+    ) -> Result<Response, String> {
         check_name(name)?;
         let replica = match replica {
             None => 1,
@@ -111,7 +114,7 @@ impl Manager {
         for addr in self.peers(&def) {
             if let Err(e) = self.sync_to(addr, &def, true) {
                 for a in synced {
-                    let _ = self.call_peer(
+                    let _ = self.call_peer::<Ack>(
                         a,
                         &Request::PeerForget {
                             name: name.to_owned(),
@@ -124,7 +127,11 @@ impl Manager {
             synced.push(addr);
         }
         tracing::info!("created volume {name} ({} bricks)", def.bricks.len());
-        Ok(json!({ "volume": def_json(&def) }))
+        Ok(Changed {
+            volume: VolumeView::from(&def),
+            warnings: Vec::new(),
+        }
+        .into())
     }
 
     pub(crate) fn start(
@@ -132,7 +139,7 @@ impl Manager {
         procs: &mut Procs,
         name: &str,
         force: bool,
-    ) -> Result<Value, String> {
+    ) -> Result<Response, String> {
         let mut def = self.load(name)?;
         if def.state == VolState::Started && !force {
             return Err(format!(
@@ -173,10 +180,14 @@ impl Manager {
             ));
         }
         tracing::info!("started volume {name}");
-        Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
+        Ok(Changed {
+            volume: VolumeView::from(&def),
+            warnings,
+        }
+        .into())
     }
 
-    pub(crate) fn stop(&self, procs: &mut Procs, name: &str) -> Result<Value, String> {
+    pub(crate) fn stop(&self, procs: &mut Procs, name: &str) -> Result<Response, String> {
         let mut def = self.load(name)?;
         if def.state != VolState::Started {
             return Err(format!("volume {name} is not started"));
@@ -190,7 +201,7 @@ impl Manager {
                     Ok(())
                 }
                 Ok(_) => b.mgmt_addr().and_then(|a| {
-                    self.call_peer(
+                    self.call_peer::<BrickStopped>(
                         a,
                         &Request::BrickStop {
                             name: name.to_owned(),
@@ -217,7 +228,11 @@ impl Manager {
             ));
         }
         tracing::info!("stopped volume {name}");
-        Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
+        Ok(Changed {
+            volume: VolumeView::from(&def),
+            warnings,
+        }
+        .into())
     }
 
     /// Changes a volume's options (today: `allow`, the address ranges its bricks take clients
@@ -228,7 +243,7 @@ impl Manager {
         procs: &mut Procs,
         name: &str,
         allow: &[String],
-    ) -> Result<Value, String> {
+    ) -> Result<Response, String> {
         let mut def = self.load(name)?;
         def.allow = check_allow(allow)?;
         self.save(&def)?;
@@ -246,7 +261,7 @@ impl Manager {
                     Ok(_) => b
                         .mgmt_addr()
                         .and_then(|a| {
-                            self.call_peer(
+                            self.call_peer::<BrickStopped>(
                                 a,
                                 &Request::BrickStop {
                                     name: name.to_owned(),
@@ -272,17 +287,21 @@ impl Manager {
             warnings.extend(self.sync_all(&def));
         }
         tracing::info!(volume = name, allow = ?def.allow, "volume options set");
-        Ok(json!({ "volume": def_json(&def), "warnings": warnings }))
+        Ok(Changed {
+            volume: VolumeView::from(&def),
+            warnings,
+        }
+        .into())
     }
 
-    pub(crate) fn delete(&self, name: &str) -> Result<Value, String> {
+    pub(crate) fn delete(&self, name: &str) -> Result<Response, String> {
         let def = self.load(name)?;
         if def.state == VolState::Started {
             return Err(format!("volume {name} is started: stop it first"));
         }
         let mut warnings = Vec::new();
         for addr in self.peers(&def) {
-            if let Err(e) = self.call_peer(
+            if let Err(e) = self.call_peer::<Ack>(
                 addr,
                 &Request::PeerForget {
                     name: name.to_owned(),
@@ -294,10 +313,15 @@ impl Manager {
         fs::remove_dir_all(self.vol_dir(name))
             .map_err(|e| format!("cannot remove volume {name}: {e}"))?;
         tracing::info!("deleted volume {name} (brick data left in place)");
-        Ok(json!({ "volume": name, "deleted": true, "warnings": warnings }))
+        Ok(Deleted {
+            volume: name.to_owned(),
+            deleted: true,
+            warnings,
+        }
+        .into())
     }
 
-    pub(crate) fn info(&self, name: Option<&str>) -> Result<Value, String> {
+    pub(crate) fn info(&self, name: Option<&str>) -> Result<Response, String> {
         let defs = match name {
             Some(n) => {
                 check_name(n)?;
@@ -305,15 +329,18 @@ impl Manager {
             }
             None => self.load_all(),
         };
-        Ok(json!({ "volumes": defs.iter().map(def_json).collect::<Vec<_>>() }))
+        Ok(Infos {
+            volumes: defs.iter().map(VolumeView::from).collect(),
+        }
+        .into())
     }
 
-    pub(crate) fn list(&self) -> Result<Value, String> {
+    pub(crate) fn list(&self) -> Result<Response, String> {
         let names: Vec<String> = self.load_all().into_iter().map(|d| d.name).collect();
-        Ok(json!({ "volumes": names }))
+        Ok(Names { volumes: names }.into())
     }
 
-    pub(crate) fn status(&self, procs: &mut Procs, name: Option<&str>) -> Result<Value, String> {
+    pub(crate) fn status(&self, procs: &mut Procs, name: Option<&str>) -> Result<Response, String> {
         let defs = match name {
             Some(n) => {
                 check_name(n)?;
@@ -341,34 +368,31 @@ impl Manager {
                     }
                     _ => false,
                 };
-                bricks.push(json!({
-                    "brick": b.spec(),
-                    "host": b.host,
-                    "dir": b.dir,
-                    "port": b.port,
-                    "pid": b.pid,
-                    "online": online,
-                }));
+                bricks.push(BrickStatus::of(b, online));
             }
-            vols.push(json!({
-                "name": def.name,
-                "state": def.state,
-                "authority": def.authority,
-                "bricks": bricks,
-                "heal": self.healer.view(&def.name),
-            }));
+            vols.push(VolumeStatus {
+                name: def.name.clone(),
+                state: def.state,
+                authority: def.authority.clone(),
+                bricks,
+                heal: self.healer.view(&def.name),
+            });
         }
-        Ok(json!({ "volumes": vols }))
+        Ok(Statuses { volumes: vols }.into())
     }
 
-    pub(crate) fn volfile(&self, name: &str) -> Result<Value, String> {
+    pub(crate) fn volfile(&self, name: &str) -> Result<Response, String> {
         check_name(name)?;
         let def = self.load(name)?;
         if def.state != VolState::Started {
             return Err(format!("volume {name} is not started"));
         }
         let v = self.client_volfile_here(&def)?;
-        Ok(json!({ "volume": name, "volfile": v.to_toml() }))
+        Ok(VolfileText {
+            volume: name.to_owned(),
+            volfile: v.to_toml(),
+        }
+        .into())
     }
 }
 
@@ -379,18 +403,4 @@ pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
             .map_err(|e| format!("allow {c:?}: {e}"))?;
     }
     Ok(allow.to_vec())
-}
-
-/// A definition as commands show it (everything but the secret, which is not in it).
-pub(crate) fn def_json(def: &VolumeDef) -> Value {
-    let mut v = serde_json::to_value(def).expect("a definition serialises");
-    v["type"] = match (def.replica > 1, def.bricks.len() > def.replica) {
-        (true, true) => "Distributed-Replicate",
-        (true, false) => "Replicate",
-        (false, true) => "Distribute",
-        (false, false) => "Single",
-    }
-    .into();
-    v["state_word"] = def.state.word().into();
-    v
 }

@@ -4,17 +4,23 @@
 use std::net::SocketAddr;
 
 use kiln_server::control::{refusal, Caller, MgmtHandler};
-use serde_json::{json, Value};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 use crate::def::{check_name, parse_sockaddr};
 use crate::manager::Manager;
 use crate::peers::call_peer;
 use crate::request::{Request, OPEN_COMMANDS};
+use crate::response::{Changed, Deleted, Envelope, Response};
 
 impl Manager {
     /// [`call_peer`] with this kilnd's secret.
-    pub(crate) fn call_peer(&self, addr: SocketAddr, req: &Request) -> Result<Value, String> {
-        call_peer(addr, &self.secret, &req.to_json())
+    pub(crate) fn call_peer<R: DeserializeOwned>(
+        &self,
+        addr: SocketAddr,
+        req: &Request,
+    ) -> Result<R, String> {
+        call_peer(addr, &self.secret, req)
     }
 
     /// Answers one request from `caller`: only [`OPEN_COMMANDS`] without authentication.
@@ -46,24 +52,14 @@ impl Manager {
             Ok(_) => Err("bad request: not a JSON object".into()),
             Err(e) => Err(format!("bad request: {e}")),
         };
-        let v = match out {
-            Ok(mut v) => {
-                if !v.is_object() {
-                    v = json!({ "result": v });
-                }
-                v["ok"] = true.into();
-                v
-            }
-            Err(e) => {
-                tracing::info!("mgmt: {e}");
-                json!({ "ok": false, "error": e })
-            }
-        };
-        v.to_string().into_bytes()
+        if let Err(e) = &out {
+            tracing::info!("mgmt: {e}");
+        }
+        Envelope::encode(out)
     }
 
     /// Runs one request of an authenticated caller (or an open command).
-    fn dispatch(&self, req: Request) -> Result<Value, String> {
+    fn dispatch(&self, req: Request) -> Result<Response, String> {
         tracing::debug!(cmd = req.cmd(), "mgmt request");
         // A change to a volume this kilnd only caches goes to the authority — without holding
         // our lock, since the authority will call back (brick-start) to this kilnd.
@@ -72,9 +68,13 @@ impl Manager {
             if let Ok(def) = self.load(name) {
                 if let Some(auth) = &def.authority {
                     let addr = parse_sockaddr(auth)?;
-                    return self
-                        .call_peer(addr, &req)
-                        .map_err(|e| format!("volume {name} (authority {auth}): {e}"));
+                    let fwd = match req {
+                        Request::Delete { .. } => {
+                            self.call_peer::<Deleted>(addr, &req).map(Into::into)
+                        }
+                        _ => self.call_peer::<Changed>(addr, &req).map(Into::into),
+                    };
+                    return fwd.map_err(|e| format!("volume {name} (authority {auth}): {e}"));
                 }
             }
         }

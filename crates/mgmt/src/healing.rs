@@ -3,10 +3,10 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What the heal service knows about one volume.
-#[derive(Debug, Default, Clone, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VolHeal {
     /// Files behind on a replica, at the end of the last round (including ones whose replica
     /// is down and cannot be healed yet).

@@ -27,7 +27,7 @@
 //! HOST's kilnd (default [`DEFAULT_MGMT_PORT`]). HOST is an IP address or a name that resolves
 //! to one; a brick is on "this host" when this host can bind that address.
 //!
-//! Every reply is a JSON object with `"ok": true` and the command's fields, or `"ok": false`
+//! Every reply is a JSON object with `"ok": true` and the fields of the command's [`response`] type, or `"ok": false`
 //! and `"error"`: a sentence meant for the operator.
 //!
 //! **Authentication.** The management port requires the management secret (`mgmt.secret`
@@ -60,6 +60,7 @@ pub mod healing;
 mod manager;
 mod peers;
 mod request;
+pub mod response;
 mod store;
 mod volfiles;
 

@@ -10,8 +10,9 @@ use std::time::Duration;
 use crate::def::{check_index, check_name, is_local, VolState, VolumeDef};
 use crate::manager::{Manager, Procs, MGMT_SECRET_FILE};
 use crate::request::Request;
+use crate::response::{self, Ack, BrickStarted, BrickStopped, Response};
 use crate::store::random;
-use serde_json::{json, Value};
+use serde::de::DeserializeOwned;
 
 /// Connect timeout for probes of bricks and calls to other kilnds.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -22,7 +23,11 @@ const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// requiring `addr` to prove it back, and returns the reply's JSON (an `"ok": false` reply
 /// becomes an error carrying its message). Used between kilnds; clients use
 /// `kiln_client::mgmt::call`.
-pub fn call_peer(addr: SocketAddr, secret: &[u8], req: &Value) -> Result<Value, String> {
+pub fn call_peer<R: DeserializeOwned>(
+    addr: SocketAddr,
+    secret: &[u8],
+    req: &Request,
+) -> Result<R, String> {
     let mut s = PeerConn::connect(addr, secret)?;
     s.call(req)
 }
@@ -139,11 +144,11 @@ impl PeerConn {
         Ok((h.status.get(), rest, payload))
     }
 
-    pub(crate) fn call(&mut self, req: &Value) -> Result<Value, String> {
+    pub(crate) fn call<R: DeserializeOwned>(&mut self, req: &Request) -> Result<R, String> {
         use kiln_proto::codec::Wire;
         let addr = self.addr;
         let args = kiln_proto::ops::MgmtReq {
-            json: req.to_string().into_bytes(),
+            json: serde_json::to_vec(req).expect("a request serialises"),
         }
         .to_wire();
         let (status, _, payload) = self.exchange(kiln_proto::Op::Mgmt, &args)?;
@@ -153,16 +158,7 @@ impl PeerConn {
                 io::Error::from_raw_os_error(status as i32)
             ));
         }
-        let v: Value = serde_json::from_slice(&payload)
-            .map_err(|e| format!("kilnd at {addr}: bad reply: {e}"))?;
-        if v["ok"] == true {
-            Ok(v)
-        } else {
-            Err(v["error"]
-                .as_str()
-                .map(|e| format!("{addr}: {e}"))
-                .unwrap_or_else(|| format!("kilnd at {addr}: reply without \"ok\"")))
-        }
+        response::decode(&payload).map_err(|e| format!("{addr}: {e}"))
     }
 }
 
@@ -174,7 +170,7 @@ impl Manager {
         def: VolumeDef,
         index: usize,
         secret: Option<&str>,
-    ) -> Result<Value, String> {
+    ) -> Result<Response, String> {
         let def = self.take_peer_def(def)?;
         let i = check_index(index, &def)?;
         if let Some(s) = secret {
@@ -193,7 +189,7 @@ impl Manager {
         def.bricks[i].pid = Some(pid);
         def.state = VolState::Started;
         self.save(&def)?;
-        Ok(json!({ "port": port, "pid": pid }))
+        Ok(BrickStarted { port, pid }.into())
     }
 
     /// Peer side of `stop`.
@@ -202,18 +198,22 @@ impl Manager {
         procs: &mut Procs,
         name: &str,
         index: usize,
-    ) -> Result<Value, String> {
+    ) -> Result<Response, String> {
         check_name(name)?;
         let mut def = self.load(name)?;
         let i = check_index(index, &def)?;
         self.stop_brick(procs, &def, i);
         def.bricks[i].pid = None;
         self.save(&def)?;
-        Ok(json!({ "stopped": i }))
+        Ok(BrickStopped { stopped: i }.into())
     }
 
     /// Stores a copy of a definition sent by its authority.
-    pub(crate) fn peer_sync(&self, def: VolumeDef, secret: Option<&str>) -> Result<Value, String> {
+    pub(crate) fn peer_sync(
+        &self,
+        def: VolumeDef,
+        secret: Option<&str>,
+    ) -> Result<Response, String> {
         let def = self.take_peer_def(def)?;
         if let Some(s) = secret {
             self.write_secret(&def.name, s)?;
@@ -225,10 +225,14 @@ impl Manager {
                 })?;
             }
         }
-        Ok(json!({ "volume": def.name }))
+        Ok(Ack {
+            volume: def.name,
+            warnings: Vec::new(),
+        }
+        .into())
     }
 
-    pub(crate) fn peer_forget(&self, name: &str) -> Result<Value, String> {
+    pub(crate) fn peer_forget(&self, name: &str) -> Result<Response, String> {
         check_name(name)?;
         match self.load(name) {
             Ok(d) if d.authority.is_some() => {
@@ -238,7 +242,11 @@ impl Manager {
             Ok(_) => return Err(format!("this kilnd is the authority of volume {name}")),
             Err(_) => {}
         }
-        Ok(json!({ "volume": name }))
+        Ok(Ack {
+            volume: name.to_owned(),
+            warnings: Vec::new(),
+        }
+        .into())
     }
 
     /// The `def` of a peer request, checked and saved as this kilnd's cached copy (keeping the
@@ -301,7 +309,7 @@ impl Manager {
         } else {
             None
         };
-        c.call(&Request::PeerSync { def: copy, secret }.to_json())
+        c.call::<Ack>(&Request::PeerSync { def: copy, secret })
             .map(|_| ())
     }
 
@@ -337,11 +345,8 @@ impl Manager {
             index: i,
             secret: Some(secret.to_owned()),
         };
-        let r = c.call(&req.to_json())?;
-        match (r["port"].as_u64(), r["pid"].as_u64()) {
-            (Some(port), Some(pid)) => Ok((port as u16, pid as u32)),
-            _ => Err(format!("{addr}: brick-start reply without port and pid")),
-        }
+        let r: BrickStarted = c.call(&req)?;
+        Ok((r.port, r.pid))
     }
 
     /// Authority side: a peer restarted one of its bricks on another port.
@@ -352,7 +357,7 @@ impl Manager {
         index: usize,
         port: Option<u16>,
         pid: Option<u32>,
-    ) -> Result<Value, String> {
+    ) -> Result<Response, String> {
         check_name(name)?;
         let mut def = self.load(name)?;
         if def.authority.is_some() || id != def.id {
@@ -372,6 +377,10 @@ impl Manager {
                 }
             }
         }
-        Ok(json!({ "volume": name, "warnings": warnings }))
+        Ok(Ack {
+            volume: name.to_owned(),
+            warnings,
+        }
+        .into())
     }
 }

@@ -160,7 +160,7 @@ impl Request {
         }
     }
 
-    /// The request as JSON, for [`crate::call_peer`] and clients.
+    /// The request as JSON, for clients that speak JSON.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(self).expect("a request serialises")
     }

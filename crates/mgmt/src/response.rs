@@ -1,0 +1,351 @@
+//! The MGMT replies, typed on both ends: kilnd builds one of these per command and the CLI (or
+//! another kilnd) decodes the one its request names. On the wire a reply is the type's fields
+//! in one JSON object with `"ok": true`, or `{"ok": false, "error": SENTENCE}` (see
+//! [`Envelope`]), so `--json` shows exactly these shapes.
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::def::{BrickDef, VolState, VolumeDef};
+use crate::healing::VolHeal;
+
+/// How a volume's bricks are arranged, as `info` names it.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VolumeType {
+    /// One brick.
+    Single,
+    /// Files spread over several bricks, one copy each.
+    Distribute,
+    /// One replica set.
+    Replicate,
+    /// Files spread over several replica sets.
+    #[serde(rename = "Distributed-Replicate")]
+    DistributedReplicate,
+}
+
+impl VolumeType {
+    /// The arrangement of `def`.
+    pub fn of(def: &VolumeDef) -> VolumeType {
+        match (def.replica > 1, def.bricks.len() > def.replica) {
+            (true, true) => VolumeType::DistributedReplicate,
+            (true, false) => VolumeType::Replicate,
+            (false, true) => VolumeType::Distribute,
+            (false, false) => VolumeType::Single,
+        }
+    }
+
+    /// The name `info` prints.
+    pub fn word(self) -> &'static str {
+        match self {
+            VolumeType::Single => "Single",
+            VolumeType::Distribute => "Distribute",
+            VolumeType::Replicate => "Replicate",
+            VolumeType::DistributedReplicate => "Distributed-Replicate",
+        }
+    }
+}
+
+/// A definition as commands show it (everything but the secret, which is not in it).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct VolumeView {
+    /// The definition.
+    #[serde(flatten)]
+    pub def: VolumeDef,
+    /// Its arrangement.
+    #[serde(rename = "type")]
+    pub kind: VolumeType,
+    /// Its state, capitalised as `info` prints it.
+    pub state_word: String,
+}
+
+impl From<&VolumeDef> for VolumeView {
+    fn from(def: &VolumeDef) -> VolumeView {
+        VolumeView {
+            def: def.clone(),
+            kind: VolumeType::of(def),
+            state_word: def.state.word().to_owned(),
+        }
+    }
+}
+
+/// `create`, `start`, `stop`, `set`: the volume as it now is.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Changed {
+    /// The definition after the change.
+    pub volume: VolumeView,
+    /// What did not go as asked but did not fail the command (a peer unreachable, …).
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
+/// `delete`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Deleted {
+    /// The volume.
+    pub volume: String,
+    /// Always true: a refusal is an error.
+    pub deleted: bool,
+    /// What did not go as asked.
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
+/// `info`: one definition, or every one.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Infos {
+    /// The definitions.
+    pub volumes: Vec<VolumeView>,
+}
+
+/// `list`: volume names.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Names {
+    /// The names, sorted.
+    pub volumes: Vec<String>,
+}
+
+/// One brick in `status`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct BrickStatus {
+    /// `HOST:/DIR` or `HOST:PORT:/DIR`.
+    pub brick: String,
+    /// The host as given.
+    pub host: String,
+    /// The brick directory.
+    pub dir: std::path::PathBuf,
+    /// The port it serves (or last served) on.
+    pub port: Option<u16>,
+    /// Its process on its host.
+    pub pid: Option<u32>,
+    /// Whether it runs and answers now.
+    pub online: bool,
+}
+
+impl BrickStatus {
+    /// `b` as `status` shows it.
+    pub fn of(b: &BrickDef, online: bool) -> BrickStatus {
+        BrickStatus {
+            brick: b.spec(),
+            host: b.host.clone(),
+            dir: b.dir.clone(),
+            port: b.port,
+            pid: b.pid,
+            online,
+        }
+    }
+}
+
+/// One volume in `status`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct VolumeStatus {
+    /// The volume.
+    pub name: String,
+    /// Where it is in its life.
+    pub state: VolState,
+    /// The kilnd that makes its changes, when not this one.
+    pub authority: Option<String>,
+    /// Its bricks, in definition order.
+    pub bricks: Vec<BrickStatus>,
+    /// The heal service's view, when this kilnd heals it.
+    pub heal: Option<VolHeal>,
+}
+
+/// `status`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Statuses {
+    /// One entry per volume asked for.
+    pub volumes: Vec<VolumeStatus>,
+}
+
+/// `volfile`: the client graph.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct VolfileText {
+    /// The volume.
+    pub volume: String,
+    /// The graph, as TOML.
+    pub volfile: String,
+}
+
+/// `brick-start`: where the brick runs now.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub struct BrickStarted {
+    /// Its port.
+    pub port: u16,
+    /// Its process.
+    pub pid: u32,
+}
+
+/// `brick-stop`.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub struct BrickStopped {
+    /// The brick's index.
+    pub stopped: usize,
+}
+
+/// `peer-sync`, `peer-forget`, `brick-report`: done.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Ack {
+    /// The volume.
+    pub volume: String,
+    /// What did not go as asked.
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
+/// Every reply kilnd sends; serialised without a tag, since the receiver knows which
+/// command it asked.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(untagged)]
+pub enum Response {
+    /// See [`Changed`].
+    Changed(Changed),
+    /// See [`Deleted`].
+    Deleted(Deleted),
+    /// See [`Infos`].
+    Infos(Infos),
+    /// See [`Names`].
+    Names(Names),
+    /// See [`Statuses`].
+    Statuses(Statuses),
+    /// See [`VolfileText`].
+    Volfile(VolfileText),
+    /// See [`BrickStarted`].
+    BrickStarted(BrickStarted),
+    /// See [`BrickStopped`].
+    BrickStopped(BrickStopped),
+    /// See [`Ack`].
+    Ack(Ack),
+}
+
+macro_rules! response_from {
+    ($($t:ident => $v:ident),* $(,)?) => {$(
+        impl From<$t> for Response {
+            fn from(r: $t) -> Response {
+                Response::$v(r)
+            }
+        }
+    )*};
+}
+response_from!(
+    Changed => Changed,
+    Deleted => Deleted,
+    Infos => Infos,
+    Names => Names,
+    Statuses => Statuses,
+    VolfileText => Volfile,
+    BrickStarted => BrickStarted,
+    BrickStopped => BrickStopped,
+    Ack => Ack,
+);
+
+/// A reply on the wire: the reply's own fields beside `"ok"`, or the error.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct Envelope<T> {
+    /// True when the command succeeded.
+    pub ok: bool,
+    /// The operator's sentence when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The reply, when it did.
+    #[serde(flatten)]
+    pub reply: Option<T>,
+}
+
+impl Envelope<Response> {
+    /// The wire form of `out`.
+    pub fn encode(out: Result<Response, String>) -> Vec<u8> {
+        let e = match out {
+            Ok(r) => Envelope {
+                ok: true,
+                error: None,
+                reply: Some(r),
+            },
+            Err(e) => Envelope {
+                ok: false,
+                error: Some(e),
+                reply: None,
+            },
+        };
+        serde_json::to_vec(&e).expect("a reply serialises")
+    }
+}
+
+/// Decodes a reply of type `T` (the one the request names): its fields, or the error sentence
+/// of an `"ok": false` reply.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("bad reply: {e}"))?;
+    decode_value(v)
+}
+
+/// [`decode`] of a reply already parsed as JSON.
+pub fn decode_value<T: DeserializeOwned>(v: serde_json::Value) -> Result<T, String> {
+    if v["ok"] != true {
+        return Err(v["error"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| "reply without \"ok\"".to_owned()));
+    }
+    serde_json::from_value(v).map_err(|e| format!("bad reply: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn def() -> VolumeDef {
+        VolumeDef {
+            name: "v".into(),
+            id: "7".into(),
+            replica: 3,
+            bricks: (0..3)
+                .map(|i| BrickDef {
+                    host: "127.0.0.1".into(),
+                    mgmt_port: None,
+                    dir: format!("/b{i}").into(),
+                    port: Some(24100 + i as u16),
+                    pid: None,
+                })
+                .collect(),
+            state: VolState::Started,
+            authority: None,
+            allow: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn replies_round_trip_through_the_envelope() {
+        let c = Changed {
+            volume: VolumeView::from(&def()),
+            warnings: vec!["w".into()],
+        };
+        let bytes = Envelope::encode(Ok(c.clone().into()));
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        // The wire keeps the shape the CLI's --json shows: fields beside "ok".
+        assert_eq!(v["ok"], true);
+        assert_eq!(v["volume"]["type"], "Replicate");
+        assert_eq!(v["volume"]["state"], "started");
+        assert_eq!(v["volume"]["state_word"], "Started");
+        assert_eq!(decode::<Changed>(&bytes).unwrap(), c);
+        let bytes = Envelope::encode(Err("volume v is not started".into()));
+        assert_eq!(
+            decode::<Changed>(&bytes).unwrap_err(),
+            "volume v is not started"
+        );
+        // The wrong reply type is an error naming the missing field, not a panic.
+        let bytes = Envelope::encode(Ok(BrickStopped { stopped: 1 }.into()));
+        assert!(decode::<BrickStarted>(&bytes)
+            .unwrap_err()
+            .contains("missing field"));
+        assert!(decode::<Names>(b"{").unwrap_err().starts_with("bad reply"));
+    }
+
+    #[test]
+    fn volume_types() {
+        let mut d = def();
+        assert_eq!(VolumeType::of(&d), VolumeType::Replicate);
+        d.replica = 1;
+        assert_eq!(VolumeType::of(&d), VolumeType::Distribute);
+        d.bricks.truncate(1);
+        assert_eq!(VolumeType::of(&d), VolumeType::Single);
+    }
+}

@@ -2,10 +2,10 @@
 //! status and volfile.
 
 use std::fs;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use crate::bricks::port_answers;
-use crate::def::{check_name, is_local, parse_brick, VolState, VolumeDef};
+use crate::def::{check_name, is_local, parse_brick, BrickDef, VolState, VolumeDef};
 use crate::manager::{Manager, Procs};
 use crate::request::Request;
 use crate::response::{
@@ -44,47 +44,7 @@ impl Manager {
             return Err(format!("volume {name} already exists"));
         }
         let allow = check_allow(allow)?;
-        let mut bricks = Vec::new();
-        let mut ips = Vec::new();
-        for s in specs {
-            let b = parse_brick(s)?;
-            ips.push(b.ip().map_err(|e| format!("brick {s}: {e}"))?);
-            bricks.push(b);
-        }
-        // Same host (by address), same or nested directory: refuse.
-        for j in 0..bricks.len() {
-            for i in 0..j {
-                if ips[i] != ips[j] {
-                    continue;
-                }
-                let (a, b) = (&bricks[i], &bricks[j]);
-                if a.dir == b.dir {
-                    return Err(format!("brick {} is given twice", b.spec()));
-                }
-                if b.dir.starts_with(&a.dir) || a.dir.starts_with(&b.dir) {
-                    return Err(format!(
-                        "bricks {} and {} nest: a brick may not be inside another",
-                        a.spec(),
-                        b.spec()
-                    ));
-                }
-            }
-        }
-        for other in self.load_all() {
-            for ob in &other.bricks {
-                let Ok(oip) = ob.ip() else { continue };
-                for (b, ip) in bricks.iter().zip(&ips) {
-                    if *ip == oip && (b.dir.starts_with(&ob.dir) || ob.dir.starts_with(&b.dir)) {
-                        return Err(format!(
-                            "brick {} overlaps brick {} of volume {}",
-                            b.spec(),
-                            ob.spec(),
-                            other.name
-                        ));
-                    }
-                }
-            }
-        }
+        let (bricks, ips) = self.check_bricks(specs)?;
         for (b, ip) in bricks.iter().zip(&ips) {
             if is_local(*ip) {
                 fs::create_dir_all(&b.dir).map_err(|e| {
@@ -132,6 +92,53 @@ impl Manager {
             warnings: Vec::new(),
         }
         .into())
+    }
+
+    /// Parses `specs` and refuses a brick given twice, bricks that nest, and a brick that
+    /// overlaps a brick of another volume; returns the bricks and their hosts' addresses.
+    fn check_bricks(&self, specs: &[String]) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
+        let mut bricks = Vec::new();
+        let mut ips = Vec::new();
+        for s in specs {
+            let b = parse_brick(s)?;
+            ips.push(b.ip().map_err(|e| format!("brick {s}: {e}"))?);
+            bricks.push(b);
+        }
+        // Same host (by address), same or nested directory: refuse.
+        for j in 0..bricks.len() {
+            for i in 0..j {
+                if ips[i] != ips[j] {
+                    continue;
+                }
+                let (a, b) = (&bricks[i], &bricks[j]);
+                if a.dir == b.dir {
+                    return Err(format!("brick {} is given twice", b.spec()));
+                }
+                if b.dir.starts_with(&a.dir) || a.dir.starts_with(&b.dir) {
+                    return Err(format!(
+                        "bricks {} and {} nest: a brick may not be inside another",
+                        a.spec(),
+                        b.spec()
+                    ));
+                }
+            }
+        }
+        for other in self.load_all() {
+            for ob in &other.bricks {
+                let Ok(oip) = ob.ip() else { continue };
+                for (b, ip) in bricks.iter().zip(&ips) {
+                    if *ip == oip && (b.dir.starts_with(&ob.dir) || ob.dir.starts_with(&b.dir)) {
+                        return Err(format!(
+                            "brick {} overlaps brick {} of volume {}",
+                            b.spec(),
+                            ob.spec(),
+                            other.name
+                        ));
+                    }
+                }
+            }
+        }
+        Ok((bricks, ips))
     }
 
     pub(crate) fn start(

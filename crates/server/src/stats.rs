@@ -13,9 +13,13 @@ pub struct Stats {
     pub bytes_read: AtomicU64,
     /// Payload bytes written by WRITE requests.
     pub bytes_written: AtomicU64,
-    /// WRITE payload bytes copied in user space: only those that arrive in the small stage
-    /// read with a frame's header (at most 64 per frame); the rest lands in place.
+    /// WRITE payload bytes copied in user space: only those that arrive in the stage read
+    /// with a frame's header (at most 64 per frame, or 4 KiB for the first WRITE after a run
+    /// of small frames); the rest lands in place.
     pub bytes_copied: AtomicU64,
+    /// `readv` calls on connection sockets (a burst of small requests takes a few, not one
+    /// each).
+    pub recv_calls: AtomicU64,
     /// Frames refused as malformed (bad header, bad arguments, unknown opcode).
     pub bad_frames: AtomicU64,
     /// Connections accepted.
@@ -33,6 +37,7 @@ impl Default for Stats {
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
             bytes_copied: AtomicU64::new(0),
+            recv_calls: AtomicU64::new(0),
             bad_frames: AtomicU64::new(0),
             connections: AtomicU64::new(0),
             refused: AtomicU64::new(0),

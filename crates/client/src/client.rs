@@ -360,6 +360,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 op,
+                false,
                 &args,
                 &[],
                 Vec::new(),
@@ -398,6 +399,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Profile,
+                false,
                 &args,
                 &[],
                 sink,
@@ -549,6 +551,7 @@ impl Client {
         let submitted = unsafe {
             self.conn.submit(
                 Op::Read,
+                false,
                 &args,
                 &[],
                 sink,
@@ -586,6 +589,7 @@ impl Client {
         let submitted = unsafe {
             self.conn.submit(
                 Op::Write,
+                false,
                 &args,
                 &payload,
                 Vec::new(),
@@ -627,6 +631,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Read,
+                false,
                 &args,
                 &[],
                 sink,
@@ -652,6 +657,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Write,
+                false,
                 &args,
                 &payload,
                 Vec::new(),
@@ -691,6 +697,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Read,
+                false,
                 &args,
                 &[],
                 iov.to_vec(),
@@ -721,6 +728,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Write,
+                false,
                 &args,
                 iov,
                 Vec::new(),
@@ -745,6 +753,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Fsync,
+                false,
                 &args,
                 &[],
                 Vec::new(),

@@ -144,12 +144,27 @@ impl ProtocolClient {
     ) -> impl std::future::Future<Output = FopResult<Completion>> + Send + 'a {
         let slot = Arc::new(Slot::default());
         let (client, _) = self.current();
+        // A caller's identity rides in front of the arguments of the fops the brick runs for
+        // the caller; root's is the brick's own and needs no bytes.
+        let cred = cx
+            .cred
+            .as_deref()
+            .filter(|c| op.acts_for_caller() && !c.is_root());
+        let args = match cred {
+            Some(c) => {
+                let mut a = c.to_wire();
+                a.extend_from_slice(&args);
+                a
+            }
+            None => args,
+        };
         // SAFETY: `payload` and `sink` point into memory owned by `keep` (or promised valid by
         // an `IoBufs::raw` caller until completion); the connection holds `keep` until the
         // completion is delivered.
         let r = unsafe {
             client.conn.submit(
                 op,
+                cred.is_some(),
                 &args,
                 payload,
                 sink,

@@ -22,12 +22,23 @@ use kiln_layer::{
     exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, RawIov, ReadDst, ReadOut, SetAttrs, StatfsReply,
 };
 use kiln_proto::ops::DirEntry;
+use kiln_proto::Cred;
 
 use crate::client::{errno_error, Client};
 use crate::protocol::ProtocolClient;
 
-/// A client stack.
+/// A client stack, used on behalf of one caller: the process itself (root on the bricks) or,
+/// from [`Volume::on_behalf_of`], a user whose credentials travel with every name and
+/// metadata fop, so the bricks check access and assign ownership as that user. Clones share
+/// the stack.
+#[derive(Clone)]
 pub struct Volume {
+    stack: Arc<Stack>,
+    cred: Option<Arc<Cred>>,
+}
+
+/// What every view of a volume shares.
+struct Stack {
     top: LayerRef,
     clients: Vec<Arc<Client>>,
     trace_every: AtomicU64,
@@ -147,10 +158,13 @@ impl Volume {
         });
         match top {
             Ok(top) => Ok(Volume {
-                top,
-                clients,
-                trace_every: AtomicU64::new(0),
-                seq: AtomicU64::new(0),
+                stack: Arc::new(Stack {
+                    top,
+                    clients,
+                    trace_every: AtomicU64::new(0),
+                    seq: AtomicU64::new(0),
+                }),
+                cred: None,
             }),
             Err(msg) => {
                 Err(err.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, msg)))
@@ -160,26 +174,35 @@ impl Volume {
 
     /// The top layer, for fops this type has no wrapper for.
     pub fn top(&self) -> &LayerRef {
-        &self.top
+        &self.stack.top
     }
 
     /// The connections of the stack's protocol-clients.
     pub fn clients(&self) -> &[Arc<Client>] {
-        &self.clients
+        &self.stack.clients
     }
 
     /// Samples every `n`th request for a waterfall (0: none).
     pub fn set_trace_every(&self, n: u64) {
-        self.trace_every.store(n, Relaxed);
+        self.stack.trace_every.store(n, Relaxed);
     }
 
-    /// A context for the next request: traced when sampled.
-    pub fn ctx(&self) -> Ctx {
-        let every = self.trace_every.load(Relaxed);
-        if every == 0 || !self.seq.fetch_add(1, Relaxed).is_multiple_of(every) {
-            return Ctx::NONE;
+    /// The same stack used on behalf of `cred` (None: the process itself). Cheap: one
+    /// reference count.
+    pub fn on_behalf_of(&self, cred: Option<Arc<Cred>>) -> Volume {
+        Volume {
+            stack: self.stack.clone(),
+            cred,
         }
-        let cx = Ctx::traced();
+    }
+
+    /// A context for the next request: this view's caller, traced when sampled.
+    pub fn ctx(&self) -> Ctx {
+        let every = self.stack.trace_every.load(Relaxed);
+        if every == 0 || !self.stack.seq.fetch_add(1, Relaxed).is_multiple_of(every) {
+            return Ctx::NONE.with_cred(self.cred.clone());
+        }
+        let cx = Ctx::traced().with_cred(self.cred.clone());
         cx.stamp(|| SUBMIT.into());
         cx
     }
@@ -200,13 +223,13 @@ impl Volume {
                 Some((c, rest)) => c.batch(|| nest(rest, f)),
             }
         }
-        nest(&self.clients, Box::new(f))
+        nest(&self.stack.clients, Box::new(f))
     }
 
     /// Attributes of `path`.
     pub async fn lookup(&self, path: &str) -> io::Result<Attr> {
         let cx = self.ctx();
-        let r = self.top.lookup(&cx, path).await;
+        let r = self.stack.top.lookup(&cx, path).await;
         Volume::finish(&cx);
         r.map_err(errno_error)
     }
@@ -214,7 +237,7 @@ impl Volume {
     /// Opens an existing file.
     pub async fn open(&self, path: &str, flags: i32) -> io::Result<Fd> {
         let cx = self.ctx();
-        let r = self.top.open(&cx, path, flags as u32).await;
+        let r = self.stack.top.open(&cx, path, flags as u32).await;
         Volume::finish(&cx);
         r.map_err(errno_error)
     }
@@ -222,20 +245,24 @@ impl Volume {
     /// Creates (or opens) a file.
     pub async fn create(&self, path: &str, flags: i32, mode: u32) -> io::Result<(Fd, Attr)> {
         let cx = self.ctx();
-        let r = self.top.create(&cx, path, flags as u32, mode).await;
+        let r = self.stack.top.create(&cx, path, flags as u32, mode).await;
         Volume::finish(&cx);
         r.map_err(errno_error)
     }
 
     /// Closes a file.
     pub async fn close(&self, fd: Fd) -> io::Result<()> {
-        self.top.release(&Ctx::NONE, fd).await.map_err(errno_error)
+        self.stack
+            .top
+            .release(&Ctx::NONE, fd)
+            .await
+            .map_err(errno_error)
     }
 
     /// Flushes a file to stable storage on every brick that holds it.
     pub async fn fsync(&self, fd: &Fd, datasync: bool) -> io::Result<()> {
         let cx = self.ctx();
-        let r = self.top.fsync(&cx, fd, datasync).await;
+        let r = self.stack.top.fsync(&cx, fd, datasync).await;
         Volume::finish(&cx);
         r.map_err(errno_error)
     }
@@ -249,6 +276,7 @@ impl Volume {
     {
         let cx = self.ctx();
         let r = self
+            .stack
             .top
             .read(&cx, fd, offset, ReadDst::Into(IoBufs::owned(bufs)))
             .await;
@@ -272,7 +300,11 @@ impl Volume {
         B: AsMut<[u8]> + Send + 'static,
     {
         let cx = self.ctx();
-        let r = self.top.write(&cx, fd, offset, IoBufs::owned(bufs)).await;
+        let r = self
+            .stack
+            .top
+            .write(&cx, fd, offset, IoBufs::owned(bufs))
+            .await;
         Volume::finish(&cx);
         match r {
             Ok(w) => (Ok(w.n), w.bufs.into_owned().unwrap_or_default()),
@@ -292,7 +324,7 @@ impl Volume {
         offset: u64,
         cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
     ) {
-        let (top, fd, cx) = (self.top.clone(), fd.clone(), self.ctx());
+        let (top, fd, cx) = (self.stack.top.clone(), fd.clone(), self.ctx());
         // SAFETY: forwarded to the caller.
         let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
         exec::spawn(async move {
@@ -313,7 +345,7 @@ impl Volume {
         offset: u64,
         cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
     ) {
-        let (top, fd, cx) = (self.top.clone(), fd.clone(), self.ctx());
+        let (top, fd, cx) = (self.stack.top.clone(), fd.clone(), self.ctx());
         // SAFETY: forwarded to the caller.
         let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
         exec::spawn(async move {
@@ -395,56 +427,56 @@ impl Volume {
 
     /// True when every connection of the stack is gone (nothing can succeed any more).
     pub fn is_dead(&self) -> bool {
-        !self.clients.is_empty() && self.clients.iter().all(|c| c.is_dead())
+        !self.stack.clients.is_empty() && self.stack.clients.iter().all(|c| c.is_dead())
     }
 
     /// Shuts every connection down: requests in flight and later ones fail.
     pub fn shutdown(&self) {
-        for c in &self.clients {
+        for c in &self.stack.clients {
             c.shutdown();
         }
     }
 
     /// Attributes of an open file.
     pub async fn fstat(&self, fd: &Fd) -> io::Result<Attr> {
-        fop!(self, cx => self.top.fstat(&cx, fd))
+        fop!(self, cx => self.stack.top.fstat(&cx, fd))
     }
 
     /// Changes attributes of `path`.
     pub async fn setattr(&self, path: &str, attrs: SetAttrs) -> io::Result<Attr> {
-        fop!(self, cx => self.top.setattr(&cx, path, &attrs))
+        fop!(self, cx => self.stack.top.setattr(&cx, path, &attrs))
     }
 
     /// Changes attributes of an open file.
     pub async fn fsetattr(&self, fd: &Fd, attrs: SetAttrs) -> io::Result<Attr> {
-        fop!(self, cx => self.top.fsetattr(&cx, fd, &attrs))
+        fop!(self, cx => self.stack.top.fsetattr(&cx, fd, &attrs))
     }
 
     /// Removes a file.
     pub async fn unlink(&self, path: &str) -> io::Result<()> {
-        fop!(self, cx => self.top.unlink(&cx, path))
+        fop!(self, cx => self.stack.top.unlink(&cx, path))
     }
 
     /// Makes a directory.
     pub async fn mkdir(&self, path: &str, mode: u32) -> io::Result<Attr> {
-        fop!(self, cx => self.top.mkdir(&cx, path, mode))
+        fop!(self, cx => self.stack.top.mkdir(&cx, path, mode))
     }
 
     /// Removes an empty directory.
     pub async fn rmdir(&self, path: &str) -> io::Result<()> {
-        fop!(self, cx => self.top.rmdir(&cx, path))
+        fop!(self, cx => self.stack.top.rmdir(&cx, path))
     }
 
     /// Renames (`flags`: `RENAME_NOREPLACE` and friends).
     pub async fn rename(&self, from: &str, to: &str, flags: u32) -> io::Result<()> {
-        fop!(self, cx => self.top.rename(&cx, from, to, flags))
+        fop!(self, cx => self.stack.top.rename(&cx, from, to, flags))
     }
 
     /// The whole listing of a directory (without `.` and `..`), page by page.
     pub async fn readdir(&self, path: &str) -> io::Result<Vec<DirEntry>> {
         let mut out = Vec::new();
         loop {
-            let r = fop!(self, cx => self.top.readdir(&cx, path, out.len() as u64, 256))?;
+            let r = fop!(self, cx => self.stack.top.readdir(&cx, path, out.len() as u64, 256))?;
             let got = r.entries.0.len();
             out.extend(r.entries.0);
             if r.eof || got == 0 {
@@ -455,27 +487,27 @@ impl Volume {
 
     /// Makes `path` a symlink to `target`.
     pub async fn symlink(&self, target: &str, path: &str) -> io::Result<Attr> {
-        fop!(self, cx => self.top.symlink(&cx, target, path))
+        fop!(self, cx => self.stack.top.symlink(&cx, target, path))
     }
 
     /// A symlink's target.
     pub async fn readlink(&self, path: &str) -> io::Result<String> {
-        fop!(self, cx => self.top.readlink(&cx, path))
+        fop!(self, cx => self.stack.top.readlink(&cx, path))
     }
 
     /// Makes `path` a hard link to `existing`.
     pub async fn link(&self, existing: &str, path: &str) -> io::Result<Attr> {
-        fop!(self, cx => self.top.link(&cx, existing, path))
+        fop!(self, cx => self.stack.top.link(&cx, existing, path))
     }
 
     /// File system statistics.
     pub async fn statfs(&self, path: &str) -> io::Result<StatfsReply> {
-        fop!(self, cx => self.top.statfs(&cx, path))
+        fop!(self, cx => self.stack.top.statfs(&cx, path))
     }
 
     /// An extended attribute's value.
     pub async fn getxattr(&self, path: &str, name: &str) -> io::Result<Vec<u8>> {
-        fop!(self, cx => self.top.getxattr(&cx, path, name))
+        fop!(self, cx => self.stack.top.getxattr(&cx, path, name))
     }
 
     /// Sets an extended attribute.
@@ -486,27 +518,27 @@ impl Volume {
         value: &[u8],
         flags: u32,
     ) -> io::Result<()> {
-        fop!(self, cx => self.top.setxattr(&cx, path, name, value, flags))
+        fop!(self, cx => self.stack.top.setxattr(&cx, path, name, value, flags))
     }
 
     /// Extended attribute names.
     pub async fn listxattr(&self, path: &str) -> io::Result<Vec<String>> {
-        fop!(self, cx => self.top.listxattr(&cx, path))
+        fop!(self, cx => self.stack.top.listxattr(&cx, path))
     }
 
     /// Removes an extended attribute.
     pub async fn removexattr(&self, path: &str, name: &str) -> io::Result<()> {
-        fop!(self, cx => self.top.removexattr(&cx, path, name))
+        fop!(self, cx => self.stack.top.removexattr(&cx, path, name))
     }
 
     /// Allocates or zeroes a range (`mode`: Linux `fallocate` flags).
     pub async fn fallocate(&self, fd: &Fd, mode: u32, offset: u64, len: u64) -> io::Result<()> {
-        fop!(self, cx => self.top.fallocate(&cx, fd, mode, offset, len))
+        fop!(self, cx => self.stack.top.fallocate(&cx, fd, mode, offset, len))
     }
 
     /// Punches a hole, keeping the size.
     pub async fn discard(&self, fd: &Fd, offset: u64, len: u64) -> io::Result<()> {
-        fop!(self, cx => self.top.discard(&cx, fd, offset, len))
+        fop!(self, cx => self.stack.top.discard(&cx, fd, offset, len))
     }
 
     /// Writes borrowed slices at `offset`, sent straight from them; blocks the calling thread
@@ -527,7 +559,8 @@ impl Volume {
         // SAFETY: `block_on` returns only once the write has completed, and `bufs` stays
         // borrowed (unchanged) until then.
         let data = unsafe { IoBufs::raw(iov) };
-        let r = exec::block_on(async { fop!(self, cx => self.top.write(&cx, fd, offset, data)) });
+        let r =
+            exec::block_on(async { fop!(self, cx => self.stack.top.write(&cx, fd, offset, data)) });
         r.map(|w| w.n)
     }
 
@@ -548,7 +581,7 @@ impl Volume {
         // SAFETY: as in `pwritev_blocking`; `bufs` is borrowed exclusively until completion.
         let dst = unsafe { IoBufs::raw(iov) };
         let r = exec::block_on(async {
-            fop!(self, cx => self.top.read(&cx, fd, offset, ReadDst::Into(dst)))
+            fop!(self, cx => self.stack.top.read(&cx, fd, offset, ReadDst::Into(dst)))
         });
         r.map(|o| o.len())
     }
@@ -556,7 +589,7 @@ impl Volume {
     /// Writes `data` at `offset` (memory the caller describes: owned buffers, or raw vectors
     /// such as static memory); returns the bytes written.
     pub async fn write_bufs(&self, fd: &Fd, data: IoBufs, offset: u64) -> io::Result<usize> {
-        fop!(self, cx => self.top.write(&cx, fd, offset, data)).map(|w| w.n)
+        fop!(self, cx => self.stack.top.write(&cx, fd, offset, data)).map(|w| w.n)
     }
 
     /// Flushes a file; `cb` runs on the thread that completed the request.
@@ -566,7 +599,7 @@ impl Volume {
         datasync: bool,
         cb: Box<dyn FnOnce(Result<(), Errno>) + Send>,
     ) {
-        let (top, fd, cx) = (self.top.clone(), fd.clone(), self.ctx());
+        let (top, fd, cx) = (self.stack.top.clone(), fd.clone(), self.ctx());
         exec::spawn(async move {
             let r = top.fsync(&cx, &fd, datasync).await;
             Volume::finish(&cx);

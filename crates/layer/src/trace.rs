@@ -150,6 +150,9 @@ pub struct Ctx {
     /// Who issued the request, for layers that hold state per client (locks): on a brick,
     /// the connection's id; 0 when unknown.
     pub owner: u64,
+    /// Whose request it is (uid, gid, groups): the posix layer runs its storage calls with
+    /// these credentials. None: the process's own (internal work such as heal).
+    pub cred: Option<Arc<kiln_proto::Cred>>,
 }
 
 impl Ctx {
@@ -157,6 +160,7 @@ impl Ctx {
     pub const NONE: Ctx = Ctx {
         trace: None,
         owner: 0,
+        cred: None,
     };
 
     /// A context carrying a new trace.
@@ -164,12 +168,18 @@ impl Ctx {
         Ctx {
             trace: Some(Trace::new()),
             owner: 0,
+            cred: None,
         }
     }
 
     /// The same context issued by `owner`.
     pub fn with_owner(self, owner: u64) -> Ctx {
         Ctx { owner, ..self }
+    }
+
+    /// The same context on behalf of `cred` (None: the process's own credentials).
+    pub fn with_cred(self, cred: Option<Arc<kiln_proto::Cred>>) -> Ctx {
+        Ctx { cred, ..self }
     }
 
     /// Stamps `label` if the request is sampled. The label is built only then.

@@ -58,6 +58,11 @@ impl<'a> Dec<'a> {
         Dec { rest: bytes }
     }
 
+    /// The bytes not yet decoded.
+    pub fn rest(&self) -> &'a [u8] {
+        self.rest
+    }
+
     fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if n > self.rest.len() {
             return Err(DecodeError::Truncated);

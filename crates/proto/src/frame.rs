@@ -24,8 +24,12 @@ pub const MAX_PAYLOAD_LEN: u32 = 16 * 1024 * 1024;
 /// [`crate::ops::TraceBlock`] as its arguments — so the reply itself is received exactly as an
 /// unsampled one would be. Only sampled requests carry it.
 pub const FLAG_TRACE: u32 = 1;
+/// Flag: on a request, the arguments start with a [`crate::cred::Cred`] — who asks (uid, gid,
+/// supplementary groups) — and the fop's own arguments follow it. The brick runs the fop's
+/// storage calls with those credentials. Requests without it run as the brick itself (root).
+pub const FLAG_CRED: u32 = 2;
 /// Every flag this version knows.
-pub const FLAGS_KNOWN: u32 = FLAG_TRACE;
+pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED;
 
 /// Frame kinds.
 pub const KIND_REQUEST: u8 = 0;
@@ -167,6 +171,17 @@ impl Header {
     /// The same header with [`FLAG_TRACE`] set.
     pub fn with_trace(mut self) -> Header {
         self.flags = (self.flags.get() | FLAG_TRACE).into();
+        self
+    }
+
+    /// True when the arguments start with credentials ([`FLAG_CRED`]).
+    pub fn has_cred(&self) -> bool {
+        self.flags.get() & FLAG_CRED != 0
+    }
+
+    /// The same header with [`FLAG_CRED`] set.
+    pub fn with_cred(mut self) -> Header {
+        self.flags = (self.flags.get() | FLAG_CRED).into();
         self
     }
 

@@ -8,6 +8,7 @@
 pub mod addr;
 pub mod auth;
 pub mod codec;
+pub mod cred;
 pub mod frame;
 pub mod iov;
 pub mod marks;
@@ -15,6 +16,7 @@ pub mod ops;
 
 pub use addr::Listen;
 pub use codec::{DecodeError, Wire};
+pub use cred::Cred;
 pub use frame::{Header, HeaderError, HEADER_LEN, MAX_ARGS_LEN, MAX_PAYLOAD_LEN};
 pub use ops::Op;
 

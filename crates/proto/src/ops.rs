@@ -122,6 +122,40 @@ ops! {
     LayoutSet = 42,
 }
 
+impl Op {
+    /// True for the POSIX fops a brick runs with the caller's credentials when the request
+    /// carries them ([`crate::frame::FLAG_CRED`]): every name and metadata fop. Data fops on
+    /// an open file (read, write, fsync, release) were checked at open, and replication control
+    /// is the brick's own business: those run as the brick and ignore credentials.
+    pub fn acts_for_caller(self) -> bool {
+        use Op::*;
+        matches!(
+            self,
+            Lookup
+                | Fstat
+                | Setattr
+                | Open
+                | Create
+                | Unlink
+                | Mkdir
+                | Rmdir
+                | Rename
+                | Readdir
+                | Symlink
+                | Readlink
+                | Link
+                | Statfs
+                | Getxattr
+                | Setxattr
+                | Listxattr
+                | Removexattr
+                | Fallocate
+                | Discard
+                | Fsetattr
+        )
+    }
+}
+
 wire_struct! {
     /// A timestamp: seconds and nanoseconds since the epoch.
     pub struct Time { pub sec: i64, pub nsec: u32 }

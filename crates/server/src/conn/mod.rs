@@ -409,8 +409,7 @@ impl Conn {
                         // At a frame boundary, also ask for the start of the frame into `stage`:
                         // a small request then costs one readv, not two (header, then args).
                         let at_boundary = cur.is_none();
-                        let stage_len =
-                            if self.small_run >= QUIET_FRAMES { STAGE_MAX } else { STAGE_LEN };
+                        let stage_len = self.stage_len();
                         let recv = g.try_io(|s| {
                             let stage = if at_boundary { Some(&mut stage[..stage_len]) } else { None };
                             recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..], stage)
@@ -496,6 +495,15 @@ impl Conn {
             }
         }
         Ok(())
+    }
+
+    /// How much to read past a header at a frame boundary (see [`STAGE_MAX`]).
+    fn stage_len(&self) -> usize {
+        if self.small_run >= QUIET_FRAMES {
+            STAGE_MAX
+        } else {
+            STAGE_LEN
+        }
     }
 
     /// With a whole header in `next_hdr`, starts its frame (running it at once if it has no
@@ -597,7 +605,23 @@ impl Conn {
             return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
         }
         let trace = cx.trace.clone();
-        match self.fop(op, &inc.args, inc.payload, cx) {
+        let (cx, args) = if inc.hdr.has_cred() {
+            match kiln_proto::Cred::split(&inc.args) {
+                // Replication control and data fops run as the brick (Op::acts_for_caller).
+                Ok((c, rest)) if op.acts_for_caller() => (cx.with_cred(Some(Arc::new(c))), rest),
+                Ok((_, rest)) => (cx, rest),
+                Err(e) => {
+                    tracing::warn!(op = op.name(), "bad credentials: {e}");
+                    self.stats
+                        .bad_frames
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
+                }
+            }
+        } else {
+            (cx, &inc.args[..])
+        };
+        match self.fop(op, args, inc.payload, cx) {
             Ok(Step::Now(args, body)) => self.push_traced(OutReply::traced(
                 opcode,
                 id,

@@ -111,6 +111,10 @@ pub fn attr_of(st: &rfs::Stat) -> Attr {
 impl Brick {
     /// Opens the brick at `dir`, which must be an existing directory.
     pub fn open(dir: &Path) -> std::io::Result<Brick> {
+        // A brick stores modes exactly as clients ask: the caller's umask was applied on the
+        // client (by its kernel, or by the client itself), and applying the brick process's
+        // own on top would turn `mkdir 0777` under umask 0 into 0755.
+        rustix::process::umask(Mode::empty());
         let root = rfs::open(
             dir,
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,

@@ -18,6 +18,7 @@ use crate::distribute::{Layout, LAYOUT_XATTR};
 use brick::Brick;
 
 pub mod brick;
+mod cred;
 
 /// Reads at or above this size are handed up as a file region, sent with `sendfile`; smaller
 /// ones are read into a buffer and gathered with their header into one `sendmsg`.
@@ -47,8 +48,13 @@ impl Posix {
     }
 }
 
-/// Runs storage calls now, stamping a traced request around them.
+/// Runs storage calls now, as the caller (see [`cred`]), stamping a traced request around
+/// them.
 fn now<'a, T: Send + 'a>(cx: &Ctx, f: impl FnOnce() -> FopResult<T>) -> Fut<'a, T> {
+    let f = || {
+        let _as = cred::AsCaller::new(cx.cred.as_deref())?;
+        f()
+    };
     let r = match &cx.trace {
         None => f(),
         Some(t) => {

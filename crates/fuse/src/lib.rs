@@ -18,6 +18,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod callers;
 pub mod inodes;
 mod mount;
 #[cfg(test)]
@@ -143,6 +144,8 @@ pub struct KilnFs {
     bufs: Arc<BufPool>,
     /// The client stack: every fop goes to its top layer.
     vol: Arc<Volume>,
+    /// Recent callers' credentials (name and metadata fops act as the caller on the bricks).
+    callers: callers::Callers,
     /// The stack's handle of each open file, by the FUSE file handle.
     files: Mutex<HashMap<u64, Fd>>,
     next_file: AtomicU64,
@@ -205,6 +208,7 @@ impl KilnFs {
         Ok(KilnFs {
             bufs: Arc::default(),
             vol,
+            callers: callers::Callers::default(),
             files: Mutex::new(HashMap::new()),
             next_file: AtomicU64::new(1),
             mode,
@@ -213,6 +217,14 @@ impl KilnFs {
             dirs: Mutex::new(HashMap::new()),
             next_dir: AtomicU64::new(1),
         })
+    }
+
+    /// The volume on behalf of the request's caller: name and metadata fops run on the bricks
+    /// with the caller's uid, gid and groups. Data fops on open files use `self.vol`: access
+    /// was checked when the file was opened.
+    fn caller(&self, req: &Request) -> Volume {
+        self.vol
+            .on_behalf_of(self.callers.cred(req.pid(), req.uid(), req.gid()))
     }
 
     fn table(&self) -> std::sync::MutexGuard<'_, Inodes> {
@@ -296,15 +308,15 @@ impl KilnFs {
     }
 
     /// unlink or rmdir `name`, and forget the path.
-    fn remove(&self, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
+    fn remove(&self, req: &Request, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
         let path = match self.child(parent, name) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
         let r = if dir {
-            block_on(self.vol.rmdir(&path))
+            block_on(self.caller(req).rmdir(&path))
         } else {
-            block_on(self.vol.unlink(&path))
+            block_on(self.caller(req).unlink(&path))
         };
         match r {
             Ok(()) => {
@@ -345,12 +357,12 @@ impl fuser::Filesystem for KilnFs {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let path = match self.child(parent, name) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.lookup(&path)) {
+        match block_on(self.caller(req).lookup(&path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -360,14 +372,14 @@ impl fuser::Filesystem for KilnFs {
         self.table().forget(ino.0, nlookup);
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+    fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let r = match fh {
             Some(fh) if ino.0 != ROOT => match self.fd(fh) {
-                Ok(f) => block_on(self.vol.fstat(&f)),
+                Ok(f) => block_on(self.caller(req).fstat(&f)),
                 Err(e) => return reply.error(e),
             },
             _ => match self.path(ino) {
-                Ok(p) => block_on(self.vol.lookup(&p)),
+                Ok(p) => block_on(self.caller(req).lookup(&p)),
                 Err(e) => return reply.error(e),
             },
         };
@@ -379,7 +391,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -395,50 +407,50 @@ impl fuser::Filesystem for KilnFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let mut req = SetAttrs::default();
+        let mut set = SetAttrs::default();
         if let Some(m) = mode {
-            req.valid |= SETATTR_MODE;
-            req.mode = m;
+            set.valid |= SETATTR_MODE;
+            set.mode = m;
         }
         if let Some(u) = uid {
-            req.valid |= SETATTR_UID;
-            req.uid = u;
+            set.valid |= SETATTR_UID;
+            set.uid = u;
         }
         if let Some(g) = gid {
-            req.valid |= SETATTR_GID;
-            req.gid = g;
+            set.valid |= SETATTR_GID;
+            set.gid = g;
         }
         if let Some(s) = size {
-            req.valid |= SETATTR_SIZE;
-            req.size = s;
+            set.valid |= SETATTR_SIZE;
+            set.size = s;
         }
         if let Some(t) = atime {
             let (t, now) = wire_time(t);
-            req.valid |= if now {
+            set.valid |= if now {
                 SETATTR_ATIME_NOW
             } else {
                 SETATTR_ATIME
             };
-            req.atime = t;
+            set.atime = t;
         }
         if let Some(t) = mtime {
             let (t, now) = wire_time(t);
-            req.valid |= if now {
+            set.valid |= if now {
                 SETATTR_MTIME_NOW
             } else {
                 SETATTR_MTIME
             };
-            req.mtime = t;
+            set.mtime = t;
         }
         // With a handle (the kernel passes one from ftruncate and from writeback of an open
         // file), act on the open file: its name may be gone already. Otherwise by path.
         let r = match fh {
             Some(fh) => match self.fd(fh) {
-                Ok(f) => block_on(self.vol.fsetattr(&f, req)),
+                Ok(f) => block_on(self.caller(req).fsetattr(&f, set)),
                 Err(e) => return reply.error(e),
             },
             None => match self.path(ino) {
-                Ok(p) => block_on(self.vol.setattr(&p, req)),
+                Ok(p) => block_on(self.caller(req).setattr(&p, set)),
                 Err(e) => return reply.error(e),
             },
         };
@@ -448,8 +460,11 @@ impl fuser::Filesystem for KilnFs {
         }
     }
 
-    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.path(ino).map(|p| block_on(self.vol.readlink(&p))) {
+    fn readlink(&self, req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self
+            .path(ino)
+            .map(|p| block_on(self.caller(req).readlink(&p)))
+        {
             Ok(Ok(t)) => reply.data(t.as_bytes()),
             Ok(Err(e)) => reply.error(errno(e)),
             Err(e) => reply.error(e),
@@ -458,7 +473,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -469,23 +484,23 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.mkdir(&path, mode & !umask)) {
+        match block_on(self.caller(req).mkdir(&path, mode & !umask)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.remove(parent, name, false, reply)
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.remove(req, parent, name, false, reply)
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.remove(parent, name, true, reply)
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.remove(req, parent, name, true, reply)
     }
 
     fn symlink(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         link_name: &OsStr,
         target: &Path,
@@ -496,7 +511,7 @@ impl fuser::Filesystem for KilnFs {
             (Err(e), _) => return reply.error(e),
             (_, None) => return reply.error(Errno::EINVAL),
         };
-        match block_on(self.vol.symlink(target, &path)) {
+        match block_on(self.caller(req).symlink(target, &path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -504,7 +519,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -516,7 +531,7 @@ impl fuser::Filesystem for KilnFs {
             (Ok(f), Ok(t)) => (f, t),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
-        match block_on(self.vol.rename(&from, &to, flags.bits())) {
+        match block_on(self.caller(req).rename(&from, &to, flags.bits())) {
             Ok(()) => {
                 self.table().renamed(&from, &to);
                 reply.ok()
@@ -527,7 +542,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn link(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         newparent: INodeNo,
         newname: &OsStr,
@@ -537,19 +552,19 @@ impl fuser::Filesystem for KilnFs {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
-        match block_on(self.vol.link(&existing, &path)) {
+        match block_on(self.caller(req).link(&existing, &path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: fuser::OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: fuser::OpenFlags, reply: ReplyOpen) {
         let path = match self.path(ino) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
         let flags = self.open_flags(flags.0);
-        match block_on(self.vol.open(&path, flags)) {
+        match block_on(self.caller(req).open(&path, flags)) {
             Ok(fd) => reply.opened(FileHandle(self.register_open(fd)), self.fopen_flags()),
             Err(e) => reply.error(errno(e)),
         }
@@ -557,7 +572,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn create(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -570,7 +585,7 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let flags = self.open_flags(flags) | (flags & libc::O_EXCL);
-        match block_on(self.vol.create(&path, flags, mode & !umask)) {
+        match block_on(self.caller(req).create(&path, flags, mode & !umask)) {
             Ok((fd, a)) => {
                 let id = self.register_open(fd);
                 let fa = self.fattr(&a);
@@ -709,14 +724,14 @@ impl fuser::Filesystem for KilnFs {
         }
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: fuser::OpenFlags, reply: ReplyOpen) {
+    fn opendir(&self, req: &Request, ino: INodeNo, _flags: fuser::OpenFlags, reply: ReplyOpen) {
         // One listing per open directory: later pages come from this snapshot, so a listing
         // is stable while entries are created or removed concurrently.
         let path = match self.path(ino) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.readdir(&path)) {
+        match block_on(self.caller(req).readdir(&path)) {
             Ok(entries) => {
                 let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
                 self.dirs
@@ -765,7 +780,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn readdirplus(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -782,7 +797,7 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         if offset < 2 {
-            let here = match block_on(self.vol.lookup(&parent)) {
+            let here = match block_on(self.caller(req).lookup(&parent)) {
                 Ok(a) => self.fattr(&a),
                 Err(e) => return reply.error(errno(e)),
             };
@@ -825,8 +840,8 @@ impl fuser::Filesystem for KilnFs {
         reply.ok()
     }
 
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        match block_on(self.vol.statfs("")) {
+    fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        match block_on(self.caller(req).statfs("")) {
             Ok(s) => reply.statfs(
                 s.blocks,
                 s.bfree,
@@ -843,7 +858,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -855,18 +870,18 @@ impl fuser::Filesystem for KilnFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.setxattr(&path, name, value, flags as u32)) {
+        match block_on(self.caller(req).setxattr(&path, name, value, flags as u32)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
     }
 
-    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let (path, name) = match self.path_and_name(ino, name) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.getxattr(&path, name)) {
+        match block_on(self.caller(req).getxattr(&path, name)) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
             Ok(v) => reply.data(&v),
@@ -874,12 +889,12 @@ impl fuser::Filesystem for KilnFs {
         }
     }
 
-    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let path = match self.path(ino) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.listxattr(&path)) {
+        match block_on(self.caller(req).listxattr(&path)) {
             Ok(names) => {
                 let mut buf = Vec::new();
                 for n in names {
@@ -898,12 +913,12 @@ impl fuser::Filesystem for KilnFs {
         }
     }
 
-    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let (path, name) = match self.path_and_name(ino, name) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.removexattr(&path, name)) {
+        match block_on(self.caller(req).removexattr(&path, name)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -916,7 +931,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -928,7 +943,7 @@ impl fuser::Filesystem for KilnFs {
             Ok(f) => f,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.vol.fallocate(&f, mode as u32, offset, length)) {
+        match block_on(self.caller(req).fallocate(&f, mode as u32, offset, length)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }

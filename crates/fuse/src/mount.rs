@@ -67,8 +67,11 @@ pub fn mount_background(
         fuser::MountOption::FSName(format!("kiln:{source}")),
         fuser::MountOption::Subtype("kiln".into()),
         fuser::MountOption::DefaultPermissions,
-        fuser::MountOption::CUSTOM("allow_other".into()),
     ];
+    // Every user may use the mount (the kernel's `allow_other`); fuser itself would otherwise
+    // refuse requests from anyone but the mounting user with EACCES. Access is checked by the
+    // kernel (default_permissions) and by the bricks, which act as the caller.
+    config.acl = fuser::SessionACL::All;
     config.n_threads = Some(threads.max(1));
     config.clone_fd = true;
     let session = fuser::Session::new(fs, mountpoint, &config)

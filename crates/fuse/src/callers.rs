@@ -1,0 +1,99 @@
+//! Who is asking: the credentials of a FUSE request's caller — uid and gid from the request,
+//! supplementary groups from `/proc/PID/status` — so the bricks act as that user.
+//!
+//! The kernel does not pass supplementary groups to FUSE. They are read from the caller's
+//! process and kept for [`GROUPS_TTL`] per (pid, uid, gid), so a burst of requests from one
+//! process reads `/proc` once; a process that changes its groups is seen within that time
+//! (as with GlusterFS's `gid-timeout`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kiln_proto::Cred;
+
+/// How long a process's supplementary groups are trusted before `/proc` is read again.
+pub const GROUPS_TTL: Duration = Duration::from_secs(1);
+/// Processes remembered at most; the table is emptied when it grows past this.
+const KEEP: usize = 4096;
+
+/// A caller: process, user and primary group.
+type Key = (u32, u32, u32);
+
+/// Recent callers' credentials, and when their groups were read.
+#[derive(Default)]
+pub struct Callers {
+    seen: Mutex<HashMap<Key, (Instant, Arc<Cred>)>>,
+}
+
+impl Callers {
+    /// The credentials of a request from `pid` as `uid`/`gid`; None for root with group 0
+    /// (the bricks' own identity: nothing to send or switch).
+    pub fn cred(&self, pid: u32, uid: u32, gid: u32) -> Option<Arc<Cred>> {
+        if uid == 0 && gid == 0 {
+            return None;
+        }
+        let key = (pid, uid, gid);
+        let now = Instant::now();
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, c)) = seen.get(&key) {
+            if now.duration_since(*at) < GROUPS_TTL {
+                return Some(c.clone());
+            }
+        }
+        let c = Arc::new(Cred {
+            uid,
+            gid,
+            groups: proc_groups(pid).unwrap_or_default(),
+        });
+        if seen.len() >= KEEP {
+            seen.clear();
+        }
+        seen.insert(key, (now, c.clone()));
+        Some(c)
+    }
+}
+
+/// The supplementary groups of process `pid` (the `Groups:` line of its status), or None when
+/// it is gone or unreadable — then the request goes with its primary group only.
+fn proc_groups(pid: u32) -> Option<Vec<u32>> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_groups(&status)
+}
+
+fn parse_groups(status: &str) -> Option<Vec<u32>> {
+    let line = status.lines().find_map(|l| l.strip_prefix("Groups:"))?;
+    Some(
+        line.split_whitespace()
+            .filter_map(|g| g.parse().ok())
+            .take(kiln_proto::cred::MAX_GROUPS)
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_come_from_the_callers_status() {
+        assert_eq!(
+            parse_groups("Name:\tx\nGroups:\t4 24 27 \nNSpid:\t1\n"),
+            Some(vec![4, 24, 27])
+        );
+        assert_eq!(parse_groups("Groups:\n"), Some(vec![]));
+        assert_eq!(parse_groups("Name:\tx\n"), None);
+        let me = std::process::id();
+        let callers = Callers::default();
+        assert!(callers.cred(me, 0, 0).is_none(), "root sends nothing");
+        let c = callers.cred(me, 1000, 100).expect("a user's credentials");
+        assert_eq!((c.uid, c.gid), (1000, 100));
+        // Within the TTL the same process gets the same credentials without reading /proc.
+        assert!(Arc::ptr_eq(&c, &callers.cred(me, 1000, 100).unwrap()));
+        // A process that is gone: primary group only.
+        assert_eq!(
+            callers.cred(u32::MAX, 5, 6).unwrap().groups,
+            Vec::<u32>::new()
+        );
+    }
+}

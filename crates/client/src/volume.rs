@@ -462,6 +462,11 @@ impl Volume {
         fop!(self, cx => self.stack.top.mkdir(&cx, path, mode))
     }
 
+    /// Makes a FIFO, socket or device node (`mode` gives the type; `rdev` the device).
+    pub async fn mknod(&self, path: &str, mode: u32, rdev: u64) -> io::Result<Attr> {
+        fop!(self, cx => self.stack.top.mknod(&cx, path, mode, rdev))
+    }
+
     /// Removes an empty directory.
     pub async fn rmdir(&self, path: &str) -> io::Result<()> {
         fop!(self, cx => self.stack.top.rmdir(&cx, path))

@@ -490,6 +490,27 @@ impl fuser::Filesystem for KilnFs {
         }
     }
 
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let path = match self.child(parent, name) {
+            Ok(p) => p,
+            Err(e) => return reply.error(e),
+        };
+        let mode = mode & (libc::S_IFMT | !umask);
+        match block_on(self.caller(req).mknod(&path, mode, rdev as u64)) {
+            Ok(a) => self.entry(&path, &a, reply),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.remove(req, parent, name, false, reply)
     }

@@ -306,3 +306,91 @@ fn readdir_is_stable_across_concurrent_changes() {
         );
     }
 }
+
+/// FIFOs, sockets and device nodes: made on the brick with their type, mode and device,
+/// listed, stat'ed, renamed, used (a FIFO carries bytes, a socket accepts), and removed.
+fn special_files(mode: Mode) {
+    use std::ffi::CString;
+    use std::os::unix::fs::FileTypeExt;
+    use std::os::unix::net::{UnixListener, UnixStream};
+
+    let m = Mounted::new(mode);
+    let p = |s: &str| m.path(s);
+    let c = |s: &str| CString::new(m.path(s).into_os_string().into_encoded_bytes()).unwrap();
+    // SAFETY: plain system calls on NUL-terminated paths.
+    unsafe {
+        assert_eq!(libc::mkfifo(c("fifo").as_ptr(), 0o640), 0, "mkfifo");
+        let chr = libc::S_IFCHR | 0o600;
+        assert_eq!(
+            libc::mknod(c("null").as_ptr(), chr, libc::makedev(1, 3)),
+            0,
+            "mknod c"
+        );
+        let blk = libc::S_IFBLK | 0o600;
+        assert_eq!(
+            libc::mknod(c("blk").as_ptr(), blk, libc::makedev(7, 0)),
+            0,
+            "mknod b"
+        );
+    }
+    let listener = UnixListener::bind(p("sock")).expect("bind a socket in the mount");
+
+    let t = |s: &str| fs::symlink_metadata(m.brick().join(s)).expect("on the brick");
+    assert!(t("fifo").file_type().is_fifo());
+    assert_eq!(t("fifo").mode() & 0o7777, 0o640);
+    assert!(t("null").file_type().is_char_device());
+    assert_eq!(t("null").rdev(), libc::makedev(1, 3));
+    assert!(t("blk").file_type().is_block_device());
+    assert!(t("sock").file_type().is_socket());
+    let st = fs::symlink_metadata(p("null")).expect("stat through the mount");
+    assert!(st.file_type().is_char_device());
+    assert_eq!(st.rdev(), libc::makedev(1, 3));
+    let mut names: Vec<String> = fs::read_dir(m.mnt())
+        .expect("readdir")
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["blk", "fifo", "null", "sock"]);
+
+    // The mount is `nodev`: a device node is stored, listed and copied, but a client does not
+    // open it as a device (a node made by root on one host is no key to another host's
+    // devices).
+    let e = fs::read(p("null")).expect_err("nodev");
+    assert_eq!(errno(e), libc::EACCES);
+    // The FIFO carries bytes between two local openers.
+    let writer = std::thread::spawn({
+        let f = p("fifo");
+        move || fs::write(f, b"through the fifo").expect("write the fifo")
+    });
+    assert_eq!(
+        fs::read(p("fifo")).expect("read the fifo"),
+        b"through the fifo"
+    );
+    writer.join().unwrap();
+    // The socket accepts a local connection.
+    let _client = UnixStream::connect(p("sock")).expect("connect");
+    listener.accept().expect("accept");
+
+    fs::rename(p("fifo"), p("fifo2")).expect("rename a fifo");
+    assert!(t("fifo2").file_type().is_fifo());
+    fs::set_permissions(p("fifo2"), PermissionsExt::from_mode(0o600)).expect("chmod a fifo");
+    assert_eq!(t("fifo2").mode() & 0o7777, 0o600);
+    for n in ["fifo2", "null", "blk", "sock"] {
+        fs::remove_file(p(n)).unwrap_or_else(|e| panic!("unlink {n}: {e}"));
+    }
+    assert_eq!(fs::read_dir(m.mnt()).expect("readdir").count(), 0);
+    // mknod of a directory type is refused as mknod(2) refuses it.
+    // SAFETY: as above.
+    let r = unsafe { libc::mknod(c("d").as_ptr(), libc::S_IFDIR | 0o755, 0) };
+    assert_eq!(r, -1, "mknod S_IFDIR");
+}
+
+#[test]
+fn special_files_in_general_mode() {
+    special_files(Mode::General);
+}
+
+#[test]
+fn special_files_in_vm_image_mode() {
+    special_files(Mode::VmImage);
+}

@@ -7,7 +7,7 @@
 //! `KILN_SEED=N` picks the brick that goes down (and the contents); a failure prints the seed.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use kiln_client::Volume;
@@ -18,9 +18,9 @@ use kiln_layer::{Ctx, LayerRef};
 mod replica;
 use replica::{index_empty, volfile, wait_for, Brick, Rng};
 
-/// What one brick holds, as the test compares it: path → (type, mode, symlink target or
-/// contents, user xattrs).
-type Tree = BTreeMap<String, (char, u32, Vec<u8>, BTreeMap<String, Vec<u8>>)>;
+/// What one brick holds, as the test compares it: path → (type, mode and owner, symlink target,
+/// contents or device number, user xattrs).
+type Tree = BTreeMap<String, (char, (u32, u32, u32), Vec<u8>, BTreeMap<String, Vec<u8>>)>;
 
 fn user_xattrs(p: &Path) -> BTreeMap<String, Vec<u8>> {
     use std::os::unix::ffi::OsStrExt;
@@ -75,6 +75,13 @@ fn tree(dir: &Path) -> Tree {
                 ('l', to.into_os_string().into_string().unwrap().into_bytes())
             } else if t.is_dir() {
                 ('d', Vec::new())
+            } else if t.is_fifo() {
+                ('p', Vec::new())
+            } else if t.is_socket() {
+                ('s', Vec::new())
+            } else if t.is_char_device() || t.is_block_device() {
+                let k = if t.is_char_device() { 'c' } else { 'b' };
+                (k, md.rdev().to_le_bytes().to_vec())
             } else {
                 ('f', std::fs::read(&full).unwrap())
             };
@@ -83,8 +90,8 @@ fn tree(dir: &Path) -> Tree {
             } else {
                 md.permissions().mode() & 0o7777
             };
-            let _ = md.uid();
-            out.insert(p.clone(), (kind, mode, body, user_xattrs(&full)));
+            let meta = (mode, md.uid(), md.gid());
+            out.insert(p.clone(), (kind, meta, body, user_xattrs(&full)));
             if t.is_dir() {
                 walk(root, &p, out);
             }
@@ -104,11 +111,18 @@ fn assert_same(bricks: &[Brick], seed: u64) -> Tree {
             assert!(
                 trees[0].get(n) == t.get(n),
                 "seed {seed}: brick 0 and brick {i} differ at {n}: {:?} vs {:?}",
-                trees[0]
-                    .get(n)
-                    .map(|e| (e.0, format!("{:o}", e.1), e.2.len(), &e.3)),
-                t.get(n)
-                    .map(|e| (e.0, format!("{:o}", e.1), e.2.len(), &e.3)),
+                trees[0].get(n).map(|e| (
+                    e.0,
+                    format!("{:o} {}:{}", e.1 .0, e.1 .1, e.1 .2),
+                    e.2.len(),
+                    &e.3
+                )),
+                t.get(n).map(|e| (
+                    e.0,
+                    format!("{:o} {}:{}", e.1 .0, e.1 .1, e.1 .2),
+                    e.2.len(),
+                    &e.3
+                )),
             );
         }
     }
@@ -241,6 +255,16 @@ fn changes(c: &mut Client) {
     c.write("n1/n2/f", 70_000);
     c.write("n1/empty", 0);
     c.ok("symlink", block_on(c.top().symlink(cx, "n1/n2/f", "ln")));
+    // Special files: a FIFO, a socket and a character device (1, 3: what /dev/null is).
+    let fifo = libc::S_IFIFO | 0o640;
+    c.ok("mkfifo", block_on(c.top().mknod(cx, "n1/fifo", fifo, 0)));
+    let sock = libc::S_IFSOCK | 0o755;
+    c.ok("mknod sock", block_on(c.top().mknod(cx, "sock", sock, 0)));
+    let chr = libc::S_IFCHR | 0o600;
+    c.ok(
+        "mknod chr",
+        block_on(c.top().mknod(cx, "chr", chr, libc::makedev(1, 3))),
+    );
     c.ok("unlink", block_on(c.top().unlink(cx, "old.txt")));
     c.ok("unlink", block_on(c.top().unlink(cx, "olddir/sub/x")));
     c.ok("rmdir", block_on(c.top().rmdir(cx, "olddir/sub")));
@@ -260,6 +284,18 @@ fn changes(c: &mut Client) {
         block_on(c.top().rename(cx, "rendir", "rendir2", 0)),
     );
     c.chmod("chm", 0o600);
+    let chown = kiln_layer::SetAttrs {
+        valid: kiln_proto::ops::SETATTR_UID | kiln_proto::ops::SETATTR_GID,
+        uid: 1000,
+        gid: 100,
+        ..Default::default()
+    };
+    c.ok("chown", block_on(c.top().setattr(cx, "n1/n2/f", &chown)));
+    // Ownership is healed too (checked by the tree comparison).
+    c.ok(
+        "chown fifo",
+        block_on(c.top().setattr(cx, "n1/fifo", &chown)),
+    );
     c.chmod("n1/n2", 0o700);
     c.ok(
         "setxattr",
@@ -300,9 +336,9 @@ fn heal_repairs_names_and_attributes_a_brick_missed() {
     ] {
         assert_eq!(t.get(p).map(|e| e.0), Some(kind), "seed {seed}: {p}");
     }
-    assert_eq!(t["chm"].1, 0o600, "seed {seed}");
-    assert_eq!(t["n1/n2"].1, 0o700, "seed {seed}");
-    assert_eq!(t["n1"].1, 0o711, "seed {seed}");
+    assert_eq!(t["chm"].1 .0, 0o600, "seed {seed}");
+    assert_eq!(t["n1/n2"].1 .0, 0o700, "seed {seed}");
+    assert_eq!(t["n1"].1 .0, 0o711, "seed {seed}");
     assert_eq!(t["ren_over"].2.len(), 333, "seed {seed}");
     assert_eq!(
         t["xat"].3.get("user.k").map(Vec::as_slice),
@@ -354,5 +390,5 @@ fn heal_repairs_names_when_a_brick_missed_only_some_changes() {
         "seed {seed}"
     );
     assert!(!t.contains_key("rendir2/inner"), "seed {seed}");
-    assert_eq!(t["ren_dst"].1, 0o640, "seed {seed}");
+    assert_eq!(t["ren_dst"].1 .0, 0o640, "seed {seed}");
 }

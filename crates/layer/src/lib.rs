@@ -321,6 +321,9 @@ macro_rules! for_each_path_fop {
             (symlink, Symlink,
                 $crate::__wire::SymlinkReq { target: &'a str => text, path: &'a str => path },
                 $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (mknod, Mknod,
+                $crate::__wire::MknodReq { path: &'a str => path, mode: u32 => val, rdev: u64 => val },
+                $crate::Attr, $crate::Attr, (|r| r), (|v| v))
             (readlink, Readlink, $crate::__wire::PathReq { path: &'a str => path },
                 String, $crate::__wire::ReadlinkReply,
                 (|r: $crate::__wire::ReadlinkReply| r.target),

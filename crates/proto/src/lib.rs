@@ -39,6 +39,8 @@ pub mod errno {
     pub const EINVAL: u32 = 22;
     /// Result too large for the caller's buffer.
     pub const ERANGE: u32 = 34;
+    /// No such attribute.
+    pub const ENODATA: u32 = 61;
     /// Unknown opcode.
     pub const ENOSYS: u32 = 38;
     /// Operation not supported.

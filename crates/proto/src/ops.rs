@@ -120,6 +120,8 @@ ops! {
     LayoutGet = 41,
     /// Store a directory's distribute layout (checked to be one before it is stored).
     LayoutSet = 42,
+    /// Make a FIFO, socket, character or block device node (or an empty regular file).
+    Mknod = 43,
 }
 
 impl Op {
@@ -142,6 +144,7 @@ impl Op {
                 | Rename
                 | Readdir
                 | Symlink
+                | Mknod
                 | Readlink
                 | Link
                 | Statfs
@@ -248,6 +251,10 @@ wire_struct! {
 
     /// Symlink request: make `path` point at `target`.
     pub struct SymlinkReq { pub target: String, pub path: String }
+
+    /// Mknod request: make `path` a node of type and permissions `mode` (`S_IFIFO`, `S_IFSOCK`,
+    /// `S_IFCHR`, `S_IFBLK` or `S_IFREG`), device number `rdev` for devices.
+    pub struct MknodReq { pub path: String, pub mode: u32, pub rdev: u64 }
     /// Readlink reply.
     pub struct ReadlinkReply { pub target: String }
     /// Link request: make `path` another name for `existing`.

@@ -679,6 +679,12 @@ impl Distribute {
         self.with(h, |k| k.symlink(cx, target, path)).await
     }
 
+    async fn do_mknod(&self, cx: &Ctx, path: &str, mode: u32, rdev: u64) -> FopResult<Attr> {
+        let h = self.hashed(cx, path).await?;
+        self.absent_elsewhere(cx, path, h).await?;
+        self.with(h, |k| k.mknod(cx, path, mode, rdev)).await
+    }
+
     async fn do_statfs(&self, cx: &Ctx, path: &str) -> FopResult<StatfsReply> {
         let rs = self.on_others(None, |k| k.statfs(cx, path)).await;
         let mut sum: Option<StatfsReply> = None;
@@ -823,6 +829,10 @@ impl Layer for Distribute {
 
     fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
         Box::pin(self.do_symlink(cx, target, path))
+    }
+
+    fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
+        Box::pin(self.do_mknod(cx, path, mode, rdev))
     }
 
     fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {

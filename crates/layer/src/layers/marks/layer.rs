@@ -275,6 +275,12 @@ impl Layer for Marks {
         })
     }
 
+    fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
+        self.named(cx, path, None, move || {
+            self.child().mknod(cx, path, mode, rdev)
+        })
+    }
+
     fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
         self.named(cx, path, None, move || {
             self.child().link(cx, existing, path)

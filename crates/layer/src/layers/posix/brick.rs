@@ -7,7 +7,7 @@
 //! is never followed. Errors are Linux errno values, ready for the wire.
 
 use std::fs::File;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -190,9 +190,7 @@ impl Brick {
         } else {
             self.open_beneath(path, OFlags::PATH, 0)?
         };
-        apply_setattr(&fd, attrs, || {
-            self.open_beneath(path, OFlags::RDONLY | OFlags::NONBLOCK, 0)
-        })
+        apply_setattr(&fd, attrs)
     }
 
     /// Removes a file.
@@ -281,6 +279,27 @@ impl Brick {
             .map_err(err)
     }
 
+    /// Makes `path` a FIFO, socket, device node or empty regular file (`mode` gives the type);
+    /// other types are refused as mknod(2) refuses them.
+    pub fn mknod(&self, path: &str, mode: u32, rdev: u64) -> FopResult<Attr> {
+        let kind = rfs::FileType::from_raw_mode(mode);
+        if !matches!(
+            kind,
+            rfs::FileType::Fifo
+                | rfs::FileType::Socket
+                | rfs::FileType::CharacterDevice
+                | rfs::FileType::BlockDevice
+                | rfs::FileType::RegularFile
+        ) {
+            return Err(errno::EINVAL);
+        }
+        let (dir, name) = self.parent(path)?;
+        rfs::mknodat(&dir, name, kind, Mode::from_raw_mode(mode), rdev).map_err(err)?;
+        rfs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+            .map(|s| attr_of(&s))
+            .map_err(err)
+    }
+
     /// Reads a symlink's target.
     pub fn readlink(&self, path: &str) -> FopResult<String> {
         let (dir, name) = self.parent(path)?;
@@ -314,31 +333,52 @@ impl Brick {
         })
     }
 
-    fn xattr_fd(&self, path: &str) -> FopResult<OwnedFd> {
-        self.open_beneath(path, OFlags::RDONLY | OFlags::NONBLOCK, 0)
+    /// Where `path`'s extended attributes live (see [`XattrOn`]).
+    fn xattr_on(&self, path: &str) -> FopResult<XattrOn> {
+        let fd = self.open_beneath(path, OFlags::PATH, 0)?;
+        let st = rfs::fstat(&fd).map_err(err)?;
+        Ok(match rfs::FileType::from_raw_mode(st.st_mode) {
+            rfs::FileType::RegularFile | rfs::FileType::Directory => {
+                XattrOn::Fd(self.open_beneath(path, OFlags::RDONLY | OFlags::NONBLOCK, 0)?)
+            }
+            rfs::FileType::Symlink => XattrOn::Symlink,
+            _ => XattrOn::Node(fd),
+        })
     }
 
     /// Reads an extended attribute.
     pub fn getxattr(&self, path: &str, name: &str) -> FopResult<Vec<u8>> {
-        let fd = self.xattr_fd(path)?;
         let mut buf = vec![0u8; kiln_proto::codec::MAX_BYTES_LEN];
-        let n = rfs::fgetxattr(&fd, name, &mut buf[..]).map_err(err)?;
+        let n = match self.xattr_on(path)? {
+            XattrOn::Fd(fd) => rfs::fgetxattr(&fd, name, &mut buf[..]),
+            XattrOn::Node(fd) => rfs::getxattr(proc_fd(&fd), name, &mut buf[..]),
+            XattrOn::Symlink => return Err(errno::ENODATA),
+        }
+        .map_err(err)?;
         buf.truncate(n);
         Ok(buf)
     }
 
     /// Sets an extended attribute.
     pub fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: u32) -> FopResult<()> {
-        let fd = self.xattr_fd(path)?;
         let flags = rfs::XattrFlags::from_bits(flags).ok_or(errno::EINVAL)?;
-        rfs::fsetxattr(&fd, name, value, flags).map_err(err)
+        match self.xattr_on(path)? {
+            XattrOn::Fd(fd) => rfs::fsetxattr(&fd, name, value, flags),
+            XattrOn::Node(fd) => rfs::setxattr(proc_fd(&fd), name, value, flags),
+            XattrOn::Symlink => return Err(errno::EPERM),
+        }
+        .map_err(err)
     }
 
     /// Lists extended attribute names.
     pub fn listxattr(&self, path: &str) -> FopResult<Vec<String>> {
-        let fd = self.xattr_fd(path)?;
         let mut buf = vec![0u8; kiln_proto::codec::MAX_BYTES_LEN];
-        let n = rfs::flistxattr(&fd, &mut buf[..]).map_err(err)?;
+        let n = match self.xattr_on(path)? {
+            XattrOn::Fd(fd) => rfs::flistxattr(&fd, &mut buf[..]),
+            XattrOn::Node(fd) => rfs::listxattr(proc_fd(&fd), &mut buf[..]),
+            XattrOn::Symlink => return Ok(Vec::new()),
+        }
+        .map_err(err)?;
         Ok(buf[..n]
             .split(|b| *b == 0)
             .filter(|s| !s.is_empty())
@@ -348,26 +388,50 @@ impl Brick {
 
     /// Removes an extended attribute.
     pub fn removexattr(&self, path: &str, name: &str) -> FopResult<()> {
-        let fd = self.xattr_fd(path)?;
-        rfs::fremovexattr(&fd, name).map_err(err)
+        match self.xattr_on(path)? {
+            XattrOn::Fd(fd) => rfs::fremovexattr(&fd, name),
+            XattrOn::Node(fd) => rfs::removexattr(proc_fd(&fd), name),
+            XattrOn::Symlink => return Err(errno::EPERM),
+        }
+        .map_err(err)
     }
 }
 
+/// Where a path's extended attributes are read and written. Files and directories: a
+/// descriptor opened for reading. FIFOs, sockets and device nodes must not be opened (a FIFO
+/// waits for a writer, a socket refuses, a device would be opened): their inode is named
+/// through `/proc/self/fd` of an `O_PATH` descriptor resolved beneath the brick, which leads to
+/// that inode and nowhere else. Symlinks hold no attribute a client may use (Linux refuses
+/// `user.*` on them; `trusted.*` and `security.*` are reserved).
+enum XattrOn {
+    Fd(OwnedFd),
+    Node(OwnedFd),
+    Symlink,
+}
+
+/// `/proc/self/fd/N` for `fd`.
+fn proc_fd(fd: &OwnedFd) -> String {
+    format!("/proc/self/fd/{}", fd.as_raw_fd())
+}
+
 /// Applies the fields `req.valid` selects to the file behind `fd` (an `O_PATH` descriptor or a
-/// real one); `reopen` gives a real descriptor where the kernel refuses `O_PATH` for chmod.
-pub fn apply_setattr(
-    fd: &OwnedFd,
-    req: &SetAttrs,
-    reopen: impl FnOnce() -> FopResult<OwnedFd>,
-) -> FopResult<Attr> {
-    // An O_PATH descriptor cannot carry fchmod and friends; reach the inode through the
-    // descriptor itself with AT_EMPTY_PATH where the kernel offers it.
+/// real one).
+pub fn apply_setattr(fd: &OwnedFd, req: &SetAttrs) -> FopResult<Attr> {
     if req.valid & SETATTR_MODE != 0 {
         let mode = Mode::from_raw_mode(req.mode & 0o7777);
-        rfs::chmodat(fd, "", mode, AtFlags::EMPTY_PATH).or_else(|_| {
-            let f = reopen()?;
-            rfs::fchmod(&f, mode).map_err(err)
-        })?;
+        // fchmod refuses an O_PATH descriptor (EBADF); then the inode is reached through
+        // /proc/self/fd, never by opening it (a FIFO would wait, a socket refuse, a device
+        // open). A symlink's own mode cannot be changed on Linux.
+        if let Err(e) = rfs::fchmod(fd, mode) {
+            if e != rustix::io::Errno::BADF {
+                return Err(err(e));
+            }
+            let st = rfs::fstat(fd).map_err(err)?;
+            if rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::Symlink {
+                return Err(errno::EOPNOTSUPP);
+            }
+            rfs::chmod(proc_fd(fd), mode).map_err(err)?;
+        }
     }
     if req.valid & (SETATTR_UID | SETATTR_GID) != 0 {
         let uid = (req.valid & SETATTR_UID != 0).then(|| rfs::Uid::from_raw(req.uid));
@@ -419,7 +483,7 @@ pub fn fsetattr(file: &File, attrs: &SetAttrs) -> FopResult<Attr> {
         .as_fd()
         .try_clone_to_owned()
         .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO) as u32)?;
-    apply_setattr(&fd, attrs, || Err(errno::EBADF))
+    apply_setattr(&fd, attrs)
 }
 
 /// Attributes of an open file.

@@ -242,6 +242,10 @@ impl Layer for Posix {
         now(cx, || self.brick.symlink(target, path))
     }
 
+    fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
+        now(cx, || self.brick.mknod(path, mode, rdev))
+    }
+
     fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
         now(cx, || self.brick.readlink(path))
     }

@@ -881,6 +881,11 @@ impl Layer for Replicate {
         self.change_path(cx, path, miss, move |k| k.symlink(cx, target, path))
     }
 
+    fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
+        let miss = Miss::flags(m::ENTRY);
+        self.change_path(cx, path, miss, move |k| k.mknod(cx, path, mode, rdev))
+    }
+
     fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
         let miss = Miss::flags(m::ENTRY);
         self.change_path(cx, path, miss, move |k| k.link(cx, existing, path))

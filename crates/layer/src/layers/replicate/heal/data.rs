@@ -72,6 +72,10 @@ pub(super) async fn heal_data(
             Ok(_) | Err(EEXIST) => {}
             Err(e) => return Err(e),
         }
+    }
+    if attr.mode & libc::S_IFMT != libc::S_IFREG {
+        // Directories, symlinks, FIFOs, sockets and devices hold no bytes to copy (a socket
+        // or FIFO must not even be opened); their names are healed with the entries.
         clear_all(0, m::WHOLE).await?;
         return Ok(0);
     }

@@ -159,6 +159,9 @@ pub(super) async fn heal_flags_locked(
         };
         let same = match &ta {
             Some(a) if kind(a) != kind(sa) => false,
+            Some(a) if matches!(kind(sa), libc::S_IFCHR | libc::S_IFBLK) && a.rdev != sa.rdev => {
+                false
+            }
             Some(_) if kind(sa) == libc::S_IFLNK => {
                 s.readlink(cx, path).await? == t.readlink(cx, path).await?
             }
@@ -169,47 +172,8 @@ pub(super) async fn heal_flags_locked(
             remove_tree(t, path).await?;
             ta = None;
         }
-        let mut names: Vec<String> = Vec::new();
-        match kind(sa) {
-            libc::S_IFDIR => {
-                if ta.is_none() {
-                    mkdir_parents(t, path).await?;
-                    match t.mkdir(cx, path, sa.mode & 0o7777).await {
-                        Ok(_) | Err(EEXIST) => {}
-                        Err(e) => return Err(e),
-                    }
-                } else {
-                    // Both have it: what the target holds and the source does not goes too.
-                    names.extend(list(t, path).await?.into_iter().map(|(n, _)| n));
-                }
-                // What it holds is healed name by name: flagged on the source for the target.
-                names.extend(list(s, path).await?.into_iter().map(|(n, _)| n));
-                names.sort_unstable();
-                names.dedup();
-            }
-            libc::S_IFLNK => {
-                if ta.is_none() {
-                    mkdir_parents(t, path).await?;
-                    let to = s.readlink(cx, path).await?;
-                    t.symlink(cx, &to, path).await?;
-                }
-            }
-            libc::S_IFREG => {
-                if ta.is_none() {
-                    mkdir_parents(t, path).await?;
-                    let flags = (libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY) as u32;
-                    let (fd, _) = t.create(cx, path, flags, sa.mode & 0o7777).await?;
-                    let _ = t.release(cx, fd).await;
-                }
-                // Its bytes may be another file's (created or renamed over while the target
-                // was away): all of them are copied.
-                whole = true;
-            }
-            _ => {
-                tracing::warn!(path, target, "cannot heal a special file: left marked");
-                return Err(errno::EINVAL);
-            }
-        }
+        let (names, copy_all) = make_entry(s, t, path, sa, ta.is_some()).await?;
+        whole |= copy_all;
         let v = FlagMark {
             target: target as u32,
             flags: m::ENTRY,
@@ -225,6 +189,69 @@ pub(super) async fn heal_flags_locked(
         }
     }
     clear_flags(kids, view, others, path, target, clear, whole).await
+}
+
+/// Makes the target's entry for `path` like the source's attributes `sa` (the target has one
+/// of the same kind when `exists`): a directory, symlink, regular file or special file. Returns
+/// the names a directory's heal goes on to (each flagged for the target) and whether a file's
+/// bytes must all be copied.
+async fn make_entry(
+    s: &LayerRef,
+    t: &LayerRef,
+    path: &str,
+    sa: &crate::Attr,
+    exists: bool,
+) -> FopResult<(Vec<String>, bool)> {
+    let cx = &Ctx::NONE;
+    let mut names: Vec<String> = Vec::new();
+    let mut whole = false;
+    match kind(sa) {
+        libc::S_IFDIR => {
+            if !exists {
+                mkdir_parents(t, path).await?;
+                match t.mkdir(cx, path, sa.mode & 0o7777).await {
+                    Ok(_) | Err(EEXIST) => {}
+                    Err(e) => return Err(e),
+                }
+            } else {
+                // Both have it: what the target holds and the source does not goes too.
+                names.extend(list(t, path).await?.into_iter().map(|(n, _)| n));
+            }
+            // What it holds is healed name by name: flagged on the source for the target.
+            names.extend(list(s, path).await?.into_iter().map(|(n, _)| n));
+            names.sort_unstable();
+            names.dedup();
+        }
+        libc::S_IFLNK => {
+            if !exists {
+                mkdir_parents(t, path).await?;
+                let to = s.readlink(cx, path).await?;
+                t.symlink(cx, &to, path).await?;
+            }
+        }
+        libc::S_IFREG => {
+            if !exists {
+                mkdir_parents(t, path).await?;
+                let flags = (libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY) as u32;
+                let (fd, _) = t.create(cx, path, flags, sa.mode & 0o7777).await?;
+                let _ = t.release(cx, fd).await;
+            }
+            // Its bytes may be another file's (created or renamed over while the target
+            // was away): all of them are copied.
+            whole = true;
+        }
+        _ => {
+            // FIFOs, sockets and device nodes: the same type, permissions and device.
+            if !exists {
+                mkdir_parents(t, path).await?;
+                match t.mknod(cx, path, sa.mode, sa.rdev).await {
+                    Ok(_) | Err(EEXIST) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    Ok((names, whole))
 }
 
 /// Clears `flags` for `target` on `others`, each unless it added a mark since `view`; with

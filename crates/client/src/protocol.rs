@@ -68,6 +68,15 @@ pub fn is_local_ip(ip: std::net::IpAddr) -> bool {
     !ip.is_unspecified() && std::net::TcpListener::bind((ip, 0)).is_ok()
 }
 
+macro_rules! try_fut {
+    ($e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(e) => return fail(e),
+        }
+    };
+}
+
 impl ProtocolClient {
     /// A protocol-client layer named `name` over a connected client.
     pub fn new(name: &str, client: Arc<Client>) -> ProtocolClient {
@@ -216,7 +225,7 @@ impl ProtocolClient {
             cx,
             op,
             &OpenReq {
-                path: path(p),
+                path: try_fut!(path(p)),
                 flags,
             },
         );
@@ -259,23 +268,20 @@ fn check_len(n: usize) -> FopResult<u32> {
     }
 }
 
-macro_rules! try_fut {
-    ($e:expr) => {
-        match $e {
-            Ok(v) => v,
-            Err(e) => return fail(e),
-        }
-    };
-}
-
-fn path(p: &str) -> String {
-    wire_path(p)
+/// `p` as the wire carries it; ENAMETOOLONG past what a brick accepts (deep trees reached
+/// through relative paths can be longer than any one system call's path).
+fn path(p: &str) -> FopResult<String> {
+    let w = wire_path(p);
+    if w.len() > kiln_proto::codec::MAX_PATH_LEN {
+        return Err(errno::ENAMETOOLONG);
+    }
+    Ok(w)
 }
 
 /// A path fop's argument as its request field.
 macro_rules! wire_arg {
     (path, $self:ident, $e:expr) => {
-        path($e)
+        try_fut!(path($e))
     };
     (text, $self:ident, $e:expr) => {
         $e.to_owned()
@@ -313,7 +319,7 @@ macro_rules! control_methods {
     (() $( ($name:ident, $op:ident, $arg:ty, $ret:ty) )*) => {
         $(
             fn $name<'a>(&'a self, cx: &'a Ctx, p: &'a str, arg: &'a $arg) -> Fut<'a, $ret> {
-                self.call::<$ret>(cx, Op::$op, &(path(p), arg.clone()))
+                self.call::<$ret>(cx, Op::$op, &(try_fut!(path(p)), arg.clone()))
             }
         )*
     };
@@ -355,7 +361,7 @@ impl Layer for ProtocolClient {
 
     fn create<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32, mode: u32) -> Fut<'a, (Fd, Attr)> {
         let req = CreateReq {
-            path: path(p),
+            path: try_fut!(path(p)),
             flags,
             mode,
         };
@@ -442,7 +448,7 @@ impl Layer for ProtocolClient {
         max: u32,
     ) -> Fut<'a, ReaddirReply> {
         let req = ReaddirReq {
-            path: path(p),
+            path: try_fut!(path(p)),
             offset,
             max,
         };
@@ -458,7 +464,7 @@ impl Layer for ProtocolClient {
         flags: u32,
     ) -> Fut<'a, ()> {
         let req = SetxattrReq {
-            path: path(p),
+            path: try_fut!(path(p)),
             name: name.into(),
             value: value.to_vec(),
             flags,
@@ -467,7 +473,13 @@ impl Layer for ProtocolClient {
     }
 
     fn listxattr<'a>(&'a self, cx: &'a Ctx, p: &'a str) -> Fut<'a, Vec<String>> {
-        let f = self.call::<XattrNames>(cx, Op::Listxattr, &PathReq { path: path(p) });
+        let f = self.call::<XattrNames>(
+            cx,
+            Op::Listxattr,
+            &PathReq {
+                path: try_fut!(path(p)),
+            },
+        );
         Box::pin(async move {
             let Seq(names) = f.await?.names;
             Ok(names)
@@ -476,7 +488,7 @@ impl Layer for ProtocolClient {
 
     fn removexattr<'a>(&'a self, cx: &'a Ctx, p: &'a str, name: &'a str) -> Fut<'a, ()> {
         let req = XattrReq {
-            path: path(p),
+            path: try_fut!(path(p)),
             name: name.into(),
         };
         self.unit(cx, Op::Removexattr, &req)

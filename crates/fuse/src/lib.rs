@@ -18,7 +18,9 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod bufs;
 mod callers;
+mod convert;
 pub mod inodes;
 mod mount;
 #[cfg(test)]
@@ -32,7 +34,7 @@ use std::io::IoSlice;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
@@ -40,9 +42,11 @@ use fuser::{
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
 use kiln_client::volume::Source;
-use kiln_client::{block_on, Attr, DirEntry, Fd, RawIov, SetAttrs, Time, Volume};
+use kiln_client::{block_on, Attr, DirEntry, Fd, RawIov, SetAttrs, Volume};
 use kiln_proto::ops::*;
 
+use crate::bufs::BufPool;
+use crate::convert::{errno, kind, systime, wire_time};
 use crate::inodes::{join, Inodes, ROOT};
 
 /// Largest read or write the kernel sends in one request.
@@ -109,34 +113,10 @@ struct DirSnapshot {
     entries: Vec<DirEntry>,
 }
 
-/// Read buffers kept for reuse: a fresh 1 MiB allocation is a fresh mapping, and receiving
-/// into it page-faults 256 times (measured: ~400 µs of a 640 µs 1 MiB read).
-#[derive(Default)]
-struct BufPool {
-    free: Mutex<Vec<Vec<u8>>>,
-}
-
-impl BufPool {
-    const KEEP: usize = 64;
-
-    fn get(&self, size: usize) -> Vec<u8> {
-        let mut b = self
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or_default();
-        b.clear();
-        b.reserve(size);
-        b
-    }
-
-    fn put(&self, b: Vec<u8>) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        if free.len() < Self::KEEP {
-            free.push(b);
-        }
-    }
+/// An open file: the stack's handle and the FUSE inode it was opened as.
+struct OpenFile {
+    ino: u64,
+    fd: Fd,
 }
 
 /// The FUSE file system.
@@ -147,58 +127,13 @@ pub struct KilnFs {
     /// Recent callers' credentials (name and metadata fops act as the caller on the bricks).
     callers: callers::Callers,
     /// The stack's handle of each open file, by the FUSE file handle.
-    files: Mutex<HashMap<u64, Fd>>,
+    files: Mutex<HashMap<u64, OpenFile>>,
     next_file: AtomicU64,
     mode: Mode,
     ttl: Duration,
     inodes: Mutex<Inodes>,
     dirs: Mutex<HashMap<u64, DirSnapshot>>,
     next_dir: AtomicU64,
-}
-
-fn errno(e: std::io::Error) -> Errno {
-    Errno::from_i32(e.raw_os_error().unwrap_or(libc::EIO))
-}
-
-fn systime(t: &Time) -> SystemTime {
-    if t.sec >= 0 {
-        UNIX_EPOCH + Duration::new(t.sec as u64, t.nsec)
-    } else {
-        UNIX_EPOCH - Duration::from_secs(t.sec.unsigned_abs()) + Duration::from_nanos(t.nsec as u64)
-    }
-}
-
-fn wire_time(t: TimeOrNow) -> (Time, bool) {
-    match t {
-        TimeOrNow::Now => (Time::default(), true),
-        TimeOrNow::SpecificTime(st) => {
-            let (sec, nsec) = match st.duration_since(UNIX_EPOCH) {
-                Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
-                Err(e) => {
-                    let d = e.duration();
-                    let (s, n) = (d.as_secs() as i64, d.subsec_nanos());
-                    if n == 0 {
-                        (-s, 0)
-                    } else {
-                        (-s - 1, 1_000_000_000 - n)
-                    }
-                }
-            };
-            (Time { sec, nsec }, false)
-        }
-    }
-}
-
-fn kind(mode: u32) -> FileType {
-    match mode & libc::S_IFMT {
-        libc::S_IFDIR => FileType::Directory,
-        libc::S_IFLNK => FileType::Symlink,
-        libc::S_IFIFO => FileType::NamedPipe,
-        libc::S_IFSOCK => FileType::Socket,
-        libc::S_IFCHR => FileType::CharDevice,
-        libc::S_IFBLK => FileType::BlockDevice,
-        _ => FileType::RegularFile,
-    }
 }
 
 impl KilnFs {
@@ -287,13 +222,13 @@ impl KilnFs {
         f
     }
 
-    /// Gives an open file a FUSE file handle.
-    fn register_open(&self, fd: Fd) -> u64 {
+    /// Gives file `ino`, open as `fd`, a FUSE file handle.
+    fn register_open(&self, ino: u64, fd: Fd) -> u64 {
         let id = self.next_file.fetch_add(1, Ordering::Relaxed);
         self.files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(id, fd);
+            .insert(id, OpenFile { ino, fd });
         id
     }
 
@@ -303,8 +238,19 @@ impl KilnFs {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&fh.0)
-            .cloned()
+            .map(|f| f.fd.clone())
             .ok_or(Errno::EBADF)
+    }
+
+    /// A handle of some open file of inode `ino`: `fstat` on an open file whose names are all
+    /// gone reaches us without a handle (the kernel asks by inode).
+    fn any_open(&self, ino: u64) -> Option<Fd> {
+        self.files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .find(|f| f.ino == ino)
+            .map(|f| f.fd.clone())
     }
 
     /// unlink or rmdir `name`, and forget the path.
@@ -378,9 +324,20 @@ impl fuser::Filesystem for KilnFs {
                 Ok(f) => block_on(self.caller(req).fstat(&f)),
                 Err(e) => return reply.error(e),
             },
-            _ => match self.path(ino) {
-                Ok(p) => block_on(self.caller(req).lookup(&p)),
-                Err(e) => return reply.error(e),
+            _ => match (self.path(ino), self.any_open(ino.0)) {
+                (Ok(p), None) => block_on(self.caller(req).lookup(&p)),
+                // Open and all its names gone (or renamed by another client): the open file.
+                (Err(_), Some(f)) => block_on(self.caller(req).fstat(&f)),
+                (Ok(p), Some(f)) => match block_on(self.caller(req).lookup(&p)) {
+                    Ok(a) if self.table().fuse_ino(a.ino) == ino.0 => Ok(a),
+                    // The name is gone or names another file now.
+                    Ok(_) => block_on(self.caller(req).fstat(&f)),
+                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                        block_on(self.caller(req).fstat(&f))
+                    }
+                    Err(e) => Err(e),
+                },
+                (Err(e), None) => return reply.error(e),
             },
         };
         match r {
@@ -586,7 +543,10 @@ impl fuser::Filesystem for KilnFs {
         };
         let flags = self.open_flags(flags.0);
         match block_on(self.caller(req).open(&path, flags)) {
-            Ok(fd) => reply.opened(FileHandle(self.register_open(fd)), self.fopen_flags()),
+            Ok(fd) => reply.opened(
+                FileHandle(self.register_open(ino.0, fd)),
+                self.fopen_flags(),
+            ),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -608,8 +568,8 @@ impl fuser::Filesystem for KilnFs {
         let flags = self.open_flags(flags) | (flags & libc::O_EXCL);
         match block_on(self.caller(req).create(&path, flags, mode & !umask)) {
             Ok((fd, a)) => {
-                let id = self.register_open(fd);
                 let fa = self.fattr(&a);
+                let id = self.register_open(fa.ino.0, fd);
                 self.table().learn(fa.ino.0, &path);
                 reply.created(
                     &self.ttl,
@@ -712,7 +672,7 @@ impl fuser::Filesystem for KilnFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(fd) = self
+        let Some(OpenFile { fd, .. }) = self
             .files
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -394,3 +394,219 @@ fn special_files_in_general_mode() {
 fn special_files_in_vm_image_mode() {
     special_files(Mode::VmImage);
 }
+
+/// Long names and deep trees: a 255-byte name works and a 256-byte one is ENAMETOOLONG; a
+/// 4,095-byte path (the longest one system call takes) works from the mount's root and from
+/// a directory deep inside it, where the volume path is longer than any one system call's.
+fn long_paths(mode: Mode) {
+    use std::ffi::CString;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    let m = Mounted::new(mode);
+    let cs = |s: &str| CString::new(s).unwrap();
+    let open_dir = |at: i32, p: &str| -> OwnedFd {
+        // SAFETY: plain openat on a NUL-terminated path; the result is owned once valid.
+        let fd = unsafe { libc::openat(at, cs(p).as_ptr(), libc::O_PATH | libc::O_DIRECTORY) };
+        assert!(
+            fd >= 0,
+            "open {} bytes: {}",
+            p.len(),
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: a fresh descriptor nobody else owns.
+        unsafe { OwnedFd::from_raw_fd(fd) }
+    };
+    let mkdirat = |at: i32, p: &str| -> i32 {
+        // SAFETY: as above.
+        if unsafe { libc::mkdirat(at, cs(p).as_ptr(), 0o755) } == 0 {
+            0
+        } else {
+            errno(std::io::Error::last_os_error())
+        }
+    };
+    let root = open_dir(libc::AT_FDCWD, m.mnt().to_str().unwrap());
+    assert_eq!(
+        mkdirat(root.as_raw_fd(), &"n".repeat(255)),
+        0,
+        "255-byte name"
+    );
+    assert_eq!(
+        mkdirat(root.as_raw_fd(), &"n".repeat(256)),
+        libc::ENAMETOOLONG
+    );
+
+    // 16 levels of 254-byte names (4,079 bytes with slashes), then a name that brings the
+    // path to 4,095 bytes.
+    let level = "d".repeat(254);
+    let mut rel = String::new();
+    for _ in 0..16 {
+        rel = if rel.is_empty() {
+            level.clone()
+        } else {
+            format!("{rel}/{level}")
+        };
+        assert_eq!(
+            mkdirat(root.as_raw_fd(), &rel),
+            0,
+            "mkdir at {} bytes",
+            rel.len()
+        );
+    }
+    let last = "e".repeat(4095 - rel.len() - 1);
+    let full = format!("{rel}/{last}");
+    assert_eq!(full.len(), 4095);
+    assert_eq!(mkdirat(root.as_raw_fd(), &full), 0, "a 4,095-byte path");
+    // From deep inside, the same 4,095-byte relative path again: its volume path is 8,191
+    // bytes.
+    let deep = open_dir(root.as_raw_fd(), &full);
+    let mut sub = String::new();
+    for _ in 0..16 {
+        sub = if sub.is_empty() {
+            level.clone()
+        } else {
+            format!("{sub}/{level}")
+        };
+        assert_eq!(
+            mkdirat(deep.as_raw_fd(), &sub),
+            0,
+            "deep, {} bytes",
+            sub.len()
+        );
+    }
+    assert_eq!(
+        mkdirat(deep.as_raw_fd(), &full),
+        0,
+        "an 8,191-byte volume path"
+    );
+    let bottom = open_dir(deep.as_raw_fd(), &full);
+    // SAFETY: openat/write/close on descriptors this test owns.
+    unsafe {
+        let fd = libc::openat(
+            bottom.as_raw_fd(),
+            cs("f").as_ptr(),
+            libc::O_CREAT | libc::O_RDWR,
+            0o644,
+        );
+        assert!(
+            fd >= 0,
+            "create at the bottom: {}",
+            std::io::Error::last_os_error()
+        );
+        assert_eq!(libc::write(fd, b"deep".as_ptr().cast(), 4), 4);
+        libc::close(fd);
+    }
+    // The brick holds it at the same place.
+    let brick = open_dir(libc::AT_FDCWD, m.brick().to_str().unwrap());
+    let b1 = open_dir(brick.as_raw_fd(), &full);
+    let b2 = open_dir(b1.as_raw_fd(), &full);
+    // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatat into a stat this test owns.
+    let r = unsafe { libc::fstatat(b2.as_raw_fd(), cs("f").as_ptr(), &mut st, 0) };
+    assert_eq!((r, st.st_size), (0, 4), "the file on the brick");
+}
+
+#[test]
+fn long_paths_in_general_mode() {
+    long_paths(Mode::General);
+}
+
+#[test]
+fn long_paths_in_vm_image_mode() {
+    long_paths(Mode::VmImage);
+}
+
+/// Symlinks are changed themselves (lchown, utimensat with AT_SYMLINK_NOFOLLOW), dangling or
+/// not, and their targets never; an open file answers fstat after its name is gone; a rename
+/// over one name of a hard-linked file leaves the other name with one link.
+fn links(mode: Mode) {
+    use std::ffi::CString;
+
+    let m = Mounted::new(mode);
+    let c = |s: &str| CString::new(m.path(s).into_os_string().into_encoded_bytes()).unwrap();
+    let b = |s: &str| fs::symlink_metadata(m.brick().join(s)).expect("on the brick");
+    fs::write(m.path("target"), b"t").expect("target");
+    std::os::unix::fs::symlink("target", m.path("l")).expect("symlink");
+    std::os::unix::fs::symlink("nowhere", m.path("dl")).expect("dangling symlink");
+    let times = [
+        libc::timespec {
+            tv_sec: 1_000_000,
+            tv_nsec: 0,
+        },
+        libc::timespec {
+            tv_sec: 2_000_000,
+            tv_nsec: 0,
+        },
+    ];
+    for l in ["l", "dl"] {
+        // SAFETY: plain system calls on NUL-terminated paths and a two-element array.
+        unsafe {
+            assert_eq!(libc::lchown(c(l).as_ptr(), 1000, 1001), 0, "lchown {l}");
+            let r = libc::utimensat(
+                libc::AT_FDCWD,
+                c(l).as_ptr(),
+                times.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            );
+            assert_eq!(
+                r,
+                0,
+                "utimensat NOFOLLOW {l}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        assert_eq!(
+            (b(l).uid(), b(l).gid(), b(l).mtime()),
+            (1000, 1001, 2_000_000),
+            "{l}"
+        );
+        let st = fs::symlink_metadata(m.path(l)).expect("lstat");
+        assert_eq!(
+            (st.uid(), st.mtime()),
+            (1000, 2_000_000),
+            "{l} through the mount"
+        );
+    }
+    assert_eq!(
+        (b("target").uid(), b("target").gid()),
+        (0, 0),
+        "the target is untouched"
+    );
+    assert_ne!(b("target").mtime(), 2_000_000);
+
+    // fstat of an open file whose name is gone.
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(m.path("gone"))
+        .expect("create");
+    f.write_all(b"12345").expect("write");
+    fs::remove_file(m.path("gone")).expect("unlink");
+    assert_eq!(f.metadata().expect("fstat after unlink").len(), 5);
+    f.set_len(2).expect("ftruncate after unlink");
+    assert_eq!(f.metadata().expect("fstat").len(), 2);
+    drop(f);
+
+    // Rename over a hard link.
+    fs::write(m.path("a"), b"a").expect("a");
+    fs::write(m.path("b"), b"b").expect("b");
+    fs::hard_link(m.path("b"), m.path("c")).expect("link");
+    assert_eq!(fs::symlink_metadata(m.path("c")).expect("lstat").nlink(), 2);
+    fs::rename(m.path("a"), m.path("b")).expect("rename over a link");
+    assert_eq!(fs::symlink_metadata(m.path("c")).expect("lstat").nlink(), 1);
+    assert_eq!(fs::symlink_metadata(m.path("b")).expect("lstat").nlink(), 1);
+    assert_eq!(fs::read(m.path("b")).expect("read"), b"a");
+    assert_eq!(fs::read(m.path("c")).expect("read"), b"b");
+}
+
+#[test]
+fn links_in_general_mode() {
+    links(Mode::General);
+}
+
+#[test]
+fn links_in_vm_image_mode() {
+    links(Mode::VmImage);
+}

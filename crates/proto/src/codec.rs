@@ -5,8 +5,11 @@
 //! bytes that remain before anything is allocated, so hostile input costs at most its own size.
 //! Decoding never panics.
 
-/// Longest path a peer may send, in bytes (Linux `PATH_MAX`).
-pub const MAX_PATH_LEN: usize = 4096;
+/// Longest path (or other string) a peer may send, in bytes: four times Linux's `PATH_MAX`.
+/// A volume path can be longer than one system call's path (a deep tree reached through
+/// relative paths); the brick resolves such a path in pieces. Two of them (a rename) still fit
+/// in [`crate::frame::MAX_ARGS_LEN`].
+pub const MAX_PATH_LEN: usize = 4 * 4096;
 /// Longest byte string (xattr value, symlink target) a peer may send.
 pub const MAX_BYTES_LEN: usize = 64 * 1024;
 

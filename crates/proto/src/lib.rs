@@ -41,6 +41,8 @@ pub mod errno {
     pub const ERANGE: u32 = 34;
     /// No such attribute.
     pub const ENODATA: u32 = 61;
+    /// A name or path too long.
+    pub const ENAMETOOLONG: u32 = 36;
     /// Unknown opcode.
     pub const ENOSYS: u32 = 38;
     /// Operation not supported.

@@ -67,6 +67,9 @@ pub fn check_path(path: &str) -> FopResult<&str> {
     Ok(path)
 }
 
+/// Longest path one `openat2` takes (Linux's `PATH_MAX` counts the terminating NUL).
+const RESOLVE_MAX: usize = 4095;
+
 /// Splits a checked, non-root path into its parent (empty for the root) and final name.
 fn split(path: &str) -> FopResult<(&str, &str)> {
     let path = check_path(path)?;
@@ -123,30 +126,40 @@ impl Brick {
         Ok(Brick { root })
     }
 
-    /// Resolves `path` beneath the root and opens it with `flags`.
+    /// Resolves `path` beneath the root and opens it with `flags`. A path longer than one
+    /// system call takes (a deep tree) is resolved in pieces, each beneath the directory the
+    /// previous one reached, so confinement holds (a symlink may then not climb above the
+    /// directory its piece started from).
     fn open_beneath(&self, path: &str, flags: OFlags, mode: u32) -> FopResult<OwnedFd> {
         let path = check_path(path)?;
-        // openat2 refuses O_PATH combined with anything but O_DIRECTORY/O_NOFOLLOW/O_CLOEXEC.
-        let extra = if flags.contains(OFlags::PATH) {
-            OFlags::CLOEXEC
-        } else {
-            OFlags::CLOEXEC | OFlags::NOCTTY
-        };
-        rfs::openat2(
-            &self.root,
-            path,
-            flags | extra,
-            Mode::from_raw_mode(mode & 0o7777),
-            RESOLVE,
-        )
-        .map_err(|e| {
+        let confined = |e: rustix::io::Errno| {
             if e == rustix::io::Errno::XDEV {
                 tracing::warn!(path, "refused a path that resolves outside the brick");
                 errno::EACCES
             } else {
                 err(e)
             }
-        })
+        };
+        let mut rest = path;
+        let mut dir: Option<OwnedFd> = None;
+        while rest.len() > RESOLVE_MAX {
+            // Names are at most 255 bytes, so a cut exists; without one the name is too long.
+            let cut = rest[..RESOLVE_MAX].rfind('/').ok_or(errno::ENAMETOOLONG)?;
+            let at = dir.as_ref().unwrap_or(&self.root);
+            let step = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+            let next = rfs::openat2(at, &rest[..cut], step, Mode::empty(), RESOLVE);
+            dir = Some(next.map_err(confined)?);
+            rest = &rest[cut + 1..];
+        }
+        // openat2 refuses O_PATH combined with anything but O_DIRECTORY/O_NOFOLLOW/O_CLOEXEC.
+        let extra = if flags.contains(OFlags::PATH) {
+            OFlags::CLOEXEC
+        } else {
+            OFlags::CLOEXEC | OFlags::NOCTTY
+        };
+        let at = dir.as_ref().unwrap_or(&self.root);
+        let mode = Mode::from_raw_mode(mode & 0o7777);
+        rfs::openat2(at, rest, flags | extra, mode, RESOLVE).map_err(confined)
     }
 
     /// The parent directory of `path` (as an `O_PATH` descriptor) and its final name.
@@ -185,10 +198,17 @@ impl Brick {
 
     /// Applies the attributes `attrs.valid` selects to `path`.
     pub fn setattr(&self, path: &str, attrs: &SetAttrs) -> FopResult<Attr> {
+        // The inode `path` names, never what a final symlink points to: a client's kernel
+        // follows symlinks itself before asking, and lchown or utimensat(AT_SYMLINK_NOFOLLOW)
+        // must change the link (a dangling one too).
         let fd = if attrs.valid & SETATTR_SIZE != 0 {
-            self.open_beneath(path, OFlags::WRONLY | OFlags::NONBLOCK, 0)?
+            self.open_beneath(
+                path,
+                OFlags::WRONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW,
+                0,
+            )?
         } else {
-            self.open_beneath(path, OFlags::PATH, 0)?
+            self.open_beneath(path, OFlags::PATH | OFlags::NOFOLLOW, 0)?
         };
         apply_setattr(&fd, attrs)
     }
@@ -335,11 +355,12 @@ impl Brick {
 
     /// Where `path`'s extended attributes live (see [`XattrOn`]).
     fn xattr_on(&self, path: &str) -> FopResult<XattrOn> {
-        let fd = self.open_beneath(path, OFlags::PATH, 0)?;
+        let fd = self.open_beneath(path, OFlags::PATH | OFlags::NOFOLLOW, 0)?;
         let st = rfs::fstat(&fd).map_err(err)?;
+        let read = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW;
         Ok(match rfs::FileType::from_raw_mode(st.st_mode) {
             rfs::FileType::RegularFile | rfs::FileType::Directory => {
-                XattrOn::Fd(self.open_beneath(path, OFlags::RDONLY | OFlags::NONBLOCK, 0)?)
+                XattrOn::Fd(self.open_beneath(path, read, 0)?)
             }
             rfs::FileType::Symlink => XattrOn::Symlink,
             _ => XattrOn::Node(fd),

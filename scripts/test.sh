@@ -21,6 +21,7 @@ command -v qemu-img >/dev/null 2>&1 || need+=(qemu-utils)
 command -v nbdinfo >/dev/null 2>&1 || need+=(libnbd-bin)
 command -v fio >/dev/null 2>&1 || need+=(fio)
 command -v cc >/dev/null 2>&1 || need+=(gcc)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing ${need[*]}"
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
@@ -35,6 +36,17 @@ echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo test"
 cargo test --workspace --locked
+
+# POSIX conformance: pjdfstest as root inside real mounts (one brick general and vm-image, a
+# replica-3 volume), against tests/conformance/exclusions.txt. KILN_CONFORMANCE=0 skips it.
+if [ "${KILN_CONFORMANCE:-1}" = 0 ]; then
+  echo "== conformance skipped (KILN_CONFORMANCE=0)"
+elif [ "$(id -u)" != 0 ]; then
+  echo "== WARNING: conformance skipped: it needs root (it tests permissions as several users)" >&2
+else
+  echo "== POSIX conformance (pjdfstest)"
+  python3 scripts/conformance.py
+fi
 
 # Fuzz every decoder a peer can reach (Kiln frames and fop arguments, NBD options and requests,
 # TLS records) for KILN_FUZZ_SECS seconds per target (default 30; 0 skips). The fuzz targets

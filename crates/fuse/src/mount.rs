@@ -65,7 +65,11 @@ pub fn mount_background(
     let mut config = fuser::Config::default();
     config.mount_options = vec![
         fuser::MountOption::FSName(format!("kiln:{source}")),
-        fuser::MountOption::Subtype("kiln".into()),
+        // The mount's type is fuse.kiln, so mount(8) hands a later `mount -o remount,...` to
+        // mount.fuse.kiln (scripts/) instead of mount.fuse, which would try to run the source
+        // as a program. fuser's own Subtype reaches only fusermount; the kernel takes it as
+        // a mount option.
+        fuser::MountOption::CUSTOM("subtype=kiln".into()),
         fuser::MountOption::DefaultPermissions,
     ];
     // Every user may use the mount (the kernel's `allow_other`); fuser itself would otherwise

@@ -142,6 +142,7 @@ impl BenchArgs {
             "posix".into(),
             LayerKind::Posix {
                 directory: dir.to_owned(),
+                root_squash: false,
             },
         ));
         Some(Volfile::linear(layers))

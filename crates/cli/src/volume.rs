@@ -184,10 +184,12 @@ struct CreateArgs {
 struct SetArgs {
     /// The volume's name.
     name: String,
-    /// The option: `allow` (the address ranges the bricks take clients from).
-    #[arg(value_parser = ["allow"])]
+    /// The option: `allow` (the address ranges the bricks take clients from) or `root-squash`
+    /// (clients' root acts as nobody on the bricks, like NFS root_squash).
+    #[arg(value_parser = ["allow", "root-squash"])]
     option: String,
-    /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`.
+    /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`;
+    /// for `root-squash`, `on` or `off`. A started volume's bricks restart to take it.
     value: String,
     #[command(flatten)]
     opts: MgmtOpts,
@@ -482,18 +484,35 @@ fn done(opts: &MgmtOpts, what: &str, name: &str, r: &Changed) -> Result<(), Stri
 }
 
 fn set(a: &SetArgs) -> Result<(), String> {
-    let allow: Vec<String> = match a.value.as_str() {
-        "all" => Vec::new(),
-        v => v
-            .split(',')
-            .map(str::trim)
-            .filter(|c| !c.is_empty())
-            .map(str::to_owned)
-            .collect(),
-    };
+    let (mut allow, mut root_squash) = (None, None);
+    match a.option.as_str() {
+        "allow" => {
+            allow = Some(match a.value.as_str() {
+                "all" => Vec::new(),
+                v => v
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|c| !c.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+            })
+        }
+        _ => {
+            root_squash = Some(match a.value.as_str() {
+                "on" => true,
+                "off" => false,
+                v => {
+                    return Err(format!(
+                        "volume set: root-squash takes on or off, not {v:?}"
+                    ))
+                }
+            })
+        }
+    }
     let req = Request::Set {
         name: a.name.clone(),
         allow,
+        root_squash,
     };
     done(&a.opts, "set", &a.name, &mgmt_call(&a.opts, &req)?)
 }
@@ -569,6 +588,8 @@ fn info_text(r: &Infos) -> String {
                 d.allow.join(", ")
             }
         );
+        let squash = if d.root_squash { "on" } else { "off" };
+        let _ = writeln!(out, "Root squash: {squash}");
         let _ = writeln!(out, "Bricks:");
         for (i, b) in d.bricks.iter().enumerate() {
             let _ = writeln!(out, "Brick{}: {}", i + 1, b.spec());

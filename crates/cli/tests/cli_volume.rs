@@ -650,4 +650,51 @@ fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
     ]);
     let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
     assert!(info.contains("Clients allowed from: anywhere"), "{info}");
+    assert!(info.contains("Root squash: off"), "{info}");
+
+    // Root squash: the allow-list stays as it is; a client's root becomes nobody on the
+    // brick, while a request without credentials (the process itself, heal) stays root.
+    ok(&[
+        "volume",
+        "set",
+        "al",
+        "root-squash",
+        "on",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("Root squash: on"), "{info}");
+    assert!(info.contains("Clients allowed from: anywhere"), "{info}");
+    let port = status(a, sd, "al")["bricks"][0]["port"].as_u64().unwrap();
+    let vf = kiln_client::Volume::default_volfile(&format!("tcp:127.0.0.1:{port}"));
+    let vol = kiln_client::Volume::from_volfile_with_secret(&vf, Some(secret.trim().as_bytes()))
+        .expect("connect");
+    let root = vol.on_behalf_of(Some(std::sync::Arc::new(kiln_proto::Cred::default())));
+    block_on(root.mkdir("by-root", 0o755)).expect("mkdir as a client's root");
+    block_on(vol.mkdir("by-process", 0o755)).expect("mkdir without credentials");
+    let owner = |n: &str| {
+        std::os::unix::fs::MetadataExt::uid(
+            &std::fs::metadata(tmp.path().join("ab").join(n)).unwrap(),
+        )
+    };
+    assert_eq!(owner("by-root"), 65534, "a client's root is squashed");
+    assert_eq!(owner("by-process"), 0);
+    let e =
+        block_on(root.mkdir("in/x", 0o755)).expect_err("nobody may not write in root's 0755 dir");
+    assert_eq!(e.raw_os_error(), Some(libc::EACCES));
+    let err = fails(&[
+        "volume",
+        "set",
+        "al",
+        "root-squash",
+        "maybe",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("on or off"), "{err}");
 }

@@ -154,11 +154,8 @@ impl ProtocolClient {
         let slot = Arc::new(Slot::default());
         let (client, _) = self.current();
         // A caller's identity rides in front of the arguments of the fops the brick runs for
-        // the caller; root's is the brick's own and needs no bytes.
-        let cred = cx
-            .cred
-            .as_deref()
-            .filter(|c| op.acts_for_caller() && !c.is_root());
+        // the caller (root's too: a brick may squash it).
+        let cred = cx.cred.as_deref().filter(|_| op.acts_for_caller());
         let args = match cred {
             Some(c) => {
                 let mut a = c.to_wire();

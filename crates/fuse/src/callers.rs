@@ -27,11 +27,20 @@ pub struct Callers {
 }
 
 impl Callers {
-    /// The credentials of a request from `pid` as `uid`/`gid`; None for root with group 0
-    /// (the bricks' own identity: nothing to send or switch).
+    /// The credentials of a request from `pid` as `uid`/`gid`. Root's are sent too (a brick
+    /// may squash root), without supplementary groups: root needs none to pass a check, and
+    /// a squashed root has none.
     pub fn cred(&self, pid: u32, uid: u32, gid: u32) -> Option<Arc<Cred>> {
-        if uid == 0 && gid == 0 {
-            return None;
+        if uid == 0 {
+            static ROOT: std::sync::OnceLock<Arc<Cred>> = std::sync::OnceLock::new();
+            if gid == 0 {
+                return Some(ROOT.get_or_init(|| Arc::new(Cred::default())).clone());
+            }
+            return Some(Arc::new(Cred {
+                uid,
+                gid,
+                groups: Vec::new(),
+            }));
         }
         let key = (pid, uid, gid);
         let now = Instant::now();
@@ -85,7 +94,11 @@ mod tests {
         assert_eq!(parse_groups("Name:\tx\n"), None);
         let me = std::process::id();
         let callers = Callers::default();
-        assert!(callers.cred(me, 0, 0).is_none(), "root sends nothing");
+        assert_eq!(
+            *callers.cred(me, 0, 0).unwrap(),
+            Cred::default(),
+            "root, no groups"
+        );
         let c = callers.cred(me, 1000, 100).expect("a user's credentials");
         assert_eq!((c.uid, c.gid), (1000, 100));
         // Within the TTL the same process gets the same credentials without reading /proc.

@@ -61,7 +61,17 @@ fn free_port() -> u16 {
 /// its TCP port once it accepts connections. The thread serves until the process exits.
 fn start_brick(tmp: &Path, i: usize, dir: &Path, secret: &Path) -> u16 {
     let vf = tmp.join(format!("brick{i}.toml"));
-    std::fs::write(&vf, mgmt::brick_volfile(VOLUME, i, dir).to_toml()).expect("brick volfile");
+    let def = VolumeDef {
+        name: VOLUME.into(),
+        id: "fuse-distribute-test".into(),
+        replica: 1,
+        bricks: Vec::new(),
+        state: VolState::Started,
+        authority: None,
+        allow: Vec::new(),
+        root_squash: false,
+    };
+    std::fs::write(&vf, mgmt::brick_volfile(&def, i, dir).to_toml()).expect("brick volfile");
     for _attempt in 0..5 {
         let port = free_port();
         let argv: Vec<OsString> = vec![
@@ -236,6 +246,7 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
         state: VolState::Started,
         authority: None,
         allow: Vec::new(),
+        root_squash: false,
     };
     let vf = mgmt::client_volfile(&def).expect("client volfile");
     let kinds: Vec<&str> = vf.layers.iter().map(|l| l.kind.type_name()).collect();

@@ -94,6 +94,9 @@ pub enum LayerKind {
     Posix {
         /// The brick directory.
         directory: PathBuf,
+        /// Clients' root runs as nobody (65534) on this brick (like NFS `root_squash`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        root_squash: bool,
     },
     /// Runs fops that may block for long (fsync, fallocate, discard) on a thread pool and the
     /// rest inline (brick side).
@@ -241,7 +244,10 @@ pub const TYPES: &[TypeDoc] = &[
         name: "posix",
         side: "brick (leaf)",
         doc: "stores files in a directory; every path is resolved beneath it (openat2 RESOLVE_BENEATH)",
-        options: &[OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" }],
+        options: &[
+            OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" },
+            OptionDoc { name: "root_squash", ty: "bool", default: "false", doc: "clients' root acts as nobody (65534)" },
+        ],
     },
     TypeDoc {
         name: "distribute",

@@ -64,6 +64,7 @@ impl Manager {
             state: VolState::Created,
             authority: None,
             allow,
+            root_squash: false,
         };
         fs::create_dir_all(self.vol_dir(name).join("bricks"))
             .map_err(|e| format!("cannot create {}: {e}", self.vol_dir(name).display()))?;
@@ -245,14 +246,24 @@ impl Manager {
     /// Changes a volume's options (today: `allow`, the address ranges its bricks take clients
     /// from). The bricks of a started volume are restarted with the new options; clients
     /// reconnect by themselves.
+    /// Changes the options given (the others stay), restarting a started volume's bricks.
     pub(crate) fn set(
         &self,
         procs: &mut Procs,
         name: &str,
-        allow: &[String],
+        allow: Option<&[String]>,
+        root_squash: Option<bool>,
     ) -> Result<Response, String> {
         let mut def = self.load(name)?;
-        def.allow = check_allow(allow)?;
+        if allow.is_none() && root_squash.is_none() {
+            return Err(format!("volume {name}: no option given to set"));
+        }
+        if let Some(allow) = allow {
+            def.allow = check_allow(allow)?;
+        }
+        if let Some(on) = root_squash {
+            def.root_squash = on;
+        }
         self.save(&def)?;
         let mut warnings = self.sync_all(&def);
         if def.state == VolState::Started {

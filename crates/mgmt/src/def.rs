@@ -89,6 +89,9 @@ pub struct VolumeDef {
     /// gets them as `--allow`.
     #[serde(default)]
     pub allow: Vec<String>,
+    /// Clients' root acts as nobody on the bricks (`kiln volume set VOL root-squash on`).
+    #[serde(default)]
+    pub root_squash: bool,
 }
 
 /// Checks a volume name: 1 to 64 of `A-Z a-z 0-9 _ -`, not starting with `-`.

@@ -89,7 +89,11 @@ impl Manager {
             } => self.create(&name, replica, &bricks, &allow),
             Request::Start { name, force } => self.start(procs, &name, force),
             Request::Stop { name } => self.stop(procs, &name),
-            Request::Set { name, allow } => self.set(procs, &name, &allow),
+            Request::Set {
+                name,
+                allow,
+                root_squash,
+            } => self.set(procs, &name, allow.as_deref(), root_squash),
             Request::Delete { name } => self.delete(&name),
             Request::Info { name } => self.info(name.as_deref()),
             Request::List => self.list(),

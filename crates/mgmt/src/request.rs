@@ -46,9 +46,12 @@ pub enum Request {
     Set {
         /// The volume.
         name: String,
-        /// The new list; empty: anyone.
+        /// The new allow-list; empty: anyone; absent: unchanged.
         #[serde(default)]
-        allow: Vec<String>,
+        allow: Option<Vec<String>>,
+        /// Whether clients' root acts as nobody on the bricks; absent: unchanged.
+        #[serde(default)]
+        root_squash: Option<bool>,
     },
     /// Remove a stopped volume's definition (the brick directories stay).
     Delete {

@@ -309,6 +309,7 @@ mod tests {
             state: VolState::Started,
             authority: None,
             allow: Vec::new(),
+            root_squash: false,
         }
     }
 

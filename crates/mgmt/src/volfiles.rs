@@ -7,9 +7,16 @@ use std::path::Path;
 use crate::def::VolumeDef;
 use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 
-/// The volfile a brick runs: io-stats (`NAME-brick-N`) → marks → dispatch → posix.
-pub fn brick_volfile(volume: &str, index: usize, dir: &Path) -> Volfile {
-    kiln_server::replica_volfile(dir, &format!("{volume}-brick-{index}"))
+/// The volfile brick `index` of `def` runs: io-stats (`NAME-brick-N`) → marks → dispatch →
+/// posix (squashing clients' root when the volume says so).
+pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
+    let mut v = kiln_server::replica_volfile(dir, &format!("{}-brick-{index}", def.name));
+    for l in &mut v.layers {
+        if let LayerKind::Posix { root_squash, .. } = &mut l.kind {
+            *root_squash = def.root_squash;
+        }
+    }
+    v
 }
 
 /// The client volfile of a started volume: io-stats `NAME` → distribute `NAME-dht` (with more
@@ -96,6 +103,7 @@ pub fn placeholder_volfile(state_dir: &Path) -> Volfile {
             "mgmt-root".into(),
             LayerKind::Posix {
                 directory: state_dir.join("mgmt-root"),
+                root_squash: false,
             },
         ),
     ])

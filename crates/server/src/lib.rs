@@ -221,6 +221,7 @@ pub fn default_volfile(dir: &Path) -> Volfile {
             "posix".into(),
             LayerKind::Posix {
                 directory: dir.to_owned(),
+                root_squash: false,
             },
         ),
     ])
@@ -242,6 +243,7 @@ pub fn replica_volfile(dir: &Path, name: &str) -> Volfile {
             "posix".into(),
             LayerKind::Posix {
                 directory: dir.to_owned(),
+                root_squash: false,
             },
         ),
     ])
@@ -250,10 +252,14 @@ pub fn replica_volfile(dir: &Path, name: &str) -> Volfile {
 /// Builds a brick stack: the generic layers, plus posix and dispatch.
 pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
     volfile.build(&mut |def, mut kids| match &def.kind {
-        LayerKind::Posix { directory } => {
+        LayerKind::Posix {
+            directory,
+            root_squash,
+        } => {
             let brick = Brick::open(directory)
                 .map_err(|e| format!("cannot open brick directory {}: {e}", directory.display()))?;
-            Ok(Arc::new(posix::Posix::new(&def.name, Arc::new(brick))) as LayerRef)
+            let posix = posix::Posix::new(&def.name, Arc::new(brick)).root_squash(*root_squash);
+            Ok(Arc::new(posix) as LayerRef)
         }
         LayerKind::Dispatch {} => Ok(Arc::new(posix::Dispatch::new(&def.name, kids.remove(0)))),
         LayerKind::Marks { directory } => Ok(Arc::new(

@@ -50,6 +50,15 @@ fn set_fs_ids(uid: u32, gid: u32) -> bool {
     }
 }
 
+/// Who root becomes under root squash: nobody, in no group but nogroup.
+pub(super) fn nobody() -> Cred {
+    Cred {
+        uid: 65534,
+        gid: 65534,
+        groups: Vec::new(),
+    }
+}
+
 /// The caller's identity on this thread until dropped.
 pub(super) struct AsCaller {
     switched: bool,

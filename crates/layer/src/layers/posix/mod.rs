@@ -36,6 +36,7 @@ struct PosixFd(Arc<File>);
 pub struct Posix {
     name: String,
     brick: Arc<Brick>,
+    root_squash: bool,
 }
 
 impl Posix {
@@ -44,15 +45,38 @@ impl Posix {
         Posix {
             name: name.into(),
             brick,
+            root_squash: false,
         }
+    }
+
+    /// With `on`, a request on behalf of root runs as nobody (like NFS `root_squash`); requests
+    /// without credentials (the brick's own work, heal) still run as root.
+    pub fn root_squash(mut self, on: bool) -> Posix {
+        self.root_squash = on;
+        self
+    }
+
+    /// Runs storage calls now, as the caller (see [`cred`]), stamping a traced request around
+    /// them.
+    fn now<'a, T: Send + 'a>(&self, cx: &Ctx, f: impl FnOnce() -> FopResult<T>) -> Fut<'a, T> {
+        let squashed;
+        let mut caller = cx.cred.as_deref();
+        if self.root_squash && caller.is_some_and(|c| c.uid == 0) {
+            squashed = cred::nobody();
+            caller = Some(&squashed);
+        }
+        now_as(cx, caller, f)
     }
 }
 
-/// Runs storage calls now, as the caller (see [`cred`]), stamping a traced request around
-/// them.
-fn now<'a, T: Send + 'a>(cx: &Ctx, f: impl FnOnce() -> FopResult<T>) -> Fut<'a, T> {
+/// Runs storage calls now as `caller`, stamping a traced request around them.
+fn now_as<'a, T: Send + 'a>(
+    cx: &Ctx,
+    caller: Option<&kiln_proto::Cred>,
+    f: impl FnOnce() -> FopResult<T>,
+) -> Fut<'a, T> {
     let f = || {
-        let _as = cred::AsCaller::new(cx.cred.as_deref())?;
+        let _as = cred::AsCaller::new(caller)?;
         f()
     };
     let r = match &cx.trace {
@@ -125,23 +149,23 @@ impl Layer for Posix {
     }
 
     fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
-        now(cx, || self.brick.lookup(path))
+        self.now(cx, || self.brick.lookup(path))
     }
 
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
-        now(cx, || brick::fstat(file(fd)?))
+        self.now(cx, || brick::fstat(file(fd)?))
     }
 
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        now(cx, || self.brick.setattr(path, attrs))
+        self.now(cx, || self.brick.setattr(path, attrs))
     }
 
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        now(cx, || brick::fsetattr(file(fd)?, attrs))
+        self.now(cx, || brick::fsetattr(file(fd)?, attrs))
     }
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
-        now(cx, || {
+        self.now(cx, || {
             let f = self.brick.open_file(path, flags)?;
             Ok(Fd::new(PosixFd(Arc::new(f))))
         })
@@ -154,7 +178,7 @@ impl Layer for Posix {
         flags: u32,
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
-        now(cx, || {
+        self.now(cx, || {
             let (f, attr) = self.brick.create(path, flags, mode)?;
             Ok((Fd::new(PosixFd(Arc::new(f))), attr))
         })
@@ -165,7 +189,7 @@ impl Layer for Posix {
             Ok(f) => f.clone(),
             Err(e) => return fail(e),
         };
-        now(cx, move || match dst {
+        self.now(cx, move || match dst {
             ReadDst::Any(len) if len >= SENDFILE_MIN => {
                 // The reply header announces the length, so clamp to the file's size now; the
                 // data itself moves file → socket with sendfile.
@@ -193,7 +217,7 @@ impl Layer for Posix {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
-        now(cx, move || {
+        self.now(cx, move || {
             let f = file(fd)?;
             // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
             let n = unsafe { iov_loop(f, data.iov(), offset, true)? };
@@ -202,7 +226,7 @@ impl Layer for Posix {
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
-        now(cx, || brick::fsync(file(fd)?, datasync))
+        self.now(cx, || brick::fsync(file(fd)?, datasync))
     }
 
     fn release<'a>(&'a self, _cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
@@ -213,19 +237,19 @@ impl Layer for Posix {
     }
 
     fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        now(cx, || self.brick.unlink(path))
+        self.now(cx, || self.brick.unlink(path))
     }
 
     fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
-        now(cx, || self.brick.mkdir(path, mode))
+        self.now(cx, || self.brick.mkdir(path, mode))
     }
 
     fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        now(cx, || self.brick.rmdir(path))
+        self.now(cx, || self.brick.rmdir(path))
     }
 
     fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
-        now(cx, || self.brick.rename(from, to, flags))
+        self.now(cx, || self.brick.rename(from, to, flags))
     }
 
     fn readdir<'a>(
@@ -235,31 +259,31 @@ impl Layer for Posix {
         offset: u64,
         max: u32,
     ) -> Fut<'a, ReaddirReply> {
-        now(cx, || self.brick.readdir(path, offset, max))
+        self.now(cx, || self.brick.readdir(path, offset, max))
     }
 
     fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        now(cx, || self.brick.symlink(target, path))
+        self.now(cx, || self.brick.symlink(target, path))
     }
 
     fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
-        now(cx, || self.brick.mknod(path, mode, rdev))
+        self.now(cx, || self.brick.mknod(path, mode, rdev))
     }
 
     fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
-        now(cx, || self.brick.readlink(path))
+        self.now(cx, || self.brick.readlink(path))
     }
 
     fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        now(cx, || self.brick.link(existing, path))
+        self.now(cx, || self.brick.link(existing, path))
     }
 
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
-        now(cx, || self.brick.statfs(path))
+        self.now(cx, || self.brick.statfs(path))
     }
 
     fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
-        now(cx, || self.brick.getxattr(path, name))
+        self.now(cx, || self.brick.getxattr(path, name))
     }
 
     fn setxattr<'a>(
@@ -270,11 +294,11 @@ impl Layer for Posix {
         value: &'a [u8],
         flags: u32,
     ) -> Fut<'a, ()> {
-        now(cx, || self.brick.setxattr(path, name, value, flags))
+        self.now(cx, || self.brick.setxattr(path, name, value, flags))
     }
 
     fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, Vec<u8>> {
-        now(cx, || self.brick.getxattr(path, LAYOUT_XATTR))
+        self.now(cx, || self.brick.getxattr(path, LAYOUT_XATTR))
     }
 
     fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
@@ -283,15 +307,15 @@ impl Layer for Posix {
             tracing::warn!(path, "refused a malformed directory layout");
             return fail(errno::EINVAL);
         }
-        now(cx, || self.brick.setxattr(path, LAYOUT_XATTR, arg, 0))
+        self.now(cx, || self.brick.setxattr(path, LAYOUT_XATTR, arg, 0))
     }
 
     fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {
-        now(cx, || self.brick.listxattr(path))
+        self.now(cx, || self.brick.listxattr(path))
     }
 
     fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
-        now(cx, || self.brick.removexattr(path, name))
+        self.now(cx, || self.brick.removexattr(path, name))
     }
 
     fn fallocate<'a>(
@@ -302,11 +326,11 @@ impl Layer for Posix {
         offset: u64,
         len: u64,
     ) -> Fut<'a, ()> {
-        now(cx, || brick::fallocate(file(fd)?, mode, offset, len))
+        self.now(cx, || brick::fallocate(file(fd)?, mode, offset, len))
     }
 
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
-        now(cx, || brick::discard(file(fd)?, offset, len))
+        self.now(cx, || brick::discard(file(fd)?, offset, len))
     }
 }
 

@@ -83,9 +83,21 @@ pub struct ServeArgs {
     /// refusal is logged. Unix-socket clients are governed by the socket file's permissions.
     #[arg(long, value_name = "CIDR")]
     pub allow: Vec<kiln_server::access::Cidr>,
-    /// Connections served at once; more are closed at once with a log line.
+    /// Clients served at once (connections that finished the handshake); one more is closed
+    /// with a log line.
     #[arg(long, default_value_t = kiln_server::Limits::default().max_connections)]
     pub max_connections: usize,
+    /// Connections that have not finished the handshake (HELLO, and AUTH when a secret is
+    /// required), counted apart from clients so they can never take clients' places; past
+    /// this a new one pushes out the oldest.
+    #[arg(long, default_value_t = kiln_server::Limits::default().max_strangers)]
+    pub max_strangers: usize,
+    /// The same from one address.
+    #[arg(long, default_value_t = kiln_server::Limits::default().max_strangers_per_address)]
+    pub max_strangers_per_address: usize,
+    /// Seconds a new connection has to finish the handshake before it is closed.
+    #[arg(long, default_value_t = 5.0)]
+    pub handshake_timeout: f64,
     /// Requests one connection may have waiting for replies before the server stops reading
     /// it (bounds memory per client together with an 8 MiB cap on queued reply bytes).
     #[arg(long, default_value_t = kiln_server::Limits::default().max_inflight)]
@@ -143,6 +155,11 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
     rt.block_on(async {
         let limits = kiln_server::Limits {
             max_connections: args.max_connections.max(1),
+            max_strangers: args.max_strangers.max(1),
+            max_strangers_per_address: args.max_strangers_per_address.max(1),
+            handshake_timeout: std::time::Duration::from_secs_f64(
+                args.handshake_timeout.clamp(0.1, 3600.0),
+            ),
             max_inflight: args.max_inflight.max(1),
             idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout.max(0.0)),
         };

@@ -1,5 +1,6 @@
-//! Limits: a connection cap, an idle timeout, and a client that floods requests without reading
-//! replies — the server's memory stays bounded and other clients are served.
+//! Limits: a client cap, a handshake deadline and strangers counted apart from clients, an idle
+//! timeout, and a client that floods requests without reading replies — the server's memory
+//! stays bounded and other clients are served.
 
 mod common;
 
@@ -56,14 +57,25 @@ fn closed_within(s: &mut std::net::TcpStream, limit: Duration) -> bool {
 }
 
 #[test]
-fn connections_beyond_the_cap_are_closed_and_the_slot_comes_back() {
-    let k = Limited::start(&["--max-connections", "2"]);
+fn clients_beyond_the_cap_are_refused_and_the_slot_comes_back() {
+    let k = Limited::start(&["--max-connections", "2", "--handshake-timeout", "1"]);
     let a = Client::connect(&k.addr).expect("first");
     let b = Client::connect(&k.addr).expect("second");
-    let mut third = std::net::TcpStream::connect(&k.addr).expect("tcp connect");
+    let e = Client::connect(&k.addr)
+        .err()
+        .expect("a third client is refused");
+    assert!(e.to_string().contains("busy"), "refused as busy: {e}");
+    // A connection that never says HELLO is closed when its handshake time is up.
+    let mut silent = std::net::TcpStream::connect(&k.addr).expect("tcp connect");
+    let t = Instant::now();
     assert!(
-        closed_within(&mut third, Duration::from_secs(20)),
-        "a third connection must be closed"
+        closed_within(&mut silent, Duration::from_secs(20)),
+        "a silent connection must be closed"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(800),
+        "closed early: {:?}",
+        t.elapsed()
     );
     assert!(
         block_on(a.lookup("/")).is_ok() && block_on(b.lookup("/")).is_ok(),
@@ -80,6 +92,44 @@ fn connections_beyond_the_cap_are_closed_and_the_slot_comes_back() {
         }
     };
     assert!(block_on(again.lookup("/")).is_ok());
+}
+
+/// Connections that never finish the handshake cannot keep a client that holds the secret
+/// out: 2,000 of them, then a client connects and works.
+#[test]
+fn two_thousand_idle_strangers_do_not_lock_a_client_out() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = dir.path().join("secret");
+    let brick = dir.path().join("brick");
+    std::fs::create_dir(&brick).expect("brick");
+    let extra = [
+        std::ffi::OsStr::new("--secret-file"),
+        secret.as_os_str(),
+        std::ffi::OsStr::new("--handshake-timeout"),
+        std::ffi::OsStr::new("60"),
+    ];
+    let (mut child, addr) = common::spawn_tcp_kilnd(&brick, &extra, None);
+    let key = std::fs::read_to_string(&secret).expect("secret");
+    let idle: Vec<std::net::TcpStream> = (0..2000)
+        .map(|i| std::net::TcpStream::connect(&addr).unwrap_or_else(|e| panic!("#{i}: {e}")))
+        .collect();
+    // The brick may still be accepting the idle ones, each pushing out the oldest stranger:
+    // a newcomer is pushed out only if 64 more arrive before its handshake is done, so a few
+    // attempts within a bounded time must get one in.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let c = loop {
+        match Client::connect_with_secret(&addr, Some(key.trim().as_bytes())) {
+            Ok(c) => break c,
+            Err(e) if Instant::now() < deadline => eprintln!("retrying: {e}"),
+            Err(e) => panic!("locked out by idle strangers: {e}"),
+        }
+    };
+    assert!(block_on(c.lookup("/")).is_ok(), "the client works");
+    let (f, _) = block_on(c.create("/f", libc::O_RDWR, 0o644)).expect("create");
+    assert!(block_on(c.close(f)).is_ok());
+    drop(idle);
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[test]

@@ -33,6 +33,8 @@ pub mod errno {
     pub const EIO: u32 = 5;
     /// Bad file descriptor (unknown handle).
     pub const EBADF: u32 = 9;
+    /// Busy: the server has as many clients as it serves.
+    pub const EBUSY: u32 = 16;
     /// Permission denied (a path that would leave the brick).
     pub const EACCES: u32 = 13;
     /// Invalid argument.

@@ -5,11 +5,13 @@ pub mod access;
 pub mod auth;
 pub mod conn;
 pub mod control;
+pub mod door;
+pub mod limits;
 pub mod stats;
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, UnixListener};
@@ -155,7 +157,7 @@ impl Server {
             limits: self.limits,
             secret: self.secret.clone(),
             mgmt: self.mgmt.clone(),
-            open: AtomicUsize::new(0),
+            door: door::Door::new(self.limits, self.stats.clone()),
         });
         let allow = Arc::new(self.allow);
         for l in self.tcp {
@@ -183,7 +185,7 @@ impl Server {
                                     continue;
                                 }
                             };
-                            spawn_conn(fd, &shared, peer.to_string());
+                            spawn_conn(fd, &shared, Some(peer.ip()), peer.to_string());
                         }
                         Err(e) => accept_error(e).await,
                     }
@@ -199,7 +201,7 @@ impl Server {
                             Ok(s) => {
                                 let fd: OwnedFd = s.into();
                                 grow_unix_send_buffer(&fd);
-                                spawn_conn(fd, &shared, "unix".into())
+                                spawn_conn(fd, &shared, None, "unix".into())
                             }
                             Err(e) => tracing::warn!("accept: {e}"),
                         },
@@ -360,48 +362,30 @@ struct Shared {
     limits: Limits,
     secret: Option<Arc<[u8]>>,
     mgmt: Option<control::Handler>,
-    /// Connections being served now.
-    open: AtomicUsize,
+    /// Who may hold a connection (strangers and clients, counted apart).
+    door: Arc<door::Door>,
 }
 
-/// Decrements the open-connection count when a connection task ends, however it ends.
-struct OpenGuard(Arc<Shared>);
-
-impl Drop for OpenGuard {
-    fn drop(&mut self) {
-        // AcqRel pairs with the fetch_add in `spawn_conn`: the count never underflows.
-        self.0.open.fetch_sub(1, Ordering::AcqRel);
-    }
+fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, from: door::Address, peer: String) {
+    let ticket = shared.door.knock(from, &peer);
+    spawn_serve(conn::Sock::Plain(fd), shared, ticket, peer);
 }
 
-fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, peer: String) {
-    if let Some(guard) = admit(shared, &peer) {
-        spawn_serve(conn::Sock::Plain(fd), guard, peer);
-    }
-}
-
-/// Counts a new connection in, or refuses it when `max_connections` are open.
-fn admit(shared: &Arc<Shared>, peer: &str) -> Option<OpenGuard> {
-    let open = shared.open.fetch_add(1, Ordering::AcqRel);
-    if open >= shared.limits.max_connections {
-        shared.open.fetch_sub(1, Ordering::AcqRel);
-        shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(%peer, open, "refusing a connection: max_connections reached");
-        return None;
-    }
-    shared.stats.connections.fetch_add(1, Ordering::Relaxed);
-    tracing::debug!(%peer, "connection accepted");
-    Some(OpenGuard(shared.clone()))
-}
-
-fn spawn_serve(sock: conn::Sock, guard: OpenGuard, peer: String) {
-    let shared = &guard.0;
+fn spawn_serve(sock: conn::Sock, shared: &Arc<Shared>, ticket: door::Ticket, peer: String) {
     let (stack, stats, limits) = (shared.stack.clone(), shared.stats.clone(), shared.limits);
     let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
     let mgmt = shared.mgmt.clone();
     tokio::spawn(async move {
-        conn::serve(sock, stack, stats, clients, limits, secret, mgmt, peer).await;
-        drop(guard);
+        let parts = conn::Parts {
+            stack,
+            stats,
+            clients,
+            limits,
+            secret,
+            mgmt,
+            ticket,
+        };
+        conn::serve(sock, parts, peer).await;
     });
 }
 
@@ -424,9 +408,7 @@ async fn accept_tls(
         }
         _ => return, // closed, failed or silent before saying anything
     }
-    let Some(guard) = admit(&shared, &peer.to_string()) else {
-        return;
-    };
+    let ticket = shared.door.knock(Some(peer.ip()), &peer.to_string());
     let tcp = match s.into_std() {
         Ok(t) => t,
         Err(e) => return tracing::warn!(%peer, "accept: {e}"),
@@ -434,14 +416,30 @@ async fn accept_tls(
     let rt = tokio::runtime::Handle::current();
     let started = std::thread::Builder::new()
         .name("kiln-tls-accept".into())
-        .spawn(move || match kiln_tls::accept_split(tcp, tls) {
-            Ok(split) => {
-                let _rt = rt.enter();
-                spawn_serve(conn::Sock::Tls(split), guard, format!("{peer} (tls)"));
+        .spawn(move || {
+            // The TLS handshake is part of the handshake the door times: a silent peer does
+            // not hold this thread longer.
+            let timed = tcp.try_clone().ok();
+            if let Some(t) = &timed {
+                let _ = t.set_read_timeout(Some(shared.limits.handshake_timeout));
             }
-            Err(e) => {
-                guard.0.stats.refused.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%peer, "refused a TLS client: {e}");
+            match kiln_tls::accept_split(tcp, tls) {
+                Ok(split) => {
+                    if let Some(t) = &timed {
+                        let _ = t.set_read_timeout(None);
+                    }
+                    let _rt = rt.enter();
+                    spawn_serve(
+                        conn::Sock::Tls(split),
+                        &shared,
+                        ticket,
+                        format!("{peer} (tls)"),
+                    );
+                }
+                Err(e) => {
+                    shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%peer, "refused a TLS client: {e}");
+                }
             }
         });
     if let Err(e) = started {

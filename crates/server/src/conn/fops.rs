@@ -151,6 +151,10 @@ impl Conn {
             fill_random(&mut self.nonce)?;
         }
         self.hello_done = true;
+        if self.secret.is_none() {
+            // Without a secret, HELLO is the whole handshake.
+            self.admit()?;
+        }
         let r = HelloReply {
             version: kiln_proto::frame::VERSION as u32,
             server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
@@ -163,6 +167,16 @@ impl Conn {
             },
         };
         Ok(Step::Now(r.to_wire(), Body::None))
+    }
+
+    /// The handshake is done: the connection takes a client's place, or is refused (EBUSY,
+    /// then closed) when the server serves `max_connections` clients.
+    fn admit(&mut self) -> Result<(), Fail> {
+        if self.ticket.promote(&self.peer) {
+            return Ok(());
+        }
+        self.closing = true;
+        Err(Fail::Errno(errno::EBUSY))
     }
 
     /// AUTH: checks the client's proof of the secret and proves it back.
@@ -192,6 +206,7 @@ impl Conn {
             return Err(Fail::Errno(errno::EACCES));
         }
         self.authed = true;
+        self.admit()?;
         let proof = crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
         Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
     }

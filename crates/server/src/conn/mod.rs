@@ -28,6 +28,7 @@ use kiln_proto::{errno, Op};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
+pub use crate::limits::Limits;
 use crate::stats::Stats;
 use kiln_layer::Errno;
 
@@ -159,6 +160,25 @@ impl OutReply {
     }
 }
 
+/// What the receiving side of a connection holds between reads: the next frame's header as
+/// far as it came, the frame being received, and the stage (see [`STAGE_LEN`]).
+struct Rx {
+    next_hdr: [u8; HEADER_LEN],
+    hdr_got: usize,
+    cur: Option<Incoming>,
+    stage: Vec<u8>,
+}
+
+/// How a round of receiving ended.
+enum Received {
+    /// The socket has nothing more for now (or replies back up).
+    Drained,
+    /// The peer closed the connection.
+    Closed,
+    /// The stream is broken (a bad header): why.
+    Broken(String),
+}
+
 /// A frame whose header has been read and whose arguments and payload are being received.
 struct Incoming {
     hdr: Header,
@@ -166,31 +186,6 @@ struct Incoming {
     args_got: usize,
     payload: Vec<u8>,
     payload_len: usize,
-}
-
-/// What one connection, and the server as a whole, may hold: a slow or stalled client cannot
-/// make the server's memory grow without bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Connections served at once; more are accepted and closed at once, with a log line.
-    pub max_connections: usize,
-    /// Requests of one connection received but not yet answered; past it the server stops
-    /// reading that connection until replies have gone out.
-    pub max_inflight: usize,
-    /// A connection with nothing in flight that sends nothing for this long is closed; zero
-    /// never closes one. Off by default: clients do not reconnect by themselves yet, so a
-    /// mount left alone would break; `max_connections` bounds what idle clients can hold.
-    pub idle_timeout: std::time::Duration,
-}
-
-impl Default for Limits {
-    fn default() -> Limits {
-        Limits {
-            max_connections: 1024,
-            max_inflight: 1024,
-            idle_timeout: std::time::Duration::ZERO,
-        }
-    }
 }
 
 /// A fop's outcome before it becomes a reply: open and create hand back a handle that the
@@ -254,6 +249,8 @@ struct Conn {
     /// Over TLS: seals replies into records on the TCP socket (requests arrive through the
     /// tunnel in plaintext).
     tls_out: Option<kiln_tls::RecordWriter>,
+    /// This connection's place: a stranger's until the handshake is done.
+    ticket: crate::door::Ticket,
 }
 
 impl Drop for Conn {
@@ -297,18 +294,35 @@ fn register(sock: OwnedFd, peer: &str) -> Option<AsyncFd<OwnedFd>> {
     }
 }
 
+/// What a connection is served with.
+pub struct Parts {
+    /// The brick's stack.
+    pub stack: LayerRef,
+    /// The server's counters.
+    pub stats: Arc<Stats>,
+    /// Clients' metrics endpoints, for profiles.
+    pub clients: ClientBook,
+    /// Per-connection limits.
+    pub limits: Limits,
+    /// The secret clients must prove, if any.
+    pub secret: Option<Arc<[u8]>>,
+    /// The management handler, on a kilnd that manages volumes.
+    pub mgmt: Option<crate::control::Handler>,
+    /// This connection's place at the door.
+    pub ticket: crate::door::Ticket,
+}
+
 /// Serves one connection until the peer closes it or breaks the protocol.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve(
-    sock: Sock,
-    stack: LayerRef,
-    stats: Arc<Stats>,
-    clients: ClientBook,
-    limits: Limits,
-    secret: Option<Arc<[u8]>>,
-    mgmt: Option<crate::control::Handler>,
-    peer: String,
-) {
+pub async fn serve(sock: Sock, parts: Parts, peer: String) {
+    let Parts {
+        stack,
+        stats,
+        clients,
+        limits,
+        secret,
+        mgmt,
+        ticket,
+    } = parts;
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let (recv, send) = match sock {
         Sock::Plain(s) => (s, None),
@@ -346,6 +360,7 @@ pub async fn serve(
         out_bytes: 0,
         done_tx,
         tls_out,
+        ticket,
     };
     match conn
         .run(&fd, wfd.as_ref().unwrap_or(&fd), &mut done_rx, &peer)
@@ -373,10 +388,12 @@ impl Conn {
         done_rx: &mut mpsc::UnboundedReceiver<Finished>,
         peer: &str,
     ) -> io::Result<()> {
-        let mut next_hdr = [0u8; HEADER_LEN];
-        let mut hdr_got = 0usize;
-        let mut cur: Option<Incoming> = None;
-        let mut stage = vec![0u8; STAGE_MAX];
+        let mut rx = Rx {
+            next_hdr: [0u8; HEADER_LEN],
+            hdr_got: 0,
+            cur: None,
+            stage: vec![0u8; STAGE_MAX],
+        };
         // One timer for the idle timeout, re-armed lazily: when it fires after activity, it is
         // pushed out instead of being reset on every frame.
         let idle = self.limits.idle_timeout;
@@ -394,6 +411,10 @@ impl Conn {
             tokio::select! {
                 biased;
                 Some(f) = done_rx.recv() => self.finish(f),
+                why = self.ticket.closing(), if !self.ticket.is_client() => {
+                    tracing::info!(peer, "{why}");
+                    return Ok(());
+                }
                 () = &mut idle_timer, if quiet => {
                     if last_activity.elapsed() >= idle {
                         tracing::info!(peer, "closing a connection idle for {idle:?}");
@@ -404,55 +425,10 @@ impl Conn {
                 g = fd.readable(), if reading => {
                     let mut g = g?;
                     last_activity = tokio::time::Instant::now();
-                    // Receive and run everything the socket holds, unless replies back up.
-                    while self.may_read() {
-                        // At a frame boundary, also ask for the start of the frame into `stage`:
-                        // a small request then costs one readv, not two (header, then args).
-                        let at_boundary = cur.is_none();
-                        let stage_len = self.stage_len();
-                        let recv = g.try_io(|s| {
-                            let stage = if at_boundary { Some(&mut stage[..stage_len]) } else { None };
-                            recv_into(s.as_raw_fd(), cur.as_mut(), &mut next_hdr[hdr_got..], stage)
-                        });
-                        self.stats
-                            .recv_calls
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let (n, asked) = match recv {
-                            Ok(Ok((0, _))) => return Ok(()),
-                            Ok(Ok(r)) => r,
-                            Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
-                            Ok(Err(e)) => return Err(e),
-                            Err(_would_block) => break,
-                        };
-                        let (direct, staged) = if at_boundary {
-                            let h = (HEADER_LEN - hdr_got).min(n);
-                            (h, n - h)
-                        } else {
-                            (n, 0)
-                        };
-                        let mut left = direct;
-                        if let Some(inc) = cur.as_mut() {
-                            left = inc.advance(left);
-                            if inc.is_complete() {
-                                let inc = cur.take().expect("current frame");
-                                self.dispatch(inc);
-                            }
-                        }
-                        hdr_got += left;
-                        if let Err(why) = self.start_frames(&next_hdr, &mut hdr_got, &mut cur) {
-                            return self.fatal(wfd, &why).await;
-                        }
-                        let staged = &stage[..staged];
-                        if let Err(why) = self.take_staged(staged, &mut next_hdr, &mut hdr_got, &mut cur) {
-                            return self.fatal(wfd, &why).await;
-                        }
-                        if n < asked {
-                            // A short read drained the socket: wait for the next readiness
-                            // event instead of asking again only to hear "would block". (The
-                            // guard clears only the readiness it saw, so a newer event stays.)
-                            g.clear_ready();
-                            break;
-                        }
+                    match self.receive(&mut g, &mut rx)? {
+                        Received::Drained => {}
+                        Received::Closed => return Ok(()),
+                        Received::Broken(why) => return self.fatal(wfd, &why).await,
                     }
                 }
                 g = wfd.writable(), if writing => g?.retain_ready(),
@@ -465,6 +441,71 @@ impl Conn {
                 return Ok(());
             }
         }
+    }
+
+    /// Receives and runs everything the socket holds, unless replies back up.
+    fn receive(
+        &mut self,
+        g: &mut tokio::io::unix::AsyncFdReadyGuard<'_, OwnedFd>,
+        rx: &mut Rx,
+    ) -> io::Result<Received> {
+        while self.may_read() {
+            // At a frame boundary, also ask for the start of the frame into the stage: a small
+            // request then costs one readv, not two (header, then args).
+            let at_boundary = rx.cur.is_none();
+            let stage_len = self.stage_len();
+            let recv = g.try_io(|s| {
+                let stage = if at_boundary {
+                    Some(&mut rx.stage[..stage_len])
+                } else {
+                    None
+                };
+                let hdr = &mut rx.next_hdr[rx.hdr_got..];
+                recv_into(s.as_raw_fd(), rx.cur.as_mut(), hdr, stage)
+            });
+            self.stats
+                .recv_calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (n, asked) = match recv {
+                Ok(Ok((0, _))) => return Ok(Received::Closed),
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => break,
+            };
+            let (direct, staged) = if at_boundary {
+                let h = (HEADER_LEN - rx.hdr_got).min(n);
+                (h, n - h)
+            } else {
+                (n, 0)
+            };
+            let mut left = direct;
+            if let Some(inc) = rx.cur.as_mut() {
+                left = inc.advance(left);
+                if inc.is_complete() {
+                    let inc = rx.cur.take().expect("current frame");
+                    self.dispatch(inc);
+                }
+            }
+            rx.hdr_got += left;
+            if let Err(why) = self.start_frames(&rx.next_hdr, &mut rx.hdr_got, &mut rx.cur) {
+                return Ok(Received::Broken(why));
+            }
+            let staged = &rx.stage[..staged];
+            if let Err(why) =
+                self.take_staged(staged, &mut rx.next_hdr, &mut rx.hdr_got, &mut rx.cur)
+            {
+                return Ok(Received::Broken(why));
+            }
+            if n < asked {
+                // A short read drained the socket: wait for the next readiness event instead
+                // of asking again only to hear "would block". (The guard clears only the
+                // readiness it saw, so a newer event stays.)
+                g.clear_ready();
+                break;
+            }
+        }
+        Ok(Received::Drained)
     }
 
     /// Runs the bytes that landed in the stage: the rest of the current frame's arguments (and,

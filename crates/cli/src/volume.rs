@@ -259,11 +259,12 @@ fn heal(a: &HealArgs) -> Result<(), String> {
         return Err(format!("{} is not replicated: nothing to heal", a.name));
     }
     if a.info.is_some() {
-        let need = block_on(heal::info(vol.top()));
+        let info = block_on(heal::info_from_reachable(vol.top()));
         if a.opts.json {
-            println!("{}", serde_json::to_string(&need).unwrap_or_default());
+            println!("{}", serde_json::to_string(&info).unwrap_or_default());
             return Ok(());
         }
+        let need = &info.needs;
         let mut out = String::new();
         let _ = writeln!(
             out,
@@ -271,6 +272,13 @@ fn heal(a: &HealArgs) -> Result<(), String> {
             a.name,
             need.len()
         );
+        if !info.unasked.is_empty() {
+            let _ = writeln!(
+                out,
+                "Not asked (down or not answering): {}; files only they know of are not listed",
+                info.unasked.join(", ")
+            );
+        }
         if !need.is_empty() {
             let _ = writeln!(
                 out,
@@ -278,7 +286,7 @@ fn heal(a: &HealArgs) -> Result<(), String> {
                 "Replica set", "Replica behind", "Ranges", "Missed"
             );
         }
-        for n in &need {
+        for n in need {
             // What the replica missed: its name (created, removed, renamed), its attributes
             // (mode, owner, times, xattrs), data bytes.
             let mut missed = Vec::new();

@@ -540,6 +540,38 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
         std::fs::read(dirs[2].join("img")).unwrap(),
         "the dead brick missed the writes"
     );
+    // heal info works with the brick down: from the bricks that answer, naming the one not
+    // asked.
+    let info = ok(&[
+        "volume",
+        "heal",
+        "hv",
+        "info",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(info.contains("1 file(s)"), "{info}");
+    assert!(info.contains("img"), "{info}");
+    assert!(
+        info.contains("Not asked") && info.contains("hv-client-2"),
+        "{info}"
+    );
+    let json = ok(&[
+        "volume",
+        "heal",
+        "hv",
+        "info",
+        "--json",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let j: serde_json::Value = serde_json::from_str(json.trim()).expect("heal info JSON");
+    assert_eq!(j["needs"].as_array().map(Vec::len), Some(1), "{j}");
+    assert_eq!(j["unasked"], serde_json::json!(["hv-client-2"]), "{j}");
 
     // It comes back; nobody runs `kiln volume heal`: the service does.
     ok(&[

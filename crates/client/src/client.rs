@@ -323,6 +323,28 @@ impl Client {
         Ok(())
     }
 
+    /// A client of a brick that cannot be reached now: every call fails (ENOTCONN) and
+    /// [`Client::reconnect`] tries `addr` again with `secret` and `tls`. A volume whose brick
+    /// is down starts with one, and its protocol-client reconnects in the background.
+    pub fn unreachable(
+        addr: &str,
+        secret: Option<&[u8]>,
+        tls: Option<Arc<kiln_tls::ClientConfig>>,
+    ) -> io::Result<Client> {
+        // A connection whose other end is gone: the receive thread sees EOF at once and fails
+        // the connection, as for a brick that went away.
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+        drop(theirs);
+        let conn = Conn::start(ours.into())?;
+        conn.shutdown();
+        Ok(Client {
+            conn,
+            server: addr.to_owned(),
+            secret: secret.map(<[u8]>::to_vec),
+            tls,
+        })
+    }
+
     /// A new connection to the same brick with the same secret (after this one failed).
     pub fn reconnect(&self) -> io::Result<Client> {
         Client::connect_opts(&self.server, self.secret.as_deref(), self.tls.clone())

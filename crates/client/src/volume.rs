@@ -129,35 +129,60 @@ impl Volume {
     }
 
     /// Builds a client stack whose bricks want `secret` (`None`: as [`Client::connect`]).
+    ///
+    /// A brick that cannot be reached when the stack is built does not stop it while another
+    /// brick can be: its protocol-client starts down (what replicate and heal see as a replica
+    /// that is away) and reconnects in the background. When no brick can be reached, the
+    /// first brick's error is returned.
     pub fn from_volfile_with_secret(v: &Volfile, secret: Option<&[u8]>) -> io::Result<Volume> {
         let mut clients = Vec::new();
         let mut err = None;
+        let mut reached = 0usize;
         let connect_one = |remote: &str| match secret {
             Some(s) => Client::connect_with_secret(remote, Some(s)),
             None => Client::connect(remote),
         };
         let connect = |remote: &str| connect_first(remote, connect_one);
         let top = v.build(&mut |def, _kids| match &def.kind {
-            LayerKind::ProtocolClient { remote } => match connect(remote) {
-                Ok(c) => {
-                    let c = Arc::new(c);
-                    clients.push(c.clone());
-                    Ok(Arc::new(ProtocolClient::new(&def.name, c)) as LayerRef)
-                }
-                Err(e) => {
-                    let msg = e.to_string();
-                    err = Some(e);
-                    Err(msg)
-                }
-            },
+            LayerKind::ProtocolClient { remote } => {
+                let c = match connect(remote) {
+                    Ok(c) => {
+                        reached += 1;
+                        c
+                    }
+                    // Only a brick that does not answer starts down; a refusal (bad secret,
+                    // allow-list, TLS) is an error to show now.
+                    Err(e) if is_unreachable(&e) => {
+                        tracing::warn!(
+                            "{}: {e}; starting without it and reconnecting in the background",
+                            def.name
+                        );
+                        let tls = kiln_tls::client_config_from_env().ok().flatten();
+                        let last = remote.rsplit(',').next().unwrap_or(remote).trim();
+                        let down = Client::unreachable(last, secret, tls);
+                        err.get_or_insert(e);
+                        down.map_err(|e| e.to_string())?
+                    }
+                    Err(e) => {
+                        let msg = e.to_string();
+                        err = Some(e);
+                        return Err(msg);
+                    }
+                };
+                let c = Arc::new(c);
+                clients.push(c.clone());
+                Ok(Arc::new(ProtocolClient::new(&def.name, c)) as LayerRef)
+            }
             other => Err(format!(
                 "layer {:?}: a {} layer cannot run in a client",
                 def.name,
                 other.type_name()
             )),
         });
-        match top {
-            Ok(top) => Ok(Volume {
+        match (top, err) {
+            // No brick answered: the first one's error.
+            (Ok(_), Some(e)) if reached == 0 => Err(e),
+            (Ok(top), _) => Ok(Volume {
                 stack: Arc::new(Stack {
                     top,
                     clients,
@@ -166,7 +191,7 @@ impl Volume {
                 }),
                 cred: None,
             }),
-            Err(msg) => {
+            (Err(msg), err) => {
                 Err(err.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, msg)))
             }
         }
@@ -616,6 +641,24 @@ impl Volume {
 /// Connects to the first alternative in `remotes` (comma-separated) that answers. A `unix:`
 /// alternative is tried only when a TCP alternative names an address of this host: it is then
 /// the same brick's local socket (a path on another host would mean nothing here).
+/// True for errors that say a brick is not there (down, restarting, not yet listening), as
+/// opposed to one that answered and refused.
+fn is_unreachable(e: &io::Error) -> bool {
+    use io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionRefused
+            | ConnectionReset
+            | ConnectionAborted
+            | TimedOut
+            | NotFound
+            | HostUnreachable
+            | NetworkUnreachable
+            | AddrNotAvailable
+            | UnexpectedEof
+    )
+}
+
 fn connect_first(
     remotes: &str,
     connect: impl Fn(&str) -> io::Result<Client>,

@@ -167,22 +167,49 @@ fn rep(l: &LayerRef) -> &Replicate {
 
 /// What needs healing in every replicate layer of a stack.
 pub async fn info(top: &LayerRef) -> Vec<Need> {
-    let mut out = Vec::new();
+    info_from_reachable(top).await.needs
+}
+
+/// What heal info found: the files behind, from every brick that answered, and the bricks
+/// that could not be asked (down, or failing the question). A file only a brick that could
+/// not be asked knows of is missing from `needs` until it answers again.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Info {
+    /// Files behind on a replica.
+    pub needs: Vec<Need>,
+    /// The layer names of the bricks not asked.
+    pub unasked: Vec<String>,
+}
+
+/// [`info`], saying which bricks could not be asked.
+pub async fn info_from_reachable(top: &LayerRef) -> Info {
+    let mut out = Info::default();
     for l in replicate_layers(top) {
-        out.extend(needs(rep(&l)).await);
+        let (needs, unasked) = needs(rep(&l)).await;
+        out.needs.extend(needs);
+        out.unasked.extend(unasked);
     }
     out
 }
 
-/// The first page of one replica set's index, merged over its replicas that are up.
-async fn needs(r: &Replicate) -> Vec<Need> {
+/// The first page of one replica set's index, merged over its replicas that are up; and the
+/// replicas that could not be asked.
+async fn needs(r: &Replicate) -> (Vec<Need>, Vec<String>) {
     let kids = r.replicas();
     let futs = kids
         .iter()
         .map(|k| k.up().then(|| k.pending_index(&Ctx::NONE, "", &())))
         .collect();
     let mut by: std::collections::BTreeMap<(String, u32), (u64, u64, u32)> = Default::default();
-    for page in join_all(futs).await.into_iter().flatten().flatten() {
+    let mut unasked = Vec::new();
+    for (k, page) in join_all(futs).await.into_iter().enumerate() {
+        let page = match page {
+            Some(Ok(p)) => p,
+            _ => {
+                unasked.push(kids[k].name().to_owned());
+                continue;
+            }
+        };
         for e in page.entries.0 {
             let slot = by.entry((e.path, e.target)).or_default();
             slot.0 = slot.0.max(e.ranges);
@@ -190,7 +217,8 @@ async fn needs(r: &Replicate) -> Vec<Need> {
             slot.2 |= e.flags;
         }
     }
-    by.into_iter()
+    let needs = by
+        .into_iter()
         .filter(|((_, t), _)| (*t as usize) < kids.len())
         .map(|((path, t), (ranges, bytes, flags))| Need {
             set: crate::Layer::name(r).to_owned(),
@@ -203,7 +231,8 @@ async fn needs(r: &Replicate) -> Vec<Need> {
             entry: flags & m::ENTRY != 0,
             metadata: flags & m::META != 0,
         })
-        .collect()
+        .collect();
+    (needs, unasked)
 }
 
 /// Heals every replicate layer of a stack once over; `progress` hears of each file done.
@@ -214,7 +243,7 @@ pub async fn run(top: &LayerRef, progress: &(dyn Fn(&Need, u64) + Sync)) -> Repo
         // Pages: what is healed is cleared, so the next look shows the rest.
         let mut seen = std::collections::HashSet::new();
         loop {
-            let list = needs(r).await;
+            let (list, _) = needs(r).await;
             let fresh: Vec<Need> = list
                 .into_iter()
                 .filter(|n| seen.insert((n.path.clone(), n.target)))

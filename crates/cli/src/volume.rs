@@ -635,6 +635,15 @@ fn status_text(r: &Statuses) -> String {
                 shown(b.pid.map(|p| p.to_string())),
             );
         }
+        for b in &v.bricks {
+            if let Some(s) = b.space.filter(|s| s.full()) {
+                let _ = writeln!(
+                    out,
+                    "Brick {} is FULL: {} bytes free of {} (writes fail with ENOSPC)",
+                    b.brick, s.free, s.size
+                );
+            }
+        }
         if let Some(h) = &v.heal {
             let _ = writeln!(
                 out,

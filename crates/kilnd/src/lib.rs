@@ -316,7 +316,10 @@ fn serve_metrics(addr: &str, server: &Server) -> Result<(), String> {
         return Ok(());
     }
     let stats = server.stats();
-    let extra: kiln_metrics::Extra = Arc::new(move |out: &mut String| stats.render(out));
+    let extra: kiln_metrics::Extra = Arc::new(move |out: &mut String| {
+        stats.render(out);
+        kiln_server::posix::trouble::render(out);
+    });
     let ep = kiln_metrics::serve(addr, "kilnd", Some(extra))
         .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
     say(&format!("kilnd: metrics on http://{}/metrics", ep.addr));

@@ -9,7 +9,7 @@ use crate::def::{check_name, is_local, parse_brick, BrickDef, VolState, VolumeDe
 use crate::manager::{Manager, Procs};
 use crate::request::Request;
 use crate::response::{
-    Ack, BrickStatus, BrickStopped, Changed, Deleted, Infos, Names, Response, Statuses,
+    Ack, BrickStatus, BrickStopped, Changed, Deleted, Infos, Names, Response, Space, Statuses,
     VolfileText, VolumeStatus, VolumeView,
 };
 use crate::store::{hex, random};
@@ -386,7 +386,8 @@ impl Manager {
                     }
                     _ => false,
                 };
-                bricks.push(BrickStatus::of(b, online));
+                let space = if local { Space::of(&b.dir) } else { None };
+                bricks.push(BrickStatus::of(b, online, space));
             }
             vols.push(VolumeStatus {
                 name: def.name.clone(),

@@ -118,11 +118,39 @@ pub struct BrickStatus {
     pub pid: Option<u32>,
     /// Whether it runs and answers now.
     pub online: bool,
+    /// Its file system's size and the bytes free for the brick, when it is on this host.
+    #[serde(default)]
+    pub space: Option<Space>,
+}
+
+/// A brick file system's space.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Space {
+    /// Bytes in all.
+    pub size: u64,
+    /// Bytes free for unprivileged writers (what a brick's clients can still use).
+    pub free: u64,
+}
+
+impl Space {
+    /// Of the file system holding `dir`, if it can be asked.
+    pub fn of(dir: &std::path::Path) -> Option<Space> {
+        let s = rustix::fs::statvfs(dir).ok()?;
+        Some(Space {
+            size: s.f_blocks.saturating_mul(s.f_frsize),
+            free: s.f_bavail.saturating_mul(s.f_frsize),
+        })
+    }
+
+    /// Less than 1% free: writes are failing or about to (ENOSPC).
+    pub fn full(&self) -> bool {
+        self.free < self.size / 100
+    }
 }
 
 impl BrickStatus {
-    /// `b` as `status` shows it.
-    pub fn of(b: &BrickDef, online: bool) -> BrickStatus {
+    /// `b` as `status` shows it (`space` when it is on this host).
+    pub fn of(b: &BrickDef, online: bool, space: Option<Space>) -> BrickStatus {
         BrickStatus {
             brick: b.spec(),
             host: b.host.clone(),
@@ -130,6 +158,7 @@ impl BrickStatus {
             port: b.port,
             pid: b.pid,
             online,
+            space,
         }
     }
 }

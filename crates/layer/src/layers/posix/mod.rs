@@ -19,6 +19,7 @@ use brick::Brick;
 
 pub mod brick;
 mod cred;
+pub mod trouble;
 
 /// Reads at or above this size are handed up as a file region, sent with `sendfile`; smaller
 /// ones are read into a buffer and gathered with their header into one `sendmsg`.
@@ -30,7 +31,29 @@ pub const STORAGE_CALL: &str = "posix: storage call";
 pub const STORAGE_DONE: &str = "posix: storage done";
 
 /// An open file of the brick.
-struct PosixFd(Arc<File>);
+struct PosixFd {
+    file: Arc<File>,
+    /// The path it was opened by, for error reports.
+    path: Arc<str>,
+}
+
+/// What a fop works on, for error reports (resolved only when one is made).
+#[derive(Clone, Copy)]
+enum On<'a> {
+    Path(&'a str),
+    Fd(&'a Fd),
+}
+
+impl On<'_> {
+    fn name(self) -> String {
+        match self {
+            On::Path(p) => p.to_owned(),
+            On::Fd(fd) => fd
+                .get::<PosixFd>()
+                .map_or_else(|_| "(an open file)".to_owned(), |p| p.path.to_string()),
+        }
+    }
+}
 
 /// The posix layer over one brick directory.
 pub struct Posix {
@@ -58,14 +81,20 @@ impl Posix {
 
     /// Runs storage calls now, as the caller (see [`cred`]), stamping a traced request around
     /// them.
-    fn now<'a, T: Send + 'a>(&self, cx: &Ctx, f: impl FnOnce() -> FopResult<T>) -> Fut<'a, T> {
+    /// A full, failing or read-only file system is reported (see [`trouble`]).
+    fn now<'a, T: Send + 'a>(
+        &self,
+        cx: &Ctx,
+        on: On<'_>,
+        f: impl FnOnce() -> FopResult<T>,
+    ) -> Fut<'a, T> {
         let squashed;
         let mut caller = cx.cred.as_deref();
         if self.root_squash && caller.is_some_and(|c| c.uid == 0) {
             squashed = cred::nobody();
             caller = Some(&squashed);
         }
-        now_as(cx, caller, f)
+        now_as(cx, caller, on, f)
     }
 }
 
@@ -73,6 +102,7 @@ impl Posix {
 fn now_as<'a, T: Send + 'a>(
     cx: &Ctx,
     caller: Option<&kiln_proto::Cred>,
+    on: On<'_>,
     f: impl FnOnce() -> FopResult<T>,
 ) -> Fut<'a, T> {
     let f = || {
@@ -88,11 +118,14 @@ fn now_as<'a, T: Send + 'a>(
             r
         }
     };
+    if let Err(e) = &r {
+        trouble::observe(*e, &on.name());
+    }
     Box::pin(std::future::ready(r))
 }
 
 fn file(fd: &Fd) -> FopResult<&Arc<File>> {
-    fd.get::<PosixFd>().map(|p| &p.0)
+    fd.get::<PosixFd>().map(|p| &p.file)
 }
 
 fn io_errno(e: std::io::Error) -> u32 {
@@ -149,25 +182,28 @@ impl Layer for Posix {
     }
 
     fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
-        self.now(cx, || self.brick.lookup(path))
+        self.now(cx, On::Path(path), || self.brick.lookup(path))
     }
 
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
-        self.now(cx, || brick::fstat(file(fd)?))
+        self.now(cx, On::Fd(fd), || brick::fstat(file(fd)?))
     }
 
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        self.now(cx, || self.brick.setattr(path, attrs))
+        self.now(cx, On::Path(path), || self.brick.setattr(path, attrs))
     }
 
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        self.now(cx, || brick::fsetattr(file(fd)?, attrs))
+        self.now(cx, On::Fd(fd), || brick::fsetattr(file(fd)?, attrs))
     }
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
-        self.now(cx, || {
+        self.now(cx, On::Path(path), || {
             let f = self.brick.open_file(path, flags)?;
-            Ok(Fd::new(PosixFd(Arc::new(f))))
+            Ok(Fd::new(PosixFd {
+                file: Arc::new(f),
+                path: path.into(),
+            }))
         })
     }
 
@@ -178,9 +214,13 @@ impl Layer for Posix {
         flags: u32,
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
-        self.now(cx, || {
+        self.now(cx, On::Path(path), || {
             let (f, attr) = self.brick.create(path, flags, mode)?;
-            Ok((Fd::new(PosixFd(Arc::new(f))), attr))
+            let fd = Fd::new(PosixFd {
+                file: Arc::new(f),
+                path: path.into(),
+            });
+            Ok((fd, attr))
         })
     }
 
@@ -189,7 +229,7 @@ impl Layer for Posix {
             Ok(f) => f.clone(),
             Err(e) => return fail(e),
         };
-        self.now(cx, move || match dst {
+        self.now(cx, On::Fd(fd), move || match dst {
             ReadDst::Any(len) if len >= SENDFILE_MIN => {
                 // The reply header announces the length, so clamp to the file's size now; the
                 // data itself moves file → socket with sendfile.
@@ -217,7 +257,7 @@ impl Layer for Posix {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
-        self.now(cx, move || {
+        self.now(cx, On::Fd(fd), move || {
             let f = file(fd)?;
             // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
             let n = unsafe { iov_loop(f, data.iov(), offset, true)? };
@@ -226,7 +266,7 @@ impl Layer for Posix {
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
-        self.now(cx, || brick::fsync(file(fd)?, datasync))
+        self.now(cx, On::Fd(fd), || brick::fsync(file(fd)?, datasync))
     }
 
     fn release<'a>(&'a self, _cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
@@ -237,19 +277,19 @@ impl Layer for Posix {
     }
 
     fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        self.now(cx, || self.brick.unlink(path))
+        self.now(cx, On::Path(path), || self.brick.unlink(path))
     }
 
     fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
-        self.now(cx, || self.brick.mkdir(path, mode))
+        self.now(cx, On::Path(path), || self.brick.mkdir(path, mode))
     }
 
     fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        self.now(cx, || self.brick.rmdir(path))
+        self.now(cx, On::Path(path), || self.brick.rmdir(path))
     }
 
     fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
-        self.now(cx, || self.brick.rename(from, to, flags))
+        self.now(cx, On::Path(from), || self.brick.rename(from, to, flags))
     }
 
     fn readdir<'a>(
@@ -259,31 +299,31 @@ impl Layer for Posix {
         offset: u64,
         max: u32,
     ) -> Fut<'a, ReaddirReply> {
-        self.now(cx, || self.brick.readdir(path, offset, max))
+        self.now(cx, On::Path(path), || self.brick.readdir(path, offset, max))
     }
 
     fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        self.now(cx, || self.brick.symlink(target, path))
+        self.now(cx, On::Path(path), || self.brick.symlink(target, path))
     }
 
     fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
-        self.now(cx, || self.brick.mknod(path, mode, rdev))
+        self.now(cx, On::Path(path), || self.brick.mknod(path, mode, rdev))
     }
 
     fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
-        self.now(cx, || self.brick.readlink(path))
+        self.now(cx, On::Path(path), || self.brick.readlink(path))
     }
 
     fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        self.now(cx, || self.brick.link(existing, path))
+        self.now(cx, On::Path(path), || self.brick.link(existing, path))
     }
 
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
-        self.now(cx, || self.brick.statfs(path))
+        self.now(cx, On::Path(path), || self.brick.statfs(path))
     }
 
     fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
-        self.now(cx, || self.brick.getxattr(path, name))
+        self.now(cx, On::Path(path), || self.brick.getxattr(path, name))
     }
 
     fn setxattr<'a>(
@@ -294,11 +334,15 @@ impl Layer for Posix {
         value: &'a [u8],
         flags: u32,
     ) -> Fut<'a, ()> {
-        self.now(cx, || self.brick.setxattr(path, name, value, flags))
+        self.now(cx, On::Path(path), || {
+            self.brick.setxattr(path, name, value, flags)
+        })
     }
 
     fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, Vec<u8>> {
-        self.now(cx, || self.brick.getxattr(path, LAYOUT_XATTR))
+        self.now(cx, On::Path(path), || {
+            self.brick.getxattr(path, LAYOUT_XATTR)
+        })
     }
 
     fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
@@ -307,15 +351,17 @@ impl Layer for Posix {
             tracing::warn!(path, "refused a malformed directory layout");
             return fail(errno::EINVAL);
         }
-        self.now(cx, || self.brick.setxattr(path, LAYOUT_XATTR, arg, 0))
+        self.now(cx, On::Path(path), || {
+            self.brick.setxattr(path, LAYOUT_XATTR, arg, 0)
+        })
     }
 
     fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {
-        self.now(cx, || self.brick.listxattr(path))
+        self.now(cx, On::Path(path), || self.brick.listxattr(path))
     }
 
     fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
-        self.now(cx, || self.brick.removexattr(path, name))
+        self.now(cx, On::Path(path), || self.brick.removexattr(path, name))
     }
 
     fn fallocate<'a>(
@@ -326,11 +372,13 @@ impl Layer for Posix {
         offset: u64,
         len: u64,
     ) -> Fut<'a, ()> {
-        self.now(cx, || brick::fallocate(file(fd)?, mode, offset, len))
+        self.now(cx, On::Fd(fd), || {
+            brick::fallocate(file(fd)?, mode, offset, len)
+        })
     }
 
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
-        self.now(cx, || brick::discard(file(fd)?, offset, len))
+        self.now(cx, On::Fd(fd), || brick::discard(file(fd)?, offset, len))
     }
 }
 

@@ -21,7 +21,12 @@ struct Model {
     next: u64,
 }
 
+/// Runs `ops` random operations (or `KILN_EXERCISE_OPS`, for long runs by hand).
 fn exercise(mode: Mode, ops: usize, test: &str) {
+    let ops = std::env::var("KILN_EXERCISE_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ops);
     let s = seed(test);
     let mut rng = Rng(s);
     let m = Mounted::new(mode);

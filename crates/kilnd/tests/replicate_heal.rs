@@ -410,6 +410,67 @@ fn heal_copies_only_from_a_replica_that_is_current() {
     }
 }
 
+/// Heal's source dies part way through a copy: heal goes on from the other current replica and
+/// finishes, and the target ends up with every byte. The target brick's writes are slowed
+/// (20 ms per chunk) so that the copy is still running when the source is killed.
+#[test]
+fn heal_switches_source_when_its_source_dies() {
+    const N: usize = 24 << 20;
+    let root = tempfile::tempdir().unwrap();
+    let mut bricks: Vec<Brick> = vec![
+        Brick::new(root.path(), 0),
+        Brick::new(root.path(), 1),
+        Brick::slow(root.path(), 2, Some((20_000, 1.0))),
+    ];
+    let data: Vec<u8> = (0..N).map(|i| (i / 4096) as u8 ^ (i as u8)).collect();
+    {
+        let vol = Volume::from_volfile(&volfile(&bricks)).expect("connect");
+        let (fd, _) = block_on(vol.create("img", libc::O_RDWR | libc::O_CREAT, 0o644)).unwrap();
+        let _ = block_on(vol.close(fd));
+    }
+    // Replicas 0 and 1 have the data; replica 2 missed all of it (as if it had been away).
+    for b in &bricks[..2] {
+        std::fs::write(b.dir.join("img"), &data).unwrap();
+    }
+    let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
+    let rep = heal::replicate_layers(healer.top()).remove(0);
+    for on in [0, 1] {
+        let v = kiln_layer::marks::Mark {
+            target: 2,
+            offset: 0,
+            len: kiln_layer::marks::WHOLE,
+        };
+        block_on(rep.children()[on].mark_add(&Ctx::NONE, "img", &v)).unwrap();
+    }
+    let top = healer.top().clone();
+    let run = std::thread::spawn(move || block_on(heal::run(&top, &|_, _| {})));
+    // The copy has begun (bytes reached replica 2, from replica 0, the first holder): kill
+    // the source.
+    let target = bricks[2].dir.join("img");
+    wait_for("heal to start copying", 60, || {
+        std::fs::metadata(&target)
+            .map(|m| m.len() > 0)
+            .unwrap_or(false)
+    });
+    bricks[0].kill9();
+    let report = run.join().expect("heal thread");
+    eprintln!("{report:?}");
+    assert!(
+        report.errors.is_empty(),
+        "heal gave up: {:?}",
+        report.errors
+    );
+    assert_eq!(report.files, 1, "{report:?}");
+    assert!(
+        std::fs::read(&target).unwrap() == data,
+        "replica 2 has every byte after heal switched source"
+    );
+    assert!(
+        std::fs::metadata(&target).unwrap().len() as usize == N,
+        "and the right size"
+    );
+}
+
 /// 4k random writes to a 1 GiB image keep going with a brick down; heal then moves no more than
 /// twice the bytes written meanwhile.
 #[test]

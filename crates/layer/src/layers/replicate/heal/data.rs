@@ -23,8 +23,18 @@ pub async fn heal_file(r: &Replicate, path: &str, target: usize) -> FopResult<u6
         heal_flags(kids, &up, path, target, m::ENTRY).await?;
     }
     let moved = heal_data(kids, &up, path, target).await?;
+    // A source lost during the copy is left out of the attributes' heal too.
+    let up: Vec<usize> = up.into_iter().filter(|i| kids[*i].up()).collect();
     heal_flags(kids, &up, path, target, m::META).await?;
     Ok(moved)
+}
+
+/// Leaves out of `up` the replicas (never the target) that went down; true when it left one
+/// out and another replica remains to copy from.
+fn lose_gone(kids: &[LayerRef], up: &mut Vec<usize>, target: usize) -> bool {
+    let before = up.len();
+    up.retain(|i| *i == target || kids[*i].up());
+    up.len() < before && up.contains(&target) && up.len() >= 2
 }
 
 /// Brings the bytes of `path` on replica `target` up to date; returns the bytes copied.
@@ -93,24 +103,58 @@ pub(super) async fn heal_data(
     let tfd = kids[target]
         .heal_open(cx, path, libc::O_WRONLY as u32)
         .await?;
-    let mut h = Healing {
-        kids,
-        up: &up,
-        others: &others,
-        target,
-        path,
-        tfd: &tfd,
-        sfds: vec![None; kids.len()],
-        buf: vec![0u8; CHUNK as usize],
-    };
-    let r = h.passes(first).await;
-    for (i, fd) in h.sfds.into_iter().enumerate() {
-        if let Some(fd) = fd {
-            let _ = kids[i].release(cx, fd).await;
-        }
-    }
+    let r = copy_all(kids, up, path, target, first, &tfd).await;
     let _ = kids[target].release(cx, tfd).await;
     r
+}
+
+/// The copy itself, in heal passes through the target's heal handle `tfd`. A source that
+/// fails mid-copy (its brick died) is left out and the copy goes on from another replica that
+/// is current; bytes already copied stay copied (their marks were cleared chunk by chunk).
+async fn copy_all(
+    kids: &[LayerRef],
+    mut up: Vec<usize>,
+    path: &str,
+    target: usize,
+    mut first: View,
+    tfd: &Fd,
+) -> FopResult<u64> {
+    let cx = &Ctx::NONE;
+    let mut moved = 0u64;
+    loop {
+        let others: Vec<usize> = up.iter().copied().filter(|i| *i != target).collect();
+        let mut h = Healing {
+            kids,
+            up: &up,
+            others: &others,
+            target,
+            path,
+            tfd,
+            sfds: vec![None; kids.len()],
+            buf: vec![0u8; CHUNK as usize],
+            moved: 0,
+        };
+        let r = h.passes(first).await;
+        moved += h.moved;
+        for (i, fd) in h.sfds.into_iter().enumerate() {
+            if let Some(fd) = fd {
+                let _ = kids[i].release(cx, fd).await;
+            }
+        }
+        match r {
+            Err(e) if lose_gone(kids, &mut up, target) => {
+                tracing::info!(
+                    path,
+                    target,
+                    "a replica heal was copying from went away (errno {e}); going on from \
+                     another"
+                );
+                first = View::read(kids, &up, path, target).await?;
+            }
+            Ok(_) => return Ok(moved),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// One file being healed on one target.
@@ -126,6 +170,8 @@ pub(super) struct Healing<'a> {
     /// Sources' handles, opened on first use.
     sfds: Vec<Option<Fd>>,
     buf: Vec<u8>,
+    /// Bytes copied so far (kept when a pass fails part way).
+    moved: u64,
 }
 
 impl Healing<'_> {
@@ -222,6 +268,7 @@ impl Healing<'_> {
                     };
                     let (got, last) = self.chunk(src, gens, pos, n, whole).await?;
                     moved += got;
+                    self.moved += got;
                     if last {
                         break;
                     }

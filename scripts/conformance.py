@@ -17,7 +17,10 @@ JSON summary line.
 
 Usage: scripts/conformance.py [--setup NAME]... [--keep] [PATTERN...]
   PATTERN  pjdfstest test-name patterns (e.g. chmod), default all.
-Needs root, /dev/fuse, apt-get (for libacl1-dev) and cargo.
+Needs root, /dev/fuse, apt-get and cargo. Installs what is missing: libacl1-dev, acl and
+rsync (apt), pjdfstest (cargo install, into target/tools or KILN_TOOLS_DIR), the suite's
+second dummy user `tests`, and scripts/mount.fuse.kiln as /usr/sbin/mount.fuse.kiln (so that
+`mount -o remount,ro` of a Kiln mount works).
 """
 import argparse
 import collections

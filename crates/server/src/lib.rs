@@ -151,12 +151,14 @@ impl Server {
     pub async fn run(self) {
         let mut tasks = tokio::task::JoinSet::new();
         let shared = Arc::new(Shared {
-            stack: self.stack.clone(),
-            stats: self.stats.clone(),
-            clients: self.clients.clone(),
-            limits: self.limits,
-            secret: self.secret.clone(),
-            mgmt: self.mgmt.clone(),
+            served: conn::Served {
+                stack: self.stack.clone(),
+                stats: self.stats.clone(),
+                clients: self.clients.clone(),
+                limits: self.limits,
+                secret: self.secret.clone(),
+                mgmt: self.mgmt.clone(),
+            },
             door: door::Door::new(self.limits, self.stats.clone()),
         });
         let allow = Arc::new(self.allow);
@@ -169,7 +171,7 @@ impl Server {
                     match l.accept().await {
                         Ok((s, peer)) => {
                             if !access::allowed(&allow, peer.ip()) {
-                                shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                                shared.served.stats.refused.fetch_add(1, Ordering::Relaxed);
                                 tokio::spawn(access::refuse(s, peer));
                                 continue;
                             }
@@ -356,12 +358,8 @@ pub fn spawn_background(dir: &Path, listen: &[Listen]) -> std::io::Result<Backgr
 
 /// What every connection task of one server shares.
 struct Shared {
-    stack: LayerRef,
-    stats: Arc<Stats>,
-    clients: conn::ClientBook,
-    limits: Limits,
-    secret: Option<Arc<[u8]>>,
-    mgmt: Option<control::Handler>,
+    /// What each connection is served with.
+    served: conn::Served,
     /// Who may hold a connection (strangers and clients, counted apart).
     door: Arc<door::Door>,
 }
@@ -372,21 +370,8 @@ fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, from: door::Address, peer: Stri
 }
 
 fn spawn_serve(sock: conn::Sock, shared: &Arc<Shared>, ticket: door::Ticket, peer: String) {
-    let (stack, stats, limits) = (shared.stack.clone(), shared.stats.clone(), shared.limits);
-    let (secret, clients) = (shared.secret.clone(), shared.clients.clone());
-    let mgmt = shared.mgmt.clone();
-    tokio::spawn(async move {
-        let parts = conn::Parts {
-            stack,
-            stats,
-            clients,
-            limits,
-            secret,
-            mgmt,
-            ticket,
-        };
-        conn::serve(sock, parts, peer).await;
-    });
+    let served = shared.served.clone();
+    tokio::spawn(conn::serve(sock, served, ticket, peer));
 }
 
 /// A TCP client on a TLS listener: a plaintext one is answered with a clear refusal; a TLS
@@ -403,7 +388,7 @@ async fn accept_tls(
     match peeked.await {
         Ok(Ok(1)) if first[0] == kiln_tls::HANDSHAKE_RECORD => {}
         Ok(Ok(1)) => {
-            shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+            shared.served.stats.refused.fetch_add(1, Ordering::Relaxed);
             return access::refuse_plaintext(s, peer).await;
         }
         _ => return, // closed, failed or silent before saying anything
@@ -421,7 +406,7 @@ async fn accept_tls(
             // not hold this thread longer.
             let timed = tcp.try_clone().ok();
             if let Some(t) = &timed {
-                let _ = t.set_read_timeout(Some(shared.limits.handshake_timeout));
+                let _ = t.set_read_timeout(Some(shared.served.limits.handshake_timeout));
             }
             match kiln_tls::accept_split(tcp, tls) {
                 Ok(split) => {
@@ -437,7 +422,7 @@ async fn accept_tls(
                     );
                 }
                 Err(e) => {
-                    shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    shared.served.stats.refused.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(%peer, "refused a TLS client: {e}");
                 }
             }

@@ -294,8 +294,9 @@ fn register(sock: OwnedFd, peer: &str) -> Option<AsyncFd<OwnedFd>> {
     }
 }
 
-/// What a connection is served with.
-pub struct Parts {
+/// What every connection of a server is served with (cloned per connection).
+#[derive(Clone)]
+pub struct Served {
     /// The brick's stack.
     pub stack: LayerRef,
     /// The server's counters.
@@ -308,21 +309,19 @@ pub struct Parts {
     pub secret: Option<Arc<[u8]>>,
     /// The management handler, on a kilnd that manages volumes.
     pub mgmt: Option<crate::control::Handler>,
-    /// This connection's place at the door.
-    pub ticket: crate::door::Ticket,
 }
 
-/// Serves one connection until the peer closes it or breaks the protocol.
-pub async fn serve(sock: Sock, parts: Parts, peer: String) {
-    let Parts {
+/// Serves one connection, holding `ticket` (its place at the door), until the peer closes it
+/// or breaks the protocol.
+pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer: String) {
+    let Served {
         stack,
         stats,
         clients,
         limits,
         secret,
         mgmt,
-        ticket,
-    } = parts;
+    } = served;
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let (recv, send) = match sock {
         Sock::Plain(s) => (s, None),

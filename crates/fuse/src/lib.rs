@@ -324,21 +324,24 @@ impl fuser::Filesystem for KilnFs {
                 Ok(f) => block_on(self.caller(req).fstat(&f)),
                 Err(e) => return reply.error(e),
             },
-            _ => match (self.path(ino), self.any_open(ino.0)) {
-                (Ok(p), None) => block_on(self.caller(req).lookup(&p)),
-                // Open and all its names gone (or renamed by another client): the open file.
-                (Err(_), Some(f)) => block_on(self.caller(req).fstat(&f)),
-                (Ok(p), Some(f)) => match block_on(self.caller(req).lookup(&p)) {
-                    Ok(a) if self.table().fuse_ino(a.ino) == ino.0 => Ok(a),
-                    // The name is gone or names another file now.
-                    Ok(_) => block_on(self.caller(req).fstat(&f)),
-                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                        block_on(self.caller(req).fstat(&f))
-                    }
-                    Err(e) => Err(e),
-                },
-                (Err(e), None) => return reply.error(e),
-            },
+            // By path; the open file only when no name leads to it any more (all its names
+            // gone, or the name now another file's): the list of open files is not walked
+            // on every stat.
+            _ => {
+                let by_path = self
+                    .path(ino)
+                    .map(|p| block_on(self.caller(req).lookup(&p)));
+                let gone = match &by_path {
+                    Ok(Ok(a)) => self.table().fuse_ino(a.ino) != ino.0,
+                    Ok(Err(e)) => e.raw_os_error() == Some(libc::ENOENT),
+                    Err(_) => true,
+                };
+                match (by_path, gone.then(|| self.any_open(ino.0)).flatten()) {
+                    (_, Some(f)) => block_on(self.caller(req).fstat(&f)),
+                    (Ok(r), None) => r,
+                    (Err(e), None) => return reply.error(e),
+                }
+            }
         };
         match r {
             Ok(a) => reply.attr(&self.ttl, &self.fattr(&a)),

@@ -357,11 +357,7 @@ impl Brick {
     fn xattr_on(&self, path: &str) -> FopResult<XattrOn> {
         let fd = self.open_beneath(path, OFlags::PATH | OFlags::NOFOLLOW, 0)?;
         let st = rfs::fstat(&fd).map_err(err)?;
-        let read = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW;
         Ok(match rfs::FileType::from_raw_mode(st.st_mode) {
-            rfs::FileType::RegularFile | rfs::FileType::Directory => {
-                XattrOn::Fd(self.open_beneath(path, read, 0)?)
-            }
             rfs::FileType::Symlink => XattrOn::Symlink,
             _ => XattrOn::Node(fd),
         })
@@ -371,7 +367,6 @@ impl Brick {
     pub fn getxattr(&self, path: &str, name: &str) -> FopResult<Vec<u8>> {
         let mut buf = vec![0u8; kiln_proto::codec::MAX_BYTES_LEN];
         let n = match self.xattr_on(path)? {
-            XattrOn::Fd(fd) => rfs::fgetxattr(&fd, name, &mut buf[..]),
             XattrOn::Node(fd) => rfs::getxattr(proc_fd(&fd), name, &mut buf[..]),
             XattrOn::Symlink => return Err(errno::ENODATA),
         }
@@ -384,7 +379,6 @@ impl Brick {
     pub fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: u32) -> FopResult<()> {
         let flags = rfs::XattrFlags::from_bits(flags).ok_or(errno::EINVAL)?;
         match self.xattr_on(path)? {
-            XattrOn::Fd(fd) => rfs::fsetxattr(&fd, name, value, flags),
             XattrOn::Node(fd) => rfs::setxattr(proc_fd(&fd), name, value, flags),
             XattrOn::Symlink => return Err(errno::EPERM),
         }
@@ -395,7 +389,6 @@ impl Brick {
     pub fn listxattr(&self, path: &str) -> FopResult<Vec<String>> {
         let mut buf = vec![0u8; kiln_proto::codec::MAX_BYTES_LEN];
         let n = match self.xattr_on(path)? {
-            XattrOn::Fd(fd) => rfs::flistxattr(&fd, &mut buf[..]),
             XattrOn::Node(fd) => rfs::listxattr(proc_fd(&fd), &mut buf[..]),
             XattrOn::Symlink => return Ok(Vec::new()),
         }
@@ -410,7 +403,6 @@ impl Brick {
     /// Removes an extended attribute.
     pub fn removexattr(&self, path: &str, name: &str) -> FopResult<()> {
         match self.xattr_on(path)? {
-            XattrOn::Fd(fd) => rfs::fremovexattr(&fd, name),
             XattrOn::Node(fd) => rfs::removexattr(proc_fd(&fd), name),
             XattrOn::Symlink => return Err(errno::EPERM),
         }
@@ -418,14 +410,13 @@ impl Brick {
     }
 }
 
-/// Where a path's extended attributes are read and written. Files and directories: a
-/// descriptor opened for reading. FIFOs, sockets and device nodes must not be opened (a FIFO
-/// waits for a writer, a socket refuses, a device would be opened): their inode is named
-/// through `/proc/self/fd` of an `O_PATH` descriptor resolved beneath the brick, which leads to
-/// that inode and nowhere else. Symlinks hold no attribute a client may use (Linux refuses
-/// `user.*` on them; `trusted.*` and `security.*` are reserved).
+/// Where a path's extended attributes are read and written: the inode behind an `O_PATH`
+/// descriptor resolved beneath the brick, named through `/proc/self/fd`, which leads to that
+/// inode and nowhere else. Nothing is opened for real (a FIFO would wait for a writer, a
+/// socket refuses, a device would be opened), and one resolution of the path serves. Symlinks
+/// hold no attribute a client may use (Linux refuses `user.*` on them; `trusted.*` and
+/// `security.*` are reserved).
 enum XattrOn {
-    Fd(OwnedFd),
     Node(OwnedFd),
     Symlink,
 }

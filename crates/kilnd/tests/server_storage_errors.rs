@@ -17,6 +17,19 @@ impl Drop for Tmpfs {
     }
 }
 
+/// A brick directory in `dir` on a 1 MiB tmpfs (unmounted when the guard drops).
+fn tiny_brick(dir: &std::path::Path) -> (std::path::PathBuf, Tmpfs) {
+    let brick = dir.join("brick");
+    std::fs::create_dir(&brick).expect("brick dir");
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&brick)
+        .status()
+        .expect("mount");
+    assert!(st.success(), "mounting a tmpfs for the brick (needs root)");
+    (brick.clone(), Tmpfs(brick))
+}
+
 fn metrics(addr: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
     write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").expect("request");
@@ -28,15 +41,7 @@ fn metrics(addr: &str) -> String {
 #[test]
 fn a_full_brick_logs_once_per_file_and_counts_every_error() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let brick = dir.path().join("brick");
-    std::fs::create_dir(&brick).expect("brick dir");
-    let st = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
-        .arg(&brick)
-        .status()
-        .expect("mount");
-    assert!(st.success(), "mounting a tmpfs for the brick (needs root)");
-    let _fs = Tmpfs(brick.clone());
+    let (brick, _fs) = tiny_brick(dir.path());
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
@@ -88,15 +93,7 @@ fn a_full_brick_logs_once_per_file_and_counts_every_error() {
 fn volume_status_shows_a_full_brick() {
     use std::io::BufRead;
     let dir = tempfile::tempdir().expect("tempdir");
-    let brick = dir.path().join("brick");
-    std::fs::create_dir(&brick).expect("brick dir");
-    let st = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
-        .arg(&brick)
-        .status()
-        .expect("mount");
-    assert!(st.success(), "mounting a tmpfs for the brick (needs root)");
-    let _fs = Tmpfs(brick.clone());
+    let (brick, _fs) = tiny_brick(dir.path());
     let state = dir.path().join("state");
     let mut kd = Command::new(env!("CARGO_BIN_EXE_kilnd"))
         .arg("--state-dir")

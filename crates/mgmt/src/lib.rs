@@ -103,7 +103,8 @@ mod tests {
         }
     }
 
-    fn def(replica: usize, n: usize) -> VolumeDef {
+    /// A started volume of `n` local bricks in sets of `replica` (for this crate's tests).
+    pub(crate) fn def(replica: usize, n: usize) -> VolumeDef {
         VolumeDef {
             name: "v".into(),
             id: "0".into(),

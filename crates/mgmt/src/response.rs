@@ -322,24 +322,7 @@ mod tests {
     use super::*;
 
     fn def() -> VolumeDef {
-        VolumeDef {
-            name: "v".into(),
-            id: "7".into(),
-            replica: 3,
-            bricks: (0..3)
-                .map(|i| BrickDef {
-                    host: "127.0.0.1".into(),
-                    mgmt_port: None,
-                    dir: format!("/b{i}").into(),
-                    port: Some(24100 + i as u16),
-                    pid: None,
-                })
-                .collect(),
-            state: VolState::Started,
-            authority: None,
-            allow: Vec::new(),
-            root_squash: false,
-        }
+        crate::tests::def(3, 3)
     }
 
     #[test]

@@ -20,6 +20,9 @@ use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kiln_layer::timer::within;
 
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::iov::RawIov;
@@ -32,6 +35,9 @@ use crate::conn::{Callback, Completion, Conn, ConnStats, Done, Errno, ReplyData,
 /// stays open on the server until the connection ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fh(pub u64);
+
+/// How long connecting waits for a brick's HELLO and AUTH answers.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Converts a wire errno into an `io::Error`.
 pub fn errno_error(e: Errno) -> io::Error {
@@ -177,65 +183,20 @@ impl Client {
         secret: Option<&[u8]>,
         tls: Option<Arc<kiln_tls::ClientConfig>>,
     ) -> io::Result<Client> {
-        let mut split_conn = None;
-        let sock: Option<OwnedFd> = if let Some(path) = addr.strip_prefix("unix:") {
-            let s: OwnedFd = std::os::unix::net::UnixStream::connect(path)
-                .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")))?
-                .into();
-            // A Unix socket's only buffer is the sender's; the default (~208 KiB) is smaller
-            // than two 128 KiB writes, which throttles pipelined writes (see the server's
-            // UNIX_SNDBUF, measured for reads).
-            use rustix::net::sockopt;
-            if sockopt::set_socket_send_buffer_size_force(&s, 4 << 20).is_err() {
-                let _ = sockopt::set_socket_send_buffer_size(&s, 4 << 20);
-            }
-            Some(s)
-        } else {
-            let a = addr.strip_prefix("tcp:").unwrap_or(addr);
-            let mut last = io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("no address for {addr}"),
-            );
-            let mut found = None;
-            for sa in a.to_socket_addrs().map_err(|e| {
-                io::Error::new(e.kind(), format!("bad server address {addr:?}: {e}"))
-            })? {
-                match std::net::TcpStream::connect(sa) {
-                    Ok(s) => {
-                        found = Some(s);
-                        break;
-                    }
-                    Err(e) => {
-                        last = io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}"))
-                    }
-                }
-            }
-            let s = found.ok_or(last)?;
-            s.set_nodelay(true)?;
-            match &tls {
-                Some(cfg) => {
-                    let split = kiln_tls::connect_split(s, cfg.clone(), kiln_tls::server_name(a)?)
-                        .map_err(|e| io::Error::new(e.kind(), format!("{addr}: {e}")))?;
-                    split_conn = Some(Conn::start_tls(split)?);
-                    None
-                }
-                None => Some(s.into()),
-            }
-        };
+        let conn = open_conn(addr, tls.as_ref())?;
         let tls_on = tls.is_some() && !addr.starts_with("unix:");
-        let conn = match (sock, split_conn) {
-            (Some(sock), _) => Conn::start(sock)?,
-            (None, Some(conn)) => conn,
-            (None, None) => unreachable!("a TLS connection starts its own Conn"),
-        };
         let client = Client {
             conn,
             server: addr.to_owned(),
             secret: secret.map(<[u8]>::to_vec),
             tls,
         };
-        let hello: HelloReply = crate::block_on(
-            client.call(
+        // A brick that takes the connection but never answers (stopping, or stuck) must not
+        // hold the caller — a reconnect thread, with fops waiting on it — for good.
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let hello = crate::block_on(within(
+            deadline,
+            client.call::<HelloReply>(
                 Op::Hello,
                 &HelloReq {
                     version: kiln_proto::frame::VERSION as u32,
@@ -245,7 +206,8 @@ impl Client {
                         .unwrap_or_default(),
                 },
             ),
-        )
+        ))
+        .unwrap_or_else(|| client.handshake_timed_out(addr))
         .map_err(|e| {
             if e.raw_os_error() == Some(errno::EACCES as i32) {
                 io::Error::new(
@@ -281,9 +243,22 @@ impl Client {
                     format!("{addr} requires a secret: point KILN_SECRET_FILE at the brick's secret file"),
                 ));
             };
-            crate::block_on(client.authenticate(addr, secret, &hello.nonce))?;
+            crate::block_on(within(
+                deadline,
+                client.authenticate(addr, secret, &hello.nonce),
+            ))
+            .unwrap_or_else(|| client.handshake_timed_out(addr))?;
         }
         Ok(client)
+    }
+
+    /// Gives up on a handshake that did not finish in [`HANDSHAKE_TIMEOUT`].
+    fn handshake_timed_out<T>(&self, addr: &str) -> io::Result<T> {
+        self.conn.shutdown();
+        Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{addr} did not answer the handshake within {HANDSHAKE_TIMEOUT:?}"),
+        ))
     }
 
     async fn authenticate(&self, addr: &str, secret: &[u8], server_nonce: &[u8]) -> io::Result<()> {
@@ -391,7 +366,7 @@ impl Client {
                 None,
             )
         }
-        .map_err(errno_error)?;
+        .map_err(|r| errno_error(r.errno))?;
         SlotWait(slot).await.result.map_err(errno_error)
     }
 
@@ -430,7 +405,7 @@ impl Client {
                 None,
             )
         }
-        .map_err(errno_error)?;
+        .map_err(|r| errno_error(r.errno))?;
         let n = slot.wait().result.map_err(errno_error)?.payload_len;
         serde_json::from_slice(&buf[..n]).map_err(|e| {
             io::Error::new(
@@ -583,7 +558,7 @@ impl Client {
             )
         };
         if let Err(e) = submitted {
-            return (Err(errno_error(e)), Vec::new());
+            return (Err(errno_error(e.errno)), Vec::new());
         }
         let c = SlotWait(slot).await;
         let bufs = *c
@@ -621,7 +596,7 @@ impl Client {
             )
         };
         if let Err(e) = submitted {
-            return (Err(errno_error(e)), Vec::new());
+            return (Err(errno_error(e.errno)), Vec::new());
         }
         let c = SlotWait(slot).await;
         let bufs = *c
@@ -662,7 +637,7 @@ impl Client {
                 None,
             )
         }
-        .map_err(errno_error)?;
+        .map_err(|r| errno_error(r.errno))?;
         slot.wait()
             .result
             .map(|r| r.payload_len)
@@ -688,7 +663,7 @@ impl Client {
                 None,
             )
         }
-        .map_err(errno_error)?;
+        .map_err(|r| errno_error(r.errno))?;
         slot.wait()
             .result
             .and_then(write_count)
@@ -729,6 +704,7 @@ impl Client {
             )
         }
         .map(|_| ())
+        .map_err(|r| r.errno)
     }
 
     /// Writes from raw vectors; `cb` gets the byte count or the errno, on the receive thread.
@@ -760,6 +736,7 @@ impl Client {
             )
         }
         .map(|_| ())
+        .map_err(|r| r.errno)
     }
 
     /// Flushes a file; `cb` runs on the receive thread.
@@ -785,6 +762,7 @@ impl Client {
             )
         }
         .map(|_| ())
+        .map_err(|r| r.errno)
     }
 }
 
@@ -804,3 +782,57 @@ fn write_count(r: ReplyData) -> Result<usize, Errno> {
 
 /// Keeps `Seq` in this module's public vocabulary for callers building requests by hand.
 pub type Entries = Seq<DirEntry>;
+
+/// Opens the socket to `addr` (Unix, or TCP with TLS when `tls` is given) and starts its
+/// connection; no handshake yet.
+fn open_conn(addr: &str, tls: Option<&Arc<kiln_tls::ClientConfig>>) -> io::Result<Arc<Conn>> {
+    let mut split_conn = None;
+    let sock: Option<OwnedFd> = if let Some(path) = addr.strip_prefix("unix:") {
+        let s: OwnedFd = std::os::unix::net::UnixStream::connect(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")))?
+            .into();
+        // A Unix socket's only buffer is the sender's; the default (~208 KiB) is smaller
+        // than two 128 KiB writes, which throttles pipelined writes (see the server's
+        // UNIX_SNDBUF, measured for reads).
+        use rustix::net::sockopt;
+        if sockopt::set_socket_send_buffer_size_force(&s, 4 << 20).is_err() {
+            let _ = sockopt::set_socket_send_buffer_size(&s, 4 << 20);
+        }
+        Some(s)
+    } else {
+        let a = addr.strip_prefix("tcp:").unwrap_or(addr);
+        let mut last = io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("no address for {addr}"),
+        );
+        let mut found = None;
+        for sa in a
+            .to_socket_addrs()
+            .map_err(|e| io::Error::new(e.kind(), format!("bad server address {addr:?}: {e}")))?
+        {
+            match std::net::TcpStream::connect(sa) {
+                Ok(s) => {
+                    found = Some(s);
+                    break;
+                }
+                Err(e) => last = io::Error::new(e.kind(), format!("cannot connect to {addr}: {e}")),
+            }
+        }
+        let s = found.ok_or(last)?;
+        s.set_nodelay(true)?;
+        match tls {
+            Some(cfg) => {
+                let split = kiln_tls::connect_split(s, cfg.clone(), kiln_tls::server_name(a)?)
+                    .map_err(|e| io::Error::new(e.kind(), format!("{addr}: {e}")))?;
+                split_conn = Some(Conn::start_tls(split)?);
+                None
+            }
+            None => Some(s.into()),
+        }
+    };
+    match (sock, split_conn) {
+        (Some(sock), _) => Conn::start(sock),
+        (None, Some(conn)) => Ok(conn),
+        (None, None) => unreachable!("a TLS connection starts its own Conn"),
+    }
+}

@@ -27,8 +27,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::task::{Poll, Waker};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_layer::trace::{Trace, REPLY_HEADER, SENT};
 use kiln_proto::codec::Wire;
@@ -36,102 +35,15 @@ use kiln_proto::frame::{Header, HEADER_LEN, KIND_REPLY};
 use kiln_proto::iov::{IovCursor, RawIov, IOV_MAX};
 use kiln_proto::{errno, Op};
 
+mod completion;
 mod metrics;
+
+use completion::deliver;
+pub use completion::{Callback, Completion, Done, Lost, Refused, ReplyData, Slot};
 
 pub use metrics::render_metrics;
 
 pub use kiln_proto::Errno;
-
-/// A successful reply: its encoded arguments and how many payload bytes landed in the sink.
-#[derive(Debug, Default)]
-pub struct ReplyData {
-    /// The reply's encoded arguments.
-    pub args: Vec<u8>,
-    /// Payload bytes written into the request's sink vectors.
-    pub payload_len: usize,
-}
-
-/// What a request completes with. `keep` returns whatever the submitter asked the connection to
-/// hold until completion (owned buffers).
-pub struct Completion {
-    /// The reply, or the errno it failed with.
-    pub result: Result<ReplyData, Errno>,
-    /// The object given to [`Conn::submit`] as `keep`.
-    pub keep: Option<Box<dyn Any + Send>>,
-}
-
-/// A callback run on the receive thread when a request completes. It must not block for long:
-/// every other reply on the connection waits behind it.
-pub type Callback = Box<dyn FnOnce(Completion) + Send>;
-
-/// Where a completion goes.
-pub enum Done {
-    /// Stored in a slot that a thread or future waits on.
-    Slot(Arc<Slot>),
-    /// Handed to a callback on the receive thread.
-    Callback(Callback),
-}
-
-/// A single-use completion cell for a waiting thread or future.
-#[derive(Default)]
-pub struct Slot {
-    state: Mutex<SlotState>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct SlotState {
-    done: Option<Completion>,
-    waker: Option<Waker>,
-    /// A thread is blocked in [`Slot::wait`]: only then is the condition variable signalled
-    /// (signalling it is a futex system call even with nobody waiting, on every request a
-    /// future waits for).
-    blocked: bool,
-}
-
-impl Slot {
-    fn complete(&self, c: Completion) {
-        let (waker, blocked) = {
-            let mut s = lock(&self.state);
-            s.done = Some(c);
-            (s.waker.take(), s.blocked)
-        };
-        if blocked {
-            self.cv.notify_all();
-        }
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-
-    /// Blocks the calling thread until the completion arrives.
-    pub fn wait(&self) -> Completion {
-        let mut s = lock(&self.state);
-        loop {
-            if let Some(c) = s.done.take() {
-                return c;
-            }
-            // Set under the lock that `complete` takes before it reads it: a completion after
-            // this point sees it and signals.
-            s.blocked = true;
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    /// Polls for the completion from a future.
-    pub fn poll(&self, waker: &Waker) -> Poll<Completion> {
-        let mut s = lock(&self.state);
-        match s.done.take() {
-            Some(c) => Poll::Ready(c),
-            None => {
-                if !s.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
-                    s.waker = Some(waker.clone());
-                }
-                Poll::Pending
-            }
-        }
-    }
-}
 
 /// Counters of one connection. Relaxed: independent event counts, read only for display.
 #[derive(Debug, Default)]
@@ -309,7 +221,8 @@ impl Conn {
     ///
     /// # Safety
     /// Every vector in `payload` and `sink` must stay valid (and `sink` unaliased) until `done`
-    /// has been delivered. Errors before anything was queued are returned, not delivered.
+    /// has been delivered. A request not queued (too big, or the connection is dead) is returned
+    /// as [`Refused`] with its `keep`, not delivered.
     // Each argument is a distinct part of the request; a struct would only rename them.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn submit(
@@ -322,13 +235,15 @@ impl Conn {
         keep: Option<Box<dyn Any + Send>>,
         done: Done,
         trace: Option<Arc<Trace>>,
-    ) -> Result<u64, Errno> {
-        if args.len() > kiln_proto::MAX_ARGS_LEN as usize {
-            return Err(errno::EMSGSIZE);
-        }
+    ) -> Result<u64, Refused> {
         let payload_len: usize = payload.iter().map(|v| v.len).sum();
-        if payload_len > kiln_proto::MAX_PAYLOAD_LEN as usize {
-            return Err(errno::EMSGSIZE);
+        if args.len() > kiln_proto::MAX_ARGS_LEN as usize
+            || payload_len > kiln_proto::MAX_PAYLOAD_LEN as usize
+        {
+            return Err(Refused {
+                errno: errno::EMSGSIZE,
+                keep,
+            });
         }
         let id = self.next_id.fetch_add(1, Relaxed);
         let mut hdr = Header::request(op as u16, id, args.len() as u32, payload_len as u32);
@@ -355,7 +270,7 @@ impl Conn {
         {
             let mut t = lock(&self.table);
             if let Some(e) = t.dead {
-                return Err(e);
+                return Err(Refused { errno: e, keep });
             }
             t.pending.insert(
                 id,
@@ -499,11 +414,13 @@ impl Conn {
             std::mem::take(&mut t.pending)
         };
         for p in receiving.into_iter().chain(drained.into_values()) {
+            let lost = if p.sent { Lost::InDoubt } else { Lost::Unsent };
             deliver(
                 p.done,
                 Completion {
                     result: Err(why),
                     keep: p.keep,
+                    lost: Some(lost),
                 },
             );
         }
@@ -842,15 +759,9 @@ impl Conn {
             Completion {
                 result,
                 keep: p.keep,
+                lost: None,
             },
         );
-    }
-}
-
-fn deliver(done: Done, c: Completion) {
-    match done {
-        Done::Slot(s) => s.complete(c),
-        Done::Callback(cb) => cb(c),
     }
 }
 

@@ -155,6 +155,7 @@ impl BenchArgs {
                 "brick".into(),
                 LayerKind::ProtocolClient {
                     remote: addr.into(),
+                    timeout: None,
                 },
             )]);
         }
@@ -168,6 +169,7 @@ impl BenchArgs {
                 "brick".into(),
                 LayerKind::ProtocolClient {
                     remote: addr.into(),
+                    timeout: None,
                 },
             ),
         ])
@@ -494,17 +496,29 @@ fn replica_volfile(addrs: &[String]) -> Volfile {
         LayerDef {
             name: "replicate".into(),
             subvolumes: (0..addrs.len()).map(|i| format!("brick{i}")).collect(),
-            kind: LayerKind::Replicate { quorum: None },
+            kind: LayerKind::Replicate {
+                quorum: None,
+                timeout: None,
+            },
         },
     ];
     for (i, a) in addrs.iter().enumerate() {
         layers.push(LayerDef {
             name: format!("brick{i}"),
             subvolumes: Vec::new(),
-            kind: LayerKind::ProtocolClient { remote: a.clone() },
+            kind: LayerKind::ProtocolClient {
+                remote: a.clone(),
+                timeout: None,
+            },
         });
     }
     Volfile { layers }
+}
+
+/// Requests per `sendmsg` on a connection.
+fn frames_per_send(c: &kiln_client::Client) -> f64 {
+    let s = c.stats();
+    s.requests.load(Ordering::Relaxed) as f64 / s.send_calls.load(Ordering::Relaxed).max(1) as f64
 }
 
 /// Runs the timed phase over the client stack `volfile`; `server_pids` are the bricks whose
@@ -630,16 +644,14 @@ pub fn run_volfile(
     for j in &jobs {
         let _ = lat_ns.add(&*j.hist.lock().expect("hist lock"));
     }
-    let s = jobs[0].vol.clients()[0].stats();
-    let frames_per_send = s.requests.load(Ordering::Relaxed) as f64
-        / s.send_calls.load(Ordering::Relaxed).max(1) as f64;
+    let frames_per_send = frames_per_send(&jobs[0].vol.clients()[0]);
     let result = BenchResult {
         bytes: jobs.iter().map(|j| j.bytes.load(Ordering::Relaxed)).sum(),
         ios: jobs.iter().map(|j| j.ios.load(Ordering::Relaxed)).sum(),
         errors: jobs.iter().map(|j| j.errors.load(Ordering::Relaxed)).sum(),
         bytes_copied: jobs
             .iter()
-            .flat_map(|j| j.vol.clients().iter())
+            .flat_map(|j| j.vol.clients())
             .map(|c| c.stats().bytes_copied.load(Ordering::Relaxed))
             .sum(),
         runtime_s,

@@ -148,7 +148,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     assert_eq!(vf.layers[1].subvolumes.len(), 3);
     for (l, port) in vf.layers[2..].iter().zip(&ports) {
         match &l.kind {
-            LayerKind::ProtocolClient { remote } => {
+            LayerKind::ProtocolClient { remote, .. } => {
                 // Local bricks: their Unix socket first, then TCP.
                 let (sock, tcp) = remote.split_once(',').expect("two addresses");
                 assert!(

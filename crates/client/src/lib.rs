@@ -20,6 +20,7 @@ pub mod client;
 pub mod conn;
 pub mod mgmt;
 pub mod protocol;
+pub mod replay;
 pub mod volume;
 
 pub use client::{errno_error, wire_path, Client, Fh};

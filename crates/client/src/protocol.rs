@@ -7,14 +7,20 @@
 //! the connection is still writing.
 //!
 //! When the connection fails, the layer reconnects by itself in the background (backing off
-//! from 20 ms to 1 s between attempts). Handles opened on an earlier connection are stale on
-//! the new one: fops on them fail with `ESTALE`, which tells the layer above (replicate) to
-//! reopen the file.
+//! from 20 ms to 1 s between attempts, each handshake bounded by
+//! [`crate::client::HANDSHAKE_TIMEOUT`]). A fop whose connection was lost — before it was sent
+//! or while it waited for its answer — waits for the new connection (up to the layer's
+//! patience: 30 s by default, none under replicate, see [`ProtocolClient::with_patience`]),
+//! reopens its handle there with the path, flags and caller it was opened with, and is sent
+//! again as [`crate::replay`] says is safe; only then, or when the patience runs out
+//! (`ENOTCONN`), does the caller see an answer. Heal handles are not reopened (`ESTALE`):
+//! their session ended with the connection.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
 
+use kiln_layer::timer::Signal;
 use kiln_layer::{
     errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, ReadDst, ReadOut, ReaddirReply,
     Written,
@@ -25,12 +31,21 @@ use kiln_proto::ops::*;
 use kiln_proto::Op;
 
 use crate::client::{wire_path, Client, SlotWait};
-use crate::conn::{Completion, Done, Slot};
+use crate::conn::{Completion, Done, Lost, Refused, ReplyData, Slot};
+use crate::replay::{self, Replay};
 
-/// A handle on the brick, valid on the connection of generation `gen`.
+/// How long a fop waits for its brick to come back by default (an NFS hard mount's patience).
+pub const DEFAULT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A handle on the brick. After a reconnect it is reopened (same path, flags and caller) on
+/// first use — except a heal handle, whose session ended with its connection.
 struct RemoteFd {
-    fh: u64,
-    gen: u64,
+    path: String,
+    flags: u32,
+    heal: bool,
+    cred: Option<Arc<kiln_proto::Cred>>,
+    /// The brick's handle number, and the generation of the connection it belongs to.
+    at: Mutex<(u64, u64)>,
 }
 
 /// Stale handle: opened on an earlier connection.
@@ -40,6 +55,10 @@ const ESTALE: u32 = 116;
 struct Link {
     cur: RwLock<(Arc<Client>, u64)>,
     reconnecting: AtomicBool,
+    /// Shut down for good: no reconnecting.
+    closed: AtomicBool,
+    /// Notified after every reconnect attempt, whatever its outcome.
+    attempts: Signal,
 }
 
 /// The protocol-client layer.
@@ -48,6 +67,42 @@ pub struct ProtocolClient {
     link: Arc<Link>,
     /// The brick is on this host (see [`is_local_address`]).
     local: bool,
+    /// How long a fop waits for a lost connection to come back before it fails.
+    patience: Duration,
+}
+
+/// One request, kept whole until it is answered so that it can go again on a new connection.
+struct Request<'a> {
+    op: Op,
+    /// Encoded arguments, behind `prefix` bytes of the caller's credentials.
+    args: Vec<u8>,
+    prefix: usize,
+    /// The open file a handle fop names (its number leads the arguments).
+    fd: Option<&'a RemoteFd>,
+    shape: Shape,
+}
+
+/// Where a request's payload comes from and its reply's payload goes: both are found again
+/// in what the request keeps, so a repeat needs no copy of them.
+#[derive(Clone, Copy)]
+enum Shape {
+    Plain,
+    /// A write: the payload is the kept vectors.
+    Write,
+    /// A read into the kept vectors.
+    ReadInto,
+    /// A read into a kept `Vec<u8>`.
+    ReadAny,
+}
+
+type Keep = Option<Box<dyn std::any::Any + Send>>;
+
+/// A request handed to a connection, or refused by it.
+enum Sent {
+    /// The request's handle belongs to an earlier connection.
+    Stale(Keep),
+    Waiting(Arc<Slot>, u64),
+    Refused(Refused, u64),
 }
 
 /// True when `addr` (`unix:PATH`, `tcp:HOST:PORT` or `HOST:PORT`) leads to this host: a Unix
@@ -77,8 +132,27 @@ macro_rules! try_fut {
     };
 }
 
+/// The payload and sink vectors of a request of `shape` whose memory `keep` holds.
+fn vectors(shape: Shape, keep: &Keep) -> (Vec<RawIov>, Vec<RawIov>) {
+    let kept = || keep.as_ref().and_then(|k| k.downcast_ref::<Kept>());
+    match shape {
+        Shape::Plain => (Vec::new(), Vec::new()),
+        Shape::Write => (kept().map(|k| k.0.clone()).unwrap_or_default(), Vec::new()),
+        Shape::ReadInto => (Vec::new(), kept().map(|k| k.0.clone()).unwrap_or_default()),
+        Shape::ReadAny => {
+            let buf = keep.as_ref().and_then(|k| k.downcast_ref::<Vec<u8>>());
+            let sink = buf.map(|b| RawIov {
+                base: b.as_ptr() as usize,
+                len: b.len(),
+            });
+            (Vec::new(), sink.into_iter().collect())
+        }
+    }
+}
+
 impl ProtocolClient {
-    /// A protocol-client layer named `name` over a connected client.
+    /// A protocol-client layer named `name` over a connected client, waiting up to
+    /// [`DEFAULT_PATIENCE`] for a lost connection to come back.
     pub fn new(name: &str, client: Arc<Client>) -> ProtocolClient {
         ProtocolClient {
             local: is_local_address(client.server()),
@@ -86,8 +160,20 @@ impl ProtocolClient {
             link: Arc::new(Link {
                 cur: RwLock::new((client, 0)),
                 reconnecting: AtomicBool::new(false),
+                closed: AtomicBool::new(false),
+                attempts: Signal::default(),
             }),
+            patience: DEFAULT_PATIENCE,
         }
+    }
+
+    /// How long a fop waits for a lost connection to come back before failing with
+    /// `ENOTCONN`. Zero still lets the reconnect that the loss starts finish once (a brick
+    /// that restarted is found at once); a replica's protocol-client uses it, since its
+    /// replicate layer goes on with the other replicas.
+    pub fn with_patience(mut self, patience: Duration) -> ProtocolClient {
+        self.patience = patience;
+        self
     }
 
     /// The connection now (it changes when the layer reconnects).
@@ -100,109 +186,286 @@ impl ProtocolClient {
         (g.0.clone(), g.1)
     }
 
-    /// Starts reconnecting in the background, once.
+    fn gen(&self) -> u64 {
+        self.link.cur.read().unwrap_or_else(|e| e.into_inner()).1
+    }
+
+    /// Closes the connection for good: requests in flight and later ones fail with
+    /// `ENOTCONN` at once, and the layer never reconnects.
+    pub fn shutdown(&self) {
+        self.link.closed.store(true, Ordering::Release);
+        self.client().shutdown();
+        self.link.attempts.notify();
+    }
+
+    /// Starts reconnecting in the background, once (never after [`Self::shutdown`]).
     fn revive(&self) {
-        if self.link.reconnecting.swap(true, Ordering::AcqRel) {
+        if self.link.closed.load(Ordering::Acquire)
+            || self.link.reconnecting.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let weak: Weak<Link> = Arc::downgrade(&self.link);
         let name = self.name.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("kiln-reconnect-{name}"))
-            .spawn(move || {
-                let mut wait = Duration::from_millis(20);
-                loop {
-                    let Some(link) = weak.upgrade() else { return };
-                    let old = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
-                    match old.reconnect() {
-                        Ok(c) => {
-                            let mut g = link.cur.write().unwrap_or_else(|e| e.into_inner());
-                            g.1 += 1;
-                            g.0 = Arc::new(c);
-                            tracing::info!(
-                                layer = name,
-                                gen = g.1,
-                                "reconnected to {}",
-                                old.server()
-                            );
-                            link.reconnecting.store(false, Ordering::Release);
-                            return;
-                        }
-                        Err(e) => tracing::debug!(layer = name, "reconnect failed: {e}"),
-                    }
-                    drop((link, old));
-                    // Back-off of a background retry loop, not synchronisation.
-                    std::thread::sleep(wait);
-                    wait = (wait * 2).min(Duration::from_secs(1));
-                }
-            });
+            .spawn(move || reconnect_loop(weak, name));
         if spawned.is_err() {
             self.link.reconnecting.store(false, Ordering::Release);
         }
     }
 
-    /// Sends one frame and waits for its completion.
-    fn send<'a>(
-        &'a self,
+    /// Waits until the connection of generation `gen` has been replaced (true) or `deadline`
+    /// passed (false). At least one reconnect attempt that starts after the call is waited for,
+    /// however close the deadline.
+    async fn replaced(&self, gen: u64, deadline: Instant) -> bool {
+        let mut first = true;
+        loop {
+            let seen = self.link.attempts.epoch();
+            if self.gen() != gen {
+                return true;
+            }
+            if self.link.closed.load(Ordering::Acquire) {
+                return false;
+            }
+            self.revive();
+            let until = if first {
+                deadline.max(Instant::now() + Duration::from_secs(2))
+            } else {
+                deadline
+            };
+            first = false;
+            let moved = self.link.attempts.changed(seen, until).await;
+            if self.gen() != gen {
+                return true;
+            }
+            if !moved || Instant::now() >= deadline {
+                return false;
+            }
+        }
+    }
+
+    fn request<'a>(
+        &self,
         cx: &Ctx,
         op: Op,
         args: Vec<u8>,
-        payload: &[RawIov],
-        sink: Vec<RawIov>,
-        keep: Option<Box<dyn std::any::Any + Send>>,
-    ) -> impl std::future::Future<Output = FopResult<Completion>> + Send + 'a {
-        let slot = Arc::new(Slot::default());
-        let (client, _) = self.current();
+        fd: Option<&'a RemoteFd>,
+    ) -> Request<'a> {
         // A caller's identity rides in front of the arguments of the fops the brick runs for
         // the caller (root's too: a brick may squash it).
-        let cred = cx.cred.as_deref().filter(|_| op.acts_for_caller());
-        let args = match cred {
+        match cx.cred.as_deref().filter(|_| op.acts_for_caller()) {
             Some(c) => {
                 let mut a = c.to_wire();
+                let prefix = a.len();
                 a.extend_from_slice(&args);
-                a
+                Request {
+                    op,
+                    args: a,
+                    prefix,
+                    fd,
+                    shape: Shape::Plain,
+                }
             }
-            None => args,
-        };
+            None => Request {
+                op,
+                args,
+                prefix: 0,
+                fd,
+                shape: Shape::Plain,
+            },
+        }
+    }
+
+    /// Hands `req` to the connection now. A handle fop's number is written into its
+    /// arguments here, from the handle of that connection; a handle of an earlier one is
+    /// `Stale` (reopen it, then submit again).
+    fn submit(&self, cx: &Ctx, req: &mut Request<'_>, keep: Keep) -> Sent {
+        let (client, gen) = self.current();
+        if let Some(fd) = req.fd {
+            let (fh, at) = *fd.at.lock().unwrap_or_else(|e| e.into_inner());
+            if at != gen {
+                return Sent::Stale(keep);
+            }
+            req.args[req.prefix..req.prefix + 8].copy_from_slice(&fh.to_le_bytes());
+        }
+        let (payload, sink) = vectors(req.shape, &keep);
+        let slot = Arc::new(Slot::default());
         // SAFETY: `payload` and `sink` point into memory owned by `keep` (or promised valid by
         // an `IoBufs::raw` caller until completion); the connection holds `keep` until the
-        // completion is delivered.
+        // completion is delivered, and hands it back if it refuses the request.
         let r = unsafe {
             client.conn.submit(
-                op,
-                cred.is_some(),
-                &args,
-                payload,
+                req.op,
+                req.prefix > 0,
+                &req.args,
+                &payload,
                 sink,
                 keep,
                 Done::Slot(slot.clone()),
                 cx.trace.clone(),
             )
         };
-        if r.is_err() && client.is_dead() {
-            self.revive();
-        }
-        async move {
-            r?;
-            Ok(SlotWait(slot).await)
+        match r {
+            Ok(_) => Sent::Waiting(slot, gen),
+            Err(refused) => {
+                if refused.lost() {
+                    self.revive();
+                }
+                Sent::Refused(refused, gen)
+            }
         }
     }
 
-    /// The brick handle of `fd`, if it belongs to the current connection.
-    fn fh(&self, fd: &Fd) -> FopResult<u64> {
-        let r = fd.get::<RemoteFd>()?;
-        if r.gen != self.link.cur.read().unwrap_or_else(|e| e.into_inner()).1 {
+    /// The handle number of `fd` on the connection now, reopening it there if it was opened
+    /// on an earlier one.
+    async fn fh_now(&self, fd: &RemoteFd) -> FopResult<u64> {
+        let gen = self.gen();
+        {
+            let at = fd.at.lock().unwrap_or_else(|e| e.into_inner());
+            if at.1 == gen {
+                return Ok(at.0);
+            }
+        }
+        if fd.heal {
             return Err(ESTALE);
         }
+        let cx = Ctx {
+            cred: fd.cred.clone(),
+            ..Ctx::NONE
+        };
+        let req = OpenReq {
+            path: fd.path.clone(),
+            flags: fd.flags,
+        };
+        let r: OpenReply = Box::pin(self.call(&cx, Op::Open, &req)).await?;
+        *fd.at.lock().unwrap_or_else(|e| e.into_inner()) = (r.fh, gen);
+        tracing::debug!(layer = self.name, path = fd.path, "handle reopened");
         Ok(r.fh)
     }
 
-    fn gen(&self) -> u64 {
-        self.link.cur.read().unwrap_or_else(|e| e.into_inner()).1
+    /// Sends one request and waits for its answer. When the connection is lost first, waits
+    /// for the next one (up to the layer's patience), reopens the request's handle there and
+    /// sends the request again, as [`crate::replay`] says is safe.
+    fn send<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        mut req: Request<'a>,
+        keep: Keep,
+    ) -> impl std::future::Future<Output = FopResult<Completion>> + Send + 'a {
+        // Sent before the future is first polled, so that requests made together (a batch)
+        // leave together.
+        let first = self.submit(cx, &mut req, keep);
+        async move {
+            let mut sent = first;
+            let mut deadline = None;
+            let mut doubt = false;
+            loop {
+                let (c, gen) = match sent {
+                    // The brick closed it with the connection it belonged to.
+                    Sent::Stale(keep) if req.op == Op::Release => {
+                        return Ok(Completion {
+                            result: Ok(ReplyData::default()),
+                            keep,
+                            lost: None,
+                        })
+                    }
+                    Sent::Stale(keep) => {
+                        let fd = req.fd.expect("only a handle is stale");
+                        self.fh_now(fd).await?;
+                        sent = self.submit(cx, &mut req, keep);
+                        continue;
+                    }
+                    Sent::Waiting(slot, gen) => (SlotWait(slot).await, gen),
+                    Sent::Refused(r, _) if !r.lost() => return Err(r.errno),
+                    Sent::Refused(r, gen) => {
+                        let c = Completion {
+                            result: Err(r.errno),
+                            keep: r.keep,
+                            lost: Some(Lost::Unsent),
+                        };
+                        (c, gen)
+                    }
+                };
+                let Some(lost) = c.lost else {
+                    return Ok(self.answer(cx, &req, c, doubt).await);
+                };
+                doubt |= lost == Lost::InDoubt;
+                let rule = replay::of(req.op);
+                let dl = *deadline.get_or_insert_with(|| Instant::now() + self.patience);
+                if rule == Replay::Never || !self.replaced(gen, dl).await {
+                    return Ok(Completion {
+                        result: Err(errno::ENOTCONN),
+                        lost: None,
+                        ..c
+                    });
+                }
+                if let Some(fd) = req.fd {
+                    if let Err(e) = self.fh_now(fd).await {
+                        return Ok(Completion {
+                            result: Err(e),
+                            lost: None,
+                            ..c
+                        });
+                    }
+                }
+                if doubt && rule == Replay::Create {
+                    if let Some(a) = replay::create_again(&req.args[req.prefix..]) {
+                        req.args.truncate(req.prefix);
+                        req.args.extend_from_slice(&a);
+                    }
+                }
+                tracing::debug!(layer = self.name, op = req.op.name(), "sending again");
+                sent = self.submit(cx, &mut req, c.keep);
+            }
+        }
+    }
+
+    /// A repeated request's answer: "already done" turned into the success it stands for.
+    async fn answer(&self, cx: &Ctx, req: &Request<'_>, c: Completion, doubt: bool) -> Completion {
+        let Err(e) = c.result else { return c };
+        let done = |args: Vec<u8>| Completion {
+            result: Ok(ReplyData {
+                args,
+                payload_len: 0,
+            }),
+            keep: None,
+            lost: None,
+        };
+        match replay::of(req.op) {
+            Replay::DoneIf(already) if doubt && e == already => done(Vec::new()),
+            Replay::Made if doubt && e == libc::EEXIST as u32 => {
+                let Some(p) = replay::made_path(req.op, &req.args[req.prefix..]) else {
+                    return c;
+                };
+                let look: FopResult<Attr> =
+                    Box::pin(self.call(cx, Op::Lookup, &PathReq { path: p })).await;
+                match look {
+                    Ok(a) => done(a.to_wire()),
+                    Err(_) => c,
+                }
+            }
+            _ => c,
+        }
+    }
+
+    /// The open handle of `fd`, or `EBADF` for another layer's.
+    fn remote<'f>(&self, fd: &'f Fd) -> FopResult<&'f RemoteFd> {
+        fd.get::<RemoteFd>()
     }
 
     fn call<'a, R: Wire + Send + 'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, R> {
-        let f = self.send(cx, op, req.to_wire(), &[], Vec::new(), None);
+        self.call_on(cx, op, req.to_wire(), None)
+    }
+
+    fn call_on<'a, R: Wire + Send + 'a>(
+        &'a self,
+        cx: &'a Ctx,
+        op: Op,
+        args: Vec<u8>,
+        fd: Option<&'a RemoteFd>,
+    ) -> Fut<'a, R> {
+        let f = self.send(cx, self.request(cx, op, args, fd), None);
         Box::pin(async move {
             let c = f.await?;
             let r = c.result?;
@@ -213,30 +476,62 @@ impl ProtocolClient {
         })
     }
 
-    /// OPEN or HEAL_OPEN.
-    fn open_as<'a>(&'a self, cx: &'a Ctx, op: Op, p: &'a str, flags: u32) -> Fut<'a, Fd> {
-        // Read before sending: a reconnect in between makes the handle look stale (safe),
-        // never a stale handle look current.
-        let gen = self.gen();
-        let f = self.call::<OpenReply>(
-            cx,
-            op,
-            &OpenReq {
-                path: try_fut!(path(p)),
-                flags,
-            },
-        );
-        Box::pin(async move {
-            Ok(Fd::new(RemoteFd {
-                fh: f.await?.fh,
-                gen,
-            }))
+    /// A handle for `p` as OPEN, HEAL_OPEN or CREATE answered with `fh`.
+    fn handle(&self, cx: &Ctx, op: Op, p: &str, flags: u32, fh: u64, gen: u64) -> Fd {
+        Fd::new(RemoteFd {
+            path: p.to_owned(),
+            flags: flags & !((libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) as u32),
+            heal: op == Op::HealOpen,
+            cred: cx.cred.clone(),
+            at: Mutex::new((fh, gen)),
         })
     }
 
+    /// OPEN or HEAL_OPEN.
+    fn open_as<'a>(&'a self, cx: &'a Ctx, op: Op, p: &'a str, flags: u32) -> Fut<'a, Fd> {
+        let req = OpenReq {
+            path: try_fut!(path(p)),
+            flags,
+        };
+        // Read before sending: a reconnect in between makes the handle look stale (safe: it
+        // is reopened), never a stale handle look current.
+        let gen = self.gen();
+        let f = self.call::<OpenReply>(cx, op, &req);
+        Box::pin(async move { Ok(self.handle(cx, op, &req.path, flags, f.await?.fh, gen)) })
+    }
+
     fn unit<'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, ()> {
-        let f = self.send(cx, op, req.to_wire(), &[], Vec::new(), None);
+        let f = self.send(cx, self.request(cx, op, req.to_wire(), None), None);
         Box::pin(async move { f.await?.result.map(|_| ()) })
+    }
+}
+
+/// The reconnect thread's loop: tries until it connects (backing off from 20 ms to 1 s) or the
+/// layer is gone, and tells waiters after every attempt.
+fn reconnect_loop(weak: Weak<Link>, name: String) {
+    let mut wait = Duration::from_millis(20);
+    loop {
+        let Some(link) = weak.upgrade() else { return };
+        let old = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
+        match old.reconnect() {
+            Ok(c) => {
+                {
+                    let mut g = link.cur.write().unwrap_or_else(|e| e.into_inner());
+                    g.1 += 1;
+                    g.0 = Arc::new(c);
+                    tracing::info!(layer = name, gen = g.1, "reconnected to {}", old.server());
+                }
+                link.reconnecting.store(false, Ordering::Release);
+                link.attempts.notify();
+                return;
+            }
+            Err(e) => tracing::debug!(layer = name, "reconnect failed: {e}"),
+        }
+        link.attempts.notify();
+        drop((link, old));
+        // Back-off of a background retry loop, not synchronisation.
+        std::thread::sleep(wait);
+        wait = (wait * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -289,8 +584,19 @@ macro_rules! wire_arg {
     (refd, $self:ident, $e:expr) => {
         $e.clone()
     };
+    // Written by `submit`, from the handle of the connection the request goes on.
     (handle, $self:ident, $e:expr) => {
-        try_fut!($self.fh($e))
+        0
+    };
+}
+
+/// The open handle among a path fop's arguments, if one is.
+macro_rules! handle_of {
+    (handle, $self:ident, $e:expr) => {
+        Some(try_fut!($self.remote($e)))
+    };
+    ($kind:ident, $self:ident, $e:expr) => {
+        None
     };
 }
 
@@ -303,7 +609,8 @@ macro_rules! path_methods {
                 // A struct literal needs a type name, not a path fragment.
                 type Req = $req;
                 let req = Req { $( $f: wire_arg!($kind, self, $f) ),* };
-                let f = self.call::<$wire>(cx, Op::$op, &req);
+                let fd: Option<&RemoteFd> = None $( .or(handle_of!($kind, self, $f)) )*;
+                let f = self.call_on::<$wire>(cx, Op::$op, req.to_wire(), fd);
                 Box::pin(async move { f.await.map($to_ret) })
             }
         )*
@@ -366,19 +673,21 @@ impl Layer for ProtocolClient {
         let f = self.call::<CreateReply>(cx, Op::Create, &req);
         Box::pin(async move {
             let r = f.await?;
-            Ok((Fd::new(RemoteFd { fh: r.fh, gen }), r.attr))
+            let fd = self.handle(cx, Op::Create, &req.path, flags, r.fh, gen);
+            Ok((fd, r.attr))
         })
     }
 
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
-        let fh = try_fut!(self.fh(fd));
+        let rfd = try_fut!(self.remote(fd));
         let len = try_fut!(check_len(dst.len()));
-        let args = ReadReq { fh, offset, len }.to_wire();
+        let args = ReadReq { fh: 0, offset, len }.to_wire();
+        let mut req = self.request(cx, Op::Read, args, Some(rfd));
         match dst {
             ReadDst::Into(bufs) => {
                 let (iov, keep) = bufs.into_parts();
-                let sink = iov.clone();
-                let f = self.send(cx, Op::Read, args, &[], sink, Some(Box::new((iov, keep))));
+                req.shape = Shape::ReadInto;
+                let f = self.send(cx, req, Some(Box::new((iov, keep))));
                 Box::pin(async move {
                     let mut c = f.await?;
                     let bufs = take_back(&mut c);
@@ -387,12 +696,8 @@ impl Layer for ProtocolClient {
                 })
             }
             ReadDst::Any(len) => {
-                let mut buf = vec![0u8; len as usize];
-                let sink = vec![RawIov {
-                    base: buf.as_mut_ptr() as usize,
-                    len: buf.len(),
-                }];
-                let f = self.send(cx, Op::Read, args, &[], sink, Some(Box::new(buf)));
+                req.shape = Shape::ReadAny;
+                let f = self.send(cx, req, Some(Box::new(vec![0u8; len as usize])));
                 Box::pin(async move {
                     let c = f.await?;
                     let n = c.result?.payload_len;
@@ -409,18 +714,12 @@ impl Layer for ProtocolClient {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
-        let fh = try_fut!(self.fh(fd));
+        let rfd = try_fut!(self.remote(fd));
         try_fut!(check_len(data.len()));
-        let args = WriteReq { fh, offset }.to_wire();
-        let (iov, keep) = data.into_parts();
-        let f = self.send(
-            cx,
-            Op::Write,
-            args,
-            &iov.clone(),
-            Vec::new(),
-            Some(Box::new((iov, keep))),
-        );
+        let args = WriteReq { fh: 0, offset }.to_wire();
+        let mut req = self.request(cx, Op::Write, args, Some(rfd));
+        req.shape = Shape::Write;
+        let f = self.send(cx, req, Some(Box::new(data.into_parts())));
         Box::pin(async move {
             let mut c = f.await?;
             let bufs = take_back(&mut c);
@@ -433,8 +732,12 @@ impl Layer for ProtocolClient {
     }
 
     fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
-        let fh = try_fut!(self.fh(&fd));
-        self.unit(cx, Op::Release, &HandleReq { fh })
+        Box::pin(async move {
+            let rfd = self.remote(&fd)?;
+            let args = HandleReq { fh: 0 }.to_wire();
+            let req = self.request(cx, Op::Release, args, Some(rfd));
+            self.send(cx, req, None).await?.result.map(|_| ())
+        })
     }
 
     fn readdir<'a>(

@@ -13,6 +13,7 @@ use std::io::{self, IoSlice};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The layer crate the stack is built from (for front-ends that need its types: `IoBufs`,
 /// `exec`, `metrics`).
@@ -40,7 +41,8 @@ pub struct Volume {
 /// What every view of a volume shares.
 struct Stack {
     top: LayerRef,
-    clients: Vec<Arc<Client>>,
+    /// The stack's protocol-clients (each follows its brick across reconnects).
+    links: Vec<Arc<ProtocolClient>>,
     trace_every: AtomicU64,
     seq: AtomicU64,
 }
@@ -109,6 +111,7 @@ impl Volume {
                 "brick".into(),
                 LayerKind::ProtocolClient {
                     remote: addr.into(),
+                    timeout: None,
                 },
             ),
         ])
@@ -135,7 +138,7 @@ impl Volume {
     /// that is away) and reconnects in the background. When no brick can be reached, the
     /// first brick's error is returned.
     pub fn from_volfile_with_secret(v: &Volfile, secret: Option<&[u8]>) -> io::Result<Volume> {
-        let mut clients = Vec::new();
+        let mut links = Vec::new();
         let mut err = None;
         let mut reached = 0usize;
         let connect_one = |remote: &str| match secret {
@@ -143,8 +146,9 @@ impl Volume {
             None => Client::connect(remote),
         };
         let connect = |remote: &str| connect_first(remote, connect_one);
+        let replicas = v.below_replicate();
         let top = v.build(&mut |def, _kids| match &def.kind {
-            LayerKind::ProtocolClient { remote } => {
+            LayerKind::ProtocolClient { remote, timeout } => {
                 let c = match connect(remote) {
                     Ok(c) => {
                         reached += 1;
@@ -170,8 +174,14 @@ impl Volume {
                     }
                 };
                 let c = Arc::new(c);
-                clients.push(c.clone());
-                Ok(Arc::new(ProtocolClient::new(&def.name, c)) as LayerRef)
+                let patience = match timeout {
+                    Some(s) => Duration::from_secs((*s).into()),
+                    None if replicas.contains(&def.name) => Duration::ZERO,
+                    None => crate::protocol::DEFAULT_PATIENCE,
+                };
+                let pc = Arc::new(ProtocolClient::new(&def.name, c).with_patience(patience));
+                links.push(pc.clone());
+                Ok(pc as LayerRef)
             }
             other => Err(format!(
                 "layer {:?}: a {} layer cannot run in a client",
@@ -185,7 +195,7 @@ impl Volume {
             (Ok(top), _) => Ok(Volume {
                 stack: Arc::new(Stack {
                     top,
-                    clients,
+                    links,
                     trace_every: AtomicU64::new(0),
                     seq: AtomicU64::new(0),
                 }),
@@ -202,9 +212,9 @@ impl Volume {
         &self.stack.top
     }
 
-    /// The connections of the stack's protocol-clients.
-    pub fn clients(&self) -> &[Arc<Client>] {
-        &self.stack.clients
+    /// The connections of the stack's protocol-clients, as they are now.
+    pub fn clients(&self) -> Vec<Arc<Client>> {
+        self.stack.links.iter().map(|l| l.client()).collect()
     }
 
     /// Samples every `n`th request for a waterfall (0: none).
@@ -248,7 +258,7 @@ impl Volume {
                 Some((c, rest)) => c.batch(|| nest(rest, f)),
             }
         }
-        nest(&self.stack.clients, Box::new(f))
+        nest(&self.clients(), Box::new(f))
     }
 
     /// Attributes of `path`.
@@ -450,15 +460,11 @@ impl Volume {
         }
     }
 
-    /// True when every connection of the stack is gone (nothing can succeed any more).
-    pub fn is_dead(&self) -> bool {
-        !self.stack.clients.is_empty() && self.stack.clients.iter().all(|c| c.is_dead())
-    }
-
-    /// Shuts every connection down: requests in flight and later ones fail.
+    /// Shuts every connection down for good: requests in flight and later ones fail, and no
+    /// protocol-client reconnects.
     pub fn shutdown(&self) {
-        for c in &self.stack.clients {
-            c.shutdown();
+        for l in &self.stack.links {
+            l.shutdown();
         }
     }
 

@@ -70,6 +70,7 @@ fn start_brick(tmp: &Path, i: usize, dir: &Path, secret: &Path) -> u16 {
         authority: None,
         allow: Vec::new(),
         root_squash: false,
+        io_timeout: None,
     };
     std::fs::write(&vf, mgmt::brick_volfile(&def, i, dir).to_toml()).expect("brick volfile");
     for _attempt in 0..5 {
@@ -247,6 +248,7 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
         authority: None,
         allow: Vec::new(),
         root_squash: false,
+        io_timeout: None,
     };
     let vf = mgmt::client_volfile(&def).expect("client volfile");
     let kinds: Vec<&str> = vf.layers.iter().map(|l| l.kind.type_name()).collect();

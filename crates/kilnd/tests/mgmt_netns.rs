@@ -243,7 +243,7 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
         .layers
         .iter()
         .filter_map(|l| match &l.kind {
-            LayerKind::ProtocolClient { remote } => Some(remote.clone()),
+            LayerKind::ProtocolClient { remote, .. } => Some(remote.clone()),
             _ => None,
         })
         .collect();
@@ -261,7 +261,13 @@ fn a_volume_over_two_hosts_is_managed_from_either() {
         "{remotes:?}"
     );
     assert!(tcp.starts_with(&format!("tcp:{B_IP}:")), "{remotes:?}");
-    assert_eq!(vf.layers[1].kind, LayerKind::Replicate { quorum: None });
+    assert_eq!(
+        vf.layers[1].kind,
+        LayerKind::Replicate {
+            quorum: None,
+            timeout: None
+        }
+    );
 
     // Data through the volfile host b handed out, from host a, with host a's secret.
     let vol_secret = mgmt::secret_file_in("nv", None, &state_a).unwrap();

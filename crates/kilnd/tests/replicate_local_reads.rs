@@ -140,13 +140,19 @@ fn reads_stay_on_the_replica_of_this_host() {
     let mut layers = vec![LayerDef {
         name: "rep".into(),
         subvolumes: (0..3).map(|i| format!("client-{i}")).collect(),
-        kind: LayerKind::Replicate { quorum: None },
+        kind: LayerKind::Replicate {
+            quorum: None,
+            timeout: None,
+        },
     }];
     for (i, a) in addrs.iter().enumerate() {
         layers.push(LayerDef {
             name: format!("client-{i}"),
             subvolumes: Vec::new(),
-            kind: LayerKind::ProtocolClient { remote: a.clone() },
+            kind: LayerKind::ProtocolClient {
+                remote: a.clone(),
+                timeout: None,
+            },
         });
     }
     let v = Volume::from_volfile(&Volfile { layers }).expect("volume");

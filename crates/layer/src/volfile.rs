@@ -108,6 +108,10 @@ pub enum LayerKind {
         /// Successful replicas a change needs; default: a majority.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         quorum: Option<u32>,
+        /// Seconds a change waits for a quorum of replicas to come back before it fails;
+        /// default 30.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        timeout: Option<u32>,
     },
     /// Per-file records of what replicas missed, and range locks for heal (brick side).
     Marks {
@@ -118,6 +122,11 @@ pub enum LayerKind {
     ProtocolClient {
         /// The brick's address: `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`.
         remote: String,
+        /// Seconds a fop waits for a lost connection to come back before it fails; default
+        /// 30, or 0 under a replicate layer (which goes on with the other replicas and waits
+        /// for a quorum itself).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        timeout: Option<u32>,
     },
 }
 
@@ -259,7 +268,10 @@ pub const TYPES: &[TypeDoc] = &[
         name: "replicate",
         side: "client",
         doc: "keeps every file on all subvolumes: changes go to all in parallel and need a quorum, misses are marked on the bricks and healed, reads go to one up-to-date replica",
-        options: &[OptionDoc { name: "quorum", ty: "integer", default: "majority", doc: "successful replicas a change needs" }],
+        options: &[
+            OptionDoc { name: "quorum", ty: "integer", default: "majority", doc: "successful replicas a change needs" },
+            OptionDoc { name: "timeout", ty: "seconds", default: "30", doc: "how long a change waits for a quorum of replicas to come back before it fails" },
+        ],
     },
     TypeDoc {
         name: "marks",
@@ -271,7 +283,10 @@ pub const TYPES: &[TypeDoc] = &[
         name: "protocol-client",
         side: "client (leaf)",
         doc: "one connection to a brick; many requests in flight, replies received into the caller's memory",
-        options: &[OptionDoc { name: "remote", ty: "address", default: "required", doc: "tcp:HOST:PORT, HOST:PORT or unix:PATH" }],
+        options: &[
+            OptionDoc { name: "remote", ty: "address", default: "required", doc: "tcp:HOST:PORT, HOST:PORT or unix:PATH" },
+            OptionDoc { name: "timeout", ty: "seconds", default: "30 (0 under replicate)", doc: "how long a fop waits for a lost connection to come back (reconnecting, reopening handles, sending again) before it fails with ENOTCONN" },
+        ],
     },
 ];
 
@@ -361,7 +376,10 @@ impl Volfile {
                         l.name
                     ));
                 }
-                if let LayerKind::Replicate { quorum: Some(q) } = l.kind {
+                if let LayerKind::Replicate {
+                    quorum: Some(q), ..
+                } = l.kind
+                {
                     if q == 0 || q as usize > kids.len() {
                         return Err(format!(
                             "replicate layer {:?}: quorum {q} is not between 1 and its {} subvolumes",
@@ -389,6 +407,27 @@ impl Volfile {
             ));
         }
         Ok(())
+    }
+
+    /// The names of the layers below a replicate layer (at any depth).
+    pub fn below_replicate(&self) -> std::collections::HashSet<String> {
+        let idx: HashMap<&str, usize> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.name.as_str(), i))
+            .collect();
+        let mut below = std::collections::HashSet::new();
+        let mut todo: Vec<usize> = (0..self.layers.len())
+            .filter(|i| matches!(self.layers[*i].kind, LayerKind::Replicate { .. }))
+            .flat_map(|i| self.children_of(i, &idx).unwrap_or_default())
+            .collect();
+        while let Some(i) = todo.pop() {
+            if below.insert(self.layers[i].name.clone()) {
+                todo.extend(self.children_of(i, &idx).unwrap_or_default());
+            }
+        }
+        below
     }
 
     fn children_of(&self, i: usize, idx: &HashMap<&str, usize>) -> Result<Vec<usize>, String> {
@@ -484,8 +523,9 @@ impl Volfile {
                 Effect::Delay(Duration::from_micros(*delay_us)),
             )),
             LayerKind::Distribute {} => Arc::new(crate::distribute::Distribute::new(name, kids)),
-            LayerKind::Replicate { quorum } => {
-                Arc::new(crate::replicate::Replicate::new(name, kids, *quorum))
+            LayerKind::Replicate { quorum, timeout } => {
+                let r = crate::replicate::Replicate::new(name, kids, *quorum);
+                Arc::new(r.with_timeout(timeout.map(|s| Duration::from_secs(s.into()))))
             }
             _ => leaf(def, kids)?,
         };

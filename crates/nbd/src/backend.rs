@@ -62,12 +62,11 @@ fn place(sh: &Shared) -> String {
     }
 }
 
-/// The export's stack, built (or rebuilt, when every connection died) on first use.
+/// The export's stack, built on first use and kept: its connections come back by themselves
+/// when a brick restarts (the protocol-client reconnects and waits for it).
 async fn volume(sh: &Shared) -> Result<Arc<Volume>, String> {
     if let Some(v) = &*sh.vol.lock().unwrap_or_else(|e| e.into_inner()) {
-        if !v.is_dead() {
-            return Ok(v.clone());
-        }
+        return Ok(v.clone());
     }
     let src = sh.source.clone();
     // Connecting is a blocking call (socket connect and the hello round trip).

@@ -291,14 +291,6 @@ pub async fn read_requests<R: AsyncRead + Unpin>(
                 Err(e) => return End::Error(e),
             }
         }
-        if ctx.vol.is_dead() {
-            // The brick connection is gone (brick restarted, network cut): every request would
-            // fail. Disconnecting lets the client reconnect, which gets a fresh connection.
-            return End::Error(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "lost the connection to the brick",
-            ));
-        }
         // Everything already here in full goes to the brick in one batch.
         match ctx.vol.batch(|| submit_buffered(rd, &ctx, &budget)) {
             Fast::Drained => continue,

@@ -116,7 +116,10 @@ pub fn volfile(bricks: &[Brick]) -> Volfile {
     let mut layers = vec![LayerDef {
         name: "rep".into(),
         subvolumes: (0..bricks.len()).map(|i| format!("client-{i}")).collect(),
-        kind: LayerKind::Replicate { quorum: None },
+        kind: LayerKind::Replicate {
+            quorum: None,
+            timeout: None,
+        },
     }];
     for (i, b) in bricks.iter().enumerate() {
         layers.push(LayerDef {
@@ -124,6 +127,7 @@ pub fn volfile(bricks: &[Brick]) -> Volfile {
             subvolumes: Vec::new(),
             kind: LayerKind::ProtocolClient {
                 remote: b.addr.clone(),
+                timeout: None,
             },
         });
     }

@@ -19,7 +19,13 @@
 //! - **fsync** reaches every replica that holds the file and needs a quorum.
 //! - A replica that comes back (its protocol-client reconnects by itself) gets the changes
 //!   that follow at once: its handles are reopened on first use. Heal ([`crate::heal`]) copies
-//!   what it missed and clears the marks, after which reads use it again.
+//!   what it missed and clears the marks, after which reads use it again; a write it takes
+//!   whole makes it current for that range at once ([`current`]).
+//! - **Replicas away are waited for, not reported** ([`patience`]): a change short of a
+//!   quorum only because replicas could not be reached waits for them (up to the layer's
+//!   `timeout`, 30 s) and is sent again to those that missed it; a read with no replica to
+//!   serve it waits the same way. When every replica is behind somewhere in a file, a read
+//!   goes to one whose marks leave the bytes it reads alone.
 //!
 //! - **Names and attributes are marked too.** A change of a name (create, mkdir, symlink,
 //!   link, unlink, rmdir; a rename's both names) that misses a replica flags the name
@@ -34,15 +40,20 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::exec::join_all;
+use crate::exec::{join2, join_all};
 use crate::marks::{self as m, FlagMark, Mark};
 use crate::{
     errno, fail, Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
     ReaddirReply, SetAttrs, StatfsReply, Written,
 };
+use shared::Shared;
 
+mod behind;
+mod current;
 pub mod heal;
 pub mod marks;
+mod patience;
+mod shared;
 
 /// Stale handle: the replica's connection was re-established since the handle was opened.
 pub const ESTALE: Errno = 116;
@@ -84,41 +95,8 @@ pub struct Replicate {
     quorum: usize,
     rr: AtomicUsize,
     files: Mutex<HashMap<String, Weak<FileState>>>,
-}
-
-/// The memory of one change, shared by the replicas' requests.
-struct Shared {
-    iov: Vec<kiln_proto::iov::RawIov>,
-    keep: Arc<Mutex<Option<Box<dyn std::any::Any + Send>>>>,
-}
-
-impl Shared {
-    fn new(data: IoBufs) -> Shared {
-        let (iov, keep) = data.into_parts();
-        Shared {
-            iov,
-            keep: Arc::new(Mutex::new(keep)),
-        }
-    }
-
-    /// A share for one replica: same vectors, a reference to the owner.
-    fn share(&self) -> IoBufs {
-        // SAFETY: the vectors point into the memory `keep` owns (or raw memory the caller keeps
-        // valid until completion); the share holds `keep` alive.
-        unsafe { IoBufs::from_parts(self.iov.clone(), Some(Box::new(self.keep.clone()))) }
-    }
-
-    /// The caller's memory back, once every share is gone.
-    fn into_bufs(self) -> IoBufs {
-        let keep = match Arc::try_unwrap(self.keep) {
-            Ok(m) => m.into_inner().unwrap_or_else(|e| e.into_inner()),
-            // A replica still holds a share (its request outlived its future): keep the share
-            // as the owner; the memory is freed when both are done.
-            Err(arc) => Some(Box::new(arc) as Box<dyn std::any::Any + Send>),
-        };
-        // SAFETY: as in `share`.
-        unsafe { IoBufs::from_parts(self.iov, keep) }
-    }
+    /// How long a change waits for a quorum to come back ([`patience`]).
+    timeout: std::time::Duration,
 }
 
 /// What a replica that missed a change needs healed.
@@ -189,6 +167,7 @@ impl Replicate {
             kids,
             rr: AtomicUsize::new(0),
             files: Mutex::default(),
+            timeout: patience::DEFAULT_TIMEOUT,
         }
     }
 
@@ -310,22 +289,16 @@ impl Replicate {
         }
     }
 
-    /// Runs a change on every replica that is up; returns each replica's outcome (`None`:
-    /// not tried, it is down).
+    /// Runs a change on every replica that is up (waiting for a quorum, see [`patience`]);
+    /// returns each replica's outcome (`None`: not reached).
     async fn fan_out<'b, T: Send + 'b>(
         &'b self,
         cx: &'b Ctx,
         rfd: &'b RepFd,
         op: &'b (dyn Fn(&'b LayerRef, Fd) -> Fut<'b, T> + Send + Sync),
     ) -> Vec<Option<FopResult<T>>> {
-        let futs = (0..self.kids.len())
-            .map(|i| {
-                self.kids[i]
-                    .up()
-                    .then(|| Box::pin(self.on_child(cx, rfd, i, op)) as Fut<'b, T>)
-            })
-            .collect();
-        join_all(futs).await
+        let run = move |i: usize| Box::pin(self.on_child(cx, rfd, i, op)) as Fut<'b, T>;
+        self.on_quorum(&run).await
     }
 
     /// Settles a change: a quorum or an error; misses marked on the replicas that took it.
@@ -425,22 +398,51 @@ impl Replicate {
         Ok(())
     }
 
-    /// Asks every replica that is up for its marks on `path`: the replicas that are behind.
-    async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> u32 {
-        let futs = which
-            .iter()
-            .map(|i| Some(self.kids[*i].pending(cx, path, &())))
+    /// Opens `path` on every replica that is up; fails only when none opened it.
+    async fn open_once(&self, cx: &Ctx, path: &str, flags: u32) -> FopResult<Fd> {
+        let up: Vec<usize> = (0..self.kids.len())
+            .filter(|i| self.kids[*i].up())
             .collect();
-        let mut bad = 0;
-        for page in join_all(futs).await.into_iter().flatten().flatten() {
-            for t in page.targets.0 {
-                let named = t.flags & m::ENTRY != 0;
-                if (t.target as usize) < self.kids.len() && (!t.ranges.0.is_empty() || named) {
-                    bad |= bit(t.target as usize);
+        let opens = (0..self.kids.len())
+            .map(|i| up.contains(&i).then(|| self.kids[i].open(cx, path, flags)))
+            .collect();
+        let (opened, behind) = join2(join_all(opens), self.behind(cx, path, &up)).await;
+        let mut bad = behind;
+        let mut kids = Vec::with_capacity(self.kids.len());
+        let mut any = false;
+        let mut err = errno::ENOTCONN;
+        for (i, r) in opened.into_iter().enumerate() {
+            kids.push(Mutex::new(match r {
+                Some(Ok(fd)) => {
+                    any = true;
+                    ChildFd::Open(fd)
                 }
-            }
+                Some(Err(e)) => {
+                    bad |= bit(i);
+                    if err == errno::ENOTCONN {
+                        err = e;
+                    }
+                    if e == ENOENT {
+                        ChildFd::Missing
+                    } else {
+                        ChildFd::Absent
+                    }
+                }
+                None => ChildFd::Absent,
+            }));
         }
-        bad
+        if !any {
+            return Err(err);
+        }
+        let state = self.state(path);
+        state.bad.store(bad, Relaxed);
+        Ok(Fd::new(RepFd {
+            prefer: self.pick_preferred(),
+            path: path.to_owned(),
+            flags,
+            kids,
+            state,
+        }))
     }
 
     /// Runs a path fop on every replica that is up and settles it.
@@ -449,11 +451,11 @@ impl Replicate {
         cx: &'a Ctx,
         path: &'a str,
         miss: Miss<'a>,
-        op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + 'a,
+        op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + Sync + 'a,
     ) -> Fut<'a, T> {
         Box::pin(async move {
-            let futs = self.kids.iter().map(|k| k.up().then(|| op(k))).collect();
-            let mut res = join_all(futs).await;
+            let run = |i: usize| op(&self.kids[i]);
+            let mut res = self.on_quorum(&run).await;
             self.settle(cx, path, None, &outcomes(&res), miss).await?;
             first_ok(&mut res)
         })
@@ -464,18 +466,21 @@ impl Replicate {
     fn query_path<'a, T: Send + 'a>(
         &'a self,
         path: &'a str,
-        op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + 'a,
+        op: impl Fn(&'a LayerRef) -> Fut<'a, T> + Send + Sync + 'a,
     ) -> Fut<'a, T> {
         Box::pin(async move {
-            let bad = self.known_bad(path);
-            let futs = self
-                .kids
-                .iter()
-                .enumerate()
-                .map(|(i, k)| (k.up() && bad & bit(i) == 0).then(|| op(k)))
-                .collect();
-            let mut res = join_all(futs).await;
-            first_ok(&mut res)
+            let op = &op;
+            self.patiently(|| {
+                let bad = self.known_bad(path);
+                let futs = self
+                    .kids
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| (k.up() && bad & bit(i) == 0).then(|| op(k)))
+                    .collect();
+                Box::pin(async move { first_ok(&mut join_all(futs).await) })
+            })
+            .await
         })
     }
 
@@ -487,11 +492,11 @@ impl Replicate {
         offset: u64,
         dst: ReadDst,
     ) -> FopResult<ReadOut> {
-        let order = self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer);
-        let mut last = errno::ENOTCONN;
+        let mut deadline = None;
         match dst {
-            ReadDst::Any(n) => {
-                for i in order {
+            ReadDst::Any(n) => loop {
+                let mut last = errno::ENOTCONN;
+                for i in self.read_candidates(cx, rfd, offset, n.into()).await {
                     let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ReadOut> {
                         let k = k.clone();
                         Box::pin(async move { k.read(cx, &fd, offset, ReadDst::Any(n)).await })
@@ -501,30 +506,38 @@ impl Replicate {
                         Err(e) => last = e,
                     }
                 }
-                Err(last)
-            }
+                if !self.again(&mut deadline, last).await {
+                    return Err(last);
+                }
+            },
             ReadDst::Into(bufs) => {
+                let len = bufs.len() as u64;
                 let shared = Shared::new(bufs);
                 let sh = &shared;
-                for i in order {
-                    let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ReadOut> {
-                        let k = k.clone();
-                        let b = sh.share();
-                        Box::pin(async move { k.read(cx, &fd, offset, ReadDst::Into(b)).await })
-                    };
-                    match self.on_child(cx, rfd, i, &op).await {
-                        Ok(out) => {
-                            let n = out.len();
-                            drop(out);
-                            return Ok(ReadOut::Into {
-                                n,
-                                bufs: shared.into_bufs(),
-                            });
+                loop {
+                    let mut last = errno::ENOTCONN;
+                    for i in self.read_candidates(cx, rfd, offset, len).await {
+                        let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ReadOut> {
+                            let k = k.clone();
+                            let b = sh.share();
+                            Box::pin(async move { k.read(cx, &fd, offset, ReadDst::Into(b)).await })
+                        };
+                        match self.on_child(cx, rfd, i, &op).await {
+                            Ok(out) => {
+                                let n = out.len();
+                                drop(out);
+                                return Ok(ReadOut::Into {
+                                    n,
+                                    bufs: shared.into_bufs(),
+                                });
+                            }
+                            Err(e) => last = e,
                         }
-                        Err(e) => last = e,
+                    }
+                    if !self.again(&mut deadline, last).await {
+                        return Err(last);
                     }
                 }
-                Err(last)
             }
         }
     }
@@ -600,51 +613,7 @@ impl Layer for Replicate {
     }
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
-        Box::pin(async move {
-            let up: Vec<usize> = (0..self.kids.len())
-                .filter(|i| self.kids[*i].up())
-                .collect();
-            let opens = (0..self.kids.len())
-                .map(|i| up.contains(&i).then(|| self.kids[i].open(cx, path, flags)))
-                .collect();
-            let (opened, behind) = join2(join_all(opens), self.behind(cx, path, &up)).await;
-            let mut bad = behind;
-            let mut kids = Vec::with_capacity(self.kids.len());
-            let mut any = false;
-            let mut err = errno::ENOTCONN;
-            for (i, r) in opened.into_iter().enumerate() {
-                kids.push(Mutex::new(match r {
-                    Some(Ok(fd)) => {
-                        any = true;
-                        ChildFd::Open(fd)
-                    }
-                    Some(Err(e)) => {
-                        bad |= bit(i);
-                        if err == errno::ENOTCONN {
-                            err = e;
-                        }
-                        if e == ENOENT {
-                            ChildFd::Missing
-                        } else {
-                            ChildFd::Absent
-                        }
-                    }
-                    None => ChildFd::Absent,
-                }));
-            }
-            if !any {
-                return Err(err);
-            }
-            let state = self.state(path);
-            state.bad.store(bad, Relaxed);
-            Ok(Fd::new(RepFd {
-                prefer: self.pick_preferred(),
-                path: path.to_owned(),
-                flags,
-                kids,
-                state,
-            }))
-        })
+        Box::pin(self.patiently(move || Box::pin(self.open_once(cx, path, flags))))
     }
 
     fn create<'a>(
@@ -655,12 +624,8 @@ impl Layer for Replicate {
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
         Box::pin(async move {
-            let futs = self
-                .kids
-                .iter()
-                .map(|k| k.up().then(|| k.create(cx, path, flags, mode)))
-                .collect();
-            let res = join_all(futs).await;
+            let run = |i: usize| self.kids[i].create(cx, path, flags, mode);
+            let res = self.on_quorum(&run).await;
             let state = self.state(path);
             let settled = self
                 .settle(cx, path, Some(&state), &outcomes(&res), create_miss())
@@ -705,6 +670,13 @@ impl Layer for Replicate {
         let rfd = try_rep!(fd);
         Box::pin(async move {
             let len = data.len();
+            // Replicas behind for the file may become current for this range ([`current`]).
+            let behind = rfd.state.bad.load(Relaxed);
+            let held = if behind != 0 {
+                self.held_marks(cx, &rfd.path, behind).await
+            } else {
+                Vec::new()
+            };
             let shared = Shared::new(data);
             let sh = &shared;
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Written> {
@@ -738,6 +710,15 @@ impl Layer for Replicate {
                 Miss::bytes(offset, len as u64),
             )
             .await?;
+            if !held.is_empty() && n == len {
+                let took = res
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| matches!(r, Some(Ok(()))))
+                    .fold(0, |b, (i, _)| b | bit(i));
+                self.clear_taken(cx, &rfd.path, &held, took & behind, offset, len as u64)
+                    .await;
+            }
             Ok(Written {
                 n,
                 bufs: shared.into_bufs(),
@@ -771,20 +752,22 @@ impl Layer for Replicate {
 
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
         let rfd = try_rep!(fd);
-        Box::pin(async move {
-            let mut last = errno::ENOTCONN;
-            for i in self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer) {
-                let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
-                    let k = k.clone();
-                    Box::pin(async move { k.fstat(cx, &fd).await })
-                };
-                match self.on_child(cx, rfd, i, &op).await {
-                    Ok(a) => return Ok(a),
-                    Err(e) => last = e,
+        Box::pin(self.patiently(move || {
+            Box::pin(async move {
+                let mut last = errno::ENOTCONN;
+                for i in self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer) {
+                    let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
+                        let k = k.clone();
+                        Box::pin(async move { k.fstat(cx, &fd).await })
+                    };
+                    match self.on_child(cx, rfd, i, &op).await {
+                        Ok(a) => return Ok(a),
+                        Err(e) => last = e,
+                    }
                 }
-            }
-            Err(last)
-        })
+                Err(last)
+            })
+        }))
     }
 
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
@@ -946,48 +929,21 @@ impl Layer for Replicate {
         max: u32,
     ) -> Fut<'a, ReaddirReply> {
         // One replica's listing, the same one for every page: the first that is up.
-        Box::pin(async move {
-            let mut last = errno::ENOTCONN;
-            for k in self.kids.iter().filter(|k| k.up()) {
-                match k.readdir(cx, path, offset, max).await {
-                    Ok(r) => return Ok(r),
-                    Err(e) => last = e,
+        Box::pin(self.patiently(move || {
+            Box::pin(async move {
+                let mut last = errno::ENOTCONN;
+                for k in self.kids.iter().filter(|k| k.up()) {
+                    match k.readdir(cx, path, offset, max).await {
+                        Ok(r) => return Ok(r),
+                        Err(e) => last = e,
+                    }
                 }
-            }
-            Err(last)
-        })
+                Err(last)
+            })
+        }))
     }
 
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
         self.query_path(path, move |k| k.statfs(cx, path))
     }
-}
-
-/// Runs two futures side by side.
-async fn join2<A: std::future::Future, B: std::future::Future>(
-    a: A,
-    b: B,
-) -> (A::Output, B::Output) {
-    let mut a = std::pin::pin!(a);
-    let mut b = std::pin::pin!(b);
-    let (mut ra, mut rb) = (None, None);
-    std::future::poll_fn(|cx| {
-        if ra.is_none() {
-            if let std::task::Poll::Ready(v) = a.as_mut().poll(cx) {
-                ra = Some(v);
-            }
-        }
-        if rb.is_none() {
-            if let std::task::Poll::Ready(v) = b.as_mut().poll(cx) {
-                rb = Some(v);
-            }
-        }
-        if ra.is_some() && rb.is_some() {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
-    .await;
-    (ra.expect("ready"), rb.expect("ready"))
 }

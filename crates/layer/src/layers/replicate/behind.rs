@@ -1,0 +1,85 @@
+//! Which replicas are behind for a file, or for some bytes of it, by the marks the replicas
+//! that are up hold.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::{bit, RepFd, Replicate};
+use crate::exec::join_all;
+use crate::marks as m;
+use crate::Ctx;
+
+impl Replicate {
+    /// Asks every replica that is up for its marks on `path`: the replicas that are behind.
+    pub(super) async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> u32 {
+        let futs = which
+            .iter()
+            .map(|i| Some(self.kids[*i].pending(cx, path, &())))
+            .collect();
+        let mut bad = 0;
+        for page in join_all(futs).await.into_iter().flatten().flatten() {
+            for t in page.targets.0 {
+                let named = t.flags & m::ENTRY != 0;
+                if (t.target as usize) < self.kids.len() && (!t.ranges.0.is_empty() || named) {
+                    bad |= bit(t.target as usize);
+                }
+            }
+        }
+        bad
+    }
+
+    /// Replicas behind for the bytes `[offset, offset+len)` of `path` by the marks of the
+    /// replicas that are up: a replica that missed other ranges of the file can still serve
+    /// these. A name miss, or a listing cut before the end of the range, counts as behind.
+    pub(super) async fn behind_at(&self, cx: &Ctx, path: &str, offset: u64, len: u64) -> u32 {
+        let up: Vec<usize> = (0..self.kids.len())
+            .filter(|i| self.kids[*i].up())
+            .collect();
+        let futs = up
+            .iter()
+            .map(|i| Some(self.kids[*i].pending(cx, path, &())))
+            .collect();
+        let end = offset.saturating_add(len);
+        let mut bad = 0;
+        for (n, page) in join_all(futs).await.into_iter().enumerate() {
+            let Some(Ok(page)) = page else {
+                // Marks unknown on this replica: it serves no read the marks decide.
+                bad |= bit(up[n]);
+                continue;
+            };
+            for t in page.targets.0 {
+                let hit = t.flags & m::ENTRY != 0
+                    || t.cut < end
+                    || t.ranges.0.iter().any(|r| {
+                        let r_end = if r.len == m::WHOLE {
+                            u64::MAX
+                        } else {
+                            r.offset.saturating_add(r.len)
+                        };
+                        r.offset < end && offset < r_end
+                    });
+                if hit && (t.target as usize) < self.kids.len() {
+                    bad |= bit(t.target as usize);
+                }
+            }
+        }
+        bad
+    }
+
+    /// The replicas to try for a read of `[offset, offset+len)`: those not known to be
+    /// behind for the file, or — when that leaves none — those the marks show hold these
+    /// bytes (a file whose replicas each missed something while others were away).
+    pub(super) async fn read_candidates(
+        &self,
+        cx: &Ctx,
+        rfd: &RepFd,
+        offset: u64,
+        len: u64,
+    ) -> Vec<usize> {
+        let order = self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer);
+        if !order.is_empty() {
+            return order;
+        }
+        let bad = self.behind_at(cx, &rfd.path, offset, len).await;
+        self.read_order(bad, rfd.prefer)
+    }
+}

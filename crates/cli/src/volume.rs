@@ -184,12 +184,15 @@ struct CreateArgs {
 struct SetArgs {
     /// The volume's name.
     name: String,
-    /// The option: `allow` (the address ranges the bricks take clients from) or `root-squash`
-    /// (clients' root acts as nobody on the bricks, like NFS root_squash).
-    #[arg(value_parser = ["allow", "root-squash"])]
+    /// The option: `allow` (the address ranges the bricks take clients from), `root-squash`
+    /// (clients' root acts as nobody on the bricks, like NFS root_squash) or `io-timeout`
+    /// (seconds a client's I/O waits for bricks that are away to come back, default 30,
+    /// like an NFS hard mount's patience; then it fails with ENOTCONN).
+    #[arg(value_parser = ["allow", "root-squash", "io-timeout"])]
     option: String,
     /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`;
-    /// for `root-squash`, `on` or `off`. A started volume's bricks restart to take it.
+    /// for `root-squash`, `on` or `off`; for `io-timeout`, 0 to 86400 seconds. A started
+    /// volume's bricks restart to take `allow` or `root-squash`; new mounts take `io-timeout`.
     value: String,
     #[command(flatten)]
     opts: MgmtOpts,
@@ -492,7 +495,7 @@ fn done(opts: &MgmtOpts, what: &str, name: &str, r: &Changed) -> Result<(), Stri
 }
 
 fn set(a: &SetArgs) -> Result<(), String> {
-    let (mut allow, mut root_squash) = (None, None);
+    let (mut allow, mut root_squash, mut io_timeout) = (None, None, None);
     match a.option.as_str() {
         "allow" => {
             allow = Some(match a.value.as_str() {
@@ -504,6 +507,20 @@ fn set(a: &SetArgs) -> Result<(), String> {
                     .map(str::to_owned)
                     .collect(),
             })
+        }
+        "io-timeout" => {
+            io_timeout = Some(
+                a.value
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|s| *s <= 86_400)
+                    .ok_or_else(|| {
+                        format!(
+                            "volume set: io-timeout takes seconds from 0 to 86400, not {:?}",
+                            a.value
+                        )
+                    })?,
+            )
         }
         _ => {
             root_squash = Some(match a.value.as_str() {
@@ -521,6 +538,7 @@ fn set(a: &SetArgs) -> Result<(), String> {
         name: a.name.clone(),
         allow,
         root_squash,
+        io_timeout,
     };
     done(&a.opts, "set", &a.name, &mgmt_call(&a.opts, &req)?)
 }
@@ -598,6 +616,7 @@ fn info_text(r: &Infos) -> String {
         );
         let squash = if d.root_squash { "on" } else { "off" };
         let _ = writeln!(out, "Root squash: {squash}");
+        let _ = writeln!(out, "I/O timeout: {} s", d.io_timeout.unwrap_or(30));
         let _ = writeln!(out, "Bricks:");
         for (i, b) in d.bricks.iter().enumerate() {
             let _ = writeln!(out, "Brick{}: {}", i + 1, b.spec());

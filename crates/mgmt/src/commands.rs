@@ -65,6 +65,7 @@ impl Manager {
             authority: None,
             allow,
             root_squash: false,
+            io_timeout: None,
         };
         fs::create_dir_all(self.vol_dir(name).join("bricks"))
             .map_err(|e| format!("cannot create {}: {e}", self.vol_dir(name).display()))?;
@@ -243,21 +244,26 @@ impl Manager {
         .into())
     }
 
-    /// Changes a volume's options (today: `allow`, the address ranges its bricks take clients
-    /// from). The bricks of a started volume are restarted with the new options; clients
-    /// reconnect by themselves.
-    /// Changes the options given (the others stay), restarting a started volume's bricks.
+    /// Changes the options given (the others stay). A started volume's bricks are restarted
+    /// to take a brick option (`allow`, `root-squash`); clients reconnect by themselves. The
+    /// I/O timeout is in the clients' graph: new mounts take it.
     pub(crate) fn set(
         &self,
         procs: &mut Procs,
         name: &str,
         allow: Option<&[String]>,
         root_squash: Option<bool>,
+        io_timeout: Option<u32>,
     ) -> Result<Response, String> {
         let mut def = self.load(name)?;
-        if allow.is_none() && root_squash.is_none() {
+        if allow.is_none() && root_squash.is_none() && io_timeout.is_none() {
             return Err(format!("volume {name}: no option given to set"));
         }
+        if let Some(s) = io_timeout {
+            def.io_timeout = Some(s);
+        }
+        // Only the bricks' own options need their restart; the I/O timeout is the clients'.
+        let restart = allow.is_some() || root_squash.is_some();
         if let Some(allow) = allow {
             def.allow = check_allow(allow)?;
         }
@@ -266,7 +272,7 @@ impl Manager {
         }
         self.save(&def)?;
         let mut warnings = self.sync_all(&def);
-        if def.state == VolState::Started {
+        if def.state == VolState::Started && restart {
             let secret = self.read_secret(name)?;
             for i in 0..def.bricks.len() {
                 let b = def.bricks[i].clone();

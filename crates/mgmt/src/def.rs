@@ -92,6 +92,10 @@ pub struct VolumeDef {
     /// Clients' root acts as nobody on the bricks (`kiln volume set VOL root-squash on`).
     #[serde(default)]
     pub root_squash: bool,
+    /// Seconds a client's I/O waits for its bricks to come back (a quorum of a replica set,
+    /// or the one brick) before failing; `None`: 30 (`kiln volume set VOL io-timeout S`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io_timeout: Option<u32>,
 }
 
 /// Checks a volume name: 1 to 64 of `A-Z a-z 0-9 _ -`, not starting with `-`.

@@ -122,6 +122,7 @@ mod tests {
             authority: None,
             allow: Vec::new(),
             root_squash: false,
+            io_timeout: None,
         }
     }
 

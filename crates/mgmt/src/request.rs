@@ -52,6 +52,9 @@ pub enum Request {
         /// Whether clients' root acts as nobody on the bricks; absent: unchanged.
         #[serde(default)]
         root_squash: Option<bool>,
+        /// Seconds clients' I/O waits for bricks to come back; absent: unchanged.
+        #[serde(default)]
+        io_timeout: Option<u32>,
     },
     /// Remove a stopped volume's definition (the brick directories stay).
     Delete {

@@ -41,7 +41,7 @@ impl Manager {
             };
             let lname = format!("{}-client-{i}", def.name);
             for l in v.layers.iter_mut().filter(|l| l.name == lname) {
-                if let LayerKind::ProtocolClient { remote } = &mut l.kind {
+                if let LayerKind::ProtocolClient { remote, .. } = &mut l.kind {
                     *remote = format!("unix:{},{remote}", sock.display());
                 }
             }

@@ -37,6 +37,8 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
             subvolumes: Vec::new(),
             kind: LayerKind::ProtocolClient {
                 remote: format!("tcp:{}", SocketAddr::new(b.ip()?, port)),
+                // A replica's connection does not wait: its replicate layer does.
+                timeout: (def.replica <= 1).then_some(def.io_timeout).flatten(),
             },
         });
     }
@@ -55,7 +57,10 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
                     .iter()
                     .map(|c| c.name.clone())
                     .collect(),
-                kind: LayerKind::Replicate { quorum: None },
+                kind: LayerKind::Replicate {
+                    quorum: None,
+                    timeout: def.io_timeout,
+                },
             });
         }
     } else {

@@ -97,6 +97,12 @@ enum Shape {
 
 type Keep = Option<Box<dyn std::any::Any + Send>>;
 
+/// Where [`ProtocolClient::recover`] starts.
+enum Recover {
+    Sent(Sent),
+    Lost(Completion, u64),
+}
+
 /// A request handed to a connection, or refused by it.
 enum Sent {
     /// The request's handle belongs to an earlier connection.
@@ -357,67 +363,90 @@ impl ProtocolClient {
         // leave together.
         let first = self.submit(cx, &mut req, keep);
         async move {
-            let mut sent = first;
-            let mut deadline = None;
-            let mut doubt = false;
-            loop {
-                let (c, gen) = match sent {
-                    // The brick closed it with the connection it belonged to.
-                    Sent::Stale(keep) if req.op == Op::Release => {
-                        return Ok(Completion {
-                            result: Ok(ReplyData::default()),
-                            keep,
-                            lost: None,
-                        })
-                    }
-                    Sent::Stale(keep) => {
-                        let fd = req.fd.expect("only a handle is stale");
-                        self.fh_now(fd).await?;
-                        sent = self.submit(cx, &mut req, keep);
-                        continue;
-                    }
-                    Sent::Waiting(slot, gen) => (SlotWait(slot).await, gen),
-                    Sent::Refused(r, _) if !r.lost() => return Err(r.errno),
-                    Sent::Refused(r, gen) => {
-                        let c = Completion {
-                            result: Err(r.errno),
-                            keep: r.keep,
-                            lost: Some(Lost::Unsent),
-                        };
-                        (c, gen)
-                    }
-                };
-                let Some(lost) = c.lost else {
-                    return Ok(self.answer(cx, &req, c, doubt).await);
-                };
-                doubt |= lost == Lost::InDoubt;
-                let rule = replay::of(req.op);
-                let dl = *deadline.get_or_insert_with(|| Instant::now() + self.patience);
-                if rule == Replay::Never || !self.replaced(gen, dl).await {
+            // The common case stays small: a reply on the connection it was sent on.
+            if let Sent::Waiting(slot, gen) = first {
+                let c = SlotWait(slot).await;
+                if c.lost.is_none() {
+                    return Ok(c);
+                }
+                return Box::pin(self.recover(cx, req, Recover::Lost(c, gen))).await;
+            }
+            Box::pin(self.recover(cx, req, Recover::Sent(first))).await
+        }
+    }
+
+    /// The rare cases of [`Self::send`]: a stale handle, a refused or lost request.
+    async fn recover(
+        &self,
+        cx: &Ctx,
+        mut req: Request<'_>,
+        from: Recover,
+    ) -> FopResult<Completion> {
+        let (mut sent, mut lost) = match from {
+            Recover::Sent(s) => (Some(s), None),
+            Recover::Lost(c, gen) => (None, Some((c, gen))),
+        };
+        let mut deadline = None;
+        let mut doubt = false;
+        loop {
+            let (c, gen) = match (sent.take(), lost.take()) {
+                (_, Some(l)) => l,
+                // The brick closed it with the connection it belonged to.
+                (Some(Sent::Stale(keep)), _) if req.op == Op::Release => {
                     return Ok(Completion {
-                        result: Err(errno::ENOTCONN),
+                        result: Ok(ReplyData::default()),
+                        keep,
+                        lost: None,
+                    })
+                }
+                (Some(Sent::Stale(keep)), _) => {
+                    let fd = req.fd.expect("only a handle is stale");
+                    self.fh_now(fd).await?;
+                    sent = Some(self.submit(cx, &mut req, keep));
+                    continue;
+                }
+                (Some(Sent::Waiting(slot, gen)), _) => (SlotWait(slot).await, gen),
+                (Some(Sent::Refused(r, _)), _) if !r.lost() => return Err(r.errno),
+                (Some(Sent::Refused(r, gen)), _) => {
+                    let c = Completion {
+                        result: Err(r.errno),
+                        keep: r.keep,
+                        lost: Some(Lost::Unsent),
+                    };
+                    (c, gen)
+                }
+                (None, None) => unreachable!("a request is sent or lost"),
+            };
+            let Some(how) = c.lost else {
+                return Ok(self.answer(cx, &req, c, doubt).await);
+            };
+            doubt |= how == Lost::InDoubt;
+            let rule = replay::of(req.op);
+            let dl = *deadline.get_or_insert_with(|| Instant::now() + self.patience);
+            if rule == Replay::Never || !self.replaced(gen, dl).await {
+                return Ok(Completion {
+                    result: Err(errno::ENOTCONN),
+                    lost: None,
+                    ..c
+                });
+            }
+            if let Some(fd) = req.fd {
+                if let Err(e) = self.fh_now(fd).await {
+                    return Ok(Completion {
+                        result: Err(e),
                         lost: None,
                         ..c
                     });
                 }
-                if let Some(fd) = req.fd {
-                    if let Err(e) = self.fh_now(fd).await {
-                        return Ok(Completion {
-                            result: Err(e),
-                            lost: None,
-                            ..c
-                        });
-                    }
-                }
-                if doubt && rule == Replay::Create {
-                    if let Some(a) = replay::create_again(&req.args[req.prefix..]) {
-                        req.args.truncate(req.prefix);
-                        req.args.extend_from_slice(&a);
-                    }
-                }
-                tracing::debug!(layer = self.name, op = req.op.name(), "sending again");
-                sent = self.submit(cx, &mut req, c.keep);
             }
+            if doubt && rule == Replay::Create {
+                if let Some(a) = replay::create_again(&req.args[req.prefix..]) {
+                    req.args.truncate(req.prefix);
+                    req.args.extend_from_slice(&a);
+                }
+            }
+            tracing::debug!(layer = self.name, op = req.op.name(), "sending again");
+            sent = Some(self.submit(cx, &mut req, c.keep));
         }
     }
 

@@ -284,11 +284,15 @@ fn kill_brick(v: &Vol, i: usize) {
     });
 }
 
-#[test]
-fn replica3_mount_and_nbd_see_no_error_over_20_brick_restarts() {
+fn need_fio() {
     if Command::new("fio").arg("--version").output().is_err() {
         panic!("fio is needed (apt-get install fio; scripts/test.sh installs it)");
     }
+}
+
+#[test]
+fn replica3_mount_and_nbd_see_no_error_over_20_brick_restarts() {
+    need_fio();
     let tmp = tempfile::tempdir().unwrap();
     let _reaper = BrickReaper(tmp.path().join("state"));
     let v = Vol::new(tmp.path(), "rr", 3, "24900");
@@ -305,9 +309,7 @@ fn replica3_mount_and_nbd_see_no_error_over_20_brick_restarts() {
 
 #[test]
 fn a_single_brick_volume_waits_for_its_brick_over_5_restarts() {
-    if Command::new("fio").arg("--version").output().is_err() {
-        panic!("fio is needed (apt-get install fio; scripts/test.sh installs it)");
-    }
+    need_fio();
     let tmp = tempfile::tempdir().unwrap();
     let _reaper = BrickReaper(tmp.path().join("state"));
     let v = Vol::new(tmp.path(), "one", 1, "24950");

@@ -409,14 +409,18 @@ impl Volfile {
         Ok(())
     }
 
-    /// The names of the layers below a replicate layer (at any depth).
-    pub fn below_replicate(&self) -> std::collections::HashSet<String> {
-        let idx: HashMap<&str, usize> = self
-            .layers
+    /// Each layer's position, by name.
+    fn index(&self) -> HashMap<&str, usize> {
+        self.layers
             .iter()
             .enumerate()
             .map(|(i, l)| (l.name.as_str(), i))
-            .collect();
+            .collect()
+    }
+
+    /// The names of the layers below a replicate layer (at any depth).
+    pub fn below_replicate(&self) -> std::collections::HashSet<String> {
+        let idx = self.index();
         let mut below = std::collections::HashSet::new();
         let mut todo: Vec<usize> = (0..self.layers.len())
             .filter(|i| matches!(self.layers[*i].kind, LayerKind::Replicate { .. }))
@@ -472,12 +476,7 @@ impl Volfile {
     /// once.
     pub fn build(&self, leaf: &mut LeafBuilder<'_>) -> Result<LayerRef, String> {
         self.check()?;
-        let idx: HashMap<&str, usize> = self
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, l)| (l.name.as_str(), i))
-            .collect();
+        let idx = self.index();
         let mut built: Vec<Option<LayerRef>> = vec![None; self.layers.len()];
         self.build_at(0, &idx, &mut built, leaf)
     }

@@ -6,9 +6,27 @@ use std::sync::atomic::Ordering::Relaxed;
 use super::{bit, RepFd, Replicate};
 use crate::exec::join_all;
 use crate::marks as m;
-use crate::Ctx;
+use crate::marks::PendingPage;
+use crate::{Ctx, FopResult};
 
 impl Replicate {
+    /// The first page of `path`'s marks on each replica that is up.
+    pub(super) async fn pages_of_up(
+        &self,
+        cx: &Ctx,
+        path: &str,
+    ) -> Vec<(usize, FopResult<PendingPage>)> {
+        let up: Vec<usize> = (0..self.kids.len())
+            .filter(|i| self.kids[*i].up())
+            .collect();
+        let futs = up
+            .iter()
+            .map(|i| Some(self.kids[*i].pending(cx, path, &())))
+            .collect();
+        let pages = join_all(futs).await.into_iter().flatten();
+        up.into_iter().zip(pages).collect()
+    }
+
     /// Asks every replica that is up for its marks on `path`: the replicas that are behind.
     pub(super) async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> u32 {
         let futs = which
@@ -31,19 +49,12 @@ impl Replicate {
     /// replicas that are up: a replica that missed other ranges of the file can still serve
     /// these. A name miss, or a listing cut before the end of the range, counts as behind.
     pub(super) async fn behind_at(&self, cx: &Ctx, path: &str, offset: u64, len: u64) -> u32 {
-        let up: Vec<usize> = (0..self.kids.len())
-            .filter(|i| self.kids[*i].up())
-            .collect();
-        let futs = up
-            .iter()
-            .map(|i| Some(self.kids[*i].pending(cx, path, &())))
-            .collect();
         let end = offset.saturating_add(len);
         let mut bad = 0;
-        for (n, page) in join_all(futs).await.into_iter().enumerate() {
-            let Some(Ok(page)) = page else {
+        for (i, page) in self.pages_of_up(cx, path).await {
+            let Ok(page) = page else {
                 // Marks unknown on this replica: it serves no read the marks decide.
-                bad |= bit(up[n]);
+                bad |= bit(i);
                 continue;
             };
             for t in page.targets.0 {

@@ -28,20 +28,13 @@ impl Replicate {
     /// The generations, on each replica that is up, of the marks against the replicas in
     /// `behind` for `path`.
     pub(super) async fn held_marks(&self, cx: &Ctx, path: &str, behind: u32) -> Vec<Held> {
-        let up: Vec<usize> = (0..self.kids.len())
-            .filter(|i| self.kids[*i].up())
-            .collect();
-        let futs = up
-            .iter()
-            .map(|i| Some(self.kids[*i].pending(cx, path, &())))
-            .collect();
         let mut held = Vec::new();
-        for (n, page) in join_all(futs).await.into_iter().enumerate() {
-            let Some(Ok(page)) = page else { continue };
+        for (holder, page) in self.pages_of_up(cx, path).await {
+            let Ok(page) = page else { continue };
             for t in page.targets.0 {
                 if (t.target as usize) < self.kids.len() && behind & bit(t.target as usize) != 0 {
                     held.push(Held {
-                        holder: up[n],
+                        holder,
                         target: t.target,
                         gen: t.gen,
                     });

@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use kiln_client::Client;
 use kiln_layer::iostats::{Period, PointReport};
 use kiln_layer::trace::{Timeline, Waterfall};
-use kiln_mgmt::response::{Changed, Deleted, Envelope, Infos, Names, Statuses, VolfileText};
+use kiln_mgmt::response::{
+    Changed, Deleted, Envelope, Health, Infos, Names, Statuses, VolfileText,
+};
 use kiln_mgmt::{Request, VolState};
 use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 use serde::{de::DeserializeOwned, Serialize};
@@ -661,6 +663,26 @@ fn status_text(r: &Statuses) -> String {
                     "Brick {} is FULL: {} bytes free of {} (writes fail with ENOSPC)",
                     b.brick, s.free, s.size
                 );
+            }
+            match &b.health {
+                Some(h) if h.read_only => {
+                    let _ = writeln!(
+                        out,
+                        "Brick {} is FAILING: its file system is read-only (writes fail with EROFS)",
+                        b.brick
+                    );
+                }
+                Some(Health {
+                    write_error: Some(e),
+                    ..
+                }) => {
+                    let _ = writeln!(
+                        out,
+                        "Brick {} is FAILING: a test write to it failed: {e}",
+                        b.brick
+                    );
+                }
+                _ => {}
             }
         }
         if let Some(h) = &v.heal {

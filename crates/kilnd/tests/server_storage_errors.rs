@@ -135,8 +135,27 @@ fn volume_status_shows_a_full_brick() {
     let mut f = std::fs::File::create(brick.join("filler")).expect("filler");
     while f.write_all(&[1u8; 4096]).is_ok() {}
     drop(f);
-    let (size, free) = space(&call(serde_json::json!({"cmd": "status", "name": "full"})));
+    let st = call(serde_json::json!({"cmd": "status", "name": "full"}));
+    let (size, free) = space(&st);
     assert!(free < size / 100, "a full brick shows so: {free} of {size}");
+    let health = |st: &serde_json::Value| st["volumes"][0]["bricks"][0]["health"].clone();
+    // Full is not failing: the write probe's ENOSPC is the FULL line's business.
+    assert_eq!(health(&st)["read_only"], false, "{st}");
+    assert!(health(&st)["write_error"].is_null(), "{st}");
+    // A file system gone read-only (as after errors) is failing.
+    std::fs::remove_file(brick.join("filler")).expect("room again");
+    let ro = Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(&brick)
+        .status()
+        .expect("remount");
+    assert!(ro.success(), "remounting the brick read-only");
+    let st = call(serde_json::json!({"cmd": "status", "name": "full"}));
+    assert_eq!(
+        health(&st)["read_only"],
+        true,
+        "a read-only brick shows so: {st}"
+    );
     let _ = kd.kill();
     let _ = kd.wait();
 }

@@ -9,8 +9,8 @@ use crate::def::{check_name, is_local, parse_brick, BrickDef, VolState, VolumeDe
 use crate::manager::{Manager, Procs};
 use crate::request::Request;
 use crate::response::{
-    Ack, BrickStatus, BrickStopped, Changed, Deleted, Infos, Names, Response, Space, Statuses,
-    VolfileText, VolumeStatus, VolumeView,
+    Ack, BrickStatus, BrickStopped, Changed, Deleted, Health, Infos, Names, Response, Space,
+    Statuses, VolfileText, VolumeStatus, VolumeView,
 };
 use crate::store::{hex, random};
 
@@ -392,8 +392,12 @@ impl Manager {
                     }
                     _ => false,
                 };
-                let space = if local { Space::of(&b.dir) } else { None };
-                bricks.push(BrickStatus::of(b, online, space));
+                let (space, health) = if local {
+                    (Space::of(&b.dir), Health::of(&b.dir))
+                } else {
+                    (None, None)
+                };
+                bricks.push(BrickStatus::of(b, online, space, health));
             }
             vols.push(VolumeStatus {
                 name: def.name.clone(),

@@ -121,6 +121,63 @@ pub struct BrickStatus {
     /// Its file system's size and the bytes free for the brick, when it is on this host.
     #[serde(default)]
     pub space: Option<Space>,
+    /// Whether its file system takes writes, when it is on this host.
+    #[serde(default)]
+    pub health: Option<Health>,
+}
+
+/// Whether a brick's file system takes writes: what `status` finds by trying.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+pub struct Health {
+    /// Mounted read-only (writes fail with EROFS).
+    pub read_only: bool,
+    /// The error of a one-byte write, fsync and unlink in the brick's `.kiln` directory (or
+    /// the brick directory before it has one): EIO from a failing disk, …; a full file
+    /// system is [`Space::full`], not this.
+    pub write_error: Option<String>,
+}
+
+impl Health {
+    /// Of the brick directory `dir` (`None` when it does not exist).
+    pub fn of(dir: &std::path::Path) -> Option<Health> {
+        use std::io::Write;
+        if !dir.is_dir() {
+            return None;
+        }
+        let meta = Some(dir.join(".kiln"))
+            .filter(|m| m.is_dir())
+            .unwrap_or_else(|| dir.to_owned());
+        let read_only = rustix::fs::statvfs(dir)
+            .map(|s| s.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY))
+            .unwrap_or(false);
+        let probe = meta.join(format!(".kiln-status-probe-{}", std::process::id()));
+        let tried = std::fs::File::create(&probe)
+            .and_then(|mut f| {
+                f.write_all(b"k")?;
+                f.sync_all()
+            })
+            .and_then(|()| std::fs::remove_file(&probe));
+        let _ = std::fs::remove_file(&probe);
+        // Full is the FULL line's business, and read-only says itself.
+        let known = |e: &std::io::Error| match e.raw_os_error() {
+            Some(libc::ENOSPC | libc::EDQUOT) => true,
+            Some(libc::EROFS) => read_only,
+            _ => false,
+        };
+        let write_error = match tried {
+            Err(e) if !known(&e) => Some(e.to_string()),
+            _ => None,
+        };
+        Some(Health {
+            read_only,
+            write_error,
+        })
+    }
+
+    /// True when writes fail for a reason other than a full file system.
+    pub fn failing(&self) -> bool {
+        self.read_only || self.write_error.is_some()
+    }
 }
 
 /// A brick file system's space.
@@ -149,8 +206,13 @@ impl Space {
 }
 
 impl BrickStatus {
-    /// `b` as `status` shows it (`space` when it is on this host).
-    pub fn of(b: &BrickDef, online: bool, space: Option<Space>) -> BrickStatus {
+    /// `b` as `status` shows it (`space` and `health` when it is on this host).
+    pub fn of(
+        b: &BrickDef,
+        online: bool,
+        space: Option<Space>,
+        health: Option<Health>,
+    ) -> BrickStatus {
         BrickStatus {
             brick: b.spec(),
             host: b.host.clone(),
@@ -159,6 +221,7 @@ impl BrickStatus {
             pid: b.pid,
             online,
             space,
+            health,
         }
     }
 }

@@ -392,3 +392,34 @@ fn heal_repairs_names_when_a_brick_missed_only_some_changes() {
     assert!(!t.contains_key("rendir2/inner"), "seed {seed}");
     assert_eq!(t["ren_dst"].1 .0, 0o640, "seed {seed}");
 }
+
+/// Hard links made while a brick was away (one in the same directory, one in another) are
+/// healed as links there: the three names share one inode on every brick (link count 3).
+#[test]
+fn heal_makes_a_missed_hard_link_a_link() {
+    let seed = seed() ^ 0x11c;
+    let root = tempfile::tempdir().unwrap();
+    let mut bricks: Vec<Brick> = (0..3).map(|i| Brick::new(root.path(), i)).collect();
+    let mut c = connect(&bricks, seed);
+    let cx = &Ctx::NONE;
+    let victim = (seed % 3) as usize;
+    c.mkdir("d", 0o755);
+    c.write("d/orig", 5000);
+    kill(&mut bricks, &c, victim);
+    c.ok("link", block_on(c.top().link(cx, "d/orig", "d/same-dir")));
+    c.mkdir("e", 0o755);
+    c.ok("link", block_on(c.top().link(cx, "d/orig", "e/other-dir")));
+    restart(&mut bricks, &c, victim);
+    heal_all(&bricks, seed);
+    assert_same(&bricks, seed);
+    for b in &bricks {
+        let ino = |p: &str| std::fs::metadata(b.dir.join(p)).unwrap();
+        let (o, s, e) = (ino("d/orig"), ino("d/same-dir"), ino("e/other-dir"));
+        assert_eq!(o.nlink(), 3, "seed {seed}: {} link count", b.dir.display());
+        assert!(
+            o.ino() == s.ino() && o.ino() == e.ino(),
+            "seed {seed}: {} holds copies, not links",
+            b.dir.display()
+        );
+    }
+}

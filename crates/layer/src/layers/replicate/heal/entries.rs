@@ -172,7 +172,7 @@ pub(super) async fn heal_flags_locked(
             remove_tree(t, path).await?;
             ta = None;
         }
-        let (names, copy_all) = make_entry(s, t, path, sa, ta.is_some()).await?;
+        let (names, copy_all) = make_entry(s, t, path, sa, ta.is_some(), target).await?;
         whole |= copy_all;
         let v = FlagMark {
             target: target as u32,
@@ -194,13 +194,15 @@ pub(super) async fn heal_flags_locked(
 /// Makes the target's entry for `path` like the source's attributes `sa` (the target has one
 /// of the same kind when `exists`): a directory, symlink, regular file or special file. Returns
 /// the names a directory's heal goes on to (each flagged for the target) and whether a file's
-/// bytes must all be copied.
+/// bytes must all be copied. A name of a file with other names becomes a hard link to one the
+/// target holds ([`super::links`]).
 async fn make_entry(
     s: &LayerRef,
     t: &LayerRef,
     path: &str,
     sa: &crate::Attr,
     exists: bool,
+    target: usize,
 ) -> FopResult<(Vec<String>, bool)> {
     let cx = &Ctx::NONE;
     let mut names: Vec<String> = Vec::new();
@@ -232,6 +234,16 @@ async fn make_entry(
         libc::S_IFREG => {
             if !exists {
                 mkdir_parents(t, path).await?;
+                if sa.nlink > 1 {
+                    if let Some(other) = super::links::other_name(s, t, path, sa.ino, target).await
+                    {
+                        match t.link(cx, &other, path).await {
+                            // The bytes are the other name's: its own marks heal them.
+                            Ok(_) => return Ok((names, false)),
+                            Err(e) => tracing::info!(path, other, "heal as a link: errno {e}"),
+                        }
+                    }
+                }
                 let flags = (libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY) as u32;
                 let (fd, _) = t.create(cx, path, flags, sa.mode & 0o7777).await?;
                 let _ = t.release(cx, fd).await;

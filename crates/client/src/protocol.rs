@@ -222,8 +222,8 @@ impl ProtocolClient {
     }
 
     /// Waits until the connection of generation `gen` has been replaced (true) or `deadline`
-    /// passed (false). At least one reconnect attempt that starts after the call is waited for,
-    /// however close the deadline.
+    /// passed (false). However close the deadline, the next reconnect attempt is waited for
+    /// (up to 2 s), so a brick that is back already is found.
     async fn replaced(&self, gen: u64, deadline: Instant) -> bool {
         let mut first = true;
         loop {

@@ -80,7 +80,6 @@ use crate::{Ctx, Errno, FopResult, LayerRef};
 
 mod data;
 mod entries;
-mod links;
 mod view;
 
 pub use data::heal_file;

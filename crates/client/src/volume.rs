@@ -252,13 +252,14 @@ impl Volume {
 
     /// Runs `f`, holding back frames submitted meanwhile so they leave together.
     pub fn batch<R>(&self, f: impl FnOnce() -> R) -> R {
-        fn nest<R>(cs: &[Arc<Client>], f: Box<dyn FnOnce() -> R + '_>) -> R {
-            match cs.split_first() {
+        // Over the protocol-clients themselves: no list of connections built per batch.
+        fn nest<R>(ls: &[Arc<ProtocolClient>], f: Box<dyn FnOnce() -> R + '_>) -> R {
+            match ls.split_first() {
                 None => f(),
-                Some((c, rest)) => c.batch(|| nest(rest, f)),
+                Some((l, rest)) => l.client().batch(|| nest(rest, f)),
             }
         }
-        nest(&self.clients(), Box::new(f))
+        nest(&self.stack.links, Box::new(f))
     }
 
     /// Attributes of `path`.

@@ -24,6 +24,9 @@ use kiln_mgmt::{Request, VolState};
 use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 use serde::{de::DeserializeOwned, Serialize};
 
+mod heal;
+use heal::HealArgs;
+
 /// Volume operations.
 #[derive(clap::Args, Debug)]
 pub struct VolumeArgs {
@@ -64,6 +67,10 @@ enum VolumeCmd {
     Start(StartArgs),
     /// Stop a volume's bricks (SIGTERM; clients lose access until the next start).
     Stop(NameArgs),
+    /// Put a new, empty brick in the place of one (dead, or to be retired) in a replicated
+    /// volume. The new brick serves no reads until the heal service has rebuilt it in full
+    /// from its replicas; `heal NAME info` and `status NAME` show the progress.
+    ReplaceBrick(ReplaceArgs),
     /// Forget a stopped volume's definition and secret (the data in the bricks stays).
     Delete(NameArgs),
     /// Definitions: name, type, state, bricks (all volumes without NAME).
@@ -78,20 +85,6 @@ enum VolumeCmd {
     /// the marked ranges and bytes); `heal NAME` copies exactly those ranges to the replicas
     /// that are back, while I/O goes on, and prints progress and the bytes moved.
     Heal(HealArgs),
-}
-
-#[derive(clap::Args, Debug)]
-struct HealArgs {
-    /// The volume's name.
-    name: String,
-    /// `info`: only list what needs healing.
-    #[arg(value_parser = ["info"])]
-    info: Option<String>,
-    /// The volume's secret (default: KILN_SECRET_FILE, else the local kilnd's state directory).
-    #[arg(long)]
-    secret_file: Option<std::path::PathBuf>,
-    #[command(flatten)]
-    opts: MgmtOpts,
 }
 
 /// Options every management command takes.
@@ -212,6 +205,18 @@ struct StartArgs {
 }
 
 #[derive(clap::Args, Debug)]
+struct ReplaceArgs {
+    /// The volume's name.
+    name: String,
+    /// The brick to replace, as `volume info` shows it (HOST:/DIR).
+    old: String,
+    /// The new brick (HOST:/DIR): an empty or missing directory.
+    new: String,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
+#[derive(clap::Args, Debug)]
 struct NameArgs {
     /// The volume's name.
     name: String,
@@ -250,109 +255,6 @@ enum Action {
     Trace,
 }
 
-/// `kiln volume heal NAME [info]`: runs on connections of its own (heal locks belong to the
-/// connection that takes them).
-fn heal(a: &HealArgs) -> Result<(), String> {
-    use kiln_layer::exec::block_on;
-    use kiln_layer::heal;
-    let volfile = kiln_client::mgmt::fetch_volfile(&a.opts.server, &a.name)
-        .map_err(|e| format!("cannot fetch the graph of {}: {e}", a.name))?;
-    let secret = volume_secret(&a.name, a.secret_file.as_deref(), &a.opts.state_dir)?;
-    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
-        .map_err(|e| format!("cannot reach the bricks of {}: {e}", a.name))?;
-    if heal::replicate_layers(vol.top()).is_empty() {
-        return Err(format!("{} is not replicated: nothing to heal", a.name));
-    }
-    if a.info.is_some() {
-        let info = block_on(heal::info_from_reachable(vol.top()));
-        if a.opts.json {
-            println!("{}", serde_json::to_string(&info).unwrap_or_default());
-            return Ok(());
-        }
-        let need = &info.needs;
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "Heal backlog of volume {}: {} file(s)",
-            a.name,
-            need.len()
-        );
-        if !info.unasked.is_empty() {
-            let _ = writeln!(
-                out,
-                "Not asked (down or not answering): {}; files only they know of are not listed",
-                info.unasked.join(", ")
-            );
-        }
-        if !need.is_empty() {
-            let _ = writeln!(
-                out,
-                "{:<18} {:<24} {:>8} {:>24}  File",
-                "Replica set", "Replica behind", "Ranges", "Missed"
-            );
-        }
-        for n in need {
-            // What the replica missed: its name (created, removed, renamed), its attributes
-            // (mode, owner, times, xattrs), data bytes.
-            let mut missed = Vec::new();
-            if n.entry {
-                missed.push("name".to_owned());
-            }
-            if n.metadata {
-                missed.push("attrs".to_owned());
-            }
-            if n.bytes > u64::MAX / 2 {
-                missed.push("whole file".to_owned());
-            } else if n.ranges > 0 {
-                missed.push(format!("{} bytes", n.bytes));
-            }
-            let bytes = missed.join(" + ");
-            let down = if n.target_up { "" } else { " (down)" };
-            let _ = writeln!(
-                out,
-                "{:<18} {:<24} {:>8} {:>24}  {}",
-                n.set,
-                format!("{}{down}", n.target_name),
-                n.ranges,
-                bytes,
-                n.path
-            );
-        }
-        print!("{out}");
-        return Ok(());
-    }
-    let t0 = std::time::Instant::now();
-    let quiet = a.opts.json;
-    let report = block_on(heal::run(vol.top(), &|n, bytes| {
-        if !quiet {
-            println!("healed {} on {}: {bytes} bytes", n.path, n.target_name);
-        }
-    }));
-    if a.opts.json {
-        println!("{}", serde_json::to_string(&report).unwrap_or_default());
-    } else {
-        println!(
-            "heal of {}: {} file(s), {} bytes moved in {:.2} s; {} left for later",
-            a.name,
-            report.files,
-            report.bytes,
-            t0.elapsed().as_secs_f64(),
-            report.left
-        );
-        for e in &report.errors {
-            println!("  error: {e}");
-        }
-    }
-    if report.errors.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{} file(s) could not be healed",
-            report.errors.len()
-        ))
-    }
-}
-
 /// `kiln volume`.
 pub fn main(args: VolumeArgs) -> Result<(), String> {
     match args.cmd {
@@ -361,7 +263,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             Ok(())
         }
         VolumeCmd::Profile(p) => profile(&p),
-        VolumeCmd::Heal(a) => heal(&a),
+        VolumeCmd::Heal(a) => heal::heal(&a),
         VolumeCmd::Create(a) => create(&a),
         VolumeCmd::Set(a) => set(&a),
         VolumeCmd::Start(a) => {
@@ -370,6 +272,14 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
                 force: a.force.is_some(),
             };
             done(&a.opts, "start", &a.name, &mgmt_call(&a.opts, &req)?)
+        }
+        VolumeCmd::ReplaceBrick(a) => {
+            let req = Request::ReplaceBrick {
+                name: a.name.clone(),
+                old: a.old.clone(),
+                new: a.new.clone(),
+            };
+            done(&a.opts, "replace-brick", &a.name, &mgmt_call(&a.opts, &req)?)
         }
         VolumeCmd::Stop(a) => {
             let req = Request::Stop {
@@ -686,6 +596,12 @@ fn status_text(r: &Statuses) -> String {
             }
         }
         if let Some(h) = &v.heal {
+            for r in &h.rebuilds {
+                let spec = heal::brick_of(&r.target_name)
+                    .and_then(|i| v.bricks.get(i))
+                    .map_or(r.target_name.clone(), |b| b.brick.clone());
+                let _ = writeln!(out, "Brick {spec} {}", heal::rebuild_text(r));
+            }
             let _ = writeln!(
                 out,
                 "Heal service: backlog {} file(s); healed {} file(s), {} bytes since kilnd started{}",

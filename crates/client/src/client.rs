@@ -59,6 +59,9 @@ pub struct Client {
     /// Kept to reconnect with (see [`Client::reconnect`]).
     secret: Option<Vec<u8>>,
     tls: Option<Arc<kiln_tls::ClientConfig>>,
+    /// The brick said in HELLO that it is new to its volume; cleared when it says it is a
+    /// member (see [`Client::refresh_joining`]).
+    joining: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Client {
@@ -190,6 +193,7 @@ impl Client {
             server: addr.to_owned(),
             secret: secret.map(<[u8]>::to_vec),
             tls,
+            joining: false.into(),
         };
         // A brick that takes the connection but never answers (stopping, or stuck) must not
         // hold the caller — a reconnect thread, with fops waiting on it — for good.
@@ -236,6 +240,10 @@ impl Client {
             }
         })?;
         tracing::debug!(server = %hello.server, "connected to {addr}");
+        if hello.flags & kiln_proto::ops::HELLO_NEW_BRICK != 0 {
+            tracing::info!("{addr} is a new brick: no reads from it until it is rebuilt");
+            client.joining.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         if hello.auth_required {
             let Some(secret) = secret else {
                 return Err(io::Error::new(
@@ -317,12 +325,31 @@ impl Client {
             server: addr.to_owned(),
             secret: secret.map(<[u8]>::to_vec),
             tls,
+            joining: false.into(),
         })
     }
 
     /// A new connection to the same brick with the same secret (after this one failed).
     pub fn reconnect(&self) -> io::Result<Client> {
         Client::connect_opts(&self.server, self.secret.as_deref(), self.tls.clone())
+    }
+
+    /// True while the brick is new to its volume (HELLO said so, and no later ask said it is
+    /// a member).
+    pub fn joining(&self) -> bool {
+        self.joining.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Asks the brick again whether it is new (heal makes it a member when a rebuild ends);
+    /// returns the answer, or the error.
+    pub async fn refresh_joining(&self) -> io::Result<bool> {
+        use kiln_proto::marks::{MemberReq, MemberState, MEMBER_ASK};
+        let arg = (String::new(), MemberReq { op: MEMBER_ASK });
+        let st: MemberState = self.call(Op::Member, &arg).await?;
+        let joining = st.joining == 1;
+        self.joining
+            .store(joining, std::sync::atomic::Ordering::SeqCst);
+        Ok(joining)
     }
 
     /// The address this client connected to.

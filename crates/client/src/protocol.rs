@@ -59,6 +59,8 @@ struct Link {
     closed: AtomicBool,
     /// Notified after every reconnect attempt, whatever its outcome.
     attempts: Signal,
+    /// A thread asks a new brick, once a second, whether it has become a member.
+    watching: AtomicBool,
 }
 
 /// The protocol-client layer.
@@ -168,6 +170,7 @@ impl ProtocolClient {
                 reconnecting: AtomicBool::new(false),
                 closed: AtomicBool::new(false),
                 attempts: Signal::default(),
+                watching: AtomicBool::new(false),
             }),
             patience: DEFAULT_PATIENCE,
         }
@@ -218,6 +221,39 @@ impl ProtocolClient {
             .spawn(move || reconnect_loop(weak, name));
         if spawned.is_err() {
             self.link.reconnecting.store(false, Ordering::Release);
+        }
+    }
+
+    /// Starts asking the brick, once a second, whether it is still new (heal makes it a
+    /// member when its rebuild ends); stops when it is not, or when the layer is gone.
+    fn watch_joining(&self) {
+        if self.link.watching.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak: Weak<Link> = Arc::downgrade(&self.link);
+        let spawned = std::thread::Builder::new()
+            .name(format!("kiln-joining-{}", self.name))
+            .spawn(move || loop {
+                // A poll interval, not synchronisation: the brick has no way to tell us.
+                std::thread::sleep(Duration::from_secs(1));
+                let Some(link) = weak.upgrade() else { return };
+                if link.closed.load(Ordering::Acquire) {
+                    link.watching.store(false, Ordering::Release);
+                    return;
+                }
+                let c = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
+                if !c.joining() {
+                    link.watching.store(false, Ordering::Release);
+                    return;
+                }
+                if c.is_dead() {
+                    continue;
+                }
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let _ = crate::block_on(kiln_layer::timer::within(deadline, c.refresh_joining()));
+            });
+        if spawned.is_err() {
+            self.link.watching.store(false, Ordering::Release);
         }
     }
 
@@ -665,6 +701,14 @@ impl Layer for ProtocolClient {
 
     fn local(&self) -> bool {
         self.local
+    }
+
+    fn joining(&self) -> bool {
+        if !self.client().joining() {
+            return false;
+        }
+        self.watch_joining();
+        true
     }
 
     fn up(&self) -> bool {

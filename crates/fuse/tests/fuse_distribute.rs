@@ -236,6 +236,7 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
             dir,
             port: Some(port),
             pid: None,
+            settled: true,
         });
     }
     // The client graph `kiln mount 127.0.0.1:/fdist` would fetch for this volume.

@@ -213,7 +213,7 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         for a in server.local_addrs() {
             say(&format!("kilnd: listening on {a}"));
         }
-        if let Err(e) = serve_metrics(&args.metrics, &server) {
+        if let Err(e) = serve_metrics(&args.metrics, &server, None) {
             eprintln!("kilnd: {e}");
             return std::process::ExitCode::FAILURE;
         }
@@ -301,7 +301,9 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         if let Some(a) = addr {
             say(&format!("kilnd: management on {a}"));
         }
-        if let Err(e) = serve_metrics(&args.metrics, &server) {
+        let m = manager.clone();
+        let heal = move |out: &mut String| m.healer().render(out);
+        if let Err(e) = serve_metrics(&args.metrics, &server, Some(Box::new(heal))) {
             return fail(e);
         }
         server.run().await;
@@ -309,9 +311,13 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
     })
 }
 
+/// Lines a kilnd adds to `/metrics` beside its server's (the heal service's, in management
+/// mode).
+type MoreMetrics = Box<dyn Fn(&mut String) + Send + Sync>;
+
 /// Serves `/metrics` (the server's counters with the process's io-stats) on `addr` unless it is
 /// "off", and prints where.
-fn serve_metrics(addr: &str, server: &Server) -> Result<(), String> {
+fn serve_metrics(addr: &str, server: &Server, more: Option<MoreMetrics>) -> Result<(), String> {
     if addr == "off" {
         return Ok(());
     }
@@ -319,6 +325,9 @@ fn serve_metrics(addr: &str, server: &Server) -> Result<(), String> {
     let extra: kiln_metrics::Extra = Arc::new(move |out: &mut String| {
         stats.render(out);
         kiln_server::posix::trouble::render(out);
+        if let Some(more) = &more {
+            more(out);
+        }
     });
     let ep = kiln_metrics::serve(addr, "kilnd", Some(extra))
         .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;

@@ -187,6 +187,7 @@ fn a_server_that_cannot_prove_the_secret_is_not_trusted() {
                     max_payload: 1 << 20,
                     auth_required: true,
                     nonce: vec![7; 32],
+                    flags: 0,
                 }
                 .to_wire()
             } else {

@@ -366,6 +366,7 @@ macro_rules! for_each_control_fop {
             (pending, Pending, (), $crate::marks::PendingPage)
             (pending_index, PendingIndex, (), $crate::marks::IndexPage)
             (heal_info, HealInfo, (), $crate::marks::HealInfo)
+            (member, Member, $crate::marks::MemberReq, $crate::marks::MemberState)
             (layout_get, LayoutGet, (), Vec<u8>)
             (layout_set, LayoutSet, Vec<u8>, ())
         }
@@ -410,6 +411,17 @@ macro_rules! declare_layer {
             /// Replicate prefers such replicas for reads.
             fn local(&self) -> bool {
                 self.children().first().is_some_and(|c| c.local())
+            }
+
+            /// True while this layer's storage is a brick new to its volume — wiped, replaced,
+            /// or being rebuilt — whose data no reader may trust until a full rebuild from
+            /// its replicas makes it a member (see [`marks`]). The default asks the only
+            /// child; a layer over several says false.
+            fn joining(&self) -> bool {
+                match self.children() {
+                    [only] => only.joining(),
+                    _ => false,
+                }
             }
 
             /// This layer as `Any`, for operator tools that look for a layer type.
@@ -462,6 +474,7 @@ no_data!(
     marks::PendingPage,
     marks::IndexPage,
     marks::HealInfo,
+    marks::MemberState,
     Attr,
     Fd,
     (Fd, Attr),

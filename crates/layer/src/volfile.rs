@@ -117,6 +117,13 @@ pub enum LayerKind {
     Marks {
         /// The brick directory (its `.kiln` holds the records).
         directory: PathBuf,
+        /// Who the brick is: its volume's id and its index there (`.kiln/identity`); a
+        /// directory without one is a new brick, rebuilt by heal before it is read from.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        identity: Option<crate::layers::marks::Identity>,
+        /// The volume's first start: a directory without an identity takes it at once.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        adopt: bool,
     },
     /// A connection to one brick (client side).
     ProtocolClient {

@@ -59,12 +59,11 @@ impl Manager {
                 match self.ensure_brick(&mut procs, &def, i) {
                     Ok((port, pid)) => {
                         let b = &mut def.bricks[i];
-                        changed |= b.port != Some(port) || b.pid != Some(pid);
+                        changed |= b.port != Some(port) || b.pid != Some(pid) || !b.settled;
                         if b.port != Some(port) {
                             ports_changed.push(i);
                         }
-                        b.port = Some(port);
-                        b.pid = Some(pid);
+                        b.ran(port, pid);
                     }
                     Err(e) => tracing::warn!(
                         "volume {}: brick {} did not start: {e}",

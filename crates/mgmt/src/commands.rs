@@ -98,7 +98,7 @@ impl Manager {
 
     /// Parses `specs` and refuses a brick given twice, bricks that nest, and a brick that
     /// overlaps a brick of another volume; returns the bricks and their hosts' addresses.
-    fn check_bricks(&self, specs: &[String]) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
+    pub(crate) fn check_bricks(&self, specs: &[String]) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
         let mut bricks = Vec::new();
         let mut ips = Vec::new();
         for s in specs {
@@ -168,8 +168,7 @@ impl Manager {
             };
             match r {
                 Ok((port, pid)) => {
-                    def.bricks[i].port = Some(port);
-                    def.bricks[i].pid = Some(pid);
+                    def.bricks[i].ran(port, pid);
                     up += 1;
                 }
                 Err(e) => errors.push(format!("brick {}: {e}", b.spec())),
@@ -300,10 +299,7 @@ impl Manager {
                     Err(e) => Err(e),
                 };
                 match r {
-                    Ok((port, pid)) => {
-                        def.bricks[i].port = Some(port);
-                        def.bricks[i].pid = Some(pid);
-                    }
+                    Ok((port, pid)) => def.bricks[i].ran(port, pid),
                     Err(e) => warnings.push(format!("brick {}: not restarted: {e}", b.spec())),
                 }
             }

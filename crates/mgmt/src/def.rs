@@ -22,9 +22,21 @@ pub struct BrickDef {
     /// The brick process, while it runs (a pid on the brick's host).
     #[serde(default)]
     pub pid: Option<u32>,
+    /// The brick has run in this volume: from now on a directory without the brick's
+    /// identity is a new brick, rebuilt before it is read from. Until then (a volume's first
+    /// start) the directory takes the identity at once.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub settled: bool,
 }
 
 impl BrickDef {
+    /// Records that the brick runs on `port` as `pid` (and so has run in this volume).
+    pub fn ran(&mut self, port: u16, pid: u32) {
+        self.port = Some(port);
+        self.pid = Some(pid);
+        self.settled = true;
+    }
+
     /// `HOST:/DIR`, or `HOST:PORT:/DIR` with a management port.
     pub fn spec(&self) -> String {
         match self.mgmt_port {
@@ -160,6 +172,7 @@ pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
         dir: clean,
         port: None,
         pid: None,
+        settled: false,
     })
 }
 

@@ -95,6 +95,9 @@ impl Manager {
                 root_squash,
                 io_timeout,
             } => self.set(procs, &name, allow.as_deref(), root_squash, io_timeout),
+            Request::ReplaceBrick { name, old, new } => {
+                self.replace_brick(procs, &name, &old, &new)
+            }
             Request::Delete { name } => self.delete(&name),
             Request::Info { name } => self.info(name.as_deref()),
             Request::List => self.list(),

@@ -19,7 +19,8 @@ use crate::manager::Manager;
 /// A volume's client stack as the service uses it, rebuilt when the definition changes.
 struct Client {
     id: String,
-    ports: Vec<Option<u16>>,
+    /// Each brick's place and port: a brick replaced or moved makes a new client.
+    ports: Vec<(String, Option<u16>)>,
     vol: kiln_client::Volume,
 }
 
@@ -52,7 +53,8 @@ pub fn start(manager: Arc<Manager>, every: Duration) {
 
 fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Client>) {
     let healer = manager.healer();
-    let ports: Vec<Option<u16>> = def.bricks.iter().map(|b| b.port).collect();
+    let ports: Vec<(String, Option<u16>)> =
+        def.bricks.iter().map(|b| (b.spec(), b.port)).collect();
     let stale = clients
         .get(&def.name)
         .is_none_or(|c| c.id != def.id || c.ports != ports);
@@ -82,7 +84,8 @@ fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Clien
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs())
     };
-    if !need.iter().any(|n| n.target_up) {
+    let rebuild = heal::new_bricks(vol.top()).iter().any(|(_, up)| *up);
+    if !need.iter().any(|n| n.target_up) && !rebuild {
         healer.update(&def.name, |v| {
             v.backlog = need.len() as u64;
             v.last_round = now();
@@ -90,10 +93,12 @@ fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Clien
         return;
     }
     tracing::info!(volume = %def.name, files = need.len(), "heal service: healing");
-    let report = kiln_layer::exec::block_on(heal::run(vol.top(), &|n, bytes| {
+    let board = healer.board(&def.name);
+    let healed = |n: &heal::Need, bytes| {
         tracing::info!(volume = %def.name, file = %n.path, replica = %n.target_name, bytes,
             "healed");
-    }));
+    };
+    let report = kiln_layer::exec::block_on(heal::run_with(vol.top(), &healed, &board));
     let left = kiln_layer::exec::block_on(heal::info(vol.top())).len() as u64;
     healer.update(&def.name, |v| {
         v.backlog = left;

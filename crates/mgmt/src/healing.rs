@@ -1,7 +1,9 @@
 //! What the heal service knows about each volume it heals, shared with `status`.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+use kiln_layer::heal::Board;
 
 use serde::{Deserialize, Serialize};
 
@@ -21,26 +23,118 @@ pub struct VolHeal {
     pub last_round: u64,
     /// The last round's first error, if it had one.
     pub last_error: Option<String>,
+    /// Full rebuilds of new bricks: under way, or finished in the last round.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rebuilds: Vec<kiln_layer::heal::Rebuild>,
 }
 
 /// The service's state, shared with `status`.
 #[derive(Default)]
 pub struct Healer {
     vols: Mutex<HashMap<String, VolHeal>>,
+    /// Each volume's rebuild progress, updated while a round runs.
+    boards: Mutex<HashMap<String, Arc<Board>>>,
 }
 
 impl Healer {
     /// The service's view of `volume`, if it heals it.
     pub fn view(&self, volume: &str) -> Option<VolHeal> {
-        self.vols
+        let mut v = self
+            .vols
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(volume)
+            .cloned()?;
+        v.rebuilds = self.board(volume).snapshot();
+        Some(v)
+    }
+
+    /// Every volume's view, for `/metrics`.
+    pub fn views(&self) -> Vec<(String, VolHeal)> {
+        let names: Vec<String> = self
+            .vols
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
             .cloned()
+            .collect();
+        let mut out: Vec<(String, VolHeal)> = names
+            .into_iter()
+            .filter_map(|n| self.view(&n).map(|v| (n, v)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// The rebuild progress of `volume`'s heal rounds.
+    pub(crate) fn board(&self, volume: &str) -> Arc<Board> {
+        let mut b = self.boards.lock().unwrap_or_else(|e| e.into_inner());
+        b.entry(volume.to_owned()).or_default().clone()
     }
 
     pub(crate) fn update(&self, volume: &str, f: impl FnOnce(&mut VolHeal)) {
         let mut v = self.vols.lock().unwrap_or_else(|e| e.into_inner());
         f(v.entry(volume.to_owned()).or_default());
+    }
+}
+
+impl Healer {
+    /// The heal service's gauges and counters, in Prometheus text: backlog and bytes healed
+    /// per volume, and each full rebuild's progress (names and bytes in all and done, rate,
+    /// seconds left).
+    pub fn render(&self, out: &mut String) {
+        use std::fmt::Write;
+        let views = self.views();
+        if views.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kiln_heal_backlog_files Files behind on a replica after the last heal round.\n\
+             # TYPE kiln_heal_backlog_files gauge"
+        );
+        for (vol, v) in &views {
+            let _ = writeln!(out, "kiln_heal_backlog_files{{volume=\"{vol}\"}} {}", v.backlog);
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kiln_heal_bytes_total Bytes the heal service copied to replicas behind.\n\
+             # TYPE kiln_heal_bytes_total counter"
+        );
+        for (vol, v) in &views {
+            let _ = writeln!(out, "kiln_heal_bytes_total{{volume=\"{vol}\"}} {}", v.healed_bytes);
+        }
+        type Gauge = (&'static str, &'static str, fn(&kiln_layer::heal::Rebuild) -> f64);
+        let gauges: [Gauge; 6] = [
+            ("kiln_rebuild_files", "Names on the member a new brick is rebuilt from.", |r| {
+                r.files_total as f64
+            }),
+            ("kiln_rebuild_files_done", "Names the new brick holds.", |r| {
+                r.files_done as f64
+            }),
+            ("kiln_rebuild_bytes", "File bytes on the member it is rebuilt from.", |r| {
+                r.bytes_total as f64
+            }),
+            ("kiln_rebuild_bytes_done", "File bytes the new brick holds.", |r| {
+                r.bytes_done as f64
+            }),
+            ("kiln_rebuild_rate_bytes", "Bytes copied per second by the rebuild.", |r| r.rate),
+            ("kiln_rebuild_eta_seconds", "Seconds the rebuild needs at that rate.", |r| {
+                r.eta.map_or(f64::NAN, |e| e as f64)
+            }),
+        ];
+        for (name, help, get) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for (vol, v) in &views {
+                for r in &v.rebuilds {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{volume=\"{vol}\",brick=\"{}\"}} {}",
+                        r.target_name,
+                        get(r)
+                    );
+                }
+            }
+        }
     }
 }

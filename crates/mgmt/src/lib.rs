@@ -59,6 +59,7 @@ pub mod healer;
 pub mod healing;
 mod manager;
 mod peers;
+mod replace;
 mod request;
 pub mod response;
 mod store;
@@ -116,6 +117,7 @@ mod tests {
                     dir: format!("/b{i}").into(),
                     port: Some(24100 + i as u16),
                     pid: None,
+                    settled: true,
                 })
                 .collect(),
             state: VolState::Started,

@@ -185,8 +185,7 @@ impl Manager {
         }
         let (port, pid) = self.ensure_brick(procs, &def, i)?;
         let mut def = def;
-        def.bricks[i].port = Some(port);
-        def.bricks[i].pid = Some(pid);
+        def.bricks[i].ran(port, pid);
         def.state = VolState::Started;
         self.save(&def)?;
         Ok(BrickStarted { port, pid }.into())
@@ -366,6 +365,7 @@ impl Manager {
         let i = check_index(index, &def)?;
         def.bricks[i].port = port;
         def.bricks[i].pid = pid;
+        def.bricks[i].settled |= pid.is_some();
         self.save(&def)?;
         // The reporter already knows; calling it back now could wait on it.
         let reporter = def.bricks[i].mgmt_addr().ok();

@@ -56,6 +56,16 @@ pub enum Request {
         #[serde(default)]
         io_timeout: Option<u32>,
     },
+    /// Put a new, empty brick in the place of one (dead, or to be retired): the new one is
+    /// rebuilt in full from its replicas by the heal service.
+    ReplaceBrick {
+        /// The volume.
+        name: String,
+        /// The brick replaced (HOST:/DIR as `info` shows it).
+        old: String,
+        /// The new brick (HOST:/DIR or HOST:MGMTPORT:/DIR).
+        new: String,
+    },
     /// Remove a stopped volume's definition (the brick directories stay).
     Delete {
         /// The volume.
@@ -135,6 +145,7 @@ impl Request {
             Request::Start { .. } => "start",
             Request::Stop { .. } => "stop",
             Request::Set { .. } => "set",
+            Request::ReplaceBrick { .. } => "replace-brick",
             Request::Delete { .. } => "delete",
             Request::Info { .. } => "info",
             Request::List => "list",
@@ -161,6 +172,7 @@ impl Request {
             Request::Start { name, .. }
             | Request::Stop { name }
             | Request::Set { name, .. }
+            | Request::ReplaceBrick { name, .. }
             | Request::Delete { name } => Some(name),
             _ => None,
         }

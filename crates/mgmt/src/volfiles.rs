@@ -7,13 +7,24 @@ use std::path::Path;
 use crate::def::VolumeDef;
 use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 
-/// The volfile brick `index` of `def` runs: io-stats (`NAME-brick-N`) → marks → dispatch →
-/// posix (squashing clients' root when the volume says so).
+/// The volfile brick `index` of `def` runs: io-stats (`NAME-brick-N`) → marks (checking the
+/// brick's identity: volume id and index) → dispatch → posix (squashing clients' root when
+/// the volume says so).
 pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
     let mut v = kiln_server::replica_volfile(dir, &format!("{}-brick-{index}", def.name));
     for l in &mut v.layers {
-        if let LayerKind::Posix { root_squash, .. } = &mut l.kind {
-            *root_squash = def.root_squash;
+        match &mut l.kind {
+            LayerKind::Posix { root_squash, .. } => *root_squash = def.root_squash,
+            LayerKind::Marks {
+                identity, adopt, ..
+            } => {
+                *identity = Some(kiln_layer::layers::marks::Identity {
+                    volume_id: def.id.clone(),
+                    brick: index as u32,
+                });
+                *adopt = def.bricks.get(index).is_none_or(|b| !b.settled);
+            }
+            _ => {}
         }
     }
     v

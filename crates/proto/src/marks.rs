@@ -53,4 +53,15 @@ wire_struct! {
     /// file open or were changing it as the session began; the ranges heal writes skipped
     /// since the last ask (asking empties the list; more than a page's worth come merged).
     pub struct HealInfo { pub live: u32, pub busy: u32, pub skipped: Seq<Range> }
+    /// `op`: [`MEMBER_ASK`], [`MEMBER_JOIN`] or [`MEMBER_LEAVE`].
+    pub struct MemberReq { pub op: u32 }
+    /// `joining` 1 while the brick is new to its volume (no identity yet).
+    pub struct MemberState { pub joining: u32 }
 }
+
+/// MEMBER: only say whether the brick is new.
+pub const MEMBER_ASK: u32 = 0;
+/// MEMBER: a full rebuild finished: the brick records its identity and is a member.
+pub const MEMBER_JOIN: u32 = 1;
+/// MEMBER: the brick forgets its identity and is new again (a rebuild of it starts).
+pub const MEMBER_LEAVE: u32 = 2;

@@ -122,6 +122,9 @@ ops! {
     LayoutSet = 42,
     /// Make a FIFO, socket, character or block device node (or an empty regular file).
     Mknod = 43,
+    /// Replication control: whether the brick is new to its volume (not yet rebuilt), and
+    /// heal's word that a rebuild finished (or that a brick must be rebuilt).
+    Member = 44,
 }
 
 impl Op {
@@ -190,6 +193,9 @@ wire_struct! {
         pub max_payload: u32,
         pub auth_required: bool,
         pub nonce: Vec<u8>,
+        /// [`HELLO_NEW_BRICK`] when the brick is new to its volume: it holds no data yet
+        /// that a reader may trust, until a full rebuild makes it a member.
+        pub flags: u32,
     }
     /// Auth request: the client's nonce and its proof.
     pub struct AuthReq { pub client_nonce: Vec<u8>, pub proof: Vec<u8> }
@@ -300,6 +306,9 @@ wire_struct! {
     /// taken on (equal values: the same host's monotonic clock, directly comparable).
     pub struct TraceBlock { pub clock: u64, pub events: Seq<TraceEvent> }
 }
+
+/// [`HelloReply::flags`]: the brick is new to its volume (see `kiln_layer::marks`).
+pub const HELLO_NEW_BRICK: u32 = 1;
 
 /// Profile: report only.
 pub const PROFILE_INFO: u32 = 0;

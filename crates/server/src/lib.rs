@@ -240,6 +240,8 @@ pub fn replica_volfile(dir: &Path, name: &str) -> Volfile {
             "marks".into(),
             LayerKind::Marks {
                 directory: dir.to_owned(),
+                identity: None,
+                adopt: false,
             },
         ),
         ("dispatch".into(), LayerKind::Dispatch {}),
@@ -266,11 +268,20 @@ pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
             Ok(Arc::new(posix) as LayerRef)
         }
         LayerKind::Dispatch {} => Ok(Arc::new(posix::Dispatch::new(&def.name, kids.remove(0)))),
-        LayerKind::Marks { directory } => Ok(Arc::new(
-            marks::Marks::new(&def.name, kids.remove(0), directory).map_err(|e| {
+        LayerKind::Marks {
+            directory,
+            identity,
+            adopt,
+        } => {
+            let m = marks::Marks::new(&def.name, kids.remove(0), directory).map_err(|e| {
                 format!("cannot load pending marks of {}: {e}", directory.display())
-            })?,
-        )),
+            })?;
+            let m = match identity {
+                Some(id) => m.with_identity(id.clone(), *adopt).map_err(|e| e.to_string())?,
+                None => m,
+            };
+            Ok(Arc::new(m))
+        }
         other => Err(format!(
             "layer {:?}: a {} layer cannot run in a brick",
             def.name,

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use crate::marks::{
-    CondFlag, CondMark, FlagMark, HealInfo, HealReq, IndexPage, LockReq, Mark, PendingPage,
+    CondFlag, CondMark, FlagMark, HealInfo, HealReq, IndexPage, LockReq, Mark, MemberReq,
+    MemberState, PendingPage,
 };
 use crate::{
     fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, SetAttrs,
@@ -76,6 +77,14 @@ impl Layer for Marks {
 
     fn heal_info<'a>(&'a self, cx: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, HealInfo> {
         ready(Ok(Marks::heal_info(self, cx.owner, path)))
+    }
+
+    fn member<'a>(&'a self, _: &'a Ctx, _: &'a str, arg: &'a MemberReq) -> Fut<'a, MemberState> {
+        ready(self.membership(arg.op))
+    }
+
+    fn joining(&self) -> bool {
+        self.joining.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn create<'a>(

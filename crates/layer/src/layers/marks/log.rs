@@ -95,6 +95,8 @@ impl Marks {
                 dirty: false,
             }),
             files: Mutex::default(),
+            identity: None,
+            joining: false.into(),
         })
     }
 
@@ -144,6 +146,8 @@ impl Marks {
         if st.gen(path, target) != gen {
             return Err(EAGAIN);
         }
+        // Copying the bytes changes the target's times: its attributes are healed after.
+        let bits = if data { bits & !m::META } else { bits };
         let held = st
             .flags
             .get(path)
@@ -155,6 +159,7 @@ impl Marks {
         }
         if data {
             ops.push((b'A', path, target, 0, m::WHOLE));
+            ops.push((b'F', path, target, u64::from(m::META), 0));
         }
         if ops.is_empty() {
             return Ok(());

@@ -51,10 +51,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use crate::marks::RangeSet;
+use crate::marks::{self as m, RangeSet};
 use crate::{Fd, FopResult, LayerRef};
 
 mod control;
+mod identity;
 mod layer;
 mod locks;
 mod log;
@@ -63,6 +64,7 @@ mod sessions;
 mod tests;
 
 pub use crate::layers::posix::brick::STATE_DIR;
+pub use identity::Identity;
 const LOG: &str = "pending.log";
 /// The compaction's temporary file, renamed over [`LOG`].
 const LOG_NEW: &str = "pending.log.new";
@@ -194,6 +196,10 @@ pub struct Marks {
     root: OwnedFd,
     store: Mutex<Store>,
     files: Mutex<HashMap<String, Arc<FileKey>>>,
+    /// Who this brick must be ([`identity`]); `None`: a brick outside any managed volume.
+    identity: Option<Identity>,
+    /// No identity yet: the brick is new to its volume.
+    joining: std::sync::atomic::AtomicBool,
 }
 
 fn unwrap(fd: &Fd) -> FopResult<&MarkFd> {
@@ -201,6 +207,54 @@ fn unwrap(fd: &Fd) -> FopResult<&MarkFd> {
 }
 
 impl Marks {
+    /// Checks the brick directory against `id` (see [`identity`]): a directory of another
+    /// volume or place is an error; one without an identity is new, unless `adopt` (the
+    /// volume's first start) makes it take `id` now.
+    pub fn with_identity(mut self, id: Identity, adopt: bool) -> std::io::Result<Marks> {
+        let new = identity::check(&self.dir, &self.root, &id, adopt)?;
+        self.joining = new.into();
+        self.identity = Some(id);
+        Ok(self)
+    }
+
+    /// MEMBER: asks, or makes the brick a member (heal rebuilt it), or new again.
+    fn membership(&self, op: u32) -> FopResult<m::MemberState> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let joining = |j: bool| m::MemberState {
+            joining: u32::from(j),
+        };
+        let Some(id) = &self.identity else {
+            // Not part of a managed volume: always a member, nothing to record.
+            return Ok(joining(false));
+        };
+        let done = match op {
+            m::MEMBER_ASK => return Ok(joining(self.joining.load(SeqCst))),
+            m::MEMBER_JOIN => identity::write(&self.root, id).map(|()| false),
+            m::MEMBER_LEAVE => identity::remove(&self.root).map(|()| true),
+            _ => return Err(crate::errno::EINVAL),
+        };
+        match done {
+            Ok(j) => {
+                if self.joining.swap(j, SeqCst) != j {
+                    tracing::info!(
+                        "{}: {}",
+                        self.dir.display(),
+                        if j {
+                            "left its volume: new again, until heal rebuilds it"
+                        } else {
+                            "rebuilt: a member of its volume again"
+                        }
+                    );
+                }
+                Ok(joining(j))
+            }
+            Err(e) => {
+                tracing::error!("{}: cannot record the brick identity: {e}", self.dir.display());
+                Err(crate::errno::EIO)
+            }
+        }
+    }
+
     fn child(&self) -> &LayerRef {
         &self.kids[0]
     }

@@ -56,6 +56,9 @@ use std::collections::BTreeMap;
 pub const ENTRY: u32 = 1;
 /// Flag: the target missed a change of this path's attributes or xattrs.
 pub const META: u32 = 2;
+/// Flag, on the volume root only: a full rebuild of the target is under way (see
+/// [`crate::heal`]); cleared when it has finished and the target is a member again.
+pub const REBUILD: u32 = 4;
 /// A range length meaning "to the end of the file, whatever its size".
 pub const WHOLE: u64 = u64::MAX;
 /// Most bytes of marks in one `pending` or `pending_index` reply.

@@ -203,6 +203,14 @@ impl Replicate {
             .map_or(0, |s| s.bad.load(Relaxed))
     }
 
+    /// Replicas that are new bricks (see [`Layer::joining`]): they take every change but serve
+    /// no read and count for no quorum until heal has rebuilt them.
+    fn joining_set(&self) -> u32 {
+        (0..self.kids.len())
+            .filter(|i| self.kids[*i].joining())
+            .fold(0, |b, i| b | bit(i))
+    }
+
     /// The replica a new handle reads from first: the replicas on this host that are up
     /// take turns (spreading handles over them); with none, all replicas do.
     fn pick_preferred(&self) -> usize {
@@ -223,7 +231,7 @@ impl Replicate {
         let start = start % n;
         (0..n)
             .map(|k| (start + k) % n)
-            .filter(|i| bad & bit(*i) == 0 && self.kids[*i].up())
+            .filter(|i| bad & bit(*i) == 0 && self.kids[*i].up() && !self.kids[*i].joining())
             .collect()
     }
 
@@ -336,11 +344,13 @@ impl Replicate {
                 self.mark(cx, path, &ok, &missed, miss).await?;
             }
         }
-        if ok.len() < self.quorum {
+        // A new brick that took the change is not an up-to-date replica yet.
+        let counted = ok.iter().filter(|i| !self.kids[**i].joining()).count();
+        if counted < self.quorum {
             tracing::warn!(
                 layer = self.name,
                 path,
-                ok = ok.len(),
+                ok = counted,
                 quorum = self.quorum,
                 "change refused: no quorum"
             );
@@ -476,7 +486,7 @@ impl Replicate {
                     .kids
                     .iter()
                     .enumerate()
-                    .map(|(i, k)| (k.up() && bad & bit(i) == 0).then(|| op(k)))
+                    .map(|(i, k)| (k.up() && !k.joining() && bad & bit(i) == 0).then(|| op(k)))
                     .collect();
                 Box::pin(async move { first_ok(&mut join_all(futs).await) })
             })
@@ -601,7 +611,8 @@ impl Layer for Replicate {
     }
 
     fn up(&self) -> bool {
-        self.kids.iter().filter(|k| k.up()).count() >= self.quorum
+        let members = self.kids.iter().filter(|k| k.up() && !k.joining());
+        members.count() >= self.quorum
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {
@@ -928,11 +939,12 @@ impl Layer for Replicate {
         offset: u64,
         max: u32,
     ) -> Fut<'a, ReaddirReply> {
-        // One replica's listing, the same one for every page: the first that is up.
+        // One replica's listing, the same one for every page: the first that is up (and not
+        // a new brick, whose listing may be short).
         Box::pin(self.patiently(move || {
             Box::pin(async move {
                 let mut last = errno::ENOTCONN;
-                for k in self.kids.iter().filter(|k| k.up()) {
+                for k in self.kids.iter().filter(|k| k.up() && !k.joining()) {
                     match k.readdir(cx, path, offset, max).await {
                         Ok(r) => return Ok(r),
                         Err(e) => last = e,

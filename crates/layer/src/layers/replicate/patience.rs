@@ -44,8 +44,10 @@ impl Replicate {
     /// `deadline` passes; true if they do.
     async fn wait_for(&self, done: u32, need: usize, deadline: Instant) -> bool {
         loop {
+            // A new brick counts for nothing until it is rebuilt.
             let have = (0..self.kids.len())
                 .filter(|i| done & bit(*i) != 0 || self.kids[*i].up())
+                .filter(|i| !self.kids[*i].joining())
                 .count();
             if have >= need {
                 return true;
@@ -73,7 +75,7 @@ impl Replicate {
         let mut last_ok = 0;
         let mut rounds = 0;
         loop {
-            let ok = ok_set(&res);
+            let ok = ok_set(&res) & !self.joining_set();
             let lost: Vec<usize> = (0..res.len())
                 .filter(|i| match &res[*i] {
                     None => true,

@@ -48,9 +48,14 @@ pub(super) async fn heal_data(
     let up = up.to_vec();
     let others: Vec<usize> = up.iter().copied().filter(|i| *i != target).collect();
     let first = View::read(kids, &up, path, target).await?;
-    // The file's kind and mode come from a replica that took what the target missed.
-    let Some(&src) = first.holders.first() else {
+    if first.holders.is_empty() {
         return Ok(0); // healed meanwhile
+    }
+    // The file's kind and mode come from a replica that took what the target missed (a
+    // member: a new brick is never a source).
+    let member = |i: &&usize| !kids[**i].joining();
+    let Some(&src) = (first.holders.iter().find(member)).or(others.iter().find(member)) else {
+        return Err(ENODATA);
     };
     let clear_all = |offset: u64, len: u64| {
         let v = Mark {
@@ -287,7 +292,7 @@ impl Healing<'_> {
             .iter()
             .chain(rest)
             .copied()
-            .find(|i| !view.behind[*i].overlaps(pos, len))
+            .find(|i| !view.behind[*i].overlaps(pos, len) && !self.kids[*i].joining())
     }
 
     pub(super) async fn source_fd(&mut self, src: usize) -> FopResult<Fd> {
@@ -320,6 +325,7 @@ impl Healing<'_> {
             lock: on,
         };
         let (take, drop) = (lock(1), lock(0));
+        let t0 = std::time::Instant::now();
         on_all(kids, self.up, |k| k.heal_lock(&Ctx::NONE, path, &take)).await?;
         let step = copy_chunk(
             kids,
@@ -359,6 +365,7 @@ impl Healing<'_> {
             Err(_) => Ok(()),
         };
         let _ = on_all(kids, self.up, |k| k.heal_lock(&Ctx::NONE, path, &drop)).await;
+        rest(t0.elapsed()).await;
         cleared?;
         match step {
             Ok((_, wrote, last)) => Ok((wrote, last)),

@@ -102,7 +102,7 @@ pub(super) async fn heal_flags(
             .iter()
             .chain(rest)
             .copied()
-            .find(|i| view.flagged[*i] & behind == 0)
+            .find(|i| view.flagged[*i] & behind == 0 && !kids[*i].joining())
         else {
             tracing::warn!(
                 path,
@@ -117,9 +117,11 @@ pub(super) async fn heal_flags(
             lock: on,
         };
         let (take, drop) = (lock(1), lock(0));
+        let t0 = std::time::Instant::now();
         on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &take)).await?;
         let step = heal_flags_locked(kids, &view, &others, path, target, src, want).await;
         let _ = on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &drop)).await;
+        super::rest(t0.elapsed()).await;
         step?;
     }
     Err(EAGAIN)

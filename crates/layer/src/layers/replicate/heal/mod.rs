@@ -68,9 +68,6 @@
 //! not those of a client that also writes: locks and sessions belong to a connection, and a
 //! connection's own writes pass its locks.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use crate::exec::join_all;
@@ -80,9 +77,11 @@ use crate::{Ctx, Errno, FopResult, LayerRef};
 
 mod data;
 mod entries;
+mod rebuild;
 mod view;
 
 pub use data::heal_file;
+pub use rebuild::{start as start_rebuild, Board, Rebuild};
 
 /// File exists.
 const EEXIST: Errno = 17;
@@ -141,6 +140,8 @@ pub struct Report {
     pub left: u64,
     /// Errors, as text.
     pub errors: Vec<String>,
+    /// New bricks whose full rebuild finished: members now.
+    pub joined: Vec<String>,
 }
 
 /// Every replicate layer in a stack.
@@ -163,6 +164,20 @@ fn rep(l: &LayerRef) -> &Replicate {
     l.as_any()
         .and_then(|a| a.downcast_ref::<Replicate>())
         .expect("replicate_layers returns replicate layers")
+}
+
+/// The replicas of a stack that are new bricks (see [`crate::Layer::joining`]), by layer
+/// name, and whether each is up: a heal run rebuilds those that are up.
+pub fn new_bricks(top: &LayerRef) -> Vec<(String, bool)> {
+    let mut out = Vec::new();
+    for l in replicate_layers(top) {
+        for k in rep(&l).replicas() {
+            if k.joining() {
+                out.push((k.name().to_owned(), k.up()));
+            }
+        }
+    }
+    out
 }
 
 /// What needs healing in every replicate layer of a stack.
@@ -237,9 +252,21 @@ async fn needs(r: &Replicate) -> (Vec<Need>, Vec<String>) {
 
 /// Heals every replicate layer of a stack once over; `progress` hears of each file done.
 pub async fn run(top: &LayerRef, progress: &(dyn Fn(&Need, u64) + Sync)) -> Report {
+    run_with(top, progress, &Board::default()).await
+}
+
+/// [`run`], which also rebuilds new bricks in full ([`rebuild`]) and keeps their progress on
+/// `board`.
+pub async fn run_with(
+    top: &LayerRef,
+    progress: &(dyn Fn(&Need, u64) + Sync),
+    board: &Board,
+) -> Report {
     let mut report = Report::default();
     for l in replicate_layers(top) {
         let r = rep(&l);
+        let rebuilding = rebuild::begin(r, board).await;
+        let started = std::time::Instant::now();
         // Pages: what is healed is cleared, so the next look shows the rest.
         let mut seen = std::collections::HashSet::new();
         loop {
@@ -260,6 +287,9 @@ pub async fn run(top: &LayerRef, progress: &(dyn Fn(&Need, u64) + Sync)) -> Repo
                     Ok(bytes) => {
                         report.files += 1;
                         report.bytes += bytes;
+                        if rebuilding.contains(&need.target) {
+                            rebuild::healed(board, &need, bytes, started);
+                        }
                         progress(&need, bytes);
                     }
                     Err(e) => {
@@ -272,6 +302,7 @@ pub async fn run(top: &LayerRef, progress: &(dyn Fn(&Need, u64) + Sync)) -> Repo
                 }
             }
         }
+        report.joined.extend(rebuild::finish(r, board).await);
     }
     report
 }
@@ -294,32 +325,18 @@ async fn on_all<'a>(
     Ok(())
 }
 
-/// Sleeps without a runtime: a thread wakes the task when the time is up.
+/// Sleeps without a runtime (the process's timer thread wakes the task).
 async fn sleep(d: Duration) {
-    let done = Arc::new(AtomicBool::new(false));
-    let waker: Arc<Mutex<Option<Waker>>> = Arc::default();
-    let mut started = false;
-    std::future::poll_fn(|cx| {
-        if done.load(Ordering::Acquire) {
-            return Poll::Ready(());
-        }
-        *waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(cx.waker().clone());
-        if !started {
-            started = true;
-            let (done, waker) = (done.clone(), waker.clone());
-            std::thread::spawn(move || {
-                std::thread::sleep(d);
-                done.store(true, Ordering::Release);
-                if let Some(w) = waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                    w.wake();
-                }
-            });
-        }
-        if done.load(Ordering::Acquire) {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    })
-    .await
+    crate::timer::sleep_until(std::time::Instant::now() + d).await
+}
+
+/// Share of the time heal works while clients may be waiting: after each step that held
+/// clients' changes back (a chunk copied, a name healed under its lock) heal rests as long
+/// again, so clients' requests queued behind it drain before the next. Measured in
+/// `bench/rebuild.py`.
+pub const DUTY: f64 = 0.5;
+
+/// Rests after a step of heal that took `worked` (see [`DUTY`]).
+async fn rest(worked: Duration) {
+    sleep(worked.mul_f64((1.0 - DUTY) / DUTY)).await
 }

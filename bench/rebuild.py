@@ -145,13 +145,15 @@ def main() -> int:
                 rs = [r for r in c.rebuilds() if not r["done"]]
                 if rs:
                     rates.append(rs[0]["rate"])
+                # Idle again: the rebuild done and what fio's writes left for heal healed.
                 deadline = time.time() + 300
-                while c.rebuilds() and not all(r["done"] for r in c.rebuilds()):
+                while True:
+                    st = c.status().get("heal") or {}
+                    rb = st.get("rebuilds", [])
+                    if all(r["done"] for r in rb) and st.get("backlog", 1) == 0:
+                        break
                     assert time.time() < deadline, "the rebuild never finished"
                     time.sleep(0.1)
-                    still = c.rebuilds()
-                    if still and all(r["done"] for r in still):
-                        break
             log(f"rep {rep}: idle {runs['idle'][-1]}  rebuild {runs['rebuild'][-1]}")
         med = lambda phase, k: statistics.median(r[k] for r in runs[phase])  # noqa: E731
         result = {

@@ -45,7 +45,8 @@ wire_struct! {
     pub struct FlagMark { pub target: u32, pub flags: u32 }
     /// `target` has `flags` healed now, unless a mark for it was added since `gen`; with
     /// `data` 1 the same record marks the whole file's bytes for `target` (heal made the
-    /// name a new, empty file there: its bytes are copied next).
+    /// name a new, empty file there: its bytes are copied next) and keeps `META` flagged
+    /// (copying the bytes changes the times: they are copied after).
     pub struct CondFlag { pub target: u32, pub flags: u32, pub gen: u64, pub data: u32 }
     /// `begin` 1 begins (or begins afresh) the caller's heal session on the file, 0 ends it.
     pub struct HealReq { pub begin: u32 }

@@ -38,6 +38,9 @@
 //! locks, sessions are per path: an open with `O_TRUNC`, or a change through another name of
 //! the same file, is not seen.)
 //!
+//! The brick's identity (its volume's id and its place there, [`identity`]) lives beside the
+//! log in `.kiln/identity`; a brick without one is new until heal has rebuilt it.
+//!
 //! Marks carry a generation per (file, target) in memory: a fresh number (from a counter that
 //! starts at the wall clock, so a restarted brick never reuses one) each time a mark for the
 //! target is added. `mark_clear_if` clears only when it is unchanged, which lets heal

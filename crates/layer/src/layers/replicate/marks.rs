@@ -22,6 +22,7 @@
 //! | `heal_session`   | [`HealReq`]  |                | begin or end a heal session on the file    |
 //! | `heal_info`      |              | [`HealInfo`]   | the caller's session on the file           |
 //! | `heal_open`      | open flags   | a handle       | a handle whose writes are heal's (below)   |
+//! | `member`         | [`MemberReq`]| [`MemberState`]| is the brick new (no identity)? heal makes it a member after a full rebuild, or new again |
 //!
 //! **Entry and metadata marks** ("flags", per path and target, beside the byte ranges):
 //! [`ENTRY`] on a path says the target missed a change of the *name* — it was created (file,

@@ -33,6 +33,10 @@
 //!   removexattr) flags the path [`m::META`]. Heal makes the replica's entry, and then its
 //!   attributes, match. A replica flagged `ENTRY` for a name does not serve its reads.
 //!
+//! - **New bricks** ([`Layer::joining`]: wiped, replaced, no identity yet) take every change
+//!   but serve no read, no lookup and no listing, and count toward no quorum, until heal has
+//!   rebuilt them ([`heal`]).
+//!
 //! Known limits (documented, not hidden): a client that dies in the middle of a write may leave
 //! replicas different for the range it never acknowledged.
 

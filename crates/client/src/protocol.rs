@@ -704,7 +704,15 @@ impl Layer for ProtocolClient {
     }
 
     fn joining(&self) -> bool {
-        if !self.client().joining() {
+        // Asked for every replica on every replicated fop: no Arc clone on the way.
+        let joining = self
+            .link
+            .cur
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .joining();
+        if !joining {
             return false;
         }
         self.watch_joining();

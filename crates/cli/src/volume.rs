@@ -279,7 +279,12 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
                 old: a.old.clone(),
                 new: a.new.clone(),
             };
-            done(&a.opts, "replace-brick", &a.name, &mgmt_call(&a.opts, &req)?)
+            done(
+                &a.opts,
+                "replace-brick",
+                &a.name,
+                &mgmt_call(&a.opts, &req)?,
+            )
         }
         VolumeCmd::Stop(a) => {
             let req = Request::Stop {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::{kiln, ok, BrickReaper, Kilnd};
+use common::{kiln, mgmt_ok, BrickReaper, Kilnd};
 
 /// A child process killed (and reaped) when dropped.
 struct Proc(Child);
@@ -91,10 +91,7 @@ impl Vol {
     }
 
     fn mgmt(&self, args: &[&str]) -> String {
-        let mut a = args.to_vec();
-        a.extend(["--server", &self.kd.addr, "--state-dir"]);
-        a.push(self.state.to_str().unwrap());
-        ok(&a)
+        mgmt_ok(&self.kd, &self.state, args)
     }
 
     fn status(&self) -> Value {

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::{kiln, ok, BrickReaper, Kilnd};
+use common::{kiln, mgmt_ok, BrickReaper, Kilnd};
 
 /// The mount, unmounted (SIGTERM) when dropped.
 struct Mount(Child);
@@ -41,10 +41,7 @@ struct Vol {
 
 impl Vol {
     fn mgmt(&self, args: &[&str]) -> String {
-        let mut a = args.to_vec();
-        a.extend(["--server", &self.kd.addr, "--state-dir"]);
-        a.push(self.state.to_str().unwrap());
-        ok(&a)
+        mgmt_ok(&self.kd, &self.state, args)
     }
 
     fn status(&self) -> Value {
@@ -91,7 +88,10 @@ fn xattrs(p: &Path) -> Vec<(String, Vec<u8>)> {
     let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
     assert!(n >= 0, "llistxattr {}", p.display());
     let mut out = Vec::new();
-    for name in names[..n as usize].split(|b| *b == 0).filter(|n| !n.is_empty()) {
+    for name in names[..n as usize]
+        .split(|b| *b == 0)
+        .filter(|n| !n.is_empty())
+    {
         let s = String::from_utf8_lossy(name).into_owned();
         if !s.starts_with("user.") {
             continue;
@@ -146,7 +146,11 @@ fn populate(m: &Path) {
     unsafe {
         assert_eq!(libc::mkfifo(cpath(&m.join("t/e/fifo")).as_ptr(), 0o640), 0);
         let dev = libc::makedev(1, 3);
-        let r = libc::mknod(cpath(&m.join("t/e/null")).as_ptr(), libc::S_IFCHR | 0o600, dev);
+        let r = libc::mknod(
+            cpath(&m.join("t/e/null")).as_ptr(),
+            libc::S_IFCHR | 0o600,
+            dev,
+        );
         assert_eq!(r, 0);
     }
     use std::os::unix::fs::PermissionsExt;
@@ -234,7 +238,9 @@ impl Writer {
             let mut n = 0u64;
             let mut x = 12345u64 + l.lock().unwrap().len() as u64;
             while !s.load(Ordering::Acquire) {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let b = (x >> 33) % BLOCKS;
                 let v = l.lock().unwrap().get(&b).copied().unwrap_or(0) + 1;
                 f.write_all_at(&block(b, v), b * 4096)
@@ -274,7 +280,10 @@ fn wait_rebuilt(v: &Vol, brick: &str, secs: u64) -> Vec<String> {
     let mut seen = Vec::new();
     loop {
         let st = v.status();
-        let rebuilds = st["heal"]["rebuilds"].as_array().cloned().unwrap_or_default();
+        let rebuilds = st["heal"]["rebuilds"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         for r in &rebuilds {
             let line = format!(
                 "{} of {} names, {} of {} bytes, done {}",
@@ -314,7 +323,12 @@ fn assert_same(bricks: &[&Path]) {
                 b.display()
             );
         }
-        assert_eq!(first.len(), other.len(), "{} holds other names", b.display());
+        assert_eq!(
+            first.len(),
+            other.len(),
+            "{} holds other names",
+            b.display()
+        );
     }
     // The writer's image: the same bytes everywhere.
     let img = |b: &Path| std::fs::read(b.join("w/img")).unwrap();
@@ -340,7 +354,14 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
     let b: Vec<PathBuf> = (0..4).map(|i| tmp.path().join(format!("b{i}"))).collect();
     let spec = |p: &Path| format!("127.0.0.1:{}", p.display());
     v.mgmt(&[
-        "volume", "create", "rv", "replica", "3", &spec(&b[0]), &spec(&b[1]), &spec(&b[2]),
+        "volume",
+        "create",
+        "rv",
+        "replica",
+        "3",
+        &spec(&b[0]),
+        &spec(&b[1]),
+        &spec(&b[2]),
     ]);
     v.mgmt(&["volume", "start", "rv"]);
     for d in &b[..3] {
@@ -410,9 +431,20 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
     // SAFETY: as above.
     unsafe { libc::kill(brick_pid(&v, 1), libc::SIGKILL) };
     let mut c = kiln();
-    c.args(["volume", "start", "rv", "force", "--server", &v.kd.addr, "--state-dir"])
-        .arg(&v.state);
+    c.args([
+        "volume",
+        "start",
+        "rv",
+        "force",
+        "--server",
+        &v.kd.addr,
+        "--state-dir",
+    ])
+    .arg(&v.state);
     let out = c.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("volume id 0000"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("volume id 0000"),
+        "{err}"
+    );
 }

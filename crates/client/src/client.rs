@@ -242,7 +242,9 @@ impl Client {
         tracing::debug!(server = %hello.server, "connected to {addr}");
         if hello.flags & kiln_proto::ops::HELLO_NEW_BRICK != 0 {
             tracing::info!("{addr} is a new brick: no reads from it until it is rebuilt");
-            client.joining.store(true, std::sync::atomic::Ordering::SeqCst);
+            client
+                .joining
+                .store(true, std::sync::atomic::Ordering::SeqCst);
         }
         if hello.auth_required {
             let Some(secret) = secret else {

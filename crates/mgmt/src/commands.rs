@@ -98,7 +98,10 @@ impl Manager {
 
     /// Parses `specs` and refuses a brick given twice, bricks that nest, and a brick that
     /// overlaps a brick of another volume; returns the bricks and their hosts' addresses.
-    pub(crate) fn check_bricks(&self, specs: &[String]) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
+    pub(crate) fn check_bricks(
+        &self,
+        specs: &[String],
+    ) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
         let mut bricks = Vec::new();
         let mut ips = Vec::new();
         for s in specs {

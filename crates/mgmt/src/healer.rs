@@ -53,8 +53,7 @@ pub fn start(manager: Arc<Manager>, every: Duration) {
 
 fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Client>) {
     let healer = manager.healer();
-    let ports: Vec<(String, Option<u16>)> =
-        def.bricks.iter().map(|b| (b.spec(), b.port)).collect();
+    let ports: Vec<(String, Option<u16>)> = def.bricks.iter().map(|b| (b.spec(), b.port)).collect();
     let stale = clients
         .get(&def.name)
         .is_none_or(|c| c.id != def.id || c.ports != ports);

@@ -94,7 +94,11 @@ impl Healer {
              # TYPE kiln_heal_backlog_files gauge"
         );
         for (vol, v) in &views {
-            let _ = writeln!(out, "kiln_heal_backlog_files{{volume=\"{vol}\"}} {}", v.backlog);
+            let _ = writeln!(
+                out,
+                "kiln_heal_backlog_files{{volume=\"{vol}\"}} {}",
+                v.backlog
+            );
         }
         let _ = writeln!(
             out,
@@ -102,26 +106,48 @@ impl Healer {
              # TYPE kiln_heal_bytes_total counter"
         );
         for (vol, v) in &views {
-            let _ = writeln!(out, "kiln_heal_bytes_total{{volume=\"{vol}\"}} {}", v.healed_bytes);
+            let _ = writeln!(
+                out,
+                "kiln_heal_bytes_total{{volume=\"{vol}\"}} {}",
+                v.healed_bytes
+            );
         }
-        type Gauge = (&'static str, &'static str, fn(&kiln_layer::heal::Rebuild) -> f64);
+        type Gauge = (
+            &'static str,
+            &'static str,
+            fn(&kiln_layer::heal::Rebuild) -> f64,
+        );
         let gauges: [Gauge; 6] = [
-            ("kiln_rebuild_files", "Names on the member a new brick is rebuilt from.", |r| {
-                r.files_total as f64
-            }),
-            ("kiln_rebuild_files_done", "Names the new brick holds.", |r| {
-                r.files_done as f64
-            }),
-            ("kiln_rebuild_bytes", "File bytes on the member it is rebuilt from.", |r| {
-                r.bytes_total as f64
-            }),
-            ("kiln_rebuild_bytes_done", "File bytes the new brick holds.", |r| {
-                r.bytes_done as f64
-            }),
-            ("kiln_rebuild_rate_bytes", "Bytes copied per second by the rebuild.", |r| r.rate),
-            ("kiln_rebuild_eta_seconds", "Seconds the rebuild needs at that rate.", |r| {
-                r.eta.map_or(f64::NAN, |e| e as f64)
-            }),
+            (
+                "kiln_rebuild_files",
+                "Names on the member a new brick is rebuilt from.",
+                |r| r.files_total as f64,
+            ),
+            (
+                "kiln_rebuild_files_done",
+                "Names the new brick holds.",
+                |r| r.files_done as f64,
+            ),
+            (
+                "kiln_rebuild_bytes",
+                "File bytes on the member it is rebuilt from.",
+                |r| r.bytes_total as f64,
+            ),
+            (
+                "kiln_rebuild_bytes_done",
+                "File bytes the new brick holds.",
+                |r| r.bytes_done as f64,
+            ),
+            (
+                "kiln_rebuild_rate_bytes",
+                "Bytes copied per second by the rebuild.",
+                |r| r.rate,
+            ),
+            (
+                "kiln_rebuild_eta_seconds",
+                "Seconds the rebuild needs at that rate.",
+                |r| r.eta.map_or(f64::NAN, |e| e as f64),
+            ),
         ];
         for (name, help, get) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");

@@ -277,7 +277,9 @@ pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
                 format!("cannot load pending marks of {}: {e}", directory.display())
             })?;
             let m = match identity {
-                Some(id) => m.with_identity(id.clone(), *adopt).map_err(|e| e.to_string())?,
+                Some(id) => m
+                    .with_identity(id.clone(), *adopt)
+                    .map_err(|e| e.to_string())?,
                 None => m,
             };
             Ok(Arc::new(m))

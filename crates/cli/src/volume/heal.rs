@@ -27,7 +27,6 @@ pub(super) struct HealArgs {
     opts: MgmtOpts,
 }
 
-
 /// Prints the rebuilds' progress every two seconds until `done`.
 fn show_progress(board: &kiln_layer::heal::Board, done: &std::sync::atomic::AtomicBool) {
     let mut last = std::time::Instant::now();
@@ -75,9 +74,8 @@ fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String>
                 continue;
             }
             let leave = named && !k.joining();
-            kiln_layer::exec::block_on(heal::start_rebuild(r, t, leave)).map_err(|e| {
-                format!("cannot start a rebuild of {}: errno {e}", k.name())
-            })?;
+            kiln_layer::exec::block_on(heal::start_rebuild(r, t, leave))
+                .map_err(|e| format!("cannot start a rebuild of {}: errno {e}", k.name()))?;
             started += 1;
         }
     }
@@ -166,7 +164,6 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
         ))
     }
 }
-
 
 /// `heal NAME info`: the files behind, the bricks not asked, new bricks and their rebuilds.
 fn print_info(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String> {
@@ -279,4 +276,3 @@ pub(super) fn rebuild_text(r: &kiln_layer::heal::Rebuild) -> String {
         r.rate / 1e6
     )
 }
-

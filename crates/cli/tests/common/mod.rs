@@ -135,6 +135,15 @@ pub fn run(args: &[&str], env: &[(&str, &Path)]) -> Output {
     c.output().expect("run kiln")
 }
 
+/// Runs `kiln ARGS --server ADDR --state-dir STATE` against a management kilnd and returns
+/// stdout; panics with stderr on failure.
+pub fn mgmt_ok(kd: &Kilnd, state: &Path, args: &[&str]) -> String {
+    let mut a = args.to_vec();
+    a.extend(["--server", &kd.addr, "--state-dir"]);
+    a.push(state.to_str().unwrap());
+    ok(&a)
+}
+
 /// Runs `kiln ARGS` and returns stdout; panics with stderr on failure.
 pub fn ok(args: &[&str]) -> String {
     let out = run(args, &[]);

@@ -87,8 +87,7 @@ pub(super) fn write(root: &OwnedFd, id: &Identity) -> std::io::Result<()> {
         Ok(()) | Err(Errno::NOENT) => {}
         Err(e) => return Err(e.into()),
     }
-    let flags =
-        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let fd = rfs::openat(&state, FILE_NEW, flags, Mode::from_raw_mode(0o644))?;
     let mut f = std::fs::File::from(fd);
     f.write_all(id.text().as_bytes())?;

@@ -252,7 +252,10 @@ impl Marks {
                 Ok(joining(j))
             }
             Err(e) => {
-                tracing::error!("{}: cannot record the brick identity: {e}", self.dir.display());
+                tracing::error!(
+                    "{}: cannot record the brick identity: {e}",
+                    self.dir.display()
+                );
                 Err(crate::errno::EIO)
             }
         }

@@ -120,7 +120,9 @@ pub async fn start(r: &Replicate, target: usize, leave: bool) -> FopResult<()> {
         return Err(super::ENODATA);
     };
     if leave {
-        let req = MemberReq { op: m::MEMBER_LEAVE };
+        let req = MemberReq {
+            op: m::MEMBER_LEAVE,
+        };
         kids[target].member(&Ctx::NONE, "", &req).await?;
     }
     let flag = FlagMark {
@@ -186,14 +188,20 @@ async fn listed(kids: &[LayerRef], target: usize) -> Listed {
             out.other = None;
             continue;
         };
-        for t in root.targets.0.iter().filter(|t| t.target as usize == target) {
+        for t in root
+            .targets
+            .0
+            .iter()
+            .filter(|t| t.target as usize == target)
+        {
             if t.flags & m::REBUILD != 0 {
                 out.rebuild.push((*i, t.gen));
             }
         }
-        let more = index.entries.0.iter().any(|e| {
-            e.target as usize == target && !(e.path.is_empty() && e.flags == m::REBUILD)
-        });
+        let more =
+            index.entries.0.iter().any(|e| {
+                e.target as usize == target && !(e.path.is_empty() && e.flags == m::REBUILD)
+            });
         if more {
             out.other = out.other.map(|_| true);
         } else if index.more {
@@ -243,7 +251,11 @@ pub(super) async fn begin(r: &Replicate, board: &Board) -> Vec<usize> {
         }
         if listed(kids, t).await.rebuild.is_empty() {
             if let Err(e) = start(r, t, false).await {
-                tracing::warn!(set, brick = kids[t].name(), "cannot start a rebuild: errno {e}");
+                tracing::warn!(
+                    set,
+                    brick = kids[t].name(),
+                    "cannot start a rebuild: errno {e}"
+                );
                 continue;
             }
         }
@@ -324,7 +336,11 @@ pub(super) async fn finish(r: &Replicate, board: &Board) -> Vec<String> {
             // Refused (a new mark since): the next run clears it.
             let _ = kids[i].flag_clear_if(&Ctx::NONE, "", &v).await;
         }
-        tracing::info!(set, brick = kids[t].name(), "full rebuild finished: a member");
+        tracing::info!(
+            set,
+            brick = kids[t].name(),
+            "full rebuild finished: a member"
+        );
         board.update(set, t, |r| {
             r.done = true;
             r.files_done = r.files_total;

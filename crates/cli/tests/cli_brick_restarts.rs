@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::{kiln, mgmt_ok, BrickReaper, Kilnd};
+use common::{kill_brick_pid, kiln, mgmt_ok, wait_for, BrickReaper, Kilnd};
 
 /// A child process killed (and reaped) when dropped.
 struct Proc(Child);
@@ -140,14 +140,6 @@ impl Vol {
 }
 
 /// Polls `f` until it returns true or `secs` pass.
-fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// fio runs one after another until `stop`: each writes `size` at random 4 KiB blocks, then
 /// reads every block back and verifies it. Counts finished runs; returns the failures.
 struct FioLoop {
@@ -270,15 +262,7 @@ fn survive(tmp: &Path, v: &Vol, restarts: usize, restart: impl Fn(usize)) {
 }
 
 fn kill_brick(v: &Vol, i: usize) {
-    let pid = v.pid(i);
-    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    wait_for(10, "the killed brick to go", || {
-        !Path::new(&format!("/proc/{pid}/cmdline")).exists()
-            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .map(|s| s.contains(") Z"))
-                .unwrap_or(true)
-    });
+    kill_brick_pid(v.pid(i));
 }
 
 fn need_fio() {

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::{kiln, mgmt_ok, BrickReaper, Kilnd};
+use common::{kill_brick_pid, kiln, mgmt_ok, BrickReaper, Kilnd};
 
 /// The mount, unmounted (SIGTERM) when dropped.
 struct Mount(Child);
@@ -190,7 +190,7 @@ fn tree(brick: &Path) -> BTreeMap<String, String> {
             xattrs(&p)
         );
         if ft.is_dir() {
-            line += &format!(" mtime {}.{}", md.mtime(), md.mtime_nsec());
+            line += &format!(" mtime {}.{:09}", md.mtime(), md.mtime_nsec());
             for e in std::fs::read_dir(&p).unwrap().flatten() {
                 todo.push(e.path());
             }
@@ -199,7 +199,7 @@ fn tree(brick: &Path) -> BTreeMap<String, String> {
             let mut h = std::collections::hash_map::DefaultHasher::new();
             std::fs::read(&p).unwrap().hash(&mut h);
             line += &format!(
-                " size {} hash {:x} mtime {}.{}",
+                " size {} hash {:x} mtime {}.{:09}",
                 md.len(),
                 h.finish(),
                 md.mtime(),
@@ -309,18 +309,41 @@ fn wait_rebuilt(v: &Vol, brick: &str, secs: u64) -> Vec<String> {
     }
 }
 
-fn assert_same(bricks: &[&Path]) {
+/// A path's inode, birth, change and modification times (for a failure's message).
+fn detail(p: &Path) -> String {
+    match std::fs::symlink_metadata(p) {
+        Ok(md) => format!(
+            "{}: ino {} born {:?} ctime {}.{:09} mtime {}.{:09}",
+            p.display(),
+            md.ino(),
+            md.created().ok(),
+            md.ctime(),
+            md.ctime_nsec(),
+            md.mtime(),
+            md.mtime_nsec()
+        ),
+        Err(e) => format!("{}: {e}", p.display()),
+    }
+}
+
+fn assert_same(v: &Vol, bricks: &[&Path]) {
     let first = tree(bricks[0]);
     assert!(first.len() > 30, "the tree is there: {first:?}");
     for b in &bricks[1..] {
         let other = tree(b);
-        for (k, v) in &first {
+        for (k, want) in &first {
             assert_eq!(
                 other.get(k),
-                Some(v),
-                "{k} differs between {} and {}",
+                Some(want),
+                "{k} differs between {} and {}: {}; kilnd log:\n{}",
                 bricks[0].display(),
-                b.display()
+                b.display(),
+                bricks
+                    .iter()
+                    .map(|b| detail(&b.join(k)))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                v.kd.log_text()
             );
         }
         assert_eq!(
@@ -394,8 +417,7 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
 
     // 1. Brick 2 wiped (its identity too) and started again while the writer writes.
     let w = Writer::start(&img, last.clone());
-    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-    unsafe { libc::kill(brick_pid(&v, 2), libc::SIGKILL) };
+    kill_brick_pid(brick_pid(&v, 2));
     std::fs::remove_dir_all(&b[2]).unwrap();
     std::fs::create_dir(&b[2]).unwrap();
     v.mgmt(&["volume", "start", "rv", "force"]);
@@ -405,7 +427,7 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
     wait_rebuilt(&v, "the wiped brick (after the writer)", 60);
     assert!(b[2].join(".kiln/identity").exists(), "a member again");
     verify(&img, &last.lock().unwrap());
-    assert_same(&[&b[0], &b[1], &b[2]]);
+    assert_same(&v, &[&b[0], &b[1], &b[2]]);
     eprintln!("wiped brick: {writes} writes during the rebuild; progress {seen:?}");
 
     // 2. Brick 1 replaced by a new directory while the writer writes.
@@ -419,7 +441,7 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
     assert!(info.contains(&*b[3].to_string_lossy()), "{info}");
     assert!(!info.contains(&format!("{}\n", b[1].display())), "{info}");
     verify(&img, &last.lock().unwrap());
-    assert_same(&[&b[0], &b[2], &b[3]]);
+    assert_same(&v, &[&b[0], &b[2], &b[3]]);
     eprintln!("replaced brick: {writes} writes during the rebuild; progress {seen:?}");
 
     // A brick of another volume (a foreign identity) does not start in its place.
@@ -428,8 +450,7 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
         "kiln brick identity 1\nvolume-id 0000\nbrick 1\n",
     )
     .unwrap();
-    // SAFETY: as above.
-    unsafe { libc::kill(brick_pid(&v, 1), libc::SIGKILL) };
+    kill_brick_pid(brick_pid(&v, 1));
     let mut c = kiln();
     c.args([
         "volume",

@@ -5,14 +5,13 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
 
 use kiln_client::{block_on, mgmt, Volume};
 use kiln_layer::volfile::LayerKind;
 use serde_json::Value;
 
 mod common;
-use common::{fails, kiln, ok, BrickReaper, Kilnd};
+use common::{fails, kiln, ok, wait_for, BrickReaper, Kilnd};
 
 fn status(addr: &str, sd: &str, vol: &str) -> Value {
     let s = ok(&[
@@ -36,15 +35,6 @@ fn online(st: &Value) -> Vec<bool> {
         .iter()
         .map(|b| b["online"] == true)
         .collect()
-}
-
-/// Polls `f` until it returns true or `secs` pass.
-fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn pid_alive(pid: u64) -> bool {

@@ -32,7 +32,10 @@ impl Kilnd {
             .arg("--state-dir")
             .arg(state)
             .args(extra)
-            .env("KILN_LOG", "warn")
+            .env(
+                "KILN_LOG",
+                std::env::var("KILN_TEST_KILND_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -168,4 +171,28 @@ pub fn fails_env(args: &[&str], env: &[(&str, &Path)]) -> String {
 
 pub fn fails(args: &[&str]) -> String {
     fails_env(args, &[])
+}
+
+/// Polls `f` until it returns true or `secs` pass.
+pub fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills a brick process (`SIGKILL`) and waits until it is gone or a zombie: until then it
+/// may still hold its port, and kilnd would take it for running.
+pub fn kill_brick_pid(pid: i32) {
+    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_for(10, "the killed brick to go", || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(true)
+    });
 }

@@ -249,6 +249,22 @@ pub(super) async fn begin(r: &Replicate, board: &Board) -> Vec<usize> {
         if !kids[t].up() || !kids[t].joining() {
             continue;
         }
+        // A client learns that a brick joined only when it next asks (at most a second
+        // later): the brick itself is asked, so that a brick that just joined is not rebuilt
+        // again.
+        let ask = MemberReq { op: m::MEMBER_ASK };
+        match kids[t].member(&Ctx::NONE, "", &ask).await {
+            Ok(st) if st.joining == 0 => continue,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(
+                    set,
+                    brick = kids[t].name(),
+                    "cannot ask the brick: errno {e}"
+                );
+                continue;
+            }
+        }
         if listed(kids, t).await.rebuild.is_empty() {
             if let Err(e) = start(r, t, false).await {
                 tracing::warn!(

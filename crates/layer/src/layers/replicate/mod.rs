@@ -92,6 +92,18 @@ struct RepFd {
     state: Arc<FileState>,
 }
 
+/// The replicas on which `rfd`'s file is missing (a bit per replica).
+fn missing(rfd: &RepFd) -> u32 {
+    rfd.kids.iter().enumerate().fold(0, |b, (i, k)| {
+        let gone = matches!(*k.lock().unwrap_or_else(|e| e.into_inner()), ChildFd::Missing);
+        if gone {
+            b | bit(i)
+        } else {
+            b
+        }
+    })
+}
+
 /// The replicate layer.
 pub struct Replicate {
     name: String,
@@ -685,8 +697,12 @@ impl Layer for Replicate {
         let rfd = try_rep!(fd);
         Box::pin(async move {
             let len = data.len();
-            // Replicas behind for the file may become current for this range ([`current`]).
-            let behind = rfd.state.bad.load(Relaxed);
+            // Replicas behind for the file may become current for this range ([`current`]);
+            // not one without the file (a new brick before heal made it): it takes no write.
+            let mut behind = rfd.state.bad.load(Relaxed);
+            if behind != 0 {
+                behind &= !missing(rfd);
+            }
             let held = if behind != 0 {
                 self.held_marks(cx, &rfd.path, behind).await
             } else {

@@ -270,7 +270,6 @@ pub async fn run_with(
     for l in replicate_layers(top) {
         let r = rep(&l);
         let rebuilding = rebuild::begin(r, board).await;
-        let started = std::time::Instant::now();
         // Pages: what is healed is cleared, so the next look shows the rest.
         let mut seen = std::collections::HashSet::new();
         loop {
@@ -292,7 +291,7 @@ pub async fn run_with(
                         report.files += 1;
                         report.bytes += bytes;
                         if rebuilding.contains(&need.target) {
-                            rebuild::healed(board, &need, bytes, started);
+                            rebuild::healed(board, &need, bytes);
                         }
                         progress(&need, bytes);
                     }

@@ -55,11 +55,14 @@ pub struct Rebuild {
     pub eta: Option<u64>,
     /// True once it finished and the brick is a member.
     pub done: bool,
+    /// When this heal service began working on it.
+    #[serde(skip)]
+    started: Option<Instant>,
 }
 
 impl Rebuild {
-    fn tick(&mut self, started: Instant) {
-        let secs = started.elapsed().as_secs_f64();
+    fn tick(&mut self) {
+        let secs = self.started.map_or(0.0, |t| t.elapsed().as_secs_f64());
         if secs > 0.0 && self.bytes_moved > 0 {
             self.rate = self.bytes_moved as f64 / secs;
             let left = self.bytes_total.saturating_sub(self.bytes_done);
@@ -278,6 +281,17 @@ pub(super) async fn begin(r: &Replicate, board: &Board) -> Vec<usize> {
         let Some(src) = member_source(kids, t) else {
             continue;
         };
+        out.push(t);
+        // The trees are counted once per rebuild, not in every heal run.
+        let known = board
+            .rebuilds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|r| r.set == set && r.target == t && !r.done);
+        if known {
+            continue;
+        }
         let (files_total, bytes_total) = count(&kids[src]).await.unwrap_or_default();
         let (have_files, have_bytes) = count(&kids[t]).await.unwrap_or_default();
         board.put(Rebuild {
@@ -291,22 +305,23 @@ pub(super) async fn begin(r: &Replicate, board: &Board) -> Vec<usize> {
             since: SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            started: Some(Instant::now()),
             ..Default::default()
         });
-        out.push(t);
     }
     out
 }
 
 /// Counts a file healed on a brick being rebuilt.
-pub(super) fn healed(board: &Board, need: &Need, bytes: u64, started: Instant) {
+pub(super) fn healed(board: &Board, need: &Need, bytes: u64) {
     board.update(&need.set, need.target, |r| {
+        // Names and bytes made since the count may exceed it: done stops at the total.
         if need.entry {
-            r.files_done = (r.files_done + 1).min(r.files_total.max(r.files_done + 1));
+            r.files_done = (r.files_done + 1).min(r.files_total);
         }
         r.bytes_moved += bytes;
-        r.bytes_done = (r.bytes_done + bytes).min(r.bytes_total.max(r.bytes_done));
-        r.tick(started);
+        r.bytes_done = (r.bytes_done + bytes).min(r.bytes_total);
+        r.tick();
     });
 }
 

@@ -95,7 +95,10 @@ struct RepFd {
 /// The replicas on which `rfd`'s file is missing (a bit per replica).
 fn missing(rfd: &RepFd) -> u32 {
     rfd.kids.iter().enumerate().fold(0, |b, (i, k)| {
-        let gone = matches!(*k.lock().unwrap_or_else(|e| e.into_inner()), ChildFd::Missing);
+        let gone = matches!(
+            *k.lock().unwrap_or_else(|e| e.into_inner()),
+            ChildFd::Missing
+        );
         if gone {
             b | bit(i)
         } else {

@@ -287,6 +287,32 @@ impl ProtocolClient {
         }
     }
 
+    /// Sends a WRITE or WRITE_MARKED (`args` with the handle number left 0) with `data` as
+    /// the payload; the reply hands the memory back.
+    fn send_write<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        op: Op,
+        args: Vec<u8>,
+        data: IoBufs,
+    ) -> Fut<'a, Written> {
+        let rfd = try_fut!(self.remote(fd));
+        try_fut!(check_len(data.len()));
+        let mut req = self.request(cx, op, args, Some(rfd));
+        req.shape = Shape::Write;
+        let f = self.send(cx, req, Some(Box::new(data.into_parts())));
+        Box::pin(async move {
+            let mut c = f.await?;
+            let bufs = take_back(&mut c);
+            let r = c.result?;
+            let n = WriteReply::from_wire(&r.args)
+                .map_err(|_| errno::EPROTO)?
+                .written as usize;
+            Ok(Written { n, bufs })
+        })
+    }
+
     fn request<'a>(
         &self,
         cx: &Ctx,
@@ -795,21 +821,25 @@ impl Layer for ProtocolClient {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
-        let rfd = try_fut!(self.remote(fd));
-        try_fut!(check_len(data.len()));
         let args = WriteReq { fh: 0, offset }.to_wire();
-        let mut req = self.request(cx, Op::Write, args, Some(rfd));
-        req.shape = Shape::Write;
-        let f = self.send(cx, req, Some(Box::new(data.into_parts())));
-        Box::pin(async move {
-            let mut c = f.await?;
-            let bufs = take_back(&mut c);
-            let r = c.result?;
-            let n = WriteReply::from_wire(&r.args)
-                .map_err(|_| errno::EPROTO)?
-                .written as usize;
-            Ok(Written { n, bufs })
-        })
+        self.send_write(cx, fd, Op::Write, args, data)
+    }
+
+    fn write_marked<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        offset: u64,
+        data: IoBufs,
+        missed: u32,
+    ) -> Fut<'a, Written> {
+        let args = WriteMarkedReq {
+            fh: 0,
+            offset,
+            missed,
+        }
+        .to_wire();
+        self.send_write(cx, fd, Op::WriteMarked, args, data)
     }
 
     fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {

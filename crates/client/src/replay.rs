@@ -7,7 +7,7 @@
 //!
 //! | fops | repeated as | an answer that means "the first one did it" |
 //! |---|---|---|
-//! | read, write (at an offset), fsync, fstat, fsetattr, setattr, truncate, fallocate, discard, lookup, open, readdir, readlink, getxattr, listxattr, statfs, marks added, pending | the same request (idempotent) | — |
+//! | read, write (at an offset, marked or not), fsync, fstat, fsetattr, setattr, truncate, fallocate, discard, lookup, open, readdir, readlink, getxattr, listxattr, statfs, marks added, pending | the same request (idempotent) | — |
 //! | unlink, rmdir, rename | the same request | `ENOENT` (the name is already gone) |
 //! | removexattr | the same request | `ENODATA` |
 //! | setxattr | the same request | `EEXIST` (with `XATTR_CREATE`) |
@@ -58,7 +58,7 @@ pub fn takes_handle(op: Op) -> bool {
     use Op::*;
     matches!(
         op,
-        Read | Write | Fsync | Release | Fstat | Fsetattr | Fallocate | Discard
+        Read | Write | WriteMarked | Fsync | Release | Fstat | Fsetattr | Fallocate | Discard
     )
 }
 

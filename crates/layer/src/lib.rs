@@ -266,6 +266,8 @@ macro_rules! __fops_with_control {
             (release, Release, (fd: $crate::Fd), ())
             (read, Read, (fd: &'a $crate::Fd, offset: u64, dst: $crate::ReadDst), $crate::ReadOut)
             (write, Write, (fd: &'a $crate::Fd, offset: u64, data: $crate::IoBufs), $crate::Written)
+            (write_marked, WriteMarked,
+                (fd: &'a $crate::Fd, offset: u64, data: $crate::IoBufs, missed: u32), $crate::Written)
             (readdir, Readdir, (path: &'a str, offset: u64, max: u32), $crate::ReaddirReply)
             (setxattr, Setxattr, (path: &'a str, name: &'a str, value: &'a [u8], flags: u32), ())
             (listxattr, Listxattr, (path: &'a str), Vec<String>)

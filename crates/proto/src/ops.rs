@@ -125,6 +125,10 @@ ops! {
     /// Replication control: whether the brick is new to its volume (not yet rebuilt), and
     /// heal's word that a rebuild finished (or that a brick must be rebuilt).
     Member = 44,
+    /// Write the request's payload to a handle, then record on this brick that the replicas
+    /// in `missed` lack the bytes written (a replica's miss recorded in the same step as the
+    /// write, not in a round trip after it).
+    WriteMarked = 45,
 }
 
 impl Op {
@@ -240,6 +244,9 @@ wire_struct! {
     pub struct WriteReq { pub fh: u64, pub offset: u64 }
     /// Write reply.
     pub struct WriteReply { pub written: u32 }
+    /// Write-marked request: a write, and the replicas (a bit each, by index in their set)
+    /// that miss it. The reply is a [`WriteReply`].
+    pub struct WriteMarkedReq { pub fh: u64, pub offset: u64, pub missed: u32 }
     /// Fsync request.
     pub struct FsyncReq { pub fh: u64, pub datasync: bool }
 

@@ -164,7 +164,9 @@ impl IoStatsData {
         }
         match op {
             Op::Read if ok => self.read_sizes[bucket(bytes)].fetch_add(1, Relaxed),
-            Op::Write if ok => self.write_sizes[bucket(bytes)].fetch_add(1, Relaxed),
+            Op::Write | Op::WriteMarked if ok => {
+                self.write_sizes[bucket(bytes)].fetch_add(1, Relaxed)
+            }
             _ => 0,
         };
         let mut h = s.lat.lock().unwrap_or_else(|e| e.into_inner());
@@ -249,7 +251,7 @@ fn period(now: &Raw, base: Option<&Raw>, duration_s: f64) -> Period {
         let bytes = sub(&now.bytes, base.map(|b| &b.bytes), i);
         match op {
             Op::Read => data_read = bytes,
-            Op::Write => data_written = bytes,
+            Op::Write | Op::WriteMarked => data_written += bytes,
             _ => {}
         }
         let mut h = now.lat[i].clone().unwrap_or_else(new_hist);

@@ -49,7 +49,7 @@ impl Conn {
                 })
             }
             Op::Read => self.read(stack, args, cx),
-            Op::Write => self.write(stack, args, payload, cx),
+            Op::Write | Op::WriteMarked => self.write(stack, op, args, payload, cx),
             Op::Release => {
                 let fh = HandleReq::from_wire(args)?.fh;
                 let fd = self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
@@ -119,15 +119,37 @@ impl Conn {
         })))
     }
 
-    /// WRITE: the payload was received straight into the buffer written from.
-    fn write(&self, stack: LayerRef, args: &[u8], payload: Vec<u8>, cx: Ctx) -> Result<Step, Fail> {
-        let req = WriteReq::from_wire(args)?;
+    /// WRITE and WRITE_MARKED: the payload was received straight into the buffer written
+    /// from.
+    fn write(
+        &self,
+        stack: LayerRef,
+        op: Op,
+        args: &[u8],
+        payload: Vec<u8>,
+        cx: Ctx,
+    ) -> Result<Step, Fail> {
+        let req = if op == Op::WriteMarked {
+            WriteMarkedReq::from_wire(args)?
+        } else {
+            let w = WriteReq::from_wire(args)?;
+            WriteMarkedReq {
+                fh: w.fh,
+                offset: w.offset,
+                missed: 0,
+            }
+        };
         let fd = self.handle(req.fh)?;
         let stats = self.stats.clone();
         Ok(Step::Stack(Box::pin(async move {
-            let w = stack
-                .write(&cx, &fd, req.offset, IoBufs::owned(vec![payload]))
-                .await?;
+            let data = IoBufs::owned(vec![payload]);
+            let w = if op == Op::WriteMarked {
+                stack
+                    .write_marked(&cx, &fd, req.offset, data, req.missed)
+                    .await?
+            } else {
+                stack.write(&cx, &fd, req.offset, data).await?
+            };
             stats.add_written(w.n);
             let r = WriteReply {
                 written: w.n as u32,

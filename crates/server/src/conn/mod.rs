@@ -610,7 +610,8 @@ impl Conn {
         self.inflight += 1;
         let id = inc.hdr.request_id.get();
         let opcode = inc.hdr.opcode.get();
-        self.small_run = if opcode == Op::Write as u16 {
+        let writes = [Op::Write as u16, Op::WriteMarked as u16];
+        self.small_run = if writes.contains(&opcode) {
             0
         } else {
             self.small_run.saturating_add(1)
@@ -637,7 +638,7 @@ impl Conn {
             self.closing = true;
             return self.push(OutReply::new(opcode, id, Err(errno::EACCES)));
         }
-        if op != Op::Write && inc.payload_len != 0 {
+        if !matches!(op, Op::Write | Op::WriteMarked) && inc.payload_len != 0 {
             tracing::warn!(op = op.name(), "payload on a fop that takes none");
             self.stats
                 .bad_frames

@@ -28,14 +28,14 @@ impl Layer for Marks {
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
             let inner = self.child().open(cx, path, flags).await?;
-            Ok(Fd::new(MarkFd::new(self.key(path), inner, false)))
+            Ok(Fd::new(MarkFd::new(self.key(path), inner, false, path)))
         })
     }
 
     fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
             let inner = self.child().open(cx, path, flags).await?;
-            Ok(Fd::new(MarkFd::new(self.key(path), inner, true)))
+            Ok(Fd::new(MarkFd::new(self.key(path), inner, true, path)))
         })
     }
 
@@ -100,7 +100,10 @@ impl Layer for Marks {
                     self.child().create(cx, path, flags, mode)
                 })
                 .await?;
-            Ok((Fd::new(MarkFd::new(self.key(path), inner, false)), attr))
+            Ok((
+                Fd::new(MarkFd::new(self.key(path), inner, false, path)),
+                attr,
+            ))
         })
     }
 
@@ -148,6 +151,35 @@ impl Layer for Marks {
         let (start, end) = span(offset, data.len() as u64);
         self.gated(cx, fd, start, end, move |inner| {
             self.child().write(cx, inner, offset, data)
+        })
+    }
+
+    fn write_marked<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        offset: u64,
+        data: IoBufs,
+        missed: u32,
+    ) -> Fut<'a, Written> {
+        let f = match unwrap(fd) {
+            Ok(f) if !f.heal => f,
+            Ok(_) => return fail(crate::errno::EINVAL),
+            Err(e) => return fail(e),
+        };
+        let len = data.len() as u64;
+        Box::pin(async move {
+            let w = self.write(cx, fd, offset, data).await?;
+            // The replicas that missed the write miss all of it, whatever this one took: as
+            // a MARK_ADD after the write would record.
+            let ops: Vec<(u8, &str, u32, u64, u64)> = (0..u32::BITS)
+                .filter(|t| missed & (1 << t) != 0)
+                .map(|t| (b'A', f.path.as_str(), t, offset, len))
+                .collect();
+            if len > 0 && !ops.is_empty() {
+                self.apply(&ops)?;
+            }
+            Ok(w)
         })
     }
 

@@ -132,14 +132,21 @@ struct MarkFd {
     inner: Fd,
     /// Opened with `heal_open`: writes are heal's.
     heal: bool,
+    /// The path it was opened by (where a write's misses are recorded).
+    path: String,
 }
 
 impl MarkFd {
-    fn new(key: Arc<FileKey>, inner: Fd, heal: bool) -> MarkFd {
+    fn new(key: Arc<FileKey>, inner: Fd, heal: bool, path: &str) -> MarkFd {
         if !heal {
             key.state().clients += 1;
         }
-        MarkFd { key, inner, heal }
+        MarkFd {
+            key,
+            inner,
+            heal,
+            path: path.to_owned(),
+        }
     }
 }
 

@@ -279,3 +279,44 @@ fn a_pending_page_shares_its_room_and_says_where_it_cut() {
     assert_eq!(t0.cut, n * 32, "the first range not listed");
     assert_eq!((t1.ranges.0.len(), t1.cut), (3, m::WHOLE));
 }
+
+#[test]
+fn a_write_marked_records_the_misses_of_all_it_was_asked_to_write() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let c = cx(1);
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+        let data = IoBufs::owned(vec![vec![b'w'; 8 * K as usize]]);
+        let w = l.write_marked(&c, &fd, 4 * K, data, 0b101).await.unwrap();
+        assert_eq!(w.n as u64, 8 * K);
+        assert_eq!(
+            std::fs::read(root.path().join("f")).unwrap()[4 * K as usize..],
+            vec![b'w'; 8 * K as usize][..],
+            "the bytes are written"
+        );
+        let p = l.pending_page("f");
+        let got: Vec<(u32, Vec<(u64, u64)>)> = p
+            .targets
+            .0
+            .iter()
+            .map(|t| {
+                (
+                    t.target,
+                    t.ranges.0.iter().map(|r| (r.offset, r.len)).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![(0, vec![(4 * K, 8 * K)]), (2, vec![(4 * K, 8 * K)])],
+            "replicas 0 and 2 miss the range, replica 1 does not"
+        );
+        // Through a heal handle a write is heal's: it records no client's misses.
+        let hfd = l.heal_open(&c, "f", libc::O_WRONLY as u32).await.unwrap();
+        let data = IoBufs::owned(vec![vec![b'h'; 16]]);
+        let r = l.write_marked(&c, &hfd, 0, data, 1).await;
+        assert_eq!(r.map(|w| w.n), Err(crate::errno::EINVAL));
+    });
+}

@@ -24,6 +24,12 @@
 //! | `heal_open`      | open flags   | a handle       | a handle whose writes are heal's (below)   |
 //! | `member`         | [`MemberReq`]| [`MemberState`]| is the brick new (no identity)? heal makes it a member after a full rebuild, or new again |
 //!
+//! One data fop carries marks too: `write_marked` is a write that, done, records that the
+//! replicas in its `missed` bits missed all of it — what a `mark_add` after the write would
+//! say, without its round trip. The replicate layer sends it when it knows before writing that
+//! a replica will miss the write: the file is missing there (a new brick before heal made
+//! it, or a create it missed), so each write reaches the others as one request.
+//!
 //! **Entry and metadata marks** ("flags", per path and target, beside the byte ranges):
 //! [`ENTRY`] on a path says the target missed a change of the *name* — it was created (file,
 //! directory, symlink, hard link), removed, or renamed from or to — so the target may hold

@@ -127,6 +127,9 @@ struct Miss<'a> {
     flags: u32,
     /// Another path flagged the same (a rename's new name).
     also: Option<&'a str>,
+    /// Replicas (a bit each) whose miss every replica that took the change recorded with
+    /// it (a write-marked): not marked again.
+    marked: u32,
 }
 
 impl Miss<'_> {
@@ -153,7 +156,7 @@ impl Miss<'_> {
             } else {
                 0
             },
-            also: None,
+            ..Default::default()
         }
     }
 }
@@ -359,7 +362,8 @@ impl Replicate {
                 s.bad
                     .fetch_or(missed.iter().fold(0, |b, i| b | bit(*i)), Relaxed);
             }
-            if miss.range.is_some() || miss.flags != 0 {
+            missed.retain(|i| miss.marked & bit(*i) == 0);
+            if !missed.is_empty() && (miss.range.is_some() || miss.flags != 0) {
                 self.mark(cx, path, &ok, &missed, miss).await?;
             }
         }
@@ -577,7 +581,7 @@ fn create_miss() -> Miss<'static> {
     Miss {
         range: Some((0, m::WHOLE)),
         flags: m::ENTRY,
-        also: None,
+        ..Default::default()
     }
 }
 
@@ -703,9 +707,8 @@ impl Layer for Replicate {
             // Replicas behind for the file may become current for this range ([`current`]);
             // not one without the file (a new brick before heal made it): it takes no write.
             let mut behind = rfd.state.bad.load(Relaxed);
-            if behind != 0 {
-                behind &= !missing(rfd);
-            }
+            let gone = if behind != 0 { missing(rfd) } else { 0 };
+            behind &= !gone;
             let held = if behind != 0 {
                 self.held_marks(cx, &rfd.path, behind).await
             } else {
@@ -713,10 +716,16 @@ impl Layer for Replicate {
             };
             let shared = Shared::new(data);
             let sh = &shared;
+            // Where the file is missing the write cannot go: the replicas that take it
+            // record that miss with the write, not in a round trip after it.
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Written> {
                 let k = k.clone();
                 let b = sh.share();
-                Box::pin(async move { k.write(cx, &fd, offset, b).await })
+                if gone != 0 {
+                    Box::pin(async move { k.write_marked(cx, &fd, offset, b, gone).await })
+                } else {
+                    Box::pin(async move { k.write(cx, &fd, offset, b).await })
+                }
             };
             let res = self.fan_out(cx, rfd, &op).await;
             let n = res
@@ -736,14 +745,12 @@ impl Layer for Replicate {
                     })
                 })
                 .collect();
-            self.settle(
-                cx,
-                &rfd.path,
-                Some(&rfd.state),
-                &res,
-                Miss::bytes(offset, len as u64),
-            )
-            .await?;
+            let miss = Miss {
+                marked: gone,
+                ..Miss::bytes(offset, len as u64)
+            };
+            self.settle(cx, &rfd.path, Some(&rfd.state), &res, miss)
+                .await?;
             if !held.is_empty() && n == len {
                 let took = res
                     .iter()

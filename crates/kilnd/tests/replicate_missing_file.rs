@@ -71,10 +71,10 @@ fn a_write_to_a_file_a_replica_lacks_records_the_miss_in_the_same_request() {
         let (r, _) = block_on(vol.pwritev(&fd, vec![vec![k as u8 + 2; 4096]], k * 8192));
         assert_eq!(r.expect("a write with a replica lacking the file"), 4096);
     }
-    for i in 0..2 {
+    for (i, was) in before.iter().enumerate().take(2) {
         let s = format!("stats-{i}");
         let now = [Op::Write, Op::WriteMarked, Op::MarkAdd].map(|op| calls(&s, op));
-        let d: Vec<u64> = now.iter().zip(before[i]).map(|(a, b)| a - b).collect();
+        let d: Vec<u64> = now.iter().zip(was).map(|(a, b)| a - b).collect();
         assert_eq!(
             d,
             vec![0, writes, 0],

@@ -395,7 +395,21 @@ fn heal_copies_only_from_a_replica_that_is_current() {
     assert_eq!(report.files, 0, "{report:?}");
     assert_eq!(report.left, 2, "{report:?}");
     assert_eq!(report.errors.len(), 2, "{report:?}");
-    assert!(bricks[0].file("two.raw") == on0, "replica 0 was copied to");
+    // Replica 0 may take the chunks replica 1 is current for, never the range no replica
+    // that is up is current for; replica 1 takes nothing (replica 0 is behind everywhere).
+    let r0 = bricks[0].file("two.raw");
+    let contested = 64 << 10..128 << 10;
+    assert!(
+        r0[contested.clone()] == on0[contested],
+        "replica 0 took bytes no current replica had"
+    );
+    assert!(
+        r0.iter()
+            .zip(&on0)
+            .zip(&newer)
+            .all(|((g, a), b)| g == a || g == b),
+        "replica 0 holds bytes that are neither its own nor the current ones"
+    );
     assert!(bricks[1].file("two.raw") == on1, "replica 1 was copied to");
 
     bricks[2].start();

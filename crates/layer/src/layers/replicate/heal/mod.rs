@@ -97,8 +97,9 @@ const ENODATA: Errno = 61;
 /// Timed out: the session on the target lapsed (heal stalled for a lease).
 const ETIMEDOUT: Errno = 110;
 
-/// Most bytes copied under one lock.
-pub const CHUNK: u64 = 1 << 20;
+/// Most bytes copied under one lock: small enough that a client write to the chunk, or a
+/// read queued behind heal's on the source, waits little (see [`DUTY`]).
+pub const CHUNK: u64 = 1 << 17;
 
 /// How long heal waits, after it began a session on a file that clients have open on the
 /// target, before it copies: see the module documentation.
@@ -334,12 +335,13 @@ async fn sleep(d: Duration) {
 }
 
 /// Share of the time heal works while clients may be waiting: after each step that held
-/// clients' changes back (a chunk copied, a name healed under its lock) heal rests as long
-/// again, so clients' requests queued behind it drain before the next. `bench/rebuild.py`
-/// measured clients' p99 during a rebuild at 2.1× (reads) and 3.6× (writes) their idle
-/// value; at 0.25 not better (2.4×, 4.7×) and the rebuild half as fast: what costs writes is
-/// marking the misses on the new brick, not the copy (`bench/README.md`).
-pub const DUTY: f64 = 0.5;
+/// clients' changes back (a chunk copied, a name healed under its lock) heal rests one and a
+/// half times as long, so clients' requests queued behind it drain before the next.
+/// `bench/rebuild.py` (fio 4 KiB randrw QD1 during a rebuild, against idle): with 1 MiB chunks
+/// and 0.5, client p99 was 2.7x (reads) and 2.4x (writes) idle; with [`CHUNK`] 128 KiB and
+/// 0.4, 1.4x and 1.3x, at 91 MB/s of rebuild on the shared 2-core machine
+/// (`bench/README.md`).
+pub const DUTY: f64 = 0.4;
 
 /// Rests after a step of heal that took `worked` (see [`DUTY`]).
 async fn rest(worked: Duration) {

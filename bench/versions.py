@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Two builds of kiln, side by side on the same jobs: is the data path slower (or faster)?
 
-Runs `kiln bench` (which starts its own brick server from the same binary) for three jobs —
-4k random read at iodepth 1 (p50 latency), 4k random read at iodepth 32 (IOPS) and 128k
-sequential read at iodepth 32 (MB/s) — with the OLD and the NEW binary, alternating which goes
+Runs `kiln bench` (which starts its own brick servers from the same binary) for five jobs —
+4k random read at iodepth 1 (p50 latency), 4k random read at iodepth 32 (IOPS), 128k
+sequential read at iodepth 32 (MB/s), and over a replica-3 volume 4k random write at iodepth
+1 (p50 latency) and 128k sequential write at iodepth 32 (MB/s) — with the OLD and the NEW binary, alternating which goes
 first each repetition, and prints one JSON object per run and a summary last: the medians of
 each side and NEW/OLD ratios (for latency, OLD/NEW, so above 1 is better either way).
 
@@ -29,6 +30,13 @@ JOBS = [
     ("randread 4k qd32 IOPS", ["--rw", "randread", "--bs", "4k", "--iodepth", "32"],
      lambda r: r["iops"], True),
     ("read 128k qd32 MB/s", ["--rw", "read", "--bs", "128k", "--iodepth", "32"],
+     lambda r: r["mb_s"], True),
+    # The replicated write path: three bricks with the replica stack, every write to all.
+    ("replica-3 randwrite 4k qd1 p50 us",
+     ["--replica", "3", "--rw", "randwrite", "--bs", "4k", "--iodepth", "1"],
+     lambda r: r["lat_us"]["p50"], False),
+    ("replica-3 write 128k qd32 MB/s",
+     ["--replica", "3", "--rw", "write", "--bs", "128k", "--iodepth", "32"],
      lambda r: r["mb_s"], True),
 ]
 

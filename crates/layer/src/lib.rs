@@ -431,6 +431,16 @@ macro_rules! declare_layer {
                 None
             }
 
+            /// The client connection `owner` (a brick's [`Ctx::owner`]) ended, with or without
+            /// releasing its handles: a layer that keeps per-connection state may keep what
+            /// the connection left half done ([`marks`]: suspect ranges). Called before its
+            /// leftover handles are released; the default tells the children.
+            fn hangup(&self, owner: u64) {
+                for c in self.children() {
+                    c.hangup(owner);
+                }
+            }
+
             $(
                 #[doc = concat!("The `", stringify!($name), "` fop.")]
                 fn $name<'a>(&'a self, cx: &'a Ctx, $($arg: $ty),*) -> Fut<'a, $ret> {

@@ -259,7 +259,10 @@ impl Drop for Conn {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.conn_id);
-        // Tell the stack about handles the client never released.
+        // First what the connection may have left half done (a client killed mid-write),
+        // while its handles still say what it was changing; then the handles it never
+        // released.
+        self.stack.hangup(self.conn_id);
         for (_, fd) in self.handles.drain() {
             let stack = self.stack.clone();
             kiln_layer::exec::spawn(async move {

@@ -27,15 +27,30 @@ impl Layer for Marks {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
+            if flags & libc::O_TRUNC as u32 != 0 {
+                self.note_names(cx.owner, path, None);
+            }
             let inner = self.child().open(cx, path, flags).await?;
-            Ok(Fd::new(MarkFd::new(self.key(path), inner, false, path)))
+            Ok(Fd::new(MarkFd::new(
+                self.key(path),
+                inner,
+                false,
+                path,
+                cx.owner,
+            )))
         })
     }
 
     fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
             let inner = self.child().open(cx, path, flags).await?;
-            Ok(Fd::new(MarkFd::new(self.key(path), inner, true, path)))
+            Ok(Fd::new(MarkFd::new(
+                self.key(path),
+                inner,
+                true,
+                path,
+                cx.owner,
+            )))
         })
     }
 
@@ -87,6 +102,10 @@ impl Layer for Marks {
         self.joining.load(std::sync::atomic::Ordering::SeqCst)
     }
 
+    fn hangup(&self, owner: u64) {
+        self.suspect_leftovers(owner);
+    }
+
     fn create<'a>(
         &'a self,
         cx: &'a Ctx,
@@ -101,7 +120,7 @@ impl Layer for Marks {
                 })
                 .await?;
             Ok((
-                Fd::new(MarkFd::new(self.key(path), inner, false, path)),
+                Fd::new(MarkFd::new(self.key(path), inner, false, path, cx.owner)),
                 attr,
             ))
         })
@@ -217,6 +236,7 @@ impl Layer for Marks {
         }
         match unwrap(fd) {
             Ok(f) if !f.heal => Box::pin(async move {
+                self.note_names(cx.owner, &f.path, None);
                 let id = Marks::enter_ns(&f.key, cx.owner).await;
                 let _in = Entered { key: &f.key, id };
                 self.child().fsetattr(cx, &f.inner, attrs).await
@@ -233,6 +253,8 @@ impl Layer for Marks {
             });
         }
         Box::pin(async move {
+            // A size change by name: heal compares the sizes if the connection dies.
+            self.note_names(cx.owner, path, None);
             let key = self.key(path);
             let id = Marks::enter(&key, cx.owner, attrs.size, u64::MAX).await;
             let r = self.child().setattr(cx, path, attrs).await;

@@ -111,14 +111,27 @@ impl Marks {
     /// written by another connection's heal), then registers a client change in flight there
     /// and records it in the file's heal sessions. Returns its id.
     pub(super) async fn enter(key: &FileKey, owner: u64, start: u64, end: u64) -> u64 {
-        Marks::enter_as(key, owner, start, end, true).await
+        Marks::enter_as(key, owner, start, end, true, None).await
+    }
+
+    /// [`Marks::enter`] for a change through a client handle (`fd`, the id and connection of
+    /// its [`MarkFd`]), which also adds the range to the handle's recent changes
+    /// ([`super::recent`]) under the same mutex.
+    pub(super) async fn enter_fd(
+        key: &FileKey,
+        owner: u64,
+        fd: (u64, u64),
+        start: u64,
+        end: u64,
+    ) -> u64 {
+        Marks::enter_as(key, owner, start, end, true, Some(fd)).await
     }
 
     /// A change of a name or of attributes (no bytes): waits for heal's locks on the path
     /// and registers in flight (so a lock waits for it), but is not a data change a heal
     /// session should keep its bytes for.
     pub(super) async fn enter_ns(key: &FileKey, owner: u64) -> u64 {
-        Marks::enter_as(key, owner, 0, u64::MAX, false).await
+        Marks::enter_as(key, owner, 0, u64::MAX, false, None).await
     }
 
     pub(super) async fn enter_as(
@@ -127,6 +140,7 @@ impl Marks {
         start: u64,
         end: u64,
         record: bool,
+        fd: Option<(u64, u64)>,
     ) -> u64 {
         loop {
             let notified = key.changed.notified();
@@ -167,6 +181,9 @@ impl Marks {
                             for s in st.sessions.iter_mut().filter(|s| s.owner != owner) {
                                 s.written.add(start, len_of(start, end));
                             }
+                        }
+                        if let Some((fd, fd_owner)) = fd {
+                            super::recent::note(&mut st, fd, fd_owner, start, end);
                         }
                         return id;
                     }
@@ -262,7 +279,7 @@ impl Marks {
             Err(e) => return fail(e),
         };
         Box::pin(async move {
-            let id = Marks::enter(&mfd.key, cx.owner, start, end).await;
+            let id = Marks::enter_fd(&mfd.key, cx.owner, (mfd.id, mfd.owner), start, end).await;
             let _in = Entered { key: &mfd.key, id };
             call(&mfd.inner).await
         })
@@ -278,6 +295,7 @@ impl Marks {
         also: Option<&'a str>,
         call: impl FnOnce() -> Fut<'a, T> + Send + 'a,
     ) -> Fut<'a, T> {
+        self.note_names(cx.owner, path, also);
         Box::pin(async move {
             let key = self.key(path);
             let other = also.map(|p| (p, self.key(p)));

@@ -97,6 +97,7 @@ impl Marks {
             files: Mutex::default(),
             identity: None,
             joining: false.into(),
+            names: Mutex::default(),
         })
     }
 

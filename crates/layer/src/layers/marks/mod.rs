@@ -62,6 +62,7 @@ mod identity;
 mod layer;
 mod locks;
 mod log;
+mod recent;
 mod sessions;
 #[cfg(test)]
 mod tests;
@@ -113,6 +114,8 @@ struct FileState {
     clients: u32,
     /// Lock requests waiting for changes in flight to leave.
     lockers: u32,
+    /// What client handles changed lately ([`recent`]).
+    recent: Vec<recent::Recent>,
 }
 
 struct FileKey {
@@ -129,6 +132,10 @@ impl FileKey {
 /// An open file seen through this layer.
 struct MarkFd {
     key: Arc<FileKey>,
+    /// This handle, among all of the brick's ([`recent`]).
+    id: u64,
+    /// The connection that opened it.
+    owner: u64,
     inner: Fd,
     /// Opened with `heal_open`: writes are heal's.
     heal: bool,
@@ -136,13 +143,18 @@ struct MarkFd {
     path: String,
 }
 
+/// The next handle id.
+static NEXT_FD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 impl MarkFd {
-    fn new(key: Arc<FileKey>, inner: Fd, heal: bool, path: &str) -> MarkFd {
+    fn new(key: Arc<FileKey>, inner: Fd, heal: bool, path: &str, owner: u64) -> MarkFd {
         if !heal {
             key.state().clients += 1;
         }
         MarkFd {
             key,
+            id: NEXT_FD.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            owner,
             inner,
             heal,
             path: path.to_owned(),
@@ -155,6 +167,8 @@ impl Drop for MarkFd {
         if !self.heal {
             let mut st = self.key.state();
             st.clients = st.clients.saturating_sub(1);
+            // Released, or its connection's leftovers were taken already.
+            st.recent.retain(|r| r.fd != self.id);
         }
     }
 }
@@ -210,6 +224,8 @@ pub struct Marks {
     identity: Option<Identity>,
     /// No identity yet: the brick is new to its volume.
     joining: std::sync::atomic::AtomicBool,
+    /// Names each client connection changed lately ([`recent`]).
+    names: Mutex<HashMap<u64, recent::Names>>,
 }
 
 fn unwrap(fd: &Fd) -> FopResult<&MarkFd> {

@@ -320,3 +320,105 @@ fn a_write_marked_records_the_misses_of_all_it_was_asked_to_write() {
         assert_eq!(r.map(|w| w.n), Err(crate::errno::EINVAL));
     });
 }
+
+/// The suspect marks (target [`m::ANY`]) on `path`: ranges and flags.
+fn suspects(l: &Marks, path: &str) -> (Vec<(u64, u64)>, u32) {
+    let p = l.pending_page(path);
+    p.targets
+        .0
+        .iter()
+        .find(|t| t.target == m::ANY)
+        .map_or((vec![], 0), |t| {
+            let r = t.ranges.0.iter().map(|r| (r.offset, r.len)).collect();
+            (r, t.flags)
+        })
+}
+
+#[test]
+fn a_connection_that_ends_holding_a_handle_it_wrote_through_leaves_suspect_marks() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let (dies, leaves, other) = (cx(7), cx(8), cx(9));
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&dies, "f", flags, 0o644).await.unwrap();
+        write(&l, &dies, &fd, 4 * K, b'a', 4 * K).await.unwrap();
+        write(&l, &dies, &fd, 1024 * K, b'b', 100 * K)
+            .await
+            .unwrap();
+        // Another connection writes through its own handle and releases it.
+        let fd2 = l.open(&leaves, "f", libc::O_RDWR as u32).await.unwrap();
+        write(&l, &leaves, &fd2, 4096 * K, b'c', 4 * K)
+            .await
+            .unwrap();
+        l.release(&leaves, fd2).await.unwrap();
+        l.hangup(8);
+        assert_eq!(suspects(&l, "f"), (vec![], 0), "released: nothing suspect");
+        // A third connection's end says nothing of the first's handle.
+        l.hangup(9);
+        assert_eq!(suspects(&l, "f").0, vec![]);
+        let _ = other;
+
+        l.hangup(7);
+        let (r, f) = suspects(&l, "f");
+        assert_eq!(
+            r,
+            vec![(0, 64 * K), (1024 * K, 128 * K)],
+            "the ranges it wrote, to 64 KiB"
+        );
+        assert_eq!(f & m::ENTRY, m::ENTRY, "and the name it created");
+        // Its handle, released after the connection ended, adds nothing; nor does a second
+        // hangup.
+        l.release(&dies, fd).await.unwrap();
+        l.hangup(7);
+        assert_eq!(suspects(&l, "f").0, r);
+        // The suspect marks are in the log: a restarted brick has them.
+        drop(l);
+        let l = stack(root.path());
+        assert_eq!(suspects(&l, "f").0, r);
+        // Cleared like any mark, conditionally on their generation.
+        let gen = l.pending_page("f").targets.0[0].gen;
+        let all = CondFlag {
+            target: m::ANY,
+            flags: m::ENTRY | m::META,
+            gen,
+            data: 0,
+        };
+        l.flag_clear_if(&other, "f", &all).await.unwrap();
+        let all = CondMark {
+            target: m::ANY,
+            offset: 0,
+            len: m::WHOLE,
+            gen,
+        };
+        l.mark_clear_if(&other, "f", &all).await.unwrap();
+        assert!(l.pending_page("f").targets.0.is_empty());
+    });
+}
+
+#[test]
+fn a_handle_writing_everywhere_keeps_a_bounded_record() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let c = cx(3);
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+        // Every other 64 KiB of 1 GiB: far more ranges than a record keeps.
+        for i in 0..(super::recent::MOST as u64 * 3) {
+            write(&l, &c, &fd, i * 128 * K, b'x', 512).await.unwrap();
+        }
+        l.hangup(3);
+        let (r, _) = suspects(&l, "f");
+        assert!(r.len() <= super::recent::MOST, "{} ranges", r.len());
+        // Still every byte written is covered.
+        let covered = |o: u64| r.iter().any(|(s, l)| *s <= o && o < s + l);
+        for i in 0..(super::recent::MOST as u64 * 3) {
+            assert!(
+                covered(i * 128 * K),
+                "write {i} is not in the suspect ranges"
+            );
+        }
+        l.release(&c, fd).await.unwrap();
+    });
+}

@@ -24,6 +24,10 @@
 //! | `heal_open`      | open flags   | a handle       | a handle whose writes are heal's (below)   |
 //! | `member`         | [`MemberReq`]| [`MemberState`]| is the brick new (no identity)? heal makes it a member after a full rebuild, or new again |
 //!
+//! **Suspect marks** ([`ANY`]) say that some replica may differ, not which: a brick records
+//! them for the recent changes of a client connection that ended without releasing its
+//! handles (the client was killed mid-change). Heal resolves them (`heal::suspect`).
+//!
 //! One data fop carries marks too: `write_marked` is a write that, done, records that the
 //! replicas in its `missed` bits missed all of it — what a `mark_add` after the write would
 //! say, without its round trip. The replicate layer sends it when it knows before writing that
@@ -68,6 +72,20 @@ pub const META: u32 = 2;
 pub const REBUILD: u32 = 4;
 /// A range length meaning "to the end of the file, whatever its size".
 pub const WHOLE: u64 = u64::MAX;
+/// The target of a *suspect* mark: some replica may differ from the others here, and which
+/// one is right is not known — a client that was changing the file or name died before it
+/// could mark the replicas it missed (see the brick's `recent` records). Heal turns suspect
+/// marks into ordinary ones from one replica ([`suspect_source`]) and copies; until then
+/// readers read only that replica. Replicas that do not know this target ignore it.
+pub const ANY: u32 = u32::MAX;
+
+/// The replica that suspect marks are resolved from, and that alone serves reads of a
+/// suspect file until then: the first of `candidates` (replicas that are up and members, in
+/// graph order) that no mark says is behind for the file (`behind`, a bit per replica). Heal
+/// and every reader apply the same rule, so they agree while the same replicas are up.
+pub fn suspect_source(candidates: impl IntoIterator<Item = usize>, behind: u32) -> Option<usize> {
+    candidates.into_iter().find(|i| behind & (1 << i) == 0)
+}
 /// Most bytes of marks in one `pending` or `pending_index` reply.
 pub const PAGE_BYTES: usize = 60 * 1024;
 /// How long a heal lock lasts unless dropped or renewed: a heal that dies cannot hold writes

@@ -7,8 +7,8 @@
 //! that reaches the returning brick before heal's lock and the source after heal's read would
 //! be overwritten by the source's older bytes; heal sessions ([`kiln_layer::marks`]) keep it.
 //!
-//! Runs are seeded: `KILN_SEED=N` repeats one, `KILN_RUNS=N` sets how many the heal-while-
-//! writing test makes; a failure prints its seed.
+//! Runs are seeded: `KILN_SEED=N` repeats one, `KILN_RUNS=N` sets how many each test makes; a
+//! failure prints its seed.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -20,7 +20,7 @@ use kiln_layer::heal;
 use kiln_layer::Ctx;
 
 mod replica;
-use replica::{index_empty, volfile, wait_for, Brick, Rng};
+use replica::{index_empty, seeds, volfile, wait_for, Brick, Rng};
 
 const FILE: &str = "image.raw";
 const SIZE: u64 = 8 << 20;
@@ -322,25 +322,9 @@ fn heal_during_writes_run(seed: u64) {
 }
 
 /// Seeds: `KILN_SEED=N` repeats one run; else `runs` seeds from the clock.
-fn seeds(runs: u64) -> Vec<u64> {
-    match std::env::var("KILN_SEED") {
-        Ok(s) => vec![s.parse().expect("KILN_SEED is a number")],
-        Err(_) => {
-            let base = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64;
-            (0..runs)
-                .map(|i| base.wrapping_add(i * 0x9e37_79b9))
-                .collect()
-        }
-    }
-}
-
 #[test]
 fn heal_while_verified_writes_go_on_twenty_runs() {
-    let runs = std::env::var("KILN_RUNS").map_or(20, |s| s.parse().expect("KILN_RUNS is a number"));
-    for (run, seed) in seeds(runs).iter().enumerate() {
+    for (run, seed) in seeds(20).iter().enumerate() {
         eprintln!("run {run}: seed {seed}");
         heal_during_writes_run(*seed);
     }

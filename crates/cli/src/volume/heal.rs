@@ -200,6 +200,10 @@ fn print_info(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String> {
         // What the replica missed: its name (created, removed, renamed), its attributes
         // (mode, owner, times, xattrs), data bytes.
         let mut missed = Vec::new();
+        if n.suspect {
+            // A client died changing it: which replica differs is not known yet.
+            missed.push("suspect (client died mid-change)".to_owned());
+        }
         if n.entry {
             missed.push("name".to_owned());
         }

@@ -113,20 +113,26 @@ impl Drop for Brick {
 }
 
 pub fn volfile(bricks: &[Brick]) -> Volfile {
+    let addrs: Vec<String> = bricks.iter().map(|b| b.addr.clone()).collect();
+    volfile_at(&addrs)
+}
+
+/// The replica-3 client graph over bricks at `addrs`.
+pub fn volfile_at(addrs: &[String]) -> Volfile {
     let mut layers = vec![LayerDef {
         name: "rep".into(),
-        subvolumes: (0..bricks.len()).map(|i| format!("client-{i}")).collect(),
+        subvolumes: (0..addrs.len()).map(|i| format!("client-{i}")).collect(),
         kind: LayerKind::Replicate {
             quorum: None,
             timeout: None,
         },
     }];
-    for (i, b) in bricks.iter().enumerate() {
+    for (i, a) in addrs.iter().enumerate() {
         layers.push(LayerDef {
             name: format!("client-{i}"),
             subvolumes: Vec::new(),
             kind: LayerKind::ProtocolClient {
-                remote: b.addr.clone(),
+                remote: a.clone(),
                 timeout: None,
             },
         });
@@ -160,4 +166,21 @@ pub fn index_empty(vol: &Volume) -> bool {
             block_on(k.pending_index(&Ctx::NONE, "", &())).is_ok_and(|p| p.entries.0.is_empty())
         })
     })
+}
+
+/// The seeds of a seeded test's runs: `KILN_SEED=N` repeats one, `KILN_RUNS=N` sets how many
+/// (default `runs`); otherwise from the clock (a failure prints its seed).
+pub fn seeds(runs: u64) -> Vec<u64> {
+    if let Ok(s) = std::env::var("KILN_SEED") {
+        return vec![s.parse().expect("KILN_SEED is a number")];
+    }
+    let runs =
+        std::env::var("KILN_RUNS").map_or(runs, |s| s.parse().expect("KILN_RUNS is a number"));
+    let base = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    (0..runs)
+        .map(|i| base.wrapping_add(i * 0x9e37_79b9))
+        .collect()
 }

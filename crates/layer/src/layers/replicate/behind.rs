@@ -27,19 +27,30 @@ impl Replicate {
         up.into_iter().zip(pages).collect()
     }
 
-    /// Asks every replica that is up for its marks on `path`: the replicas that are behind.
+    /// Asks every replica in `which` (those up) for its marks on `path`: the replicas that
+    /// are behind. A file with suspect marks ([`m::ANY`]) is read from its suspect source
+    /// alone: every other replica counts as behind until heal has resolved them.
     pub(super) async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> u32 {
         let futs = which
             .iter()
             .map(|i| Some(self.kids[*i].pending(cx, path, &())))
             .collect();
         let mut bad = 0;
+        let mut suspect = false;
         for page in join_all(futs).await.into_iter().flatten().flatten() {
             for t in page.targets.0 {
                 let named = t.flags & m::ENTRY != 0;
-                if (t.target as usize) < self.kids.len() && (!t.ranges.0.is_empty() || named) {
+                let marked = !t.ranges.0.is_empty() || named;
+                if (t.target as usize) < self.kids.len() && marked {
                     bad |= bit(t.target as usize);
                 }
+                suspect |= t.target == m::ANY && marked;
+            }
+        }
+        if suspect {
+            let members = which.iter().copied().filter(|i| !self.kids[*i].joining());
+            if let Some(src) = m::suspect_source(members, bad) {
+                bad |= !bit(src) & ((1u64 << self.kids.len()) - 1) as u32;
             }
         }
         bad

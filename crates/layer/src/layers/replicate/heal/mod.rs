@@ -82,6 +82,7 @@ use crate::{Ctx, Errno, FopResult, LayerRef};
 mod data;
 mod entries;
 mod rebuild;
+mod suspect;
 mod view;
 
 pub use data::heal_file;
@@ -132,6 +133,10 @@ pub struct Need {
     pub entry: bool,
     /// The replica missed a change of this path's attributes or xattrs.
     pub metadata: bool,
+    /// Suspect marks ([`m::ANY`]): a client died changing this path, and the replicas may
+    /// differ; `target` is then the replica heal will make the others like (or, with none
+    /// up and current, `usize::MAX`).
+    pub suspect: bool,
 }
 
 /// What a heal run did.
@@ -147,6 +152,8 @@ pub struct Report {
     pub errors: Vec<String>,
     /// New bricks whose full rebuild finished: members now.
     pub joined: Vec<String>,
+    /// Files whose suspect marks (a client died changing them) became ordinary ones.
+    pub suspects: u64,
 }
 
 /// Every replicate layer in a stack.
@@ -237,19 +244,35 @@ async fn needs(r: &Replicate) -> (Vec<Need>, Vec<String>) {
             slot.2 |= e.flags;
         }
     }
+    // Suspect files are made like the first member up: the source a reader would pick
+    // without counting marks (heal counts them when it resolves).
+    let source = (0..kids.len()).find(|i| kids[*i].up() && !kids[*i].joining());
     let needs = by
         .into_iter()
-        .filter(|((_, t), _)| (*t as usize) < kids.len())
-        .map(|((path, t), (ranges, bytes, flags))| Need {
-            set: crate::Layer::name(r).to_owned(),
-            path,
-            target: t as usize,
-            target_name: kids[t as usize].name().to_owned(),
-            ranges,
-            bytes,
-            target_up: kids[t as usize].up(),
-            entry: flags & m::ENTRY != 0,
-            metadata: flags & m::META != 0,
+        .filter(|((_, t), _)| (*t as usize) < kids.len() || *t == m::ANY)
+        .map(|((path, t), (ranges, bytes, flags))| {
+            let suspect = t == m::ANY;
+            let target = if suspect {
+                source.unwrap_or(usize::MAX)
+            } else {
+                t as usize
+            };
+            Need {
+                set: crate::Layer::name(r).to_owned(),
+                path,
+                target,
+                target_name: match (suspect, kids.get(target)) {
+                    (false, Some(k)) => k.name().to_owned(),
+                    (true, Some(k)) => format!("any (like {})", k.name()),
+                    _ => "any (no source up)".to_owned(),
+                },
+                ranges,
+                bytes,
+                target_up: kids.get(target).is_some_and(|k| k.up()),
+                entry: flags & m::ENTRY != 0,
+                metadata: flags & m::META != 0,
+                suspect,
+            }
         })
         .collect();
     (needs, unasked)
@@ -271,6 +294,10 @@ pub async fn run_with(
     for l in replicate_layers(top) {
         let r = rep(&l);
         let rebuilding = rebuild::begin(r, board).await;
+        // Suspect marks first: they become the ordinary marks the loop below heals.
+        let (resolved, errors) = suspect::resolve_all(r).await;
+        report.suspects += resolved;
+        report.errors.extend(errors);
         // Pages: what is healed is cleared, so the next look shows the rest.
         let mut seen = std::collections::HashSet::new();
         loop {
@@ -283,7 +310,7 @@ pub async fn run_with(
                 break;
             }
             for need in fresh {
-                if !need.target_up {
+                if !need.target_up || need.suspect {
                     report.left += 1;
                     continue;
                 }

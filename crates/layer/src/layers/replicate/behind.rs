@@ -1,8 +1,6 @@
 //! Which replicas are behind for a file, or for some bytes of it, by the marks the replicas
 //! that are up hold.
 
-use std::sync::atomic::Ordering::Relaxed;
-
 use super::{bit, RepFd, Replicate};
 use crate::exec::join_all;
 use crate::marks as m;
@@ -28,9 +26,9 @@ impl Replicate {
     }
 
     /// Asks every replica in `which` (those up) for its marks on `path`: the replicas that
-    /// are behind. A file with suspect marks ([`m::ANY`]) is read from its suspect source
-    /// alone: every other replica counts as behind until heal has resolved them.
-    pub(super) async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> u32 {
+    /// are behind, and those that serve no read because the file is suspect ([`m::ANY`]): it
+    /// is read from its suspect source alone until heal has resolved its suspect marks.
+    pub(super) async fn behind(&self, cx: &Ctx, path: &str, which: &[usize]) -> (u32, u32) {
         let futs = which
             .iter()
             .map(|i| Some(self.kids[*i].pending(cx, path, &())))
@@ -47,13 +45,14 @@ impl Replicate {
                 suspect |= t.target == m::ANY && marked;
             }
         }
+        let mut unread = 0;
         if suspect {
             let members = which.iter().copied().filter(|i| !self.kids[*i].joining());
             if let Some(src) = m::suspect_source(members, bad) {
-                bad |= !bit(src) & ((1u64 << self.kids.len()) - 1) as u32;
+                unread = !bit(src) & ((1u64 << self.kids.len()) - 1) as u32 & !bad;
             }
         }
-        bad
+        (bad, unread)
     }
 
     /// Replicas behind for the bytes `[offset, offset+len)` of `path` by the marks of the
@@ -97,7 +96,7 @@ impl Replicate {
         offset: u64,
         len: u64,
     ) -> Vec<usize> {
-        let order = self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer);
+        let order = self.read_order(rfd.state.unread(), rfd.prefer);
         if !order.is_empty() {
             return order;
         }

@@ -37,8 +37,10 @@
 //!   but serve no read, no lookup and no listing, and count toward no quorum, until heal has
 //!   rebuilt them ([`heal`]).
 //!
-//! Known limits (documented, not hidden): a client that dies in the middle of a write may leave
-//! replicas different for the range it never acknowledged.
+//! - **A client that dies mid-change** leaves *suspect* marks ([`m::ANY`]) on the bricks,
+//!   which record what its connection changed lately. A file with suspect marks is read from
+//!   its suspect source alone ([`m::suspect_source`]), the replica heal makes the others like,
+//!   so no read before the heal is contradicted by one after it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
@@ -57,6 +59,7 @@ mod current;
 pub mod heal;
 pub mod marks;
 mod patience;
+mod read;
 mod shared;
 
 /// Stale handle: the replica's connection was re-established since the handle was opened.
@@ -69,6 +72,16 @@ const SETATTR_SIZE: u32 = kiln_proto::ops::SETATTR_SIZE;
 struct FileState {
     /// Replicas (bit i = subvolume i) that are behind for this file.
     bad: AtomicU32,
+    /// Replicas that serve no read only because the file is suspect ([`m::ANY`]): all but
+    /// its suspect source. Not behind by any mark, so writes ask nothing about them.
+    suspect: AtomicU32,
+}
+
+impl FileState {
+    /// Replicas that must not serve a read of the file.
+    fn unread(&self) -> u32 {
+        self.bad.load(Relaxed) | self.suspect.load(Relaxed)
+    }
 }
 
 /// A replica's handle for an open file.
@@ -222,7 +235,7 @@ impl Replicate {
         files
             .get(path)
             .and_then(Weak::upgrade)
-            .map_or(0, |s| s.bad.load(Relaxed))
+            .map_or(0, |s| s.unread())
     }
 
     /// Replicas that are new bricks (see [`Layer::joining`]): they take every change but serve
@@ -439,7 +452,7 @@ impl Replicate {
         let opens = (0..self.kids.len())
             .map(|i| up.contains(&i).then(|| self.kids[i].open(cx, path, flags)))
             .collect();
-        let (opened, behind) = join2(join_all(opens), self.behind(cx, path, &up)).await;
+        let (opened, (behind, suspect)) = join2(join_all(opens), self.behind(cx, path, &up)).await;
         let mut bad = behind;
         let mut kids = Vec::with_capacity(self.kids.len());
         let mut any = false;
@@ -469,6 +482,7 @@ impl Replicate {
         }
         let state = self.state(path);
         state.bad.store(bad, Relaxed);
+        state.suspect.store(suspect, Relaxed);
         Ok(Fd::new(RepFd {
             prefer: self.pick_preferred(),
             path: path.to_owned(),
@@ -515,64 +529,6 @@ impl Replicate {
             })
             .await
         })
-    }
-
-    /// Reads from one replica, trying the next on failure.
-    async fn read_one(
-        &self,
-        cx: &Ctx,
-        rfd: &RepFd,
-        offset: u64,
-        dst: ReadDst,
-    ) -> FopResult<ReadOut> {
-        let mut deadline = None;
-        match dst {
-            ReadDst::Any(n) => loop {
-                let mut last = errno::ENOTCONN;
-                for i in self.read_candidates(cx, rfd, offset, n.into()).await {
-                    let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ReadOut> {
-                        let k = k.clone();
-                        Box::pin(async move { k.read(cx, &fd, offset, ReadDst::Any(n)).await })
-                    };
-                    match self.on_child(cx, rfd, i, &op).await {
-                        Ok(r) => return Ok(r),
-                        Err(e) => last = e,
-                    }
-                }
-                if !self.again(&mut deadline, last).await {
-                    return Err(last);
-                }
-            },
-            ReadDst::Into(bufs) => {
-                let len = bufs.len() as u64;
-                let shared = Shared::new(bufs);
-                let sh = &shared;
-                loop {
-                    let mut last = errno::ENOTCONN;
-                    for i in self.read_candidates(cx, rfd, offset, len).await {
-                        let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ReadOut> {
-                            let k = k.clone();
-                            let b = sh.share();
-                            Box::pin(async move { k.read(cx, &fd, offset, ReadDst::Into(b)).await })
-                        };
-                        match self.on_child(cx, rfd, i, &op).await {
-                            Ok(out) => {
-                                let n = out.len();
-                                drop(out);
-                                return Ok(ReadOut::Into {
-                                    n,
-                                    bufs: shared.into_bufs(),
-                                });
-                            }
-                            Err(e) => last = e,
-                        }
-                    }
-                    if !self.again(&mut deadline, last).await {
-                        return Err(last);
-                    }
-                }
-            }
-        }
     }
 }
 
@@ -796,7 +752,7 @@ impl Layer for Replicate {
         Box::pin(self.patiently(move || {
             Box::pin(async move {
                 let mut last = errno::ENOTCONN;
-                for i in self.read_order(rfd.state.bad.load(Relaxed), rfd.prefer) {
+                for i in self.read_order(rfd.state.unread(), rfd.prefer) {
                     let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
                         let k = k.clone();
                         Box::pin(async move { k.fstat(cx, &fd).await })

@@ -103,7 +103,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = kiln_server::Limits::default().max_inflight)]
     pub max_inflight: usize,
     /// Seconds after which a connection with nothing in flight that sends nothing is closed;
-    /// 0 (the default) never closes one, because clients do not reconnect by themselves yet.
+    /// 0 (the default) never closes a live one (TCP keepalive still ends the connection of a
+    /// client whose host vanished, within about 30 s).
     #[arg(long, default_value_t = 0.0)]
     pub idle_timeout: f64,
     /// Threads for the network and fop runtime; 1 runs everything on one thread (slow fops

@@ -176,6 +176,7 @@ impl Server {
                                 continue;
                             }
                             let _ = s.set_nodelay(true);
+                            keepalive(&s);
                             if let Some(tls) = &tls {
                                 tokio::spawn(accept_tls(s, peer, tls.clone(), shared.clone()));
                                 continue;
@@ -390,6 +391,26 @@ fn spawn_serve(sock: conn::Sock, shared: &Arc<Shared>, ticket: door::Ticket, pee
 /// A TCP client on a TLS listener: a plaintext one is answered with a clear refusal; a TLS
 /// one is handshaken on a thread of its own (certificate checks included), which then carries
 /// the connection's records while the plaintext end is served like any other socket.
+/// TCP keepalive on a client connection: a client whose host vanished (no FIN, no RST) is
+/// found gone within about [`KEEPALIVE_IDLE`] + 3 × [`KEEPALIVE_INTERVAL`] even when idle,
+/// so its connection ends and what it left half done becomes suspect marks
+/// ([`kiln_layer::marks::ANY`]) for heal.
+fn keepalive(s: &tokio::net::TcpStream) {
+    use rustix::net::sockopt;
+    let r = sockopt::set_socket_keepalive(s, true)
+        .and_then(|()| sockopt::set_tcp_keepidle(s, KEEPALIVE_IDLE))
+        .and_then(|()| sockopt::set_tcp_keepintvl(s, KEEPALIVE_INTERVAL))
+        .and_then(|()| sockopt::set_tcp_keepcnt(s, 3));
+    if let Err(e) = r {
+        tracing::debug!("cannot set TCP keepalive: {e}");
+    }
+}
+
+/// Idle time before the first keepalive probe.
+pub const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(15);
+/// Time between unanswered probes (3 of them end the connection).
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
 async fn accept_tls(
     s: tokio::net::TcpStream,
     peer: std::net::SocketAddr,

@@ -8,138 +8,18 @@
 //! `kiln volume set VOL allow all`. One brick: 5 restarts, each back within 10 s, while the
 //! I/O waits for it (the volume's `io-timeout`, 30 s by default).
 
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
 mod common;
-use common::{kill_brick_pid, kiln, mgmt_ok, wait_for, BrickReaper, Kilnd};
+use common::managed::Vol;
+use common::{kill_brick_pid, wait_for, BrickReaper};
 
-/// A child process killed (and reaped) when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Spawns `cmd` and reads its stdout until a line starts with `ready` (returned); the rest
-/// of its output is drained in the background.
-fn spawn_until(mut cmd: Command, ready: &str) -> (Proc, String) {
-    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let n = out.read_line(&mut line).expect("read");
-        assert!(n > 0, "{ready:?} never came: the process exited");
-        if line.starts_with(ready) {
-            break;
-        }
-    }
-    std::thread::spawn(move || {
-        let mut sink = Vec::new();
-        let _ = out.read_to_end(&mut sink);
-    });
-    (Proc(child), line.trim().to_owned())
-}
-
-struct Vol {
-    kd: Kilnd,
-    state: PathBuf,
-    name: String,
-    secret: PathBuf,
-}
-
-impl Vol {
-    fn new(tmp: &Path, name: &str, replica: usize, port_base: &str) -> Vol {
-        let state = tmp.join("state");
-        let kd = Kilnd::start(&state, &["--brick-port-base", port_base]);
-        let mut args: Vec<String> = ["volume", "create", name].map(String::from).to_vec();
-        if replica > 1 {
-            args.extend(["replica".into(), replica.to_string()]);
-        }
-        for i in 0..replica {
-            args.push(format!("127.0.0.1:{}", tmp.join(format!("b{i}")).display()));
-        }
-        let v = Vol {
-            secret: state.join(format!("vols/{name}/secret")),
-            kd,
-            state,
-            name: name.into(),
-        };
-        let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        v.mgmt(&a);
-        v.mgmt(&["volume", "start", name]);
-        v
-    }
-
-    fn mgmt(&self, args: &[&str]) -> String {
-        mgmt_ok(&self.kd, &self.state, args)
-    }
-
-    fn status(&self) -> Value {
-        let s = self.mgmt(&["volume", "status", &self.name, "--json"]);
-        let v: Value = serde_json::from_str(&s).unwrap();
-        v["volumes"][0].clone()
-    }
-
-    fn all_online(&self) -> bool {
-        let st = self.status();
-        st["bricks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|b| b["online"] == true)
-    }
-
-    fn pid(&self, i: usize) -> i32 {
-        self.status()["bricks"][i]["pid"].as_u64().unwrap() as i32
-    }
-
-    fn source(&self, path: &str) -> String {
-        format!("{}:/{}{path}", self.kd.addr, self.name)
-    }
-
-    fn mount(&self, mnt: &Path) -> Proc {
-        let mut c = kiln();
-        c.args(["mount", &self.source(""), "--mode", "vm-image"])
-            .arg(mnt)
-            .env("KILN_SECRET_FILE", &self.secret)
-            .env("KILN_LOG", "warn");
-        spawn_until(c, "kiln: mounted").0
-    }
-
-    /// Exports `image`; returns the export and its URI.
-    fn nbd(&self, image: &str, sock: &Path) -> (Proc, String) {
-        let mut c = kiln();
-        c.args(["nbd", &self.source(image), "--listen"])
-            .arg(format!("unix:{}", sock.display()))
-            .env("KILN_SECRET_FILE", &self.secret)
-            .env("KILN_LOG", "warn");
-        let (p, line) = spawn_until(c, "kiln nbd: exporting");
-        let uri = line.rsplit(" at ").next().expect("the URI").to_owned();
-        (p, uri)
-    }
-}
-
-/// Polls `f` until it returns true or `secs` pass.
 /// fio runs one after another until `stop`: each writes `size` at random 4 KiB blocks, then
 /// reads every block back and verifies it. Counts finished runs; returns the failures.
 struct FioLoop {

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod managed;
+
 pub fn kiln() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
     // Only what each test passes decides which secret is used.

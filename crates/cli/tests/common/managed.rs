@@ -1,0 +1,135 @@
+//! A managed volume for the tests that run clients on one: a management kilnd, a volume of
+//! its bricks, and `kiln mount` / `kiln nbd` processes over it.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{kiln, mgmt_ok, Kilnd};
+
+/// A child process killed (and reaped) when dropped.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Spawns `cmd` and reads its stdout until a line starts with `ready` (returned); the rest
+/// of its output is drained in the background.
+pub fn spawn_until(mut cmd: Command, ready: &str) -> (Proc, String) {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = out.read_line(&mut line).expect("read");
+        assert!(n > 0, "{ready:?} never came: the process exited");
+        if line.starts_with(ready) {
+            break;
+        }
+    }
+    std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = out.read_to_end(&mut sink);
+    });
+    (Proc(child), line.trim().to_owned())
+}
+
+pub struct Vol {
+    pub kd: Kilnd,
+    pub state: PathBuf,
+    pub name: String,
+    pub secret: PathBuf,
+}
+
+impl Vol {
+    pub fn new(tmp: &Path, name: &str, replica: usize, port_base: &str) -> Vol {
+        Vol::with_kilnd_args(tmp, name, replica, &["--brick-port-base", port_base])
+    }
+
+    /// A volume of a kilnd started with `args`, bricks `b0`, `b1`, … beneath `tmp`.
+    pub fn with_kilnd_args(tmp: &Path, name: &str, replica: usize, args: &[&str]) -> Vol {
+        let state = tmp.join("state");
+        let kd = Kilnd::start(&state, args);
+        let mut args: Vec<String> = ["volume", "create", name].map(String::from).to_vec();
+        if replica > 1 {
+            args.extend(["replica".into(), replica.to_string()]);
+        }
+        for i in 0..replica {
+            args.push(format!("127.0.0.1:{}", tmp.join(format!("b{i}")).display()));
+        }
+        let v = Vol {
+            secret: state.join(format!("vols/{name}/secret")),
+            kd,
+            state,
+            name: name.into(),
+        };
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        v.mgmt(&a);
+        v.mgmt(&["volume", "start", name]);
+        v
+    }
+
+    pub fn mgmt(&self, args: &[&str]) -> String {
+        mgmt_ok(&self.kd, &self.state, args)
+    }
+
+    pub fn status(&self) -> Value {
+        let s = self.mgmt(&["volume", "status", &self.name, "--json"]);
+        let v: Value = serde_json::from_str(&s).unwrap();
+        v["volumes"][0].clone()
+    }
+
+    pub fn all_online(&self) -> bool {
+        let st = self.status();
+        st["bricks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| b["online"] == true)
+    }
+
+    pub fn pid(&self, i: usize) -> i32 {
+        self.status()["bricks"][i]["pid"].as_u64().unwrap() as i32
+    }
+
+    pub fn source(&self, path: &str) -> String {
+        format!("{}:/{}{path}", self.kd.addr, self.name)
+    }
+
+    pub fn mount(&self, mnt: &Path) -> Proc {
+        let mut c = kiln();
+        c.args(["mount", &self.source(""), "--mode", "vm-image"])
+            .arg(mnt)
+            .env("KILN_SECRET_FILE", &self.secret)
+            .env("KILN_LOG", "warn");
+        spawn_until(c, "kiln: mounted").0
+    }
+
+    /// Exports `image`; returns the export and its URI.
+    pub fn nbd(&self, image: &str, sock: &Path) -> (Proc, String) {
+        let mut c = kiln();
+        c.args(["nbd", &self.source(image), "--listen"])
+            .arg(format!("unix:{}", sock.display()))
+            .env("KILN_SECRET_FILE", &self.secret)
+            .env("KILN_LOG", "warn");
+        let (p, line) = spawn_until(c, "kiln nbd: exporting");
+        let uri = line.rsplit(" at ").next().expect("the URI").to_owned();
+        (p, uri)
+    }
+}

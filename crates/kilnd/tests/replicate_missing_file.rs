@@ -9,38 +9,8 @@ mod replica;
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::heal;
-use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 use kiln_proto::Op;
-use replica::{index_empty, volfile, wait_for, Brick};
-
-/// [`volfile`] with io-stats `stats-N` above each protocol-client.
-fn counted(bricks: &[Brick]) -> Volfile {
-    let mut v = volfile(bricks);
-    v.layers[0].subvolumes = (0..bricks.len()).map(|i| format!("stats-{i}")).collect();
-    for i in 0..bricks.len() {
-        v.layers.push(LayerDef {
-            name: format!("stats-{i}"),
-            subvolumes: vec![format!("client-{i}")],
-            kind: LayerKind::IoStats {},
-        });
-    }
-    v
-}
-
-/// Calls of `op` that io-stats `name` counted.
-fn calls(name: &str, op: Op) -> u64 {
-    let mut n = 0;
-    for p in kiln_layer::iostats::points() {
-        if p.name() == name {
-            p.for_each_fop(|fop, c, _, _, _| {
-                if fop == op.name().to_ascii_lowercase() {
-                    n += c;
-                }
-            });
-        }
-    }
-    n
-}
+use replica::{calls, counted, index_empty, volfile, wait_for, Brick};
 
 #[test]
 fn a_write_to_a_file_a_replica_lacks_records_the_miss_in_the_same_request() {

@@ -12,6 +12,7 @@ use kiln_layer::exec::block_on;
 use kiln_layer::heal;
 use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 use kiln_layer::Ctx;
+use kiln_proto::Op;
 
 /// One brick: a kilnd process with the replica stack (marks) on its own directory.
 pub struct Brick {
@@ -29,6 +30,12 @@ impl Brick {
     /// A brick whose writes wait `delay` (µs, with probability `p`) before they reach the
     /// marks layer, as on a slow disk: with `Some`, the brick stack has a delay-gen on top.
     pub fn slow(root: &Path, i: usize, delay: Option<(u64, f64)>) -> Brick {
+        Brick::delayed(root, i, &["write"], delay)
+    }
+
+    /// A brick whose `fops` wait `delay` (µs, with probability `p`) before they reach the
+    /// marks layer: with `Some`, the brick stack has a delay-gen on top.
+    pub fn delayed(root: &Path, i: usize, fops: &[&str], delay: Option<(u64, f64)>) -> Brick {
         let dir = root.join(format!("brick{i}"));
         std::fs::create_dir_all(&dir).unwrap();
         let volfile = root.join(format!("brick{i}.toml"));
@@ -40,7 +47,7 @@ impl Brick {
                     name: "slow-writes".into(),
                     subvolumes: Vec::new(),
                     kind: LayerKind::DelayGen {
-                        fops: vec!["write".into()],
+                        fops: fops.iter().map(|f| (*f).to_owned()).collect(),
                         delay_us,
                         probability,
                         seed: 7 + i as u64,
@@ -183,4 +190,33 @@ pub fn seeds(runs: u64) -> Vec<u64> {
     (0..runs)
         .map(|i| base.wrapping_add(i * 0x9e37_79b9))
         .collect()
+}
+
+/// [`volfile`] with io-stats `stats-N` above each protocol-client.
+pub fn counted(bricks: &[Brick]) -> Volfile {
+    let mut v = volfile(bricks);
+    v.layers[0].subvolumes = (0..bricks.len()).map(|i| format!("stats-{i}")).collect();
+    for i in 0..bricks.len() {
+        v.layers.push(LayerDef {
+            name: format!("stats-{i}"),
+            subvolumes: vec![format!("client-{i}")],
+            kind: LayerKind::IoStats {},
+        });
+    }
+    v
+}
+
+/// Calls of `op` that io-stats `name` counted.
+pub fn calls(name: &str, op: Op) -> u64 {
+    let mut n = 0;
+    for p in kiln_layer::iostats::points() {
+        if p.name() == name {
+            p.for_each_fop(|fop, c, _, _, _| {
+                if fop == op.name().to_ascii_lowercase() {
+                    n += c;
+                }
+            });
+        }
+    }
+    n
 }

@@ -11,8 +11,12 @@ use crate::{
     fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, SetAttrs,
     Written,
 };
-use kiln_proto::ops::SETATTR_SIZE;
+use kiln_proto::ops::{
+    SETATTR_ATIME, SETATTR_ATIME_NOW, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_MTIME_NOW,
+    SETATTR_SIZE, SETATTR_UID,
+};
 
+use super::aspect;
 use super::locks::{span, Entered};
 use super::*;
 
@@ -115,7 +119,7 @@ impl Layer for Marks {
     ) -> Fut<'a, (Fd, Attr)> {
         Box::pin(async move {
             let (inner, attr) = self
-                .named(cx, path, None, || {
+                .named(cx, path, None, aspect::ENTRY, || {
                     self.child().create(cx, path, flags, mode)
                 })
                 .await?;
@@ -237,7 +241,7 @@ impl Layer for Marks {
         match unwrap(fd) {
             Ok(f) if !f.heal => Box::pin(async move {
                 self.note_names(cx.owner, &f.path, None);
-                let id = Marks::enter_ns(&f.key, cx.owner).await;
+                let id = Marks::enter_ns(&f.key, cx.owner, aspect::of_setattr(attrs.valid)).await;
                 let _in = Entered { key: &f.key, id };
                 self.child().fsetattr(cx, &f.inner, attrs).await
             }),
@@ -248,9 +252,7 @@ impl Layer for Marks {
 
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
         if attrs.valid & SETATTR_SIZE == 0 {
-            return self.named(cx, path, None, move || {
-                self.child().setattr(cx, path, attrs)
-            });
+            return self.named_setattr(cx, path, attrs);
         }
         Box::pin(async move {
             // A size change by name: heal compares the sizes if the connection dies.
@@ -293,25 +295,25 @@ impl Layer for Marks {
         value: &'a [u8],
         flags: u32,
     ) -> Fut<'a, ()> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::XATTR, move || {
             self.child().setxattr(cx, path, name, value, flags)
         })
     }
 
     fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::XATTR, move || {
             self.child().layout_set(cx, path, arg)
         })
     }
 
     fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::XATTR, move || {
             self.child().removexattr(cx, path, name)
         })
     }
 
     fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::ENTRY, move || {
             Box::pin(async move {
                 self.child().unlink(cx, path).await?;
                 self.drop_marks(path)
@@ -320,11 +322,13 @@ impl Layer for Marks {
     }
 
     fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
-        self.named(cx, path, None, move || self.child().mkdir(cx, path, mode))
+        self.named(cx, path, None, aspect::ENTRY, move || {
+            self.child().mkdir(cx, path, mode)
+        })
     }
 
     fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::ENTRY, move || {
             Box::pin(async move {
                 self.child().rmdir(cx, path).await?;
                 self.drop_marks(path)
@@ -333,29 +337,74 @@ impl Layer for Marks {
     }
 
     fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::ENTRY, move || {
             self.child().symlink(cx, target, path)
         })
     }
 
     fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::ENTRY, move || {
             self.child().mknod(cx, path, mode, rdev)
         })
     }
 
     fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
-        self.named(cx, path, None, move || {
+        self.named(cx, path, None, aspect::ENTRY, move || {
             self.child().link(cx, existing, path)
         })
     }
 
     fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
-        self.named(cx, from, Some(to), move || {
+        self.named(cx, from, Some(to), aspect::ENTRY, move || {
             Box::pin(async move {
                 self.child().rename(cx, from, to, flags).await?;
                 self.rename_marks(from, to)
             })
+        })
+    }
+}
+
+impl Marks {
+    /// A setattr without a size by name. Heal's, within its session, leaves out the
+    /// attributes a client changed since the session began (the target's are newer).
+    fn named_setattr<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        attrs: &'a SetAttrs,
+    ) -> Fut<'a, Attr> {
+        let touched = Marks::touched(&self.key(path), cx.owner);
+        let aspects = aspect::of_setattr(attrs.valid);
+        if touched & aspects == 0 {
+            return self.named(cx, path, None, aspects, move || {
+                self.child().setattr(cx, path, attrs)
+            });
+        }
+        let mut keep = attrs.clone();
+        for bit in [
+            SETATTR_MODE,
+            SETATTR_UID,
+            SETATTR_GID,
+            SETATTR_ATIME,
+            SETATTR_MTIME,
+            SETATTR_ATIME_NOW,
+            SETATTR_MTIME_NOW,
+        ] {
+            if aspect::of_setattr(bit) & touched != 0 {
+                keep.valid &= !bit;
+            }
+        }
+        tracing::debug!(
+            path,
+            "heal leaves out attributes a client changed meanwhile"
+        );
+        Box::pin(async move {
+            // Nothing it still sets was touched: `named` lets it through.
+            let aspects = aspect::of_setattr(keep.valid);
+            self.named(cx, path, None, aspects, || {
+                self.child().setattr(cx, path, &keep)
+            })
+            .await
         })
     }
 }

@@ -111,7 +111,7 @@ impl Marks {
     /// written by another connection's heal), then registers a client change in flight there
     /// and records it in the file's heal sessions. Returns its id.
     pub(super) async fn enter(key: &FileKey, owner: u64, start: u64, end: u64) -> u64 {
-        Marks::enter_as(key, owner, start, end, true, None).await
+        Marks::enter_as(key, owner, start, end, true, None, 0).await
     }
 
     /// [`Marks::enter`] for a change through a client handle (`fd`, the id and connection of
@@ -124,14 +124,14 @@ impl Marks {
         start: u64,
         end: u64,
     ) -> u64 {
-        Marks::enter_as(key, owner, start, end, true, Some(fd)).await
+        Marks::enter_as(key, owner, start, end, true, Some(fd), 0).await
     }
 
-    /// A change of a name or of attributes (no bytes): waits for heal's locks on the path
-    /// and registers in flight (so a lock waits for it), but is not a data change a heal
-    /// session should keep its bytes for.
-    pub(super) async fn enter_ns(key: &FileKey, owner: u64) -> u64 {
-        Marks::enter_as(key, owner, 0, u64::MAX, false, None).await
+    /// A change of a name or of attributes (no bytes) that touches `aspects` ([`aspect`]):
+    /// waits for heal's locks on the path and registers in flight (so a lock waits for it);
+    /// other connections' heal sessions on the path record the aspects, not bytes.
+    pub(super) async fn enter_ns(key: &FileKey, owner: u64, aspects: u32) -> u64 {
+        Marks::enter_as(key, owner, 0, u64::MAX, false, None, aspects).await
     }
 
     pub(super) async fn enter_as(
@@ -141,6 +141,7 @@ impl Marks {
         end: u64,
         record: bool,
         fd: Option<(u64, u64)>,
+        aspects: u32,
     ) -> u64 {
         loop {
             let notified = key.changed.notified();
@@ -176,11 +177,13 @@ impl Marks {
                             start,
                             end,
                             heal: false,
+                            ns: !record,
                         });
-                        if record {
-                            for s in st.sessions.iter_mut().filter(|s| s.owner != owner) {
+                        for s in st.sessions.iter_mut().filter(|s| s.owner != owner) {
+                            if record {
                                 s.written.add(start, len_of(start, end));
                             }
+                            s.touched |= aspects;
                         }
                         if let Some((fd, fd_owner)) = fd {
                             super::recent::note(&mut st, fd, fd_owner, start, end);
@@ -244,6 +247,7 @@ impl Marks {
                         start,
                         end,
                         heal: true,
+                        ns: false,
                     });
                     return Ok((id, keep));
                 }
@@ -288,27 +292,40 @@ impl Marks {
     /// Runs a change of names or attributes of `path` (and `also`: a rename's other name)
     /// once no other connection's heal lock holds them, registered in flight meanwhile (a heal
     /// lock waits for it). Costs, without locks, what a write's gate costs.
+    ///
+    /// `aspects` ([`aspect`]) is what the change touches. A heal's change within its
+    /// session on the path is skipped with [`m::SKIPPED`] when a client touched any of them
+    /// since the session began ([`super::sessions`]).
     pub(super) fn named<'a, T: Send + 'a>(
         &'a self,
         cx: &'a Ctx,
         path: &'a str,
         also: Option<&'a str>,
+        aspects: u32,
         call: impl FnOnce() -> Fut<'a, T> + Send + 'a,
     ) -> Fut<'a, T> {
         self.note_names(cx.owner, path, also);
         Box::pin(async move {
             let key = self.key(path);
             let other = also.map(|p| (p, self.key(p)));
-            let id = Marks::enter_ns(&key, cx.owner).await;
+            let id = Marks::enter_ns(&key, cx.owner, aspects).await;
             let first = Entered { key: &key, id };
             let second = match &other {
                 Some((_, k)) => Some(Entered {
                     key: k,
-                    id: Marks::enter_ns(k, cx.owner).await,
+                    id: Marks::enter_ns(k, cx.owner, aspects).await,
                 }),
                 None => None,
             };
-            let r = call().await;
+            let touched = Marks::touched(&key, cx.owner)
+                | other
+                    .as_ref()
+                    .map_or(0, |(_, k)| Marks::touched(k, cx.owner));
+            let r = if touched & aspects != 0 {
+                Err(m::SKIPPED)
+            } else {
+                call().await
+            };
             drop(second);
             drop(first);
             self.forget(path, &key);

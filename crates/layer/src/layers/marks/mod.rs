@@ -89,6 +89,8 @@ struct Inflight {
     end: u64,
     /// A heal write (through a heal handle).
     heal: bool,
+    /// A change of a name or of attributes (not of bytes).
+    ns: bool,
 }
 
 /// A heal session on a file: what other connections changed since it began.
@@ -101,6 +103,43 @@ struct Session {
     skipped: RangeSet,
     /// Clients had the file open, or were changing it, when the session began.
     busy: bool,
+    /// What of the name and its attributes other connections changed since the session
+    /// began ([`aspect`] bits): heal's own changes of those are skipped.
+    touched: u32,
+}
+
+/// What a change of a name or of its attributes touches, as a heal session records it (see
+/// [`sessions`]).
+pub(super) mod aspect {
+    /// The entry itself: made, removed, renamed, linked.
+    pub const ENTRY: u32 = 1;
+    /// Permissions.
+    pub const MODE: u32 = 2;
+    /// Owner and group.
+    pub const OWNER: u32 = 4;
+    /// Access and modification times.
+    pub const TIMES: u32 = 8;
+    /// Extended attributes (and the distribute layout, one of them).
+    pub const XATTR: u32 = 16;
+    /// Everything: an entry made anew has new attributes too.
+    pub const ALL: u32 = 31;
+
+    /// The aspects a setattr without a size touches.
+    pub fn of_setattr(valid: u32) -> u32 {
+        use kiln_proto::ops::*;
+        let mut a = 0;
+        if valid & SETATTR_MODE != 0 {
+            a |= MODE;
+        }
+        if valid & (SETATTR_UID | SETATTR_GID) != 0 {
+            a |= OWNER;
+        }
+        let times = SETATTR_ATIME | SETATTR_MTIME | SETATTR_ATIME_NOW | SETATTR_MTIME_NOW;
+        if valid & times != 0 {
+            a |= TIMES;
+        }
+        a
+    }
 }
 
 /// Locks, heal sessions and changes in flight on one file.

@@ -1,5 +1,13 @@
 //! Heal sessions on the replica being healed: what other connections changed since a heal
 //! began, and heal's own writes, which skip it.
+//!
+//! Names and attributes the same way: a session also records which [`aspect`]s of the name
+//! (the entry, mode, owner, times, xattrs) other connections changed since it began, and a
+//! change heal makes to the name through the same connection while the session lives skips
+//! what they touched — a setattr drops those attributes, any other change fails with
+//! [`m::SKIPPED`] — because the target's are the newer: the client's change reaches the
+//! replica heal copies from too, after heal read it. (A touched entry counts as every
+//! aspect: an entry made anew has new attributes.)
 
 use std::time::Instant;
 
@@ -22,13 +30,36 @@ impl Marks {
             written.add(w.start, len_of(w.start, w.end));
         }
         let busy = st.clients > 0 || !written.is_empty();
+        // A change of the name in flight now may be anything: all of it counts as touched.
+        let naming = st
+            .inflight
+            .iter()
+            .any(|w| w.ns && !w.heal && w.owner != owner);
         st.sessions.push(Session {
             owner,
             expires: now + m::LOCK_LEASE,
             written,
             skipped: RangeSet::default(),
             busy,
+            touched: if naming { aspect::ALL } else { 0 },
         });
+    }
+
+    /// What of the name other connections touched since `owner`'s live session on the file
+    /// began ([`aspect`] bits; a touched entry counts as all of it); 0 without a session.
+    pub(super) fn touched(key: &FileKey, owner: u64) -> u32 {
+        let st = key.state();
+        let now = Instant::now();
+        let t = st
+            .sessions
+            .iter()
+            .find(|s| s.owner == owner && s.expires > now)
+            .map_or(0, |s| s.touched);
+        if t & aspect::ENTRY != 0 {
+            aspect::ALL
+        } else {
+            t
+        }
     }
 
     pub(super) fn heal_end(&self, owner: u64, path: &str) {

@@ -422,3 +422,58 @@ fn a_handle_writing_everywhere_keeps_a_bounded_record() {
         l.release(&c, fd).await.unwrap();
     });
 }
+
+#[test]
+fn heal_changes_of_a_name_skip_what_clients_changed_since_the_session_began() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let (c, h) = (cx(1), cx(2));
+    let mode = |m: u32| SetAttrs {
+        valid: kiln_proto::ops::SETATTR_MODE,
+        mode: m,
+        ..Default::default()
+    };
+    let stat = |p: &str| std::fs::metadata(root.path().join(p)).map(|m| m.mode() & 0o7777);
+    use std::os::unix::fs::MetadataExt;
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+        l.release(&c, fd).await.unwrap();
+        // Without a session heal's changes are anyone's.
+        l.setattr(&h, "f", &mode(0o600)).await.unwrap();
+        assert_eq!(stat("f").unwrap(), 0o600);
+
+        session(&l, &h, 1).await;
+        l.setattr(&c, "f", &mode(0o640)).await.unwrap();
+        // Heal's copy of the mode (and times) read from a source before the client's change
+        // reached it: the mode is left as the client set it, the times are set.
+        let mut both = mode(0o600);
+        both.valid |= kiln_proto::ops::SETATTR_MTIME;
+        both.mtime = kiln_proto::ops::Time {
+            sec: 1_000_000,
+            nsec: 0,
+        };
+        l.setattr(&h, "f", &both).await.unwrap();
+        assert_eq!(stat("f").unwrap(), 0o640, "heal undid the client's chmod");
+        let mtime = std::fs::metadata(root.path().join("f")).unwrap().mtime();
+        assert_eq!(
+            mtime, 1_000_000,
+            "the times were not touched: heal sets them"
+        );
+        // Xattrs untouched so far: heal's go through; after a client's, heal's are skipped.
+        l.setxattr(&h, "f", "user.a", b"heal", 0).await.unwrap();
+        l.setxattr(&c, "f", "user.a", b"client", 0).await.unwrap();
+        let r = l.removexattr(&h, "f", "user.a").await;
+        assert_eq!(r, Err(m::SKIPPED));
+        // A client that makes the entry anew makes every part of it newer.
+        l.unlink(&c, "f").await.unwrap();
+        l.mkdir(&c, "f", 0o755).await.unwrap();
+        assert_eq!(l.rmdir(&h, "f").await, Err(m::SKIPPED));
+        l.setattr(&h, "f", &mode(0o700)).await.unwrap();
+        assert_eq!(stat("f").unwrap(), 0o755);
+        session(&l, &h, 0).await;
+        // The session over, heal's changes apply again.
+        l.setattr(&h, "f", &mode(0o700)).await.unwrap();
+        assert_eq!(stat("f").unwrap(), 0o700);
+    });
+}

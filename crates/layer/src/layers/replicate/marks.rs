@@ -72,6 +72,10 @@ pub const META: u32 = 2;
 pub const REBUILD: u32 = 4;
 /// A range length meaning "to the end of the file, whatever its size".
 pub const WHOLE: u64 = u64::MAX;
+/// The errno of a change heal made to a name on the target within its heal session that the
+/// brick skipped: a client changed that part of the name since the session began, so the
+/// target's is newer (`EALREADY`). Heal counts it as healed.
+pub const SKIPPED: u32 = 114;
 /// The target of a *suspect* mark: some replica may differ from the others here, and which
 /// one is right is not known — a client that was changing the file or name died before it
 /// could mark the replicas it missed (see the brick's `recent` records). Heal turns suspect

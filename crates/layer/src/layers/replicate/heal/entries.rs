@@ -4,7 +4,7 @@
 use std::collections::{HashSet, VecDeque};
 
 use crate::exec::join_all;
-use crate::marks::{self as m, CondFlag, FlagMark, LockReq};
+use crate::marks::{self as m, CondFlag, FlagMark, HealReq, LockReq};
 use crate::{errno, Ctx, FopResult, LayerRef};
 
 use super::view::View;
@@ -118,9 +118,19 @@ pub(super) async fn heal_flags(
         };
         let (take, drop) = (lock(1), lock(0));
         let t0 = std::time::Instant::now();
-        on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &take)).await?;
-        let step = heal_flags_locked(kids, &view, &others, path, target, src, want).await;
+        // A session on the target before the lock: a client change of the name that reaches
+        // the target before the lock (and the source only after heal read it) is recorded,
+        // and heal's own change of that part is skipped there ([`m::SKIPPED`]).
+        let session = |begin| HealReq { begin };
+        let t = &kids[target];
+        t.heal_session(&Ctx::NONE, path, &session(1)).await?;
+        let locked = on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &take)).await;
+        let step = match locked {
+            Ok(()) => heal_flags_locked(kids, &view, &others, path, target, src, want).await,
+            Err(e) => Err(e),
+        };
         let _ = on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &drop)).await;
+        let _ = t.heal_session(&Ctx::NONE, path, &session(0)).await;
         super::rest(t0.elapsed()).await;
         step?;
     }
@@ -154,10 +164,16 @@ pub(super) async fn heal_flags_locked(
     let mut whole = false;
     let mut clear = want;
     if want & m::ENTRY != 0 {
+        // The target's entry is newer (a client changed the name there since the session
+        // began, and its change reaches the source after heal read it): it stays, as healed.
+        let newer = clear_flags(kids, view, others, path, target, m::ENTRY | m::META, false);
         let Some(sa) = &sa else {
             // Gone on the source: gone on the target (a directory with all it holds).
             if ta.is_some() {
-                remove_tree(t, path).await?;
+                match remove_tree(t, path).await {
+                    Err(m::SKIPPED) => return newer.await,
+                    r => r?,
+                }
             }
             return clear_flags(kids, view, others, path, target, m::ENTRY | m::META, false).await;
         };
@@ -173,10 +189,16 @@ pub(super) async fn heal_flags_locked(
             None => false,
         };
         if !same && ta.is_some() {
-            remove_tree(t, path).await?;
+            match remove_tree(t, path).await {
+                Err(m::SKIPPED) => return newer.await,
+                r => r?,
+            }
             ta = None;
         }
-        let (names, copy_all) = make_entry(s, t, path, sa, ta.is_some(), target).await?;
+        let (names, copy_all) = match make_entry(s, t, path, sa, ta.is_some(), target).await {
+            Err(m::SKIPPED) => return newer.await,
+            r => r?,
+        };
         whole |= copy_all;
         let v = FlagMark {
             target: target as u32,
@@ -352,7 +374,8 @@ pub(super) async fn copy_meta(
     for n in t.listxattr(cx, path).await?.into_iter().filter(user) {
         if !have.contains(&n) {
             match t.removexattr(cx, path, &n).await {
-                Ok(()) | Err(ENODATA) => {}
+                // Skipped: a client changed the target's xattrs since heal began (newer).
+                Ok(()) | Err(ENODATA) | Err(m::SKIPPED) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -364,7 +387,10 @@ pub(super) async fn copy_meta(
             Err(e) => return Err(e),
         };
         if t.getxattr(cx, path, n).await.ok().as_ref() != Some(&v) {
-            t.setxattr(cx, path, n, &v, 0).await?;
+            match t.setxattr(cx, path, n, &v, 0).await {
+                Ok(()) | Err(m::SKIPPED) => {}
+                Err(e) => return Err(e),
+            }
         }
     }
     Ok(())

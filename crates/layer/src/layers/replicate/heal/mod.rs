@@ -55,7 +55,11 @@
 //! are then flagged `ENTRY` on the source, name by name (the source's names, and the
 //! target's too when both had the directory), and healed like any flagged name, in path
 //! order in the same run; a file's bytes are all marked for copying, in the same step that
-//! clears its flag. Then mode, owner, times and `user.` xattrs are copied. **The rule for
+//! clears its flag. Then mode, owner, times and `user.` xattrs are copied. Each pass runs in
+//! a heal session on the target begun before the lock, as the data path's: what of the name
+//! clients changed there since (entry, mode, owner, times, xattrs) heal's changes leave out —
+//! a skipped entry change ([`crate::marks::SKIPPED`]) means the target's entry is the newer,
+//! and counts as healed. **The rule for
 //! removing:** a name is removed from the target only when it is flagged for the target and
 //! the source is not flagged behind for it; a name that reached only the target (a create
 //! the source missed) carries a flag against the source on the target, so that source is

@@ -121,30 +121,45 @@ fn crash(tmp: &Path, v: &Vol, mnt: &Path, run: u64, start: impl FnOnce() -> (Pro
     );
 }
 
-fn volume(tmp: &Path, port_base: &str) -> Vol {
+/// A replica-3 volume of a kilnd on `port_base`, mounted (the reader) at `mnt`, holding the
+/// image. Fields drop in order: the mount, the kilnd, then the bricks it started.
+struct Setup {
+    _mount: Proc,
+    v: Vol,
+    mnt: std::path::PathBuf,
+    _reaper: BrickReaper,
+}
+
+fn setup(tmp: &Path, port_base: &str) -> Setup {
     if Command::new("fio").arg("--version").output().is_err() {
         panic!("fio is needed (apt-get install fio; scripts/test.sh installs it)");
     }
+    let reaper = BrickReaper(tmp.join("state"));
     // No heal service: the test reads before heal, then heals.
     let args = ["--brick-port-base", port_base, "--heal-interval", "0"];
-    Vol::with_kilnd_args(tmp, "crash", 3, &args)
+    let v = Vol::with_kilnd_args(tmp, "crash", 3, &args);
+    let mnt = tmp.join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mount = v.mount(&mnt);
+    std::fs::File::create(mnt.join(IMG))
+        .unwrap()
+        .set_len(SIZE)
+        .unwrap();
+    Setup {
+        _mount: mount,
+        v,
+        mnt,
+        _reaper: reaper,
+    }
 }
 
 #[test]
 fn replicas_agree_after_kiln_nbd_is_killed_mid_write() {
     let tmp = tempfile::tempdir().unwrap();
-    let _reaper = BrickReaper(tmp.path().join("state"));
-    let v = volume(tmp.path(), "25300");
-    let mnt = tmp.path().join("mnt");
-    std::fs::create_dir_all(&mnt).unwrap();
-    let _mount = v.mount(&mnt);
-    std::fs::File::create(mnt.join(IMG))
-        .unwrap()
-        .set_len(SIZE)
-        .unwrap();
+    let Setup { v, mnt, .. } = &setup(tmp.path(), "25300");
     for run in 0..3 {
         let sock = tmp.path().join(format!("nbd{run}.sock"));
-        crash(tmp.path(), &v, &mnt, run, || {
+        crash(tmp.path(), v, mnt, run, || {
             let (nbd, uri) = v.nbd(&format!("/{IMG}"), &sock);
             let fio = fio(&["--ioengine=nbd".into(), format!("--uri={uri}")]);
             (nbd, fio)
@@ -155,19 +170,11 @@ fn replicas_agree_after_kiln_nbd_is_killed_mid_write() {
 #[test]
 fn replicas_agree_after_kiln_mount_is_killed_mid_write() {
     let tmp = tempfile::tempdir().unwrap();
-    let _reaper = BrickReaper(tmp.path().join("state"));
-    let v = volume(tmp.path(), "25400");
-    let mnt = tmp.path().join("mnt");
-    std::fs::create_dir_all(&mnt).unwrap();
-    let _mount = v.mount(&mnt);
-    std::fs::File::create(mnt.join(IMG))
-        .unwrap()
-        .set_len(SIZE)
-        .unwrap();
+    let Setup { v, mnt, .. } = &setup(tmp.path(), "25400");
     for run in 0..3 {
         let m2 = tmp.path().join(format!("writer{run}"));
         std::fs::create_dir_all(&m2).unwrap();
-        crash(tmp.path(), &v, &mnt, run, || {
+        crash(tmp.path(), v, mnt, run, || {
             let m = v.mount(&m2);
             let fio = fio(&[
                 format!("--filename={}", m2.join(IMG).display()),

@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod pool;
 mod tls;
 mod volume;
 
@@ -30,6 +31,11 @@ enum Cmd {
     Nbd(kiln_nbd::NbdArgs),
     /// Volume operations: profile (io-stats tables and request waterfalls), layers.
     Volume(volume::VolumeArgs),
+    /// The trusted storage pool: add (probe), remove (detach) and list the kilnds that share
+    /// volume definitions.
+    Peer(pool::PeerArgs),
+    /// The pool's members as a table: `kiln pool list`.
+    Pool(pool::PoolArgs),
     /// TLS certificates: a CA and identities for bricks and clients.
     Tls(tls::TlsArgs),
     /// Unmount a Kiln FUSE mount.
@@ -57,6 +63,8 @@ fn main() -> std::process::ExitCode {
         }
         Cmd::Volume(a) => volume::main(a),
         Cmd::Tls(a) => tls::main(a),
+        Cmd::Peer(a) => pool::peer(a),
+        Cmd::Pool(a) => pool::pool(a),
         Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
         Cmd::Nbd(a) => {
             kilnd::init_logging();

@@ -50,9 +50,10 @@ enum VolumeCmd {
     /// Bricks are `HOST:/DIR` or `HOST:MGMTPORT:/DIR` (MGMTPORT: the management port of that
     /// host's kilnd when not 24007). With `replica N` every N consecutive bricks hold the same
     /// files (a replica set); more than one set spreads files over the sets. Brick directories
-    /// are created when missing; a directory inside another brick is refused. The kilnd asked
-    /// keeps the definition (it is the volume's authority) and a new random secret for the
-    /// bricks, in STATE_DIR/vols/NAME/secret.
+    /// are created when missing; a directory inside another brick is refused. Every host with
+    /// a brick must be in the pool (`kiln peer probe`). The definition and a new random secret
+    /// for the bricks go to the pool's store, on every member (the secret also in
+    /// STATE_DIR/vols/NAME/secret, mode 0600).
     #[command(
         after_help = "Examples:\n  kiln volume create vol1 replica 3 10.0.0.1:/srv/b1 \
                             10.0.0.2:/srv/b1 10.0.0.3:/srv/b1\n  kiln volume create scratch \
@@ -89,7 +90,7 @@ enum VolumeCmd {
 
 /// Options every management command takes.
 #[derive(clap::Args, Debug)]
-struct MgmtOpts {
+pub(crate) struct MgmtOpts {
     /// The kilnd management address (tcp:HOST:PORT or HOST:PORT).
     #[arg(long, default_value = kiln_client::mgmt::DEFAULT_SERVER)]
     server: String,
@@ -357,15 +358,19 @@ fn volume_secret(
 /// One request to the management daemon, proving the management secret, and its reply of
 /// type `T` (the one `req` names); errors read like `volume start: NAME: failed: …`, and a
 /// refusal for want of the secret says what to do.
-fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> Result<T, String> {
-    let what = req.cmd();
+pub(crate) fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> Result<T, String> {
+    // `peer probe`, `pool list`; `volume start`.
+    let what = match req.cmd() {
+        c if c.starts_with("peer-") || c.starts_with("pool-") => c.replacen('-', " ", 1),
+        c => format!("volume {c}"),
+    };
     let json = &req.to_json();
     let fail = |e: &str| match json["name"].as_str() {
         Some(n) => {
             let e = e.strip_prefix(&format!("volume {n}: ")).unwrap_or(e);
-            format!("volume {what}: {n}: failed: {e}")
+            format!("{what}: {n}: failed: {e}")
         }
-        None => format!("volume {what}: failed: {e}"),
+        None => format!("{what}: failed: {e}"),
     };
     let secret = opts.secret().map_err(|e| fail(&e))?;
     let key = match &secret {
@@ -385,7 +390,7 @@ fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> Result<T, S
 
 /// Prints a reply: as the wire's JSON object (its fields beside `"ok": true`) with `--json`,
 /// else as `text` renders it.
-fn show<T: Serialize>(opts: &MgmtOpts, r: &T, text: impl FnOnce(&T) -> String) {
+pub(crate) fn show<T: Serialize>(opts: &MgmtOpts, r: &T, text: impl FnOnce(&T) -> String) {
     if opts.json {
         let e = Envelope {
             ok: true,
@@ -398,7 +403,7 @@ fn show<T: Serialize>(opts: &MgmtOpts, r: &T, text: impl FnOnce(&T) -> String) {
     }
 }
 
-fn warn(warnings: &[String]) {
+pub(crate) fn warn(warnings: &[String]) {
     for w in warnings {
         eprintln!("kiln: warning: {w}");
     }
@@ -519,11 +524,6 @@ fn info_text(r: &Infos) -> String {
         );
         let _ = writeln!(
             out,
-            "Authority: {}",
-            d.authority.as_deref().unwrap_or("this kilnd")
-        );
-        let _ = writeln!(
-            out,
             "Clients allowed from: {}",
             if d.allow.is_empty() {
                 "anywhere".to_owned()
@@ -538,6 +538,9 @@ fn info_text(r: &Infos) -> String {
         for (i, b) in d.bricks.iter().enumerate() {
             let _ = writeln!(out, "Brick{}: {}", i + 1, b.spec());
         }
+    }
+    if r.version > 0 {
+        let _ = writeln!(out, "\n(pool store version {})", r.version);
     }
     out
 }

@@ -324,8 +324,9 @@ fn an_unauthenticated_client_gets_no_volume_secret() {
     authed(json!({ "cmd": "create", "name": "vol", "bricks": [bspec] })).unwrap();
     authed(json!({ "cmd": "start", "name": "vol" })).unwrap();
     let vol_secret = read_secret(&state.join("vols/vol/secret"));
-    let def_before = std::fs::read(state.join("vols/vol/volume.json")).unwrap();
-    let def: Value = serde_json::from_slice(&def_before).unwrap();
+    let info = || authed(json!({ "cmd": "info", "name": "vol" })).unwrap();
+    let def_before = info();
+    let def = def_before["volumes"][0].clone();
 
     // A forged copy that names this client the authority, with a secret of its choosing.
     let mut forged = def.clone();
@@ -346,8 +347,13 @@ fn an_unauthenticated_client_gets_no_volume_secret() {
         json!({ "cmd": "peer-sync", "def": evil, "secret": planted }),
         json!({ "cmd": "brick-start", "def": forged, "index": 0, "secret": planted }),
         json!({ "cmd": "brick-stop", "name": "vol", "index": 0 }),
-        json!({ "cmd": "brick-report", "name": "vol", "id": def["id"], "index": 0, "port": 1, "pid": 1 }),
-        json!({ "cmd": "peer-forget", "name": "vol" }),
+        json!({ "cmd": "pool-write", "change": { "op": "put", "key": "secret/vol", "value": planted } }),
+        json!({ "cmd": "raft", "to": 1, "rpc": "vote", "body": {} }),
+        json!({ "cmd": "pool-join", "prepare": true }),
+        json!({ "cmd": "pool-leave", "id": 1 }),
+        json!({ "cmd": "pool-list" }),
+        json!({ "cmd": "peer-probe", "host": "127.0.0.1:9" }),
+        json!({ "cmd": "peer-detach", "host": "127.0.0.1" }),
         json!({ "cmd": "secret", "name": "vol" }),
         json!({ "name": "vol" }),
     ];
@@ -419,10 +425,7 @@ fn an_unauthenticated_client_gets_no_volume_secret() {
     assert!(raw.closed());
 
     // Nothing changed: the definition, the secret, no planted volume, the brick still runs.
-    assert_eq!(
-        std::fs::read(state.join("vols/vol/volume.json")).unwrap(),
-        def_before
-    );
+    assert_eq!(info(), def_before);
     assert_eq!(read_secret(&state.join("vols/vol/secret")), vol_secret);
     assert!(!state.join("vols/evil").exists());
     assert!(!state.join("vols/other").exists());

@@ -55,9 +55,9 @@ pub struct ServeArgs {
     /// one; open the range in firewalls).
     #[arg(long, value_name = "PORT", default_value_t = kiln_mgmt::FIRST_BRICK_PORT)]
     pub brick_port_base: u16,
-    /// Management mode: seconds between rounds of the heal service, which heals the replicated
-    /// volumes this kilnd is the authority of by itself (0: off; `kiln volume heal` still
-    /// works).
+    /// Management mode: seconds between rounds of the heal service, which heals the pool's
+    /// replicated volumes by itself while this kilnd is the pool's leader (0: off; `kiln
+    /// volume heal` still works).
     #[arg(long, value_name = "SECS", default_value_t = 10.0)]
     pub heal_interval: f64,
     /// Management mode: the management secret that `kiln volume` and other kilnds must prove
@@ -113,12 +113,13 @@ pub struct ServeArgs {
     pub threads: usize,
 }
 
-/// Installs the stderr logger (`KILN_LOG` filter, default `info`). Safe to call twice.
+/// Installs the stderr logger (`KILN_LOG` filter, default `info` but openraft's own lines,
+/// which repeat every half second while a pool member is down). Safe to call twice.
 pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=off")),
         )
         .with_writer(std::io::stderr)
         .try_init();
@@ -285,9 +286,19 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         let addr = server.local_addrs().into_iter().next();
         if let Some(Listen::Tcp(a)) = &addr {
             manager.set_mgmt_port(a.port());
+            if let Err(e) = manager.start_pool(*a).await {
+                return fail(e);
+            }
         }
-        // Bricks of started volumes come back before the first request is answered (requests
-        // wait in the listen backlog meanwhile).
+        let m = manager.clone();
+        let heal = move |out: &mut String| m.healer().render(out);
+        if let Err(e) = serve_metrics(&args.metrics, &server, Some(Box::new(heal))) {
+            return fail(e);
+        }
+        // The port answers at once: the pool's members must reach each other while bricks are
+        // restored (which may record their ports in the pool's store). Volume commands wait
+        // for the restore (it holds their lock).
+        let serving = tokio::spawn(server.run());
         let m = manager.clone();
         if tokio::task::spawn_blocking(move || m.restore())
             .await
@@ -302,12 +313,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         if let Some(a) = addr {
             say(&format!("kilnd: management on {a}"));
         }
-        let m = manager.clone();
-        let heal = move |out: &mut String| m.healer().render(out);
-        if let Err(e) = serve_metrics(&args.metrics, &server, Some(Box::new(heal))) {
-            return fail(e);
-        }
-        server.run().await;
+        let _ = serving.await;
         std::process::ExitCode::SUCCESS
     })
 }

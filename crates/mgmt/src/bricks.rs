@@ -1,10 +1,8 @@
 //! Brick processes: spawned, adopted after a restart, supervised and stopped.
 
-use crate::def::{is_local, parse_sockaddr, VolState, VolumeDef};
+use crate::def::{is_local, VolState, VolumeDef};
 use crate::manager::{Manager, Procs};
 use crate::peers::CONNECT_TIMEOUT;
-use crate::request::Request;
-use crate::response::Ack;
 use crate::store::write_atomic;
 use crate::volfiles::brick_volfile;
 use std::collections::BTreeSet;
@@ -42,28 +40,33 @@ pub fn brick_command() -> io::Result<Vec<OsString>> {
 
 impl Manager {
     /// Restarts the local bricks of every started volume (adopting those still running).
-    /// Called once at startup, before the management port answers.
+    /// Called once at startup, while the management port answers the pool (volume commands
+    /// wait for it).
     pub fn restore(&self) {
         let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
-        let mut moved = Vec::new();
-        for mut def in self.load_all() {
+        match self.import_local() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("{n} volume(s) moved into the pool's store"),
+            Err(e) => tracing::warn!(
+                "volumes kept in {} not moved into the pool's store: {e}",
+                self.state.display()
+            ),
+        }
+        for def in self.load_all() {
             if def.state != VolState::Started {
                 continue;
             }
-            let mut changed = false;
-            let mut ports_changed = Vec::new();
+            let mut ran = Vec::new();
             for i in 0..def.bricks.len() {
                 if !def.bricks[i].ip().is_ok_and(is_local) {
                     continue;
                 }
                 match self.ensure_brick(&mut procs, &def, i) {
                     Ok((port, pid)) => {
-                        let b = &mut def.bricks[i];
-                        changed |= b.port != Some(port) || b.pid != Some(pid) || !b.settled;
-                        if b.port != Some(port) {
-                            ports_changed.push(i);
+                        let b = &def.bricks[i];
+                        if b.port != Some(port) || b.pid != Some(pid) || !b.settled {
+                            ran.push((i, port, pid));
                         }
-                        b.ran(port, pid);
                     }
                     Err(e) => tracing::warn!(
                         "volume {}: brick {} did not start: {e}",
@@ -72,47 +75,46 @@ impl Manager {
                     ),
                 }
             }
-            if changed {
-                if let Err(e) = self.save(&def) {
-                    tracing::warn!("volume {}: {e}", def.name);
+            // Where the bricks run now goes to the pool's store (clients' volfiles name the
+            // ports), whichever member made the volume's last change.
+            if !ran.is_empty() {
+                if let Err(e) = self.update(&def.name, |d| {
+                    for &(i, port, pid) in &ran {
+                        if let Some(b) = d.bricks.get_mut(i) {
+                            b.ran(port, pid);
+                        }
+                    }
+                }) {
+                    tracing::warn!(
+                        "volume {}: where its bricks run now is not recorded: {e}",
+                        def.name
+                    );
                 }
             }
             tracing::info!("volume {}: restored", def.name);
-            if !ports_changed.is_empty() {
-                moved.push((def, ports_changed));
-            }
         }
-        drop(procs);
-        // Bricks that came back on another port: the authority and the other peers must
-        // hand out the new port in volfiles.
-        for (def, bricks) in moved {
-            let r = match &def.authority {
-                None => {
-                    let w = self.sync_all(&def);
-                    if w.is_empty() {
-                        Ok(())
-                    } else {
-                        Err(w.join("; "))
-                    }
-                }
-                Some(auth) => parse_sockaddr(auth).and_then(|a| {
-                    bricks.iter().try_for_each(|&i| {
-                        let b = &def.bricks[i];
-                        let req = Request::BrickReport {
-                            name: def.name.clone(),
-                            id: def.id.clone(),
-                            index: i,
-                            port: b.port,
-                            pid: b.pid,
-                        };
-                        self.call_peer::<Ack>(a, &req).map(|_| ())
-                    })
-                }),
+    }
+
+    /// Changes the definition of `name` by `f` in the pool's store, made only if nothing else
+    /// changed it meanwhile (read again and retried otherwise).
+    pub(crate) fn update(&self, name: &str, f: impl Fn(&mut VolumeDef)) -> Result<(), String> {
+        for _ in 0..8 {
+            let (mut def, version) = self.load_versioned(name)?;
+            f(&mut def);
+            let cmd = crate::pool::Cmd::Put {
+                key: crate::store::vol_key(name),
+                value: serde_json::to_value(&def).expect("a definition serialises"),
+                expect: Some(version),
             };
-            if let Err(e) = r {
-                tracing::warn!("volume {}: new brick ports not passed on: {e}", def.name);
+            match self.pool()?.write(cmd)?.outcome {
+                crate::pool::Outcome::Done { .. } => return Ok(()),
+                crate::pool::Outcome::Conflict { .. } => {
+                    // Not applied here yet, perhaps: wait for this member's copy to move on.
+                    self.pool()?.wait_applied(Duration::from_secs(2));
+                }
             }
         }
+        Err(format!("volume {name} kept changing: not updated"))
     }
 
     /// Authority side: a peer restarted one of its bricks on another port.

@@ -7,12 +7,13 @@ use std::net::{IpAddr, SocketAddr};
 use crate::bricks::port_answers;
 use crate::def::{check_name, is_local, parse_brick, BrickDef, VolState, VolumeDef};
 use crate::manager::{Manager, Procs};
+use crate::pool::Cmd;
 use crate::request::Request;
 use crate::response::{
-    Ack, BrickStatus, BrickStopped, Changed, Deleted, Health, Infos, Names, Response, Space,
-    Statuses, VolfileText, VolumeStatus, VolumeView,
+    BrickStatus, BrickStopped, Changed, Deleted, Health, Infos, Names, Response, Space, Statuses,
+    VolfileText, VolumeStatus, VolumeView,
 };
-use crate::store::{hex, random};
+use crate::store::{hex, random, secret_key, vol_key};
 
 impl Manager {
     pub(crate) fn create(
@@ -40,7 +41,7 @@ impl Manager {
                 specs.len()
             ));
         }
-        if self.vol_dir(name).join("volume.json").exists() {
+        if self.load(name).is_ok() {
             return Err(format!("volume {name} already exists"));
         }
         let allow = check_allow(allow)?;
@@ -67,27 +68,28 @@ impl Manager {
             root_squash: false,
             io_timeout: None,
         };
-        fs::create_dir_all(self.vol_dir(name).join("bricks"))
-            .map_err(|e| format!("cannot create {}: {e}", self.vol_dir(name).display()))?;
-        self.write_secret(name, &secret)?;
-        self.save(&def)?;
-        // Every other host with a brick gets a copy (and creates its brick directories).
-        let mut synced = Vec::new();
+        // Every other host with a brick is in the pool, and creates its brick directories
+        // now: a host that cannot is found before the volume exists.
         for addr in self.peers(&def) {
-            if let Err(e) = self.sync_to(addr, &def, true) {
-                for a in synced {
-                    let _ = self.call_peer::<Ack>(
-                        a,
-                        &Request::PeerForget {
-                            name: name.to_owned(),
-                        },
-                    );
-                }
-                let _ = fs::remove_dir_all(self.vol_dir(name));
-                return Err(format!("volume {name} not created: {e}"));
-            }
-            synced.push(addr);
+            self.check_member(addr)
+                .and_then(|_| self.sync_to(addr, &def))
+                .map_err(|e| format!("volume {name} not created: {e}"))?;
         }
+        // The definition and its secret, in one change: both or neither.
+        let ops = vec![
+            Cmd::Put {
+                key: vol_key(name),
+                value: serde_json::to_value(&def).expect("a definition serialises"),
+                expect: Some(0),
+            },
+            Cmd::Put {
+                key: secret_key(name),
+                value: secret.into(),
+                expect: Some(0),
+            },
+        ];
+        self.change(Cmd::Batch { ops })
+            .map_err(|e| format!("volume {name} not created: {e}"))?;
         tracing::info!("created volume {name} ({} bricks)", def.bricks.len());
         Ok(Changed {
             volume: VolumeView::from(&def),
@@ -181,7 +183,7 @@ impl Manager {
             def.state = VolState::Started;
         }
         self.save(&def)?;
-        let warnings = self.sync_all(&def);
+        let warnings = Vec::new();
         if !errors.is_empty() {
             return Err(format!(
                 "volume {name}: {} of {} bricks did not start: {}",
@@ -230,7 +232,7 @@ impl Manager {
         }
         def.state = VolState::Stopped;
         self.save(&def)?;
-        let warnings = self.sync_all(&def);
+        let warnings = Vec::new();
         if !errors.is_empty() {
             return Err(format!(
                 "volume {name} stopped, but {} brick(s) may still run: {}",
@@ -273,7 +275,7 @@ impl Manager {
             def.root_squash = on;
         }
         self.save(&def)?;
-        let mut warnings = self.sync_all(&def);
+        let mut warnings = Vec::new();
         if def.state == VolState::Started && restart {
             let secret = self.read_secret(name)?;
             for i in 0..def.bricks.len() {
@@ -307,7 +309,6 @@ impl Manager {
                 }
             }
             self.save(&def)?;
-            warnings.extend(self.sync_all(&def));
         }
         tracing::info!(volume = name, allow = ?def.allow, "volume options set");
         Ok(Changed {
@@ -322,18 +323,19 @@ impl Manager {
         if def.state == VolState::Started {
             return Err(format!("volume {name} is started: stop it first"));
         }
-        let mut warnings = Vec::new();
-        for addr in self.peers(&def) {
-            if let Err(e) = self.call_peer::<Ack>(
-                addr,
-                &Request::PeerForget {
-                    name: name.to_owned(),
-                },
-            ) {
-                warnings.push(format!("{addr} keeps a stale copy: {e}"));
-            }
-        }
-        fs::remove_dir_all(self.vol_dir(name))
+        let warnings = Vec::new();
+        // Every member removes its files of the volume when it applies this.
+        let ops = vec![
+            Cmd::Delete {
+                key: vol_key(name),
+                expect: None,
+            },
+            Cmd::Delete {
+                key: secret_key(name),
+                expect: None,
+            },
+        ];
+        self.change(Cmd::Batch { ops })
             .map_err(|e| format!("cannot remove volume {name}: {e}"))?;
         tracing::info!("deleted volume {name} (brick data left in place)");
         Ok(Deleted {
@@ -345,6 +347,8 @@ impl Manager {
     }
 
     pub(crate) fn info(&self, name: Option<&str>) -> Result<Response, String> {
+        // Read first: the definitions below are at least this new.
+        let version = self.pool()?.get("").1;
         let defs = match name {
             Some(n) => {
                 check_name(n)?;
@@ -354,6 +358,7 @@ impl Manager {
         };
         Ok(Infos {
             volumes: defs.iter().map(VolumeView::from).collect(),
+            version,
         }
         .into())
     }
@@ -371,6 +376,12 @@ impl Manager {
             }
             None => self.load_all(),
         };
+        // The member that makes changes, when not this one.
+        let pool = self.pool()?;
+        let leader = pool
+            .leader()
+            .filter(|(id, _)| *id != pool.id())
+            .map(|(_, a)| a);
         let mut vols = Vec::new();
         for def in &defs {
             let mut bricks = Vec::new();
@@ -401,7 +412,7 @@ impl Manager {
             vols.push(VolumeStatus {
                 name: def.name.clone(),
                 state: def.state,
-                authority: def.authority.clone(),
+                authority: leader.clone(),
                 bricks,
                 heal: self.healer.view(&def.name),
             });

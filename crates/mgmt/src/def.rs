@@ -94,7 +94,8 @@ pub struct VolumeDef {
     pub bricks: Vec<BrickDef>,
     /// Created, started or stopped.
     pub state: VolState,
-    /// `None` on the authority; on a peer, the authority's management address.
+    /// Definitions from before the pool: on a kilnd that held only a copy, the management
+    /// address of the one that made it (such copies are not imported). `None` in the store.
     #[serde(default)]
     pub authority: Option<String>,
     /// Address ranges clients of the bricks may connect from (empty: anyone); each brick
@@ -210,11 +211,4 @@ pub(crate) fn check_index(index: usize, def: &VolumeDef) -> Result<usize, String
             def.name
         ))
     }
-}
-
-pub(crate) fn parse_sockaddr(s: &str) -> Result<SocketAddr, String> {
-    s.strip_prefix("tcp:")
-        .unwrap_or(s)
-        .parse()
-        .map_err(|e| format!("bad address {s:?}: {e}"))
 }

@@ -1,5 +1,5 @@
 //! Answering MGMT requests: authentication by command, decoding into [`Request`], forwarding
-//! a change of a volume this kilnd only caches to its authority, and running the rest.
+//! a change of a volume to the pool's leader, and running the rest.
 
 use std::net::SocketAddr;
 
@@ -7,7 +7,7 @@ use kiln_server::control::{refusal, Caller, MgmtHandler};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::def::{check_name, parse_sockaddr};
+use crate::def::check_name;
 use crate::manager::Manager;
 use crate::peers::call_peer;
 use crate::request::{Request, OPEN_COMMANDS};
@@ -61,21 +61,20 @@ impl Manager {
     /// Runs one request of an authenticated caller (or an open command).
     fn dispatch(&self, req: Request) -> Result<Response, String> {
         tracing::debug!(cmd = req.cmd(), "mgmt request");
-        // A change to a volume this kilnd only caches goes to the authority — without holding
-        // our lock, since the authority will call back (brick-start) to this kilnd.
+        if let Some(r) = self.pool_dispatch(&req) {
+            return r;
+        }
+        // A change is made on the pool's leader — forwarded without holding our lock, since
+        // the leader may call back (brick-start) to this kilnd.
         if let Some(name) = req.forwarded_volume() {
             check_name(name)?;
-            if let Ok(def) = self.load(name) {
-                if let Some(auth) = &def.authority {
-                    let addr = parse_sockaddr(auth)?;
-                    let fwd = match req {
-                        Request::Delete { .. } => {
-                            self.call_peer::<Deleted>(addr, &req).map(Into::into)
-                        }
-                        _ => self.call_peer::<Changed>(addr, &req).map(Into::into),
-                    };
-                    return fwd.map_err(|e| format!("volume {name} (authority {auth}): {e}"));
-                }
+            let pool = self.pool()?;
+            let fwd = match req {
+                Request::Delete { .. } => pool.forward::<Deleted>(&req).map(|r| r.map(Into::into)),
+                _ => pool.forward::<Changed>(&req).map(|r| r.map(Into::into)),
+            };
+            if let Some(r) = fwd.map_err(|e| format!("volume {name}: {e}"))? {
+                return Ok(r);
             }
         }
         let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
@@ -107,15 +106,8 @@ impl Manager {
                 self.brick_start(procs, def, index, secret.as_deref())
             }
             Request::BrickStop { name, index } => self.brick_stop(procs, &name, index),
-            Request::BrickReport {
-                name,
-                id,
-                index,
-                port,
-                pid,
-            } => self.brick_report(&name, &id, index, port, pid),
             Request::PeerSync { def, secret } => self.peer_sync(def, secret.as_deref()),
-            Request::PeerForget { name } => self.peer_forget(&name),
+            _ => Err(format!("`{}` is not a volume command", req.cmd())),
         }
     }
 }

@@ -1,8 +1,8 @@
-//! The heal service: the management kilnd that is a replicated volume's authority heals it by
+//! The heal service: the pool's leader heals every replicated volume by
 //! itself, while I/O continues — no one has to run `kiln volume heal`.
 //!
-//! Every `--heal-interval` seconds it looks at each started replicated volume it is the
-//! authority of (over connections of its own, kept between rounds; they reconnect to a
+//! Every `--heal-interval` seconds it looks at each started replicated volume of the
+//! pool (over connections of its own, kept between rounds; they reconnect to a
 //! returning brick by themselves) and, when a replica that is up is behind, runs the same heal
 //! as `kiln volume heal`: exactly the marked ranges, under heal locks. What it did is in
 //! `kiln volume status` (backlog, files and bytes healed, the last error).
@@ -31,11 +31,15 @@ pub fn start(manager: Arc<Manager>, every: Duration) {
         loop {
             // A timer, not synchronisation: the service polls the marks once per interval.
             std::thread::sleep(every);
+            // The pool's leader heals; the others stand by.
+            if !manager.is_leader() {
+                clients.clear();
+                continue;
+            }
             let defs: Vec<VolumeDef> = manager
                 .load_all()
                 .into_iter()
                 .filter(|d| d.state == VolState::Started && d.replica > 1)
-                .filter(|d| d.authority.is_none())
                 .collect();
             clients.retain(|name, _| defs.iter().any(|d| &d.name == name));
             for def in &defs {

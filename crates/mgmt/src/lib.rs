@@ -7,8 +7,10 @@
 //! ```text
 //! mgmt.secret              the management secret (64 hex digits, mode 0600), unless
 //!                          `--mgmt-secret-file` names another file
-//! vols/NAME/volume.json    the definition (or, on a peer, a cached copy of it)
-//! vols/NAME/secret         the volume's shared secret (64 hex digits, mode 0600)
+//! pool/                    the pool's Raft log, vote and store (see [`pool`]): volume
+//!                          definitions and secrets, the same on every member
+//! vols/NAME/secret         the volume's shared secret (64 hex digits, mode 0600), kept in
+//!                          step with the store
 //! vols/NAME/bricks/N.toml  brick N's volfile; N.log is its output
 //! mgmt-root/               an empty directory behind the management port's (refused) file fops
 //! ```
@@ -17,11 +19,9 @@
 //! killed without taking the others or the management daemon along; they outlive a restart of
 //! kilnd, which adopts them again (pid alive, running this brick's volfile, port answering).
 //!
-//! Several hosts: the kilnd where `create` ran is the volume's *authority*. It keeps the
-//! definition and makes every change; bricks on other hosts are started and stopped by asking
-//! that host's kilnd (`brick-start`, `brick-stop`), and every host with a brick of the volume
-//! holds a cached copy (`peer-sync`), so `info`, `status` and `volfile` work from any of them.
-//! A peer forwards `start`, `stop` and `delete` of a volume it only caches to the authority.
+//! Several hosts: the kilnds form a pool ([`pool`]) whose store every member holds; changes
+//! are made by its leader (any member forwards them there), which asks each brick host's kilnd
+//! to start and stop that host's bricks (`brick-start`, `brick-stop`).
 //!
 //! A brick is written `HOST:/DIR` or `HOST:PORT:/DIR`, where PORT is the management port of
 //! HOST's kilnd (default [`DEFAULT_MGMT_PORT`]). HOST is an IP address or a name that resolves
@@ -39,7 +39,8 @@
 //! same things a port scan finds — and never a secret; the bricks themselves still require
 //! the volume's own secret. Everything else — `create`, `start`, `stop`, `delete`, `info`,
 //! `list`, `status` and the kilnd-to-kilnd commands (`peer-sync` and `brick-start`, which
-//! carry volume secrets, `brick-stop`, `brick-report`, `peer-forget`) — is refused, and the
+//! carry volume secrets, `brick-stop`, and the pool's `raft`, `pool-write`, `pool-join`,
+//! `pool-leave`) — is refused, and the
 //! refusal logged with the peer's address, unless the connection proved the secret. An
 //! unauthenticated connection can do nothing else either: the connection code refuses every
 //! other fop before authentication (see [`Caller`]).
@@ -55,10 +56,13 @@ mod bricks;
 mod commands;
 mod def;
 mod dispatch;
+mod files;
 pub mod healer;
 pub mod healing;
 mod manager;
+mod members;
 mod peers;
+pub mod pool;
 mod replace;
 mod request;
 pub mod response;

@@ -31,7 +31,7 @@ pub struct Manager {
     pub(crate) state: PathBuf,
     /// The program and leading arguments that run a brick.
     pub(crate) exe: Vec<OsString>,
-    /// This kilnd's management port (for peers to call back, recorded as authority).
+    /// This kilnd's management port.
     pub(crate) mgmt_port: Mutex<u16>,
     /// Serialises commands: one change at a time, and the children table.
     pub(crate) procs: Mutex<Procs>,
@@ -42,6 +42,8 @@ pub struct Manager {
     pub(crate) healer: Healer,
     /// Where brick ports start (`--brick-port-base`).
     pub(crate) first_brick_port: Mutex<u16>,
+    /// The pool this kilnd is a member of (set once the management port is bound).
+    pub(crate) pool: std::sync::OnceLock<Arc<crate::pool::Pool>>,
 }
 
 impl Manager {
@@ -88,6 +90,7 @@ impl Manager {
             secret: secret.into(),
             healer: Healer::default(),
             first_brick_port: Mutex::new(FIRST_BRICK_PORT),
+            pool: std::sync::OnceLock::new(),
         }))
     }
 

@@ -1,4 +1,4 @@
-//! Several hosts: authenticated calls between kilnds, the authority's copies on its peers,
+//! Several hosts: authenticated calls between kilnds, the brick directories of a new volume,
 //! and the peer side of starting and stopping bricks.
 
 use std::collections::BTreeSet;
@@ -7,11 +7,12 @@ use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::Duration;
 
-use crate::def::{check_index, check_name, is_local, VolState, VolumeDef};
+use crate::def::{check_index, check_name, is_local, VolumeDef};
+use crate::files::random;
 use crate::manager::{Manager, Procs, MGMT_SECRET_FILE};
+use crate::pool::{Channel, Link};
 use crate::request::Request;
 use crate::response::{self, Ack, BrickStarted, BrickStopped, Response};
-use crate::store::random;
 use serde::de::DeserializeOwned;
 
 /// Connect timeout for probes of bricks and calls to other kilnds.
@@ -111,6 +112,13 @@ impl PeerConn {
         Ok(c)
     }
 
+    /// How long a call may wait for its reply.
+    pub(crate) fn set_timeout(&mut self, t: std::time::Duration) {
+        let t = Some(t.max(std::time::Duration::from_millis(1)));
+        let _ = self.sock.set_read_timeout(t);
+        let _ = self.sock.set_write_timeout(t);
+    }
+
     /// This end's address: how the peer sees us.
     pub(crate) fn local_ip(&self) -> Result<IpAddr, String> {
         self.sock
@@ -144,7 +152,10 @@ impl PeerConn {
         Ok((h.status.get(), rest, payload))
     }
 
-    pub(crate) fn call<R: DeserializeOwned>(&mut self, req: &Request) -> Result<R, String> {
+    pub(crate) fn call<R: DeserializeOwned>(
+        &mut self,
+        req: &impl serde::Serialize,
+    ) -> Result<R, String> {
         use kiln_proto::codec::Wire;
         let addr = self.addr;
         let args = kiln_proto::ops::MgmtReq {
@@ -162,8 +173,34 @@ impl PeerConn {
     }
 }
 
+impl Channel for PeerConn {
+    fn call(
+        &mut self,
+        req: &serde_json::Value,
+        timeout: Option<Duration>,
+    ) -> Result<serde_json::Value, String> {
+        self.set_timeout(timeout.unwrap_or(PEER_CALL_TIMEOUT));
+        PeerConn::call(self, req)
+    }
+
+    fn local_ip(&self) -> Result<IpAddr, String> {
+        PeerConn::local_ip(self)
+    }
+}
+
+/// The pool's way to other members: [`PeerConn`]s proving the management secret.
+pub(crate) struct PeerLink {
+    pub(crate) secret: std::sync::Arc<[u8]>,
+}
+
+impl Link for PeerLink {
+    fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Channel>, String> {
+        Ok(Box::new(PeerConn::connect(addr, &self.secret)?))
+    }
+}
+
 impl Manager {
-    /// Peer side of `start`: caches the definition and the secret, runs brick `index`.
+    /// Peer side of `start`: runs brick `index` of `def` here (the leader records where).
     pub(crate) fn brick_start(
         &self,
         procs: &mut Procs,
@@ -171,11 +208,8 @@ impl Manager {
         index: usize,
         secret: Option<&str>,
     ) -> Result<Response, String> {
-        let def = self.take_peer_def(def)?;
+        check_name(&def.name)?;
         let i = check_index(index, &def)?;
-        if let Some(s) = secret {
-            self.write_secret(&def.name, s)?;
-        }
         let ip = def.bricks[i].ip()?;
         if !is_local(ip) {
             return Err(format!(
@@ -183,11 +217,8 @@ impl Manager {
                 def.bricks[i].spec()
             ));
         }
+        self.local_files(&def, secret)?;
         let (port, pid) = self.ensure_brick(procs, &def, i)?;
-        let mut def = def;
-        def.bricks[i].ran(port, pid);
-        def.state = VolState::Started;
-        self.save(&def)?;
         Ok(BrickStarted { port, pid }.into())
     }
 
@@ -199,23 +230,36 @@ impl Manager {
         index: usize,
     ) -> Result<Response, String> {
         check_name(name)?;
-        let mut def = self.load(name)?;
+        let def = self.load(name)?;
         let i = check_index(index, &def)?;
         self.stop_brick(procs, &def, i);
-        def.bricks[i].pid = None;
-        self.save(&def)?;
         Ok(BrickStopped { stopped: i }.into())
     }
 
-    /// Stores a copy of a definition sent by its authority.
+    /// Peer side of `create`: makes this host's brick directories of `def`.
     pub(crate) fn peer_sync(
         &self,
         def: VolumeDef,
         secret: Option<&str>,
     ) -> Result<Response, String> {
-        let def = self.take_peer_def(def)?;
+        check_name(&def.name)?;
+        self.local_files(&def, secret)?;
+        Ok(Ack {
+            volume: def.name,
+            warnings: Vec::new(),
+        }
+        .into())
+    }
+
+    /// This host's files of `def`: the volume's directory, its secret when given (the store
+    /// brings it too, but a brick may start before this member has applied the change that
+    /// made it), and its brick directories here.
+    fn local_files(&self, def: &VolumeDef, secret: Option<&str>) -> Result<(), String> {
+        let dir = self.vol_dir(&def.name);
+        fs::create_dir_all(dir.join("bricks"))
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         if let Some(s) = secret {
-            self.write_secret(&def.name, s)?;
+            crate::files::write_atomic(&dir, "secret", format!("{s}\n").as_bytes(), 0o600)?;
         }
         for b in &def.bricks {
             if b.ip().is_ok_and(is_local) {
@@ -224,57 +268,7 @@ impl Manager {
                 })?;
             }
         }
-        Ok(Ack {
-            volume: def.name,
-            warnings: Vec::new(),
-        }
-        .into())
-    }
-
-    pub(crate) fn peer_forget(&self, name: &str) -> Result<Response, String> {
-        check_name(name)?;
-        match self.load(name) {
-            Ok(d) if d.authority.is_some() => {
-                fs::remove_dir_all(self.vol_dir(name))
-                    .map_err(|e| format!("cannot remove the copy of volume {name}: {e}"))?;
-            }
-            Ok(_) => return Err(format!("this kilnd is the authority of volume {name}")),
-            Err(_) => {}
-        }
-        Ok(Ack {
-            volume: name.to_owned(),
-            warnings: Vec::new(),
-        }
-        .into())
-    }
-
-    /// The `def` of a peer request, checked and saved as this kilnd's cached copy (keeping the
-    /// pids of bricks this kilnd runs).
-    pub(crate) fn take_peer_def(&self, mut def: VolumeDef) -> Result<VolumeDef, String> {
-        check_name(&def.name)?;
-        if def.authority.is_none() {
-            return Err("bad request: a peer copy names no authority".into());
-        }
-        if let Ok(mine) = self.load(&def.name) {
-            if mine.authority.is_none() {
-                return Err(format!(
-                    "this kilnd is itself the authority of a volume named {}",
-                    def.name
-                ));
-            }
-            if mine.id == def.id {
-                for (b, m) in def.bricks.iter_mut().zip(&mine.bricks) {
-                    if b.ip().is_ok_and(is_local) && b.pid.is_none() && m.pid.is_some() {
-                        b.pid = m.pid;
-                        b.port = b.port.or(m.port);
-                    }
-                }
-            }
-        }
-        fs::create_dir_all(self.vol_dir(&def.name).join("bricks"))
-            .map_err(|e| format!("cannot create {}: {e}", self.vol_dir(&def.name).display()))?;
-        self.save(&def)?;
-        Ok(def)
+        Ok(())
     }
 
     // ---- several hosts ----
@@ -292,41 +286,26 @@ impl Manager {
         out.into_iter().collect()
     }
 
-    /// Sends `def` to the peer at `addr`, naming this kilnd (as the peer reaches it) the
-    /// authority.
-    pub(crate) fn sync_to(
-        &self,
-        addr: SocketAddr,
-        def: &VolumeDef,
-        with_secret: bool,
-    ) -> Result<(), String> {
+    /// Refuses a host whose kilnd is not a member of this kilnd's pool.
+    pub(crate) fn check_member(&self, addr: SocketAddr) -> Result<(), String> {
+        let view = self.pool()?.view(false);
+        if view.members.iter().any(|m| m.addr == addr.to_string()) {
+            return Ok(());
+        }
+        Err(format!(
+            "the kilnd at {addr} is not in this pool: `kiln peer probe {addr}` first"
+        ))
+    }
+
+    /// Asks the peer at `addr` to make its brick directories of `def` (and so proves it is
+    /// there).
+    pub(crate) fn sync_to(&self, addr: SocketAddr, def: &VolumeDef) -> Result<(), String> {
         let mut c = PeerConn::connect(addr, &self.secret)?;
-        let mut copy = def.clone();
-        copy.authority = Some(self.authority_addr(&c)?);
-        let secret = if with_secret {
-            Some(self.read_secret(&def.name)?)
-        } else {
-            None
-        };
-        c.call::<Ack>(&Request::PeerSync { def: copy, secret })
-            .map(|_| ())
-    }
-
-    pub(crate) fn authority_addr(&self, c: &PeerConn) -> Result<String, String> {
-        let port = *self.mgmt_port.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(format!("tcp:{}", SocketAddr::new(c.local_ip()?, port)))
-    }
-
-    /// Best effort: every peer gets the new definition; returns what failed.
-    pub(crate) fn sync_all(&self, def: &VolumeDef) -> Vec<String> {
-        self.peers(def)
-            .into_iter()
-            .filter_map(|a| {
-                self.sync_to(a, def, false)
-                    .err()
-                    .map(|e| format!("{a} keeps an old copy of the definition: {e}"))
-            })
-            .collect()
+        c.call::<Ack>(&Request::PeerSync {
+            def: def.clone(),
+            secret: None,
+        })
+        .map(|_| ())
     }
 
     pub(crate) fn remote_brick_start(
@@ -337,50 +316,12 @@ impl Manager {
     ) -> Result<(u16, u32), String> {
         let addr = def.bricks[i].mgmt_addr()?;
         let mut c = PeerConn::connect(addr, &self.secret)?;
-        let mut copy = def.clone();
-        copy.authority = Some(self.authority_addr(&c)?);
         let req = Request::BrickStart {
-            def: copy,
+            def: def.clone(),
             index: i,
             secret: Some(secret.to_owned()),
         };
         let r: BrickStarted = c.call(&req)?;
         Ok((r.port, r.pid))
-    }
-
-    /// Authority side: a peer restarted one of its bricks on another port.
-    pub(crate) fn brick_report(
-        &self,
-        name: &str,
-        id: &str,
-        index: usize,
-        port: Option<u16>,
-        pid: Option<u32>,
-    ) -> Result<Response, String> {
-        check_name(name)?;
-        let mut def = self.load(name)?;
-        if def.authority.is_some() || id != def.id {
-            return Err(format!("this kilnd is not the authority of volume {name}"));
-        }
-        let i = check_index(index, &def)?;
-        def.bricks[i].port = port;
-        def.bricks[i].pid = pid;
-        def.bricks[i].settled |= pid.is_some();
-        self.save(&def)?;
-        // The reporter already knows; calling it back now could wait on it.
-        let reporter = def.bricks[i].mgmt_addr().ok();
-        let mut warnings = Vec::new();
-        for a in self.peers(&def) {
-            if Some(a) != reporter {
-                if let Err(e) = self.sync_to(a, &def, false) {
-                    warnings.push(format!("{a} keeps an old copy of the definition: {e}"));
-                }
-            }
-        }
-        Ok(Ack {
-            volume: name.to_owned(),
-            warnings,
-        }
-        .into())
     }
 }

@@ -50,6 +50,9 @@ impl Manager {
                 warnings.push(format!("old brick {old_spec} not stopped: {e}"));
             }
         }
+        if !is_local(nips[0]) {
+            self.check_member(nb.mgmt_addr()?)?;
+        }
         if is_local(nips[0]) {
             fs::create_dir_all(&nb.dir)
                 .map_err(|e| format!("cannot create brick directory {}: {e}", nb.dir.display()))?;
@@ -72,7 +75,6 @@ impl Manager {
             }
             self.save(&def)?;
         }
-        warnings.extend(self.sync_all(&def));
         tracing::info!(
             "volume {name}: brick {old_spec} replaced by {}; it is rebuilt from its replicas",
             def.bricks[i].spec()

@@ -92,7 +92,7 @@ pub enum Request {
     },
     /// Kilnd to kilnd: cache `def` (and its secret) and run brick `index` here.
     BrickStart {
-        /// The authority's definition.
+        /// The definition.
         def: VolumeDef,
         /// The brick to run.
         index: usize,
@@ -107,22 +107,7 @@ pub enum Request {
         /// The brick to stop.
         index: usize,
     },
-    /// Kilnd to the authority: brick `index` runs again, on `port` as `pid`.
-    BrickReport {
-        /// The volume.
-        name: String,
-        /// The volume's id, so a report for an older volume of the same name is refused.
-        id: String,
-        /// The brick.
-        index: usize,
-        /// Its port now.
-        #[serde(default)]
-        port: Option<u16>,
-        /// Its process now.
-        #[serde(default)]
-        pid: Option<u32>,
-    },
-    /// Kilnd to kilnd: keep this copy of the authority's definition (and its secret).
+    /// Leader to a member with bricks of a new volume: make the brick directories there.
     PeerSync {
         /// The definition.
         def: VolumeDef,
@@ -130,10 +115,42 @@ pub enum Request {
         #[serde(default)]
         secret: Option<String>,
     },
-    /// Kilnd to kilnd: drop the cached copy of `name`.
-    PeerForget {
-        /// The volume.
-        name: String,
+    /// Add the kilnd at `host` (`HOST` or `HOST:PORT`) to the pool.
+    PeerProbe {
+        /// Its management address.
+        host: String,
+    },
+    /// Remove the member at `host` (`HOST` or `HOST:PORT`, or its id in hex) from the pool.
+    PeerDetach {
+        /// Its management address or id.
+        host: String,
+    },
+    /// The pool's members as the kilnd asked sees them (`peer status`, `pool list`).
+    PoolList,
+    /// Member to member: one Raft RPC for member `to`.
+    Raft {
+        /// The member it is for.
+        to: u64,
+        /// Which RPC.
+        rpc: crate::pool::types::Rpc,
+        /// Its message.
+        body: serde_json::Value,
+    },
+    /// Member to leader: apply a change of the store.
+    PoolWrite {
+        /// The change.
+        change: crate::pool::types::Cmd,
+    },
+    /// Leader to a member it removed: forget the pool.
+    PoolLeave {
+        /// The member removed (a kilnd whose id differs ignores it).
+        id: u64,
+    },
+    /// Prober to a kilnd: who are you, may you join (and, with `prepare`, get ready to).
+    PoolJoin {
+        /// Forget a pool of one made for itself.
+        #[serde(default)]
+        prepare: bool,
     },
 }
 
@@ -153,9 +170,14 @@ impl Request {
             Request::Volfile { .. } => "volfile",
             Request::BrickStart { .. } => "brick-start",
             Request::BrickStop { .. } => "brick-stop",
-            Request::BrickReport { .. } => "brick-report",
             Request::PeerSync { .. } => "peer-sync",
-            Request::PeerForget { .. } => "peer-forget",
+            Request::PeerProbe { .. } => "peer-probe",
+            Request::PeerDetach { .. } => "peer-detach",
+            Request::PoolList => "pool-list",
+            Request::Raft { .. } => "raft",
+            Request::PoolWrite { .. } => "pool-write",
+            Request::PoolJoin { .. } => "pool-join",
+            Request::PoolLeave { .. } => "pool-leave",
         }
     }
 
@@ -165,11 +187,12 @@ impl Request {
         OPEN_COMMANDS.contains(&self.cmd())
     }
 
-    /// The volume a change names, for the commands a peer that only caches the volume
-    /// forwards to its authority.
+    /// The volume a change names: the commands a member that is not the pool's leader
+    /// forwards to it.
     pub fn forwarded_volume(&self) -> Option<&str> {
         match self {
-            Request::Start { name, .. }
+            Request::Create { name, .. }
+            | Request::Start { name, .. }
             | Request::Stop { name }
             | Request::Set { name, .. }
             | Request::ReplaceBrick { name, .. }
@@ -203,6 +226,43 @@ mod tests {
         assert_eq!(r.to_json()["cmd"], "start");
         let r: Request = serde_json::from_value(json!({ "cmd": "info" })).unwrap();
         assert_eq!(r, Request::Info { name: None });
+    }
+
+    #[test]
+    fn the_pool_s_messages_are_the_requests_of_the_same_names() {
+        use crate::pool::types::{Cmd, Msg, Rpc};
+        let change = Cmd::Delete {
+            key: "vol/v".into(),
+            expect: Some(3),
+        };
+        let pairs = [
+            (
+                Msg::PoolJoin { prepare: true },
+                Request::PoolJoin { prepare: true },
+            ),
+            (
+                Msg::PoolWrite {
+                    change: change.clone(),
+                },
+                Request::PoolWrite { change },
+            ),
+            (
+                Msg::Raft {
+                    to: 7,
+                    rpc: Rpc::Vote,
+                    body: json!({ "x": 1 }),
+                },
+                Request::Raft {
+                    to: 7,
+                    rpc: Rpc::Vote,
+                    body: json!({ "x": 1 }),
+                },
+            ),
+        ];
+        for (msg, req) in pairs {
+            let v = serde_json::to_value(&msg).unwrap();
+            assert_eq!(serde_json::from_value::<Request>(v).unwrap(), req);
+        }
     }
 
     #[test]

@@ -94,6 +94,9 @@ pub struct Deleted {
 pub struct Infos {
     /// The definitions.
     pub volumes: Vec<VolumeView>,
+    /// The version of the pool's store they were read at (a log index: it only grows).
+    #[serde(default)]
+    pub version: u64,
 }
 
 /// `list`: volume names.
@@ -233,7 +236,7 @@ pub struct VolumeStatus {
     pub name: String,
     /// Where it is in its life.
     pub state: VolState,
-    /// The kilnd that makes its changes, when not this one.
+    /// The pool's leader (which makes its changes), when not the kilnd that answered.
     pub authority: Option<String>,
     /// Its bricks, in definition order.
     pub bricks: Vec<BrickStatus>,
@@ -283,6 +286,18 @@ pub struct Ack {
     pub warnings: Vec<String>,
 }
 
+pub use crate::pool::types::{Joined, PoolMember, PoolView, RaftReply, Written};
+
+/// `peer detach`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PeerDetached {
+    /// The member's address.
+    pub detached: String,
+    /// What did not go as asked.
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
 /// Every reply kilnd sends; serialised without a tag, since the receiver knows which
 /// command it asked.
 #[derive(Serialize, Debug, Clone, PartialEq)]
@@ -306,6 +321,16 @@ pub enum Response {
     BrickStopped(BrickStopped),
     /// See [`Ack`].
     Ack(Ack),
+    /// See [`RaftReply`].
+    Raft(RaftReply),
+    /// See [`Written`].
+    Written(Written),
+    /// See [`Joined`].
+    Joined(Joined),
+    /// See [`PoolView`].
+    Pool(PoolView),
+    /// See [`PeerDetached`].
+    PeerDetached(PeerDetached),
 }
 
 macro_rules! response_from {
@@ -327,6 +352,11 @@ response_from!(
     BrickStarted => BrickStarted,
     BrickStopped => BrickStopped,
     Ack => Ack,
+    RaftReply => Raft,
+    Written => Written,
+    Joined => Joined,
+    PoolView => Pool,
+    PeerDetached => PeerDetached,
 );
 
 /// A reply on the wire: the reply's own fields beside `"ok"`, or the error.

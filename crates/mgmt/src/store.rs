@@ -2,12 +2,11 @@
 //! crash leaves the old or the new contents, never a mix.
 
 use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::def::{check_name, is_local, VolumeDef};
 use crate::manager::Manager;
+use crate::pool::{Cmd, Outcome, Versioned};
 use crate::volfiles::client_volfile;
 use kiln_layer::volfile::{LayerKind, Volfile};
 
@@ -53,99 +52,178 @@ impl Manager {
         self.vol_dir(name).join("bricks").join(format!("{i}.toml"))
     }
 
-    pub(crate) fn load(&self, name: &str) -> Result<VolumeDef, String> {
-        let p = self.vol_dir(name).join("volume.json");
-        let text = match fs::read(&p) {
-            Ok(t) => t,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(format!("volume {name} does not exist"))
-            }
-            Err(e) => return Err(format!("cannot read {}: {e}", p.display())),
-        };
-        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", p.display()))
+    /// The definition of `name` as this kilnd's copy of the pool's store holds it, with the
+    /// version (log index) that last changed it.
+    pub(crate) fn load_versioned(&self, name: &str) -> Result<(VolumeDef, u64), String> {
+        match self.pool()?.get(&vol_key(name)).0 {
+            Some(v) => serde_json::from_value(v.value)
+                .map(|d| (d, v.version))
+                .map_err(|e| format!("volume {name}: bad definition in the pool's store: {e}")),
+            None => Err(format!("volume {name} does not exist")),
+        }
     }
 
-    /// Every definition (and cached copy) this kilnd holds, by name.
+    pub(crate) fn load(&self, name: &str) -> Result<VolumeDef, String> {
+        self.load_versioned(name).map(|(d, _)| d)
+    }
+
+    /// Every definition in the pool's store, by name.
     pub(crate) fn load_all(&self) -> Vec<VolumeDef> {
-        let mut names: Vec<String> = fs::read_dir(self.state.join("vols"))
+        let Ok(pool) = self.pool() else {
+            return Vec::new();
+        };
+        pool.scan(VOL)
+            .0
             .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().into_string().ok())
-            .filter(|n| check_name(n).is_ok())
-            .collect();
-        names.sort();
-        names
-            .iter()
-            .filter_map(|n| match self.load(n) {
+            .filter_map(|(k, v)| match serde_json::from_value(v.value) {
                 Ok(d) => Some(d),
                 Err(e) => {
-                    if self.vol_dir(n).join("volume.json").exists() {
-                        tracing::warn!("skipping volume {n}: {e}");
-                    }
+                    tracing::warn!("skipping {k} in the pool's store: {e}");
                     None
                 }
             })
             .collect()
     }
 
-    /// Writes the definition: temp file, fsync, rename, fsync of the directory.
+    /// Writes the definition to the pool's store (on the leader, made by a majority).
     pub(crate) fn save(&self, def: &VolumeDef) -> Result<(), String> {
-        let dir = self.vol_dir(&def.name);
-        let text = serde_json::to_vec_pretty(def).expect("a definition serialises");
-        write_atomic(&dir, "volume.json", &text, 0o644)
+        let value = serde_json::to_value(def).expect("a definition serialises");
+        self.change(Cmd::Put {
+            key: vol_key(&def.name),
+            value,
+            expect: None,
+        })
     }
 
-    pub(crate) fn write_secret(&self, name: &str, hex: &str) -> Result<(), String> {
-        write_atomic(
-            &self.vol_dir(name),
-            "secret",
-            format!("{hex}\n").as_bytes(),
-            0o600,
-        )
+    /// Applies `cmd` to the pool's store; a conflict is an error.
+    pub(crate) fn change(&self, cmd: Cmd) -> Result<(), String> {
+        match self.pool()?.write(cmd)?.outcome {
+            Outcome::Done { .. } => {
+                self.sync_files();
+                Ok(())
+            }
+            Outcome::Conflict { have } => Err(format!(
+                "changed by another command meanwhile (now at version {have}): try again"
+            )),
+        }
     }
 
+    /// The shared secret of volume `name`'s bricks.
     pub(crate) fn read_secret(&self, name: &str) -> Result<String, String> {
-        let p = self.secret_path(name);
-        fs::read_to_string(&p)
-            .map(|s| s.trim().to_owned())
-            .map_err(|e| {
-                format!(
-                    "cannot read the secret of volume {name} ({}): {e}",
-                    p.display()
-                )
-            })
+        match self.pool()?.get(&secret_key(name)).0 {
+            Some(Versioned {
+                value: serde_json::Value::String(s),
+                ..
+            }) => Ok(s),
+            _ => Err(format!("volume {name} has no secret in the pool's store")),
+        }
+    }
+
+    /// Makes this host's files a view of the pool's store: each volume's directory and its
+    /// secret (mode 0600; bricks and root's `kiln volume` read it there), and no directory for
+    /// a volume the store no longer holds. Called after each change this kilnd makes or
+    /// applies.
+    pub fn sync_files(&self) {
+        let Ok(pool) = self.pool() else { return };
+        let secrets: std::collections::BTreeMap<String, String> = pool
+            .scan(SECRET)
+            .0
+            .into_iter()
+            .filter_map(|(k, v)| Some((k[SECRET.len()..].to_owned(), v.value.as_str()?.to_owned())))
+            .collect();
+        for (name, secret) in &secrets {
+            if check_name(name).is_err() {
+                continue;
+            }
+            let have = fs::read_to_string(self.secret_path(name)).unwrap_or_default();
+            if have.trim() != secret {
+                let r = fs::create_dir_all(self.vol_dir(name).join("bricks"))
+                    .map_err(|e| e.to_string())
+                    .and_then(|_| {
+                        write_atomic(
+                            &self.vol_dir(name),
+                            "secret",
+                            format!("{secret}\n").as_bytes(),
+                            0o600,
+                        )
+                    });
+                if let Err(e) = r {
+                    tracing::warn!("volume {name}: cannot write its secret here: {e}");
+                }
+            }
+        }
+        let dirs = fs::read_dir(self.state.join("vols"))
+            .into_iter()
+            .flatten()
+            .flatten();
+        for d in dirs {
+            let name = d.file_name().to_string_lossy().into_owned();
+            if check_name(&name).is_ok() && !secrets.contains_key(&name) {
+                let _ = fs::remove_dir_all(d.path());
+            }
+        }
+    }
+
+    /// Moves the definitions a kilnd kept on its own before it had a pool (`vols/NAME/
+    /// volume.json` and `secret`, where it was the authority) into the pool's store, once.
+    pub fn import_local(&self) -> Result<usize, String> {
+        let pool = self.pool()?;
+        if !pool.scan(VOL).0.is_empty() {
+            return Ok(0);
+        }
+        let mut n = 0;
+        let names = fs::read_dir(self.state.join("vols"))
+            .into_iter()
+            .flatten()
+            .flatten();
+        for d in names {
+            let name = d.file_name().to_string_lossy().into_owned();
+            let p = d.path().join("volume.json");
+            let Ok(text) = fs::read(&p) else { continue };
+            let def: VolumeDef = match serde_json::from_slice(&text) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!("not importing {}: {e}", p.display());
+                    continue;
+                }
+            };
+            if def.authority.is_some() || def.name != name {
+                // A copy of another kilnd's volume: that kilnd imports it.
+                continue;
+            }
+            let secret = fs::read_to_string(d.path().join("secret")).unwrap_or_default();
+            let ops = vec![
+                Cmd::Put {
+                    key: vol_key(&name),
+                    value: serde_json::to_value(&def).expect("a definition serialises"),
+                    expect: Some(0),
+                },
+                Cmd::Put {
+                    key: secret_key(&name),
+                    value: secret.trim().into(),
+                    expect: Some(0),
+                },
+            ];
+            self.change(Cmd::Batch { ops })?;
+            let _ = fs::remove_file(&p);
+            n += 1;
+            tracing::info!("volume {name}: moved into the pool's store");
+        }
+        Ok(n)
     }
 }
 
-pub(crate) fn random(buf: &mut [u8]) -> Result<(), String> {
-    rustix::rand::getrandom(buf, rustix::rand::GetRandomFlags::empty())
-        .map(|_| ())
-        .map_err(|e| format!("cannot get random bytes: {e}"))
+/// The store's key of a volume's definition.
+pub(crate) fn vol_key(name: &str) -> String {
+    format!("{VOL}{name}")
 }
 
-pub(crate) fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+/// The store's key of a volume's secret.
+pub(crate) fn secret_key(name: &str) -> String {
+    format!("{SECRET}{name}")
 }
 
-/// Writes `dir/name` so that a crash leaves the old or the new contents, never a mix.
-pub(crate) fn write_atomic(dir: &Path, name: &str, data: &[u8], mode: u32) -> Result<(), String> {
-    let err = |e: io::Error| format!("cannot write {}: {e}", dir.join(name).display());
-    fs::create_dir_all(dir).map_err(err)?;
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let _ = fs::remove_file(&tmp);
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(err)?;
-    f.write_all(data).map_err(err)?;
-    f.sync_all().map_err(err)?;
-    drop(f);
-    fs::rename(&tmp, dir.join(name)).map_err(err)?;
-    if let Ok(d) = fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
-}
+const VOL: &str = "vol/";
+const SECRET: &str = "secret/";
+
+pub(crate) use crate::files::{hex, random, write_atomic};

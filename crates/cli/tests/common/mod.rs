@@ -102,33 +102,34 @@ pub struct BrickReaper(pub PathBuf);
 
 impl Drop for BrickReaper {
     fn drop(&mut self) {
-        for e in std::fs::read_dir(self.0.join("vols"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let Ok(t) = std::fs::read(e.path().join("volume.json")) else {
-                continue;
-            };
-            let Ok(v) = serde_json::from_slice::<Value>(&t) else {
-                continue;
-            };
-            for pid in v["bricks"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|b| b["pid"].as_u64())
-            {
-                let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
-                    .map(|c| String::from_utf8_lossy(&c).contains(&*self.0.to_string_lossy()))
-                    .unwrap_or(false);
-                if ours {
-                    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                }
+        for pid in recorded_pids(&self.0) {
+            let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&*self.0.to_string_lossy()))
+                .unwrap_or(false);
+            if ours {
+                // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             }
         }
     }
+}
+
+/// The brick pids a kilnd's state directory records (its copy of the pool's store).
+pub fn recorded_pids(state: &Path) -> Vec<u64> {
+    let Ok(t) = std::fs::read(state.join("pool/sm.json")) else {
+        return Vec::new();
+    };
+    let Ok(sm) = serde_json::from_slice::<Value>(&t) else {
+        return Vec::new();
+    };
+    let mut pids = Vec::new();
+    for (k, v) in sm["kv"].as_object().into_iter().flatten() {
+        if k.starts_with("vol/") {
+            let bricks = v["value"]["bricks"].as_array().into_iter().flatten();
+            pids.extend(bricks.filter_map(|b| b["pid"].as_u64()));
+        }
+    }
+    pids
 }
 
 pub fn run(args: &[&str], env: &[(&str, &Path)]) -> Output {

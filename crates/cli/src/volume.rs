@@ -20,7 +20,7 @@ use kiln_layer::trace::{Timeline, Waterfall};
 use kiln_mgmt::response::{
     Changed, Deleted, Envelope, Health, Infos, Names, Statuses, VolfileText,
 };
-use kiln_mgmt::{Request, VolState};
+use kiln_mgmt::{options, Request, VolState};
 use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 use serde::{de::DeserializeOwned, Serialize};
 
@@ -60,9 +60,18 @@ enum VolumeCmd {
                             127.0.0.1:/srv/scratch"
     )]
     Create(CreateArgs),
-    /// Change a volume option: `kiln volume set NAME allow CIDR[,CIDR...]|all`. The bricks of a
-    /// started volume restart with it (clients reconnect by themselves).
+    /// Change a volume option: `kiln volume set NAME OPTION VALUE` (`allow`, `root-squash`,
+    /// `io-timeout`; `kiln volume get NAME all` describes them). For `allow` and `root-squash`
+    /// the bricks of a started volume restart (clients reconnect by themselves).
     Set(SetArgs),
+    /// Show a volume's options (`all`, or one): value, default, type, whether bricks restart
+    /// to take it, and what it does; with the pool store version they were read at.
+    #[command(
+        after_help = "Examples:\n  kiln volume get vol1\n  kiln volume get vol1 io-timeout --json"
+    )]
+    Get(GetArgs),
+    /// Put an option (or `all`) back to its default.
+    Reset(GetArgs),
     /// Start a volume's bricks (each brick a process on its host); `force` also restarts bricks
     /// that are down in a started volume.
     Start(StartArgs),
@@ -183,13 +192,25 @@ struct SetArgs {
     /// The option: `allow` (the address ranges the bricks take clients from), `root-squash`
     /// (clients' root acts as nobody on the bricks, like NFS root_squash) or `io-timeout`
     /// (seconds a client's I/O waits for bricks that are away to come back, default 30,
-    /// like an NFS hard mount's patience; then it fails with ENOTCONN).
-    #[arg(value_parser = ["allow", "root-squash", "io-timeout"])]
+    /// like an NFS hard mount's patience; then it fails with ENOTCONN). `kiln volume get VOL
+    /// all` shows each with its type, default and whether bricks restart to take it.
+    #[arg(value_parser = clap::builder::PossibleValuesParser::new(options::OPTIONS.iter().map(|s| s.name)))]
     option: String,
     /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`;
     /// for `root-squash`, `on` or `off`; for `io-timeout`, 0 to 86400 seconds. A started
     /// volume's bricks restart to take `allow` or `root-squash`; new mounts take `io-timeout`.
     value: String,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
+#[derive(clap::Args, Debug)]
+struct GetArgs {
+    /// The volume's name.
+    name: String,
+    /// The option, or `all`.
+    #[arg(default_value = "all")]
+    option: String,
     #[command(flatten)]
     opts: MgmtOpts,
 }
@@ -267,6 +288,8 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
         VolumeCmd::Heal(a) => heal::heal(&a),
         VolumeCmd::Create(a) => create(&a),
         VolumeCmd::Set(a) => set(&a),
+        VolumeCmd::Get(a) => get(&a),
+        VolumeCmd::Reset(a) => reset(&a),
         VolumeCmd::Start(a) => {
             let req = Request::Start {
                 name: a.name.clone(),
@@ -417,43 +440,31 @@ fn done(opts: &MgmtOpts, what: &str, name: &str, r: &Changed) -> Result<(), Stri
 }
 
 fn set(a: &SetArgs) -> Result<(), String> {
+    let req = options::set_request(&a.name, &a.option, &a.value)
+        .map_err(|e| format!("volume set: {}: {e}", a.name))?;
+    done(&a.opts, "set", &a.name, &mgmt_call(&a.opts, &req)?)
+}
+
+/// `reset`: the option (or every one) back to its default, as one `set`.
+fn reset(a: &GetArgs) -> Result<(), String> {
+    let fail = |e: String| format!("volume reset: {}: {e}", a.name);
+    let names: Vec<&str> = match a.option.as_str() {
+        "all" => options::OPTIONS.iter().map(|s| s.name).collect(),
+        n => vec![options::spec(n).map_err(fail)?.name],
+    };
     let (mut allow, mut root_squash, mut io_timeout) = (None, None, None);
-    match a.option.as_str() {
-        "allow" => {
-            allow = Some(match a.value.as_str() {
-                "all" => Vec::new(),
-                v => v
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|c| !c.is_empty())
-                    .map(str::to_owned)
-                    .collect(),
-            })
-        }
-        "io-timeout" => {
-            io_timeout = Some(
-                a.value
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|s| *s <= 86_400)
-                    .ok_or_else(|| {
-                        format!(
-                            "volume set: io-timeout takes seconds from 0 to 86400, not {:?}",
-                            a.value
-                        )
-                    })?,
-            )
-        }
-        _ => {
-            root_squash = Some(match a.value.as_str() {
-                "on" => true,
-                "off" => false,
-                v => {
-                    return Err(format!(
-                        "volume set: root-squash takes on or off, not {v:?}"
-                    ))
-                }
-            })
+    for n in names {
+        let spec = options::spec(n).map_err(fail)?;
+        if let Request::Set {
+            allow: al,
+            root_squash: rs,
+            io_timeout: it,
+            ..
+        } = options::set_request(&a.name, n, spec.default).map_err(fail)?
+        {
+            allow = allow.or(al);
+            root_squash = root_squash.or(rs);
+            io_timeout = io_timeout.or(it);
         }
     }
     let req = Request::Set {
@@ -462,7 +473,60 @@ fn set(a: &SetArgs) -> Result<(), String> {
         root_squash,
         io_timeout,
     };
-    done(&a.opts, "set", &a.name, &mgmt_call(&a.opts, &req)?)
+    done(&a.opts, "reset", &a.name, &mgmt_call(&a.opts, &req)?)
+}
+
+/// `get`: from the definition as `info` returns it (with the store version it was read at).
+fn get(a: &GetArgs) -> Result<(), String> {
+    if a.option != "all" {
+        options::spec(&a.option).map_err(|e| format!("volume get: {}: {e}", a.name))?;
+    }
+    let req = Request::Info {
+        name: Some(a.name.clone()),
+    };
+    let infos: Infos = mgmt_call(&a.opts, &req)?;
+    let def = &infos
+        .volumes
+        .first()
+        .ok_or("volume get: no such volume")?
+        .def;
+    let option = Some(a.option.as_str());
+    let values =
+        options::values(def, option).map_err(|e| format!("volume get: {}: {e}", a.name))?;
+    let r = OptionValues {
+        volume: a.name.clone(),
+        version: infos.version,
+        options: values,
+    };
+    show(&a.opts, &r, |r| {
+        let mut out = format!(
+            "{:<14} {:<24} {:<8} RESTARTS BRICKS\n",
+            "OPTION", "VALUE", "DEFAULT"
+        );
+        for o in &r.options {
+            let restarts = if o.restarts_bricks { "yes" } else { "no" };
+            out += &format!(
+                "{:<14} {:<24} {:<8} {restarts}\n",
+                o.name, o.value, o.default
+            );
+        }
+        if a.option == "all" {
+            out += "\n";
+            for o in &r.options {
+                out += &format!("{}: {} ({})\n", o.name, o.description, o.kind);
+            }
+        }
+        out
+    });
+    Ok(())
+}
+
+/// `get`'s reply.
+#[derive(serde::Serialize)]
+struct OptionValues {
+    volume: String,
+    version: u64,
+    options: Vec<options::OptionValue>,
 }
 
 fn create(a: &CreateArgs) -> Result<(), String> {

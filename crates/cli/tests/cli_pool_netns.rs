@@ -2,8 +2,10 @@
 //! kilnd in each (`kiln server`), driven with `kiln peer|pool|volume` as an operator would.
 //!
 //! One test, in stages, because a pool of three takes seconds to form and to fail over:
-//! - a kilnd with another management secret cannot be probed; three that share one form a
-//!   pool, and a replica-3 volume is created across them and started from different members;
+//! - every kilnd serves and dials with a TLS identity of its own (`kiln tls`); a kilnd with
+//!   another management secret cannot be probed; three that share one form a pool, and a
+//!   replica-3 volume is created across them and started from different members, while
+//!   tcpdump on the bridge finds no secret (and no definition) in what crossed the wire;
 //! - seeded runs: a command (`set`, `create`) goes to a member and the leader is killed with
 //!   SIGKILL at a random moment; the command is made whole or not at all, a survivor takes
 //!   the next command, the killed host restarts and catches up (every member at the same
@@ -14,7 +16,7 @@
 //!   writing and verifying: no I/O error.
 //!
 //! `KILN_RUNS=N` sets the seeded runs (default 20), `KILN_SEED=S` repeats one. Needs root,
-//! `ip netns` and fio; skips (saying why) without namespaces.
+//! `ip netns`, fio and tcpdump; skips (saying why) without namespaces.
 
 mod common;
 
@@ -107,6 +109,55 @@ impl Hosts {
         self.tmp.join(format!("state{i}"))
     }
 
+    /// Host `i`'s TLS identity (its kilnd serves and dials with it).
+    fn tls(&self, i: usize) -> PathBuf {
+        self.tmp.join(format!("tls{i}"))
+    }
+
+    /// The operator's and the mount's identity.
+    fn client_tls(&self) -> PathBuf {
+        self.tmp.join("tls-client")
+    }
+
+    /// A CA, an identity per host naming its address, and one for clients.
+    fn issue_identities(&self) {
+        let ca = self.tmp.join("ca");
+        let run = |args: &[&str]| {
+            let out = kiln().args(args).output().unwrap();
+            assert!(
+                out.status.success(),
+                "kiln {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        run(&["tls", "init", ca.to_str().unwrap()]);
+        for i in 0..self.n {
+            let out = self.tls(i);
+            let (name, ip) = (format!("host{i}"), self.ip(i));
+            run(&[
+                "tls",
+                "issue",
+                "--ca",
+                ca.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+                &name,
+                "--san",
+                &ip,
+            ]);
+        }
+        let out = self.client_tls();
+        run(&[
+            "tls",
+            "issue",
+            "--ca",
+            ca.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "operator",
+        ]);
+    }
+
     /// Host `i`'s link up or down (a partition).
     fn link(&self, i: usize, up: bool) {
         let dev = format!("{}h{i}", self.prefix);
@@ -122,6 +173,8 @@ impl Hosts {
             .args(["server", "--mgmt", &self.mgmt(i), "--metrics", "off"])
             .args(["--heal-interval", "0", "--state-dir"])
             .arg(self.state(i))
+            .arg("--tls")
+            .arg(self.tls(i))
             .env("KILN_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(
@@ -174,7 +227,8 @@ impl Hosts {
         c.args(["netns", "exec", &self.ns(i), env!("CARGO_BIN_EXE_kiln")])
             .args(args)
             .args(["--server", &self.mgmt(i), "--json", "--mgmt-secret-file"])
-            .arg(secret);
+            .arg(secret)
+            .env("KILN_TLS_DIR", self.client_tls());
         c.output().expect("run kiln")
     }
 
@@ -260,6 +314,64 @@ impl Drop for Hosts {
     }
 }
 
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// tcpdump on every port of the bridge (every packet between the hosts), to a file.
+struct Capture {
+    child: Child,
+    file: PathBuf,
+    err: BufReader<std::process::ChildStderr>,
+}
+
+impl Capture {
+    fn start(ns: &str, file: &Path) -> Capture {
+        let mut child = Command::new("ip")
+            .args([
+                "netns", "exec", ns, "tcpdump", "-i", "br0", "-U", "-s", "0", "-w",
+            ])
+            .arg(file)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tcpdump (scripts/test.sh installs it)");
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("listening on") {
+            line.clear();
+            assert!(
+                err.read_line(&mut line).unwrap() > 0,
+                "tcpdump did not start"
+            );
+        }
+        Capture {
+            child,
+            file: file.to_owned(),
+            err,
+        }
+    }
+
+    /// Stops the capture (SIGINT: tcpdump writes what it has) and returns the file's bytes.
+    fn stop(mut self) -> Vec<u8> {
+        // Packets reach the file as tcpdump reads them from its ring: at least some first.
+        wait_for(10, "tcpdump to write packets", || {
+            std::fs::metadata(&self.file).is_ok_and(|m| m.len() > 24)
+        });
+        // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let _ = self.child.wait();
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut self.err, &mut rest);
+        let pcap = std::fs::read(&self.file).unwrap();
+        println!(
+            "tcpdump: {} bytes; {}",
+            pcap.len(),
+            rest.replace('\n', "; ")
+        );
+        pcap
+    }
+}
+
 /// A small deterministic generator for the runs' timings.
 struct Rng(u64);
 
@@ -308,6 +420,7 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
             return;
         }
     };
+    h.issue_identities();
     // Host 2 first starts with a management secret of its own: it cannot be probed.
     h.start(0);
     h.start(1);
@@ -357,8 +470,30 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
         .collect();
     let mut create = vec!["volume", "create", "pv", "replica", "3"];
     create.extend(bricks.iter().map(String::as_str));
+    // Everything on the wire between the hosts meanwhile is captured on the bridge.
+    let capture = Capture::start(&h.ns_name("sw"), &tmp.path().join("create.pcap"));
     h.ok(1, &create);
     h.ok(2, &["volume", "start", "pv"]);
+    h.agreed_version(30);
+    let wire = capture.stop();
+    let vol_secret = std::fs::read_to_string(h.state(0).join("vols/pv/secret")).unwrap();
+    let mgmt_secret = std::fs::read_to_string(h.state(0).join("mgmt.secret")).unwrap();
+    assert!(
+        contains(&wire, b"\x17\x03\x03") && wire.len() > 10_000,
+        "the capture saw the pool's TLS traffic ({} bytes)",
+        wire.len()
+    );
+    for s in [vol_secret.trim(), mgmt_secret.trim()] {
+        assert!(
+            !contains(&wire, s.as_bytes()),
+            "a secret crossed the wire in clear text"
+        );
+    }
+    // Not even the volume's name or its bricks' directories are readable there.
+    assert!(
+        !contains(&wire, b"brick1"),
+        "definitions crossed the wire in clear text"
+    );
     let st = h.ok(0, &["volume", "status", "pv"]);
     let online: Vec<bool> = st["volumes"][0]["bricks"]
         .as_array()
@@ -418,6 +553,7 @@ fn leader_kills(h: &mut Hosts) {
             .args(&args)
             .args(["--server", &h.mgmt(to), "--json", "--mgmt-secret-file"])
             .arg(&secret)
+            .env("KILN_TLS_DIR", h.client_tls())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let child = cmd.spawn().unwrap();
@@ -530,6 +666,7 @@ fn rolling_restart(h: &mut Hosts, tmp: &Path) {
     c.args(["mount", &format!("{}:/pv", h.mgmt(0)), "--mode", "vm-image"])
         .arg(&mnt)
         .env("KILN_SECRET_FILE", h.state(0).join("vols/pv/secret"))
+        .env("KILN_TLS_DIR", h.client_tls())
         .env("KILN_LOG", "warn");
     // The mount runs in the fourth namespace: a client host.
     let mut mount = Command::new("ip");

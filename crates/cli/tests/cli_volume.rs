@@ -11,7 +11,7 @@ use kiln_layer::volfile::LayerKind;
 use serde_json::Value;
 
 mod common;
-use common::{fails, kiln, ok, wait_for, BrickReaper, Kilnd};
+use common::{fails, kiln, mgmt_ok, ok, wait_for, BrickReaper, Kilnd};
 
 fn status(addr: &str, sd: &str, vol: &str) -> Value {
     let s = ok(&[
@@ -719,4 +719,106 @@ fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
         sd,
     ]);
     assert!(err.contains("on or off"), "{err}");
+}
+
+#[test]
+fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state, &["--brick-port-base", "26300"]);
+    let b = format!("127.0.0.1:{}", tmp.path().join("b").display());
+    mgmt_ok(&kd, &state, &["volume", "create", "ov", &b]);
+    let get = |opt: &str| -> Value {
+        let s = mgmt_ok(&kd, &state, &["volume", "get", "ov", opt, "--json"]);
+        serde_json::from_str(&s).unwrap()
+    };
+    let all = get("all");
+    let names: Vec<&str> = all["options"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["allow", "root-squash", "io-timeout"], "{all}");
+    assert!(all["version"].as_u64().unwrap() > 0, "{all}");
+    for o in all["options"].as_array().unwrap() {
+        assert_eq!(
+            o["value"], o["default"],
+            "a new volume has the defaults: {o}"
+        );
+    }
+    mgmt_ok(&kd, &state, &["volume", "set", "ov", "io-timeout", "12"]);
+    mgmt_ok(&kd, &state, &["volume", "set", "ov", "root-squash", "on"]);
+    let io = get("io-timeout");
+    assert_eq!(io["options"][0]["value"], "12", "{io}");
+    assert_eq!(io["options"][0]["restarts_bricks"], false, "{io}");
+    assert!(io["version"].as_u64() > all["version"].as_u64(), "{io}");
+    let text = mgmt_ok(&kd, &state, &["volume", "get", "ov"]);
+    assert!(
+        text.contains("root-squash") && text.contains("how long a client"),
+        "{text}"
+    );
+    // Bad names and values are refused before anything is sent, naming what is allowed.
+    let e = fails(&[
+        "volume",
+        "set",
+        "ov",
+        "io-timeout",
+        "forever",
+        "--server",
+        &kd.addr,
+    ]);
+    assert!(e.contains("seconds, 0 to 86400"), "{e}");
+    let e = fails(&["volume", "get", "ov", "colour", "--server", &kd.addr]);
+    assert!(
+        e.contains("no volume option") && e.contains("io-timeout"),
+        "{e}"
+    );
+    mgmt_ok(&kd, &state, &["volume", "reset", "ov", "io-timeout"]);
+    assert_eq!(get("io-timeout")["options"][0]["value"], "30");
+    assert_eq!(get("root-squash")["options"][0]["value"], "on");
+    mgmt_ok(&kd, &state, &["volume", "reset", "ov", "all"]);
+    assert_eq!(get("root-squash")["options"][0]["value"], "off");
+
+    // A second kilnd on the same state directory refuses to start, and says which holds it.
+    let out = kiln()
+        .args([
+            "server",
+            "--mgmt",
+            "tcp:127.0.0.1:0",
+            "--metrics",
+            "off",
+            "--state-dir",
+        ])
+        .arg(&state)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a second kilnd started");
+    assert!(
+        err.contains("another kilnd")
+            && err.contains(&format!("pid {}", kd.child.id()))
+            && err.contains("--state-dir"),
+        "{err}"
+    );
+    // A taken management port gets a hint, not only "address in use".
+    let port = kd.addr.rsplit(':').next().unwrap();
+    let out = kiln()
+        .args([
+            "server",
+            "--metrics",
+            "off",
+            "--mgmt",
+            &format!("tcp:127.0.0.1:{port}"),
+        ])
+        .arg("--state-dir")
+        .arg(tmp.path().join("other"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("management port") && err.contains("--mgmt"),
+        "{err}"
+    );
 }

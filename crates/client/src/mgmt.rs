@@ -82,7 +82,7 @@ pub fn call_with_secret(
 /// One blocking connection to a management port.
 struct MgmtConn<'a> {
     addr: &'a str,
-    sock: TcpStream,
+    sock: kiln_tls::Blocking,
     next_id: u64,
 }
 
@@ -102,6 +102,9 @@ impl<'a> MgmtConn<'a> {
         // hang.
         sock.set_read_timeout(Some(Duration::from_secs(120)))
             .map_err(ctx)?;
+        // A kilnd started with --tls takes TLS clients only: KILN_TLS_DIR names our identity.
+        let tls = kiln_tls::client_config_from_env()?;
+        let sock = kiln_tls::Blocking::connect(sock, tls, hostport).map_err(ctx)?;
         Ok(MgmtConn {
             addr,
             sock,

@@ -74,10 +74,17 @@ pub struct ServeArgs {
     /// issued the clients' certificates), cert.pem and key.pem (this brick's identity); make
     /// them with `kiln tls init` and `kiln tls issue`. Plaintext TCP clients are refused with a
     /// message; Unix-socket clients stay plaintext. Clients set KILN_TLS_DIR to their own.
-    /// Management mode: every brick this kilnd runs gets --tls DIR (the management port
-    /// itself stays plaintext).
+    /// Management mode: the management port takes TLS clients only too (`kiln volume` and
+    /// `kiln mount` set KILN_TLS_DIR), this kilnd speaks TLS to the other kilnds of its pool
+    /// with the same identity (issue it with --san for every address peers dial), and every
+    /// brick it runs gets --tls DIR.
     #[arg(long, value_name = "DIR")]
     pub tls: Option<PathBuf>,
+    /// Management mode: serve the management port in plaintext on an address other hosts can
+    /// reach. Without --tls that is refused, because kilnds send each other volume secrets
+    /// over it; allow it only on a network you trust.
+    #[arg(long, conflicts_with_all = ["brick", "volfile", "tls"])]
+    pub mgmt_plaintext: bool,
     /// Only TCP clients from this address range may connect (ADDR/PREFIX; repeat for several;
     /// default: anyone who can reach a listening address). Refused clients get EACCES and the
     /// refusal is logged. Unix-socket clients are governed by the socket file's permissions.
@@ -226,6 +233,52 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
     })
 }
 
+/// Checks the management daemon's options and opens its manager; with `--tls`, the
+/// management port's TLS configuration too.
+fn open_manager(
+    args: &ServeArgs,
+) -> Result<(Arc<kiln_mgmt::Manager>, Option<Arc<kiln_tls::ServerConfig>>), String> {
+    if args.secret_file.is_some() {
+        return Err(
+            "--secret-file belongs to a brick; in management mode every volume has its own \
+             secret (STATE_DIR/vols/NAME/secret); the management port's is --mgmt-secret-file"
+                .into(),
+        );
+    }
+    let Listen::Tcp(mgmt_addr) = &args.mgmt else {
+        return Err(format!("--mgmt {}: want tcp:IP:PORT", args.mgmt));
+    };
+    if !mgmt_addr.ip().is_loopback() && args.tls.is_none() && !args.mgmt_plaintext {
+        return Err(format!(
+            "--mgmt {}: other hosts could reach this management port, and kilnds send each \
+             other volume secrets over it: give --tls DIR (kiln tls issue), or \
+             --mgmt-plaintext on a network you trust",
+            args.mgmt
+        ));
+    }
+    let mut exe = kiln_mgmt::brick_command()
+        .map_err(|e| format!("cannot find this executable to run bricks: {e}"))?;
+    let mut mgmt_tls = None;
+    if let Some(dir) = &args.tls {
+        // Checked now, so that a bad directory fails here and not in every brick.
+        let cfg =
+            kiln_tls::server_config(dir).map_err(|e| format!("--tls {}: {e}", dir.display()))?;
+        mgmt_tls = Some(cfg);
+        exe.push("--tls".into());
+        exe.push(dir.into());
+        // The heal service is a client of those bricks: it uses the same identity. (Set
+        // before any thread starts.)
+        std::env::set_var(kiln_tls::ENV_DIR, dir);
+    }
+    let secret_file = args.mgmt_secret_file.as_deref();
+    let manager = kiln_mgmt::Manager::open(&args.state_dir, exe, secret_file)?;
+    manager.set_first_brick_port(args.brick_port_base);
+    if let Some(dir) = &args.tls {
+        manager.set_tls(dir)?;
+    }
+    Ok((manager, mgmt_tls))
+}
+
 /// The management daemon: restores the bricks of started volumes, then answers MGMT requests
 /// on `--mgmt` until killed.
 fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
@@ -234,37 +287,10 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         eprintln!("kilnd: {e}");
         std::process::ExitCode::FAILURE
     };
-    if args.secret_file.is_some() {
-        return fail(
-            "--secret-file belongs to a brick; in management mode every volume has its own \
-             secret (STATE_DIR/vols/NAME/secret); the management port's is --mgmt-secret-file"
-                .into(),
-        );
-    }
-    if !matches!(args.mgmt, Listen::Tcp(_)) {
-        return fail(format!("--mgmt {}: want tcp:IP:PORT", args.mgmt));
-    }
-    let mut exe = match mgmt::brick_command() {
-        Ok(e) => e,
-        Err(e) => return fail(format!("cannot find this executable to run bricks: {e}")),
-    };
-    if let Some(dir) = &args.tls {
-        // Checked now, so that a bad directory fails here and not in every brick.
-        if let Err(e) = kiln_tls::server_config(dir) {
-            return fail(format!("--tls {}: {e}", dir.display()));
-        }
-        exe.push("--tls".into());
-        exe.push(dir.into());
-        // The heal service is a client of those bricks: it uses the same identity. (Set
-        // before any thread starts.)
-        std::env::set_var(kiln_tls::ENV_DIR, dir);
-    }
-    let secret_file = args.mgmt_secret_file.as_deref();
-    let manager = match mgmt::Manager::open(&args.state_dir, exe, secret_file) {
+    let (manager, mut mgmt_tls) = match open_manager(&args) {
         Ok(m) => m,
         Err(e) => return fail(e),
     };
-    manager.set_first_brick_port(args.brick_port_base);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads.clamp(1, 2))
         .thread_name("kilnd-mgmt")
@@ -277,10 +303,23 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
     rt.block_on(async {
         let volfile = mgmt::placeholder_volfile(&args.state_dir);
         let server = match Server::bind_volfile(&volfile, std::slice::from_ref(&args.mgmt)) {
-            Ok(s) => s
-                .with_allow_list(args.allow.clone())
-                .with_secret(manager.secret())
-                .with_mgmt(manager.handler()),
+            Ok(s) => {
+                let s = s
+                    .with_allow_list(args.allow.clone())
+                    .with_secret(manager.secret())
+                    .with_mgmt(manager.handler());
+                match mgmt_tls.take() {
+                    Some(c) => s.with_tls(c),
+                    None => s,
+                }
+            }
+            Err(e) if e.to_string().contains("in use") => {
+                return fail(format!(
+                    "{e}: another kilnd, or glusterd (which also listens on 24007), has the \
+                     management port; stop it or give --mgmt tcp:IP:OTHERPORT (and \
+                     HOST:OTHERPORT to `kiln peer probe` and in brick names)"
+                ))
+            }
             Err(e) => return fail(e.to_string()),
         };
         let addr = server.local_addrs().into_iter().next();

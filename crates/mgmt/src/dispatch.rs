@@ -20,7 +20,7 @@ impl Manager {
         addr: SocketAddr,
         req: &Request,
     ) -> Result<R, String> {
-        call_peer(addr, &self.secret, req)
+        call_peer(addr, &self.secret, self.tls.get(), req)
     }
 
     /// Answers one request from `caller`: only [`OPEN_COMMANDS`] without authentication.

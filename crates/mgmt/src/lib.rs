@@ -61,6 +61,7 @@ pub mod healer;
 pub mod healing;
 mod manager;
 mod members;
+pub mod options;
 mod peers;
 pub mod pool;
 mod replace;
@@ -72,7 +73,6 @@ mod volfiles;
 pub use bricks::brick_command;
 pub use def::*;
 pub use manager::{Manager, FIRST_BRICK_PORT, MGMT_SECRET_FILE};
-pub use peers::call_peer;
 pub use request::{Request, OPEN_COMMANDS};
 pub use volfiles::{brick_volfile, client_volfile, placeholder_volfile};
 

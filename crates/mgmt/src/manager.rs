@@ -44,6 +44,37 @@ pub struct Manager {
     pub(crate) first_brick_port: Mutex<u16>,
     /// The pool this kilnd is a member of (set once the management port is bound).
     pub(crate) pool: std::sync::OnceLock<Arc<crate::pool::Pool>>,
+    /// `STATE_DIR/kilnd.lock`, locked while this kilnd runs: one kilnd per state directory.
+    _lock: fs::File,
+    /// This kilnd's TLS identity as a client of other kilnds (`--tls`).
+    pub(crate) tls: std::sync::OnceLock<Arc<kiln_tls::ClientConfig>>,
+}
+
+/// Locks `state/kilnd.lock` for this process, or says which kilnd holds it.
+fn lock_state(state: &Path) -> Result<fs::File, String> {
+    use std::io::{Read, Seek, Write};
+    let p = state.join("kilnd.lock");
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&p)
+        .map_err(|e| format!("cannot open {}: {e}", p.display()))?;
+    if rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
+        let mut pid = String::new();
+        let _ = f.read_to_string(&mut pid);
+        return Err(format!(
+            "another kilnd (pid {}) uses the state directory {}: stop it first, or give this \
+             one its own --state-dir",
+            pid.trim(),
+            state.display()
+        ));
+    }
+    let _ = f.set_len(0);
+    let _ = f.rewind();
+    let _ = writeln!(f, "{}", std::process::id());
+    Ok(f)
 }
 
 impl Manager {
@@ -59,6 +90,7 @@ impl Manager {
             fs::create_dir_all(&d)
                 .map_err(|e| format!("cannot create state directory {}: {e}", d.display()))?;
         }
+        let lock = lock_state(state)?;
         let path = secret_file
             .map(Path::to_owned)
             .unwrap_or_else(|| state.join(MGMT_SECRET_FILE));
@@ -91,7 +123,18 @@ impl Manager {
             healer: Healer::default(),
             first_brick_port: Mutex::new(FIRST_BRICK_PORT),
             pool: std::sync::OnceLock::new(),
+            _lock: lock,
+            tls: std::sync::OnceLock::new(),
         }))
+    }
+
+    /// Speak TLS to other kilnds with the identity in `dir` (`kiln tls issue`; the same one
+    /// the management port serves with).
+    pub fn set_tls(&self, dir: &Path) -> Result<(), String> {
+        let cfg =
+            kiln_tls::client_config(dir).map_err(|e| format!("--tls {}: {e}", dir.display()))?;
+        let _ = self.tls.set(cfg);
+        Ok(())
     }
 
     /// The heal service's state.

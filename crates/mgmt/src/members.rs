@@ -37,6 +37,7 @@ impl Manager {
     pub async fn start_pool(self: &Arc<Self>, addr: std::net::SocketAddr) -> Result<(), String> {
         let link = Arc::new(PeerLink {
             secret: self.secret.clone(),
+            tls: self.tls.get().cloned(),
         });
         let pool = crate::pool::Pool::open(&self.state, link, addr).await?;
         let pool = Arc::new(pool);

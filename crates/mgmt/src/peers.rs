@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::def::{check_index, check_name, is_local, VolumeDef};
@@ -24,19 +25,20 @@ const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// requiring `addr` to prove it back, and returns the reply's JSON (an `"ok": false` reply
 /// becomes an error carrying its message). Used between kilnds; clients use
 /// `kiln_client::mgmt::call`.
-pub fn call_peer<R: DeserializeOwned>(
+pub(crate) fn call_peer<R: DeserializeOwned>(
     addr: SocketAddr,
     secret: &[u8],
+    tls: Option<&Arc<kiln_tls::ClientConfig>>,
     req: &Request,
 ) -> Result<R, String> {
-    let mut s = PeerConn::connect(addr, secret)?;
+    let mut s = PeerConn::connect(addr, secret, tls)?;
     s.call(req)
 }
 
 /// An authenticated connection to another kilnd's management port.
 pub(crate) struct PeerConn {
     addr: SocketAddr,
-    sock: TcpStream,
+    sock: kiln_tls::Blocking,
     next_id: u64,
 }
 
@@ -44,7 +46,11 @@ impl PeerConn {
     /// Connects and runs the handshake: this kilnd proves the secret, and so must the other
     /// one — a kilnd that does not ask for it, or cannot prove it, gets no command (commands
     /// carry volume secrets).
-    pub(crate) fn connect(addr: SocketAddr, secret: &[u8]) -> Result<PeerConn, String> {
+    pub(crate) fn connect(
+        addr: SocketAddr,
+        secret: &[u8],
+        tls: Option<&Arc<kiln_tls::ClientConfig>>,
+    ) -> Result<PeerConn, String> {
         use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
         use kiln_proto::codec::Wire;
         use kiln_proto::ops::{AuthReply, AuthReq, HelloReply, HelloReq};
@@ -52,6 +58,9 @@ impl PeerConn {
             .map_err(|e| format!("cannot reach kilnd at {addr}: {e}"))?;
         let _ = sock.set_read_timeout(Some(PEER_CALL_TIMEOUT));
         let _ = sock.set_write_timeout(Some(PEER_CALL_TIMEOUT));
+        // With --tls, kilnds speak TLS to each other with their own identities (mutual).
+        let sock = kiln_tls::Blocking::connect(sock, tls.cloned(), &addr.to_string())
+            .map_err(|e| format!("kilnd at {addr}: {e}"))?;
         let mut c = PeerConn {
             addr,
             sock,
@@ -115,13 +124,14 @@ impl PeerConn {
     /// How long a call may wait for its reply.
     pub(crate) fn set_timeout(&mut self, t: std::time::Duration) {
         let t = Some(t.max(std::time::Duration::from_millis(1)));
-        let _ = self.sock.set_read_timeout(t);
-        let _ = self.sock.set_write_timeout(t);
+        let _ = self.sock.tcp().set_read_timeout(t);
+        let _ = self.sock.tcp().set_write_timeout(t);
     }
 
     /// This end's address: how the peer sees us.
     pub(crate) fn local_ip(&self) -> Result<IpAddr, String> {
         self.sock
+            .tcp()
             .local_addr()
             .map(|a| a.ip())
             .map_err(|e| format!("{}: {e}", self.addr))
@@ -188,14 +198,20 @@ impl Channel for PeerConn {
     }
 }
 
-/// The pool's way to other members: [`PeerConn`]s proving the management secret.
+/// The pool's way to other members: [`PeerConn`]s proving the management secret (over TLS
+/// with `--tls`).
 pub(crate) struct PeerLink {
-    pub(crate) secret: std::sync::Arc<[u8]>,
+    pub(crate) secret: Arc<[u8]>,
+    pub(crate) tls: Option<Arc<kiln_tls::ClientConfig>>,
 }
 
 impl Link for PeerLink {
     fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Channel>, String> {
-        Ok(Box::new(PeerConn::connect(addr, &self.secret)?))
+        Ok(Box::new(PeerConn::connect(
+            addr,
+            &self.secret,
+            self.tls.as_ref(),
+        )?))
     }
 }
 
@@ -300,7 +316,7 @@ impl Manager {
     /// Asks the peer at `addr` to make its brick directories of `def` (and so proves it is
     /// there).
     pub(crate) fn sync_to(&self, addr: SocketAddr, def: &VolumeDef) -> Result<(), String> {
-        let mut c = PeerConn::connect(addr, &self.secret)?;
+        let mut c = PeerConn::connect(addr, &self.secret, self.tls.get())?;
         c.call::<Ack>(&Request::PeerSync {
             def: def.clone(),
             secret: None,
@@ -315,7 +331,7 @@ impl Manager {
         secret: &str,
     ) -> Result<(u16, u32), String> {
         let addr = def.bricks[i].mgmt_addr()?;
-        let mut c = PeerConn::connect(addr, &self.secret)?;
+        let mut c = PeerConn::connect(addr, &self.secret, self.tls.get())?;
         let req = Request::BrickStart {
             def: def.clone(),
             index: i,

@@ -257,6 +257,69 @@ pub fn connect_split(
     })
 }
 
+/// A blocking connection to a Kiln port for short exchanges (management calls): plaintext,
+/// or TLS through rustls's own stream (no split: these carry a few KiB, not the data path).
+pub enum Blocking {
+    /// Plaintext TCP.
+    Plain(TcpStream),
+    /// TLS over TCP, the handshake done.
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Blocking {
+    /// With `config`, runs the client side of a handshake on `tcp` (checking that the peer's
+    /// certificate names the host of `host_port`) before returning; without, plaintext.
+    pub fn connect(
+        mut tcp: TcpStream,
+        config: Option<Arc<ClientConfig>>,
+        host_port: &str,
+    ) -> io::Result<Blocking> {
+        let Some(config) = config else {
+            return Ok(Blocking::Plain(tcp));
+        };
+        let mut conn =
+            rustls::ClientConnection::new(config, server_name(host_port)?).map_err(bad)?;
+        while conn.is_handshaking() {
+            conn.complete_io(&mut tcp)
+                .map_err(|e| io::Error::new(e.kind(), handshake_error(e)))?;
+        }
+        Ok(Blocking::Tls(Box::new(rustls::StreamOwned::new(conn, tcp))))
+    }
+
+    /// The TCP socket beneath (for timeouts and addresses).
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            Blocking::Plain(t) => t,
+            Blocking::Tls(s) => &s.sock,
+        }
+    }
+}
+
+impl Read for Blocking {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Blocking::Plain(t) => t.read(buf),
+            Blocking::Tls(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Blocking {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Blocking::Plain(t) => t.write(buf),
+            Blocking::Tls(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Blocking::Plain(t) => t.flush(),
+            Blocking::Tls(s) => s.flush(),
+        }
+    }
+}
+
 /// Drives a handshake to its end without reading a byte past it: records are read one at a
 /// time, so application data that follows the last handshake record stays in the socket for
 /// the record layer.

@@ -1,0 +1,190 @@
+//! The volume options: one table — name, type, default, what it does, whether bricks restart
+//! to take it — that `kiln volume set|get|reset` and the README read, and the one parser of
+//! their values.
+
+use serde::{Deserialize, Serialize};
+
+use crate::def::VolumeDef;
+use crate::request::Request;
+
+/// One option as `volume get` shows it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct OptionValue {
+    /// Its name.
+    pub name: String,
+    /// Its value now.
+    pub value: String,
+    /// Its value when never set.
+    pub default: String,
+    /// What values it takes.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Whether a started volume's bricks restart to take a new value.
+    pub restarts_bricks: bool,
+    /// What it does.
+    pub description: String,
+}
+
+/// An option of the table.
+pub struct Spec {
+    /// Its name.
+    pub name: &'static str,
+    /// What values it takes.
+    pub kind: &'static str,
+    /// Its value when never set.
+    pub default: &'static str,
+    /// Whether a started volume's bricks restart to take a new value.
+    pub restarts_bricks: bool,
+    /// What it does.
+    pub description: &'static str,
+    /// Its value in a definition.
+    pub get: fn(&VolumeDef) -> String,
+}
+
+/// Every volume option.
+pub const OPTIONS: &[Spec] = &[
+    Spec {
+        name: "allow",
+        kind: "address ranges (ADDR/PREFIX,…) or all",
+        default: "all",
+        restarts_bricks: true,
+        description: "the clients the bricks take connections from; others are refused and logged",
+        get: |d| {
+            if d.allow.is_empty() {
+                "all".into()
+            } else {
+                d.allow.join(",")
+            }
+        },
+    },
+    Spec {
+        name: "root-squash",
+        kind: "on or off",
+        default: "off",
+        restarts_bricks: true,
+        description: "clients' root acts as nobody on the bricks (like NFS root_squash)",
+        get: |d| if d.root_squash { "on" } else { "off" }.into(),
+    },
+    Spec {
+        name: "io-timeout",
+        kind: "seconds, 0 to 86400",
+        default: "30",
+        restarts_bricks: false,
+        description: "how long a client's I/O waits for bricks that are away before it fails \
+                      with ENOTCONN (like an NFS hard mount's patience); new mounts take it",
+        get: |d| d.io_timeout.unwrap_or(30).to_string(),
+    },
+];
+
+/// The option named `name`, or an error listing the options.
+pub fn spec(name: &str) -> Result<&'static Spec, String> {
+    OPTIONS.iter().find(|s| s.name == name).ok_or_else(|| {
+        let names: Vec<&str> = OPTIONS.iter().map(|s| s.name).collect();
+        format!("no volume option {name:?} (options: {})", names.join(", "))
+    })
+}
+
+/// The `set` request that gives volume `volume` the option `name` the value `text`.
+pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, String> {
+    let s = spec(name)?;
+    let bad = || format!("{name} takes {}, not {text:?}", s.kind);
+    let (mut allow, mut root_squash, mut io_timeout) = (None, None, None);
+    match name {
+        "allow" => {
+            allow = Some(match text {
+                "all" => Vec::new(),
+                v => v
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|c| !c.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+            })
+        }
+        "root-squash" => {
+            root_squash = Some(match text {
+                "on" => true,
+                "off" => false,
+                _ => return Err(bad()),
+            })
+        }
+        _ => {
+            io_timeout = Some(
+                text.parse::<u32>()
+                    .ok()
+                    .filter(|s| *s <= 86_400)
+                    .ok_or_else(bad)?,
+            )
+        }
+    }
+    Ok(Request::Set {
+        name: volume.to_owned(),
+        allow,
+        root_squash,
+        io_timeout,
+    })
+}
+
+/// The options of `def` (`name`, or all of them) as `volume get` shows them.
+pub fn values(def: &VolumeDef, name: Option<&str>) -> Result<Vec<OptionValue>, String> {
+    let specs: Vec<&Spec> = match name {
+        None | Some("all") => OPTIONS.iter().collect(),
+        Some(n) => vec![spec(n)?],
+    };
+    Ok(specs
+        .into_iter()
+        .map(|s| OptionValue {
+            name: s.name.into(),
+            value: (s.get)(def),
+            default: s.default.into(),
+            kind: s.kind.into(),
+            restarts_bricks: s.restarts_bricks,
+            description: s.description.into(),
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_option_sets_and_reads_back_and_its_default_is_what_a_new_volume_has() {
+        let fresh = crate::tests::def(1, 1);
+        for s in OPTIONS {
+            assert_eq!((s.get)(&fresh), s.default, "{}", s.name);
+        }
+        let mut d = fresh.clone();
+        for (name, text) in [
+            ("allow", "10.0.0.0/8,127.0.0.1/32"),
+            ("root-squash", "on"),
+            ("io-timeout", "7"),
+        ] {
+            let Request::Set {
+                allow,
+                root_squash,
+                io_timeout,
+                ..
+            } = set_request("v", name, text).unwrap()
+            else {
+                panic!("a set request");
+            };
+            if let Some(a) = allow {
+                d.allow = a;
+            }
+            if let Some(r) = root_squash {
+                d.root_squash = r;
+            }
+            if io_timeout.is_some() {
+                d.io_timeout = io_timeout;
+            }
+            assert_eq!(values(&d, Some(name)).unwrap()[0].value, text);
+        }
+        assert!(set_request("v", "io-timeout", "86401").is_err());
+        assert!(set_request("v", "root-squash", "yes")
+            .unwrap_err()
+            .contains("on or off"));
+        assert!(spec("nope").err().unwrap().contains("io-timeout"));
+        assert_eq!(values(&d, Some("all")).unwrap().len(), OPTIONS.len());
+    }
+}

@@ -130,32 +130,20 @@ impl Hosts {
                 String::from_utf8_lossy(&out.stderr)
             );
         };
-        run(&["tls", "init", ca.to_str().unwrap()]);
+        let ca = ca.to_str().unwrap();
+        run(&["tls", "init", ca]);
+        let issue = |out: PathBuf, name: &str, san: &[&str]| {
+            let out = out.to_str().unwrap().to_owned();
+            let mut args = vec!["tls", "issue", "--ca", ca, "--out", &out, name];
+            for s in san {
+                args.extend(["--san", s]);
+            }
+            run(&args);
+        };
         for i in 0..self.n {
-            let out = self.tls(i);
-            let (name, ip) = (format!("host{i}"), self.ip(i));
-            run(&[
-                "tls",
-                "issue",
-                "--ca",
-                ca.to_str().unwrap(),
-                "--out",
-                out.to_str().unwrap(),
-                &name,
-                "--san",
-                &ip,
-            ]);
+            issue(self.tls(i), &format!("host{i}"), &[&self.ip(i)]);
         }
-        let out = self.client_tls();
-        run(&[
-            "tls",
-            "issue",
-            "--ca",
-            ca.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "operator",
-        ]);
+        issue(self.client_tls(), "operator", &[]);
     }
 
     /// Host `i`'s link up or down (a partition).
@@ -640,14 +628,10 @@ fn partition(h: &mut Hosts) {
         );
         h.link(cut, true);
         h.agreed_version(30);
+        // `volume set` on one host is what `volume get` says on every host.
         for i in 0..3 {
-            let info = h.info(i);
-            let pv = info["volumes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|v| v["name"] == "pv");
-            assert_eq!(pv.unwrap()["io_timeout"], 40 + cut as u64, "{info}");
+            let got = h.ok(i, &["volume", "get", "pv", "io-timeout"]);
+            assert_eq!(got["options"][0]["value"], value, "host {i}: {got}");
         }
         let what = if cut_leader {
             "the leader"

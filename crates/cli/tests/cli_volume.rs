@@ -11,7 +11,7 @@ use kiln_layer::volfile::LayerKind;
 use serde_json::Value;
 
 mod common;
-use common::{fails, kiln, mgmt_ok, ok, wait_for, BrickReaper, Kilnd};
+use common::{fails, kiln, mgmt_ok, ok, run, wait_for, BrickReaper, Kilnd};
 
 fn status(addr: &str, sd: &str, vol: &str) -> Value {
     let s = ok(&[
@@ -26,6 +26,18 @@ fn status(addr: &str, sd: &str, vol: &str) -> Value {
     ]);
     let v: Value = serde_json::from_str(&s).unwrap();
     v["volumes"][0].clone()
+}
+
+/// `kiln server --metrics off ARGS` that must refuse to start; its stderr.
+fn refused_kilnd(args: &[&std::ffi::OsStr]) -> String {
+    let out = kiln()
+        .args(["server", "--metrics", "off"])
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "kilnd started: {err}");
+    err
 }
 
 fn online(st: &Value) -> Vec<bool> {
@@ -408,7 +420,8 @@ fn tls_volumes_bricks_take_only_clients_with_certificates() {
     let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
     let brick = tmp.path().join("b1");
     let spec = format!("127.0.0.1:{}", brick.display());
-    ok(&[
+    // The management port takes TLS clients only too, and says so to others.
+    let create = [
         "volume",
         "create",
         "sec",
@@ -417,9 +430,32 @@ fn tls_volumes_bricks_take_only_clients_with_certificates() {
         a,
         "--state-dir",
         sd,
+    ];
+    let err = fails(&create);
+    assert!(
+        err.contains("requires TLS") && err.contains("KILN_TLS_DIR"),
+        "{err}"
+    );
+    let client = pki.join("client");
+    let with_tls = |args: &[&str]| -> String {
+        let out = run(args, &[("KILN_TLS_DIR", &client)]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "kiln {args:?}: {err}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    with_tls(&create);
+    with_tls(&["volume", "start", "sec", "--server", a, "--state-dir", sd]);
+    let st = with_tls(&[
+        "volume",
+        "status",
+        "sec",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+        "--json",
     ]);
-    ok(&["volume", "start", "sec", "--server", a, "--state-dir", sd]);
-    let st = status(a, sd, "sec");
+    let st = serde_json::from_str::<Value>(&st).unwrap()["volumes"][0].clone();
     assert_eq!(online(&st), [true], "{st}");
     let port = st["bricks"][0]["port"].as_u64().unwrap();
     let addr = format!("tcp:127.0.0.1:{port}");
@@ -448,26 +484,16 @@ fn tls_volumes_bricks_take_only_clients_with_certificates() {
     assert_eq!(std::fs::read(brick.join("t.bin")).unwrap(), data);
     // And a bad identity directory stops kilnd at once, with the reason.
     drop(kd);
-    let out = kiln()
-        .args([
-            "server",
-            "--mgmt",
-            "tcp:127.0.0.1:0",
-            "--metrics",
-            "off",
-            "--state-dir",
-        ])
-        .arg(&state)
-        .arg("--tls")
-        .arg(tmp.path().join("nowhere"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--tls"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let nowhere = tmp.path().join("nowhere");
+    let err = refused_kilnd(&[
+        "--mgmt".as_ref(),
+        "tcp:127.0.0.1:0".as_ref(),
+        "--state-dir".as_ref(),
+        state.as_os_str(),
+        "--tls".as_ref(),
+        nowhere.as_os_str(),
+    ]);
+    assert!(err.contains("--tls"), "{err}");
 }
 
 #[test]
@@ -782,20 +808,12 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     assert_eq!(get("root-squash")["options"][0]["value"], "off");
 
     // A second kilnd on the same state directory refuses to start, and says which holds it.
-    let out = kiln()
-        .args([
-            "server",
-            "--mgmt",
-            "tcp:127.0.0.1:0",
-            "--metrics",
-            "off",
-            "--state-dir",
-        ])
-        .arg(&state)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a second kilnd started");
+    let err = refused_kilnd(&[
+        "--mgmt".as_ref(),
+        "tcp:127.0.0.1:0".as_ref(),
+        "--state-dir".as_ref(),
+        state.as_os_str(),
+    ]);
     assert!(
         err.contains("another kilnd")
             && err.contains(&format!("pid {}", kd.child.id()))
@@ -803,22 +821,16 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
         "{err}"
     );
     // A taken management port gets a hint, not only "address in use".
-    let port = kd.addr.rsplit(':').next().unwrap();
-    let out = kiln()
-        .args([
-            "server",
-            "--metrics",
-            "off",
-            "--mgmt",
-            &format!("tcp:127.0.0.1:{port}"),
-        ])
-        .arg("--state-dir")
-        .arg(tmp.path().join("other"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let taken = format!("tcp:127.0.0.1:{}", kd.addr.rsplit(':').next().unwrap());
+    let other = tmp.path().join("other");
+    let err = refused_kilnd(&[
+        "--mgmt".as_ref(),
+        taken.as_ref(),
+        "--state-dir".as_ref(),
+        other.as_os_str(),
+    ]);
     assert!(
-        !out.status.success() && err.contains("management port") && err.contains("--mgmt"),
+        err.contains("management port") && err.contains("--mgmt"),
         "{err}"
     );
 }

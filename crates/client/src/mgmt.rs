@@ -139,6 +139,17 @@ impl<'a> MgmtConn<'a> {
                 format!("kilnd at {}: {e}", self.addr),
             )
         })?;
+        if h.status.get() == libc::EPROTONOSUPPORT as u32 {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "kilnd at {} requires TLS: set {} to a directory with an identity from its \
+                     CA (ca.pem, cert.pem, key.pem: kiln tls issue)",
+                    self.addr,
+                    kiln_tls::ENV_DIR
+                ),
+            ));
+        }
         let alen = h.args_len.get() as usize;
         let mut rest = vec![0u8; alen + h.payload_len.get() as usize];
         self.sock.read_exact(&mut rest).map_err(|e| self.ctx(e))?;

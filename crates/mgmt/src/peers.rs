@@ -155,6 +155,12 @@ impl PeerConn {
         let mut h = [0u8; HEADER_LEN];
         self.sock.read_exact(&mut h).map_err(err)?;
         let h = Header::parse(&h).map_err(|e| format!("kilnd at {addr}: {e}"))?;
+        if h.status.get() == libc::EPROTONOSUPPORT as u32 {
+            return Err(format!(
+                "kilnd at {addr} requires TLS: start this kilnd with --tls too (an identity \
+                 from the same CA)"
+            ));
+        }
         let alen = h.args_len.get() as usize;
         let mut rest = vec![0u8; alen + h.payload_len.get() as usize];
         self.sock.read_exact(&mut rest).map_err(err)?;

@@ -13,7 +13,9 @@
 //! - a partition (one host's link down): the majority side changes, the minority refuses
 //!   with a clear error, and after the link is back all agree;
 //! - a rolling restart of the three kilnds under a FUSE mount in a fourth namespace with fio
-//!   writing and verifying: no I/O error.
+//!   writing and verifying: no I/O error;
+//! - a member holding bricks cannot be detached; a fourth host joins, is detached and is alone
+//!   again.
 //!
 //! `KILN_RUNS=N` sets the seeded runs (default 20), `KILN_SEED=S` repeats one. Needs root,
 //! `ip netns`, fio and tcpdump; skips (saying why) without namespaces.
@@ -341,9 +343,15 @@ impl Capture {
 
     /// Stops the capture (SIGINT: tcpdump writes what it has) and returns the file's bytes.
     fn stop(mut self) -> Vec<u8> {
-        // Packets reach the file as tcpdump reads them from its ring: at least some first.
-        wait_for(10, "tcpdump to write packets", || {
-            std::fs::metadata(&self.file).is_ok_and(|m| m.len() > 24)
+        // Packets reach the file as tcpdump reads them from its ring, a while after they
+        // crossed: stop once it has written some and nothing new for half a second.
+        let (mut size, mut since) = (0, Instant::now());
+        wait_for(20, "tcpdump to catch up", || {
+            let now = std::fs::metadata(&self.file).map_or(0, |m| m.len());
+            if now != size {
+                (size, since) = (now, Instant::now());
+            }
+            size > 24 && since.elapsed() >= Duration::from_millis(500)
         });
         // SAFETY: kill(2) with a pid and a signal number has no memory effects.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
@@ -500,6 +508,28 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
     leader_kills(&mut h);
     partition(&mut h);
     rolling_restart(&mut h, tmp.path());
+
+    // A member holding bricks is not detached; one without is, and forgets the pool.
+    let out = h.kiln_at(0, &["peer", "detach", &h.ip(2)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("holds bricks of volume pv"),
+        "{err}"
+    );
+    std::fs::create_dir_all(h.state(3)).unwrap();
+    std::fs::copy(
+        h.state(0).join("mgmt.secret"),
+        h.state(3).join("mgmt.secret"),
+    )
+    .unwrap();
+    h.start(3);
+    h.ok(0, &["peer", "probe", &h.ip(3)]);
+    assert_eq!(h.pool(3)["members"].as_array().unwrap().len(), 4);
+    h.ok(1, &["peer", "detach", &h.ip(3)]);
+    wait_for(30, "the detached host to be alone", || {
+        h.pool(3)["members"][0]["role"] == "alone"
+    });
+    assert_eq!(h.pool(0)["members"].as_array().unwrap().len(), 3);
 }
 
 /// Seeded runs of "a command, and the leader killed meanwhile".

@@ -86,8 +86,11 @@ impl Manager {
             Request::PoolJoin { prepare } => self
                 .pool()
                 .and_then(|p| p.join_info(*prepare).map(Into::into)),
+            // Sent by the leader once the pool no longer counts this member (this member may
+            // never see that change: the leader stops sending it the log); authenticated like
+            // every kilnd-to-kilnd command.
             Request::PoolLeave { id } => self.pool().and_then(|p| {
-                if *id == p.id() && !p.view(false).members.iter().any(|m| m.id == *id) {
+                if *id == p.id() {
                     p.reset()?;
                 }
                 p.join_info(false).map(Into::into)
@@ -110,9 +113,32 @@ impl Manager {
     /// `peer detach`: made on the leader, which then tells the member to forget the pool.
     fn peer_detach(&self, req: &Request, host: &str) -> Result<PeerDetached, String> {
         let pool = self.pool()?;
-        let id = member_named(&pool.view(false), host)?;
+        let view = pool.view(false);
+        let id = member_named(&view, host)?;
         if let Some(r) = pool.forward(req)? {
             return Ok(r);
+        }
+        // A member that holds bricks stays: its volumes would lose a brick's manager.
+        let at = view
+            .members
+            .iter()
+            .find(|m| m.id == id)
+            .map(|m| m.addr.clone());
+        for def in self.load_all() {
+            let held: Vec<String> = def
+                .bricks
+                .iter()
+                .filter(|b| b.mgmt_addr().ok().map(|a| a.to_string()) == at)
+                .map(|b| b.spec())
+                .collect();
+            if !held.is_empty() {
+                return Err(format!(
+                    "{host} holds bricks of volume {} ({}): move them with replace-brick, or \
+                     delete the volume, first",
+                    def.name,
+                    held.join(", ")
+                ));
+            }
         }
         let addr = pool.detach(id)?;
         let mut warnings = Vec::new();

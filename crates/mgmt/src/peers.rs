@@ -11,9 +11,9 @@ use std::time::Duration;
 use crate::def::{check_index, check_name, is_local, VolumeDef};
 use crate::files::random;
 use crate::manager::{Manager, Procs, MGMT_SECRET_FILE};
-use crate::pool::{Channel, Link};
+use crate::pool::{CallError, Channel, Link};
 use crate::request::Request;
-use crate::response::{self, Ack, BrickStarted, BrickStopped, Response};
+use crate::response::{Ack, BrickStarted, BrickStopped, Response};
 use serde::de::DeserializeOwned;
 
 /// Connect timeout for probes of bricks and calls to other kilnds.
@@ -172,20 +172,9 @@ impl PeerConn {
         &mut self,
         req: &impl serde::Serialize,
     ) -> Result<R, String> {
-        use kiln_proto::codec::Wire;
-        let addr = self.addr;
-        let args = kiln_proto::ops::MgmtReq {
-            json: serde_json::to_vec(req).expect("a request serialises"),
-        }
-        .to_wire();
-        let (status, _, payload) = self.exchange(kiln_proto::Op::Mgmt, &args)?;
-        if status != 0 {
-            return Err(format!(
-                "kilnd at {addr} refused the request: {}",
-                io::Error::from_raw_os_error(status as i32)
-            ));
-        }
-        response::decode(&payload).map_err(|e| format!("{addr}: {e}"))
+        let req = serde_json::to_value(req).expect("a request serialises");
+        let v = Channel::call(self, &req, None)?;
+        serde_json::from_value(v).map_err(|e| format!("{}: bad reply: {e}", self.addr))
     }
 }
 
@@ -194,9 +183,32 @@ impl Channel for PeerConn {
         &mut self,
         req: &serde_json::Value,
         timeout: Option<Duration>,
-    ) -> Result<serde_json::Value, String> {
+    ) -> Result<serde_json::Value, CallError> {
+        use kiln_proto::codec::Wire;
         self.set_timeout(timeout.unwrap_or(PEER_CALL_TIMEOUT));
-        PeerConn::call(self, req)
+        let args = kiln_proto::ops::MgmtReq {
+            json: serde_json::to_vec(req).expect("a request serialises"),
+        }
+        .to_wire();
+        let (status, _, payload) = self
+            .exchange(kiln_proto::Op::Mgmt, &args)
+            .map_err(CallError::Broken)?;
+        let addr = self.addr;
+        if status != 0 {
+            let e = io::Error::from_raw_os_error(status as i32);
+            return Err(CallError::Refused(format!(
+                "kilnd at {addr} refused the request: {e}"
+            )));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&payload)
+            .map_err(|e| CallError::Broken(format!("{addr}: bad reply: {e}")))?;
+        if v["ok"] != true {
+            // The other kilnd's own sentence.
+            return Err(CallError::Refused(
+                v["error"].as_str().unwrap_or("refused").to_owned(),
+            ));
+        }
+        Ok(v)
     }
 
     fn local_ip(&self) -> Result<IpAddr, String> {

@@ -34,7 +34,7 @@ use openraft::{BasicNode, ChangeMembers, Config, ServerState};
 use serde::de::DeserializeOwned;
 
 use crate::files::{hex, random};
-pub use link::{Channel, Link};
+pub use link::{CallError, Channel, Link};
 pub use types::{Cmd, Kv, NodeId, Outcome, Raft, Versioned};
 use types::{Joined, Msg, PoolMember, PoolView, Written};
 
@@ -315,7 +315,7 @@ impl Pool {
     /// request the leader took is not sent again.
     pub fn via_leader<R>(
         &self,
-        send: impl Fn(&mut dyn Channel) -> Result<R, String>,
+        send: impl Fn(&mut dyn Channel) -> Result<R, CallError>,
     ) -> Result<Option<R>, String> {
         let deadline = Instant::now() + WRITE_PATIENCE;
         loop {
@@ -324,12 +324,14 @@ impl Pool {
             };
             match self.link.connect(leader) {
                 Ok(mut c) => {
-                    return send(&mut *c).map(Some).map_err(|e| {
-                        format!(
+                    return send(&mut *c).map(Some).map_err(|e| match e {
+                        // The leader's own refusal, as it said it.
+                        CallError::Refused(e) => e,
+                        CallError::Broken(e) => format!(
                             "the pool's leader at {leader} failed during the command ({e}): \
                              it was made or not — `info` on any member shows which"
-                        )
-                    })
+                        ),
+                    });
                 }
                 Err(e) => {
                     let left = deadline.saturating_duration_since(Instant::now());
@@ -353,7 +355,7 @@ impl Pool {
         let req = serde_json::to_value(req).expect("a request serialises");
         self.via_leader(|c| {
             let v = c.call(&req, None)?;
-            serde_json::from_value(v).map_err(|e| format!("bad reply: {e}"))
+            serde_json::from_value(v).map_err(|e| CallError::Broken(format!("bad reply: {e}")))
         })
     }
 

@@ -78,7 +78,7 @@ impl Conn {
                 *slot = Some(link.connect(sa).map_err(Failed::Unreachable)?);
             }
             let c = slot.as_mut().expect("opened above");
-            let r = c.call(&req, Some(ttl)).and_then(|v| {
+            let r = c.call(&req, Some(ttl)).map_err(String::from).and_then(|v| {
                 serde_json::from_value::<RaftReply>(v).map_err(|e| format!("bad raft reply: {e}"))
             });
             if r.is_err() {

@@ -125,7 +125,20 @@ fn survive(tmp: &Path, v: &Vol, restarts: usize, restart: impl Fn(usize)) {
     on_nbd.one_more(120);
     for k in 0..restarts {
         restart(k);
-        wait_for(30, "every brick to be back", || v.all_online());
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !v.all_online() {
+            if std::time::Instant::now() > deadline {
+                // What kilnd saw, for the next one to read this.
+                let log = v.kd.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                panic!(
+                    "restart {k}: bricks not all back in 30 s: {}\nkilnd log (last lines first):\n{}",
+                    v.status(),
+                    tail.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         // I/O went through the restart: runs in progress then have finished since.
         on_mount.one_more(120);
         on_nbd.one_more(120);

@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// over posix (the baseline for what observability costs).
     #[arg(long, conflicts_with = "profile_points")]
     pub bare: bool,
+    /// Put the graph switch on top of the client stack, as a mount or export of a managed
+    /// volume has it (to measure what following the volume's graph versions costs).
+    #[arg(long)]
+    pub switch: bool,
     /// Start this many brick servers (each with the replica brick stack: marks over posix) and
     /// run over a replicate volume of them: every write goes to all, reads to one.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
@@ -476,6 +480,14 @@ pub fn layout(vol: &Volume, path: &str, size: u64) -> std::io::Result<kiln_layer
 }
 
 /// Runs the timed phase against `addr`.
+/// One job's client stack: under the graph switch with `--switch`.
+fn job_volume(args: &BenchArgs, volfile: &Volfile) -> std::io::Result<Volume> {
+    match args.switch {
+        true => Volume::from_volfile_switched(volfile),
+        false => Volume::from_volfile(volfile),
+    }
+}
+
 pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Result<BenchResult> {
     run_volfile(
         args,
@@ -555,7 +567,7 @@ pub fn run_volfile(
     let mut jobs = Vec::new();
     TraceLog::global().drain();
     for j in 0..args.numjobs {
-        let vol = Arc::new(Volume::from_volfile(volfile)?);
+        let vol = Arc::new(job_volume(args, volfile)?);
         vol.set_trace_every(args.trace_every);
         let fd = block_on(vol.open(&args.file, libc::O_RDWR))?;
         let bufs = (0..args.iodepth)

@@ -141,27 +141,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     metadata(&c)?;
 
     for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {
-        let a = BenchArgs {
-            rw,
-            bs,
-            iodepth: qd,
-            size: args.size.max(bs),
-            numjobs: 1,
-            runtime: args.runtime,
-            transport: Transport::Tcp,
-            brick: None,
-            connect: Some(server.addr.clone()),
-            server_pid: Some(server.pid()),
-            file: "demo/image.raw".into(),
-            json: false,
-            profile_points: false,
-            // Sample the latency run: the demo shows where a 4k read's time goes.
-            trace_every: if qd == 1 { 10 } else { 0 },
-            delay_read_us: None,
-            bare: false,
-            replica: 1,
-            tls: None,
-        };
+        let a = bench_args(rw, bs, qd, &args, &server);
         let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
         step(
             &format!("{:?} {}k QD{qd}", rw, bs / 1024).to_lowercase(),
@@ -238,4 +218,31 @@ fn metadata(c: &Volume) -> Result<(), String> {
         block_on(c.statfs("")).map(|s| format!("{} MiB free", (s.bavail * s.frsize) >> 20)),
     )?;
     Ok(())
+}
+
+/// The `kiln bench` run the demo makes: `rw` of `bs` bytes at queue depth `qd` against the
+/// demo's brick.
+fn bench_args(rw: Rw, bs: u64, qd: usize, args: &DemoArgs, server: &ChildServer) -> BenchArgs {
+    BenchArgs {
+        rw,
+        bs,
+        iodepth: qd,
+        size: args.size.max(bs),
+        numjobs: 1,
+        runtime: args.runtime,
+        transport: Transport::Tcp,
+        brick: None,
+        connect: Some(server.addr.clone()),
+        server_pid: Some(server.pid()),
+        file: "demo/image.raw".into(),
+        json: false,
+        profile_points: false,
+        // Sample the latency run: the demo shows where a 4k read's time goes.
+        trace_every: if qd == 1 { 10 } else { 0 },
+        delay_read_us: None,
+        bare: false,
+        switch: false,
+        replica: 1,
+        tls: None,
+    }
 }

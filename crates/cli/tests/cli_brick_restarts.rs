@@ -9,89 +9,12 @@
 //! I/O waits for it (the volume's `io-timeout`, 30 s by default).
 
 use std::path::Path;
-use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::Value;
-
 mod common;
+use common::fio::{need_fio, FioLoop};
 use common::managed::Vol;
-use common::{kill_brick_pid, wait_for, BrickReaper};
-
-/// fio runs one after another until `stop`: each writes `size` at random 4 KiB blocks, then
-/// reads every block back and verifies it. Counts finished runs; returns the failures.
-struct FioLoop {
-    runs: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    handle: std::thread::JoinHandle<Vec<String>>,
-}
-
-impl FioLoop {
-    fn start(name: &str, target: Vec<String>, dir: &Path) -> FioLoop {
-        let runs = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (r, s, dir, name) = (runs.clone(), stop.clone(), dir.to_owned(), name.to_owned());
-        let handle = std::thread::spawn(move || {
-            let mut failures = Vec::new();
-            while !s.load(Ordering::Acquire) {
-                let out = Command::new("fio")
-                    .current_dir(&dir)
-                    .args([
-                        &format!("--name={name}"),
-                        "--rw=randwrite",
-                        "--bs=4k",
-                        "--size=2m",
-                        "--iodepth=8",
-                        "--verify=crc32c",
-                        "--verify_fatal=1",
-                        "--do_verify=1",
-                        "--output-format=json",
-                    ])
-                    .args(&target)
-                    .output()
-                    .expect("run fio");
-                let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                let errors = text
-                    .find('{')
-                    .and_then(|i| serde_json::from_str::<Value>(&text[i..]).ok())
-                    .map(|j| {
-                        j["jobs"]
-                            .as_array()
-                            .map(|a| a.iter().map(|x| x["error"].as_u64().unwrap_or(1)).sum())
-                            .unwrap_or(1)
-                    })
-                    .unwrap_or(1u64);
-                if !out.status.success() || errors != 0 {
-                    failures.push(format!(
-                        "{name}: exit {:?}, errors {errors}\n{}\n{}",
-                        out.status.code(),
-                        String::from_utf8_lossy(&out.stderr),
-                        text
-                    ));
-                }
-                r.fetch_add(1, Ordering::AcqRel);
-            }
-            failures
-        });
-        FioLoop { runs, stop, handle }
-    }
-
-    /// Waits until a run that was in progress (or starts) now has finished.
-    fn one_more(&self, secs: u64) {
-        let seen = self.runs.load(Ordering::Acquire);
-        wait_for(secs, "a fio run to finish", || {
-            self.runs.load(Ordering::Acquire) >= seen + 2
-        });
-    }
-
-    fn finish(self) -> (u64, Vec<String>) {
-        self.stop.store(true, Ordering::Release);
-        let failures = self.handle.join().expect("fio loop");
-        (self.runs.load(Ordering::Acquire), failures)
-    }
-}
+use common::{kill_brick_pid, BrickReaper};
 
 /// Mounts and exports the volume `v`, runs both fio loops, and calls `restart(k)` for each
 /// of `restarts`; every fio run must succeed.
@@ -156,12 +79,6 @@ fn survive(tmp: &Path, v: &Vol, restarts: usize, restart: impl Fn(usize)) {
 
 fn kill_brick(v: &Vol, i: usize) {
     kill_brick_pid(v.pid(i));
-}
-
-fn need_fio() {
-    if Command::new("fio").arg("--version").output().is_err() {
-        panic!("fio is needed (apt-get install fio; scripts/test.sh installs it)");
-    }
 }
 
 #[test]

@@ -18,6 +18,7 @@
 
 pub mod client;
 pub mod conn;
+pub mod graph;
 pub mod mgmt;
 pub mod protocol;
 pub mod replay;

@@ -259,13 +259,25 @@ fn hmac_sha256(key: &[u8], msg: &[u8]) -> Vec<u8> {
     m.finalize().into_bytes().to_vec()
 }
 
-/// Fetches the client volume graph of `volume` from the kilnd at `server` (any kilnd with a
-/// brick of the volume, or the one where it was created).
+/// A volume's client graph as a kilnd hands it out.
+#[derive(Debug, Clone)]
+pub struct Graph {
+    /// The graph.
+    pub volfile: Volfile,
+    /// Its version in the pool's store: higher is newer (0 from a kilnd that keeps none).
+    pub version: u64,
+    /// The management addresses (`tcp:IP:PORT`) of the pool's members, to ask when this one
+    /// does not answer.
+    pub servers: Vec<String>,
+}
+
+/// Fetches the client volume graph of `volume` from the kilnd at `server` (any member of the
+/// pool).
 ///
 /// Needs no secret (the one command a kilnd answers without one), and sends none: the request
 /// is a single MGMT frame, so a brick that requires its secret refuses it (`PermissionDenied`)
 /// and one without a management handler says `Unsupported`.
-pub fn fetch_volfile(server: &str, volume: &str) -> io::Result<Volfile> {
+pub fn fetch_graph(server: &str, volume: &str) -> io::Result<Graph> {
     let r = call_with_secret(
         server,
         &serde_json::json!({ "cmd": "volfile", "name": volume }),
@@ -277,8 +289,26 @@ pub fn fetch_volfile(server: &str, volume: &str) -> io::Result<Volfile> {
             "volfile reply without \"volfile\"",
         )
     })?;
-    Volfile::parse(text)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("volume {volume}: {e}")))
+    let volfile = Volfile::parse(text)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("volume {volume}: {e}")))?;
+    let servers = r["servers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Graph {
+        volfile,
+        version: r["graph"].as_u64().unwrap_or(0),
+        servers,
+    })
+}
+
+/// [`fetch_graph`]'s volfile alone.
+pub fn fetch_volfile(server: &str, volume: &str) -> io::Result<Volfile> {
+    fetch_graph(server, volume).map(|g| g.volfile)
 }
 
 /// Splits `HOST:/VOL` or `HOST:PORT:/VOL` into the management address (`tcp:HOST:PORT`,

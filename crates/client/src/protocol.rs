@@ -207,6 +207,11 @@ impl ProtocolClient {
         self.link.attempts.notify();
     }
 
+    /// True once [`Self::shutdown`] ran.
+    pub fn is_shut(&self) -> bool {
+        self.link.closed.load(Ordering::Acquire)
+    }
+
     /// Starts reconnecting in the background, once (never after [`Self::shutdown`]).
     fn revive(&self) {
         if self.link.closed.load(Ordering::Acquire)

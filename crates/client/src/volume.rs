@@ -26,6 +26,7 @@ use kiln_proto::ops::DirEntry;
 use kiln_proto::Cred;
 
 use crate::client::{errno_error, Client};
+use crate::graph::{Gen, Switch};
 use crate::protocol::ProtocolClient;
 
 /// A client stack, used on behalf of one caller: the process itself (root on the bricks) or,
@@ -41,10 +42,38 @@ pub struct Volume {
 /// What every view of a volume shares.
 struct Stack {
     top: LayerRef,
-    /// The stack's protocol-clients (each follows its brick across reconnects).
-    links: Vec<Arc<ProtocolClient>>,
+    graph: Graph,
     trace_every: AtomicU64,
     seq: AtomicU64,
+}
+
+/// The graph under a stack: built once, or followed across versions by a [`Switch`] on top.
+enum Graph {
+    Fixed(Arc<Gen>),
+    Switched(Arc<Switch>),
+}
+
+impl Stack {
+    fn new(graph: Graph) -> Stack {
+        let top = match &graph {
+            Graph::Fixed(g) => g.top.clone(),
+            Graph::Switched(s) => s.clone() as LayerRef,
+        };
+        Stack {
+            top,
+            graph,
+            trace_every: AtomicU64::new(0),
+            seq: AtomicU64::new(0),
+        }
+    }
+
+    /// The generation in use now.
+    fn gen(&self) -> Arc<Gen> {
+        match &self.graph {
+            Graph::Fixed(g) => g.clone(),
+            Graph::Switched(s) => s.current(),
+        }
+    }
 }
 
 /// Label stamped when a request enters the volume API.
@@ -138,73 +167,32 @@ impl Volume {
     /// that is away) and reconnects in the background. When no brick can be reached, the
     /// first brick's error is returned.
     pub fn from_volfile_with_secret(v: &Volfile, secret: Option<&[u8]>) -> io::Result<Volume> {
-        let mut links = Vec::new();
-        let mut err = None;
-        let mut reached = 0usize;
-        let connect_one = |remote: &str| match secret {
-            Some(s) => Client::connect_with_secret(remote, Some(s)),
-            None => Client::connect(remote),
-        };
-        let connect = |remote: &str| connect_first(remote, connect_one);
-        let replicas = v.below_replicate();
-        let top = v.build(&mut |def, _kids| match &def.kind {
-            LayerKind::ProtocolClient { remote, timeout } => {
-                let c = match connect(remote) {
-                    Ok(c) => {
-                        reached += 1;
-                        c
-                    }
-                    // Only a brick that does not answer starts down; a refusal (bad secret,
-                    // allow-list, TLS) is an error to show now.
-                    Err(e) if is_unreachable(&e) => {
-                        tracing::warn!(
-                            "{}: {e}; starting without it and reconnecting in the background",
-                            def.name
-                        );
-                        let tls = kiln_tls::client_config_from_env().ok().flatten();
-                        let last = remote.rsplit(',').next().unwrap_or(remote).trim();
-                        let down = Client::unreachable(last, secret, tls);
-                        err.get_or_insert(e);
-                        down.map_err(|e| e.to_string())?
-                    }
-                    Err(e) => {
-                        let msg = e.to_string();
-                        err = Some(e);
-                        return Err(msg);
-                    }
-                };
-                let c = Arc::new(c);
-                let patience = match timeout {
-                    Some(s) => Duration::from_secs((*s).into()),
-                    None if replicas.contains(&def.name) => Duration::ZERO,
-                    None => crate::protocol::DEFAULT_PATIENCE,
-                };
-                let pc = Arc::new(ProtocolClient::new(&def.name, c).with_patience(patience));
-                links.push(pc.clone());
-                Ok(pc as LayerRef)
-            }
-            other => Err(format!(
-                "layer {:?}: a {} layer cannot run in a client",
-                def.name,
-                other.type_name()
-            )),
-        });
-        match (top, err) {
-            // No brick answered: the first one's error.
-            (Ok(_), Some(e)) if reached == 0 => Err(e),
-            (Ok(top), _) => Ok(Volume {
-                stack: Arc::new(Stack {
-                    top,
-                    links,
-                    trace_every: AtomicU64::new(0),
-                    seq: AtomicU64::new(0),
-                }),
-                cred: None,
-            }),
-            (Err(msg), err) => {
-                Err(err.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, msg)))
-            }
+        let gen = build(v, secret, 0, None)?;
+        Ok(Volume::of(Graph::Fixed(Arc::new(gen))))
+    }
+
+    /// [`Volume::from_volfile`] under the graph switch that a stack following a managed
+    /// volume's graph has on top (see [`crate::graph`]), never given another graph: what
+    /// following costs the data path, for `kiln bench --switch`.
+    pub fn from_volfile_switched(v: &Volfile) -> io::Result<Volume> {
+        let first = build(v, None, 1, None)?;
+        let top = v.layers.first().map_or("volume", |l| l.name.as_str());
+        Ok(Volume::of(Graph::Switched(Arc::new(Switch::new(
+            top, first,
+        )))))
+    }
+
+    fn of(graph: Graph) -> Volume {
+        Volume {
+            stack: Arc::new(Stack::new(graph)),
+            cred: None,
         }
+    }
+
+    /// The version of the graph the stack runs now (0: a graph from a file or a brick, which
+    /// never changes).
+    pub fn graph_version(&self) -> u64 {
+        self.stack.gen().version
     }
 
     /// The top layer, for fops this type has no wrapper for.
@@ -214,7 +202,7 @@ impl Volume {
 
     /// The connections of the stack's protocol-clients, as they are now.
     pub fn clients(&self) -> Vec<Arc<Client>> {
-        self.stack.links.iter().map(|l| l.client()).collect()
+        self.stack.gen().links.iter().map(|l| l.client()).collect()
     }
 
     /// Samples every `n`th request for a waterfall (0: none).
@@ -259,7 +247,7 @@ impl Volume {
                 Some((l, rest)) => l.client().batch(|| nest(rest, f)),
             }
         }
-        nest(&self.stack.links, Box::new(f))
+        nest(&self.stack.gen().links, Box::new(f))
     }
 
     /// Attributes of `path`.
@@ -435,16 +423,9 @@ impl Volume {
         } else {
             crate::mgmt::parse_volume_spec(&format!("{hostport}:/{volume}"))?.0
         };
-        let fetched = crate::mgmt::fetch_volfile(&mgmt_addr, volume);
+        let fetched = crate::mgmt::fetch_graph(&mgmt_addr, volume);
         match fetched {
-            Ok(v) => {
-                let secret = match crate::mgmt::secret_file(volume, None) {
-                    Some(p) => Some(crate::mgmt::read_secret(&p)?),
-                    None => None,
-                };
-                tracing::info!("volume {volume}: volfile from {mgmt_addr}");
-                Volume::from_volfile_with_secret(&v, secret.as_deref())
-            }
+            Ok(g) => Volume::following(mgmt_addr, volume, g),
             // A brick does not manage volumes (ENOSYS), or wants its secret before anything
             // but HELLO (EACCES): use it as a brick. Any other answer is the server's word.
             Err(e)
@@ -461,11 +442,38 @@ impl Volume {
         }
     }
 
+    /// A stack over graph `g` of `volume` from the kilnd at `server`, which moves to each new
+    /// version of the graph the pool's members hand out (see [`crate::graph`]).
+    fn following(server: String, volume: &str, g: crate::mgmt::Graph) -> io::Result<Volume> {
+        let secret = match crate::mgmt::secret_file(volume, None) {
+            Some(p) => Some(crate::mgmt::read_secret(&p)?),
+            None => None,
+        };
+        tracing::info!("volume {volume}: graph version {} from {server}", g.version);
+        let first = build(&g.volfile, secret.as_deref(), g.version, None)?;
+        let switch = Arc::new(Switch::new(volume, first));
+        crate::graph::watch(
+            &switch,
+            crate::graph::Watch {
+                server,
+                volume: volume.to_owned(),
+                others: g.servers,
+                last: g.volfile,
+                every: crate::graph::poll_interval(),
+                build: Box::new(move |v, version, cur| {
+                    build(v, secret.as_deref(), version, Some(cur))
+                }),
+            },
+        )?;
+        Ok(Volume::of(Graph::Switched(switch)))
+    }
+
     /// Shuts every connection down for good: requests in flight and later ones fail, and no
     /// protocol-client reconnects.
     pub fn shutdown(&self) {
-        for l in &self.stack.links {
-            l.shutdown();
+        match &self.stack.graph {
+            Graph::Fixed(g) => g.links.iter().for_each(|l| l.shutdown()),
+            Graph::Switched(s) => s.shutdown(),
         }
     }
 
@@ -642,6 +650,77 @@ impl Volume {
             Volume::finish(&cx);
             cb(r);
         });
+    }
+}
+
+/// Builds the stack of `v` as generation `version`, connecting every protocol-client (with
+/// `secret`, else as [`Client::connect`]) — except those `prev` has for the same brick, which
+/// it keeps. See [`Volume::from_volfile_with_secret`] for bricks that do not answer.
+fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -> io::Result<Gen> {
+    let mut links = Vec::new();
+    let mut err = None;
+    let mut reached = 0usize;
+    let connect_one = |remote: &str| match secret {
+        Some(s) => Client::connect_with_secret(remote, Some(s)),
+        None => Client::connect(remote),
+    };
+    let connect = |remote: &str| connect_first(remote, connect_one);
+    let replicas = v.below_replicate();
+    let top = v.build(&mut |def, _kids| match &def.kind {
+        LayerKind::ProtocolClient { remote, timeout } => {
+            if let Some(pc) = prev.and_then(|g| g.reusable(&def.name, remote, *timeout)) {
+                reached += 1;
+                links.push((pc.clone(), remote.clone(), *timeout));
+                return Ok(pc as LayerRef);
+            }
+            let c = match connect(remote) {
+                Ok(c) => {
+                    reached += 1;
+                    c
+                }
+                // Only a brick that does not answer starts down; a refusal (bad secret,
+                // allow-list, TLS) is an error to show now.
+                Err(e) if is_unreachable(&e) => {
+                    tracing::warn!(
+                        "{}: {e}; starting without it and reconnecting in the background",
+                        def.name
+                    );
+                    let tls = kiln_tls::client_config_from_env().ok().flatten();
+                    let last = remote.rsplit(',').next().unwrap_or(remote).trim();
+                    let down = Client::unreachable(last, secret, tls);
+                    err.get_or_insert(e);
+                    down.map_err(|e| e.to_string())?
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    err = Some(e);
+                    return Err(msg);
+                }
+            };
+            let c = Arc::new(c);
+            let patience = match timeout {
+                Some(s) => Duration::from_secs((*s).into()),
+                None if replicas.contains(&def.name) => Duration::ZERO,
+                None => crate::protocol::DEFAULT_PATIENCE,
+            };
+            let pc = Arc::new(ProtocolClient::new(&def.name, c).with_patience(patience));
+            links.push((pc.clone(), remote.clone(), *timeout));
+            Ok(pc as LayerRef)
+        }
+        other => Err(format!(
+            "layer {:?}: a {} layer cannot run in a client",
+            def.name,
+            other.type_name()
+        )),
+    });
+    match (top, err) {
+        // No brick answered: the first one's error.
+        (Ok(_), Some(e)) if reached == 0 => Err(e),
+        (Ok(top), _) => Ok(Gen::new(version, top, links)),
+        (Err(msg), err) => {
+            // Connections made for this build and not kept by anyone close as they drop.
+            Err(err.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, msg)))
+        }
     }
 }
 

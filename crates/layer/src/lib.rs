@@ -393,6 +393,13 @@ macro_rules! declare_layer {
                 &[]
             }
 
+            /// The children as they are now: [`Layer::children`], except in a layer that
+            /// switches between graphs (a client following its volume's graph versions),
+            /// which cannot lend its current graph out. Tools that walk a stack use this.
+            fn graph_children(&self) -> Vec<Arc<dyn Layer>> {
+                self.children().to_vec()
+            }
+
             /// Runs an operator command against this layer and its subtree (see
             /// [`iostats`]): the default visits the children.
             fn visit(&self, f: &mut dyn FnMut(&dyn Layer)) {

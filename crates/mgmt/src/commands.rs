@@ -422,14 +422,26 @@ impl Manager {
 
     pub(crate) fn volfile(&self, name: &str) -> Result<Response, String> {
         check_name(name)?;
-        let def = self.load(name)?;
+        let (def, graph) = self.load_versioned(name)?;
         if def.state != VolState::Started {
             return Err(format!("volume {name} is not started"));
         }
         let v = self.client_volfile_here(&def)?;
+        let servers = self
+            .pool()?
+            .view(false)
+            .members
+            .into_iter()
+            .map(|m| match m.addr.starts_with("tcp:") {
+                true => m.addr,
+                false => format!("tcp:{}", m.addr),
+            })
+            .collect();
         Ok(VolfileText {
             volume: name.to_owned(),
             volfile: v.to_toml(),
+            graph,
+            servers,
         }
         .into())
     }

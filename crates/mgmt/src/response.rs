@@ -258,6 +258,15 @@ pub struct VolfileText {
     pub volume: String,
     /// The graph, as TOML.
     pub volfile: String,
+    /// The version of the volume's definition it was made from (a log index of the pool's
+    /// store: it only grows). Clients follow the graph by asking again; a higher version
+    /// whose graph differs from theirs is one to switch to.
+    #[serde(default)]
+    pub graph: u64,
+    /// The management addresses of the pool's members (`tcp:IP:PORT`): where to ask when
+    /// this kilnd does not answer.
+    #[serde(default)]
+    pub servers: Vec<String>,
 }
 
 /// `brick-start`: where the brick runs now.

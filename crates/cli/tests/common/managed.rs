@@ -64,13 +64,18 @@ impl Vol {
 
     /// A volume of a kilnd started with `args`, bricks `b0`, `b1`, … beneath `tmp`.
     pub fn with_kilnd_args(tmp: &Path, name: &str, replica: usize, args: &[&str]) -> Vol {
+        Vol::with_bricks(tmp, name, replica, replica, args)
+    }
+
+    /// A volume of `count` bricks, `replica` per set, of a kilnd started with `args`.
+    pub fn with_bricks(tmp: &Path, name: &str, replica: usize, count: usize, args: &[&str]) -> Vol {
         let state = tmp.join("state");
         let kd = Kilnd::start(&state, args);
         let mut args: Vec<String> = ["volume", "create", name].map(String::from).to_vec();
         if replica > 1 {
             args.extend(["replica".into(), replica.to_string()]);
         }
-        for i in 0..replica {
+        for i in 0..count {
             args.push(format!("127.0.0.1:{}", tmp.join(format!("b{i}")).display()));
         }
         let v = Vol {
@@ -113,23 +118,44 @@ impl Vol {
     }
 
     pub fn mount(&self, mnt: &Path) -> Proc {
+        self.mount_env(mnt, &[("KILN_LOG", "warn")])
+    }
+
+    /// Mounts with `env` added (a log file: `KILN_TEST_STDERR`).
+    pub fn mount_env(&self, mnt: &Path, env: &[(&str, &str)]) -> Proc {
         let mut c = kiln();
         c.args(["mount", &self.source(""), "--mode", "vm-image"])
             .arg(mnt)
-            .env("KILN_SECRET_FILE", &self.secret)
-            .env("KILN_LOG", "warn");
+            .env("KILN_SECRET_FILE", &self.secret);
+        with_env(&mut c, env);
         spawn_until(c, "kiln: mounted").0
     }
 
     /// Exports `image`; returns the export and its URI.
     pub fn nbd(&self, image: &str, sock: &Path) -> (Proc, String) {
+        self.nbd_env(image, sock, &[("KILN_LOG", "warn")])
+    }
+
+    /// Exports `image` with `env` added (see [`Vol::mount_env`]).
+    pub fn nbd_env(&self, image: &str, sock: &Path, env: &[(&str, &str)]) -> (Proc, String) {
         let mut c = kiln();
         c.args(["nbd", &self.source(image), "--listen"])
             .arg(format!("unix:{}", sock.display()))
-            .env("KILN_SECRET_FILE", &self.secret)
-            .env("KILN_LOG", "warn");
+            .env("KILN_SECRET_FILE", &self.secret);
+        with_env(&mut c, env);
         let (p, line) = spawn_until(c, "kiln nbd: exporting");
         let uri = line.rsplit(" at ").next().expect("the URI").to_owned();
         (p, uri)
+    }
+}
+
+/// Adds `env` to `c`; `KILN_TEST_STDERR` names a file for its stderr instead.
+fn with_env(c: &mut Command, env: &[(&str, &str)]) {
+    for (k, v) in env {
+        if *k == "KILN_TEST_STDERR" {
+            c.stderr(std::fs::File::create(v).expect("create the log file"));
+        } else {
+            c.env(k, v);
+        }
     }
 }

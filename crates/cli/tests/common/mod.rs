@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod fio;
 pub mod managed;
 
 pub fn kiln() -> Command {

@@ -167,8 +167,8 @@ pub fn replicate_layers(top: &LayerRef) -> Vec<LayerRef> {
             out.push(l.clone());
             return;
         }
-        for c in l.children() {
-            walk(c, out);
+        for c in l.graph_children() {
+            walk(&c, out);
         }
     }
     let mut out = Vec::new();

@@ -1,0 +1,503 @@
+//! Graph switching: a client stack that moves to a new volume graph while it runs.
+//!
+//! A volume's graph changes when its bricks do (a brick restarted on another port, bricks added
+//! or replaced) or an option the client stack reads does. [`Switch`] is the top layer of a stack
+//! built from a kilnd's graph: it holds the current [`Gen`] (one built graph and the version the
+//! pool's store gave it) and sends every fop to it. [`Switch::install`] puts a new generation in
+//! place without stopping anything:
+//!
+//! - a fop already sent finishes on the generation it started on;
+//! - a path fop sent afterwards goes to the new one;
+//! - an open file moves on its next fop: the switch reopens it on the new generation with the
+//!   path (renames followed), flags and caller it was opened with, and releases the old handle
+//!   once no fop still uses it. A file that cannot be reopened there (unlinked while open, say)
+//!   stays on the generation where it was opened, which lives on until its last file closes;
+//! - a brick's connection that the new graph names alike (same layer name, address and
+//!   timeout) is kept, not reconnected ([`Gen::reusable`]); the others close when the last
+//!   generation using them goes.
+//!
+//! [`watch`] polls the kilnd for the volume's graph version and installs each new one.
+
+use std::any::Any;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use kiln_layer::volfile::Volfile;
+use kiln_layer::{errno, exec, Ctx, Fd, FopResult, Fut, Layer, LayerRef};
+use kiln_proto::Cred;
+
+use crate::protocol::ProtocolClient;
+
+/// One built graph.
+pub struct Gen {
+    /// The graph's version in the pool's store (0: not from a store).
+    pub version: u64,
+    /// The graph's top layer.
+    pub top: LayerRef,
+    /// Its protocol-clients.
+    pub links: Vec<Arc<ProtocolClient>>,
+    /// The address and timeout each of `links` was built for.
+    built: Vec<(String, Option<u32>)>,
+    /// Connections this generation used that its successor does not: closed when it goes.
+    retire: Mutex<Vec<Arc<ProtocolClient>>>,
+}
+
+impl Gen {
+    /// A generation of `top`, built with `links`.
+    pub fn new(
+        version: u64,
+        top: LayerRef,
+        links: Vec<(Arc<ProtocolClient>, String, Option<u32>)>,
+    ) -> Gen {
+        let (links, built) = links.into_iter().map(|(l, r, t)| (l, (r, t))).unzip();
+        Gen {
+            version,
+            top,
+            links,
+            built,
+            retire: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The connection of protocol-client `name`, when it was built for `remote` and `timeout`
+    /// and is not shut down: a new graph keeps it.
+    pub fn reusable(
+        &self,
+        name: &str,
+        remote: &str,
+        timeout: Option<u32>,
+    ) -> Option<Arc<ProtocolClient>> {
+        self.links
+            .iter()
+            .zip(&self.built)
+            .find(|(l, (r, t))| l.name() == name && r == remote && *t == timeout && !l.is_shut())
+            .map(|(l, _)| l.clone())
+    }
+}
+
+impl Drop for Gen {
+    fn drop(&mut self) {
+        for l in lock(&self.retire).drain(..) {
+            tracing::debug!("{}: not in the volume's graph any more; closing", l.name());
+            l.shutdown();
+        }
+    }
+}
+
+/// The switching top layer.
+pub struct Switch {
+    name: String,
+    cur: RwLock<Arc<Gen>>,
+    /// Files open through the switch, for renames to follow.
+    open: Mutex<Vec<Weak<Opened>>>,
+    /// Shut down: the watcher stops.
+    closed: AtomicBool,
+}
+
+/// How a file was opened: what reopening it on a new generation needs.
+struct Opened {
+    path: Mutex<String>,
+    flags: u32,
+    heal: bool,
+    cred: Option<Arc<Cred>>,
+    /// The generation's handle now.
+    bound: Mutex<Arc<Held>>,
+    /// The last version it could not be reopened on (not tried again there).
+    stuck: AtomicU64,
+}
+
+/// A handle on one generation; released there when the last fop using it is done.
+struct Held {
+    gen: Arc<Gen>,
+    fd: Option<Fd>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(fd) = self.fd.take() {
+            // The generation lives until the release is answered.
+            let gen = self.gen.clone();
+            exec::spawn(async move {
+                let _ = gen.top.release(&Ctx::NONE, fd).await;
+            });
+        }
+    }
+}
+
+/// The switch's own handle.
+struct SwitchFd(Arc<Opened>);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Switch {
+    /// A switch named `name` (the graph's top layer name) over `first`.
+    pub fn new(name: &str, first: Gen) -> Switch {
+        Switch {
+            name: name.to_owned(),
+            cur: RwLock::new(Arc::new(first)),
+            open: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// The current generation.
+    pub fn current(&self) -> Arc<Gen> {
+        self.cur.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes `next` the current generation; connections of the old one that `next` does not
+    /// use close when the old one goes.
+    pub fn install(&self, next: Gen) {
+        let mut cur = self.cur.write().unwrap_or_else(|e| e.into_inner());
+        let keep: Vec<*const ProtocolClient> = next.links.iter().map(Arc::as_ptr).collect();
+        let gone = cur
+            .links
+            .iter()
+            .filter(|l| !keep.contains(&Arc::as_ptr(l)))
+            .cloned();
+        lock(&cur.retire).extend(gone);
+        tracing::info!(
+            "volume {}: graph version {} → {}",
+            self.name,
+            cur.version,
+            next.version
+        );
+        *cur = Arc::new(next);
+    }
+
+    /// Shuts every connection of every generation down for good.
+    pub fn shutdown(&self) {
+        let g = self.current();
+        self.closed.store(true, Relaxed);
+        for l in &g.links {
+            l.shutdown();
+        }
+        for l in lock(&g.retire).iter() {
+            l.shutdown();
+        }
+    }
+
+    /// A switch handle for `fd`, just opened on `gen`.
+    fn wrap(&self, cx: &Ctx, gen: Arc<Gen>, fd: Fd, path: &str, flags: u32, heal: bool) -> Fd {
+        let o = Arc::new(Opened {
+            path: Mutex::new(path.to_owned()),
+            flags: flags & !((libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) as u32),
+            heal,
+            cred: cx.cred.clone(),
+            bound: Mutex::new(Arc::new(Held { gen, fd: Some(fd) })),
+            stuck: AtomicU64::new(0),
+        });
+        let mut open = lock(&self.open);
+        if open.len() >= 64 && open.len().is_power_of_two() {
+            open.retain(|w| w.strong_count() > 0);
+        }
+        open.push(Arc::downgrade(&o));
+        Fd::new(SwitchFd(o))
+    }
+
+    /// The handle to use for `fd` now: on the current generation, reopened there if it was
+    /// opened on an older one and can be.
+    async fn bind(&self, fd: &Fd) -> FopResult<Arc<Held>> {
+        let o = &fd.get::<SwitchFd>()?.0;
+        let held = lock(&o.bound).clone();
+        let cur = self.current();
+        if Arc::ptr_eq(&held.gen, &cur)
+            || held.gen.version >= cur.version
+            || o.heal
+            || o.stuck.load(Relaxed) == cur.version
+        {
+            return Ok(held);
+        }
+        let path = lock(&o.path).clone();
+        let cx = Ctx::NONE.with_cred(o.cred.clone());
+        match cur.top.open(&cx, &path, o.flags).await {
+            Ok(new) => {
+                let new = Arc::new(Held {
+                    gen: cur,
+                    fd: Some(new),
+                });
+                let mut b = lock(&o.bound);
+                if b.gen.version < new.gen.version {
+                    let old = std::mem::replace(&mut *b, new.clone());
+                    drop(b);
+                    tracing::debug!(path, "handle moved to graph version {}", new.gen.version);
+                    // Released on the old generation when its last fop is done.
+                    drop(old);
+                    Ok(new)
+                } else {
+                    // Another fop moved it first; ours is released as it drops.
+                    Ok(b.clone())
+                }
+            }
+            Err(e) => {
+                o.stuck.store(cur.version, Relaxed);
+                tracing::debug!(
+                    path,
+                    "cannot reopen on graph version {} (errno {e}); staying on {}",
+                    cur.version,
+                    held.gen.version
+                );
+                Ok(held)
+            }
+        }
+    }
+
+    /// Renames under `from` now live under `to`, for open files' reopening.
+    fn renamed(&self, from: &str, to: &str) {
+        for o in lock(&self.open).iter().filter_map(Weak::upgrade) {
+            let mut p = lock(&o.path);
+            if *p == from {
+                *p = to.to_owned();
+            } else if let Some(rest) = p.strip_prefix(from).filter(|r| r.starts_with('/')) {
+                *p = format!("{to}{rest}");
+            }
+        }
+    }
+}
+
+/// The handle inside `h`.
+fn inner(h: &Held) -> &Fd {
+    h.fd.as_ref()
+        .expect("a bound handle is released only when dropped")
+}
+
+/// A fop with an open file as its first argument (`fh` or `fd`): bound to a generation first.
+macro_rules! switch_fop {
+    ($name:ident, $fd:ident, ($($arg:ident : $ty:ty),*), $ret:ty) => {
+        fn $name<'a>(&'a self, cx: &'a Ctx, $fd: &'a Fd, $($arg: $ty),*) -> Fut<'a, $ret> {
+            Box::pin(async move {
+                let h = self.bind($fd).await?;
+                h.gen.top.$name(cx, inner(&h), $($arg),*).await
+            })
+        }
+    };
+}
+
+macro_rules! switch_layer {
+    (() $( ($name:ident, $op:ident, ($($arg:ident : $ty:ty),*), $ret:ty) )*) => {
+        impl Layer for Switch {
+            fn name(&self) -> &str {
+                &self.name
+            }
+            fn visit(&self, f: &mut dyn FnMut(&dyn Layer)) {
+                let g = self.current();
+                f(&*g.top);
+                g.top.visit(f);
+            }
+            fn graph_children(&self) -> Vec<LayerRef> {
+                vec![self.current().top.clone()]
+            }
+            fn up(&self) -> bool {
+                self.current().top.up()
+            }
+            fn local(&self) -> bool {
+                self.current().top.local()
+            }
+            fn joining(&self) -> bool {
+                self.current().top.joining()
+            }
+            fn as_any(&self) -> Option<&dyn Any> {
+                Some(self)
+            }
+            fn hangup(&self, owner: u64) {
+                self.current().top.hangup(owner)
+            }
+            $( switch_one!($name, ($($arg : $ty),*), $ret); )*
+        }
+    };
+}
+
+/// One fop of the switch: written by hand, bound to a generation, or sent to the current one.
+macro_rules! switch_one {
+    (open, $($rest:tt)*) => {
+        fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+            Box::pin(async move {
+                let g = self.current();
+                let fd = g.top.open(cx, path, flags).await?;
+                Ok(self.wrap(cx, g, fd, path, flags, false))
+            })
+        }
+    };
+    (heal_open, $($rest:tt)*) => {
+        fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+            Box::pin(async move {
+                let g = self.current();
+                let fd = g.top.heal_open(cx, path, flags).await?;
+                Ok(self.wrap(cx, g, fd, path, flags, true))
+            })
+        }
+    };
+    (create, $($rest:tt)*) => {
+        fn create<'a>(
+            &'a self,
+            cx: &'a Ctx,
+            path: &'a str,
+            flags: u32,
+            mode: u32,
+        ) -> Fut<'a, (Fd, kiln_layer::Attr)> {
+            Box::pin(async move {
+                let g = self.current();
+                let (fd, a) = g.top.create(cx, path, flags, mode).await?;
+                Ok((self.wrap(cx, g, fd, path, flags, false), a))
+            })
+        }
+    };
+    (release, $($rest:tt)*) => {
+        fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
+            Box::pin(async move {
+                let o = fd.get::<SwitchFd>()?.0.clone();
+                drop(fd);
+                let held = lock(&o.bound).clone();
+                drop(o);
+                // The last user: release now and say how it went. Otherwise a fop still runs
+                // on it, and the handle goes when that is done.
+                match Arc::try_unwrap(held) {
+                    Ok(mut h) => {
+                        let fd = h.fd.take().ok_or(errno::EBADF)?;
+                        h.gen.top.release(cx, fd).await
+                    }
+                    Err(_) => Ok(()),
+                }
+            })
+        }
+    };
+    (rename, $($rest:tt)*) => {
+        fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+            Box::pin(async move {
+                let r = self.current().top.rename(cx, from, to, flags).await;
+                if r.is_ok() {
+                    self.renamed(from, to);
+                }
+                r
+            })
+        }
+    };
+    ($name:ident, (fh : $t:ty $(, $arg:ident : $ty:ty)*), $ret:ty) => {
+        switch_fop!($name, fh, ($($arg : $ty),*), $ret);
+    };
+    ($name:ident, (fd : $t:ty $(, $arg:ident : $ty:ty)*), $ret:ty) => {
+        switch_fop!($name, fd, ($($arg : $ty),*), $ret);
+    };
+    ($name:ident, ($($arg:ident : $ty:ty),*), $ret:ty) => {
+        fn $name<'a>(&'a self, cx: &'a Ctx, $($arg: $ty),*) -> Fut<'a, $ret> {
+            Box::pin(async move { self.current().top.$name(cx, $($arg),*).await })
+        }
+    };
+}
+
+kiln_layer::for_each_fop!(switch_layer);
+
+/// What [`watch`] needs: where to ask, how often, and how to build a generation from a graph
+/// (keeping the connections of the current one that it can).
+pub(crate) struct Watch {
+    /// The kilnd the volume came from (`tcp:HOST:PORT`).
+    pub server: String,
+    /// The volume.
+    pub volume: String,
+    /// Other members of its pool, asked when `server` does not answer.
+    pub others: Vec<String>,
+    /// The graph the switch runs now.
+    pub last: Volfile,
+    /// How long between two questions.
+    pub every: Duration,
+    /// Builds a generation of a graph at a version over the current one.
+    pub build: Builder,
+}
+
+/// Builds a generation of a graph at a version, keeping what it can of the current one.
+pub(crate) type Builder = Box<dyn Fn(&Volfile, u64, &Gen) -> io::Result<Gen> + Send>;
+
+/// How often a client asks for its volume's graph version by default; `KILN_GRAPH_POLL_MS`
+/// changes it.
+pub const DEFAULT_POLL: Duration = Duration::from_secs(1);
+
+/// The poll interval: `KILN_GRAPH_POLL_MS`, else [`DEFAULT_POLL`].
+pub(crate) fn poll_interval() -> Duration {
+    std::env::var("KILN_GRAPH_POLL_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map_or(DEFAULT_POLL, Duration::from_millis)
+}
+
+/// Asks for the volume's graph every `w.every` and installs each newer version, until the
+/// switch is shut down or dropped.
+pub(crate) fn watch(switch: &Arc<Switch>, mut w: Watch) -> io::Result<()> {
+    let weak = Arc::downgrade(switch);
+    let name = format!("kiln-graph-{}", w.volume);
+    std::thread::Builder::new().name(name).spawn(move || {
+        let mut failing = false;
+        let mut seen = switch_version(&weak);
+        loop {
+            std::thread::sleep(w.every);
+            let Some(sw) = weak.upgrade() else { return };
+            if sw.closed.load(Relaxed) {
+                return;
+            }
+            let cur = sw.current();
+            match fetch_any(&w) {
+                Ok(g) => {
+                    if failing {
+                        tracing::info!("volume {}: its graph answers again", w.volume);
+                        failing = false;
+                    }
+                    if !g.servers.is_empty() {
+                        w.others = g.servers;
+                    }
+                    // A newer definition with the same graph (an option the bricks read, a
+                    // state change) needs nothing.
+                    if g.version <= seen || g.volfile == w.last {
+                        seen = seen.max(g.version);
+                        continue;
+                    }
+                    match (w.build)(&g.volfile, g.version, &cur) {
+                        Ok(next) => {
+                            sw.install(next);
+                            seen = g.version;
+                            w.last = g.volfile;
+                        }
+                        Err(e) => tracing::warn!(
+                            "volume {}: cannot build graph version {} ({e}); staying on {}",
+                            w.volume,
+                            g.version,
+                            cur.version
+                        ),
+                    }
+                }
+                Err(e) if !failing => {
+                    tracing::warn!(
+                        "volume {}: cannot ask for its graph ({e}); staying on version {}",
+                        w.volume,
+                        cur.version
+                    );
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+    })?;
+    Ok(())
+}
+
+fn switch_version(w: &Weak<Switch>) -> u64 {
+    w.upgrade().map_or(0, |s| s.current().version)
+}
+
+/// The graph from `w.server`, else from the first other member that answers.
+fn fetch_any(w: &Watch) -> io::Result<crate::mgmt::Graph> {
+    let mut first = None;
+    let all = std::iter::once(&w.server).chain(w.others.iter().filter(|s| **s != w.server));
+    for s in all {
+        match crate::mgmt::fetch_graph(s, &w.volume) {
+            Ok(g) => return Ok(g),
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    Err(first.unwrap_or_else(|| io::Error::other("no server to ask")))
+}

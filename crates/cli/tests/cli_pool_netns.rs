@@ -166,6 +166,9 @@ impl Hosts {
             .arg("--tls")
             .arg(self.tls(i))
             .env("KILN_LOG", "info")
+            // A start cut short by a leader kill leaves bricks of a volume still "created":
+            // their host's kilnd stops them once they are this old.
+            .env("KILN_ORPHAN_GRACE_MS", "3000")
             .stdout(Stdio::piped())
             .stderr(
                 std::fs::OpenOptions::new()
@@ -550,22 +553,28 @@ fn leader_kills(h: &mut Hosts) {
                 .as_nanos() as u64
         });
     let mut made = 0;
+    // Per command: (runs, made whole).
+    let mut kinds: std::collections::BTreeMap<String, (u32, u32)> = Default::default();
     for run in 0..runs {
         let seed = base.wrapping_add(run * 0x9e37_79b9) | 1;
         let mut rng = Rng(seed);
         let leader = h.settled_leader(30);
-        let before = defs(&h.info(leader));
         // The command goes to a random member (the leader itself, or one that forwards).
         let to = rng.below(3) as usize;
         let name = format!("k{run}");
         let timeout = (10 + run).to_string();
         let dir = h.tmp.join(format!("extra-{name}"));
         let brick = format!("{}:{}", h.ip(rng.below(3) as usize), dir.display());
-        let args: Vec<&str> = if rng.below(2) == 0 {
-            vec!["volume", "set", "pv", "io-timeout", &timeout]
-        } else {
-            vec!["volume", "create", &name, &brick]
+        let args: Vec<&str> = match rng.below(3) {
+            0 => vec!["volume", "set", "pv", "io-timeout", &timeout],
+            1 => vec!["volume", "create", &name, &brick],
+            _ => {
+                // A volume to start, made before the kill.
+                h.ok(leader, &["volume", "create", &name, &brick]);
+                vec!["volume", "start", &name]
+            }
         };
+        let before = defs(&h.info(leader));
         let delay = Duration::from_micros(rng.below(400_000));
         let secret = h.state(0).join("mgmt.secret");
         let mut cmd = Command::new("ip");
@@ -586,7 +595,15 @@ fn leader_kills(h: &mut Hosts) {
         assert_ne!(next, leader, "seed {seed}");
         let survivor = h.up()[0];
         let after = defs(&h.info(survivor));
-        let wanted: Vec<(String, String, String)> = if args[1] == "set" {
+        let wanted: Vec<(String, String, String)> = if args[1] == "start" {
+            before
+                .iter()
+                .map(|(n, s, t)| match *n == name {
+                    true => (n.clone(), "\"started\"".into(), t.clone()),
+                    false => (n.clone(), s.clone(), t.clone()),
+                })
+                .collect()
+        } else if args[1] == "set" {
             before
                 .iter()
                 .map(|(n, s, t)| {
@@ -616,6 +633,9 @@ fn leader_kills(h: &mut Hosts) {
             );
         }
         made += whole as u32;
+        let k = kinds.entry(args[1].to_owned()).or_default();
+        k.0 += 1;
+        k.1 += whole as u32;
         // A created volume's secret reaches every survivor with it, or neither is there.
         if args[1] == "create" {
             for &i in &h.up() {
@@ -634,8 +654,61 @@ fn leader_kills(h: &mut Hosts) {
             all.iter().all(|d| *d == all[0]),
             "seed {seed}: members disagree at version {v}: {all:?}"
         );
+        if args[1] == "start" {
+            started_whole_or_no_bricks(h, &name, whole, seed);
+        }
     }
-    println!("{runs} leader kills: {made} commands made whole, the rest not at all");
+    println!(
+        "{runs} leader kills: {made} commands made whole, the rest not at all; \
+         (runs, made) per command: {kinds:?}"
+    );
+}
+
+/// After a `start` whose leader was killed: started, its brick runs and answers; not
+/// started, no brick process of it is left on any host (the orphan reaper's work).
+fn started_whole_or_no_bricks(h: &Hosts, name: &str, whole: bool, seed: u64) {
+    let procs = || -> Vec<u32> { (0..3).flat_map(|i| brick_pids(&h.state(i), name)).collect() };
+    if whole {
+        h.ok(h.up()[0], &["volume", "start", name, "force"]);
+        let st = h.ok(h.up()[0], &["volume", "status", name]);
+        let online = st["volumes"][0]["bricks"][0]["online"] == true;
+        assert!(
+            online,
+            "seed {seed}: started {name} has its brick down: {st}"
+        );
+        assert_eq!(
+            procs().len(),
+            1,
+            "seed {seed}: {name} runs more than one brick"
+        );
+    } else {
+        wait_for(30, "the bricks of a volume not started to stop", || {
+            procs().is_empty()
+        });
+    }
+}
+
+/// The processes running a brick of `vol` from the state directory `state`.
+fn brick_pids(state: &Path, vol: &str) -> Vec<u32> {
+    let want = state.join("vols").join(vol).join("bricks");
+    let want = want.as_os_str().as_encoded_bytes();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(true);
+        if !zombie && cmd.split(|b| *b == 0).any(|a| a.starts_with(want)) {
+            out.push(pid);
+        }
+    }
+    out
 }
 
 /// One host cut off: the majority changes, the minority refuses, and all agree afterwards.

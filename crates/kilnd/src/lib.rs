@@ -345,6 +345,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         {
             return fail("restoring volumes failed".into());
         }
+        kiln_mgmt::orphans::start(manager.clone());
         if args.heal_interval > 0.0 {
             let every = std::time::Duration::from_secs_f64(args.heal_interval);
             kiln_mgmt::healer::start(manager.clone(), every);

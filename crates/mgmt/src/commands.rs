@@ -348,7 +348,7 @@ impl Manager {
 
     pub(crate) fn info(&self, name: Option<&str>) -> Result<Response, String> {
         // Read first: the definitions below are at least this new.
-        let version = self.pool()?.get("").1;
+        let version = self.pool()?.version();
         let defs = match name {
             Some(n) => {
                 check_name(n)?;

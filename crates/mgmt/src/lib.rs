@@ -62,6 +62,7 @@ pub mod healing;
 mod manager;
 mod members;
 pub mod options;
+pub mod orphans;
 mod peers;
 pub mod pool;
 mod replace;

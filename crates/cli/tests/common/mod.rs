@@ -29,8 +29,14 @@ pub struct Kilnd {
 
 impl Kilnd {
     pub fn start(state: &Path, extra: &[&str]) -> Kilnd {
+        Kilnd::start_env(state, extra, &[])
+    }
+
+    /// [`Kilnd::start`] with `env` added to its environment.
+    pub fn start_env(state: &Path, extra: &[&str], env: &[(&str, &str)]) -> Kilnd {
         let log = state.with_extension("log");
         let child = kiln()
+            .envs(env.iter().copied())
             .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
             .arg("--state-dir")
             .arg(state)

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use openraft::{BasicNode, ChangeMembers, Config, ServerState};
 use serde::de::DeserializeOwned;
 
-use crate::files::{hex, random};
+use crate::files::random;
 pub use link::{CallError, Channel, Link};
 pub use types::{Cmd, Kv, NodeId, Outcome, Raft, Versioned};
 use types::{Joined, Msg, PoolMember, PoolView, Written};
@@ -221,6 +221,11 @@ impl Pool {
         let sm = self.sm();
         let d = sm.read();
         (d.kv.get(key).cloned(), d.version())
+    }
+
+    /// The version of the store this member has applied (a log index).
+    pub fn version(&self) -> u64 {
+        self.sm().read().version()
     }
 
     /// Every key under `prefix`, with the store's version.
@@ -620,13 +625,6 @@ impl Pool {
             version: self.sm().read().version(),
             members,
         }
-    }
-
-    /// A short random token (for ids of things the pool creates).
-    pub fn token() -> Result<String, String> {
-        let mut b = [0u8; 8];
-        random(&mut b)?;
-        Ok(hex(&b))
     }
 }
 

@@ -77,6 +77,17 @@ enum VolumeCmd {
     Start(StartArgs),
     /// Stop a volume's bricks (SIGTERM; clients lose access until the next start).
     Stop(NameArgs),
+    /// Add bricks to a volume, online: `kiln volume add-brick NAME [replica N] HOST:/DIR...`,
+    /// whole replica sets of the volume's replica count (N, if given, must be it).
+    ///
+    /// The new bricks start empty and run at once in a started volume; running clients switch
+    /// to the grown volume within a second and new files land on the new sets from then on.
+    /// Files already there stay where they are (and are found) until a rebalance moves them.
+    #[command(
+        after_help = "Examples:\n  kiln volume add-brick vol1 10.0.0.4:/srv/b1 10.0.0.5:/srv/b1 \
+                            10.0.0.6:/srv/b1\n  kiln volume add-brick scratch 127.0.0.1:/srv/scratch2"
+    )]
+    AddBrick(CreateLikeArgs),
     /// Put a new, empty brick in the place of one (dead, or to be retired) in a replicated
     /// volume. The new brick serves no reads until the heal service has rebuilt it in full
     /// from its replicas; `heal NAME info` and `status NAME` show the progress.
@@ -186,6 +197,17 @@ struct CreateArgs {
 }
 
 #[derive(clap::Args, Debug)]
+struct CreateLikeArgs {
+    /// The volume's name.
+    name: String,
+    /// `replica N` (optional), then the bricks: HOST:/DIR or HOST:MGMTPORT:/DIR.
+    #[arg(required = true, value_name = "[replica N] HOST:/DIR")]
+    args: Vec<String>,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
+#[derive(clap::Args, Debug)]
 struct SetArgs {
     /// The volume's name.
     name: String,
@@ -198,7 +220,8 @@ struct SetArgs {
     option: String,
     /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`;
     /// for `root-squash`, `on` or `off`; for `io-timeout`, 0 to 86400 seconds. A started
-    /// volume's bricks restart to take `allow` or `root-squash`; new mounts take `io-timeout`.
+    /// volume's bricks restart to take `allow` or `root-squash`; running clients switch to a
+    /// new `io-timeout` within a second.
     value: String,
     #[command(flatten)]
     opts: MgmtOpts,
@@ -296,6 +319,15 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
                 force: a.force.is_some(),
             };
             done(&a.opts, "start", &a.name, &mgmt_call(&a.opts, &req)?)
+        }
+        VolumeCmd::AddBrick(a) => {
+            let (replica, bricks) = replica_and_bricks("add-brick", &a.name, &a.args)?;
+            let req = Request::AddBrick {
+                name: a.name.clone(),
+                replica,
+                bricks,
+            };
+            done(&a.opts, "add-brick", &a.name, &mgmt_call(&a.opts, &req)?)
         }
         VolumeCmd::ReplaceBrick(a) => {
             let req = Request::ReplaceBrick {
@@ -529,30 +561,40 @@ struct OptionValues {
     options: Vec<options::OptionValue>,
 }
 
-fn create(a: &CreateArgs) -> Result<(), String> {
-    let mut args = a.args.as_slice();
-    let mut replica = 1u64;
+/// `[replica N] BRICK...` split into the count (if given) and the bricks.
+fn replica_and_bricks(
+    cmd: &str,
+    name: &str,
+    args: &[String],
+) -> Result<(Option<u64>, Vec<String>), String> {
+    let mut args = args;
+    let mut replica = None;
     if args.first().map(String::as_str) == Some("replica") {
         let n = args
             .get(1)
-            .ok_or("volume create: `replica` needs a count")?;
-        replica = n
-            .parse()
-            .ok()
-            .filter(|n| *n >= 1)
-            .ok_or_else(|| format!("volume create: bad replica count {n:?}"))?;
+            .ok_or(format!("volume {cmd}: `replica` needs a count"))?;
+        replica = Some(
+            n.parse()
+                .ok()
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| format!("volume {cmd}: bad replica count {n:?}"))?,
+        );
         args = &args[2..];
     }
     if args.is_empty() {
         return Err(format!(
-            "volume create: {}: no bricks given (HOST:/DIR ...)",
-            a.name
+            "volume {cmd}: {name}: no bricks given (HOST:/DIR ...)"
         ));
     }
+    Ok((replica, args.to_vec()))
+}
+
+fn create(a: &CreateArgs) -> Result<(), String> {
+    let (replica, bricks) = replica_and_bricks("create", &a.name, &a.args)?;
     let req = Request::Create {
         name: a.name.clone(),
-        replica: Some(replica),
-        bricks: args.to_vec(),
+        replica: Some(replica.unwrap_or(1)),
+        bricks,
         allow: a.allow.clone(),
     };
     let r: Changed = mgmt_call(&a.opts, &req)?;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kiln_client::volume::layer::distribute::{name_hash, Layout, LAYOUT_XATTR};
+use kiln_client::volume::layer::distribute::{name_hash, Layout};
 use kiln_client::Volume;
 use kiln_fuse::Mode;
 use kiln_mgmt::{self as mgmt, BrickDef, VolState, VolumeDef};
@@ -174,20 +174,6 @@ fn files_on_brick(brick: &Path) -> Vec<String> {
     out
 }
 
-/// The layout distribute stored on a brick's copy of a directory, if any.
-fn stored_layout(dir: &Path) -> Option<Layout> {
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let name = std::ffi::CString::new(LAYOUT_XATTR).ok()?;
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: valid C strings and a buffer of the length given.
-    let n = unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), 4096) };
-    if n < 0 {
-        return None;
-    }
-    buf.truncate(n as usize);
-    Layout::decode(&buf, BRICKS)
-}
-
 /// Every name of a directory through the mount, in readdir order.
 fn list(dir: &Path) -> Vec<String> {
     std::fs::read_dir(dir)
@@ -313,17 +299,11 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
     for (i, b) in bricks.iter().enumerate() {
         assert!(b.join("sub").is_dir(), "the directory is on brick{i} too");
     }
-    let root_layout = Layout::equal(BRICKS);
-    let sub_layout = stored_layout(&bricks[0].join("sub")).expect("mkdir stored sub's layout");
-    for b in &bricks[1..] {
-        assert_eq!(stored_layout(&b.join("sub")).as_ref(), Some(&sub_layout));
-    }
+    // One layout for every directory: the volume's.
+    let layout = Layout::equal(BRICKS);
     for (i, files) in on.iter().enumerate() {
         for f in files {
-            let (layout, name) = match f.strip_prefix("sub/") {
-                Some(name) => (&sub_layout, name),
-                None => (&root_layout, f.as_str()),
-            };
+            let name = f.strip_prefix("sub/").unwrap_or(f.as_str());
             assert_eq!(
                 layout.subvol(name_hash(name)),
                 i,

@@ -102,7 +102,12 @@ pub enum LayerKind {
     /// rest inline (brick side).
     Dispatch {},
     /// Spreads files over its subvolumes by a hash of the name (client side).
-    Distribute {},
+    Distribute {
+        /// Subvolumes (by name) that take no new files: bricks being drained before their
+        /// removal. Their files are still found, and moved off by a rebalance.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        draining: Vec<String>,
+    },
     /// Keeps every file on all its subvolumes; writes need a quorum (client side).
     Replicate {
         /// Successful replicas a change needs; default: a majority.
@@ -157,7 +162,7 @@ impl LayerKind {
             LayerKind::Posix { .. } => "posix",
             LayerKind::Dispatch {} => "dispatch",
             LayerKind::ProtocolClient { .. } => "protocol-client",
-            LayerKind::Distribute {} => "distribute",
+            LayerKind::Distribute { .. } => "distribute",
             LayerKind::Replicate { .. } => "replicate",
             LayerKind::Marks { .. } => "marks",
         }
@@ -165,7 +170,10 @@ impl LayerKind {
 
     /// True for types that take several subvolumes.
     pub fn is_cluster(&self) -> bool {
-        matches!(self, LayerKind::Distribute {} | LayerKind::Replicate { .. })
+        matches!(
+            self,
+            LayerKind::Distribute { .. } | LayerKind::Replicate { .. }
+        )
     }
 
     /// True for types at the bottom of a stack.
@@ -528,7 +536,16 @@ impl Volfile {
                 Trigger::new(fops, *probability, *seed).map_err(|e| format!("{name}: {e}"))?,
                 Effect::Delay(Duration::from_micros(*delay_us)),
             )),
-            LayerKind::Distribute {} => Arc::new(crate::distribute::Distribute::new(name, kids)),
+            LayerKind::Distribute { draining } => {
+                let out: Vec<usize> = def
+                    .subvolumes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, n)| draining.contains(n))
+                    .map(|(i, _)| i)
+                    .collect();
+                Arc::new(crate::distribute::Distribute::draining(name, kids, &out))
+            }
             LayerKind::Replicate { quorum, timeout } => {
                 let r = crate::replicate::Replicate::new(name, kids, *quorum);
                 Arc::new(r.with_timeout(timeout.map(|s| Duration::from_secs(s.into()))))

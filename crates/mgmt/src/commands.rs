@@ -250,7 +250,7 @@ impl Manager {
 
     /// Changes the options given (the others stay). A started volume's bricks are restarted
     /// to take a brick option (`allow`, `root-squash`); clients reconnect by themselves. The
-    /// I/O timeout is in the clients' graph: new mounts take it.
+    /// I/O timeout is in the clients' graph: running clients switch to it.
     pub(crate) fn set(
         &self,
         procs: &mut Procs,

@@ -94,6 +94,11 @@ impl Manager {
                 root_squash,
                 io_timeout,
             } => self.set(procs, &name, allow.as_deref(), root_squash, io_timeout),
+            Request::AddBrick {
+                name,
+                replica,
+                bricks,
+            } => self.add_brick(procs, &name, replica, &bricks),
             Request::ReplaceBrick { name, old, new } => {
                 self.replace_brick(procs, &name, &old, &new)
             }

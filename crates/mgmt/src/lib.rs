@@ -57,6 +57,7 @@ mod commands;
 mod def;
 mod dispatch;
 mod files;
+mod grow;
 pub mod healer;
 pub mod healing;
 mod manager;

@@ -71,7 +71,7 @@ pub const OPTIONS: &[Spec] = &[
         default: "30",
         restarts_bricks: false,
         description: "how long a client's I/O waits for bricks that are away before it fails \
-                      with ENOTCONN (like an NFS hard mount's patience); new mounts take it",
+                      with ENOTCONN (like an NFS hard mount's patience); running clients take it within a second",
         get: |d| d.io_timeout.unwrap_or(30).to_string(),
     },
 ];

@@ -87,7 +87,12 @@ impl Manager {
     }
 
     /// Stops brick `i` of `def`, here or on its host's kilnd.
-    fn stop_any(&self, procs: &mut Procs, def: &crate::VolumeDef, i: usize) -> Result<(), String> {
+    pub(crate) fn stop_any(
+        &self,
+        procs: &mut Procs,
+        def: &crate::VolumeDef,
+        i: usize,
+    ) -> Result<(), String> {
         let b = &def.bricks[i];
         if is_local(b.ip()?) {
             self.stop_brick(procs, def, i);

@@ -56,6 +56,18 @@ pub enum Request {
         #[serde(default)]
         io_timeout: Option<u32>,
     },
+    /// Append whole replica sets of new, empty bricks to a volume (running them if it is
+    /// started): new files land on them at once.
+    AddBrick {
+        /// The volume.
+        name: String,
+        /// The volume's replica count, if given (it must match: raising it is not supported).
+        #[serde(default)]
+        replica: Option<u64>,
+        /// The new bricks (HOST:/DIR or HOST:MGMTPORT:/DIR), in replica-set order.
+        #[serde(default)]
+        bricks: Vec<String>,
+    },
     /// Put a new, empty brick in the place of one (dead, or to be retired): the new one is
     /// rebuilt in full from its replicas by the heal service.
     ReplaceBrick {
@@ -162,6 +174,7 @@ impl Request {
             Request::Start { .. } => "start",
             Request::Stop { .. } => "stop",
             Request::Set { .. } => "set",
+            Request::AddBrick { .. } => "add-brick",
             Request::ReplaceBrick { .. } => "replace-brick",
             Request::Delete { .. } => "delete",
             Request::Info { .. } => "info",
@@ -195,6 +208,7 @@ impl Request {
             | Request::Start { name, .. }
             | Request::Stop { name }
             | Request::Set { name, .. }
+            | Request::AddBrick { name, .. }
             | Request::ReplaceBrick { name, .. }
             | Request::Delete { name } => Some(name),
             _ => None,

@@ -81,7 +81,9 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
         layers.push(LayerDef {
             name: format!("{name}-dht"),
             subvolumes: set_tops,
-            kind: LayerKind::Distribute {},
+            kind: LayerKind::Distribute {
+                draining: Vec::new(),
+            },
         });
         format!("{name}-dht")
     } else {

@@ -57,6 +57,16 @@ impl Layout {
         Layout { ranges }
     }
 
+    /// The hash space in equal ranges over the subvolumes `active` (by index), the `i`-th
+    /// range to `active[i]`; over subvolume 0 alone when `active` is empty.
+    pub fn over(active: &[usize]) -> Layout {
+        let mut l = Layout::equal(active.len());
+        for (r, &i) in l.ranges.iter_mut().zip(active) {
+            r.subvol = i.min(u16::MAX as usize) as u16;
+        }
+        l
+    }
+
     /// The ranges, sorted by start.
     pub fn ranges(&self) -> &[Range] {
         &self.ranges

@@ -8,12 +8,16 @@
 //! over the whole range. It is part of the on-disk format and must never change.
 //!
 //! A layout ([`Layout`]) splits the 32-bit hash space into contiguous ranges, each owned by one
-//! subvolume (by its index in the graph). Every directory made through this layer gets one at
-//! mkdir, stored as the xattr [`LAYOUT_XATTR`] on its copy on every subvolume; a directory
-//! without one (the root, a directory from before, or one whose xattr is damaged) uses the
-//! default: the hash space split into equal ranges over the current subvolumes. Layouts are read
-//! from the first subvolume that answers and cached per directory; rmdir and rename of a
-//! directory drop it (and everything cached beneath it) from the cache.
+//! subvolume (by its index in the graph). The layout is the volume's, not each directory's: the
+//! hash space in equal ranges over the subvolumes that take new files — all of them but those
+//! the graph marks as draining (bricks on their way out). It is therefore versioned with the
+//! graph: a graph with more subvolumes (bricks added) or some draining is a new layout for every
+//! directory at once, with no walk over them, and a client learns it when it switches to that
+//! graph ([`crate::volfile`]; a client following a managed volume polls for new versions). A
+//! client still on the older graph places new files by the older layout; they are found all the
+//! same (below) and a rebalance moves them where the current layout wants them. (Directories
+//! made by earlier versions carry their layout as the xattr [`LAYOUT_XATTR`]; it was always
+//! the equal split, and is no longer read or written.)
 //!
 //! # Directories
 //!
@@ -22,9 +26,15 @@
 //! fails (other than an existing directory left by an earlier partial mkdir) the copies just made
 //! are removed and the error returned. rmdir removes the other copies first and the hashed one
 //! last; when one fails (`ENOTEMPTY` because files of the directory sit on that subvolume) the
-//! copies already removed are made again with the layout they had. rename of a directory
-//! renames every copy, undoing the ones done if one fails. setattr and xattr changes on a
-//! directory go to every copy; reads of it (lookup, getxattr) come from its hashed subvolume.
+//! copies already removed are made again. rename of a directory renames every copy, undoing the
+//! ones done if one fails. setattr and xattr changes on a directory go to every copy; reads of it
+//! (lookup, getxattr) come from its hashed subvolume.
+//!
+//! A subvolume added to the volume starts with no directories. They are made there as they are
+//! needed — when a name is to be created on it in a directory it lacks, that directory and any
+//! missing ancestors are made with the mode and owner of their copy on another subvolume — so a
+//! new brick takes files at once, without a walk of the tree first. A listing skips a subvolume
+//! that lacks the directory.
 //!
 //! # Files
 //!
@@ -61,22 +71,18 @@
 //! statfs sums blocks, free blocks and inodes over the subvolumes (in the first one's fragment
 //! size); it fails if any subvolume fails, rather than report a smaller volume.
 //!
-//! # Adding bricks and rebalancing
+//! # Adding and removing bricks
 //!
-//! Subvolume indexes in layouts are positions in the graph, so bricks are added by appending
-//! subvolumes. Existing directories keep their stored layouts and new files keep landing on the
-//! old subvolumes until a fix-layout pass makes each directory on the new subvolumes and writes
-//! a new layout that gives them ranges (the root, which has no stored layout, should get one
-//! before the graph grows, else its default split changes at once). Files whose hash now falls
-//! elsewhere stay findable through the lookup fallback; a migration pass then moves them to
-//! their hashed subvolumes. Clients that cached an old layout still find everything (the
-//! fallback) and place new files by the old layout until they re-read it.
+//! Subvolume indexes are positions in the graph, so bricks are added by appending subvolumes:
+//! the layout gives them their share at once (above). Files whose hash now falls elsewhere stay
+//! where they are, found through the lookup fallback, until a rebalance moves them. Bricks to be
+//! removed are first marked draining: they take no new files, and a rebalance moves theirs off.
 //!
 //! Errors are errno values; no input makes this layer panic.
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::task::Poll;
 
 use crate::{
@@ -102,17 +108,12 @@ const EXDEV: Errno = libc::EXDEV as Errno;
 const EBADF: Errno = libc::EBADF as Errno;
 const EBUSY: Errno = libc::EBUSY as Errno;
 const ENOTCONN: Errno = libc::ENOTCONN as Errno;
-const ENODATA: Errno = libc::ENODATA as Errno;
-const ENOTSUP: Errno = libc::ENOTSUP as Errno;
-const EOPNOTSUPP: Errno = libc::EOPNOTSUPP as Errno;
 
 const O_CREAT: u32 = libc::O_CREAT as u32;
 const O_EXCL: u32 = libc::O_EXCL as u32;
 const RENAME_NOREPLACE: u32 = libc::RENAME_NOREPLACE;
 const RENAME_EXCHANGE: u32 = libc::RENAME_EXCHANGE;
 
-/// Cached layouts kept at most; beyond, the cache starts over.
-const LAYOUTS_MAX: usize = 4096;
 /// readdir cursors kept at most (oldest dropped first).
 const CURSORS_MAX: usize = 1024;
 /// Entries per child readdir when seeking to an offset without a cursor.
@@ -141,8 +142,7 @@ struct Cursors {
 pub struct Distribute {
     name: String,
     kids: Vec<LayerRef>,
-    default_layout: Arc<Layout>,
-    layouts: Mutex<HashMap<String, Arc<Layout>>>,
+    layout: Layout,
     cursors: Mutex<Cursors>,
 }
 
@@ -199,14 +199,27 @@ fn first_real_error<T>(results: &[FopResult<T>]) -> Option<Errno> {
 impl Distribute {
     /// A distribute layer over `kids`.
     pub fn new(name: &str, kids: Vec<LayerRef>) -> Distribute {
-        let default_layout = Arc::new(Layout::equal(kids.len()));
+        Distribute::draining(name, kids, &[])
+    }
+
+    /// A distribute layer over `kids`, of which those at the indexes in `draining` take no new
+    /// files (unless every subvolume is draining: then all take them, as nowhere else can).
+    pub fn draining(name: &str, kids: Vec<LayerRef>, draining: &[usize]) -> Distribute {
+        let mut active: Vec<usize> = (0..kids.len()).filter(|i| !draining.contains(i)).collect();
+        if active.is_empty() {
+            active = (0..kids.len()).collect();
+        }
         Distribute {
             name: name.into(),
             kids,
-            default_layout,
-            layouts: Mutex::new(HashMap::new()),
+            layout: Layout::over(&active),
             cursors: Mutex::new(Cursors::default()),
         }
+    }
+
+    /// The volume's layout (the same for every directory: see the module documentation).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     /// Runs `f` on subvolume `i`, or fails with `ENOTCONN` if there is none.
@@ -232,28 +245,12 @@ impl Distribute {
         idx.into_iter().zip(join_all(futs).await).collect()
     }
 
-    fn cached_layout(&self, dir: &str) -> Option<Arc<Layout>> {
-        self.layouts.lock().ok()?.get(dir).cloned()
-    }
-
-    fn cache_layout(&self, dir: &str, l: Arc<Layout>) {
-        if let Ok(mut m) = self.layouts.lock() {
-            if m.len() >= LAYOUTS_MAX {
-                m.clear();
-            }
-            m.insert(dir.to_owned(), l);
-        }
-    }
-
-    /// Drops cached layouts and readdir cursors of `dir` and everything beneath it.
+    /// Drops the readdir cursors of `dir` and everything beneath it.
     fn forget(&self, dir: &str) {
         let under = |p: &str| {
             p == dir
                 || (p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/')
         };
-        if let Ok(mut m) = self.layouts.lock() {
-            m.retain(|p, _| !under(p));
-        }
         if let Ok(mut c) = self.cursors.lock() {
             c.map.retain(|(p, _), _| !under(p));
             let Cursors { map, order } = &mut *c;
@@ -261,49 +258,13 @@ impl Distribute {
         }
     }
 
-    /// The layout of directory `dir`: cached, else read from the first subvolume that answers,
-    /// else the default.
-    async fn layout(&self, cx: &Ctx, dir: &str) -> Arc<Layout> {
-        if let Some(l) = self.cached_layout(dir) {
-            return l;
-        }
-        let mut found = None;
-        let mut definitive = false;
-        for kid in &self.kids {
-            match kid.layout_get(cx, dir, &()).await {
-                Ok(v) => {
-                    found = Layout::decode(&v, self.kids.len());
-                    if found.is_none() {
-                        tracing::warn!(dir, "damaged directory layout; using the default");
-                    }
-                    definitive = true;
-                    break;
-                }
-                Err(e) if e == ENODATA || e == ENOTSUP || e == EOPNOTSUPP || e == EPERM => {
-                    definitive = true;
-                    break;
-                }
-                Err(_) => continue,
-            }
-        }
-        let l = found.map_or_else(|| self.default_layout.clone(), Arc::new);
-        if definitive {
-            self.cache_layout(dir, l.clone());
-        }
-        l
-    }
-
     /// The subvolume `path` hashes to (0 for the root).
-    async fn hashed(&self, cx: &Ctx, path: &str) -> FopResult<usize> {
+    fn hashed(&self, path: &str) -> FopResult<usize> {
         match self.kids.len() {
             0 => Err(ENOTCONN),
             1 => Ok(0),
             _ if path.is_empty() => Ok(0),
-            n => {
-                let (dir, name) = split(path);
-                let i = self.layout(cx, dir).await.subvol(name_hash(name));
-                Ok(i.min(n - 1))
-            }
+            n => Ok(self.layout.subvol(name_hash(split(path).1)).min(n - 1)),
         }
     }
 
@@ -324,7 +285,7 @@ impl Distribute {
 
     /// The subvolume that holds `path` and its attributes there.
     async fn locate(&self, cx: &Ctx, path: &str) -> FopResult<(usize, Attr)> {
-        let h = self.hashed(cx, path).await?;
+        let h = self.hashed(path)?;
         match self.with(h, |k| k.lookup(cx, path)).await {
             Ok(a) => Ok((h, a)),
             Err(e) if e == ENOENT || path.is_empty() => self
@@ -343,7 +304,7 @@ impl Distribute {
         path: &'b str,
         f: impl Fn(&'b LayerRef) -> Fut<'b, T>,
     ) -> FopResult<(usize, T)> {
-        let h = self.hashed(cx, path).await?;
+        let h = self.hashed(path)?;
         match self.with(h, &f).await {
             Err(ENOENT) if self.kids.len() > 1 => {
                 let (j, _) = self.find_elsewhere(cx, path, h).await?;
@@ -385,20 +346,15 @@ impl Distribute {
         }
     }
 
-    /// Makes `path` again on subvolumes `on` after a failed rmdir, with the mode and layout of
-    /// the copy on `from`. Best effort.
+    /// Makes `path` again on subvolumes `on` after a failed rmdir, with the mode of the copy on
+    /// `from`. Best effort.
     async fn restore_dir(&self, cx: &Ctx, path: &str, from: usize, on: &[usize]) {
         let mode = match self.with(from, |k| k.lookup(cx, path)).await {
             Ok(a) => a.mode & 0o7777,
             Err(_) => 0o755,
         };
-        let layout = self.with(from, |k| k.layout_get(cx, path, &())).await.ok();
         for &i in on {
-            let made = self.with(i, |k| k.mkdir(cx, path, mode)).await;
-            if let (Ok(_), Some(l)) = (&made, &layout) {
-                let _ = self.with(i, |k| k.layout_set(cx, path, l)).await;
-            }
-            if let Err(e) = made {
+            if let Err(e) = self.with(i, |k| k.mkdir(cx, path, mode)).await {
                 tracing::warn!(
                     path,
                     subvol = i,
@@ -409,15 +365,82 @@ impl Distribute {
         }
     }
 
+    /// Makes directory `dir` and its missing ancestors on subvolume `i`, each with the mode and
+    /// owner of its copy on another subvolume (a subvolume added to the volume gets directories
+    /// as names are created in them). As the process's own user (root on the bricks).
+    async fn heal_dir(&self, i: usize, dir: &str) -> FopResult<()> {
+        let cx = &Ctx::NONE;
+        let ends = dir
+            .match_indices('/')
+            .map(|(j, _)| j)
+            .chain(std::iter::once(dir.len()));
+        for end in ends {
+            let p = &dir[..end];
+            match self.with(i, |k| k.lookup(cx, p)).await {
+                Ok(a) if is_dir(&a) => continue,
+                Ok(_) => return Err(libc::ENOTDIR as Errno),
+                Err(ENOENT) => {}
+                Err(e) => return Err(e),
+            }
+            let (_, a) = self.find_elsewhere(cx, p, i).await?;
+            if !is_dir(&a) {
+                return Err(libc::ENOTDIR as Errno);
+            }
+            match self.with(i, |k| k.mkdir(cx, p, a.mode & 0o7777)).await {
+                Ok(_) | Err(EEXIST) => {}
+                Err(e) => return Err(e),
+            }
+            let own = SetAttrs {
+                valid: kiln_proto::ops::SETATTR_UID | kiln_proto::ops::SETATTR_GID,
+                uid: a.uid,
+                gid: a.gid,
+                ..SetAttrs::default()
+            };
+            self.with(i, |k| k.setattr(cx, p, &own)).await?;
+            tracing::debug!(
+                dir = p,
+                subvol = i,
+                "directory made on a subvolume that lacked it"
+            );
+        }
+        Ok(())
+    }
+
+    /// Runs `f` (a fop that makes the name `path`) on subvolume `i`; when it says `ENOENT`
+    /// because the parent directory is missing there, makes the directory and runs it again.
+    async fn making<'b, T: Send + 'b>(
+        &'b self,
+        i: usize,
+        path: &'b str,
+        f: impl Fn(&'b LayerRef) -> Fut<'b, T>,
+    ) -> FopResult<T> {
+        let parent = split(path).0;
+        match self.with(i, &f).await {
+            Err(ENOENT) if !parent.is_empty() && self.kids.len() > 1 => {
+                match self.heal_dir(i, parent).await {
+                    Ok(()) => self.with(i, &f).await,
+                    // The parent is nowhere: the caller's ENOENT stands.
+                    Err(_) => Err(ENOENT),
+                }
+            }
+            r => r,
+        }
+    }
+
     async fn do_mkdir(&self, cx: &Ctx, path: &str, mode: u32) -> FopResult<Attr> {
         if path.is_empty() {
             return Err(EEXIST);
         }
-        let h = self.hashed(cx, path).await?;
-        let attr = self.with(h, |k| k.mkdir(cx, path, mode)).await?;
+        let h = self.hashed(path)?;
+        let attr = self.making(h, path, |k| k.mkdir(cx, path, mode)).await?;
         let mut made = vec![h];
         let mut failure = None;
         for (i, r) in self.on_others(Some(h), |k| k.mkdir(cx, path, mode)).await {
+            let r = match r {
+                // The parent is missing there (a subvolume added since): made, then again.
+                Err(ENOENT) => self.making(i, path, |k| k.mkdir(cx, path, mode)).await,
+                r => r,
+            };
             match r {
                 Ok(_) => made.push(i),
                 // A directory left by an earlier partial mkdir is fine; anything else is not.
@@ -442,24 +465,7 @@ impl Distribute {
             }
             return Err(e);
         }
-        let layout = Layout::equal(self.kids.len());
-        let bytes = layout.encode();
-        let rs = self
-            .on_others(None, |k| k.layout_set(cx, path, &bytes))
-            .await;
-        for (i, r) in rs {
-            if let Err(e) = r {
-                // Readers of a copy without the xattr use the default, which this layout is.
-                tracing::warn!(
-                    path,
-                    subvol = i,
-                    errno = e,
-                    "could not store a directory layout"
-                );
-            }
-        }
         self.forget(path);
-        self.cache_layout(path, Arc::new(layout));
         Ok(attr)
     }
 
@@ -467,7 +473,7 @@ impl Distribute {
         if path.is_empty() {
             return Err(EBUSY);
         }
-        let h = self.hashed(cx, path).await?;
+        let h = self.hashed(path)?;
         let mut removed = Vec::new();
         let mut failure = None;
         for (i, r) in self.on_others(Some(h), |k| k.rmdir(cx, path)).await {
@@ -516,7 +522,8 @@ impl Distribute {
             None if exchange => return Err(ENOENT),
             _ => None,
         };
-        self.with(h, |k| k.rename(cx, from, to, flags)).await?;
+        self.making(h, to, |k| k.rename(cx, from, to, flags))
+            .await?;
         if let Some(j) = stale {
             // The replaced file sat on another subvolume: remove it, as rename would have.
             match self.with(j, |k| k.unlink(cx, to)).await {
@@ -578,10 +585,10 @@ impl Distribute {
             // Open where the name already is; create only on its hashed subvolume.
             let i = match self.locate(cx, path).await {
                 Ok((i, _)) => i,
-                Err(ENOENT) => self.hashed(cx, path).await?,
+                Err(ENOENT) => self.hashed(path)?,
                 Err(e) => return Err(e),
             };
-            (i, self.with(i, |k| k.open(cx, path, flags)).await?)
+            (i, self.making(i, path, |k| k.open(cx, path, flags)).await?)
         } else {
             self.on_file(cx, path, |k| k.open(cx, path, flags)).await?
         };
@@ -595,7 +602,7 @@ impl Distribute {
         flags: u32,
         mode: u32,
     ) -> FopResult<(Fd, Attr)> {
-        let h = self.hashed(cx, path).await?;
+        let h = self.hashed(path)?;
         if self.kids.len() > 1 && !path.is_empty() {
             match self.find_elsewhere(cx, path, h).await {
                 Ok((j, _)) => {
@@ -618,7 +625,9 @@ impl Distribute {
                 Err(e) => return Err(e),
             }
         }
-        let (fd, attr) = self.with(h, |k| k.create(cx, path, flags, mode)).await?;
+        let (fd, attr) = self
+            .making(h, path, |k| k.create(cx, path, flags, mode))
+            .await?;
         Ok((Fd::new(DistFd { kid: h, fd }), attr))
     }
 
@@ -670,19 +679,20 @@ impl Distribute {
                 Err(e) => return Err(e),
             }
         }
-        self.with(h, |k| k.link(cx, existing, path)).await
+        self.making(h, path, |k| k.link(cx, existing, path)).await
     }
 
     async fn do_symlink(&self, cx: &Ctx, target: &str, path: &str) -> FopResult<Attr> {
-        let h = self.hashed(cx, path).await?;
+        let h = self.hashed(path)?;
         self.absent_elsewhere(cx, path, h).await?;
-        self.with(h, |k| k.symlink(cx, target, path)).await
+        self.making(h, path, |k| k.symlink(cx, target, path)).await
     }
 
     async fn do_mknod(&self, cx: &Ctx, path: &str, mode: u32, rdev: u64) -> FopResult<Attr> {
-        let h = self.hashed(cx, path).await?;
+        let h = self.hashed(path)?;
         self.absent_elsewhere(cx, path, h).await?;
-        self.with(h, |k| k.mknod(cx, path, mode, rdev)).await
+        self.making(h, path, |k| k.mknod(cx, path, mode, rdev))
+            .await
     }
 
     async fn do_statfs(&self, cx: &Ctx, path: &str) -> FopResult<StatfsReply> {

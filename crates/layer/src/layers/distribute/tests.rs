@@ -3,6 +3,7 @@
 use super::layout::LAYOUT_HEADER;
 use super::*;
 use crate::exec::block_on;
+use std::sync::Arc;
 
 #[test]
 fn hash_is_stable() {
@@ -173,53 +174,44 @@ fn bad_layouts_are_refused() {
     }
 }
 
-/// A subvolume whose layout holds `value` and which has nothing else.
-struct Stub {
-    value: FopResult<Vec<u8>>,
-}
+/// A subvolume with nothing in it.
+struct Stub;
 
 impl Layer for Stub {
     fn name(&self) -> &str {
         "stub"
     }
-    fn layout_get<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, Vec<u8>> {
-        Box::pin(std::future::ready(self.value.clone()))
-    }
 }
 
-fn over(value: FopResult<Vec<u8>>, n: usize) -> Distribute {
-    let kids = (0..n)
-        .map(|_| {
-            Arc::new(Stub {
-                value: value.clone(),
-            }) as LayerRef
-        })
-        .collect();
-    Distribute::new("dist", kids)
+fn stubs(n: usize) -> Vec<LayerRef> {
+    (0..n).map(|_| Arc::new(Stub) as LayerRef).collect()
 }
 
 #[test]
-fn damaged_layout_xattr_means_the_default() {
-    for v in [
-        Ok(b"garbage".to_vec()),
-        Ok(vec![]),
-        Err(ENODATA),
-        Err(libc::EIO as Errno),
-    ] {
-        let d = over(v, 3);
-        let l = block_on(d.layout(&Ctx::NONE, "dir"));
-        assert_eq!(*l, Layout::equal(3));
+fn the_layout_is_the_graphs_whatever_a_directory_stored() {
+    // Every directory hashes by the equal split over the subvolumes.
+    let d = Distribute::new("dist", stubs(3));
+    assert_eq!(*d.layout(), Layout::equal(3));
+    let names: Vec<String> = (0..3000).map(|i| format!("f{i}")).collect();
+    let mut seen = [0usize; 3];
+    for n in &names {
+        let i = d.hashed(&format!("dir/{n}")).unwrap();
+        assert_eq!(i, Layout::equal(3).subvol(name_hash(n)));
+        seen[i] += 1;
     }
-    let custom = Layout {
-        ranges: vec![Range {
-            start: 0,
-            end: u32::MAX,
-            subvol: 1,
-        }],
-    };
-    let d = over(Ok(custom.encode()), 3);
-    assert_eq!(*block_on(d.layout(&Ctx::NONE, "dir")), custom);
-    assert_eq!(block_on(d.hashed(&Ctx::NONE, "dir/anything")), Ok(1));
+    assert!(seen.iter().all(|&c| c > 800), "{seen:?}");
+    // Draining subvolume 1: nothing new lands there; the others share the space.
+    let d = Distribute::draining("dist", stubs(3), &[1]);
+    assert_eq!(*d.layout(), Layout::over(&[0, 2]));
+    let mut seen = [0usize; 3];
+    for n in &names {
+        seen[d.hashed(&format!("dir/{n}")).unwrap()] += 1;
+    }
+    assert_eq!(seen[1], 0, "{seen:?}");
+    assert!(seen[0] > 1200 && seen[2] > 1200, "{seen:?}");
+    // All draining: all still take files (there is nowhere else).
+    let d = Distribute::draining("dist", stubs(2), &[0, 1]);
+    assert_eq!(*d.layout(), Layout::equal(2));
 }
 
 #[test]

@@ -82,7 +82,8 @@ enum VolumeCmd {
     ///
     /// The new bricks start empty and run at once in a started volume; running clients switch
     /// to the grown volume within a second and new files land on the new sets from then on.
-    /// Files already there stay where they are (and are found) until a rebalance moves them.
+    /// Files already there stay where they are and are found there (moving them, a rebalance,
+    /// is not built yet).
     #[command(
         after_help = "Examples:\n  kiln volume add-brick vol1 10.0.0.4:/srv/b1 10.0.0.5:/srv/b1 \
                             10.0.0.6:/srv/b1\n  kiln volume add-brick scratch 127.0.0.1:/srv/scratch2"

@@ -748,6 +748,51 @@ fn partition(h: &mut Hosts) {
 }
 
 /// Every kilnd restarted in turn under a mounted volume with fio writing and verifying.
+/// A second replica set across the three hosts, added while the mount (in the client
+/// namespace) writes: it switches to the grown graph by itself, and new files land on the new
+/// set — on all three hosts alike.
+fn grow_under_the_mount(h: &Hosts, mnt: &Path) {
+    let dirs: Vec<PathBuf> = (0..3).map(|i| h.tmp.join(format!("grow-{i}"))).collect();
+    let specs: Vec<String> = (0..3)
+        .map(|i| format!("{}:{}", h.ip(i), dirs[i].display()))
+        .collect();
+    let mut args = vec!["volume", "add-brick", "pv", "replica", "3"];
+    args.extend(specs.iter().map(String::as_str));
+    h.ok(1, &args);
+    for i in 0..3 {
+        let info = h.info(i);
+        let n = info["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "pv")
+            .map(|v| v["bricks"].as_array().unwrap().len());
+        assert_eq!(n, Some(6), "host {i} sees the grown volume");
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for k in 0.. {
+        let name = format!("grown-{k}");
+        std::fs::write(mnt.join(&name), name.as_bytes()).unwrap();
+        let copies: Vec<Option<Vec<u8>>> = dirs
+            .iter()
+            .map(|d| std::fs::read(d.join(&name)).ok())
+            .collect();
+        if copies.iter().all(|c| c.as_deref() == Some(name.as_bytes())) {
+            break;
+        }
+        if Instant::now() > deadline {
+            let vf = h.kiln_at(0, &["volume", "volfile", "pv"]);
+            panic!(
+                "no new file landed on the new replica set in 30 s (last {name}: {copies:?});\
+                 status {}\nvolfile at host 0: {}{}",
+                h.ok(0, &["volume", "status", "pv"]),
+                String::from_utf8_lossy(&vf.stdout),
+                String::from_utf8_lossy(&vf.stderr)
+            );
+        }
+    }
+}
+
 fn rolling_restart(h: &mut Hosts, tmp: &Path) {
     let mnt = tmp.join("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
@@ -756,10 +801,14 @@ fn rolling_restart(h: &mut Hosts, tmp: &Path) {
         .arg(&mnt)
         .env("KILN_SECRET_FILE", h.state(0).join("vols/pv/secret"))
         .env("KILN_TLS_DIR", h.client_tls())
-        .env("KILN_LOG", "warn");
-    // The mount runs in the fourth namespace: a client host.
-    let mut mount = Command::new("ip");
-    mount.args(["netns", "exec", &h.ns(3)]).arg(c.get_program());
+        .env("KILN_LOG", "warn,kiln_client::graph=debug");
+    // The mount's network is the fourth namespace's: a client host. Only the network: `ip
+    // netns exec` would give it a mount namespace of its own too, where this test (and fio)
+    // could not see the mount.
+    let mut mount = Command::new("nsenter");
+    mount
+        .arg(format!("--net=/run/netns/{}", h.ns(3)))
+        .arg(c.get_program());
     mount.args(c.get_args());
     for (k, v) in c.get_envs() {
         match v {
@@ -797,6 +846,7 @@ fn rolling_restart(h: &mut Hosts, tmp: &Path) {
         h.start(i);
         h.agreed_version(30);
     }
+    grow_under_the_mount(h, &mnt);
     let out = fio.join().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let j: Value = serde_json::from_str(&text[text.find('{').unwrap_or(0)..]).unwrap_or_default();

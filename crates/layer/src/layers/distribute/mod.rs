@@ -15,9 +15,10 @@
 //! directory at once, with no walk over them, and a client learns it when it switches to that
 //! graph ([`crate::volfile`]; a client following a managed volume polls for new versions). A
 //! client still on the older graph places new files by the older layout; they are found all the
-//! same (below) and a rebalance moves them where the current layout wants them. (Directories
-//! made by earlier versions carry their layout as the xattr [`LAYOUT_XATTR`]; it was always
-//! the equal split, and is no longer read or written.)
+//! same (below), where they are; moving them where the current layout wants them is a
+//! rebalance's work (not built yet). (Directories made by earlier versions carry their layout
+//! as the xattr [`LAYOUT_XATTR`]; it was always the equal split, and is no longer read or
+//! written.)
 //!
 //! # Directories
 //!
@@ -75,8 +76,9 @@
 //!
 //! Subvolume indexes are positions in the graph, so bricks are added by appending subvolumes:
 //! the layout gives them their share at once (above). Files whose hash now falls elsewhere stay
-//! where they are, found through the lookup fallback, until a rebalance moves them. Bricks to be
-//! removed are first marked draining: they take no new files, and a rebalance moves theirs off.
+//! where they are, found through the lookup fallback. A subvolume the graph marks draining takes
+//! no new files (the first step of removing bricks; moving their files off is a rebalance's
+//! work, not built yet).
 //!
 //! Errors are errno values; no input makes this layer panic.
 

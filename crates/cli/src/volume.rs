@@ -258,6 +258,16 @@ struct ReplaceArgs {
     old: String,
     /// The new brick (HOST:/DIR): an empty or missing directory.
     new: String,
+    /// `commit force`, as GlusterFS spells it: accepted, and what Kiln always does (the new
+    /// brick takes the old one's place at once and is rebuilt from its replicas).
+    #[arg(value_parser = ["commit"])]
+    commit: Option<String>,
+    #[arg(value_parser = ["force"], requires = "commit")]
+    force: Option<String>,
+    /// Wait for the heal service to rebuild the new brick, printing its progress until it is
+    /// a member (Ctrl-C stops waiting, not the rebuild).
+    #[arg(long)]
+    wait: bool,
     #[command(flatten)]
     opts: MgmtOpts,
 }
@@ -341,7 +351,11 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
                 "replace-brick",
                 &a.name,
                 &mgmt_call(&a.opts, &req)?,
-            )
+            )?;
+            match a.wait {
+                true => heal::wait_for_rebuild(&a.opts, &a.name, &a.new),
+                false => Ok(()),
+            }
         }
         VolumeCmd::Stop(a) => {
             let req = Request::Stop {

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::{kill_brick_pid, kiln, mgmt_ok, BrickReaper, Kilnd};
+use common::{kill_brick_pid, kiln, mgmt_ok, wait_for, BrickReaper, Kilnd};
 
 /// The mount, unmounted (SIGTERM) when dropped.
 struct Mount(Child);
@@ -432,11 +432,29 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
 
     // 2. Brick 1 replaced by a new directory while the writer writes.
     let w = Writer::start(&img, last.clone());
-    let out = v.mgmt(&["volume", "replace-brick", "rv", &spec(&b[1]), &spec(&b[3])]);
+    // GlusterFS's spelling, rebuilt from here with progress shown until done.
+    let out = v.mgmt(&[
+        "volume",
+        "replace-brick",
+        "rv",
+        &spec(&b[1]),
+        &spec(&b[3]),
+        "commit",
+        "force",
+        "--wait",
+    ]);
     assert!(out.contains("success"), "{out}");
-    let seen = wait_rebuilt(&v, "the new brick", 120);
+    let seen: Vec<&str> = out.lines().filter(|l| l.contains("rebuil")).collect();
+    assert!(
+        seen.last()
+            .is_some_and(|l| l.ends_with("rebuilt; a member now")),
+        "no progress to the end shown: {out}"
+    );
     let writes = w.stop();
-    wait_rebuilt(&v, "the new brick (after the writer)", 60);
+    wait_for(60, "nothing left to heal after the writer", || {
+        let info = v.mgmt(&["volume", "heal", "rv", "info"]);
+        !info.contains("is NEW") && info.contains("backlog of volume rv: 0 file(s)")
+    });
     let info = v.mgmt(&["volume", "info", "rv"]);
     assert!(info.contains(&*b[3].to_string_lossy()), "{info}");
     assert!(!info.contains(&format!("{}\n", b[1].display())), "{info}");

@@ -124,6 +124,10 @@ impl Manager {
     /// a volume the store no longer holds. Called after each change this kilnd makes or
     /// applies.
     pub fn sync_files(&self) {
+        // The apply hook and a command's own change may both call this: one at a time (they
+        // would race on the same temporary files).
+        static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
         let Ok(pool) = self.pool() else { return };
         let secrets: std::collections::BTreeMap<String, String> = pool
             .scan(SECRET)

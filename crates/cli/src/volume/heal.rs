@@ -27,6 +27,72 @@ pub(super) struct HealArgs {
     opts: MgmtOpts,
 }
 
+/// `replace-brick ... --wait`: follows the heal service's rebuild of the brick `new` (as the
+/// pool's leader reports it) until it is a member, printing each change of its progress.
+pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result<(), String> {
+    let req = Request::Status {
+        name: Some(name.to_owned()),
+    };
+    // Whether the brick is still new: what the client graph's replicate layers say (they ask a
+    // new brick once a second whether it has become a member).
+    let volfile = kiln_client::mgmt::fetch_volfile(&opts.server, name)
+        .map_err(|e| format!("cannot fetch the graph of {name}: {e}"))?;
+    let secret = volume_secret(name, None, &opts.state_dir)?;
+    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
+        .map_err(|e| format!("cannot reach the bricks of {name}: {e}"))?;
+    let mut said = String::new();
+    // A rebuild of this brick finished before the replacement is not this one.
+    let t0 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs().saturating_sub(1));
+    loop {
+        let mut st: Statuses = mgmt_call(opts, &req)?;
+        let mut v = st.volumes.pop().ok_or("no such volume")?;
+        if v.heal.is_none() {
+            // Only the leader heals: ask it.
+            if let Some(leader) = v.authority.clone() {
+                let at = MgmtOpts {
+                    server: leader,
+                    json: opts.json,
+                    mgmt_secret_file: opts.mgmt_secret_file.clone(),
+                    state_dir: opts.state_dir.clone(),
+                };
+                let mut st: Statuses = mgmt_call(&at, &req)?;
+                v = st.volumes.pop().ok_or("no such volume")?;
+            }
+        }
+        let i = v
+            .bricks
+            .iter()
+            .position(|b| b.brick == new)
+            .ok_or_else(|| format!("volume {name} has no brick {new}"))?;
+        let target = format!("{name}-client-{i}");
+        let r = v.heal.as_ref().and_then(|h| {
+            h.rebuilds
+                .iter()
+                .find(|r| r.target_name == target && r.since >= t0)
+        });
+        let line = match r {
+            Some(r) => format!("{new}: {}", rebuild_text(r)),
+            None => format!("{new}: waiting for the heal service to start its rebuild"),
+        };
+        if line != said {
+            println!("{line}");
+            said = line;
+        }
+        let still_new = kiln_layer::heal::new_bricks(vol.top())
+            .iter()
+            .any(|(n, _)| *n == target);
+        if !still_new {
+            println!("{new}: rebuilt; a member now");
+            vol.shutdown();
+            return Ok(());
+        }
+        // A display interval, not synchronisation.
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
 /// Prints the rebuilds' progress every two seconds until `done`.
 fn show_progress(board: &kiln_layer::heal::Board, done: &std::sync::atomic::AtomicBool) {
     let mut last = std::time::Instant::now();

@@ -244,7 +244,11 @@ mod tests {
         let pid = std::process::id();
         let started = start_ticks(pid).expect("our own start time");
         // The two clocks round differently: a tick or two of slack.
-        assert!(started <= uptime_ticks() + 2, "{started} > {}", uptime_ticks());
+        assert!(
+            started <= uptime_ticks() + 2,
+            "{started} > {}",
+            uptime_ticks()
+        );
         assert!(started > 0);
     }
 }

@@ -262,6 +262,7 @@ struct ReplaceArgs {
     /// brick takes the old one's place at once and is rebuilt from its replicas).
     #[arg(value_parser = ["commit"])]
     commit: Option<String>,
+    /// The second word of `commit force`.
     #[arg(value_parser = ["force"], requires = "commit")]
     force: Option<String>,
     /// Wait for the heal service to rebuild the new brick, printing its progress until it is

@@ -56,16 +56,7 @@ fn a_replica_set_added_online_takes_new_files_and_old_ones_stay_readable() {
         std::fs::write(mnt.join(f), content(i)).unwrap();
     }
     let work = tmp.path().join("fio");
-    std::fs::create_dir_all(&work).unwrap();
-    let fio = FioLoop::start(
-        "mount",
-        vec![
-            format!("--filename={}", mnt.join("fio.img").display()),
-            "--direct=1".into(),
-            "--ioengine=libaio".into(),
-        ],
-        &work,
-    );
+    let fio = FioLoop::on_mount(&mnt, &work);
     fio.one_more(120);
 
     let new: Vec<String> = (3..6)

@@ -29,21 +29,8 @@ fn survive(tmp: &Path, v: &Vol, restarts: usize, restart: impl Fn(usize)) {
     let sock = tmp.join("nbd.sock");
     let (_nbd, uri) = v.nbd("/nbd.img", &sock);
     let work = tmp.join("fio");
-    std::fs::create_dir_all(&work).unwrap();
-    let on_mount = FioLoop::start(
-        "mount",
-        vec![
-            format!("--filename={}", mnt.join("fio.img").display()),
-            "--direct=1".into(),
-            "--ioengine=libaio".into(),
-        ],
-        &work,
-    );
-    let on_nbd = FioLoop::start(
-        "nbd",
-        vec!["--ioengine=nbd".into(), format!("--uri={uri}")],
-        &work,
-    );
+    let on_mount = FioLoop::on_mount(&mnt, &work);
+    let on_nbd = FioLoop::on_nbd(&uri, &work);
     on_mount.one_more(120);
     on_nbd.one_more(120);
     for k in 0..restarts {

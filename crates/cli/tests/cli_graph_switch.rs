@@ -77,21 +77,8 @@ fn mount_nbd_and_library_follow_new_graphs_under_io() {
     drop(img);
     let (_nbd, uri) = v.nbd_env("/nbd.img", &tmp.path().join("nbd.sock"), &nenv);
     let work = tmp.path().join("fio");
-    std::fs::create_dir_all(&work).unwrap();
-    let on_mount = FioLoop::start(
-        "mount",
-        vec![
-            format!("--filename={}", mnt.join("fio.img").display()),
-            "--direct=1".into(),
-            "--ioengine=libaio".into(),
-        ],
-        &work,
-    );
-    let on_nbd = FioLoop::start(
-        "nbd",
-        vec!["--ioengine=nbd".into(), format!("--uri={uri}")],
-        &work,
-    );
+    let on_mount = FioLoop::on_mount(&mnt, &work);
+    let on_nbd = FioLoop::on_nbd(&uri, &work);
 
     let lib = Volume::from_source(&Source::parse(&v.source("")).unwrap()).unwrap();
     assert!(

@@ -67,6 +67,21 @@ impl FioLoop {
         FioLoop { runs, stop, handle }
     }
 
+    /// The loop on `fio.img` in the mount at `mnt` (O_DIRECT, libaio), fio working in `work`.
+    pub fn on_mount(mnt: &Path, work: &Path) -> FioLoop {
+        std::fs::create_dir_all(work).unwrap();
+        let file = format!("--filename={}", mnt.join("fio.img").display());
+        let args = vec![file, "--direct=1".into(), "--ioengine=libaio".into()];
+        FioLoop::start("mount", args, work)
+    }
+
+    /// The loop on the NBD export at `uri`, fio working in `work`.
+    pub fn on_nbd(uri: &str, work: &Path) -> FioLoop {
+        std::fs::create_dir_all(work).unwrap();
+        let args = vec!["--ioengine=nbd".into(), format!("--uri={uri}")];
+        FioLoop::start("nbd", args, work)
+    }
+
     /// Waits until a run that was in progress (or starts) now has finished.
     pub fn one_more(&self, secs: u64) {
         let seen = self.runs.load(Ordering::Acquire);

@@ -25,7 +25,9 @@ use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 use serde::{de::DeserializeOwned, Serialize};
 
 mod heal;
+mod rebalance;
 use heal::HealArgs;
+use rebalance::{RebalanceArgs, RemoveBrickArgs};
 
 /// Volume operations.
 #[derive(clap::Args, Debug)]
@@ -82,13 +84,28 @@ enum VolumeCmd {
     ///
     /// The new bricks start empty and run at once in a started volume; running clients switch
     /// to the grown volume within a second and new files land on the new sets from then on.
-    /// Files already there stay where they are and are found there (moving them, a rebalance,
-    /// is not built yet).
+    /// Files already there stay where they are and are found there; `rebalance NAME start`
+    /// moves them where the new layout wants them.
     #[command(
         after_help = "Examples:\n  kiln volume add-brick vol1 10.0.0.4:/srv/b1 10.0.0.5:/srv/b1 \
                             10.0.0.6:/srv/b1\n  kiln volume add-brick scratch 127.0.0.1:/srv/scratch2"
     )]
     AddBrick(CreateLikeArgs),
+    /// Take whole replica sets out of a volume, online: `start` drains them (no new files; a
+    /// rebalance moves theirs to the other sets while clients keep using them), `status`
+    /// shows progress, `stop` keeps them, `commit` takes them out once nothing is left.
+    #[command(after_help = "Examples:
+  kiln volume remove-brick vol1 h4:/srv/b1 h5:/srv/b1 h6:/srv/b1 start --wait
+                        kiln volume remove-brick vol1 h4:/srv/b1 h5:/srv/b1 h6:/srv/b1 commit")]
+    RemoveBrick(RemoveBrickArgs),
+    /// Move files to the replica sets the volume's layout places them on (after add-brick),
+    /// while clients keep using them — open files included: `start`, `stop`, `status` (names
+    /// and bytes found and moved per set, rate, ETA; also in `status` and /metrics).
+    #[command(after_help = "Examples:
+  kiln volume rebalance vol1 start --wait
+                        kiln volume rebalance vol1 start --rate 100
+  kiln volume rebalance vol1 status")]
+    Rebalance(RebalanceArgs),
     /// Put a new, empty brick in the place of one (dead, or to be retired) in a replicated
     /// volume. The new brick serves no reads until the heal service has rebuilt it in full
     /// from its replicas; `heal NAME info` and `status NAME` show the progress.
@@ -321,6 +338,8 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
         }
         VolumeCmd::Profile(p) => profile(&p),
         VolumeCmd::Heal(a) => heal::heal(&a),
+        VolumeCmd::Rebalance(a) => rebalance::rebalance(&a),
+        VolumeCmd::RemoveBrick(a) => rebalance::remove_brick(&a),
         VolumeCmd::Create(a) => create(&a),
         VolumeCmd::Set(a) => set(&a),
         VolumeCmd::Get(a) => get(&a),

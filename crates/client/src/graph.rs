@@ -16,16 +16,25 @@
 //!   timeout) is kept, not reconnected ([`Gen::reusable`]); the others close when the last
 //!   generation using them goes.
 //!
+//! - a fop on an open file that a rebalance moved to another subvolume (`EMOVED`: see
+//!   `kiln_layer::layers::marks`) reopens the file where it is now, on the current generation,
+//!   and is sent again, with the same memory; while the mover is cutting over (a reopen says
+//!   `EMOVED` too) it tries again after a pause that doubles up to 50 ms, for at most
+//!   [`MOVE_WAIT`]. The caller never sees the move.
+//!
 //! [`watch`] polls the kilnd for the volume's graph version and installs each new one.
 
 use std::any::Any;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use kiln_layer::shared::Shared;
 use kiln_layer::volfile::Volfile;
-use kiln_layer::{errno, exec, Ctx, Fd, FopResult, Fut, Layer, LayerRef};
+use kiln_layer::{
+    errno, exec, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, Written,
+};
 use kiln_proto::Cred;
 
 use crate::protocol::ProtocolClient;
@@ -85,6 +94,9 @@ impl Drop for Gen {
         }
     }
 }
+
+/// How long a fop on a moved file waits for its new place to be ready before it fails.
+pub const MOVE_WAIT: Duration = Duration::from_secs(30);
 
 /// The switching top layer.
 pub struct Switch {
@@ -246,6 +258,66 @@ impl Switch {
         }
     }
 
+    /// `stale` said its file moved: reopens the file where it is now (see the module
+    /// documentation), unless another fop did already.
+    async fn relocate(&self, fd: &Fd, stale: &Arc<Held>) -> FopResult<Arc<Held>> {
+        let o = &fd.get::<SwitchFd>()?.0;
+        if o.heal {
+            return Err(errno::EMOVED);
+        }
+        let deadline = Instant::now() + MOVE_WAIT;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let now = lock(&o.bound).clone();
+            if !Arc::ptr_eq(&now, stale) {
+                return Ok(now);
+            }
+            let cur = self.current();
+            let path = lock(&o.path).clone();
+            let cx = Ctx::NONE.with_cred(o.cred.clone());
+            match cur.top.open(&cx, &path, o.flags).await {
+                Ok(new) => {
+                    let new = Arc::new(Held {
+                        gen: cur,
+                        fd: Some(new),
+                    });
+                    let mut b = lock(&o.bound);
+                    if !Arc::ptr_eq(&b, stale) {
+                        return Ok(b.clone());
+                    }
+                    // The old handle is released once no fop uses it.
+                    *b = new.clone();
+                    tracing::info!(path, "a moved file reopened where it is now");
+                    return Ok(new);
+                }
+                Err(errno::EMOVED) if Instant::now() < deadline => {
+                    kiln_layer::timer::sleep_until(Instant::now() + pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    tracing::warn!(path, "a moved file cannot be reopened: errno {e}");
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Runs a path fop, again after a pause while it says `EMOVED`: its file is frozen for a
+    /// move's cut-over (see the module documentation).
+    async fn past_moves<'b, T>(&'b self, f: impl Fn() -> Fut<'b, T>) -> FopResult<T> {
+        let deadline = Instant::now() + MOVE_WAIT;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match f().await {
+                Err(errno::EMOVED) if Instant::now() < deadline => {
+                    kiln_layer::timer::sleep_until(Instant::now() + pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// Renames under `from` now live under `to`, for open files' reopening.
     fn renamed(&self, from: &str, to: &str) {
         for o in lock(&self.open).iter().filter_map(Weak::upgrade) {
@@ -265,16 +337,89 @@ fn inner(h: &Held) -> &Fd {
         .expect("a bound handle is released only when dropped")
 }
 
-/// A fop with an open file as its first argument (`fh` or `fd`): bound to a generation first.
+/// A fop with an open file as its first argument (`fh` or `fd`): bound to a generation first,
+/// and sent again where the file is now if it moved.
 macro_rules! switch_fop {
     ($name:ident, $fd:ident, ($($arg:ident : $ty:ty),*), $ret:ty) => {
         fn $name<'a>(&'a self, cx: &'a Ctx, $fd: &'a Fd, $($arg: $ty),*) -> Fut<'a, $ret> {
             Box::pin(async move {
-                let h = self.bind($fd).await?;
-                h.gen.top.$name(cx, inner(&h), $($arg),*).await
+                let mut h = self.bind($fd).await?;
+                loop {
+                    match h.gen.top.$name(cx, inner(&h), $($arg),*).await {
+                        Err(errno::EMOVED) => h = self.relocate($fd, &h).await?,
+                        r => return r,
+                    }
+                }
             })
         }
     };
+}
+
+/// A change with memory (`write`, `write_marked`): as [`switch_fop`], the memory shared by
+/// the tries.
+macro_rules! switch_write {
+    ($name:ident, ($($arg:ident : $ty:ty),*)) => {
+        fn $name<'a>(
+            &'a self,
+            cx: &'a Ctx,
+            fd: &'a Fd,
+            offset: u64,
+            data: IoBufs,
+            $($arg: $ty),*
+        ) -> Fut<'a, Written> {
+            Box::pin(async move {
+                let mut h = self.bind(fd).await?;
+                let shared = Shared::new(data);
+                loop {
+                    let data = shared.share();
+                    match h.gen.top.$name(cx, inner(&h), offset, data, $($arg),*).await {
+                        Err(errno::EMOVED) => h = self.relocate(fd, &h).await?,
+                        Err(e) => return Err(e),
+                        Ok(w) => {
+                            drop(w.bufs);
+                            return Ok(Written { n: w.n, bufs: shared.into_bufs() });
+                        }
+                    }
+                }
+            })
+        }
+    };
+}
+
+impl Switch {
+    /// A read, sent again where the file is now if it moved (into the same memory).
+    async fn read_moving(
+        &self,
+        cx: &Ctx,
+        fd: &Fd,
+        offset: u64,
+        dst: ReadDst,
+    ) -> FopResult<ReadOut> {
+        let mut h = self.bind(fd).await?;
+        let (shared, any) = match dst {
+            ReadDst::Into(b) => (Some(Shared::new(b)), 0),
+            ReadDst::Any(n) => (None, n),
+        };
+        loop {
+            let dst = match &shared {
+                Some(s) => ReadDst::Into(s.share()),
+                None => ReadDst::Any(any),
+            };
+            match h.gen.top.read(cx, inner(&h), offset, dst).await {
+                Err(errno::EMOVED) => h = self.relocate(fd, &h).await?,
+                Err(e) => return Err(e),
+                Ok(ReadOut::Into { n, bufs }) => {
+                    drop(bufs);
+                    let bufs = match shared {
+                        Some(s) => s.into_bufs(),
+                        None => return Err(errno::EIO),
+                    };
+                    return Ok(ReadOut::Into { n, bufs });
+                }
+                Ok(out) => return Ok(out),
+            }
+        }
+    }
 }
 
 macro_rules! switch_layer {
@@ -316,8 +461,15 @@ macro_rules! switch_one {
     (open, $($rest:tt)*) => {
         fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
             Box::pin(async move {
-                let g = self.current();
-                let fd = g.top.open(cx, path, flags).await?;
+                let (g, fd) = self
+                    .past_moves(|| {
+                        Box::pin(async move {
+                            let g = self.current();
+                            let fd = g.top.open(cx, path, flags).await?;
+                            Ok((g, fd))
+                        })
+                    })
+                    .await?;
                 Ok(self.wrap(cx, g, fd, path, flags, false))
             })
         }
@@ -340,8 +492,15 @@ macro_rules! switch_one {
             mode: u32,
         ) -> Fut<'a, (Fd, kiln_layer::Attr)> {
             Box::pin(async move {
-                let g = self.current();
-                let (fd, a) = g.top.create(cx, path, flags, mode).await?;
+                let (g, (fd, a)) = self
+                    .past_moves(|| {
+                        Box::pin(async move {
+                            let g = self.current();
+                            let r = g.top.create(cx, path, flags, mode).await?;
+                            Ok((g, r))
+                        })
+                    })
+                    .await?;
                 Ok((self.wrap(cx, g, fd, path, flags, false), a))
             })
         }
@@ -368,13 +527,31 @@ macro_rules! switch_one {
     (rename, $($rest:tt)*) => {
         fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
             Box::pin(async move {
-                let r = self.current().top.rename(cx, from, to, flags).await;
+                let r = self
+                    .past_moves(|| {
+                        Box::pin(async move {
+                            let g = self.current();
+                            g.top.rename(cx, from, to, flags).await
+                        })
+                    })
+                    .await;
                 if r.is_ok() {
                     self.renamed(from, to);
                 }
                 r
             })
         }
+    };
+    (read, $($rest:tt)*) => {
+        fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
+            Box::pin(self.read_moving(cx, fd, offset, dst))
+        }
+    };
+    (write, $($rest:tt)*) => {
+        switch_write!(write, ());
+    };
+    (write_marked, $($rest:tt)*) => {
+        switch_write!(write_marked, (missed: u32));
     };
     ($name:ident, (fh : $t:ty $(, $arg:ident : $ty:ty)*), $ret:ty) => {
         switch_fop!($name, fh, ($($arg : $ty),*), $ret);
@@ -384,7 +561,12 @@ macro_rules! switch_one {
     };
     ($name:ident, ($($arg:ident : $ty:ty),*), $ret:ty) => {
         fn $name<'a>(&'a self, cx: &'a Ctx, $($arg: $ty),*) -> Fut<'a, $ret> {
-            Box::pin(async move { self.current().top.$name(cx, $($arg),*).await })
+            Box::pin(self.past_moves(move || {
+                Box::pin(async move {
+                    let g = self.current();
+                    g.top.$name(cx, $($arg),*).await
+                })
+            }))
         }
     };
 }

@@ -71,6 +71,8 @@ fn start_brick(tmp: &Path, i: usize, dir: &Path, secret: &Path) -> u16 {
         allow: Vec::new(),
         root_squash: false,
         io_timeout: None,
+        draining: Vec::new(),
+        rebalance: None,
     };
     std::fs::write(&vf, mgmt::brick_volfile(&def, i, dir).to_toml()).expect("brick volfile");
     for _attempt in 0..5 {
@@ -223,6 +225,7 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
             port: Some(port),
             pid: None,
             settled: true,
+            removed: false,
         });
     }
     // The client graph `kiln mount 127.0.0.1:/fdist` would fetch for this volume.
@@ -236,6 +239,8 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
         allow: Vec::new(),
         root_squash: false,
         io_timeout: None,
+        draining: Vec::new(),
+        rebalance: None,
     };
     let vf = mgmt::client_volfile(&def).expect("client volfile");
     let kinds: Vec<&str> = vf.layers.iter().map(|l| l.kind.type_name()).collect();

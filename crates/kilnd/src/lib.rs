@@ -330,7 +330,10 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
             }
         }
         let m = manager.clone();
-        let heal = move |out: &mut String| m.healer().render(out);
+        let heal = move |out: &mut String| {
+            m.healer().render(out);
+            m.runs().render(out);
+        };
         if let Err(e) = serve_metrics(&args.metrics, &server, Some(Box::new(heal))) {
             return fail(e);
         }
@@ -346,6 +349,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
             return fail("restoring volumes failed".into());
         }
         kiln_mgmt::orphans::start(manager.clone());
+        kiln_mgmt::rebalancer::start(manager.clone());
         if args.heal_interval > 0.0 {
             let every = std::time::Duration::from_secs_f64(args.heal_interval);
             kiln_mgmt::healer::start(manager.clone(), every);

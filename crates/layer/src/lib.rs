@@ -15,6 +15,7 @@
 pub mod exec;
 pub mod layers;
 pub mod metrics;
+pub mod shared;
 pub mod timer;
 pub mod trace;
 pub mod volfile;

@@ -58,7 +58,7 @@ impl Manager {
             }
             let mut ran = Vec::new();
             for i in 0..def.bricks.len() {
-                if !def.bricks[i].ip().is_ok_and(is_local) {
+                if def.bricks[i].removed || !def.bricks[i].ip().is_ok_and(is_local) {
                     continue;
                 }
                 match self.ensure_brick(&mut procs, &def, i) {

@@ -67,6 +67,8 @@ impl Manager {
             allow,
             root_squash: false,
             io_timeout: None,
+            draining: Vec::new(),
+            rebalance: None,
         };
         // Every other host with a brick is in the pool, and creates its brick directories
         // now: a host that cannot is found before the volume exists.
@@ -131,7 +133,7 @@ impl Manager {
             }
         }
         for other in self.load_all() {
-            for ob in &other.bricks {
+            for ob in other.bricks.iter().filter(|b| !b.removed) {
                 let Ok(oip) = ob.ip() else { continue };
                 for (b, ip) in bricks.iter().zip(&ips) {
                     if *ip == oip && (b.dir.starts_with(&ob.dir) || ob.dir.starts_with(&b.dir)) {
@@ -166,6 +168,9 @@ impl Manager {
         let mut up = 0;
         for i in 0..def.bricks.len() {
             let b = def.bricks[i].clone();
+            if b.removed {
+                continue;
+            }
             let r = match b.ip() {
                 Ok(ip) if is_local(ip) => self.ensure_brick(procs, &def, i),
                 Ok(_) => self.remote_brick_start(&def, i, &secret),
@@ -280,6 +285,9 @@ impl Manager {
             let secret = self.read_secret(name)?;
             for i in 0..def.bricks.len() {
                 let b = def.bricks[i].clone();
+                if b.removed {
+                    continue;
+                }
                 let r = match b.ip() {
                     Ok(ip) if is_local(ip) => {
                         self.stop_brick(procs, &def, i);
@@ -385,7 +393,7 @@ impl Manager {
         let mut vols = Vec::new();
         for def in &defs {
             let mut bricks = Vec::new();
-            for (i, b) in def.bricks.iter().enumerate() {
+            for (i, b) in def.bricks.iter().enumerate().filter(|(_, b)| !b.removed) {
                 let ip = b.ip().ok();
                 let local = ip.is_some_and(is_local);
                 let online = match (ip, b.port) {

@@ -27,6 +27,10 @@ pub struct BrickDef {
     /// start) the directory takes the identity at once.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub settled: bool,
+    /// Taken out of the volume by `remove-brick commit`: kept in the list so that every other
+    /// brick keeps its index (its identity), but never run and in no graph.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub removed: bool,
 }
 
 impl BrickDef {
@@ -109,6 +113,45 @@ pub struct VolumeDef {
     /// or the one brick) before failing; `None`: 30 (`kiln volume set VOL io-timeout S`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_timeout: Option<u32>,
+    /// Replica sets on their way out (`remove-brick start`): they take no new files, and the
+    /// rebalance moves theirs off.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub draining: Vec<usize>,
+    /// The rebalance the leader runs or ran (`rebalance start`, `remove-brick start`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<RebalanceDef>,
+}
+
+/// A rebalance as the store records it: asked for, stopped, or finished.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct RebalanceDef {
+    /// When it was asked for (seconds since the epoch): tells two runs apart.
+    pub since: u64,
+    /// `running`, `stopped`, `completed` or `failed`.
+    pub state: String,
+    /// Bytes per second it copies at most (0: no limit).
+    #[serde(default)]
+    pub rate: u64,
+    /// Why it failed, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl VolumeDef {
+    /// The replica sets in the volume (removed ones left out), by index.
+    pub fn live_sets(&self) -> Vec<usize> {
+        let r = self.replica.max(1);
+        (0..self.bricks.len() / r)
+            .filter(|k| !self.bricks[k * r].removed)
+            .collect()
+    }
+
+    /// Whether a rebalance should be running now.
+    pub fn rebalancing(&self) -> bool {
+        self.rebalance
+            .as_ref()
+            .is_some_and(|r| r.state == "running")
+    }
 }
 
 /// Checks a volume name: 1 to 64 of `A-Z a-z 0-9 _ -`, not starting with `-`.
@@ -174,6 +217,7 @@ pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
         port: None,
         pid: None,
         settled: false,
+        removed: false,
     })
 }
 

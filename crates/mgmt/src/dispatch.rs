@@ -11,7 +11,7 @@ use crate::def::check_name;
 use crate::manager::Manager;
 use crate::peers::call_peer;
 use crate::request::{Request, OPEN_COMMANDS};
-use crate::response::{Changed, Deleted, Envelope, Response};
+use crate::response::{Changed, Deleted, Envelope, RebalanceView, Response};
 
 impl Manager {
     /// [`call_peer`] with this kilnd's secret.
@@ -71,6 +71,9 @@ impl Manager {
             let pool = self.pool()?;
             let fwd = match req {
                 Request::Delete { .. } => pool.forward::<Deleted>(&req).map(|r| r.map(Into::into)),
+                Request::Rebalance { .. } | Request::RemoveBrick { .. } => pool
+                    .forward::<RebalanceView>(&req)
+                    .map(|r| r.map(Into::into)),
                 _ => pool.forward::<Changed>(&req).map(|r| r.map(Into::into)),
             };
             if let Some(r) = fwd.map_err(|e| format!("volume {name}: {e}"))? {
@@ -102,6 +105,16 @@ impl Manager {
             Request::ReplaceBrick { name, old, new } => {
                 self.replace_brick(procs, &name, &old, &new)
             }
+            Request::Rebalance {
+                name,
+                action,
+                rate_mib,
+            } => self.rebalance_cmd(&name, &action, rate_mib),
+            Request::RemoveBrick {
+                name,
+                bricks,
+                action,
+            } => self.remove_brick(procs, &name, &bricks, &action),
             Request::Delete { name } => self.delete(&name),
             Request::Info { name } => self.info(name.as_deref()),
             Request::List => self.list(),

@@ -66,9 +66,11 @@ pub mod options;
 pub mod orphans;
 mod peers;
 pub mod pool;
+pub mod rebalancer;
 mod replace;
 mod request;
 pub mod response;
+mod shrink;
 mod store;
 mod volfiles;
 
@@ -124,6 +126,7 @@ mod tests {
                     port: Some(24100 + i as u16),
                     pid: None,
                     settled: true,
+                    removed: false,
                 })
                 .collect(),
             state: VolState::Started,
@@ -131,6 +134,8 @@ mod tests {
             allow: Vec::new(),
             root_squash: false,
             io_timeout: None,
+            draining: Vec::new(),
+            rebalance: None,
         }
     }
 

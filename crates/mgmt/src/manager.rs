@@ -40,6 +40,8 @@ pub struct Manager {
     pub(crate) secret: Arc<[u8]>,
     /// The heal service's state (see `crate::healer`).
     pub(crate) healer: Healer,
+    /// The rebalances this kilnd runs (see `crate::rebalancer`).
+    pub(crate) runs: crate::rebalancer::Runs,
     /// Where brick ports start (`--brick-port-base`).
     pub(crate) first_brick_port: Mutex<u16>,
     /// The pool this kilnd is a member of (set once the management port is bound).
@@ -121,6 +123,7 @@ impl Manager {
             procs: Mutex::default(),
             secret: secret.into(),
             healer: Healer::default(),
+            runs: Default::default(),
             first_brick_port: Mutex::new(FIRST_BRICK_PORT),
             pool: std::sync::OnceLock::new(),
             _lock: lock,
@@ -140,6 +143,11 @@ impl Manager {
     /// The heal service's state.
     pub fn healer(&self) -> &Healer {
         &self.healer
+    }
+
+    /// The rebalances this kilnd runs.
+    pub fn runs(&self) -> &crate::rebalancer::Runs {
+        &self.runs
     }
 
     /// The management secret, for the server's handshake (`Server::with_secret`).

@@ -128,7 +128,7 @@ impl Manager {
             let held: Vec<String> = def
                 .bricks
                 .iter()
-                .filter(|b| b.mgmt_addr().ok().map(|a| a.to_string()) == at)
+                .filter(|b| !b.removed && b.mgmt_addr().ok().map(|a| a.to_string()) == at)
                 .map(|b| b.spec())
                 .collect();
             if !held.is_empty() {

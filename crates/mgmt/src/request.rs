@@ -78,6 +78,26 @@ pub enum Request {
         /// The new brick (HOST:/DIR or HOST:MGMTPORT:/DIR).
         new: String,
     },
+    /// Start, stop or show the volume's rebalance (run by the pool's leader).
+    Rebalance {
+        /// The volume.
+        name: String,
+        /// `start`, `stop` or `status`.
+        action: String,
+        /// With `start`: MiB per second at most (default: no limit).
+        #[serde(default)]
+        rate_mib: Option<u64>,
+    },
+    /// Take whole replica sets out of a volume: `start` drains them (a rebalance moves their
+    /// files off), `status`, `stop`, and `commit` once nothing is left on them.
+    RemoveBrick {
+        /// The volume.
+        name: String,
+        /// The bricks (HOST:/DIR as `info` shows them), whole replica sets.
+        bricks: Vec<String>,
+        /// `start`, `status`, `stop` or `commit`.
+        action: String,
+    },
     /// Remove a stopped volume's definition (the brick directories stay).
     Delete {
         /// The volume.
@@ -176,6 +196,8 @@ impl Request {
             Request::Set { .. } => "set",
             Request::AddBrick { .. } => "add-brick",
             Request::ReplaceBrick { .. } => "replace-brick",
+            Request::Rebalance { .. } => "rebalance",
+            Request::RemoveBrick { .. } => "remove-brick",
             Request::Delete { .. } => "delete",
             Request::Info { .. } => "info",
             Request::List => "list",
@@ -210,6 +232,8 @@ impl Request {
             | Request::Set { name, .. }
             | Request::AddBrick { name, .. }
             | Request::ReplaceBrick { name, .. }
+            | Request::Rebalance { name, .. }
+            | Request::RemoveBrick { name, .. }
             | Request::Delete { name } => Some(name),
             _ => None,
         }

@@ -7,6 +7,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::def::{BrickDef, VolState, VolumeDef};
 use crate::healing::VolHeal;
+pub use crate::rebalancer::{RebalanceView, SetMoves};
 
 /// How a volume's bricks are arranged, as `info` names it.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -340,6 +341,8 @@ pub enum Response {
     Pool(PoolView),
     /// See [`PeerDetached`].
     PeerDetached(PeerDetached),
+    /// See [`RebalanceView`].
+    Rebalance(RebalanceView),
 }
 
 macro_rules! response_from {
@@ -366,6 +369,7 @@ response_from!(
     Joined => Joined,
     PoolView => Pool,
     PeerDetached => PeerDetached,
+    RebalanceView => Rebalance,
 );
 
 /// A reply on the wire: the reply's own fields beside `"ok"`, or the error.

@@ -31,12 +31,25 @@ pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
 }
 
 /// The client volfile of a started volume: io-stats `NAME` → distribute `NAME-dht` (with more
-/// than one replica set) → replicate `NAME-replicate-K` (with replica > 1) → protocol-client
-/// `NAME-client-N` for brick N.
+/// than one replica set; those draining marked so) → replicate `NAME-replicate-K` (with
+/// replica > 1) → protocol-client `NAME-client-N` for brick N. Removed sets are left out; the
+/// others keep their numbers.
 pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
     let name = &def.name;
     let mut clients = Vec::new();
     for (i, b) in def.bricks.iter().enumerate() {
+        if b.removed {
+            // A placeholder, dropped below: keeps `clients[i]` brick `i`.
+            clients.push(LayerDef {
+                name: format!("{name}-client-{i}"),
+                subvolumes: Vec::new(),
+                kind: LayerKind::ProtocolClient {
+                    remote: String::new(),
+                    timeout: None,
+                },
+            });
+            continue;
+        }
         let port = b.port.ok_or_else(|| {
             format!(
                 "volume {name}: brick {} has no port yet (start the volume)",
@@ -54,16 +67,16 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
         });
     }
     let replica = def.replica.max(1);
-    let sets = def.bricks.len() / replica;
+    let live = def.live_sets();
     let mut layers = Vec::new();
     let mut set_tops = Vec::new();
     let mut replicates = Vec::new();
-    if replica > 1 {
-        for k in 0..sets {
+    let mut draining = Vec::new();
+    for &k in &live {
+        let top = if replica > 1 {
             let lname = format!("{name}-replicate-{k}");
-            set_tops.push(lname.clone());
             replicates.push(LayerDef {
-                name: lname,
+                name: lname.clone(),
                 subvolumes: clients[k * replica..(k + 1) * replica]
                     .iter()
                     .map(|c| c.name.clone())
@@ -73,21 +86,36 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
                     timeout: def.io_timeout,
                 },
             });
+            lname
+        } else {
+            clients[k].name.clone()
+        };
+        if def.draining.contains(&k) {
+            draining.push(top.clone());
         }
-    } else {
-        set_tops = clients.iter().map(|c| c.name.clone()).collect();
+        set_tops.push(top);
     }
-    let below_top = if sets > 1 {
-        layers.push(LayerDef {
-            name: format!("{name}-dht"),
-            subvolumes: set_tops,
-            kind: LayerKind::Distribute {
-                draining: Vec::new(),
-            },
-        });
-        format!("{name}-dht")
-    } else {
-        set_tops[0].clone()
+    // Removed bricks are in no graph.
+    clients.retain(|c| {
+        let i: usize = c
+            .name
+            .rsplit('-')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        live.contains(&(i / replica))
+    });
+    let below_top = match set_tops.as_slice() {
+        [] => return Err(format!("volume {name}: no bricks left")),
+        [only] => only.clone(),
+        _ => {
+            layers.push(LayerDef {
+                name: format!("{name}-dht"),
+                subvolumes: set_tops,
+                kind: LayerKind::Distribute { draining },
+            });
+            format!("{name}-dht")
+        }
     };
     layers.insert(
         0,

@@ -61,4 +61,8 @@ pub mod errno {
     pub const ENOTCONN: u32 = 107;
     /// Operation cancelled.
     pub const ECANCELED: u32 = 125;
+    /// The file moved to another subvolume (EREMCHG, "remote address changed"): a rebalance
+    /// migrated it while this handle was open there. A client that follows its volume's graph
+    /// reopens the file where it is now and sends the fop again.
+    pub const EMOVED: u32 = 78;
 }

@@ -48,7 +48,9 @@ wire_struct! {
     /// name a new, empty file there: its bytes are copied next) and keeps `META` flagged
     /// (copying the bytes changes the times: they are copied after).
     pub struct CondFlag { pub target: u32, pub flags: u32, pub gen: u64, pub data: u32 }
-    /// `begin` 1 begins (or begins afresh) the caller's heal session on the file, 0 ends it.
+    /// What to do with the caller's session on the file: [`SESSION_END`],
+    /// [`SESSION_HEAL`], [`SESSION_MIGRATE`], [`SESSION_DIRTY`], [`SESSION_FREEZE`] or
+    /// [`SESSION_MOVED`] (the field's name is older than all but the first two).
     pub struct HealReq { pub begin: u32 }
     /// The caller's heal session: `live` 0 when there is none; `busy` 1 when clients had the
     /// file open or were changing it as the session began; the ranges heal writes skipped
@@ -59,6 +61,24 @@ wire_struct! {
     /// `joining` 1 while the brick is new to its volume (no identity yet).
     pub struct MemberState { pub joining: u32 }
 }
+
+/// HEAL_SESSION: ends the caller's session on the file (a freeze with it).
+pub const SESSION_END: u32 = 0;
+/// HEAL_SESSION: begins (afresh) a heal session: heal writes skip what clients change.
+pub const SESSION_HEAL: u32 = 1;
+/// HEAL_SESSION: begins (afresh) a migration session on the file a rebalance moves: the
+/// brick records the ranges clients change, for the mover to copy again.
+pub const SESSION_MIGRATE: u32 = 2;
+/// HEAL_SESSION: hands the ranges clients changed since the last hand-over to the session's
+/// list that HEAL_INFO returns (as `skipped`).
+pub const SESSION_DIRTY: u32 = 3;
+/// HEAL_SESSION: freezes the file for the cut-over: waits for other connections' changes in
+/// flight, then refuses every fop on it but the caller's with `EMOVED`, until the session
+/// ends or lapses.
+pub const SESSION_FREEZE: u32 = 4;
+/// HEAL_SESSION: the file moved for good: handles open on it fail with `EMOVED` from now on,
+/// whatever happens to the session.
+pub const SESSION_MOVED: u32 = 5;
 
 /// MEMBER: only say whether the brick is new.
 pub const MEMBER_ASK: u32 = 0;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 pub mod fio;
+pub mod fsx;
 pub mod managed;
 
 pub fn kiln() -> Command {

@@ -184,13 +184,13 @@ impl Pool {
         let raft = self.raft();
         let mut rx = raft.metrics();
         let now = rx.borrow_and_update().last_applied;
-        let _ = self.block_on(tokio::time::timeout(t, async {
+        let _ = self.within(t, async {
             while rx.changed().await.is_ok() {
                 if rx.borrow_and_update().last_applied != now {
                     return;
                 }
             }
-        }));
+        });
     }
 
     /// This member's id.
@@ -213,6 +213,17 @@ impl Pool {
     /// Runs `f` on the runtime from a blocking thread (MGMT requests are answered on those).
     fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
         self.rt.block_on(f)
+    }
+
+    /// Runs `f` on the pool's runtime for at most `t`. The timeout is made inside the runtime's
+    /// context: callers include service threads outside any runtime.
+    fn within<F: std::future::Future>(
+        &self,
+        t: std::time::Duration,
+        f: F,
+    ) -> Result<F::Output, tokio::time::error::Elapsed> {
+        let _in = self.rt.enter();
+        self.rt.block_on(tokio::time::timeout(t, f))
     }
 
     /// The value of `key` and its version, as this member last applied it, with the store's
@@ -300,7 +311,7 @@ impl Pool {
                 return Err(self.no_majority());
             }
             let mut rx = self.raft().metrics();
-            let _ = self.block_on(tokio::time::timeout(left, rx.changed()));
+            let _ = self.within(left, rx.changed());
         }
     }
 
@@ -346,7 +357,7 @@ impl Pool {
                     // Wait for the members to notice and elect another.
                     let mut rx = self.raft().metrics();
                     let step = left.min(Duration::from_millis(300));
-                    let _ = self.block_on(tokio::time::timeout(step, rx.changed()));
+                    let _ = self.within(step, rx.changed());
                 }
             }
         }
@@ -375,10 +386,7 @@ impl Pool {
                 Some(w) => return Ok(w),
                 None => {
                     let left = deadline.saturating_duration_since(Instant::now());
-                    let r = self.block_on(tokio::time::timeout(
-                        left,
-                        self.raft().client_write(cmd.clone()),
-                    ));
+                    let r = self.within(left, self.raft().client_write(cmd.clone()));
                     match r {
                         Ok(Ok(resp)) => {
                             return Ok(Written {
@@ -562,12 +570,9 @@ impl Pool {
         } else {
             ChangeMembers::RemoveVoters(BTreeSet::from([id]))
         };
-        self.block_on(tokio::time::timeout(
-            WRITE_PATIENCE,
-            raft.change_membership(change, false),
-        ))
-        .map_err(|_| self.no_majority())?
-        .map_err(|e| format!("cannot detach {}: {e}", m.addr))?;
+        self.within(WRITE_PATIENCE, raft.change_membership(change, false))
+            .map_err(|_| self.no_majority())?
+            .map_err(|e| format!("cannot detach {}: {e}", m.addr))?;
         tracing::info!("pool: detached member {id:016x} at {}", m.addr);
         Ok(m.addr.clone())
     }

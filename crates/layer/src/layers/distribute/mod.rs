@@ -93,11 +93,13 @@ use crate::{
 };
 
 mod layout;
+mod migrate;
 mod readdir;
 #[cfg(test)]
 mod tests;
 
 pub use layout::{name_hash, Layout, Range};
+pub use migrate::{find, Misplaced, Progress, MOVING_PREFIX};
 
 /// The xattr holding a directory's layout, on each subvolume's copy of the directory.
 pub const LAYOUT_XATTR: &str = "trusted.kiln.layout";
@@ -737,6 +739,10 @@ impl Distribute {
 impl Layer for Distribute {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 
     fn children(&self) -> &[LayerRef] {

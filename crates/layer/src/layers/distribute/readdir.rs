@@ -1,7 +1,7 @@
 //! Listing a directory across subvolumes: entries merged in subvolume order, with cursors so
 //! a listing resumes where it stopped.
 
-use crate::{Attr, Ctx, FopResult, ReaddirReply};
+use crate::{Ctx, FopResult, ReaddirReply};
 
 use super::*;
 
@@ -26,8 +26,8 @@ impl Distribute {
     }
 
     /// Whether an entry of subvolume `sub` belongs in the merged listing.
-    pub(super) fn listed(sub: usize, a: &Attr) -> bool {
-        sub == 0 || !is_dir(a)
+    pub(super) fn listed(sub: usize, e: &kiln_proto::ops::DirEntry) -> bool {
+        (sub == 0 || !is_dir(&e.attr)) && !e.name.starts_with(super::migrate::MOVING_PREFIX)
     }
 
     /// Finds the position of merged index `target` by walking the listing from the start.
@@ -43,7 +43,7 @@ impl Distribute {
                 };
                 let got = r.entries.0.len() as u64;
                 for (i, e) in r.entries.0.iter().enumerate() {
-                    if Self::listed(sub, &e.attr) {
+                    if Self::listed(sub, e) {
                         count += 1;
                         if count == target {
                             return Ok(Cursor {
@@ -100,12 +100,7 @@ impl Distribute {
             let got = r.entries.0.len();
             cur.off += got as u64;
             let sub = cur.sub;
-            out.extend(
-                r.entries
-                    .0
-                    .into_iter()
-                    .filter(|e| Self::listed(sub, &e.attr)),
-            );
+            out.extend(r.entries.0.into_iter().filter(|e| Self::listed(sub, e)));
             if r.eof || got == 0 {
                 cur = Cursor {
                     sub: cur.sub + 1,

@@ -117,15 +117,27 @@ impl Marks {
         self.clear_if(path, c.target, c.gen, c.offset, c.len)
     }
 
-    /// HEAL_SESSION: `begin` 1 begins (afresh), anything else ends the caller's session.
-    pub(super) fn apply_session(&self, owner: u64, path: &str, req: &HealReq) -> FopResult<()> {
-        crate::layers::posix::brick::check_path(path)?;
-        if req.begin == 1 {
-            self.heal_begin(owner, path);
-        } else {
-            self.heal_end(owner, path);
+    /// HEAL_SESSION: begins (afresh) or ends the caller's session, or one of a migration's
+    /// steps ([`m::SESSION_HEAL`] …).
+    pub(super) fn apply_session<'a>(
+        &'a self,
+        owner: u64,
+        path: &'a str,
+        req: &HealReq,
+    ) -> Fut<'a, ()> {
+        if let Err(e) = crate::layers::posix::brick::check_path(path) {
+            return fail(e);
         }
-        Ok(())
+        let done = match req.begin {
+            m::SESSION_END => self.heal_end(owner, path),
+            m::SESSION_HEAL => self.heal_begin(owner, path, false),
+            m::SESSION_MIGRATE => self.heal_begin(owner, path, true),
+            m::SESSION_DIRTY => return Box::pin(std::future::ready(self.dirty(owner, path))),
+            m::SESSION_FREEZE => return Box::pin(self.freeze(owner, path)),
+            m::SESSION_MOVED => self.moved(owner, path),
+            _ => return fail(crate::errno::EINVAL),
+        };
+        Box::pin(std::future::ready(Ok(done)))
     }
 
     /// HEAL_LOCK: `lock` 1 takes the range (waiting for writes in flight), else drops it.

@@ -29,19 +29,27 @@ impl Layer for Marks {
         &self.kids
     }
 
+    fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
+        if self.moved.has(path) {
+            return fail(crate::errno::EMOVED);
+        }
+        self.child().lookup(cx, path)
+    }
+
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
-            if flags & libc::O_TRUNC as u32 != 0 {
+            let key = self.key(path);
+            Marks::stopped(&key, cx.owner)?;
+            let inner = if flags & libc::O_TRUNC as u32 != 0 {
+                // Truncation changes every byte: sessions on the file record all of it.
                 self.note_names(cx.owner, path, None);
-            }
-            let inner = self.child().open(cx, path, flags).await?;
-            Ok(Fd::new(MarkFd::new(
-                self.key(path),
-                inner,
-                false,
-                path,
-                cx.owner,
-            )))
+                let id = Marks::enter(&key, cx.owner, 0, u64::MAX).await?;
+                let _in = Entered { key: &key, id };
+                self.child().open(cx, path, flags).await?
+            } else {
+                self.child().open(cx, path, flags).await?
+            };
+            Ok(Fd::new(MarkFd::new(key, inner, false, path, cx.owner)))
         })
     }
 
@@ -83,7 +91,7 @@ impl Layer for Marks {
     }
 
     fn heal_session<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a HealReq) -> Fut<'a, ()> {
-        ready(self.apply_session(cx.owner, path, arg))
+        self.apply_session(cx.owner, path, arg)
     }
 
     fn pending<'a>(&'a self, _: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, PendingPage> {
@@ -117,6 +125,7 @@ impl Layer for Marks {
         flags: u32,
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
+        self.moved.forget(path);
         Box::pin(async move {
             let (inner, attr) = self
                 .named(cx, path, None, aspect::ENTRY, || {
@@ -154,14 +163,14 @@ impl Layer for Marks {
     }
 
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
-        match unwrap(fd) {
+        match usable(fd, cx.owner) {
             Ok(f) => self.child().fstat(cx, &f.inner),
             Err(e) => fail(e),
         }
     }
 
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
-        match unwrap(fd) {
+        match usable(fd, cx.owner) {
             Ok(f) => self.child().read(cx, &f.inner, offset, dst),
             Err(e) => fail(e),
         }
@@ -207,7 +216,7 @@ impl Layer for Marks {
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
-        let f = match unwrap(fd) {
+        let f = match usable(fd, cx.owner) {
             Ok(f) => f,
             Err(e) => return fail(e),
         };
@@ -241,7 +250,7 @@ impl Layer for Marks {
         match unwrap(fd) {
             Ok(f) if !f.heal => Box::pin(async move {
                 self.note_names(cx.owner, &f.path, None);
-                let id = Marks::enter_ns(&f.key, cx.owner, aspect::of_setattr(attrs.valid)).await;
+                let id = Marks::enter_ns(&f.key, cx.owner, aspect::of_setattr(attrs.valid)).await?;
                 let _in = Entered { key: &f.key, id };
                 self.child().fsetattr(cx, &f.inner, attrs).await
             }),
@@ -258,7 +267,7 @@ impl Layer for Marks {
             // A size change by name: heal compares the sizes if the connection dies.
             self.note_names(cx.owner, path, None);
             let key = self.key(path);
-            let id = Marks::enter(&key, cx.owner, attrs.size, u64::MAX).await;
+            let id = Marks::enter(&key, cx.owner, attrs.size, u64::MAX).await?;
             let r = self.child().setattr(cx, path, attrs).await;
             Marks::leave(&key, id);
             drop(key);
@@ -337,24 +346,28 @@ impl Layer for Marks {
     }
 
     fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.moved.forget(path);
         self.named(cx, path, None, aspect::ENTRY, move || {
             self.child().symlink(cx, target, path)
         })
     }
 
     fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
+        self.moved.forget(path);
         self.named(cx, path, None, aspect::ENTRY, move || {
             self.child().mknod(cx, path, mode, rdev)
         })
     }
 
     fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        self.moved.forget(path);
         self.named(cx, path, None, aspect::ENTRY, move || {
             self.child().link(cx, existing, path)
         })
     }
 
     fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+        self.moved.forget(to);
         self.named(cx, from, Some(to), aspect::ENTRY, move || {
             Box::pin(async move {
                 self.child().rename(cx, from, to, flags).await?;
@@ -407,6 +420,14 @@ impl Marks {
             .await
         })
     }
+}
+
+/// The handle behind `fd`, unless its file moved or is frozen for another connection's
+/// migration ([`super::migrate`]).
+fn usable(fd: &Fd, owner: u64) -> FopResult<&MarkFd> {
+    let f = unwrap(fd)?;
+    Marks::stopped(&f.key, owner)?;
+    Ok(f)
 }
 
 /// A fop future for a result that is ready now.

@@ -31,7 +31,7 @@ pub(super) fn len_of(start: u64, end: u64) -> u64 {
 
 /// A lock request waiting for changes in flight, counted in [`FileState::lockers`] until
 /// dropped.
-pub(super) struct Locker<'a>(&'a FileKey);
+pub(super) struct Locker<'a>(pub(super) &'a FileKey);
 
 impl Drop for Locker<'_> {
     fn drop(&mut self) {
@@ -110,7 +110,7 @@ impl Marks {
     /// Waits until `[start, end)` of the file is not locked by another connection (nor being
     /// written by another connection's heal), then registers a client change in flight there
     /// and records it in the file's heal sessions. Returns its id.
-    pub(super) async fn enter(key: &FileKey, owner: u64, start: u64, end: u64) -> u64 {
+    pub(super) async fn enter(key: &FileKey, owner: u64, start: u64, end: u64) -> FopResult<u64> {
         Marks::enter_as(key, owner, start, end, true, None, 0).await
     }
 
@@ -123,14 +123,14 @@ impl Marks {
         fd: (u64, u64),
         start: u64,
         end: u64,
-    ) -> u64 {
+    ) -> FopResult<u64> {
         Marks::enter_as(key, owner, start, end, true, Some(fd), 0).await
     }
 
     /// A change of a name or of attributes (no bytes) that touches `aspects` ([`aspect`]):
     /// waits for heal's locks on the path and registers in flight (so a lock waits for it);
     /// other connections' heal sessions on the path record the aspects, not bytes.
-    pub(super) async fn enter_ns(key: &FileKey, owner: u64, aspects: u32) -> u64 {
+    pub(super) async fn enter_ns(key: &FileKey, owner: u64, aspects: u32) -> FopResult<u64> {
         Marks::enter_as(key, owner, 0, u64::MAX, false, None, aspects).await
     }
 
@@ -142,13 +142,19 @@ impl Marks {
         record: bool,
         fd: Option<(u64, u64)>,
         aspects: u32,
-    ) -> u64 {
+    ) -> FopResult<u64> {
         loop {
             let notified = key.changed.notified();
             let wait = {
                 let mut st = key.state();
                 let mut wait = None;
+                if key.moved.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err(crate::errno::EMOVED);
+                }
                 if !st.locks.is_empty() || !st.sessions.is_empty() {
+                    if Marks::frozen_for(&st, owner) {
+                        return Err(crate::errno::EMOVED);
+                    }
                     let now = Instant::now();
                     st.locks.retain(|l| l.expires > now);
                     st.sessions.retain(|s| s.expires > now);
@@ -183,12 +189,14 @@ impl Marks {
                             if record {
                                 s.written.add(start, len_of(start, end));
                             }
-                            s.touched |= aspects;
+                            if !s.migrate {
+                                s.touched |= aspects;
+                            }
                         }
                         if let Some((fd, fd_owner)) = fd {
                             super::recent::note(&mut st, fd, fd_owner, start, end);
                         }
-                        return id;
+                        return Ok(id);
                     }
                 }
             };
@@ -283,7 +291,7 @@ impl Marks {
             Err(e) => return fail(e),
         };
         Box::pin(async move {
-            let id = Marks::enter_fd(&mfd.key, cx.owner, (mfd.id, mfd.owner), start, end).await;
+            let id = Marks::enter_fd(&mfd.key, cx.owner, (mfd.id, mfd.owner), start, end).await?;
             let _in = Entered { key: &mfd.key, id };
             call(&mfd.inner).await
         })
@@ -308,12 +316,12 @@ impl Marks {
         Box::pin(async move {
             let key = self.key(path);
             let other = also.map(|p| (p, self.key(p)));
-            let id = Marks::enter_ns(&key, cx.owner, aspects).await;
+            let id = Marks::enter_ns(&key, cx.owner, aspects).await?;
             let first = Entered { key: &key, id };
             let second = match &other {
                 Some((_, k)) => Some(Entered {
                     key: k,
-                    id: Marks::enter_ns(k, cx.owner, aspects).await,
+                    id: Marks::enter_ns(k, cx.owner, aspects).await?,
                 }),
                 None => None,
             };

@@ -98,6 +98,7 @@ impl Marks {
             identity: None,
             joining: false.into(),
             names: Mutex::default(),
+            moved: Default::default(),
         })
     }
 

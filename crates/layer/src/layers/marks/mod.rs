@@ -38,6 +38,9 @@
 //! locks, sessions are per path: an open with `O_TRUNC`, or a change through another name of
 //! the same file, is not seen.)
 //!
+//! Migration sessions ([`migrate`]): a rebalance moving the file to another subvolume records
+//! clients' changes the same way, freezes the file for its cut-over, and marks it moved.
+//!
 //! The brick's identity (its volume's id and its place there, [`identity`]) lives beside the
 //! log in `.kiln/identity`; a brick without one is new until heal has rebuilt it.
 //!
@@ -62,6 +65,7 @@ mod identity;
 mod layer;
 mod locks;
 mod log;
+mod migrate;
 mod recent;
 mod sessions;
 #[cfg(test)]
@@ -106,6 +110,11 @@ struct Session {
     /// What of the name and its attributes other connections changed since the session
     /// began ([`aspect`] bits): heal's own changes of those are skipped.
     touched: u32,
+    /// A migration's session ([`migrate`]): the owner's changes are never skipped.
+    migrate: bool,
+    /// The migration is cutting over: other connections' fops on the file fail with
+    /// `EMOVED` while the session lives.
+    frozen: bool,
 }
 
 /// What a change of a name or of its attributes touches, as a heal session records it (see
@@ -157,9 +166,15 @@ struct FileState {
     recent: Vec<recent::Recent>,
 }
 
+#[derive(Default)]
 struct FileKey {
     st: Mutex<FileState>,
     changed: tokio::sync::Notify,
+    /// Some session froze the file once ([`migrate`]): the state says whether one still
+    /// does. Lets a read skip the mutex in the usual case.
+    frozen: std::sync::atomic::AtomicBool,
+    /// The file moved to another subvolume for good: every handle on it fails with `EMOVED`.
+    moved: std::sync::atomic::AtomicBool,
 }
 
 impl FileKey {
@@ -265,6 +280,8 @@ pub struct Marks {
     joining: std::sync::atomic::AtomicBool,
     /// Names each client connection changed lately ([`recent`]).
     names: Mutex<HashMap<u64, recent::Names>>,
+    /// Names whose files moved to another subvolume lately ([`migrate`]).
+    moved: migrate::MovedNames,
 }
 
 fn unwrap(fd: &Fd) -> FopResult<&MarkFd> {
@@ -335,12 +352,7 @@ impl Marks {
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         files
             .entry(path.to_owned())
-            .or_insert_with(|| {
-                Arc::new(FileKey {
-                    st: Mutex::default(),
-                    changed: tokio::sync::Notify::new(),
-                })
-            })
+            .or_insert_with(Arc::default)
             .clone()
     }
 

@@ -20,7 +20,7 @@ use super::*;
 impl Marks {
     /// Begins (afresh) `owner`'s heal session on `path`: changes in flight now count as
     /// changed since it began.
-    pub(super) fn heal_begin(&self, owner: u64, path: &str) {
+    pub(super) fn heal_begin(&self, owner: u64, path: &str, migrate: bool) {
         let key = self.key(path);
         let mut st = key.state();
         let now = Instant::now();
@@ -41,7 +41,9 @@ impl Marks {
             written,
             skipped: RangeSet::default(),
             busy,
-            touched: if naming { aspect::ALL } else { 0 },
+            touched: if naming && !migrate { aspect::ALL } else { 0 },
+            migrate,
+            frozen: false,
         });
     }
 

@@ -115,7 +115,7 @@ fn a_change_in_flight_when_the_session_begins_counts() {
     let l = stack(root.path());
     run(async {
         let key = l.key("f");
-        let id = Marks::enter(&key, 1, 4 * K, 8 * K).await;
+        let id = Marks::enter(&key, 1, 4 * K, 8 * K).await.unwrap();
         session(&l, &cx(2), 1).await;
         Marks::leave(&key, id);
         let (id, keep) = Marks::enter_heal(&key, 2, 0, 16 * K, false).await.unwrap();
@@ -133,7 +133,7 @@ fn a_lock_waiting_for_a_write_in_flight_is_woken_when_it_leaves() {
     let l = Arc::new(stack(root.path()));
     run(async {
         let key = l.key("f");
-        let id = Marks::enter(&key, 1, 0, 4 * K).await;
+        let id = Marks::enter(&key, 1, 0, 4 * K).await.unwrap();
         let l2 = l.clone();
         let lock = tokio::spawn(async move { l2.lock(2, "f", 0, 8 * K).await });
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;

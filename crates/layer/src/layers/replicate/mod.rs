@@ -48,19 +48,19 @@ use std::sync::{Arc, Mutex, Weak};
 
 use crate::exec::{join2, join_all};
 use crate::marks::{self as m, FlagMark, Mark};
+use crate::shared::Shared;
 use crate::{
     errno, fail, Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
     ReaddirReply, SetAttrs, StatfsReply, Written,
 };
-use shared::Shared;
 
 mod behind;
 mod current;
 pub mod heal;
 pub mod marks;
+mod migrate;
 mod patience;
 mod read;
-mod shared;
 
 /// Stale handle: the replica's connection was re-established since the handle was opened.
 pub const ESTALE: Errno = 116;
@@ -581,6 +581,14 @@ macro_rules! try_rep {
 }
 
 impl Layer for Replicate {
+    fn heal_session<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::HealReq) -> Fut<'a, ()> {
+        Box::pin(self.session_all(cx, path, arg))
+    }
+
+    fn heal_info<'a>(&'a self, cx: &'a Ctx, path: &'a str, _: &'a ()) -> Fut<'a, m::HealInfo> {
+        Box::pin(self.info_all(cx, path))
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

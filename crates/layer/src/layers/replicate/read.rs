@@ -1,8 +1,8 @@
 //! Reads: from one replica that may serve them, the next when it fails, waiting (see
 //! [`super::patience`]) when none can.
 
-use super::shared::Shared;
 use super::{RepFd, Replicate};
+use crate::shared::Shared;
 use crate::{errno, Ctx, Fd, FopResult, Fut, LayerRef, ReadDst, ReadOut};
 
 impl Replicate {

@@ -1,0 +1,276 @@
+//! Elastic volumes under I/O: a 1x3 volume grows to 2x3 and a rebalance moves files to the new
+//! set, then the first set is removed (drained by a rebalance, then committed) — while a
+//! mounted fsx-style exerciser, a fio verify loop on the mount and another on an NBD export run
+//! on files that migrate. Every file moves at least once (to set 1 when it hashes there, off
+//! set 0 when that set goes). Nothing may fail; the removed bricks end up holding no file, and
+//! every file's three copies are identical.
+
+use std::path::{Path, PathBuf};
+
+mod common;
+use common::fio::{need_fio, FioLoop};
+use common::fsx::Fsx;
+use common::managed::Vol;
+use common::BrickReaper;
+use serde_json::Value;
+
+fn content(i: usize) -> Vec<u8> {
+    format!("small file {i}\n").repeat(i % 40 + 1).into_bytes()
+}
+
+/// Regular files under brick `dir` (its state directory left out), relative paths.
+fn files_of(dir: &Path) -> Vec<String> {
+    fn walk(root: &Path, d: &Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(d).unwrap() {
+            let e = e.unwrap();
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            if rel == ".kiln" {
+                continue;
+            }
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                walk(root, &p, out);
+            } else {
+                out.push(rel);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+/// A name like `stem{n}.ext` that the two-set layout places on set 1: a file the grow's
+/// rebalance moves while it is open.
+fn on_second_set(stem: &str, ext: &str) -> String {
+    use kiln_layer::distribute::{name_hash, Layout};
+    let two = Layout::over(&[0, 1]);
+    (0..)
+        .map(|n| format!("{stem}{n}.{ext}"))
+        .find(|n| two.subvol(name_hash(n)) == 1)
+        .unwrap()
+}
+
+/// A qemu-io session on an NBD export, held open while the test disturbs the volume.
+struct QemuIo {
+    child: std::process::Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl QemuIo {
+    fn open(uri: &str) -> QemuIo {
+        let mut child = std::process::Command::new("qemu-io")
+            .args(["-f", "raw", uri])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("run qemu-io");
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        QemuIo { child, out }
+    }
+
+    /// Sends `cmd` and returns its output, up to the line that says how it went.
+    fn run(&mut self, cmd: &str, done: &str) -> String {
+        use std::io::{BufRead, Write};
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+        let mut said = String::new();
+        loop {
+            let mut line = String::new();
+            let n = self.out.read_line(&mut line).unwrap();
+            assert!(n > 0, "qemu-io ended after {cmd:?}: {said}");
+            said.push_str(&line);
+            if line.contains(done) || line.contains("failed") || line.contains("error") {
+                return said;
+            }
+        }
+    }
+}
+
+impl Drop for QemuIo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The options `Vol::mgmt` adds, for a command expected to fail.
+fn mgmt_opts(v: &Vol) -> Vec<&str> {
+    vec![
+        "--server",
+        v.kd.addr.as_str(),
+        "--state-dir",
+        v.state.to_str().unwrap(),
+    ]
+}
+
+fn rebalance_status(v: &Vol) -> Value {
+    let s = v.mgmt(&["volume", "rebalance", &v.name, "status", "--json"]);
+    serde_json::from_str(&s).unwrap()
+}
+
+/// Waits for the volume's rebalance to end; returns its last status.
+fn wait_rebalance(v: &Vol, secs: u64) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        let last = rebalance_status(v);
+        if last["state"] != "running" {
+            return last;
+        }
+        if std::time::Instant::now() > deadline {
+            let log = v.kd.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            panic!(
+                "the rebalance did not end: {last}\nkilnd: {}",
+                tail.join("\n")
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
+    need_fio();
+    let tmp = tempfile::tempdir().unwrap();
+    let _reaper = BrickReaper(tmp.path().join("state"));
+    let v = Vol::with_bricks(tmp.path(), "rb", 3, 3, &["--brick-port-base", "25400"]);
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let log = tmp.path().join("mount.log");
+    let log_s = log.display().to_string();
+    let env = [
+        ("KILN_LOG", "warn,kiln_client::graph=info"),
+        ("KILN_GRAPH_POLL_MS", "100"),
+        ("KILN_TEST_STDERR", log_s.as_str()),
+    ];
+    let _mount = v.mount_env(&mnt, &env);
+    let small: Vec<String> = (0..300).map(|i| format!("d{}/f{i}", i % 7)).collect();
+    for d in 0..7 {
+        std::fs::create_dir_all(mnt.join(format!("d{d}"))).unwrap();
+    }
+    for (i, f) in small.iter().enumerate() {
+        std::fs::write(mnt.join(f), content(i)).unwrap();
+    }
+    let image = on_second_set("disk", "img");
+    let exercised = on_second_set("fsx", "bin");
+    let disk = std::fs::File::create(mnt.join(&image)).unwrap();
+    disk.set_len(64 << 20).unwrap();
+    drop(disk);
+    let nlog = tmp.path().join("nbd.log");
+    let nlog_s = nlog.display().to_string();
+    let nenv = [
+        ("KILN_LOG", "warn,kiln_client::graph=info"),
+        ("KILN_GRAPH_POLL_MS", "100"),
+        ("KILN_TEST_STDERR", nlog_s.as_str()),
+    ];
+    let (_nbd, uri) = v.nbd_env(&format!("/{image}"), &tmp.path().join("nbd.sock"), &nenv);
+    // A session held open across the grow: its image moves under it. (fio's loop on the same
+    // export writes the first 2 MiB.)
+    let mut held = QemuIo::open(&uri);
+    let said = held.run("write -P 0x5a 32M 1M", "wrote");
+    assert!(said.contains("wrote 1048576/1048576"), "{said}");
+    let fsx = Fsx::start(&mnt.join(&exercised), 100_000, 0x5eed);
+    let fio = FioLoop::on_mount(&mnt, &tmp.path().join("fio-m"));
+    let fio_nbd = FioLoop::on_nbd(&uri, &tmp.path().join("fio-n"));
+    fio.one_more(120);
+
+    // Grow to 2x3 and rebalance.
+    let brick = |i: usize| format!("127.0.0.1:{}", tmp.path().join(format!("b{i}")).display());
+    let new: Vec<String> = (3..6).map(brick).collect();
+    let mut args = vec!["volume", "add-brick", "rb", "replica", "3"];
+    args.extend(new.iter().map(String::as_str));
+    v.mgmt(&args);
+    v.mgmt(&["volume", "rebalance", "rb", "start"]);
+    let st = wait_rebalance(&v, 300);
+    assert_eq!(st["state"], "completed", "{st}");
+    assert_eq!(st["failed"], 0, "{st}");
+    let moved_in = st["files_moved"].as_u64().unwrap();
+    assert!(moved_in > 50, "{moved_in} names moved to the new set: {st}");
+    let dirs: Vec<PathBuf> = (0..6).map(|i| tmp.path().join(format!("b{i}"))).collect();
+    let on1 = files_of(&dirs[3]);
+    assert!(on1.len() as u64 >= moved_in, "{on1:?}");
+    // No name on both sets.
+    let on0 = files_of(&dirs[0]);
+    let both: Vec<&String> = on0.iter().filter(|f| on1.contains(f)).collect();
+    assert!(both.is_empty(), "on both sets: {both:?}");
+    for (i, f) in small.iter().enumerate() {
+        assert_eq!(std::fs::read(mnt.join(f)).unwrap(), content(i), "{f}");
+    }
+    // The held session reads what it wrote and goes on writing, from the image's new place.
+    let said = held.run("read -P 0x5a 32M 1M", "read ");
+    assert!(said.contains("read 1048576/1048576"), "{said}");
+    let said = held.run("write -P 0x6b 40M 64k", "wrote");
+    assert!(said.contains("wrote 65536/65536"), "{said}");
+    drop(held);
+    fio.one_more(120);
+
+    // Shrink: the first set goes.
+    let old: Vec<String> = (0..3).map(brick).collect();
+    let mut args: Vec<&str> = vec!["volume", "remove-brick", "rb"];
+    args.extend(old.iter().map(String::as_str));
+    let commit = {
+        let mut a = args.clone();
+        a.push("commit");
+        a
+    };
+    // Not draining yet: commit is refused, and nothing changes.
+    let refused = common::fails(&[commit.as_slice(), &mgmt_opts(&v)].concat());
+    assert!(refused.contains("not draining"), "{refused}");
+    args.push("start");
+    v.mgmt(&args);
+    let st = wait_rebalance(&v, 300);
+    assert_eq!(st["state"], "completed", "{st}");
+    assert_eq!(st["failed"], 0, "{st}");
+    // Clients keep going a while after the move, on the files that moved.
+    fio.one_more(120);
+    fio_nbd.one_more(120);
+    v.mgmt(&commit);
+    let info = v.mgmt(&["volume", "info", "rb", "--json"]);
+    assert!(info.contains("\"removed\":true"), "{info}");
+    let left: Vec<String> = (0..3).flat_map(|i| files_of(&dirs[i])).collect();
+    assert!(left.is_empty(), "the removed bricks still hold {left:?}");
+
+    let done = fsx.finish().expect("fsx");
+    assert_eq!(done, 100_000);
+    let (runs, failures) = fio.finish();
+    assert!(
+        failures.is_empty(),
+        "mount I/O errors: {}",
+        failures.join("\n")
+    );
+    let (nruns, nfailures) = fio_nbd.finish();
+    assert!(
+        nfailures.is_empty(),
+        "NBD I/O errors: {}",
+        nfailures.join("\n")
+    );
+    assert!(runs >= 3 && nruns >= 1, "{runs} {nruns}");
+    for (i, f) in small.iter().enumerate() {
+        assert_eq!(std::fs::read(mnt.join(f)).unwrap(), content(i), "{f}");
+    }
+    // The three copies of every file are identical.
+    let names = files_of(&dirs[3]);
+    assert_eq!(names, files_of(&dirs[4]));
+    assert_eq!(names, files_of(&dirs[5]));
+    for f in &names {
+        let a = std::fs::read(dirs[3].join(f)).unwrap();
+        assert_eq!(a, std::fs::read(dirs[4].join(f)).unwrap(), "{f}");
+        assert_eq!(a, std::fs::read(dirs[5].join(f)).unwrap(), "{f}");
+    }
+    assert!(names.contains(&exercised) && names.contains(&image));
+    // The files held open moved under their handles: each client reopened them.
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        said.contains(&exercised) && said.contains("reopened where it is now"),
+        "the mount never followed {exercised}: {said}"
+    );
+    let said = std::fs::read_to_string(&nlog).unwrap();
+    assert!(
+        said.contains(&image) && said.contains("reopened where it is now"),
+        "the export never followed {image}: {said}"
+    );
+}

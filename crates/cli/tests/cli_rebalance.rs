@@ -5,6 +5,7 @@
 //! set 0 when that set goes). Nothing may fail; the removed bricks end up holding no file, and
 //! every file's three copies are identical.
 
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 mod common;
@@ -173,6 +174,14 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
     let mut held = QemuIo::open(&uri);
     let said = held.run("write -P 0x5a 32M 1M", "wrote");
     assert!(said.contains("wrote 1048576/1048576"), "{said}");
+    // A file held open on the mount the same way.
+    let held_name = on_second_set("held", "txt");
+    std::fs::write(mnt.join(&held_name), b"held file\n").unwrap();
+    let held_file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mnt.join(&held_name))
+        .unwrap();
     let fsx = Fsx::start(&mnt.join(&exercised), 100_000, 0x5eed);
     let fio = FioLoop::on_mount(&mnt, &tmp.path().join("fio-m"));
     let fio_nbd = FioLoop::on_nbd(&uri, &tmp.path().join("fio-n"));
@@ -184,6 +193,21 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
     let mut args = vec!["volume", "add-brick", "rb", "replica", "3"];
     args.extend(new.iter().map(String::as_str));
     v.mgmt(&args);
+    // The held handles are used once on the grown graph (so they are bound to it) before the
+    // rebalance moves their files: the next use after the move meets EMOVED.
+    let switched = |p: &Path| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .contains("graph version 3 → 4")
+    };
+    common::wait_for(30, "the clients to switch to the grown graph", || {
+        switched(&log) && switched(&nlog)
+    });
+    let said = held.run("read -P 0x5a 32M 1M", "read ");
+    assert!(said.contains("read 1048576/1048576"), "{said}");
+    let mut probe = [0u8; 4];
+    held_file.read_exact_at(&mut probe, 0).unwrap();
+    assert_eq!(&probe, b"held");
     v.mgmt(&["volume", "rebalance", "rb", "start"]);
     let st = wait_rebalance(&v, 300);
     assert_eq!(st["state"], "completed", "{st}");
@@ -206,6 +230,12 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
     let said = held.run("write -P 0x6b 40M 64k", "wrote");
     assert!(said.contains("wrote 65536/65536"), "{said}");
     drop(held);
+    let mut probe = [0u8; 10];
+    held_file.read_exact_at(&mut probe, 0).unwrap();
+    assert_eq!(&probe, b"held file\n");
+    held_file.write_all_at(b"HELD", 0).unwrap();
+    drop(held_file);
+    assert_eq!(std::fs::read(mnt.join(&held_name)).unwrap(), b"HELD file\n");
     fio.one_more(120);
 
     // Shrink: the first set goes.
@@ -265,8 +295,8 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
     // The files held open moved under their handles: each client reopened them.
     let said = std::fs::read_to_string(&log).unwrap();
     assert!(
-        said.contains(&exercised) && said.contains("reopened where it is now"),
-        "the mount never followed {exercised}: {said}"
+        said.contains(&held_name) && said.contains("reopened where it is now"),
+        "the mount never followed {held_name}: {said}"
     );
     let said = std::fs::read_to_string(&nlog).unwrap();
     assert!(

@@ -267,23 +267,27 @@ impl Distribute {
             dst.mknod(cx, &temp, a.mode, a.rdev).await
         };
         made?;
-        if let Err(e) = self.place(src, dst, &m.path, &temp).await {
+        if let Err(e) = place(src, dst, &m.path, &temp).await {
             let _ = dst.unlink(cx, &temp).await;
             return Err(e);
         }
         Ok(true)
     }
+}
 
-    /// Renames `temp` over `path` on `dst`, then removes `path` from `src`.
-    async fn place(&self, src: &LayerRef, dst: &LayerRef, path: &str, temp: &str) -> FopResult<()> {
-        let cx = &Ctx::NONE;
-        dst.rename(cx, temp, path, 0).await?;
-        match src.unlink(cx, path).await {
-            Ok(()) | Err(ENOENT) => Ok(()),
-            Err(e) => {
-                tracing::error!(path, "moved, but the old copy cannot be removed: errno {e}");
-                Err(e)
-            }
+/// Renames `temp` over `path` on `dst`, marks the file moved on `src`, then removes `path`
+/// there. Marked before the name goes: a client that missed it on the destination a moment
+/// ago is told to look again, never that it does not exist.
+async fn place(src: &LayerRef, dst: &LayerRef, path: &str, temp: &str) -> FopResult<()> {
+    let cx = &Ctx::NONE;
+    dst.rename(cx, temp, path, 0).await?;
+    src.heal_session(cx, path, &session(m::SESSION_MOVED))
+        .await?;
+    match src.unlink(cx, path).await {
+        Ok(()) | Err(ENOENT) => Ok(()),
+        Err(e) => {
+            tracing::error!(path, "moved, but the old copy cannot be removed: errno {e}");
+            Err(e)
         }
     }
 }
@@ -342,20 +346,7 @@ impl Move<'_> {
         self.copy_ranges(todo, size).await?;
         self.copy_meta(&final_attr).await?;
         self.dst.fsync(cx, self.dfd()?, false).await?;
-        self.dst.rename(cx, self.temp, self.path, 0).await?;
-        match self.src.unlink(cx, self.path).await {
-            Ok(()) | Err(ENOENT) => {}
-            Err(e) => {
-                tracing::error!(
-                    path = self.path,
-                    "moved, but the old copy cannot be removed: errno {e}"
-                );
-                return Err(e);
-            }
-        }
-        self.src
-            .heal_session(cx, self.path, &session(m::SESSION_MOVED))
-            .await
+        place(self.src, self.dst, self.path, self.temp).await
     }
 
     fn sfd(&self) -> FopResult<&Fd> {

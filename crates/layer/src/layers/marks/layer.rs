@@ -38,6 +38,9 @@ impl Layer for Marks {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(async move {
+            if self.moved.has(path) {
+                return Err(crate::errno::EMOVED);
+            }
             let key = self.key(path);
             Marks::stopped(&key, cx.owner)?;
             let inner = if flags & libc::O_TRUNC as u32 != 0 {

@@ -32,8 +32,12 @@ use crate::manager::Manager;
 use crate::pool::{Cmd, Outcome};
 use crate::store::vol_key;
 
-/// A file's fixed cost in the ETA, in bytes of copying (lookups, create, rename, unlink).
-const FILE_COST: u64 = 64 << 10;
+/// Names at least this big count as large in the ETA: their time goes by their bytes; a small
+/// name's time by the name (lookups, create, session, rename, removal dwarf its bytes).
+const LARGE: u64 = 1 << 20;
+/// Until the run has moved one of each, the guesses: seconds per small name, bytes per second.
+const GUESS_SMALL_S: f64 = 0.005;
+const GUESS_LARGE_BPS: f64 = 500e6;
 
 /// One replica set's part in a run.
 #[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
@@ -96,6 +100,35 @@ pub struct RebalanceView {
     pub error: Option<String>,
 }
 
+/// What the ETA rests on: names and bytes found and done, small and large apart, and the time
+/// their moves took.
+#[derive(Default, Clone, Copy)]
+struct Pace {
+    small: u64,
+    small_done: u64,
+    small_s: f64,
+    large_bytes: u64,
+    large_done_bytes: u64,
+    large_s: f64,
+}
+
+impl Pace {
+    /// Seconds left: small names by the time one took so far, large ones by the byte rate.
+    fn eta(&self) -> f64 {
+        let per_small = match self.small_done {
+            0 => GUESS_SMALL_S,
+            n => self.small_s / n as f64,
+        };
+        let bps = match self.large_done_bytes {
+            0 => GUESS_LARGE_BPS,
+            b => b as f64 / self.large_s.max(1e-6),
+        };
+        let small_left = self.small.saturating_sub(self.small_done) as f64;
+        let large_left = self.large_bytes.saturating_sub(self.large_done_bytes) as f64;
+        small_left * per_small + large_left / bps
+    }
+}
+
 /// One run in progress (or just ended) on this kilnd.
 struct Run {
     since: u64,
@@ -103,6 +136,7 @@ struct Run {
     started: Instant,
     view: Mutex<RebalanceView>,
     moving: Mutex<Option<Instant>>,
+    pace: Mutex<Pace>,
 }
 
 /// The runs of this kilnd, by volume.
@@ -132,14 +166,7 @@ impl Run {
                 v.rate_bps = v.bytes_moved as f64 / secs;
             }
             if v.state == "running" {
-                // Work: bytes, and a fixed cost per name; the rate of work done so far.
-                let done_names = v.files_moved + v.skipped + v.failed;
-                let total = v.bytes_total + v.files_total * FILE_COST;
-                let done = v.bytes_moved.min(v.bytes_total) + done_names * FILE_COST;
-                if done > 0 && secs > 0.5 {
-                    let left = total.saturating_sub(done) as f64;
-                    v.eta_s = Some(left / (done as f64 / secs));
-                }
+                v.eta_s = Some(lock(&self.pace).eta());
             }
         }
         v
@@ -278,6 +305,7 @@ fn launch(manager: &Arc<Manager>, def: VolumeDef) {
         since: asked.since,
         progress: Progress::default(),
         started: Instant::now(),
+        pace: Mutex::default(),
         view: Mutex::new(RebalanceView {
             volume: def.name.clone(),
             state: "running".into(),
@@ -371,7 +399,7 @@ fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
         .and_then(|a| a.downcast_ref::<Distribute>())
         .ok_or("no distribute layer")?;
     lock(&run.view).sets = sets_of(def, d);
-    let list = scan(d, run)?;
+    let list = interleave(scan(d, run)?);
     {
         let mut v = lock(&run.view);
         v.phase = "moving".into();
@@ -382,7 +410,20 @@ fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
             run.progress.stop.store(true, Relaxed);
             break;
         }
-        match block_on(d.migrate(mv, &run.progress)) {
+        let t = Instant::now();
+        let r = block_on(d.migrate(mv, &run.progress));
+        {
+            let took = t.elapsed().as_secs_f64();
+            let mut p = lock(&run.pace);
+            if mv.size >= LARGE {
+                p.large_done_bytes += mv.size;
+                p.large_s += took;
+            } else {
+                p.small_done += 1;
+                p.small_s += took;
+            }
+        }
+        match r {
             Ok(true) => {
                 run.progress.files.fetch_add(1, Relaxed);
                 let mut v = lock(&run.view);
@@ -414,6 +455,27 @@ fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
     Ok(())
 }
 
+/// Small and large names in turn, each kind spread evenly over the run: both rates the ETA
+/// rests on are sampled from the start, and it holds all along.
+fn interleave(list: Vec<Misplaced>) -> Vec<Misplaced> {
+    let (large, small): (Vec<Misplaced>, Vec<Misplaced>) =
+        list.into_iter().partition(|m| m.size >= LARGE);
+    let (nl, ns) = (large.len().max(1) as f64, small.len().max(1) as f64);
+    let mut keyed: Vec<(f64, Misplaced)> = large
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| (i as f64 / nl, m))
+        .chain(
+            small
+                .into_iter()
+                .enumerate()
+                .map(|(i, m)| (i as f64 / ns, m)),
+        )
+        .collect();
+    keyed.sort_by(|a, b| a.0.total_cmp(&b.0));
+    keyed.into_iter().map(|(_, m)| m).collect()
+}
+
 /// Every directory, breadth first: the misplaced names, counted into the run's view as found.
 fn scan(d: &Distribute, run: &Run) -> Result<Vec<Misplaced>, String> {
     let mut list = Vec::new();
@@ -435,9 +497,15 @@ fn scan(d: &Distribute, run: &Run) -> Result<Vec<Misplaced>, String> {
         };
         {
             let mut v = lock(&run.view);
+            let mut p = lock(&run.pace);
             for f in &found {
                 v.files_total += 1;
                 v.bytes_total += f.size;
+                if f.size >= LARGE {
+                    p.large_bytes += f.size;
+                } else {
+                    p.small += 1;
+                }
                 if let Some(s) = v.sets.get_mut(f.from) {
                     s.files_out += 1;
                     s.bytes_out += f.size;
@@ -495,6 +563,7 @@ pub(crate) fn left_on_draining(m: &Manager, def: &VolumeDef) -> Result<u64, Stri
         started: Instant::now(),
         view: Mutex::default(),
         moving: Mutex::new(None),
+        pace: Mutex::default(),
     };
     let list = scan(d, &run)?;
     Ok(list.iter().filter(|m| draining.contains(&m.from)).count() as u64)

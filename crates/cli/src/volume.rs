@@ -762,6 +762,9 @@ fn status_text(r: &Statuses) -> String {
                     .map_or(String::new(), |e| format!("; last error: {e}"))
             );
         }
+        if let Some(r) = &v.rebalance {
+            out.push_str(&rebalance::view_text(r));
+        }
         out.push('\n');
     }
     out

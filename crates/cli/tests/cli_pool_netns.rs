@@ -791,6 +791,17 @@ fn grow_under_the_mount(h: &Hosts, mnt: &Path) {
             );
         }
     }
+    // A rebalance across the hosts, under the mount: asked at one member, run by the leader,
+    // followed to its end and seen the same from another member.
+    let out = h.kiln_at(2, &["volume", "rebalance", "pv", "start", "--wait"]);
+    assert!(
+        out.status.success(),
+        "rebalance at host 2: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let st = h.ok(0, &["volume", "rebalance", "pv", "status"]);
+    assert_eq!(st["state"], "completed", "{st}");
+    assert_eq!(st["failed"], 0, "{st}");
 }
 
 fn rolling_restart(h: &mut Hosts, tmp: &Path) {

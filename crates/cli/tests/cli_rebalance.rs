@@ -213,6 +213,9 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
     assert_eq!(st["state"], "completed", "{st}");
     assert_eq!(st["failed"], 0, "{st}");
     let moved_in = st["files_moved"].as_u64().unwrap();
+    // volume status shows the same run.
+    let vs = v.status();
+    assert_eq!(vs["rebalance"]["files_moved"], st["files_moved"], "{vs}");
     assert!(moved_in > 50, "{moved_in} names moved to the new set: {st}");
     let dirs: Vec<PathBuf> = (0..6).map(|i| tmp.path().join(format!("b{i}"))).collect();
     let on1 = files_of(&dirs[3]);

@@ -423,6 +423,7 @@ impl Manager {
                 authority: leader.clone(),
                 bricks,
                 heal: self.healer.view(&def.name),
+                rebalance: def.rebalance.as_ref().map(|_| self.rebalance_view(def)),
             });
         }
         Ok(Statuses { volumes: vols }.into())

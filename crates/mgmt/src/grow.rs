@@ -7,7 +7,7 @@
 //! it ran are stopped as orphans by their hosts). The recorded definition is a new graph:
 //! running clients switch to it within a second, and from then on new files land on the new
 //! sets too (the distribute layout is the graph's). Files already there stay where they are,
-//! found by the lookup fallback (a rebalance to move them is not built yet).
+//! found by the lookup fallback, until `rebalance VOL start` moves them (`crate::rebalancer`).
 
 use std::fs;
 

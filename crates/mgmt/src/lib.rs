@@ -67,6 +67,7 @@ pub mod orphans;
 mod peers;
 pub mod pool;
 pub mod rebalancer;
+pub mod rebalancing;
 mod replace;
 mod request;
 pub mod response;

@@ -41,7 +41,7 @@ pub struct Manager {
     /// The heal service's state (see `crate::healer`).
     pub(crate) healer: Healer,
     /// The rebalances this kilnd runs (see `crate::rebalancer`).
-    pub(crate) runs: crate::rebalancer::Runs,
+    pub(crate) runs: crate::rebalancing::Runs,
     /// Where brick ports start (`--brick-port-base`).
     pub(crate) first_brick_port: Mutex<u16>,
     /// The pool this kilnd is a member of (set once the management port is bound).
@@ -146,7 +146,7 @@ impl Manager {
     }
 
     /// The rebalances this kilnd runs.
-    pub fn runs(&self) -> &crate::rebalancer::Runs {
+    pub fn runs(&self) -> &crate::rebalancing::Runs {
         &self.runs
     }
 

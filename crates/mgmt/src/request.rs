@@ -84,7 +84,7 @@ pub enum Request {
         name: String,
         /// `start`, `stop` or `status`.
         action: String,
-        /// With `start`: MiB per second at most (default 100; 0: no limit).
+        /// With `start`: MiB per second at most (default 64; 0: no limit).
         #[serde(default)]
         rate_mib: Option<u64>,
     },
@@ -97,7 +97,7 @@ pub enum Request {
         bricks: Vec<String>,
         /// `start`, `status`, `stop` or `commit`.
         action: String,
-        /// With `start`: the rebalance's MiB per second at most (default 100; 0: no limit).
+        /// With `start`: the rebalance's MiB per second at most (default 64; 0: no limit).
         #[serde(default)]
         rate_mib: Option<u64>,
     },

@@ -7,7 +7,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::def::{BrickDef, VolState, VolumeDef};
 use crate::healing::VolHeal;
-pub use crate::rebalancer::{RebalanceView, SetMoves};
+pub use crate::rebalancing::{RebalanceView, SetMoves};
 
 /// How a volume's bricks are arranged, as `info` names it.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,6 +243,9 @@ pub struct VolumeStatus {
     pub bricks: Vec<BrickStatus>,
     /// The heal service's view, when this kilnd heals it.
     pub heal: Option<VolHeal>,
+    /// Its rebalance (running, or the last one), when it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<RebalanceView>,
 }
 
 /// `status`.

@@ -12,14 +12,15 @@
 use crate::def::{check_name, RebalanceDef, VolState, VolumeDef};
 use crate::manager::{Manager, Procs};
 use crate::pool::{Cmd, Outcome};
-use crate::rebalancer::{left_on_draining, RebalanceView};
+use crate::rebalancer::left_on_draining;
+use crate::rebalancing::RebalanceView;
 use crate::response::{BrickStopped, Response};
 use crate::store::vol_key;
 
 /// Default pace of a rebalance, MiB/s (`--rate` sets another; 0: none). On the 2-core
-/// machine of bench/README.md a rebalance at 100 MiB/s kept a mount's 4 KiB QD1 read p99 at
-/// 1.4x idle; at 200 MiB/s it was 8x, unpaced (530 MiB/s) 15x.
-pub const DEFAULT_RATE_MIB: u64 = 100;
+/// machine of bench/README.md a mount's 4 KiB QD1 read p99 under a rebalance was 1.23x idle
+/// at 64 MiB/s (median of 3), 1.9x at 100, 8x at 200, and 15-66x unpaced (530 MiB/s).
+pub const DEFAULT_RATE_MIB: u64 = 64;
 
 impl Manager {
     /// `rebalance NAME start|stop|status`.

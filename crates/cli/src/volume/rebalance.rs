@@ -18,9 +18,9 @@ pub(super) struct RebalanceArgs {
     /// or show its `status`: names and bytes found and moved per replica set, rate and ETA.
     #[arg(value_parser = ["start", "stop", "status"])]
     action: String,
-    /// With `start`: copy at most this many MiB per second (default 100; 0: no limit).
+    /// With `start`: copy at most this many MiB per second (default 64; 0: no limit).
     /// Client I/O shares the bricks' disks and CPU with the rebalance: the default kept a
-    /// mount's read p99 within 1.5x of idle on a 2-core host (bench/README.md).
+    /// mount's read p99 within 1.3x of idle on a 2-core host (bench/README.md).
     #[arg(long, value_name = "MIB")]
     rate: Option<u64>,
     /// Follow the run, printing its progress every second, until it ends.
@@ -42,7 +42,7 @@ pub(super) struct RemoveBrickArgs {
     /// With `start`: follow the draining until it ends.
     #[arg(long)]
     wait: bool,
-    /// With `start`: the rebalance copies at most this many MiB per second (default 100; 0:
+    /// With `start`: the rebalance copies at most this many MiB per second (default 64; 0:
     /// no limit).
     #[arg(long, value_name = "MIB")]
     rate: Option<u64>,

@@ -16,7 +16,7 @@
 //! graph ([`crate::volfile`]; a client following a managed volume polls for new versions). A
 //! client still on the older graph places new files by the older layout; they are found all the
 //! same (below), where they are; moving them where the current layout wants them is a
-//! rebalance's work (not built yet). (Directories made by earlier versions carry their layout
+//! rebalance's work ([`migrate`]). (Directories made by earlier versions carry their layout
 //! as the xattr [`LAYOUT_XATTR`]; it was always the equal split, and is no longer read or
 //! written.)
 //!
@@ -76,9 +76,11 @@
 //!
 //! Subvolume indexes are positions in the graph, so bricks are added by appending subvolumes:
 //! the layout gives them their share at once (above). Files whose hash now falls elsewhere stay
-//! where they are, found through the lookup fallback. A subvolume the graph marks draining takes
-//! no new files (the first step of removing bricks; moving their files off is a rebalance's
-//! work, not built yet).
+//! where they are, found through the lookup fallback, until a rebalance moves them
+//! ([`migrate`]: open files keep working as they move). A subvolume the graph marks draining
+//! takes no new files (the first step of removing bricks), and a rebalance moves everything on
+//! it to the others. Names beginning with [`MOVING_PREFIX`] are a rebalance's copies in
+//! progress and are never listed.
 //!
 //! Errors are errno values; no input makes this layer panic.
 

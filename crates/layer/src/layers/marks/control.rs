@@ -128,7 +128,7 @@ impl Marks {
         if let Err(e) = crate::layers::posix::brick::check_path(path) {
             return fail(e);
         }
-        let done = match req.begin {
+        match req.begin {
             m::SESSION_END => self.heal_end(owner, path),
             m::SESSION_HEAL => self.heal_begin(owner, path, false),
             m::SESSION_MIGRATE => self.heal_begin(owner, path, true),
@@ -136,8 +136,8 @@ impl Marks {
             m::SESSION_FREEZE => return Box::pin(self.freeze(owner, path)),
             m::SESSION_MOVED => self.moved(owner, path),
             _ => return fail(crate::errno::EINVAL),
-        };
-        Box::pin(std::future::ready(Ok(done)))
+        }
+        Box::pin(std::future::ready(Ok(())))
     }
 
     /// HEAL_LOCK: `lock` 1 takes the range (waiting for writes in flight), else drops it.

@@ -350,10 +350,7 @@ impl Marks {
 
     fn key(&self, path: &str) -> Arc<FileKey> {
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-        files
-            .entry(path.to_owned())
-            .or_insert_with(Arc::default)
-            .clone()
+        files.entry(path.to_owned()).or_default().clone()
     }
 
     /// Forgets a file's lock state when nobody holds it.

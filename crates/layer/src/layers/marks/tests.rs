@@ -477,3 +477,53 @@ fn heal_changes_of_a_name_skip_what_clients_changed_since_the_session_began() {
         assert_eq!(stat("f").unwrap(), 0o700);
     });
 }
+
+#[test]
+fn a_migration_records_client_changes_then_freezes_and_moves_the_file_for_good() {
+    use crate::ReadDst;
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let (c, mv) = (cx(1), cx(2));
+    let moved = Err(crate::errno::EMOVED);
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+        assert_eq!(write(&l, &c, &fd, 0, b'a', 64 * K).await, Ok(64 * K));
+        session(&l, &mv, m::SESSION_MIGRATE).await;
+        assert_eq!(write(&l, &c, &fd, 8 * K, b'b', 4 * K).await, Ok(4 * K));
+        // What clients changed is handed over on request, once.
+        session(&l, &mv, m::SESSION_DIRTY).await;
+        assert_eq!(ranges(&info(&l, &mv).await), vec![(8 * K, 4 * K)]);
+        session(&l, &mv, m::SESSION_DIRTY).await;
+        assert_eq!(ranges(&info(&l, &mv).await), vec![]);
+        // Frozen: every client fop on the file says EMOVED; the mover's go through.
+        session(&l, &mv, m::SESSION_FREEZE).await;
+        assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, moved);
+        let r = l.read(&c, &fd, 0, ReadDst::Any(10)).await.map(|o| o.len());
+        assert_eq!(r, moved.map(|_: u64| 0));
+        assert!(
+            matches!(l.open(&c, "f", libc::O_RDONLY as u32).await, Err(e) if e == crate::errno::EMOVED)
+        );
+        assert_eq!(l.unlink(&c, "f").await, moved.map(|_: u64| ()));
+        let mfd = l.open(&mv, "f", libc::O_RDONLY as u32).await.unwrap();
+        let r = l
+            .read(&mv, &mfd, 0, ReadDst::Any(10))
+            .await
+            .map(|o| o.len());
+        assert_eq!(r, Ok(10));
+        // A freeze lasts as long as its session.
+        session(&l, &mv, m::SESSION_END).await;
+        assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, Ok(10));
+        // Moved: the handles open on it fail for good, the name says EMOVED a while, and a
+        // file made anew under the name is another file.
+        session(&l, &mv, m::SESSION_MIGRATE).await;
+        session(&l, &mv, m::SESSION_MOVED).await;
+        assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, moved);
+        assert!(matches!(l.lookup(&c, "f").await, Err(e) if e == crate::errno::EMOVED));
+        l.unlink(&mv, "f").await.unwrap();
+        let (fd2, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+        assert_eq!(write(&l, &c, &fd2, 0, b'd', 10).await, Ok(10));
+        assert!(l.lookup(&c, "f").await.is_ok());
+        assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, moved);
+    });
+}

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use kiln_layer::shared::Shared;
+use kiln_layer::shared::Retry;
 use kiln_layer::volfile::Volfile;
 use kiln_layer::{
     errno, exec, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, Written,
@@ -369,16 +369,13 @@ macro_rules! switch_write {
         ) -> Fut<'a, Written> {
             Box::pin(async move {
                 let mut h = self.bind(fd).await?;
-                let shared = Shared::new(data);
+                let mut tries = Retry::new(data);
                 loop {
-                    let data = shared.share();
+                    let data = tries.next();
                     match h.gen.top.$name(cx, inner(&h), offset, data, $($arg),*).await {
                         Err(errno::EMOVED) => h = self.relocate(fd, &h).await?,
                         Err(e) => return Err(e),
-                        Ok(w) => {
-                            drop(w.bufs);
-                            return Ok(Written { n: w.n, bufs: shared.into_bufs() });
-                        }
+                        Ok(w) => return Ok(Written { n: w.n, bufs: tries.back(w.bufs) }),
                     }
                 }
             })
@@ -396,22 +393,21 @@ impl Switch {
         dst: ReadDst,
     ) -> FopResult<ReadOut> {
         let mut h = self.bind(fd).await?;
-        let (shared, any) = match dst {
-            ReadDst::Into(b) => (Some(Shared::new(b)), 0),
+        let (mut tries, any) = match dst {
+            ReadDst::Into(b) => (Some(Retry::new(b)), 0),
             ReadDst::Any(n) => (None, n),
         };
         loop {
-            let dst = match &shared {
-                Some(s) => ReadDst::Into(s.share()),
+            let dst = match &mut tries {
+                Some(t) => ReadDst::Into(t.next()),
                 None => ReadDst::Any(any),
             };
             match h.gen.top.read(cx, inner(&h), offset, dst).await {
                 Err(errno::EMOVED) => h = self.relocate(fd, &h).await?,
                 Err(e) => return Err(e),
                 Ok(ReadOut::Into { n, bufs }) => {
-                    drop(bufs);
-                    let bufs = match shared {
-                        Some(s) => s.into_bufs(),
+                    let bufs = match tries {
+                        Some(t) => t.back(bufs),
                         None => return Err(errno::EIO),
                     };
                     return Ok(ReadOut::Into { n, bufs });

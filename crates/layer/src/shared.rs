@@ -40,3 +40,75 @@ impl Shared {
         unsafe { IoBufs::from_parts(self.iov, keep) }
     }
 }
+
+/// Iovecs kept beside the request without allocating, up to this many.
+const INLINE: usize = 4;
+
+/// The caller's memory for the tries of one fop sent again when it fails a certain way (a
+/// file that moved while open): memory the caller lent raw is only described again (no
+/// allocation for up to [`INLINE`] vectors); owned memory is [`Shared`].
+pub struct Retry {
+    first: Option<IoBufs>,
+    inline: [kiln_proto::iov::RawIov; INLINE],
+    spill: Vec<kiln_proto::iov::RawIov>,
+    n: usize,
+    shared: Option<Shared>,
+}
+
+impl Retry {
+    /// Takes the caller's memory.
+    pub fn new(data: IoBufs) -> Retry {
+        let (iov, keep) = data.into_parts();
+        let none = kiln_proto::iov::RawIov { base: 0, len: 0 };
+        let mut r = Retry {
+            first: None,
+            inline: [none; INLINE],
+            spill: Vec::new(),
+            n: iov.len(),
+            shared: None,
+        };
+        match keep {
+            None => {
+                if iov.len() <= INLINE {
+                    r.inline[..iov.len()].copy_from_slice(&iov);
+                } else {
+                    r.spill = iov.clone();
+                }
+                // SAFETY: the caller lent these vectors raw (`IoBufs::raw`): valid until the
+                // fop completes, which every try is part of.
+                r.first = Some(unsafe { IoBufs::raw(iov) });
+            }
+            // SAFETY: rebuilt exactly as `into_parts` gave them.
+            Some(k) => r.shared = Some(Shared::new(unsafe { IoBufs::from_parts(iov, Some(k)) })),
+        }
+        r
+    }
+
+    /// The memory for the next try.
+    pub fn next(&mut self) -> IoBufs {
+        if let Some(f) = self.first.take() {
+            return f;
+        }
+        if let Some(s) = &self.shared {
+            return s.share();
+        }
+        let iov = if self.n <= INLINE {
+            self.inline[..self.n].to_vec()
+        } else {
+            self.spill.clone()
+        };
+        // SAFETY: as in `new`: the caller's raw vectors, valid until the fop completes.
+        unsafe { IoBufs::raw(iov) }
+    }
+
+    /// The caller's memory back, from the try that succeeded (`used`, handed back by it).
+    pub fn back(self, used: IoBufs) -> IoBufs {
+        match self.shared {
+            Some(s) => {
+                drop(used);
+                s.into_bufs()
+            }
+            None => used,
+        }
+    }
+}

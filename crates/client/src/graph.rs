@@ -371,7 +371,7 @@ macro_rules! switch_write {
                 let mut h = self.bind(fd).await?;
                 let mut tries = Retry::new(data);
                 loop {
-                    let data = tries.next();
+                    let data = tries.take();
                     match h.gen.top.$name(cx, inner(&h), offset, data, $($arg),*).await {
                         Err(errno::EMOVED) => h = self.relocate(fd, &h).await?,
                         Err(e) => return Err(e),
@@ -399,7 +399,7 @@ impl Switch {
         };
         loop {
             let dst = match &mut tries {
-                Some(t) => ReadDst::Into(t.next()),
+                Some(t) => ReadDst::Into(t.take()),
                 None => ReadDst::Any(any),
             };
             match h.gen.top.read(cx, inner(&h), offset, dst).await {

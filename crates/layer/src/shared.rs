@@ -85,7 +85,7 @@ impl Retry {
     }
 
     /// The memory for the next try.
-    pub fn next(&mut self) -> IoBufs {
+    pub fn take(&mut self) -> IoBufs {
         if let Some(f) = self.first.take() {
             return f;
         }

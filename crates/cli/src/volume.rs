@@ -79,16 +79,21 @@ enum VolumeCmd {
     Start(StartArgs),
     /// Stop a volume's bricks (SIGTERM; clients lose access until the next start).
     Stop(NameArgs),
-    /// Add bricks to a volume, online: `kiln volume add-brick NAME [replica N] HOST:/DIR...`,
-    /// whole replica sets of the volume's replica count (N, if given, must be it).
+    /// Add bricks to a volume, online: `kiln volume add-brick NAME [replica N] HOST:/DIR...`.
     ///
-    /// The new bricks start empty and run at once in a started volume; running clients switch
-    /// to the grown volume within a second and new files land on the new sets from then on.
-    /// Files already there stay where they are and are found there; `rebalance NAME start`
-    /// moves them where the new layout wants them.
+    /// With N the volume's replica count (or no `replica`): whole new replica sets. The new
+    /// bricks start empty and run at once in a started volume; running clients switch to the
+    /// grown volume within a second and new files land on the new sets from then on. Files
+    /// already there stay where they are and are found there; `rebalance NAME start` moves
+    /// them where the new layout wants them.
+    ///
+    /// With N above it: the replica count is raised. Give N - R new bricks for each replica
+    /// set, set by set; they are rebuilt in full from the set's bricks by the heal service
+    /// (`status NAME` shows the progress) while clients go on.
     #[command(
         after_help = "Examples:\n  kiln volume add-brick vol1 10.0.0.4:/srv/b1 10.0.0.5:/srv/b1 \
-                            10.0.0.6:/srv/b1\n  kiln volume add-brick scratch 127.0.0.1:/srv/scratch2"
+                            10.0.0.6:/srv/b1\n  kiln volume add-brick scratch 127.0.0.1:/srv/scratch2\n  \
+                      kiln volume add-brick single replica 3 10.0.0.2:/srv/b 10.0.0.3:/srv/b"
     )]
     AddBrick(CreateLikeArgs),
     /// Take whole replica sets out of a volume, online: `start` drains them (no new files; a

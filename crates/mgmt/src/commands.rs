@@ -69,6 +69,8 @@ impl Manager {
             io_timeout: None,
             draining: Vec::new(),
             rebalance: None,
+            sets: Vec::new(),
+            widening: None,
         };
         // Every other host with a brick is in the pool, and creates its brick directories
         // now: a host that cannot is found before the volume exists.

@@ -120,6 +120,16 @@ pub struct VolumeDef {
     /// The rebalance the leader runs or ran (`rebalance start`, `remove-brick start`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<RebalanceDef>,
+    /// Each replica set's bricks by index, when they are not `replica` consecutive bricks (the
+    /// replica count was raised online: a set's new bricks are further down the list). Empty:
+    /// consecutive.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sets: Vec<Vec<usize>>,
+    /// The replica count was raised from this one and the new bricks are not all rebuilt yet:
+    /// a change needs a majority of the old count until then (the old bricks are the only
+    /// members). The heal service clears it once every brick is a member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub widening: Option<usize>,
 }
 
 /// A rebalance as the store records it: asked for, stopped, or finished.
@@ -138,11 +148,24 @@ pub struct RebalanceDef {
 }
 
 impl VolumeDef {
-    /// The replica sets in the volume (removed ones left out), by index.
-    pub fn live_sets(&self) -> Vec<usize> {
+    /// Each replica set's bricks, by index (removed sets too).
+    pub fn set_bricks(&self) -> Vec<Vec<usize>> {
+        if !self.sets.is_empty() {
+            return self.sets.clone();
+        }
         let r = self.replica.max(1);
         (0..self.bricks.len() / r)
-            .filter(|k| !self.bricks[k * r].removed)
+            .map(|k| (k * r..(k + 1) * r).collect())
+            .collect()
+    }
+
+    /// The replica sets in the volume (removed ones left out), by index.
+    pub fn live_sets(&self) -> Vec<usize> {
+        self.set_bricks()
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.first().is_some_and(|&i| !self.bricks[i].removed))
+            .map(|(k, _)| k)
             .collect()
     }
 

@@ -88,6 +88,9 @@ fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Clien
             .map_or(0, |d| d.as_secs())
     };
     let rebuild = heal::new_bricks(vol.top()).iter().any(|(_, up)| *up);
+    if def.widening.is_some() && all_members(vol.top()) {
+        manager.widening_done(&def.name);
+    }
     if !need.iter().any(|n| n.target_up) && !rebuild {
         healer.update(&def.name, |v| {
             v.backlog = need.len() as u64;
@@ -118,4 +121,13 @@ fn connect(manager: &Manager, def: &VolumeDef) -> Result<kiln_client::Volume, St
     let secret = manager.read_secret(&def.name)?;
     kiln_client::Volume::from_volfile_with_secret(&volfile, Some(secret.as_bytes()))
         .map_err(|e| format!("heal service cannot reach the bricks of {}: {e}", def.name))
+}
+
+/// Whether every replica of the stack is up and a member (none new): a volume whose replica
+/// count was raised has finished rebuilding.
+fn all_members(top: &kiln_layer::LayerRef) -> bool {
+    heal::replicate_layers(top)
+        .iter()
+        .flat_map(|l| l.graph_children())
+        .all(|k| k.up() && !k.joining())
 }

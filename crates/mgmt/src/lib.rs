@@ -137,6 +137,8 @@ mod tests {
             io_timeout: None,
             draining: Vec::new(),
             rebalance: None,
+            sets: Vec::new(),
+            widening: None,
         }
     }
 
@@ -176,5 +178,46 @@ mod tests {
             ]
         );
         assert_eq!(Volfile::parse(&v.to_toml()).unwrap(), v);
+    }
+
+    #[test]
+    fn client_volfile_of_a_reshaped_volume() {
+        use kiln_layer::volfile::LayerKind;
+        // 2 x 1 raised to 2 x 2 (sets listed, new bricks at the end), then set 0 drained.
+        let mut d = def(2, 4);
+        d.sets = vec![vec![0, 2], vec![1, 3]];
+        d.widening = Some(1);
+        d.draining = vec![0];
+        let v = client_volfile(&d).unwrap();
+        let layer = |n: &str| v.layers.iter().find(|l| l.name == n).unwrap();
+        assert_eq!(
+            layer("v-replicate-0").subvolumes,
+            ["v-client-0", "v-client-2"]
+        );
+        assert_eq!(
+            layer("v-replicate-1").subvolumes,
+            ["v-client-1", "v-client-3"]
+        );
+        assert!(matches!(
+            layer("v-replicate-1").kind,
+            LayerKind::Replicate {
+                quorum: Some(1),
+                ..
+            }
+        ));
+        assert!(matches!(
+            &layer("v-dht").kind,
+            LayerKind::Distribute { draining } if draining == &["v-replicate-0"]
+        ));
+        // Set 0 removed: its bricks are in no graph, the other set keeps its names.
+        for i in [0, 2] {
+            d.bricks[i].removed = true;
+        }
+        d.draining.clear();
+        d.widening = None;
+        let v = client_volfile(&d).unwrap();
+        let names: Vec<&str> = v.layers.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["v", "v-replicate-1", "v-client-1", "v-client-3"]);
+        assert_eq!(d.live_sets(), [1]);
     }
 }

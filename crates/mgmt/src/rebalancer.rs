@@ -44,10 +44,12 @@ pub fn start(manager: Arc<Manager>) {
                 continue;
             }
             let since = def.rebalance.as_ref().map_or(0, |r| r.since);
-            // One run per request on this kilnd, however it ended.
+            // A run of this request is under way here. One that ended has recorded its end
+            // first (so it is not asked for any more) unless it lost the leadership or could
+            // not record: then it runs again.
             let busy = lock(&manager.runs.runs)
                 .get(&def.name)
-                .is_some_and(|r| r.since == since);
+                .is_some_and(|r| r.since == since && lock(&r.view).state == "running");
             if !busy {
                 launch(&manager, def);
             }
@@ -285,16 +287,13 @@ fn scan(d: &Distribute, run: &Run) -> Result<Vec<Misplaced>, String> {
 
 /// The sets of the stack `d` with their bricks, in its order.
 fn sets_of(def: &VolumeDef, d: &Distribute) -> Vec<SetMoves> {
-    let r = def.replica.max(1);
+    let sets = def.set_bricks();
     d.kid_names()
         .into_iter()
         .zip(def.live_sets())
         .map(|(set, k)| SetMoves {
             set,
-            bricks: def.bricks[k * r..(k + 1) * r]
-                .iter()
-                .map(|b| b.spec())
-                .collect(),
+            bricks: sets[k].iter().map(|&i| def.bricks[i].spec()).collect(),
             draining: def.draining.contains(&k),
             ..SetMoves::default()
         })

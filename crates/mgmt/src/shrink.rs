@@ -152,7 +152,13 @@ impl Manager {
                  status`)"
             ));
         }
-        if def.state == VolState::Started {
+        if def.state != VolState::Started {
+            return Err(format!(
+                "volume {name} is not started: commit walks the sets to check that nothing is \
+                 left on them; start it first"
+            ));
+        }
+        {
             let only: VolumeDef = VolumeDef {
                 draining: sets.to_vec(),
                 ..def.clone()
@@ -166,9 +172,9 @@ impl Manager {
                 ));
             }
         }
-        let r = def.replica.max(1);
+        let members = def.set_bricks();
         for &k in sets {
-            for i in k * r..(k + 1) * r {
+            for &i in &members[k] {
                 self.stop_anywhere(procs, &def, i)?;
                 let b = &mut def.bricks[i];
                 b.removed = true;
@@ -258,32 +264,35 @@ fn sets_named(def: &VolumeDef, bricks: &[String]) -> Result<Vec<usize>, String> 
     if bricks.is_empty() {
         return Err(format!("remove-brick {name}: name the bricks to remove"));
     }
-    let r = def.replica.max(1);
+    let named = |b: &crate::def::BrickDef| {
+        bricks
+            .iter()
+            .any(|s| b.spec() == *s || format!("{}:{}", b.host, b.dir.display()) == *s)
+    };
+    let all = def.set_bricks();
     let mut sets = Vec::new();
     for s in bricks {
-        let i = def
-            .bricks
+        let k = all
             .iter()
-            .position(|b| {
-                !b.removed && (b.spec() == *s || format!("{}:{}", b.host, b.dir.display()) == *s)
+            .position(|set| {
+                set.iter().any(|&i| {
+                    let b = &def.bricks[i];
+                    !b.removed
+                        && (b.spec() == *s || format!("{}:{}", b.host, b.dir.display()) == *s)
+                })
             })
             .ok_or_else(|| format!("volume {name} has no brick {s} (see `volume info {name}`)"))?;
-        if !sets.contains(&(i / r)) {
-            sets.push(i / r);
+        if !sets.contains(&k) {
+            sets.push(k);
         }
     }
     for &k in &sets {
-        let whole = def.bricks[k * r..(k + 1) * r].iter().all(|b| {
-            bricks
-                .iter()
-                .any(|s| b.spec() == *s || format!("{}:{}", b.host, b.dir.display()) == *s)
-        });
-        if !whole {
+        if !all[k].iter().all(|&i| named(&def.bricks[i])) {
             return Err(format!(
-                "volume {name}: remove whole replica sets of {r} bricks (set {k} is {})",
-                def.bricks[k * r..(k + 1) * r]
+                "volume {name}: remove whole replica sets (set {k} is {})",
+                all[k]
                     .iter()
-                    .map(|b| b.spec())
+                    .map(|&i| def.bricks[i].spec())
                     .collect::<Vec<_>>()
                     .join(" ")
             ));

@@ -67,6 +67,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
         });
     }
     let replica = def.replica.max(1);
+    let sets = def.set_bricks();
     let live = def.live_sets();
     let mut layers = Vec::new();
     let mut set_tops = Vec::new();
@@ -77,18 +78,16 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
             let lname = format!("{name}-replicate-{k}");
             replicates.push(LayerDef {
                 name: lname.clone(),
-                subvolumes: clients[k * replica..(k + 1) * replica]
-                    .iter()
-                    .map(|c| c.name.clone())
-                    .collect(),
+                subvolumes: sets[k].iter().map(|&i| clients[i].name.clone()).collect(),
                 kind: LayerKind::Replicate {
-                    quorum: None,
+                    // Widening: the old bricks are the only members until the new are rebuilt.
+                    quorum: def.widening.map(|r| (r / 2 + 1) as u32),
                     timeout: def.io_timeout,
                 },
             });
             lname
         } else {
-            clients[k].name.clone()
+            clients[sets[k][0]].name.clone()
         };
         if def.draining.contains(&k) {
             draining.push(top.clone());
@@ -96,15 +95,11 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
         set_tops.push(top);
     }
     // Removed bricks are in no graph.
-    clients.retain(|c| {
-        let i: usize = c
-            .name
-            .rsplit('-')
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
-        live.contains(&(i / replica))
-    });
+    let kept: Vec<String> = live
+        .iter()
+        .flat_map(|&k| sets[k].iter().map(|&i| clients[i].name.clone()))
+        .collect();
+    clients.retain(|c| kept.contains(&c.name));
     let below_top = match set_tops.as_slice() {
         [] => return Err(format!("volume {name}: no bricks left")),
         [only] => only.clone(),

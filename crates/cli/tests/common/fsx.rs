@@ -16,6 +16,7 @@ const MAX_OP: u64 = 64 << 10;
 
 pub struct Fsx {
     done: Arc<AtomicU64>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
     handle: std::thread::JoinHandle<Result<u64, String>>,
 }
 
@@ -46,13 +47,15 @@ fn open(path: &Path) -> File {
 }
 
 impl Fsx {
-    /// Runs `ops` operations on `path` (made empty first), seeded with `seed`.
+    /// Runs operations on `path` (made empty first), seeded with `seed`, until told to
+    /// [`Fsx::finish`] and at least `ops` are done.
     pub fn start(path: &Path, ops: u64, seed: u64) -> Fsx {
         let done = Arc::new(AtomicU64::new(0));
-        let d = done.clone();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (d, st) = (done.clone(), stop.clone());
         let path: PathBuf = path.to_owned();
-        let handle = std::thread::spawn(move || run(&path, ops, seed, &d));
-        Fsx { done, handle }
+        let handle = std::thread::spawn(move || run(&path, ops, seed, &d, &st));
+        Fsx { done, stop, handle }
     }
 
     /// Operations done so far.
@@ -60,20 +63,31 @@ impl Fsx {
         self.done.load(Ordering::Acquire)
     }
 
-    /// Waits for the end: the operations done, or the first mismatch or error.
+    /// Stops it once the least number of operations is done: all of them, or the first
+    /// mismatch or error.
     pub fn finish(self) -> Result<u64, String> {
+        self.stop.store(true, Ordering::Release);
         self.handle.join().expect("the fsx thread")
     }
 }
 
-fn run(path: &Path, ops: u64, seed: u64, done: &AtomicU64) -> Result<u64, String> {
+fn run(
+    path: &Path,
+    ops: u64,
+    seed: u64,
+    done: &AtomicU64,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<u64, String> {
     let mut rng = Rng(seed | 1);
     let mut model: Vec<u8> = Vec::new();
     let mut f = open(path);
     f.set_len(0)
         .map_err(|e| format!("truncate at start: {e}"))?;
     let mut punch = true;
-    for n in 0..ops {
+    for n in 0.. {
+        if n >= ops && stop.load(Ordering::Acquire) {
+            return Ok(n);
+        }
         let fail = |what: String| Err(format!("fsx op {n} (seed {seed}): {what}"));
         match rng.below(100) {
             0..=29 => {
@@ -152,7 +166,7 @@ fn run(path: &Path, ops: u64, seed: u64, done: &AtomicU64) -> Result<u64, String
         }
         done.store(n + 1, Ordering::Release);
     }
-    Ok(ops)
+    unreachable!("the loop returns")
 }
 
 /// Reads until `buf` is full or the file ends.

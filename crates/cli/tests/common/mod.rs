@@ -207,3 +207,27 @@ pub fn kill_brick_pid(pid: i32) {
             .unwrap_or(true)
     });
 }
+
+/// The regular files under brick directory `dir` (its state directory left out), as sorted
+/// relative paths.
+pub fn brick_files(dir: &Path) -> Vec<String> {
+    fn walk(root: &Path, d: &Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(d).unwrap() {
+            let e = e.unwrap();
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            if rel == ".kiln" {
+                continue;
+            }
+            if e.file_type().unwrap().is_dir() {
+                walk(root, &p, out);
+            } else {
+                out.push(rel);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}

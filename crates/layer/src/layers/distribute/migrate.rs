@@ -47,6 +47,9 @@ pub const MOVING_PREFIX: &str = ".kiln-moving.";
 const CHUNK: u64 = 1 << 20;
 /// Changed bytes left at which a move cuts over.
 const CUTOVER: u64 = 8 << 20;
+/// Changed bytes left after every round above which a move gives up for now (a freeze that
+/// long would stall clients).
+const CUTOVER_MAX: u64 = 64 << 20;
 /// Copy rounds of changed ranges before a move cuts over whatever is left.
 const ROUNDS: usize = 16;
 /// How often a long copy renews its session (its lease is 10 s).
@@ -66,6 +69,9 @@ pub struct Misplaced {
     pub to: usize,
     /// Its size in bytes.
     pub size: u64,
+    /// The name is on its hashed subvolume too (a move cut short between its rename and its
+    /// removal): left alone, never removed blindly.
+    pub twin: bool,
 }
 
 /// A rebalance's counters and pace, shared with whoever reports on it.
@@ -118,6 +124,20 @@ impl Progress {
     }
 }
 
+/// Bytes of `todo` below `size`.
+fn left(todo: &RangeSet, size: u64) -> u64 {
+    todo.iter()
+        .map(|(o, l)| {
+            let end = if l == m::WHOLE {
+                size
+            } else {
+                (o + l).min(size)
+            };
+            end.saturating_sub(o)
+        })
+        .sum()
+}
+
 fn session(begin: u32) -> HealReq {
     HealReq { begin }
 }
@@ -131,13 +151,18 @@ fn join(dir: &str, name: &str) -> String {
     }
 }
 
-/// The temporary name of `path`'s copy, in the same directory.
+/// The temporary name of a copy of `path`, in the same directory: unique to this mover (two
+/// movers never share one, even of the same file).
 fn temp_of(path: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let (dir, name) = split(path);
-    join(
-        dir,
-        &format!("{MOVING_PREFIX}{:08x}", super::name_hash(name)),
-    )
+    let n = NEXT.fetch_add(1, Relaxed);
+    let tag = format!(
+        "{MOVING_PREFIX}{:08x}.{}.{n}",
+        super::name_hash(name),
+        std::process::id()
+    );
+    join(dir, &tag)
 }
 
 /// The distribute layer of a stack, if it has one.
@@ -194,14 +219,9 @@ impl Distribute {
             if h == *i {
                 continue;
             }
-            if names.iter().any(|(p, j, _)| p == path && *j == h) {
-                tracing::warn!(
-                    path,
-                    "on subvolumes {i} and {h}: left alone (a move cut short?); remove one copy"
-                );
-                continue;
-            }
+            let twin = names.iter().any(|(p, j, _)| p == path && *j == h);
             found.push(Misplaced {
+                twin,
                 path: path.clone(),
                 from: *i,
                 to: h,
@@ -219,6 +239,15 @@ impl Distribute {
     /// where it is on purpose (counted as skipped).
     pub async fn migrate(&self, m: &Misplaced, progress: &Progress) -> FopResult<bool> {
         let cx = &Ctx::NONE;
+        if m.twin {
+            tracing::warn!(
+                path = m.path,
+                "on subvolumes {} and {}: left alone (a move cut short?); remove one copy",
+                m.from,
+                m.to
+            );
+            return Ok(false);
+        }
         let (Some(src), Some(dst)) = (self.kids.get(m.from), self.kids.get(m.to)) else {
             return Err(libc::EINVAL as Errno);
         };
@@ -260,29 +289,66 @@ impl Distribute {
             }
             return r.map(|()| true);
         }
-        let made = if kind == libc::S_IFLNK {
-            let target = src.readlink(cx, &m.path).await?;
-            dst.symlink(cx, &target, &temp).await
-        } else {
-            dst.mknod(cx, &temp, a.mode, a.rdev).await
-        };
-        made?;
-        if let Err(e) = place(src, dst, &m.path, &temp).await {
-            let _ = dst.unlink(cx, &temp).await;
-            return Err(e);
+        // Frozen like a file (nobody has it open, but its name could change meanwhile).
+        let r = async {
+            src.heal_session(cx, &m.path, &session(m::SESSION_MIGRATE))
+                .await?;
+            src.heal_session(cx, &m.path, &session(m::SESSION_FREEZE))
+                .await?;
+            if kind == libc::S_IFLNK {
+                let target = src.readlink(cx, &m.path).await?;
+                dst.symlink(cx, &target, &temp).await?;
+            } else {
+                dst.mknod(cx, &temp, a.mode, a.rdev).await?;
+            }
+            place(src, dst, &m.path, &temp).await
         }
-        Ok(true)
+        .await;
+        if r.is_err() {
+            let _ = src
+                .heal_session(cx, &m.path, &session(m::SESSION_END))
+                .await;
+            let _ = dst.unlink(cx, &temp).await;
+        }
+        r.map(|()| true)
     }
 }
 
-/// Renames `temp` over `path` on `dst`, marks the file moved on `src`, then removes `path`
-/// there. Marked before the name goes: a client that missed it on the destination a moment
-/// ago is told to look again, never that it does not exist.
+/// Under the freeze: marks the file moved on `src` (refused if the freeze lapsed or the name
+/// changed: nothing is lost, the move fails), renames `temp` to `path` on `dst`, then removes
+/// `path` from `src`. Between the mark and the rename a lookup on `src` says `EMOVED`, so
+/// clients look again rather than hear that the file does not exist. If a client made `path`
+/// on `dst` meanwhile (a rename over it, which replaces the file), that one stays.
 async fn place(src: &LayerRef, dst: &LayerRef, path: &str, temp: &str) -> FopResult<()> {
     let cx = &Ctx::NONE;
-    dst.rename(cx, temp, path, 0).await?;
     src.heal_session(cx, path, &session(m::SESSION_MOVED))
         .await?;
+    let mut tries = 0;
+    loop {
+        match dst.rename(cx, temp, path, libc::RENAME_NOREPLACE).await {
+            Ok(()) => break,
+            Err(e) if e == libc::EEXIST as Errno => {
+                tracing::info!(
+                    path,
+                    "replaced on its new set while it moved: the move yields"
+                );
+                let _ = dst.unlink(cx, temp).await;
+                break;
+            }
+            Err(e) if tries < 3 => {
+                tries += 1;
+                tracing::warn!(path, "moving into place failed (errno {e}): again");
+            }
+            Err(e) => {
+                tracing::error!(
+                    path,
+                    "marked moved but not put in place (errno {e}): its copy is {temp} on \
+                     the new set, the data still on the old one"
+                );
+                return Err(e);
+            }
+        }
+    }
     match src.unlink(cx, path).await {
         Ok(()) | Err(ENOENT) => Ok(()),
         Err(e) => {
@@ -313,40 +379,91 @@ impl Move<'_> {
             .heal_session(cx, self.path, &session(m::SESSION_MIGRATE))
             .await?;
         self.sfd = Some(self.src.open(cx, self.path, libc::O_RDONLY as u32).await?);
-        // The first pass: everything, holes left as holes.
-        let mut size = self.sync_size().await?;
         let mut todo = RangeSet::default();
         let mut renewed = Instant::now();
-        let mut off = 0;
-        while off < size {
-            let len = CHUNK.min(size - off);
-            self.copy(off, len, true).await?;
-            off += len;
-            if renewed.elapsed() >= RENEW {
-                self.changed(&mut todo).await?;
-                renewed = Instant::now();
-            }
-        }
+        // The first pass: everything, holes left as holes.
+        let mut size = self.sync_size().await?;
+        self.copy_span((0, size), true, true, &mut todo, &mut renewed)
+            .await?;
         // Rounds of what clients changed meanwhile, until little is left.
         for _ in 0..ROUNDS {
             self.changed(&mut todo).await?;
+            renewed = Instant::now();
             size = self.sync_size().await?;
-            if todo.iter().map(|(_, l)| l.min(size)).sum::<u64>() <= CUTOVER {
+            if left(&todo, size) <= CUTOVER {
                 break;
             }
-            self.copy_ranges(std::mem::take(&mut todo), size).await?;
+            for (o, l) in std::mem::take(&mut todo).iter() {
+                let span = (
+                    o,
+                    if l == m::WHOLE {
+                        size
+                    } else {
+                        (o + l).min(size)
+                    },
+                );
+                self.copy_span(span, false, true, &mut todo, &mut renewed)
+                    .await?;
+            }
         }
-        // The cut-over: clients wait (their fops say EMOVED and are sent again).
+        if left(&todo, size) > CUTOVER_MAX {
+            tracing::info!(
+                path = self.path,
+                "clients change it faster than it copies: left for the next run"
+            );
+            return Err(libc::EAGAIN as Errno);
+        }
+        // The cut-over: clients wait (their fops say EMOVED and are sent again). Not paced,
+        // and the session renewed, so that the freeze is short and never lapses.
         self.src
             .heal_session(cx, self.path, &session(m::SESSION_FREEZE))
             .await?;
         self.changed(&mut todo).await?;
         size = self.sync_size().await?;
-        let final_attr = self.src.fstat(cx, self.sfd()?).await?;
-        self.copy_ranges(todo, size).await?;
-        self.copy_meta(&final_attr).await?;
+        let fin = self.src.fstat(cx, self.sfd()?).await?;
+        if fin.nlink != 1 {
+            // Linked since the move began (its other name may be elsewhere), or removed. (A
+            // rename over the name or of it fails the freeze itself.)
+            return Err(libc::ESTALE as Errno);
+        }
+        for (o, l) in std::mem::take(&mut todo).iter() {
+            let span = (
+                o,
+                if l == m::WHOLE {
+                    size
+                } else {
+                    (o + l).min(size)
+                },
+            );
+            self.copy_span(span, false, false, &mut todo, &mut renewed)
+                .await?;
+        }
+        self.copy_meta(&fin).await?;
         self.dst.fsync(cx, self.dfd()?, false).await?;
         place(self.src, self.dst, self.path, self.temp).await
+    }
+
+    /// Copies `[start, end)` a chunk at a time (paced when `pace`), renewing the session (and
+    /// collecting what clients changed into `todo`) every [`RENEW`].
+    async fn copy_span(
+        &self,
+        (start, end): (u64, u64),
+        holes: bool,
+        pace: bool,
+        todo: &mut RangeSet,
+        renewed: &mut Instant,
+    ) -> FopResult<()> {
+        let mut off = start;
+        while off < end {
+            let len = CHUNK.min(end - off);
+            self.copy(off, len, holes, pace).await?;
+            off += len;
+            if renewed.elapsed() >= RENEW {
+                self.changed(todo).await?;
+                *renewed = Instant::now();
+            }
+        }
+        Ok(())
     }
 
     fn sfd(&self) -> FopResult<&Fd> {
@@ -397,27 +514,9 @@ impl Move<'_> {
         Ok(size)
     }
 
-    /// Copies `ranges` (clipped to `size`) again.
-    async fn copy_ranges(&self, ranges: RangeSet, size: u64) -> FopResult<()> {
-        for (o, l) in ranges.iter() {
-            let end = if l == m::WHOLE {
-                size
-            } else {
-                (o + l).min(size)
-            };
-            let mut off = o;
-            while off < end {
-                let len = CHUNK.min(end - off);
-                self.copy(off, len, false).await?;
-                off += len;
-            }
-        }
-        Ok(())
-    }
-
     /// Copies `[off, off+len)`; with `holes`, a chunk of zeros is not written (the copy is new
     /// and reads zeros there already).
-    async fn copy(&self, off: u64, len: u64, holes: bool) -> FopResult<()> {
+    async fn copy(&self, off: u64, len: u64, holes: bool, pace: bool) -> FopResult<()> {
         let cx = &Ctx::NONE;
         let out = self
             .src
@@ -448,7 +547,12 @@ impl Move<'_> {
                 return Err(EIO);
             }
         }
-        self.progress.pace(len).await
+        if pace {
+            self.progress.pace(len).await
+        } else {
+            self.progress.bytes.fetch_add(len, Relaxed);
+            Ok(())
+        }
     }
 
     /// Owner, mode, times and extended attributes of the source, onto the copy.

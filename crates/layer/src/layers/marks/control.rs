@@ -134,7 +134,7 @@ impl Marks {
             m::SESSION_MIGRATE => self.heal_begin(owner, path, true),
             m::SESSION_DIRTY => return Box::pin(std::future::ready(self.dirty(owner, path))),
             m::SESSION_FREEZE => return Box::pin(self.freeze(owner, path)),
-            m::SESSION_MOVED => self.moved(owner, path),
+            m::SESSION_MOVED => return Box::pin(std::future::ready(self.moved(owner, path))),
             _ => return fail(crate::errno::EINVAL),
         }
         Box::pin(std::future::ready(Ok(())))

@@ -189,9 +189,7 @@ impl Marks {
                             if record {
                                 s.written.add(start, len_of(start, end));
                             }
-                            if !s.migrate {
-                                s.touched |= aspects;
-                            }
+                            s.touched |= aspects;
                         }
                         if let Some((fd, fd_owner)) = fd {
                             super::recent::note(&mut st, fd, fd_owner, start, end);

@@ -18,6 +18,9 @@
 //! renamed into place, and here just after the name went, is told to look again instead of
 //! being told the file does not exist. A name made here anew is forgotten at once.
 //!
+//! A change of the name itself (removed, renamed, replaced) while the move runs makes the freeze
+//! and the mark fail with `ESTALE`: the copy is not of the file the name holds now.
+//!
 //! A freeze lives only as long as its session: a mover that dies lets its lease lapse, and the
 //! file works here again as before.
 
@@ -30,6 +33,9 @@ use crate::{errno, FopResult};
 
 use super::locks::Locker;
 use super::*;
+
+/// Stale: the name changed under a move.
+const ESTALE: u32 = libc::ESTALE as u32;
 
 /// How long a lookup of a moved name says `EMOVED`.
 pub(super) const MOVED_NAMES_FOR: Duration = Duration::from_secs(10);
@@ -124,6 +130,10 @@ impl Marks {
                 .iter_mut()
                 .find(|s| s.owner == owner && s.migrate)
                 .ok_or(ETIMEDOUT)?;
+            if s.touched & aspect::ENTRY != 0 {
+                // Renamed, removed or replaced since the move began: not the file it copied.
+                return Err(ESTALE);
+            }
             s.expires = now + m::LOCK_LEASE;
             s.frozen = true;
             key.frozen.store(true, SeqCst);
@@ -146,11 +156,26 @@ impl Marks {
     }
 
     /// SESSION_MOVED: the file is somewhere else now; its handles here fail from now on. The
-    /// name no longer leads to this state (a file made anew under it is another file).
-    pub(super) fn moved(&self, owner: u64, path: &str) {
+    /// name no longer leads to this state (a file made anew under it is another file). Only
+    /// under the caller's live freeze, the name untouched since the move began: a freeze that
+    /// lapsed let clients change the file again, and the copy is not it any more.
+    pub(super) fn moved(&self, owner: u64, path: &str) -> FopResult<()> {
         let key = self.key(path);
-        key.moved.store(true, SeqCst);
-        key.state().sessions.retain(|s| s.owner != owner);
+        {
+            let mut st = key.state();
+            let now = Instant::now();
+            st.sessions.retain(|s| s.expires > now);
+            let s = st
+                .sessions
+                .iter()
+                .find(|s| s.owner == owner && s.migrate && s.frozen)
+                .ok_or(ETIMEDOUT)?;
+            if s.touched & aspect::ENTRY != 0 {
+                return Err(ESTALE);
+            }
+            key.moved.store(true, SeqCst);
+            st.sessions.retain(|s| s.owner != owner);
+        }
         key.changed.notify_waiters();
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         if files.get(path).is_some_and(|k| Arc::ptr_eq(k, &key)) {
@@ -162,5 +187,6 @@ impl Marks {
             "{}: {path} moved to another subvolume; its open handles here are told so",
             self.dir.display()
         );
+        Ok(())
     }
 }

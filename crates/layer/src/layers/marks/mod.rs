@@ -110,7 +110,8 @@ struct Session {
     /// What of the name and its attributes other connections changed since the session
     /// began ([`aspect`] bits): heal's own changes of those are skipped.
     touched: u32,
-    /// A migration's session ([`migrate`]): the owner's changes are never skipped.
+    /// A migration's session ([`migrate`]): its freeze and mark fail once the name was
+    /// touched (`touched` has [`aspect::ENTRY`]).
     migrate: bool,
     /// The migration is cutting over: other connections' fops on the file fail with
     /// `EMOVED` while the session lives.

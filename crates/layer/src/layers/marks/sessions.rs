@@ -41,7 +41,7 @@ impl Marks {
             written,
             skipped: RangeSet::default(),
             busy,
-            touched: if naming && !migrate { aspect::ALL } else { 0 },
+            touched: if naming { aspect::ALL } else { 0 },
             migrate,
             frozen: false,
         });

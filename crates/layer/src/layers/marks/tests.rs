@@ -514,9 +514,20 @@ fn a_migration_records_client_changes_then_freezes_and_moves_the_file_for_good()
         // A freeze lasts as long as its session.
         session(&l, &mv, m::SESSION_END).await;
         assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, Ok(10));
+        // Marked moved only under a live freeze.
+        session(&l, &mv, m::SESSION_MIGRATE).await;
+        let timedout = Err(ETIMEDOUT);
+        let req = HealReq {
+            begin: m::SESSION_MOVED,
+        };
+        assert_eq!(
+            l.heal_session(&mv, "f", &req).await,
+            timedout.map(|_: u64| ())
+        );
+        assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, Ok(10));
         // Moved: the handles open on it fail for good, the name says EMOVED a while, and a
         // file made anew under the name is another file.
-        session(&l, &mv, m::SESSION_MIGRATE).await;
+        session(&l, &mv, m::SESSION_FREEZE).await;
         session(&l, &mv, m::SESSION_MOVED).await;
         assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, moved);
         assert!(matches!(l.lookup(&c, "f").await, Err(e) if e == crate::errno::EMOVED));
@@ -525,5 +536,31 @@ fn a_migration_records_client_changes_then_freezes_and_moves_the_file_for_good()
         assert_eq!(write(&l, &c, &fd2, 0, b'd', 10).await, Ok(10));
         assert!(l.lookup(&c, "f").await.is_ok());
         assert_eq!(write(&l, &c, &fd, 0, b'c', 10).await, moved);
+    });
+}
+
+#[test]
+fn a_name_changed_during_a_migration_fails_its_freeze() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let (c, mv) = (cx(1), cx(2));
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&c, "f", flags, 0o644).await.unwrap();
+        assert_eq!(write(&l, &c, &fd, 0, b'a', 4 * K).await, Ok(4 * K));
+        session(&l, &mv, m::SESSION_MIGRATE).await;
+        // A client renames another file over the name: the mover copied the old one.
+        let (other, _) = l.create(&c, "g", flags, 0o644).await.unwrap();
+        l.release(&c, other).await.unwrap();
+        l.rename(&c, "g", "f", 0).await.unwrap();
+        let req = HealReq {
+            begin: m::SESSION_FREEZE,
+        };
+        assert_eq!(
+            l.heal_session(&mv, "f", &req).await,
+            Err(libc::ESTALE as u32)
+        );
+        // Nothing is frozen: the client goes on.
+        assert_eq!(write(&l, &c, &fd, 0, b'b', 10).await, Ok(10));
     });
 }

@@ -367,6 +367,12 @@ impl Replicate {
                 None => missed.push(i),
             }
         }
+        if errs.contains(&errno::EMOVED) {
+            // The file is being moved to another set (frozen on some replicas already): the
+            // caller sends the change again where it went; replicas that took it here had it
+            // recorded for the mover.
+            return Err(errno::EMOVED);
+        }
         if ok.is_empty() {
             return Err(quorum_errno(&errs));
         }

@@ -317,23 +317,47 @@ impl Distribute {
 /// Under the freeze: marks the file moved on `src` (refused if the freeze lapsed or the name
 /// changed: nothing is lost, the move fails), renames `temp` to `path` on `dst`, then removes
 /// `path` from `src`. Between the mark and the rename a lookup on `src` says `EMOVED`, so
-/// clients look again rather than hear that the file does not exist. If a client made `path`
-/// on `dst` meanwhile (a rename over it, which replaces the file), that one stays.
+/// clients look again rather than hear that the file does not exist; the name is frozen on
+/// `dst` too while the rename reaches each of its replicas, so no client opens it on some of
+/// them only. If a client made `path` on `dst` meanwhile (a rename over it, which replaces
+/// the file), that one stays.
 async fn place(src: &LayerRef, dst: &LayerRef, path: &str, temp: &str) -> FopResult<()> {
     let cx = &Ctx::NONE;
-    src.heal_session(cx, path, &session(m::SESSION_MOVED))
+    dst.heal_session(cx, path, &session(m::SESSION_MIGRATE))
         .await?;
+    let r = async {
+        dst.heal_session(cx, path, &session(m::SESSION_FREEZE))
+            .await?;
+        src.heal_session(cx, path, &session(m::SESSION_MOVED))
+            .await?;
+        rename_into_place(dst, path, temp).await
+    }
+    .await;
+    let _ = dst.heal_session(cx, path, &session(m::SESSION_END)).await;
+    r?;
+    match src.unlink(cx, path).await {
+        Ok(()) | Err(ENOENT) => Ok(()),
+        Err(e) => {
+            tracing::error!(path, "moved, but the old copy cannot be removed: errno {e}");
+            Err(e)
+        }
+    }
+}
+
+/// Renames `temp` to `path` on `dst`, unless a client made `path` there meanwhile.
+async fn rename_into_place(dst: &LayerRef, path: &str, temp: &str) -> FopResult<()> {
+    let cx = &Ctx::NONE;
     let mut tries = 0;
     loop {
         match dst.rename(cx, temp, path, libc::RENAME_NOREPLACE).await {
-            Ok(()) => break,
+            Ok(()) => return Ok(()),
             Err(e) if e == libc::EEXIST as Errno => {
                 tracing::info!(
                     path,
                     "replaced on its new set while it moved: the move yields"
                 );
                 let _ = dst.unlink(cx, temp).await;
-                break;
+                return Ok(());
             }
             Err(e) if tries < 3 => {
                 tries += 1;
@@ -347,13 +371,6 @@ async fn place(src: &LayerRef, dst: &LayerRef, path: &str, temp: &str) -> FopRes
                 );
                 return Err(e);
             }
-        }
-    }
-    match src.unlink(cx, path).await {
-        Ok(()) | Err(ENOENT) => Ok(()),
-        Err(e) => {
-            tracing::error!(path, "moved, but the old copy cannot be removed: errno {e}");
-            Err(e)
         }
     }
 }

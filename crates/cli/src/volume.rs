@@ -215,6 +215,12 @@ struct CreateArgs {
     /// for several; default: from anywhere). Change it later with `kiln volume set`.
     #[arg(long, value_name = "CIDR")]
     allow: Vec<String>,
+    /// Store files in pieces of SIZE (a power of two from 1M to 1T; default 4M when given
+    /// without a size) striped over the replica sets, so that one big image reads and writes
+    /// with all of them, a rebalance moves pieces and heal copies only the pieces a replica
+    /// missed. Chosen here for good: files keep the pieces they were written in.
+    #[arg(long, value_name = "SIZE", num_args = 0..=1, default_missing_value = "4M")]
+    shard: Option<String>,
     #[command(flatten)]
     opts: MgmtOpts,
 }
@@ -631,11 +637,18 @@ fn replica_and_bricks(
 
 fn create(a: &CreateArgs) -> Result<(), String> {
     let (replica, bricks) = replica_and_bricks("create", &a.name, &a.args)?;
+    let shard = a
+        .shard
+        .as_deref()
+        .map(kiln_mgmt::options::parse_size)
+        .transpose()
+        .map_err(|e| format!("volume create: {}: --shard {e}", a.name))?;
     let req = Request::Create {
         name: a.name.clone(),
         replica: Some(replica.unwrap_or(1)),
         bricks,
         allow: a.allow.clone(),
+        shard,
     };
     let r: Changed = mgmt_call(&a.opts, &req)?;
     show(&a.opts, &r, |_| {
@@ -680,6 +693,13 @@ fn info_text(r: &Infos) -> String {
         let squash = if d.root_squash { "on" } else { "off" };
         let _ = writeln!(out, "Root squash: {squash}");
         let _ = writeln!(out, "I/O timeout: {} s", d.io_timeout.unwrap_or(30));
+        if let Some(b) = d.shard_block {
+            let _ = writeln!(
+                out,
+                "Shards: pieces of {}",
+                kiln_mgmt::options::size_text(b)
+            );
+        }
         let _ = writeln!(out, "Bricks:");
         for (i, b) in d.bricks.iter().enumerate() {
             let _ = writeln!(out, "Brick{}: {}", i + 1, b.spec());

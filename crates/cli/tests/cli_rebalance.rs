@@ -13,7 +13,6 @@ use common::fio::{need_fio, FioLoop};
 use common::fsx::Fsx;
 use common::managed::Vol;
 use common::{brick_files, BrickReaper};
-use serde_json::Value;
 
 fn content(i: usize) -> Vec<u8> {
     format!("small file {i}\n").repeat(i % 40 + 1).into_bytes()
@@ -82,31 +81,6 @@ fn mgmt_opts(v: &Vol) -> Vec<&str> {
         "--state-dir",
         v.state.to_str().unwrap(),
     ]
-}
-
-fn rebalance_status(v: &Vol) -> Value {
-    let s = v.mgmt(&["volume", "rebalance", &v.name, "status", "--json"]);
-    serde_json::from_str(&s).unwrap()
-}
-
-/// Waits for the volume's rebalance to end; returns its last status.
-fn wait_rebalance(v: &Vol, secs: u64) -> Value {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    loop {
-        let last = rebalance_status(v);
-        if last["state"] != "running" {
-            return last;
-        }
-        if std::time::Instant::now() > deadline {
-            let log = v.kd.log_text();
-            let tail: Vec<&str> = log.lines().rev().take(40).collect();
-            panic!(
-                "the rebalance did not end: {last}\nkilnd: {}",
-                tail.join("\n")
-            );
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
 }
 
 #[test]
@@ -203,7 +177,7 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
     // fsx is still at work when its file moves.
     assert!(fsx.done() > 0, "fsx is not under way");
     v.mgmt(&["volume", "rebalance", "rb", "start"]);
-    let st = wait_rebalance(&v, 300);
+    let st = v.wait_rebalance(300);
     assert_eq!(st["state"], "completed", "{st}");
     assert_eq!(st["failed"], 0, "{st}");
     let moved_in = st["files_moved"].as_u64().unwrap();
@@ -248,7 +222,7 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
     assert!(refused.contains("not draining"), "{refused}");
     args.push("start");
     v.mgmt(&args);
-    let st = wait_rebalance(&v, 300);
+    let st = v.wait_rebalance(300);
     assert_eq!(st["state"], "completed", "{st}");
     assert_eq!(st["failed"], 0, "{st}");
     // Clients keep going a while after the move, on the files that moved.

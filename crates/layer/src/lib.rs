@@ -21,7 +21,7 @@ pub mod trace;
 pub mod volfile;
 
 pub use layers::replicate::{heal, marks};
-pub use layers::{distribute, faults, iostats, replicate};
+pub use layers::{distribute, faults, iostats, replicate, shard};
 
 use std::any::Any;
 use std::fs::File;

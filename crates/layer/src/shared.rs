@@ -28,6 +28,32 @@ impl Shared {
         unsafe { IoBufs::from_parts(self.iov.clone(), Some(Box::new(self.keep.clone()))) }
     }
 
+    /// A share of `len` bytes from byte `at` of the memory (clipped to its end), for a
+    /// request that moves part of it.
+    pub fn slice(&self, at: usize, len: usize) -> IoBufs {
+        let mut iov = Vec::new();
+        let (mut skip, mut want) = (at, len);
+        for v in &self.iov {
+            if want == 0 {
+                break;
+            }
+            if skip >= v.len {
+                skip -= v.len;
+                continue;
+            }
+            let n = (v.len - skip).min(want);
+            iov.push(kiln_proto::iov::RawIov {
+                base: v.base + skip,
+                len: n,
+            });
+            skip = 0;
+            want -= n;
+        }
+        // SAFETY: the vectors are within the ones `share` hands out, and the share holds
+        // `keep` alive, as there.
+        unsafe { IoBufs::from_parts(iov, Some(Box::new(self.keep.clone()))) }
+    }
+
     /// The caller's memory back, once every share is gone.
     pub fn into_bufs(self) -> IoBufs {
         let keep = match Arc::try_unwrap(self.keep) {

@@ -108,6 +108,12 @@ pub enum LayerKind {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         draining: Vec<String>,
     },
+    /// Splits big files into pieces spread over the replica sets (client side; see
+    /// [`crate::shard`]).
+    Shard {
+        /// Bytes per piece of files created from now on: a power of two, 1 MiB to 1 TiB.
+        block_size: u64,
+    },
     /// Keeps every file on all its subvolumes; writes need a quorum (client side).
     Replicate {
         /// Successful replicas a change needs; default: a majority.
@@ -163,6 +169,7 @@ impl LayerKind {
             LayerKind::Dispatch {} => "dispatch",
             LayerKind::ProtocolClient { .. } => "protocol-client",
             LayerKind::Distribute { .. } => "distribute",
+            LayerKind::Shard { .. } => "shard",
             LayerKind::Replicate { .. } => "replicate",
             LayerKind::Marks { .. } => "marks",
         }
@@ -278,6 +285,12 @@ pub const TYPES: &[TypeDoc] = &[
         side: "client",
         doc: "spreads files over its subvolumes by a hash of the name, per-directory layouts; directories exist on every subvolume",
         options: &[],
+    },
+    TypeDoc {
+        name: "shard",
+        side: "client",
+        doc: "stores files created from now on in pieces of block_size bytes striped over the replica sets (pieces in the hidden .shards directory); files made before stay whole",
+        options: &[OptionDoc { name: "block_size", ty: "bytes, a power of two from 1 MiB to 1 TiB", default: "required", doc: "bytes per piece" }],
     },
     TypeDoc {
         name: "replicate",
@@ -545,6 +558,9 @@ impl Volfile {
                     .map(|(i, _)| i)
                     .collect();
                 Arc::new(crate::distribute::Distribute::draining(name, kids, &out))
+            }
+            LayerKind::Shard { block_size } => {
+                Arc::new(crate::shard::Shard::new(name, kids.remove(0), *block_size)?)
             }
             LayerKind::Replicate { quorum, timeout } => {
                 let r = crate::replicate::Replicate::new(name, kids, *quorum);

@@ -22,8 +22,14 @@ impl Manager {
         replica: Option<u64>,
         specs: &[String],
         allow: &[String],
+        shard: Option<u64>,
     ) -> Result<Response, String> {
         check_name(name)?;
+        if let Some(b) = shard.filter(|b| !kiln_layer::shard::valid_block(*b)) {
+            return Err(format!(
+                "volume {name}: shard block size {b} is not a power of two from 1 MiB to 1 TiB"
+            ));
+        }
         let replica = match replica {
             None => 1,
             Some(r) if (1..=64).contains(&r) => r as usize,
@@ -71,6 +77,7 @@ impl Manager {
             rebalance: None,
             sets: Vec::new(),
             widening: None,
+            shard_block: shard,
         };
         // Every other host with a brick is in the pool, and creates its brick directories
         // now: a host that cannot is found before the volume exists.

@@ -130,6 +130,10 @@ pub struct VolumeDef {
     /// members). The heal service clears it once every brick is a member.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub widening: Option<usize>,
+    /// Files are stored in pieces of this many bytes spread over the replica sets (chosen at
+    /// create; see `kiln_layer::shard`); None: whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_block: Option<u64>,
 }
 
 /// A rebalance as the store records it: asked for, stopped, or finished.

@@ -88,7 +88,8 @@ impl Manager {
                 replica,
                 bricks,
                 allow,
-            } => self.create(&name, replica, &bricks, &allow),
+                shard,
+            } => self.create(&name, replica, &bricks, &allow, shard),
             Request::Start { name, force } => self.start(procs, &name, force),
             Request::Stop { name } => self.stop(procs, &name),
             Request::Set {

@@ -139,6 +139,7 @@ mod tests {
             rebalance: None,
             sets: Vec::new(),
             widening: None,
+            shard_block: None,
         }
     }
 

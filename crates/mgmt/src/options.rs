@@ -74,7 +74,49 @@ pub const OPTIONS: &[Spec] = &[
                       with ENOTCONN (like an NFS hard mount's patience); running clients take it within a second",
         get: |d| d.io_timeout.unwrap_or(30).to_string(),
     },
+    Spec {
+        name: "shard-block-size",
+        kind: "chosen at create (--shard SIZE): a power of two from 1M to 1T, or off",
+        default: "off",
+        restarts_bricks: false,
+        description: "files are stored in pieces of this size striped over the replica sets, \
+                      so one big image uses them all; off: each file whole on one set",
+        get: |d| d.shard_block.map_or("off".into(), size_text),
+    },
 ];
+
+/// `bytes` as `volume get` shows a size: the largest unit (K, M, G, T) it is a whole number of.
+pub fn size_text(bytes: u64) -> String {
+    for (unit, shift) in [("T", 40), ("G", 30), ("M", 20), ("K", 10)] {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+/// A size written as `volume create --shard` takes it: bytes, or a number with K, M, G or T
+/// (powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("{text:?}: unknown unit {c:?} (want K, M, G or T)")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .ok_or_else(|| format!("{text:?} is not a size (e.g. 64M)"))
+}
 
 /// The option named `name`, or an error listing the options.
 pub fn spec(name: &str) -> Result<&'static Spec, String> {
@@ -90,6 +132,12 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
     let bad = || format!("{name} takes {}, not {text:?}", s.kind);
     let (mut allow, mut root_squash, mut io_timeout) = (None, None, None);
     match name {
+        "shard-block-size" => {
+            return Err(format!(
+                "{name} is chosen when the volume is created (kiln volume create --shard SIZE): \
+                 the pieces of files already written depend on it"
+            ))
+        }
         "allow" => {
             allow = Some(match text {
                 "all" => Vec::new(),
@@ -185,6 +233,17 @@ mod tests {
             .unwrap_err()
             .contains("on or off"));
         assert!(spec("nope").err().unwrap().contains("io-timeout"));
+        assert!(set_request("v", "shard-block-size", "4M")
+            .unwrap_err()
+            .contains("--shard"));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("1t"), Ok(1 << 40));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("4X").is_err() && parse_size("M").is_err() && parse_size("").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert_eq!(size_text(64 << 20), "64M");
+        assert_eq!(size_text(3 << 30), "3G");
+        assert_eq!(size_text(1000), "1000");
         assert_eq!(values(&d, Some("all")).unwrap().len(), OPTIONS.len());
     }
 }

@@ -28,6 +28,9 @@ pub enum Request {
         /// Address ranges (ADDR/PREFIX) clients may connect from; empty: anyone.
         #[serde(default)]
         allow: Vec<String>,
+        /// Store files in pieces of this many bytes over the replica sets; None: whole.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<u64>,
     },
     /// Run the volume's bricks; `force` also restarts bricks that died.
     Start {

@@ -30,7 +30,8 @@ pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
     v
 }
 
-/// The client volfile of a started volume: io-stats `NAME` → distribute `NAME-dht` (with more
+/// The client volfile of a started volume: io-stats `NAME` → shard `NAME-shard` (when the
+/// volume shards) → distribute `NAME-dht` (with more
 /// than one replica set; those draining marked so) → replicate `NAME-replicate-K` (with
 /// replica > 1) → protocol-client `NAME-client-N` for brick N. Removed sets are left out; the
 /// others keep their numbers.
@@ -112,19 +113,34 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
             format!("{name}-dht")
         }
     };
-    layers.insert(
-        0,
-        LayerDef {
-            name: name.clone(),
-            subvolumes: vec![below_top],
-            kind: LayerKind::IoStats {},
-        },
-    );
+    let mut top = tops(def, below_top);
+    top.append(&mut layers);
+    let mut layers = top;
     layers.extend(replicates);
     layers.extend(clients);
     let v = Volfile { layers };
     v.check().map_err(|e| format!("volume {name}: {e}"))?;
     Ok(v)
+}
+
+/// The layers above the sets (or their distribute layer, named `below`): io-stats `NAME`,
+/// then shard `NAME-shard` when the volume shards.
+fn tops(def: &VolumeDef, below: String) -> Vec<LayerDef> {
+    let name = &def.name;
+    let mut out = vec![LayerDef {
+        name: name.clone(),
+        subvolumes: vec![below.clone()],
+        kind: LayerKind::IoStats {},
+    }];
+    if let Some(block_size) = def.shard_block {
+        out[0].subvolumes = vec![format!("{name}-shard")];
+        out.push(LayerDef {
+            name: format!("{name}-shard"),
+            subvolumes: vec![below],
+            kind: LayerKind::Shard { block_size },
+        });
+    }
+    out
 }
 
 /// The stack behind the management port: every file fop fails (error-gen, ENOSYS) over an

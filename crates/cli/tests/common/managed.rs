@@ -69,9 +69,22 @@ impl Vol {
 
     /// A volume of `count` bricks, `replica` per set, of a kilnd started with `args`.
     pub fn with_bricks(tmp: &Path, name: &str, replica: usize, count: usize, args: &[&str]) -> Vol {
+        Vol::created_with(tmp, name, replica, count, args, &[])
+    }
+
+    /// As [`Vol::with_bricks`], with `create` given `create_args` too.
+    pub fn created_with(
+        tmp: &Path,
+        name: &str,
+        replica: usize,
+        count: usize,
+        args: &[&str],
+        create_args: &[&str],
+    ) -> Vol {
         let state = tmp.join("state");
         let kd = Kilnd::start(&state, args);
         let mut args: Vec<String> = ["volume", "create", name].map(String::from).to_vec();
+        args.extend(create_args.iter().map(|a| a.to_string()));
         if replica > 1 {
             args.extend(["replica".into(), replica.to_string()]);
         }
@@ -98,6 +111,32 @@ impl Vol {
         let s = self.mgmt(&["volume", "status", &self.name, "--json"]);
         let v: Value = serde_json::from_str(&s).unwrap();
         v["volumes"][0].clone()
+    }
+
+    /// The volume's rebalance as `rebalance status --json` shows it.
+    pub fn rebalance_status(&self) -> Value {
+        let s = self.mgmt(&["volume", "rebalance", &self.name, "status", "--json"]);
+        serde_json::from_str(&s).unwrap()
+    }
+
+    /// Waits for the volume's rebalance to end; returns its last status.
+    pub fn wait_rebalance(&self, secs: u64) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let last = self.rebalance_status();
+            if last["state"] != "running" {
+                return last;
+            }
+            if Instant::now() > deadline {
+                let log = self.kd.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                panic!(
+                    "the rebalance did not end: {last}\nkilnd: {}",
+                    tail.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     pub fn all_online(&self) -> bool {

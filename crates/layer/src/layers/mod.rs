@@ -2,7 +2,7 @@
 //! graph does, top to bottom:
 //!
 //! ```text
-//! client:  iostats → distribute → replicate (heal, marks: what replicas missed) → [protocol-client]
+//! client:  iostats → shard (big files in pieces) → distribute → replicate (heal, marks: what replicas missed) → [protocol-client]
 //! brick:   [protocol-server] → iostats → marks (heal's records, locks, sessions) → posix
 //! anywhere: faults (error-gen, delay-gen)
 //! ```
@@ -16,3 +16,4 @@ pub mod iostats;
 pub mod marks;
 pub mod posix;
 pub mod replicate;
+pub mod shard;

@@ -78,6 +78,15 @@ impl Layout {
         self.ranges.get(i).map_or(0, |r| r.subvol as usize)
     }
 
+    /// The subvolume of stripe `k` of something whose stripe 0 goes where `hash` does: the
+    /// owner of the `k`-th range after the one `hash` falls in, round the space.
+    pub fn stripe(&self, hash: u32, k: u64) -> usize {
+        let n = self.ranges.len().max(1);
+        let i = self.ranges.partition_point(|r| r.end < hash) % n;
+        let j = ((i as u64 + k % n as u64) % n as u64) as usize;
+        self.ranges.get(j).map_or(0, |r| r.subvol as usize)
+    }
+
     /// The layout as stored in [`LAYOUT_XATTR`].
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(LAYOUT_HEADER + LAYOUT_RANGE * self.ranges.len());

@@ -264,13 +264,18 @@ impl Distribute {
         }
     }
 
-    /// The subvolume `path` hashes to (0 for the root).
+    /// The subvolume `path` hashes to (0 for the root). A shard's pieces are striped: piece
+    /// `k` of a file goes to the subvolume after the one piece `k−1` went to.
     fn hashed(&self, path: &str) -> FopResult<usize> {
         match self.kids.len() {
             0 => Err(ENOTCONN),
             1 => Ok(0),
             _ if path.is_empty() => Ok(0),
-            n => Ok(self.layout.subvol(name_hash(split(path).1)).min(n - 1)),
+            n => Ok(match crate::shard::piece_of(path) {
+                Some((id, k)) => self.layout.stripe(name_hash(id), k),
+                None => self.layout.subvol(name_hash(split(path).1)),
+            }
+            .min(n - 1)),
         }
     }
 

@@ -1,0 +1,369 @@
+//! The fops of the shard layer: those by path that make, replace, cut or remove a sharded
+//! file's pieces, those on handles routed to the base or split over pieces ([`super::io`]),
+//! and the guard that keeps the shard directory and mark out of callers' sight.
+
+use super::file::ShardFd;
+use super::{hidden, inner, is_reg, Mark, Shard, EEXIST, ENODATA, ENOENT, EPERM, O_EXCL, O_TRUNC};
+use super::{SHARD_DIR, SHARD_XATTR};
+use crate::{
+    errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
+    ReaddirReply, SetAttrs, Written,
+};
+
+impl Shard {
+    async fn do_open(&self, cx: &Ctx, path: &str, flags: u32) -> FopResult<Fd> {
+        if hidden(path) {
+            return Err(ENOENT);
+        }
+        let before = match flags & O_TRUNC {
+            0 => None,
+            _ => self.with_pieces(cx, path).await?,
+        };
+        let fd = self.kid().open(cx, path, flags).await?;
+        let mark = match self.mark_of(cx, path).await {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = self.kid().release(cx, fd).await;
+                return Err(e);
+            }
+        };
+        self.drop_past(cx, before, 0).await;
+        Ok(ShardFd::wrap(fd, mark, flags))
+    }
+
+    async fn do_create(
+        &self,
+        cx: &Ctx,
+        path: &str,
+        flags: u32,
+        mode: u32,
+    ) -> FopResult<(Fd, Attr)> {
+        if hidden(path) {
+            return Err(EPERM);
+        }
+        let before = match flags & (O_TRUNC | O_EXCL) {
+            O_TRUNC => self.with_pieces(cx, path).await?,
+            _ => None,
+        };
+        let (fd, attr) = self.kid().create(cx, path, flags, mode).await?;
+        let mark = match self.mark_new(cx, path, &attr).await {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = self.kid().release(cx, fd).await;
+                return Err(e);
+            }
+        };
+        self.drop_past(cx, before, 0).await;
+        Ok((ShardFd::wrap(fd, mark, flags), attr))
+    }
+
+    /// Marks a file just created (or opened by create), unless it is one that was made whole
+    /// and has grown past a piece; the mark it has if it had one.
+    async fn mark_new(&self, cx: &Ctx, path: &str, attr: &Attr) -> FopResult<Option<Mark>> {
+        if !is_reg(attr) || attr.size > self.block {
+            return self.mark_of(cx, path).await;
+        }
+        let m = Mark::new(self.block)?;
+        let (icx, v) = (inner(cx), m.encode());
+        let set = self
+            .kid()
+            .setxattr(&icx, path, SHARD_XATTR, &v, libc::XATTR_CREATE as u32);
+        match set.await {
+            Ok(()) => Ok(Some(m)),
+            Err(EEXIST) => self.mark_of(cx, path).await,
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn do_unlink(&self, cx: &Ctx, path: &str) -> FopResult<()> {
+        if hidden(path) {
+            return Err(ENOENT);
+        }
+        let pieces = self.with_pieces(cx, path).await?;
+        self.kid().unlink(cx, path).await?;
+        self.drop_past(cx, pieces, 0).await;
+        Ok(())
+    }
+
+    async fn do_rename(&self, cx: &Ctx, from: &str, to: &str, flags: u32) -> FopResult<()> {
+        if hidden(from) || hidden(to) {
+            return Err(EPERM);
+        }
+        let replaces = flags & (libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) == 0;
+        let mut pieces = None;
+        if replaces {
+            pieces = self.with_pieces(cx, to).await?;
+            // The same file under both names: rename changes nothing.
+            if pieces.is_some()
+                && self.kid().lookup(cx, from).await?.ino == self.kid().lookup(cx, to).await?.ino
+            {
+                pieces = None;
+            }
+        }
+        self.kid().rename(cx, from, to, flags).await?;
+        self.drop_past(cx, pieces, 0).await;
+        Ok(())
+    }
+
+    async fn do_setattr(&self, cx: &Ctx, path: &str, attrs: &SetAttrs) -> FopResult<Attr> {
+        if hidden(path) {
+            return Err(ENOENT);
+        }
+        if attrs.valid & kiln_proto::ops::SETATTR_SIZE == 0 {
+            return self.kid().setattr(cx, path, attrs).await;
+        }
+        let pieces = self.with_pieces(cx, path).await?;
+        let a = self.kid().setattr(cx, path, attrs).await?;
+        self.drop_past(cx, pieces, attrs.size).await;
+        Ok(a)
+    }
+
+    async fn do_readdir(
+        &self,
+        cx: &Ctx,
+        path: &str,
+        offset: u64,
+        max: u32,
+    ) -> FopResult<ReaddirReply> {
+        if hidden(path) {
+            return Err(ENOENT);
+        }
+        let mut r = self.kid().readdir(cx, path, offset, max).await?;
+        if path.is_empty() {
+            r.entries.0.retain(|e| e.name != SHARD_DIR);
+        }
+        Ok(r)
+    }
+}
+
+/// Fails fops on hidden paths with `$e`, else forwards them.
+macro_rules! guarded {
+    ($self:ident, $path:expr, $e:expr, $call:expr) => {
+        if hidden($path) {
+            fail($e)
+        } else {
+            $call
+        }
+    };
+}
+
+impl Layer for Shard {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn children(&self) -> &[LayerRef] {
+        &self.kids
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
+    fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
+        guarded!(self, path, ENOENT, self.kid().lookup(cx, path))
+    }
+
+    fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        Box::pin(self.do_open(cx, path, flags))
+    }
+
+    fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        Box::pin(async move {
+            let fd = self.kid().heal_open(cx, path, flags).await?;
+            Ok(ShardFd::wrap(fd, None, flags))
+        })
+    }
+
+    fn create<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        mode: u32,
+    ) -> Fut<'a, (Fd, Attr)> {
+        Box::pin(self.do_create(cx, path, flags, mode))
+    }
+
+    fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
+        Box::pin(async move {
+            match fd.get::<ShardFd>()? {
+                ShardFd::Plain(f) => self.kid().release(cx, f.clone()).await,
+                ShardFd::Split(p) => self.release_pieces(cx, p).await,
+            }
+        })
+    }
+
+    fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().read(cx, f, offset, dst),
+            Ok(ShardFd::Split(p)) => Box::pin(self.read_split(cx, p, offset, dst)),
+        }
+    }
+
+    fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().write(cx, f, offset, data),
+            Ok(ShardFd::Split(p)) => Box::pin(self.write_split(cx, p, offset, data)),
+        }
+    }
+
+    fn write_marked<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        offset: u64,
+        data: IoBufs,
+        missed: u32,
+    ) -> Fut<'a, Written> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().write_marked(cx, f, offset, data, missed),
+            // Only a brick's heal writes with marks, through no shard layer.
+            Ok(ShardFd::Split(_)) => fail(errno::EINVAL),
+        }
+    }
+
+    fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(f) => self.kid().fstat(cx, f.base()),
+        }
+    }
+
+    fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Split(p)) if attrs.valid & kiln_proto::ops::SETATTR_SIZE != 0 => {
+                Box::pin(self.truncate(cx, p, attrs))
+            }
+            Ok(f) => self.kid().fsetattr(cx, f.base(), attrs),
+        }
+    }
+
+    fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().fsync(cx, f, datasync),
+            Ok(ShardFd::Split(p)) => Box::pin(self.sync_pieces(cx, p, datasync)),
+        }
+    }
+
+    fn fallocate<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ()> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().fallocate(cx, f, mode, offset, len),
+            Ok(ShardFd::Split(p)) => Box::pin(self.allocate_split(cx, p, mode, offset, len)),
+        }
+    }
+
+    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().discard(cx, f, offset, len),
+            Ok(ShardFd::Split(p)) => Box::pin(self.discard_split(cx, p, offset, len)),
+        }
+    }
+
+    fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
+        Box::pin(self.do_setattr(cx, path, attrs))
+    }
+
+    fn unlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        Box::pin(self.do_unlink(cx, path))
+    }
+
+    fn rename<'a>(&'a self, cx: &'a Ctx, from: &'a str, to: &'a str, flags: u32) -> Fut<'a, ()> {
+        Box::pin(self.do_rename(cx, from, to, flags))
+    }
+
+    fn readdir<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        offset: u64,
+        max: u32,
+    ) -> Fut<'a, ReaddirReply> {
+        Box::pin(self.do_readdir(cx, path, offset, max))
+    }
+
+    fn mkdir<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32) -> Fut<'a, Attr> {
+        guarded!(self, path, EPERM, self.kid().mkdir(cx, path, mode))
+    }
+
+    fn rmdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        guarded!(self, path, EPERM, self.kid().rmdir(cx, path))
+    }
+
+    fn symlink<'a>(&'a self, cx: &'a Ctx, target: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        guarded!(self, path, EPERM, self.kid().symlink(cx, target, path))
+    }
+
+    fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
+        guarded!(self, path, EPERM, self.kid().mknod(cx, path, mode, rdev))
+    }
+
+    fn link<'a>(&'a self, cx: &'a Ctx, existing: &'a str, path: &'a str) -> Fut<'a, Attr> {
+        if hidden(existing) {
+            return fail(EPERM);
+        }
+        guarded!(self, path, EPERM, self.kid().link(cx, existing, path))
+    }
+
+    fn readlink<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, String> {
+        guarded!(self, path, ENOENT, self.kid().readlink(cx, path))
+    }
+
+    fn getxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, Vec<u8>> {
+        if name == SHARD_XATTR {
+            return fail(ENODATA);
+        }
+        guarded!(self, path, ENOENT, self.kid().getxattr(cx, path, name))
+    }
+
+    fn setxattr<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        name: &'a str,
+        value: &'a [u8],
+        flags: u32,
+    ) -> Fut<'a, ()> {
+        if name == SHARD_XATTR {
+            return fail(EPERM);
+        }
+        guarded!(
+            self,
+            path,
+            ENOENT,
+            self.kid().setxattr(cx, path, name, value, flags)
+        )
+    }
+
+    fn listxattr<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Vec<String>> {
+        if hidden(path) {
+            return fail(ENOENT);
+        }
+        Box::pin(async move {
+            let mut names = self.kid().listxattr(cx, path).await?;
+            names.retain(|n| n != SHARD_XATTR);
+            Ok(names)
+        })
+    }
+
+    fn removexattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, name: &'a str) -> Fut<'a, ()> {
+        if name == SHARD_XATTR {
+            return fail(EPERM);
+        }
+        guarded!(self, path, ENOENT, self.kid().removexattr(cx, path, name))
+    }
+}

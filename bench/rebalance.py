@@ -34,82 +34,19 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-KILN = ROOT / "target" / "release" / "kiln"
+from kcluster import Cluster, build, log, name_hash
+
 PORT = 24930
 VOL = "rbal"
 
 
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
-def name_hash(name: str) -> int:
-    """The distribute layer's name hash (crates/layer/src/layers/distribute/layout.rs)."""
-    h = 0x811C9DC5
-    for b in name.encode():
-        h ^= b
-        h = (h * 0x01000193) & 0xFFFFFFFF
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
-    h ^= h >> 16
-    return h
-
-
 def on_second_of_two(name: str) -> bool:
     return name_hash(name) >= 1 << 31
-
-
-class Cluster:
-    def __init__(self, base: Path):
-        self.base = base
-        self.state = base / "state"
-        self.env = dict(os.environ, KILN_MGMT_SECRET_FILE=str(self.state / "mgmt.secret"),
-                        KILN_SECRET_FILE=str(self.state / f"vols/{VOL}/secret"), KILN_LOG="warn")
-        self.kd = subprocess.Popen(
-            [KILN, "server", "--mgmt", f"tcp:127.0.0.1:{PORT}", "--metrics", "off",
-             "--state-dir", self.state, "--brick-port-base", str(PORT + 10)],
-            stdout=subprocess.PIPE, stderr=open(base / "kilnd.log", "w"), env=self.env, text=True)
-        while "management on" not in (self.kd.stdout.readline() or "management on"):
-            pass
-        self.bricks = [base / f"b{i}" for i in range(2)]
-        self.cli("volume", "create", VOL, f"127.0.0.1:{self.bricks[0]}")
-        self.cli("volume", "start", VOL)
-        self.mnt = base / "mnt"
-        self.mnt.mkdir()
-        self.mount = subprocess.Popen(
-            [KILN, "mount", f"127.0.0.1:{PORT}:/{VOL}", self.mnt, "--mode", "general"],
-            stdout=subprocess.PIPE, env=self.env, text=True)
-        while not (self.mount.stdout.readline() or "kiln: mounted").startswith("kiln: mounted"):
-            pass
-
-    def cli(self, *args) -> str:
-        return subprocess.run([KILN, *map(str, args), "--server", f"127.0.0.1:{PORT}",
-                               "--state-dir", self.state], check=True, capture_output=True,
-                              text=True, env=self.env).stdout
-
-    def rebalance_status(self) -> dict:
-        return json.loads(self.cli("volume", "rebalance", VOL, "status", "--json"))
-
-    def close(self) -> None:
-        self.mount.send_signal(signal.SIGTERM)
-        self.mount.wait()
-        st = json.loads(self.cli("volume", "status", VOL, "--json"))["volumes"][0]
-        self.kd.kill()
-        for b in st["bricks"]:
-            if b.get("pid"):
-                try:
-                    os.kill(b["pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 def populate(mnt: Path, files: int, images: list[str], gib: int, data_mib: int) -> int:
@@ -159,7 +96,7 @@ def latency(c: Cluster, rate: int, runtime: int) -> dict:
     with open(c.mnt / name, "wb") as f:
         f.write(os.urandom(64 << 20))
     idle = fio_p99(c.mnt / name, runtime)
-    c.cli("volume", "add-brick", VOL, f"127.0.0.1:{c.bricks[1]}")
+    c.cli("volume", "add-brick", VOL, f"127.0.0.1:{c.base / 'b1'}")
     c.cli("volume", "rebalance", VOL, "start", "--rate", rate)
     busy = fio_p99(c.mnt / name, runtime)
     st = c.rebalance_status()
@@ -182,8 +119,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/var/tmp/kiln-rebalance-bench")
     ap.add_argument("--no-build", action="store_true")
     a = ap.parse_args()
-    if not a.no_build:
-        subprocess.run(["cargo", "build", "--release", "--bin", "kiln"], cwd=ROOT, check=True)
+    build(a.no_build)
     base = Path(a.dir)
     if base.exists():
         shutil.rmtree(base)
@@ -194,7 +130,7 @@ def main() -> int:
         if on_second_of_two(f"image{n}.raw"):
             images.append(f"image{n}.raw")
         n += 1
-    c = Cluster(base)
+    c = Cluster(base, PORT, VOL, 1, mode="general")
     try:
         log(f"populating: {a.files} small files, {a.images} x {a.image_gib} GiB images")
         apparent = populate(c.mnt, a.files, images, a.image_gib, a.data_mib)
@@ -205,7 +141,7 @@ def main() -> int:
             return 0
         dd = dd_rate(c.bricks[0], base / "scratch", images)
         log(f"dd: {dd / 2**20:.0f} MiB/s (apparent)")
-        c.cli("volume", "add-brick", VOL, f"127.0.0.1:{c.bricks[1]}")
+        c.cli("volume", "add-brick", VOL, f"127.0.0.1:{c.base / 'b1'}")
         c.cli("volume", "rebalance", VOL, "start", "--rate", "0")
         t0 = time.monotonic()
         samples = []

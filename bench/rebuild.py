@@ -30,68 +30,20 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-KILN = ROOT / "target" / "release" / "kiln"
+from kcluster import Cluster, build, log
+
 PORT = 24890
 
 
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+def rebuilds(c: Cluster) -> list:
+    return (c.status().get("heal") or {}).get("rebuilds", [])
 
 
-class Cluster:
-    def __init__(self, base: Path):
-        self.base = base
-        self.state = base / "state"
-        self.env = dict(os.environ, KILN_MGMT_SECRET_FILE=str(self.state / "mgmt.secret"),
-                        KILN_SECRET_FILE=str(self.state / "vols/rb/secret"), KILN_LOG="warn")
-        self.kd = subprocess.Popen(
-            [KILN, "server", "--mgmt", f"tcp:127.0.0.1:{PORT}", "--metrics", "off",
-             "--state-dir", self.state, "--heal-interval", "0.2", "--brick-port-base",
-             str(PORT + 10)], stdout=subprocess.PIPE, stderr=open(base / "kilnd.log", "w"),
-            env=self.env, text=True)
-        while "management on" not in (self.kd.stdout.readline() or "management on"):
-            pass
-        self.bricks = [base / f"b{i}" for i in range(3)]
-        self.cli("volume", "create", "rb", "replica", "3",
-                 *[f"127.0.0.1:{b}" for b in self.bricks])
-        self.cli("volume", "start", "rb")
-        self.mnt = base / "mnt"
-        self.mnt.mkdir()
-        self.mount = subprocess.Popen(
-            [KILN, "mount", f"127.0.0.1:{PORT}:/rb", self.mnt, "--mode", "vm-image"],
-            stdout=subprocess.PIPE, env=self.env, text=True)
-        while not (self.mount.stdout.readline() or "kiln: mounted").startswith("kiln: mounted"):
-            pass
-
-    def cli(self, *args: str) -> str:
-        return subprocess.run([KILN, *args, "--server", f"127.0.0.1:{PORT}", "--state-dir",
-                               self.state], check=True, capture_output=True, text=True,
-                              env=self.env).stdout
-
-    def status(self) -> dict:
-        return json.loads(self.cli("volume", "status", "rb", "--json"))["volumes"][0]
-
-    def rebuilds(self) -> list:
-        return (self.status().get("heal") or {}).get("rebuilds", [])
-
-    def wipe(self, i: int) -> None:
-        os.kill(self.status()["bricks"][i]["pid"], signal.SIGKILL)
-        shutil.rmtree(self.bricks[i])
-        self.bricks[i].mkdir()
-        self.cli("volume", "start", "rb", "force")
-
-    def close(self) -> None:
-        self.mount.send_signal(signal.SIGTERM)
-        self.mount.wait()
-        pids = [b.get("pid") for b in self.status()["bricks"]]
-        self.kd.kill()
-        for p in pids:
-            if p:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+def wipe(c: Cluster, i: int) -> None:
+    os.kill(c.status()["bricks"][i]["pid"], signal.SIGKILL)
+    shutil.rmtree(c.bricks[i])
+    c.bricks[i].mkdir()
+    c.cli("volume", "start", "rb", "force")
 
 
 def fio(mnt: Path, runtime: int) -> dict:
@@ -115,12 +67,11 @@ def main() -> int:
     ap.add_argument("--dir", default="/var/tmp/kiln-rebuild-bench")
     ap.add_argument("--no-build", action="store_true")
     a = ap.parse_args()
-    if not a.no_build:
-        subprocess.run(["cargo", "build", "--release", "--bin", "kiln"], cwd=ROOT, check=True)
+    build(a.no_build)
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    c = Cluster(base)
+    c = Cluster(base, PORT, "rb", 3, replica=3, kilnd=("--heal-interval", "0.2"))
     try:
         block = os.urandom(1 << 20)
         for i in range(a.files):
@@ -136,13 +87,13 @@ def main() -> int:
                 if phase == "idle":
                     runs["idle"].append(fio(c.mnt, a.runtime))
                     continue
-                c.wipe(2)
+                wipe(c, 2)
                 deadline = time.time() + 30
-                while not any(not r["done"] for r in c.rebuilds()):
+                while not any(not r["done"] for r in rebuilds(c)):
                     assert time.time() < deadline, "the rebuild never started"
                     time.sleep(0.05)
                 runs["rebuild"].append(fio(c.mnt, a.runtime))
-                rs = [r for r in c.rebuilds() if not r["done"]]
+                rs = [r for r in rebuilds(c) if not r["done"]]
                 if rs:
                     rates.append(rs[0]["rate"])
                 # Idle again: the rebuild done and what fio's writes left for heal healed.

@@ -52,6 +52,12 @@ impl Fd {
         Fd(Arc::new(inner))
     }
 
+    /// How many clones of this handle exist: a layer that keeps handles open for reuse closes
+    /// only those no fop holds.
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.0)
+    }
+
     /// The state a layer stored, or `EBADF` for a handle that some other layer made.
     pub fn get<T: Any>(&self) -> FopResult<&T> {
         self.0.downcast_ref::<T>().ok_or(errno::EBADF)

@@ -15,6 +15,10 @@ use crate::{Attr, Ctx, Fd, FopResult, Fut, SetAttrs};
 const ABSENT_FOR: Duration = Duration::from_secs(1);
 /// Pieces removed at once.
 const CUT_BATCH: usize = 32;
+/// Piece handles a file's handle keeps open; past this, the least recently used that no fop
+/// holds are closed (a quarter at a time), so a 1 TiB image costs the bricks a bounded number
+/// of open files.
+const OPEN_MAX: usize = 256;
 
 /// Flags of the base's open that its pieces are opened with too.
 const KEPT_FLAGS: u32 = (libc::O_DIRECT | libc::O_SYNC | libc::O_DSYNC) as u32;
@@ -35,7 +39,7 @@ impl ShardFd {
                 base,
                 mark,
                 flags: libc::O_RDWR as u32 | (flags & KEPT_FLAGS),
-                open: Mutex::new(HashMap::new()),
+                open: Mutex::new(Slots::default()),
                 known: AtomicU64::new(0),
                 want: AtomicU64::new(0),
                 set: AtomicU64::new(u64::MAX),
@@ -54,16 +58,75 @@ impl ShardFd {
 }
 
 enum Slot {
-    Open(Fd),
+    /// Open; last used at tick `used`.
+    Open(Fd, u64),
     Absent(Instant),
 }
 
 impl Slot {
     fn fd(&self) -> Option<Fd> {
         match self {
-            Slot::Open(fd) => Some(fd.clone()),
+            Slot::Open(fd, _) => Some(fd.clone()),
             Slot::Absent(_) => None,
         }
+    }
+}
+
+/// The open pieces of a file's handle, with a clock for their use.
+#[derive(Default)]
+struct Slots {
+    map: HashMap<u64, Slot>,
+    tick: u64,
+    open: usize,
+}
+
+impl Slots {
+    /// Piece `k`'s handle, marked used now.
+    fn get(&mut self, k: u64) -> Option<&Slot> {
+        self.tick += 1;
+        let now = self.tick;
+        if let Some(Slot::Open(_, used)) = self.map.get_mut(&k) {
+            *used = now;
+        }
+        self.map.get(&k)
+    }
+
+    fn insert(&mut self, k: u64, s: Slot) {
+        self.open += usize::from(matches!(s, Slot::Open(..)));
+        if let Some(Slot::Open(..)) = self.map.insert(k, s) {
+            self.open -= 1;
+        }
+    }
+
+    fn remove(&mut self, k: u64) -> Option<Fd> {
+        match self.map.remove(&k) {
+            Some(Slot::Open(fd, _)) => {
+                self.open -= 1;
+                Some(fd)
+            }
+            _ => None,
+        }
+    }
+
+    /// Past [`OPEN_MAX`]: the least recently used quarter of the handles no fop holds, taken
+    /// out to be closed.
+    fn over(&mut self) -> Vec<Fd> {
+        if self.open <= OPEN_MAX {
+            return Vec::new();
+        }
+        let mut idle: Vec<(u64, u64)> = self
+            .map
+            .iter()
+            .filter_map(|(k, s)| match s {
+                Slot::Open(fd, used) if fd.holders() == 1 => Some((*used, *k)),
+                _ => None,
+            })
+            .collect();
+        idle.sort_unstable();
+        idle.truncate(OPEN_MAX / 4);
+        idle.into_iter()
+            .filter_map(|(_, k)| self.remove(k))
+            .collect()
     }
 }
 
@@ -73,7 +136,7 @@ pub(super) struct Pieces {
     pub(super) mark: Mark,
     /// What pieces are opened with.
     flags: u32,
-    open: Mutex<HashMap<u64, Slot>>,
+    open: Mutex<Slots>,
     /// A size the file is known to have (it may be larger).
     pub(super) known: AtomicU64,
     /// The largest end any write of this handle waits to have the file grown to.
@@ -85,20 +148,21 @@ pub(super) struct Pieces {
 }
 
 impl Pieces {
-    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Slot>> {
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many piece handles are open.
+    #[cfg(test)]
+    pub(super) fn open_pieces(&self) -> usize {
+        self.slots().open
     }
 
     /// Forgets (and hands back, to be released) the open pieces from `first` on.
     fn forget_from(&self, first: u64) -> Vec<Fd> {
         let mut m = self.slots();
-        let gone: Vec<u64> = m.keys().copied().filter(|k| *k >= first).collect();
-        gone.into_iter()
-            .filter_map(|k| match m.remove(&k) {
-                Some(Slot::Open(fd)) => Some(fd),
-                _ => None,
-            })
-            .collect()
+        let gone: Vec<u64> = m.map.keys().copied().filter(|k| *k >= first).collect();
+        gone.into_iter().filter_map(|k| m.remove(k)).collect()
     }
 }
 
@@ -119,8 +183,8 @@ impl Shard {
         k: u64,
         make: bool,
     ) -> FopResult<Option<Fd>> {
-        match p.slots().get(&k) {
-            Some(Slot::Open(fd)) => return Ok(Some(fd.clone())),
+        match p.slots().get(k) {
+            Some(Slot::Open(fd, _)) => return Ok(Some(fd.clone())),
             Some(Slot::Absent(t)) if !make && t.elapsed() < ABSENT_FOR => return Ok(None),
             _ => {}
         }
@@ -139,16 +203,20 @@ impl Shard {
             }
         };
         // Another fop of this handle may have opened it meanwhile: keep one.
-        let kept = {
+        let (kept, closing) = {
             let mut m = p.slots();
-            match m.get(&k).and_then(Slot::fd) {
-                Some(kept) => Some(kept),
+            match m.get(k).and_then(Slot::fd) {
+                Some(kept) => (Some(kept), Vec::new()),
                 None => {
-                    m.insert(k, Slot::Open(fd.clone()));
-                    None
+                    let tick = m.tick;
+                    m.insert(k, Slot::Open(fd.clone(), tick));
+                    (None, m.over())
                 }
             }
         };
+        for old in closing {
+            let _ = self.kid().release(&cx, old).await;
+        }
         Ok(Some(match kept {
             Some(kept) => {
                 let _ = self.kid().release(&cx, fd).await;
@@ -190,7 +258,7 @@ impl Shard {
     }
 
     pub(super) async fn sync_pieces(&self, cx: &Ctx, p: &Pieces, datasync: bool) -> FopResult<()> {
-        let open: Vec<Fd> = p.slots().values().filter_map(Slot::fd).collect();
+        let open: Vec<Fd> = p.slots().map.values().filter_map(Slot::fd).collect();
         let icx = inner(cx);
         let mut futs: Vec<Option<Fut<'_, ()>>> = open
             .iter()

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::file::ShardFd;
 use super::*;
 use crate::distribute::Distribute;
 use crate::exec::block_on;
@@ -363,4 +364,29 @@ fn files_made_whole_stay_whole() {
     assert_eq!(piece_of(".shards/x.1"), None);
     assert_eq!(piece_of("a/.shards/x.1"), None);
     let _ = Path::new("");
+}
+
+#[test]
+fn a_file_of_many_pieces_keeps_a_bounded_number_open() {
+    let v = vol();
+    let cx = Ctx::NONE;
+    let (fd, _) = block_on(v.top.create(&cx, "big", CREAT, 0o644)).unwrap();
+    let n = 400u64;
+    for k in 1..n {
+        write(&v, &fd, k * B + k, &k.to_le_bytes());
+    }
+    let ShardFd::Split(p) = fd.get::<file::ShardFd>().unwrap() else {
+        panic!("not sharded");
+    };
+    let open = p.open_pieces();
+    assert!(open <= 256, "{open} piece handles open");
+    for k in (1..n).rev() {
+        assert_eq!(
+            read(&v, &fd, k * B + k, 8, k % 2 == 0),
+            k.to_le_bytes(),
+            "piece {k}"
+        );
+    }
+    assert!(p.open_pieces() <= 256);
+    block_on(v.top.release(&cx, fd)).unwrap();
 }

@@ -20,8 +20,6 @@ fn info(v: &Vol) -> Value {
 }
 
 #[test]
-#[ignore = "issue 18, open: while the graph gains its replicate layer, fio on the mount saw \
-            ENOTCONN in CI (passed locally); run with --ignored"]
 fn a_one_brick_volume_becomes_replica_3_online() {
     need_fio();
     let tmp = tempfile::tempdir().unwrap();

@@ -61,6 +61,8 @@ pub mod marks;
 mod migrate;
 mod patience;
 mod read;
+#[cfg(test)]
+mod tests;
 
 /// Stale handle: the replica's connection was re-established since the handle was opened.
 pub const ESTALE: Errno = 116;

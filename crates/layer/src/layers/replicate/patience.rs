@@ -62,6 +62,9 @@ impl Replicate {
 
     /// Runs a change with `run` (replica index → its fop) on every replica that is up, then
     /// again on those that could not be reached, while a quorum is missing and time is left.
+    /// A replica that took the change while this client still knows it as new (its rebuild
+    /// ended, and the graph counting it came, before the client asked it again) counts once
+    /// the client learns it is a member: the change waits for that too.
     /// Each replica's last outcome (`None`: never reached).
     pub(super) async fn on_quorum<'b, T: Send + 'b>(
         &'b self,
@@ -75,7 +78,8 @@ impl Replicate {
         let mut last_ok = 0;
         let mut rounds = 0;
         loop {
-            let ok = ok_set(&res) & !self.joining_set();
+            let took = ok_set(&res);
+            let ok = took & !self.joining_set();
             let lost: Vec<usize> = (0..res.len())
                 .filter(|i| match &res[*i] {
                     None => true,
@@ -83,17 +87,21 @@ impl Replicate {
                     Some(Ok(_)) => false,
                 })
                 .collect();
-            if ok.count_ones() as usize >= self.quorum || lost.is_empty() {
+            if ok.count_ones() as usize >= self.quorum || (lost.is_empty() && took == ok) {
                 return res;
             }
             let dl = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
-            if rounds > 0 && ok == last_ok && Instant::now() < dl {
+            if rounds > 0 && ok == last_ok {
+                if Instant::now() >= dl {
+                    tracing::warn!(layer = self.name, "no quorum within {:?}", self.timeout);
+                    return res;
+                }
                 // The last round gained nothing: a poll's pause before the next.
                 sleep_until((Instant::now() + POLL).min(dl)).await;
             }
             last_ok = ok;
             rounds += 1;
-            if !self.wait_for(ok, self.quorum, dl).await {
+            if !self.wait_for(took, self.quorum, dl).await {
                 tracing::warn!(layer = self.name, "no quorum within {:?}", self.timeout);
                 return res;
             }

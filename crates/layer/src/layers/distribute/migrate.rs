@@ -45,6 +45,10 @@ use super::{is_dir, split, Distribute, ENOENT};
 pub const MOVING_PREFIX: &str = ".kiln-moving.";
 /// Bytes per read and write of a copy.
 const CHUNK: u64 = 1 << 20;
+/// A copy in progress not written for this long was left by a mover that died (a live one
+/// writes it chunk after chunk, and renews its session every few seconds): the walk that
+/// finds it removes it.
+const STALE_COPY: Duration = Duration::from_secs(600);
 /// Changed bytes left at which a move cuts over.
 const CUTOVER: u64 = 8 << 20;
 /// Changed bytes left after every round above which a move gives up for now (a freeze that
@@ -165,6 +169,20 @@ fn temp_of(path: &str) -> String {
     join(dir, &tag)
 }
 
+/// Removes the copy at `path` (attributes `a`) if a mover that died left it.
+async fn drop_if_stale(kid: &LayerRef, path: &str, a: &Attr) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    if now.saturating_sub(a.mtime.sec) < STALE_COPY.as_secs() as i64 {
+        return;
+    }
+    match kid.unlink(&Ctx::NONE, path).await {
+        Ok(()) => tracing::info!(path, "removed a copy a mover left unfinished"),
+        Err(e) => tracing::warn!(path, err = e, "a copy a mover left unfinished stays"),
+    }
+}
+
 /// The distribute layer of a stack, if it has one.
 pub fn find(top: &LayerRef) -> Option<LayerRef> {
     if top.as_any().is_some_and(|a| a.is::<Distribute>()) {
@@ -197,7 +215,11 @@ impl Distribute {
                 };
                 off += r.entries.0.len() as u64;
                 for e in r.entries.0 {
-                    if e.name == "." || e.name == ".." || e.name.starts_with(MOVING_PREFIX) {
+                    if e.name.starts_with(MOVING_PREFIX) {
+                        drop_if_stale(kid, &join(dir, &e.name), &e.attr).await;
+                        continue;
+                    }
+                    if e.name == "." || e.name == ".." {
                         continue;
                     }
                     let path = join(dir, &e.name);

@@ -227,3 +227,47 @@ fn no_subvolumes_is_an_error_not_a_panic() {
     let foreign = Fd::new(5u32);
     assert_eq!(block_on(d.fstat(&cx, &foreign)).err(), Some(EBADF));
 }
+
+#[test]
+fn a_walk_removes_copies_a_dead_mover_left_and_keeps_live_ones() {
+    use crate::layers::posix::{brick::Brick, Posix};
+    let tmp = tempfile::tempdir().unwrap();
+    let kids: Vec<LayerRef> = (0..2)
+        .map(|i| {
+            let d = tmp.path().join(format!("b{i}"));
+            std::fs::create_dir(&d).unwrap();
+            Arc::new(Posix::new("posix", Arc::new(Brick::open(&d).unwrap()))) as LayerRef
+        })
+        .collect();
+    let cx = Ctx::NONE;
+    let rw = (libc::O_RDWR | libc::O_CREAT) as u32;
+    let (old, fresh) = (
+        format!("{MOVING_PREFIX}old"),
+        format!("{MOVING_PREFIX}fresh"),
+    );
+    for name in [&old, &fresh] {
+        let (fd, _) = block_on(kids[1].create(&cx, name, rw, 0o600)).unwrap();
+        block_on(kids[1].release(&cx, fd)).unwrap();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let an_hour_ago = SetAttrs {
+        valid: kiln_proto::ops::SETATTR_MTIME,
+        mtime: kiln_proto::ops::Time {
+            sec: now - 3600,
+            nsec: 0,
+        },
+        ..SetAttrs::default()
+    };
+    block_on(kids[1].setattr(&cx, &old, &an_hour_ago)).unwrap();
+    let d = Distribute::new("dist", kids.clone());
+    let (found, _) = block_on(d.misplaced("")).unwrap();
+    assert!(found.is_empty(), "copies are not names to move");
+    assert_eq!(block_on(kids[1].lookup(&cx, &old)).err(), Some(ENOENT));
+    assert!(
+        block_on(kids[1].lookup(&cx, &fresh)).is_ok(),
+        "a live copy was removed"
+    );
+}

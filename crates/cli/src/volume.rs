@@ -527,7 +527,11 @@ fn set(a: &SetArgs) -> Result<(), String> {
 fn reset(a: &GetArgs) -> Result<(), String> {
     let fail = |e: String| format!("volume reset: {}: {e}", a.name);
     let names: Vec<&str> = match a.option.as_str() {
-        "all" => options::OPTIONS.iter().map(|s| s.name).collect(),
+        "all" => options::OPTIONS
+            .iter()
+            .filter(|s| !s.create_only)
+            .map(|s| s.name)
+            .collect(),
         n => vec![options::spec(n).map_err(fail)?.name],
     };
     let (mut allow, mut root_squash, mut io_timeout) = (None, None, None);

@@ -766,7 +766,11 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
         .iter()
         .map(|o| o["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["allow", "root-squash", "io-timeout"], "{all}");
+    assert_eq!(
+        names,
+        ["allow", "root-squash", "io-timeout", "shard-block-size"],
+        "{all}"
+    );
     assert!(all["version"].as_u64().unwrap() > 0, "{all}");
     for o in all["options"].as_array().unwrap() {
         assert_eq!(

@@ -39,6 +39,8 @@ pub struct Spec {
     pub description: &'static str,
     /// Its value in a definition.
     pub get: fn(&VolumeDef) -> String,
+    /// Chosen at create only: `set` refuses it, `reset all` leaves it.
+    pub create_only: bool,
 }
 
 /// Every volume option.
@@ -56,6 +58,7 @@ pub const OPTIONS: &[Spec] = &[
                 d.allow.join(",")
             }
         },
+        create_only: false,
     },
     Spec {
         name: "root-squash",
@@ -64,6 +67,7 @@ pub const OPTIONS: &[Spec] = &[
         restarts_bricks: true,
         description: "clients' root acts as nobody on the bricks (like NFS root_squash)",
         get: |d| if d.root_squash { "on" } else { "off" }.into(),
+        create_only: false,
     },
     Spec {
         name: "io-timeout",
@@ -73,6 +77,7 @@ pub const OPTIONS: &[Spec] = &[
         description: "how long a client's I/O waits for bricks that are away before it fails \
                       with ENOTCONN (like an NFS hard mount's patience); running clients take it within a second",
         get: |d| d.io_timeout.unwrap_or(30).to_string(),
+        create_only: false,
     },
     Spec {
         name: "shard-block-size",
@@ -82,6 +87,7 @@ pub const OPTIONS: &[Spec] = &[
         description: "files are stored in pieces of this size striped over the replica sets, \
                       so one big image uses them all; off: each file whole on one set",
         get: |d| d.shard_block.map_or("off".into(), size_text),
+        create_only: true,
     },
 ];
 
@@ -130,14 +136,14 @@ pub fn spec(name: &str) -> Result<&'static Spec, String> {
 pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, String> {
     let s = spec(name)?;
     let bad = || format!("{name} takes {}, not {text:?}", s.kind);
+    if s.create_only {
+        return Err(format!(
+            "{name} is chosen when the volume is created (kiln volume create --shard SIZE): \
+             the pieces of files already written depend on it"
+        ));
+    }
     let (mut allow, mut root_squash, mut io_timeout) = (None, None, None);
     match name {
-        "shard-block-size" => {
-            return Err(format!(
-                "{name} is chosen when the volume is created (kiln volume create --shard SIZE): \
-                 the pieces of files already written depend on it"
-            ))
-        }
         "allow" => {
             allow = Some(match text {
                 "all" => Vec::new(),

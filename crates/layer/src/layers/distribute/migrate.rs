@@ -45,9 +45,9 @@ use super::{is_dir, split, Distribute, ENOENT};
 pub const MOVING_PREFIX: &str = ".kiln-moving.";
 /// Bytes per read and write of a copy.
 const CHUNK: u64 = 1 << 20;
-/// A copy in progress not written for this long was left by a mover that died (a live one
-/// writes it chunk after chunk, and renews its session every few seconds): the walk that
-/// finds it removes it.
+/// A copy in progress not changed for this long (its ctime: no client can set it) was left
+/// by a mover that died — a live one writes or changes it chunk after chunk, and renews its
+/// session every few seconds: the walk that finds it removes it.
 const STALE_COPY: Duration = Duration::from_secs(600);
 /// Changed bytes left at which a move cuts over.
 const CUTOVER: u64 = 8 << 20;
@@ -170,11 +170,11 @@ fn temp_of(path: &str) -> String {
 }
 
 /// Removes the copy at `path` (attributes `a`) if a mover that died left it.
-async fn drop_if_stale(kid: &LayerRef, path: &str, a: &Attr) {
+pub(super) async fn drop_if_stale(kid: &LayerRef, path: &str, a: &Attr) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64);
-    if now.saturating_sub(a.mtime.sec) < STALE_COPY.as_secs() as i64 {
+    if now.saturating_sub(a.ctime.sec) < STALE_COPY.as_secs() as i64 {
         return;
     }
     match kid.unlink(&Ctx::NONE, path).await {

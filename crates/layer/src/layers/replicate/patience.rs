@@ -40,13 +40,13 @@ impl Replicate {
         self
     }
 
-    /// Waits until `done` (a set of replicas) and the replicas that are up make `need`, or
-    /// `deadline` passes; true if they do.
-    async fn wait_for(&self, done: u32, need: usize, deadline: Instant) -> bool {
+    /// Waits until `done` (a set of replicas) and — unless `only_done` — the replicas that
+    /// are up make `need`, or `deadline` passes; true if they do.
+    async fn wait_for(&self, done: u32, only_done: bool, need: usize, deadline: Instant) -> bool {
         loop {
             // A new brick counts for nothing until it is rebuilt.
             let have = (0..self.kids.len())
-                .filter(|i| done & bit(*i) != 0 || self.kids[*i].up())
+                .filter(|i| done & bit(*i) != 0 || (!only_done && self.kids[*i].up()))
                 .filter(|i| !self.kids[*i].joining())
                 .count();
             if have >= need {
@@ -87,7 +87,11 @@ impl Replicate {
                     Some(Ok(_)) => false,
                 })
                 .collect();
-            if ok.count_ones() as usize >= self.quorum || (lost.is_empty() && took == ok) {
+            // With none to send again, only the replicas that took it can make the quorum.
+            let only_took = lost.is_empty();
+            if ok.count_ones() as usize >= self.quorum
+                || (only_took && (took == ok || (took.count_ones() as usize) < self.quorum))
+            {
                 return res;
             }
             let dl = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
@@ -101,7 +105,7 @@ impl Replicate {
             }
             last_ok = ok;
             rounds += 1;
-            if !self.wait_for(took, self.quorum, dl).await {
+            if !self.wait_for(took, only_took, self.quorum, dl).await {
                 tracing::warn!(layer = self.name, "no quorum within {:?}", self.timeout);
                 return res;
             }
@@ -129,7 +133,7 @@ impl Replicate {
         }
         // A poll's pause first (a reconnect in progress finishes), then until a replica is up.
         sleep_until((now + POLL).min(dl)).await;
-        self.wait_for(0, 1, dl).await
+        self.wait_for(0, false, 1, dl).await
     }
 
     /// Runs a query (`attempt`), and again while it fails only because no replica could be

@@ -15,6 +15,8 @@ use crate::{Attr, Ctx, Fd, FopResult, Fut, SetAttrs};
 const ABSENT_FOR: Duration = Duration::from_secs(1);
 /// Pieces removed at once.
 const CUT_BATCH: usize = 32;
+/// Pieces past a size this handle did not set that a growth clears first.
+const GROW_CUT: u64 = 64;
 /// Piece handles a file's handle keeps open; past this, the least recently used that no fop
 /// holds are closed (a quarter at a time), so a 1 TiB image costs the bricks a bounded number
 /// of open files.
@@ -44,6 +46,8 @@ impl ShardFd {
                 want: AtomicU64::new(0),
                 set: AtomicU64::new(u64::MAX),
                 growing: tokio::sync::Mutex::new(()),
+                sync_failed: std::sync::atomic::AtomicBool::new(false),
+                writable: flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32,
             })),
         })
     }
@@ -145,6 +149,10 @@ pub(super) struct Pieces {
     set: AtomicU64,
     /// Held while the base's size is changed.
     growing: tokio::sync::Mutex<()>,
+    /// A piece closed for room could not be synced: the next fsync says so.
+    sync_failed: std::sync::atomic::AtomicBool,
+    /// Opened for writing.
+    pub(super) writable: bool,
 }
 
 impl Pieces {
@@ -196,7 +204,12 @@ impl Shard {
             match self.kid().open(&cx, &path, p.flags).await {
                 Ok(fd) => fd,
                 Err(ENOENT) => {
-                    p.slots().insert(k, Slot::Absent(Instant::now()));
+                    let mut m = p.slots();
+                    // A write of this handle may have made it meanwhile.
+                    if let Some(fd) = m.get(k).and_then(Slot::fd) {
+                        return Ok(Some(fd));
+                    }
+                    m.insert(k, Slot::Absent(Instant::now()));
                     return Ok(None);
                 }
                 Err(e) => return Err(e),
@@ -215,6 +228,15 @@ impl Shard {
             }
         };
         for old in closing {
+            // fsync later reaches only the pieces still open: these are synced now.
+            if let Err(e) = self.kid().fsync(&cx, &old, false).await {
+                tracing::warn!(
+                    id = p.mark.id,
+                    err = e,
+                    "a piece closed for room failed to sync"
+                );
+                p.sync_failed.store(true, Relaxed);
+            }
             let _ = self.kid().release(&cx, old).await;
         }
         Ok(Some(match kept {
@@ -268,6 +290,9 @@ impl Shard {
         for r in join_all(futs).await.into_iter().flatten() {
             r?;
         }
+        if p.sync_failed.swap(false, Relaxed) {
+            return Err(crate::errno::EIO);
+        }
         Ok(())
     }
 
@@ -289,7 +314,8 @@ impl Shard {
         if end <= p.known.load(Relaxed) {
             return Ok(());
         }
-        let target = p.want.load(Relaxed);
+        // A truncate meanwhile resets `want`: this write's end still counts.
+        let target = p.want.load(Relaxed).max(end);
         let set = p.set.load(Relaxed);
         let now = match set {
             u64::MAX => self.size(cx, p).await?,
@@ -297,8 +323,11 @@ impl Shard {
         };
         if now < target {
             if set != now {
-                // A size this handle did not set: pieces past it may hold bytes a crash left.
-                self.cut(cx, Some(p), &p.mark, now, target).await?;
+                // A size this handle did not set: pieces just past it may hold bytes a crash
+                // left (between a truncate's change of the base and its cut).
+                let reach = now.saturating_add(GROW_CUT * p.mark.block);
+                self.cut(cx, Some(p), &p.mark, now, target.min(reach))
+                    .await?;
             }
             self.kid()
                 .fsetattr(cx, &p.base, &size_attrs(target))
@@ -341,7 +370,7 @@ impl Shard {
         let icx = inner(cx);
         let first_whole = from.div_ceil(b).max(1);
         if let Some(p) = p {
-            for fd in p.forget_from(from / b) {
+            for fd in p.forget_from(first_whole) {
                 let _ = self.kid().release(&icx, fd).await;
             }
         }

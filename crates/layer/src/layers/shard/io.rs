@@ -26,22 +26,31 @@ struct Part {
     len: usize,
 }
 
-/// The parts of `[offset, offset + len)` in pieces of `block` bytes.
-fn parts(block: u64, offset: u64, len: u64) -> Vec<Part> {
-    let mut out = Vec::new();
-    let mut at = offset;
+/// The parts of `[offset, offset + len)` in pieces of `block` bytes, one after another.
+fn parts(block: u64, offset: u64, len: u64) -> impl Iterator<Item = Part> {
     let end = offset.saturating_add(len);
-    while at < end {
-        let n = (block - at % block).min(end - at);
-        out.push(Part {
-            offset: at,
-            skip: (at - offset) as usize,
-            len: n as usize,
-        });
-        at += n;
-    }
-    out
+    let mut at = offset;
+    std::iter::from_fn(move || {
+        (at < end).then(|| {
+            let n = (block - at % block).min(end - at);
+            let pt = Part {
+                offset: at,
+                skip: (at - offset) as usize,
+                len: n as usize,
+            };
+            at += n;
+            pt
+        })
+    })
 }
+
+/// The largest sharded file, in pieces: bounds what one fop can make or remove.
+const MAX_PIECES: u64 = 1 << 24;
+
+/// Fallocate modes a sharded file takes: those that act on each piece's bytes alone
+/// (collapsing or inserting a range would shift bytes between pieces).
+const SPLIT_MODES: u32 =
+    (libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE) as u32;
 
 /// Whether `[offset, offset + len)` lies within one piece.
 fn within_one(block: u64, offset: u64, len: u64) -> bool {
@@ -121,7 +130,7 @@ impl Shard {
         if within_one(p.mark.block, offset, len) {
             return self.read_piece(cx, p, offset, dst).await;
         }
-        let parts = parts(p.mark.block, offset, len);
+        let parts: Vec<Part> = parts(p.mark.block, offset, len).collect();
         match dst {
             ReadDst::Any(_) => {
                 let futs = parts
@@ -220,14 +229,14 @@ impl Shard {
         data: IoBufs,
     ) -> FopResult<Written> {
         let len = data.len() as u64;
-        let end = offset.checked_add(len).ok_or(errno::EINVAL)?;
+        let end = self.changeable(p, offset, len)?;
         if end > p.mark.block {
             self.grow(cx, p, end).await?;
         }
         if within_one(p.mark.block, offset, len) {
             return self.write_piece(cx, p, offset, data).await;
         }
-        let parts = parts(p.mark.block, offset, len);
+        let parts: Vec<Part> = parts(p.mark.block, offset, len).collect();
         let shared = Shared::new(data);
         let futs = parts
             .iter()
@@ -237,10 +246,15 @@ impl Shard {
                 Some(f)
             })
             .collect();
-        let (mut n, mut err) = (0, None);
-        for r in join_all(futs).await {
+        let (mut n, mut short, mut err) = (0, false, None);
+        for (pt, r) in parts.iter().zip(join_all(futs).await) {
             match r.unwrap_or(Err(errno::EIO)) {
-                Ok(w) => n += w.n,
+                // Bytes after a short part are not the caller's to count as written.
+                Ok(w) if !short => {
+                    n += w.n;
+                    short = w.n < pt.len;
+                }
+                Ok(_) => {}
                 Err(e) => err = err.or(Some(e)),
             }
         }
@@ -280,12 +294,20 @@ impl Shard {
         offset: u64,
         len: u64,
     ) -> FopResult<()> {
-        let end = offset.checked_add(len).ok_or(errno::EINVAL)?;
+        if mode & !SPLIT_MODES != 0 {
+            return Err(errno::EOPNOTSUPP);
+        }
+        let end = self.changeable(p, offset, len)?;
         if mode & libc::FALLOC_FL_KEEP_SIZE as u32 == 0 && end > p.mark.block {
             self.grow(cx, p, end).await?;
         }
         // Freeing a hole's bytes is nothing to do; allocating them makes the piece.
         let frees = mode & (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE) as u32 != 0;
+        // Past the end there are no bytes to free.
+        let len = match frees {
+            true => len.min(self.size(cx, p).await?.saturating_sub(offset)),
+            false => len,
+        };
         self.each_part(cx, p, offset, len, !frees, &|fd, at, n| match fd {
             None => self.kid().fallocate(cx, &p.base, mode, at, n),
             Some(fd) => Box::pin(async move {
@@ -303,7 +325,8 @@ impl Shard {
         offset: u64,
         len: u64,
     ) -> FopResult<()> {
-        offset.checked_add(len).ok_or(errno::EINVAL)?;
+        self.changeable(p, offset, len)?;
+        let len = len.min(self.size(cx, p).await?.saturating_sub(offset));
         self.each_part(cx, p, offset, len, false, &|fd, at, n| match fd {
             None => self.kid().discard(cx, &p.base, at, n),
             Some(fd) => Box::pin(async move {
@@ -312,6 +335,19 @@ impl Shard {
             }),
         })
         .await
+    }
+
+    /// The end of a change of `[offset, offset + len)`, if this handle may make it: open for
+    /// writing, and within the largest sharded file.
+    fn changeable(&self, p: &Pieces, offset: u64, len: u64) -> FopResult<u64> {
+        if !p.writable {
+            return Err(errno::EBADF);
+        }
+        let end = offset.checked_add(len).ok_or(errno::EINVAL)?;
+        if end > p.mark.block.saturating_mul(MAX_PIECES) {
+            return Err(libc::EFBIG as crate::Errno);
+        }
+        Ok(end)
     }
 
     /// Runs `op` on each piece `[offset, offset + len)` spans — `None` for the base, else the
@@ -327,7 +363,9 @@ impl Shard {
         op: &(dyn Fn(Option<crate::Fd>, u64, u64) -> Fut<'a, ()> + Sync),
     ) -> FopResult<()> {
         let b = p.mark.block;
-        for chunk in parts(b, offset, len).chunks(BATCH) {
+        let mut all = parts(b, offset, len).peekable();
+        while all.peek().is_some() {
+            let chunk: Vec<Part> = all.by_ref().take(BATCH).collect();
             let mut futs = Vec::with_capacity(chunk.len());
             for pt in chunk {
                 let (k, at) = (pt.offset / b, pt.offset % b);
@@ -353,14 +391,14 @@ mod tests {
     fn parts_cover_the_range_and_break_at_pieces() {
         let b = 1 << 20;
         assert_eq!(
-            parts(b, 5, 10),
+            parts(b, 5, 10).collect::<Vec<_>>(),
             vec![Part {
                 offset: 5,
                 skip: 0,
                 len: 10
             }]
         );
-        let ps = parts(b, b - 3, 2 * b + 6);
+        let ps: Vec<Part> = parts(b, b - 3, 2 * b + 6).collect();
         assert_eq!(ps.len(), 4);
         assert_eq!(
             ps[0],

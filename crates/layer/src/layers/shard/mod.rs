@@ -199,16 +199,21 @@ impl Shard {
         }
     }
 
-    /// The mark and size of `path` if it is a sharded file with pieces past the first and no
-    /// other name (removing or truncating it then removes pieces); None otherwise, and for a
-    /// name that does not exist.
-    async fn with_pieces(&self, cx: &Ctx, path: &str) -> FopResult<Option<(Mark, u64)>> {
+    /// The mark and size of `path` if it is a sharded file with pieces past the first — and,
+    /// for `removing` (unlink, rename over it), no other name, whose file keeps the pieces;
+    /// None otherwise, and for a name that does not exist.
+    async fn with_pieces(
+        &self,
+        cx: &Ctx,
+        path: &str,
+        removing: bool,
+    ) -> FopResult<Option<(Mark, u64)>> {
         let a = match self.kid().lookup(cx, path).await {
             Ok(a) => a,
             Err(ENOENT) => return Ok(None),
             Err(e) => return Err(e),
         };
-        if !is_reg(&a) || a.nlink != 1 || a.size <= MIN_BLOCK {
+        if !is_reg(&a) || (removing && a.nlink != 1) || a.size <= MIN_BLOCK {
             return Ok(None);
         }
         Ok(self

@@ -17,7 +17,7 @@ impl Shard {
         }
         let before = match flags & O_TRUNC {
             0 => None,
-            _ => self.with_pieces(cx, path).await?,
+            _ => self.with_pieces(cx, path, false).await?,
         };
         let fd = self.kid().open(cx, path, flags).await?;
         let mark = match self.mark_of(cx, path).await {
@@ -42,11 +42,28 @@ impl Shard {
             return Err(EPERM);
         }
         let before = match flags & (O_TRUNC | O_EXCL) {
-            O_TRUNC => self.with_pieces(cx, path).await?,
+            O_TRUNC => self.with_pieces(cx, path, false).await?,
             _ => None,
         };
-        let (fd, attr) = self.kid().create(cx, path, flags, mode).await?;
-        let mark = match self.mark_new(cx, path, &attr).await {
+        // Made by this create (O_EXCL first), it is marked; one that was there keeps the
+        // mark it has, or none: a handle open on it elsewhere writes it whole.
+        let made = match flags & O_EXCL {
+            0 => self.kid().create(cx, path, flags | O_EXCL, mode).await,
+            _ => self.kid().create(cx, path, flags, mode).await,
+        };
+        let (fd, attr, made) = match made {
+            Ok((fd, attr)) => (fd, attr, true),
+            Err(EEXIST) if flags & O_EXCL == 0 => {
+                let (fd, attr) = self.kid().create(cx, path, flags, mode).await?;
+                (fd, attr, false)
+            }
+            Err(e) => return Err(e),
+        };
+        let mark = match made {
+            true => self.mark_new(cx, path, &attr).await,
+            false => self.mark_of(cx, path).await,
+        };
+        let mark = match mark {
             Ok(m) => m,
             Err(e) => {
                 let _ = self.kid().release(cx, fd).await;
@@ -79,7 +96,7 @@ impl Shard {
         if hidden(path) {
             return Err(ENOENT);
         }
-        let pieces = self.with_pieces(cx, path).await?;
+        let pieces = self.with_pieces(cx, path, true).await?;
         self.kid().unlink(cx, path).await?;
         self.drop_past(cx, pieces, 0).await;
         Ok(())
@@ -92,7 +109,7 @@ impl Shard {
         let replaces = flags & (libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) == 0;
         let mut pieces = None;
         if replaces {
-            pieces = self.with_pieces(cx, to).await?;
+            pieces = self.with_pieces(cx, to, true).await?;
             // The same file under both names: rename changes nothing.
             if pieces.is_some()
                 && self.kid().lookup(cx, from).await?.ino == self.kid().lookup(cx, to).await?.ino
@@ -112,7 +129,7 @@ impl Shard {
         if attrs.valid & kiln_proto::ops::SETATTR_SIZE == 0 {
             return self.kid().setattr(cx, path, attrs).await;
         }
-        let pieces = self.with_pieces(cx, path).await?;
+        let pieces = self.with_pieces(cx, path, false).await?;
         let a = self.kid().setattr(cx, path, attrs).await?;
         self.drop_past(cx, pieces, attrs.size).await;
         Ok(a)

@@ -390,3 +390,45 @@ fn a_file_of_many_pieces_keeps_a_bounded_number_open() {
     assert!(p.open_pieces() <= 256);
     block_on(v.top.release(&cx, fd)).unwrap();
 }
+
+#[test]
+fn what_a_sharded_file_refuses_and_what_links_and_creates_keep() {
+    let v = vol();
+    let cx = Ctx::NONE;
+    let (fd, _) = block_on(v.top.create(&cx, "f", CREAT, 0o644)).unwrap();
+    write(&v, &fd, 3 * B, b"data");
+    // Shifting ranges would move bytes between pieces: refused.
+    let collapse = libc::FALLOC_FL_COLLAPSE_RANGE as u32;
+    let e = block_on(v.top.fallocate(&cx, &fd, collapse, 0, B)).err();
+    assert_eq!(e, Some(libc::EOPNOTSUPP as Errno));
+    // A read-only handle writes nothing.
+    let ro = block_on(v.top.open(&cx, "f", libc::O_RDONLY as u32)).unwrap();
+    let w = block_on(
+        v.top
+            .write(&cx, &ro, 3 * B, IoBufs::owned(vec![b"x".to_vec()])),
+    );
+    assert_eq!(w.err(), Some(libc::EBADF as Errno));
+    // Truncating a file with two names cuts its pieces: growing again shows zeros.
+    block_on(v.top.link(&cx, "f", "g")).unwrap();
+    truncate(&v, &fd, 0);
+    let a = SetAttrs {
+        valid: kiln_proto::ops::SETATTR_SIZE,
+        size: 0,
+        ..SetAttrs::default()
+    };
+    block_on(v.top.setattr(&cx, "g", &a)).unwrap();
+    truncate(&v, &fd, 4 * B);
+    assert_eq!(read(&v, &fd, 3 * B, 4, true), vec![0u8; 4]);
+    assert!(pieces(&v).is_empty(), "{:?}", pieces(&v));
+    for f in [fd, ro] {
+        block_on(v.top.release(&cx, f)).unwrap();
+    }
+    // create of a file made whole (not by this create) leaves it whole.
+    let kid = v.top.kid();
+    let (k, _) = block_on(kid.create(&cx, "whole", CREAT, 0o644)).unwrap();
+    block_on(kid.release(&cx, k)).unwrap();
+    let (fd, _) = block_on(v.top.create(&cx, "whole", CREAT, 0o644)).unwrap();
+    write(&v, &fd, 3 * B, b"w");
+    assert!(pieces(&v).is_empty(), "a file made whole was sharded");
+    block_on(v.top.release(&cx, fd)).unwrap();
+}

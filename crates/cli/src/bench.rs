@@ -114,6 +114,19 @@ pub struct BenchArgs {
     /// set KILN_TLS_DIR instead.
     #[arg(long, value_name = "DIR", conflicts_with = "connect")]
     pub tls: Option<PathBuf>,
+    /// Local short-circuit reads: over a Unix socket, read straight from the brick's file
+    /// while the brick's grant holds (on), or always through the brick (off).
+    #[arg(long, value_enum, default_value = "on")]
+    pub short_circuit: OnOff,
+}
+
+/// A switch.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnOff {
+    /// On.
+    On,
+    /// Off.
+    Off,
 }
 
 impl BenchArgs {
@@ -152,6 +165,16 @@ impl BenchArgs {
         Some(Volfile::linear(layers))
     }
 
+    /// `volfile` with --short-circuit applied to its protocol-clients.
+    fn short_circuit(&self, mut volfile: Volfile) -> Volfile {
+        for l in &mut volfile.layers {
+            if let LayerKind::ProtocolClient { short_circuit, .. } = &mut l.kind {
+                *short_circuit = Some(self.short_circuit == OnOff::On);
+            }
+        }
+        volfile
+    }
+
     /// The client stack for the brick at `addr`.
     fn client_volfile(&self, addr: &str) -> Volfile {
         if self.bare {
@@ -160,6 +183,7 @@ impl BenchArgs {
                 LayerKind::ProtocolClient {
                     remote: addr.into(),
                     timeout: None,
+                    short_circuit: None,
                 },
             )]);
         }
@@ -174,6 +198,7 @@ impl BenchArgs {
                 LayerKind::ProtocolClient {
                     remote: addr.into(),
                     timeout: None,
+                    short_circuit: None,
                 },
             ),
         ])
@@ -341,6 +366,9 @@ impl BenchResult {
     }
 }
 
+/// Requests whose completion came inside a submission, to be issued by the outer one.
+type Queued = Vec<(Arc<Job>, usize)>;
+
 struct Job {
     vol: Arc<Volume>,
     fd: Fd,
@@ -384,8 +412,39 @@ impl Job {
         x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11
     }
 
-    /// Submits the next request on buffer `slot`; its completion submits the one after.
+    /// Submits the next request on buffer `slot`; its completion submits the one after. A
+    /// completion that runs inside the submission (a local short-circuit read completes at
+    /// once) queues its next request for the outer call instead of nesting a call per request.
     fn issue(self: &Arc<Self>, slot: usize) {
+        thread_local! {
+            static QUEUED: std::cell::RefCell<Option<Queued>> =
+                const { std::cell::RefCell::new(None) };
+        }
+        let nested = QUEUED.with(|q| {
+            let mut q = q.borrow_mut();
+            match q.as_mut() {
+                Some(v) => {
+                    v.push((self.clone(), slot));
+                    true
+                }
+                None => {
+                    *q = Some(Vec::new());
+                    false
+                }
+            }
+        });
+        if nested {
+            return;
+        }
+        let mut next = Some((self.clone(), slot));
+        while let Some((job, slot)) = next {
+            job.issue_one(slot);
+            next = QUEUED.with(|q| q.borrow_mut().as_mut().and_then(Vec::pop));
+        }
+        QUEUED.with(|q| *q.borrow_mut() = None);
+    }
+
+    fn issue_one(self: &Arc<Self>, slot: usize) {
         if self.stop.load(Ordering::Relaxed) || Instant::now() >= self.deadline {
             self.retire();
             return;
@@ -491,7 +550,7 @@ fn job_volume(args: &BenchArgs, volfile: &Volfile) -> std::io::Result<Volume> {
 pub fn run(args: &BenchArgs, addr: &str, server_pid: Option<u32>) -> std::io::Result<BenchResult> {
     run_volfile(
         args,
-        &args.client_volfile(addr),
+        &args.short_circuit(args.client_volfile(addr)),
         server_pid.into_iter().collect(),
     )
 }
@@ -521,6 +580,7 @@ fn replica_volfile(addrs: &[String]) -> Volfile {
             kind: LayerKind::ProtocolClient {
                 remote: a.clone(),
                 timeout: None,
+                short_circuit: None,
             },
         });
     }
@@ -737,7 +797,7 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
         }
         let addrs: Vec<String> = bricks.iter().map(|b| b.addr.clone()).collect();
         let pids = bricks.iter().map(|b| b.pid()).collect();
-        run_volfile(&args, &replica_volfile(&addrs), pids)
+        run_volfile(&args, &args.short_circuit(replica_volfile(&addrs)), pids)
             .map_err(|e| format!("bench over replica {} failed: {e}", args.replica))?
     } else {
         run(&args, &addr, pid).map_err(|e| format!("bench against {addr} failed: {e}"))?

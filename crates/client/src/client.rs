@@ -413,6 +413,17 @@ impl Client {
 
     kiln_layer::for_each_path_fop!(client_methods);
 
+    /// Tells the brick about `reads` reads (`bytes` bytes) made straight from its files
+    /// ([`crate::shortcut`]), for its profile.
+    pub async fn report_local_reads(&self, reads: u64, bytes: u64) -> io::Result<()> {
+        let req = kiln_proto::ops::GrantReq {
+            fh: 0,
+            reads,
+            bytes,
+        };
+        self.call_unit(Op::Grant, &req).await
+    }
+
     /// Profiling on the brick: `cmd` is `PROFILE_INFO`, `PROFILE_START` or `PROFILE_STOP`
     /// (see `kiln_proto::ops`). Returns the brick's io-stats report as JSON, with the metrics
     /// endpoints its clients announced.

@@ -102,6 +102,12 @@ pub struct Conn {
     sendq: Mutex<VecDeque<OutFrame>>,
     /// Held while a `sendmsg` is using queued frames' memory.
     writer: Mutex<()>,
+    /// A Unix socket: replies may carry descriptors, received with every read.
+    unix: bool,
+    /// Descriptor batches received and not yet claimed by their reply, in stream order.
+    fds: Mutex<VecDeque<Vec<OwnedFd>>>,
+    /// Set once the connection failed (what [`Conn::is_dead`] reads without a lock).
+    ended: std::sync::atomic::AtomicBool,
     /// Counters.
     pub stats: ConnStats,
 }
@@ -146,6 +152,9 @@ impl Conn {
             Some((fd, r)) => (Some(fd), Some(r)),
             None => (None, None),
         };
+        let unix = rx_sock.is_none()
+            && rustix::net::getsockname(&sock)
+                .is_ok_and(|a| a.address_family() == rustix::net::AddressFamily::UNIX);
         let conn = Arc::new(Conn {
             sock,
             rx_sock,
@@ -157,6 +166,9 @@ impl Conn {
             }),
             sendq: Mutex::new(VecDeque::new()),
             writer: Mutex::new(()),
+            unix,
+            fds: Mutex::new(VecDeque::new()),
+            ended: Default::default(),
             stats: ConnStats::default(),
         });
         {
@@ -173,7 +185,7 @@ impl Conn {
 
     /// True once the connection has failed or been shut down.
     pub fn is_dead(&self) -> bool {
-        lock(&self.table).dead.is_some()
+        self.ended.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Closes the socket's both directions; in-flight requests fail with `ECONNRESET`.
@@ -411,6 +423,7 @@ impl Conn {
             lock(&self.sendq).clear();
             let mut t = lock(&self.table);
             t.dead.get_or_insert(why);
+            self.ended.store(true, std::sync::atomic::Ordering::Release);
             std::mem::take(&mut t.pending)
         };
         for p in receiving.into_iter().chain(drained.into_values()) {
@@ -508,23 +521,7 @@ impl Conn {
                 Some(r) => unsafe {
                     r.recv(std::os::fd::BorrowedFd::borrow_raw(fd), &iov, deferred)
                 },
-                None => {
-                    let flags = if deferred { libc::MSG_DONTWAIT } else { 0 };
-                    // SAFETY: the vectors point at this thread's header and scratch buffers and
-                    // at the current request's sink, which its submitter keeps valid until
-                    // completion.
-                    let n = unsafe {
-                        let mut msg: libc::msghdr = std::mem::zeroed();
-                        msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
-                        msg.msg_iovlen = iov.len();
-                        libc::recvmsg(fd, &mut msg, flags)
-                    };
-                    if n < 0 {
-                        Err(io::Error::last_os_error())
-                    } else {
-                        Ok(n as usize)
-                    }
-                }
+                None => self.recv_plain(fd, &mut iov, deferred),
             };
             let n = match got {
                 Ok(n) => n,
@@ -558,6 +555,60 @@ impl Conn {
             }
             self.account(left, cur, &mut hdr_got, &next_hdr)?;
         }
+    }
+
+    /// One `recvmsg` into `iov`; on a Unix socket with room for descriptors, which are queued
+    /// for the reply they came with.
+    fn recv_plain(&self, fd: i32, iov: &mut [RawIov], deferred: bool) -> io::Result<usize> {
+        let flags = libc::MSG_CMSG_CLOEXEC | if deferred { libc::MSG_DONTWAIT } else { 0 };
+        // u64s: aligned for `cmsghdr`; room for a few descriptors (a frame carries at most 4).
+        let mut control = [0u64; 8];
+        // SAFETY: a zeroed msghdr is valid; the vectors point at this thread's header and
+        // scratch buffers and at the current request's sink, which its submitter keeps valid
+        // until completion; the control buffer lives on this stack for the call.
+        let (n, msg) = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
+            msg.msg_iovlen = iov.len();
+            if self.unix {
+                msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+                msg.msg_controllen = std::mem::size_of_val(&control);
+            }
+            (libc::recvmsg(fd, &mut msg, flags), msg)
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if self.unix && msg.msg_controllen > 0 {
+            self.take_fds(&msg);
+        }
+        Ok(n as usize)
+    }
+
+    /// Queues the descriptors of a received message as one batch.
+    fn take_fds(&self, msg: &libc::msghdr) {
+        let mut batch = Vec::new();
+        // SAFETY: walking the control messages the kernel wrote into `msg`'s buffer, within
+        // `msg_controllen`; each SCM_RIGHTS payload is an array of descriptors now ours.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c) as *const i32;
+                    let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    for i in 0..len / std::mem::size_of::<i32>() {
+                        let raw = std::ptr::read_unaligned(data.add(i));
+                        batch.push(<OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(msg, c);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            // The kernel closed what did not fit: the reply gets fewer than it says.
+            tracing::warn!("descriptors truncated on receive");
+        }
+        lock(&self.fds).push_back(batch);
     }
 
     /// Accounts `left` bytes received into the vectors built for `cur` and the next header:
@@ -664,6 +715,7 @@ impl Conn {
                 discard: 0,
                 discard_got: 0,
                 pending: None,
+                fds: Vec::new(),
             });
         }
         let pending = lock(&self.table).pending.remove(&id);
@@ -700,6 +752,13 @@ impl Conn {
             }
         };
         let discard = payload_len - sink.remaining();
+        let fds = match hdr.has_fds() {
+            false => Vec::new(),
+            true => lock(&self.fds).pop_front().ok_or_else(|| {
+                tracing::warn!(id, "reply says it carries descriptors, but none came");
+                io::Error::from_raw_os_error(errno::EPROTO as i32)
+            })?,
+        };
         Ok(InReply {
             id,
             trace_frame: false,
@@ -712,6 +771,7 @@ impl Conn {
             discard,
             discard_got: 0,
             pending,
+            fds,
         })
     }
 
@@ -752,6 +812,7 @@ impl Conn {
             Ok(ReplyData {
                 args,
                 payload_len: landed,
+                fds: r.fds,
             })
         };
         deliver(
@@ -837,6 +898,8 @@ struct InReply {
     discard: usize,
     discard_got: usize,
     pending: Option<Pending>,
+    /// Descriptors that came with it.
+    fds: Vec<OwnedFd>,
 }
 
 impl InReply {

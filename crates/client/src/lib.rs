@@ -22,6 +22,7 @@ pub mod graph;
 pub mod mgmt;
 pub mod protocol;
 pub mod replay;
+pub mod shortcut;
 pub mod volume;
 
 pub use client::{errno_error, wire_path, Client, Fh};

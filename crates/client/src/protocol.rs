@@ -33,6 +33,9 @@ use kiln_proto::Op;
 use crate::client::{wire_path, Client, SlotWait};
 use crate::conn::{Completion, Done, Lost, Refused, ReplyData, Slot};
 use crate::replay::{self, Replay};
+use crate::shortcut::{HandleGrant, Shortcut};
+
+mod local;
 
 /// How long a fop waits for its brick to come back by default (an NFS hard mount's patience).
 pub const DEFAULT_PATIENCE: Duration = Duration::from_secs(30);
@@ -46,6 +49,8 @@ struct RemoteFd {
     cred: Option<Arc<kiln_proto::Cred>>,
     /// The brick's handle number, and the generation of the connection it belongs to.
     at: Mutex<(u64, u64)>,
+    /// Local short-circuit reads ([`crate::shortcut`]).
+    direct: HandleGrant,
 }
 
 /// Stale handle: opened on an earlier connection.
@@ -71,6 +76,8 @@ pub struct ProtocolClient {
     local: bool,
     /// How long a fop waits for a lost connection to come back before it fails.
     patience: Duration,
+    /// Reads straight from the brick's files, when it is on this host.
+    shortcut: Arc<Shortcut>,
 }
 
 /// One request, kept whole until it is answered so that it can go again on a new connection.
@@ -173,7 +180,14 @@ impl ProtocolClient {
                 watching: AtomicBool::new(false),
             }),
             patience: DEFAULT_PATIENCE,
+            shortcut: Arc::new(Shortcut::new(true)),
         }
+    }
+
+    /// Turns local short-circuit reads on or off (on by default; they happen only over a Unix
+    /// socket, to a brick on this host).
+    pub fn set_short_circuit(&self, on: bool) {
+        self.shortcut.set(on);
     }
 
     /// How long a fop waits for a lost connection to come back before failing with
@@ -523,7 +537,7 @@ impl ProtocolClient {
         let done = |args: Vec<u8>| Completion {
             result: Ok(ReplyData {
                 args,
-                payload_len: 0,
+                ..Default::default()
             }),
             keep: None,
             lost: None,
@@ -580,6 +594,7 @@ impl ProtocolClient {
             heal: op == Op::HealOpen,
             cred: cx.cred.clone(),
             at: Mutex::new((fh, gen)),
+            direct: HandleGrant::default(),
         })
     }
 
@@ -594,6 +609,47 @@ impl ProtocolClient {
         let gen = self.gen();
         let f = self.call::<OpenReply>(cx, op, &req);
         Box::pin(async move { Ok(self.handle(cx, op, &req.path, flags, f.await?.fh, gen)) })
+    }
+
+    /// A read through the brick.
+    fn read_brick<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        rfd: &'a RemoteFd,
+        offset: u64,
+        dst: ReadDst,
+    ) -> Fut<'a, ReadOut> {
+        let len = try_fut!(check_len(dst.len()));
+        let args = ReadReq { fh: 0, offset, len }.to_wire();
+        let mut req = self.request(cx, Op::Read, args, Some(rfd));
+        match dst {
+            ReadDst::Into(bufs) => {
+                let (iov, keep) = bufs.into_parts();
+                req.shape = Shape::ReadInto;
+                let f = self.send(cx, req, Some(Box::new((iov, keep))));
+                Box::pin(async move {
+                    let mut c = f.await?;
+                    let bufs = take_back(&mut c);
+                    let n = c.result?.payload_len;
+                    Ok(ReadOut::Into { n, bufs })
+                })
+            }
+            ReadDst::Any(len) => {
+                req.shape = Shape::ReadAny;
+                let f = self.send(cx, req, Some(Box::new(vec![0u8; len as usize])));
+                Box::pin(async move {
+                    let c = f.await?;
+                    let n = c.result?.payload_len;
+                    let mut buf = *c
+                        .keep
+                        .expect("the connection hands back what it kept")
+                        .downcast::<Vec<u8>>()
+                        .expect("same type");
+                    buf.truncate(n);
+                    Ok(ReadOut::Buf(buf))
+                })
+            }
+        }
     }
 
     fn unit<'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, ()> {
@@ -730,6 +786,10 @@ impl Layer for ProtocolClient {
         &self.name
     }
 
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn local(&self) -> bool {
         self.local
     }
@@ -792,37 +852,10 @@ impl Layer for ProtocolClient {
 
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
         let rfd = try_fut!(self.remote(fd));
-        let len = try_fut!(check_len(dst.len()));
-        let args = ReadReq { fh: 0, offset, len }.to_wire();
-        let mut req = self.request(cx, Op::Read, args, Some(rfd));
-        match dst {
-            ReadDst::Into(bufs) => {
-                let (iov, keep) = bufs.into_parts();
-                req.shape = Shape::ReadInto;
-                let f = self.send(cx, req, Some(Box::new((iov, keep))));
-                Box::pin(async move {
-                    let mut c = f.await?;
-                    let bufs = take_back(&mut c);
-                    let n = c.result?.payload_len;
-                    Ok(ReadOut::Into { n, bufs })
-                })
-            }
-            ReadDst::Any(len) => {
-                req.shape = Shape::ReadAny;
-                let f = self.send(cx, req, Some(Box::new(vec![0u8; len as usize])));
-                Box::pin(async move {
-                    let c = f.await?;
-                    let n = c.result?.payload_len;
-                    let mut buf = *c
-                        .keep
-                        .expect("the connection hands back what it kept")
-                        .downcast::<Vec<u8>>()
-                        .expect("same type");
-                    buf.truncate(n);
-                    Ok(ReadOut::Buf(buf))
-                })
-            }
+        if self.local && !rfd.heal && self.shortcut.is_on() {
+            return Box::pin(self.read_local(cx, rfd, offset, dst));
         }
+        self.read_brick(cx, rfd, offset, dst)
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
@@ -850,6 +883,9 @@ impl Layer for ProtocolClient {
     fn release<'a>(&'a self, cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
         Box::pin(async move {
             let rfd = self.remote(&fd)?;
+            if rfd.direct.used() {
+                self.report_now().await;
+            }
             let args = HandleReq { fh: 0 }.to_wire();
             let req = self.request(cx, Op::Release, args, Some(rfd));
             self.send(cx, req, None).await?.result.map(|_| ())

@@ -48,7 +48,7 @@ pub fn of(op: Op) -> Replay {
         Mkdir | Symlink | Mknod | Link => Replay::Made,
         Create => Replay::Create,
         HealLock | HealSession | HealInfo | HealOpen | MarkClearIf | FlagClearIf | Hello | Auth
-        | Mgmt | Profile => Replay::Never,
+        | Mgmt | Profile | Grant => Replay::Never,
         _ => Replay::Same,
     }
 }
@@ -58,7 +58,15 @@ pub fn takes_handle(op: Op) -> bool {
     use Op::*;
     matches!(
         op,
-        Read | Write | WriteMarked | Fsync | Release | Fstat | Fsetattr | Fallocate | Discard
+        Read | Write
+            | WriteMarked
+            | Fsync
+            | Release
+            | Fstat
+            | Fsetattr
+            | Fallocate
+            | Discard
+            | Grant
     )
 }
 

@@ -141,6 +141,7 @@ impl Volume {
                 LayerKind::ProtocolClient {
                     remote: addr.into(),
                     timeout: None,
+                    short_circuit: None,
                 },
             ),
         ])
@@ -667,8 +668,14 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
     let connect = |remote: &str| connect_first(remote, connect_one);
     let replicas = v.below_replicate();
     let top = v.build(&mut |def, _kids| match &def.kind {
-        LayerKind::ProtocolClient { remote, timeout } => {
+        LayerKind::ProtocolClient {
+            remote,
+            timeout,
+            short_circuit,
+        } => {
+            let short_circuit = short_circuit.unwrap_or(true);
             if let Some(pc) = prev.and_then(|g| g.reusable(&def.name, remote, *timeout)) {
+                pc.set_short_circuit(short_circuit);
                 reached += 1;
                 links.push((pc.clone(), remote.clone(), *timeout));
                 return Ok(pc as LayerRef);
@@ -704,6 +711,7 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
                 None => crate::protocol::DEFAULT_PATIENCE,
             };
             let pc = Arc::new(ProtocolClient::new(&def.name, c).with_patience(patience));
+            pc.set_short_circuit(short_circuit);
             links.push((pc.clone(), remote.clone(), *timeout));
             Ok(pc as LayerRef)
         }

@@ -152,6 +152,7 @@ fn reads_stay_on_the_replica_of_this_host() {
             kind: LayerKind::ProtocolClient {
                 remote: a.clone(),
                 timeout: None,
+                short_circuit: None,
             },
         });
     }

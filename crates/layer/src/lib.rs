@@ -440,6 +440,18 @@ macro_rules! declare_layer {
                 }
             }
 
+            /// The brick file under a handle this layer opened, for a local client to read
+            /// straight from (the brick's grants, [`kiln_proto::Op::Grant`]), or why not
+            /// (`EOPNOTSUPP` where there is no such file; `EMOVED` for a file moving away).
+            /// The default asks the first child with the same handle: layers that wrap
+            /// handles say so themselves.
+            fn backing<'f>(&self, cx: &Ctx, fd: &'f Fd) -> FopResult<&'f std::fs::File> {
+                match self.children().first() {
+                    Some(c) => c.backing(cx, fd),
+                    None => Err(errno::EOPNOTSUPP),
+                }
+            }
+
             /// This layer as `Any`, for operator tools that look for a layer type.
             fn as_any(&self) -> Option<&dyn Any> {
                 None

@@ -145,6 +145,10 @@ pub enum LayerKind {
         /// for a quorum itself).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         timeout: Option<u32>,
+        /// Reads straight from the brick's files while it is on this host (a Unix socket) and
+        /// grants them; default on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        short_circuit: Option<bool>,
     },
 }
 

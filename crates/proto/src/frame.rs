@@ -28,8 +28,11 @@ pub const FLAG_TRACE: u32 = 1;
 /// supplementary groups) — and the fop's own arguments follow it. The brick runs the fop's
 /// storage calls with those credentials. Requests without it run as the brick itself (root).
 pub const FLAG_CRED: u32 = 2;
+/// Flag: on a reply over a Unix socket, descriptors came with the frame's first byte
+/// (`SCM_RIGHTS`, one batch per frame, in stream order); the fop says how many.
+pub const FLAG_FDS: u32 = 4;
 /// Every flag this version knows.
-pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED;
+pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED | FLAG_FDS;
 
 /// Frame kinds.
 pub const KIND_REQUEST: u8 = 0;
@@ -182,6 +185,17 @@ impl Header {
     /// The same header with [`FLAG_CRED`] set.
     pub fn with_cred(mut self) -> Header {
         self.flags = (self.flags.get() | FLAG_CRED).into();
+        self
+    }
+
+    /// True when descriptors came with the frame ([`FLAG_FDS`]).
+    pub fn has_fds(&self) -> bool {
+        self.flags.get() & FLAG_FDS != 0
+    }
+
+    /// The same header with [`FLAG_FDS`] set.
+    pub fn with_fds(mut self) -> Header {
+        self.flags = (self.flags.get() | FLAG_FDS).into();
         self
     }
 

@@ -129,6 +129,14 @@ ops! {
     /// in `missed` lack the bytes written (a replica's miss recorded in the same step as the
     /// write, not in a round trip after it).
     WriteMarked = 45,
+    /// Local short-circuit (Unix-socket connections only): a read-only descriptor of the file
+    /// a handle has open, passed with `SCM_RIGHTS` ([`crate::frame::FLAG_FDS`]), and the slot
+    /// of the brick's generation table that says while reads through it are current (see
+    /// [`GrantReq`], [`GrantReply`]). With `fh` 0 it only reports the caller's direct reads.
+    Grant = 46,
+    /// Never sent: the io-stats row that counts reads clients made straight from the brick's
+    /// files with a grant (reported with [`Op::Grant`]).
+    LocalRead = 47,
 }
 
 impl Op {
@@ -210,6 +218,15 @@ wire_struct! {
     pub struct PathReq { pub path: String }
     /// A request naming one open handle.
     pub struct HandleReq { pub fh: u64 }
+
+    /// GRANT: a descriptor for handle `fh` (0: none), and the reads (`reads` calls, `bytes`
+    /// bytes) the client made straight from this brick's files since its last GRANT.
+    pub struct GrantReq { pub fh: u64, pub reads: u64, pub bytes: u64 }
+    /// GRANT's reply: the handle's slot in the connection's generation table and the value it
+    /// holds now. Reads through the descriptor are current while the slot keeps that value.
+    /// With `table` set, the reply carries two descriptors: the table (a sealed memfd of
+    /// little-endian `u64` slots, sent once per connection), then the file.
+    pub struct GrantReply { pub slot: u32, pub gen: u64, pub table: bool }
 
     /// Attributes to change; `valid` says which fields apply (`SETATTR_*`).
     pub struct SetAttrs {

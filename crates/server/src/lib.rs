@@ -6,6 +6,7 @@ pub mod auth;
 pub mod conn;
 pub mod control;
 pub mod door;
+pub mod grants;
 pub mod limits;
 pub mod stats;
 
@@ -158,6 +159,7 @@ impl Server {
                 limits: self.limits,
                 secret: self.secret.clone(),
                 mgmt: self.mgmt.clone(),
+                grants: Default::default(),
             },
             door: door::Door::new(self.limits, self.stats.clone()),
         });

@@ -15,6 +15,8 @@ pub struct ReplyData {
     pub args: Vec<u8>,
     /// Payload bytes written into the request's sink vectors.
     pub payload_len: usize,
+    /// Descriptors that came with the reply ([`kiln_proto::frame::FLAG_FDS`]).
+    pub fds: Vec<std::os::fd::OwnedFd>,
 }
 
 /// What a request completes with. `keep` returns whatever the submitter asked the connection to

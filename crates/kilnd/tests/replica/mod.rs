@@ -141,6 +141,7 @@ pub fn volfile_at(addrs: &[String]) -> Volfile {
             kind: LayerKind::ProtocolClient {
                 remote: a.clone(),
                 timeout: None,
+                short_circuit: None,
             },
         });
     }

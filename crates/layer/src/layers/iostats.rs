@@ -174,6 +174,14 @@ impl IoStatsData {
             .saturating_record(latency_ns.max(1));
     }
 
+    /// Records `calls` fops that were timed elsewhere, or not at all (a client's reads
+    /// straight from the brick's files, [`Op::LocalRead`]): counted, without latencies.
+    pub fn record_untimed(&self, op: Op, calls: u64, bytes: u64) {
+        let s = &self.ops[op as usize % OPS];
+        s.calls.fetch_add(calls, Relaxed);
+        s.bytes.fetch_add(bytes, Relaxed);
+    }
+
     fn raw(&self) -> Raw {
         let load = |a: &AtomicU64| a.load(Relaxed);
         Raw {

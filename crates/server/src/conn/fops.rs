@@ -37,6 +37,8 @@ impl Conn {
             Op::Auth => self.auth(args),
             Op::Profile => self.profile(args),
             Op::Mgmt => self.mgmt(args),
+            Op::Grant => self.grant(args, &cx),
+            Op::LocalRead => Err(Fail::Errno(errno::ENOSYS)),
             Op::Open => {
                 let req = OpenReq::from_wire(args)?;
                 stack!(Ok(Done::Open(stack.open(&cx, &req.path, req.flags).await?)))
@@ -53,6 +55,7 @@ impl Conn {
             Op::Release => {
                 let fh = HandleReq::from_wire(args)?.fh;
                 let fd = self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
+                self.released(fh);
                 stack!({
                     stack.release(&cx, fd).await?;
                     empty()

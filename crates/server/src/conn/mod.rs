@@ -35,6 +35,7 @@ use kiln_layer::Errno;
 pub use kiln_layer::layers::posix::SENDFILE_MIN;
 
 mod fops;
+mod grant;
 mod send;
 
 /// Bytes read past a header at a frame boundary: enough for the arguments of every fop but
@@ -66,12 +67,14 @@ enum Body {
         offset: u64,
         len: usize,
     },
+    /// No payload: descriptors that go with the frame's first byte ([`grant`]).
+    Fds(Vec<OwnedFd>),
 }
 
 impl Body {
     fn len(&self) -> usize {
         match self {
-            Body::None => 0,
+            Body::None | Body::Fds(_) => 0,
             Body::Buf(b) => b.len(),
             Body::File { len, .. } => *len,
         }
@@ -142,7 +145,10 @@ impl OutReply {
             Ok((args, body)) => (0, args, body),
             Err(e) => (e, Vec::new(), Body::None),
         };
-        let hdr = Header::reply(op, id, status, args.len() as u32, body.len() as u32);
+        let mut hdr = Header::reply(op, id, status, args.len() as u32, body.len() as u32);
+        if matches!(body, Body::Fds(_)) {
+            hdr = hdr.with_fds();
+        }
         let mut head = Vec::with_capacity(HEADER_LEN + args.len());
         head.extend_from_slice(&hdr.to_bytes());
         head.extend_from_slice(&args);
@@ -251,6 +257,11 @@ struct Conn {
     tls_out: Option<kiln_tls::RecordWriter>,
     /// This connection's place: a stranger's until the handshake is done.
     ticket: crate::door::Ticket,
+    /// A Unix-socket peer: may take grants.
+    local: bool,
+    /// The brick's grants, and this connection's.
+    grants: Arc<crate::grants::Grants>,
+    mine: crate::grants::ConnGrants,
 }
 
 impl Drop for Conn {
@@ -263,6 +274,7 @@ impl Drop for Conn {
         // while its handles still say what it was changing; then the handles it never
         // released.
         self.stack.hangup(self.conn_id);
+        self.mine.hangup(&self.grants, self.conn_id);
         for (_, fd) in self.handles.drain() {
             let stack = self.stack.clone();
             kiln_layer::exec::spawn(async move {
@@ -312,6 +324,8 @@ pub struct Served {
     pub secret: Option<Arc<[u8]>>,
     /// The management handler, on a kilnd that manages volumes.
     pub mgmt: Option<crate::control::Handler>,
+    /// Local clients' short-circuit grants, brick-wide.
+    pub grants: Arc<crate::grants::Grants>,
 }
 
 /// Serves one connection, holding `ticket` (its place at the door), until the peer closes it
@@ -324,12 +338,17 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
         limits,
         secret,
         mgmt,
+        grants,
     } = served;
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let (recv, send) = match sock {
         Sock::Plain(s) => (s, None),
         Sock::Tls(t) => (t.recv, Some((t.send, t.writer))),
     };
+    // Grants go only to Unix-socket peers: on this host, and able to take descriptors.
+    let local = send.is_none()
+        && rustix::net::getsockname(&recv)
+            .is_ok_and(|a| a.address_family() == rustix::net::AddressFamily::UNIX);
     let Some(fd) = register(recv, &peer) else {
         return;
     };
@@ -363,6 +382,9 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
         done_tx,
         tls_out,
         ticket,
+        local,
+        grants,
+        mine: Default::default(),
     };
     match conn
         .run(&fd, wfd.as_ref().unwrap_or(&fd), &mut done_rx, &peer)
@@ -665,6 +687,7 @@ impl Conn {
         } else {
             (cx, &inc.args[..])
         };
+        self.before_change(op, args);
         match self.fop(op, args, inc.payload, cx) {
             Ok(Step::Now(args, body)) => self.push_traced(OutReply::traced(
                 opcode,

@@ -63,8 +63,18 @@ impl Conn {
         }
         let mut iov: Vec<RawIov> = Vec::with_capacity(GATHER_MAX);
         let mut more = false;
+        // Descriptors go with the first byte of their frame, one frame's per `sendmsg`.
+        let mut with_fds = false;
         for i in 0..self.out.len() {
             if iov.len() + 2 > GATHER_MAX {
+                break;
+            }
+            if self.out[i].carries_fds() {
+                // Alone in its `sendmsg`, with nothing after it.
+                with_fds = i == 0;
+                if with_fds {
+                    iov.push(raw(&self.out[0].head[self.out[0].sent..]));
+                }
                 break;
             }
             if self.out[i].stamps_next && self.out[i].sent == 0 {
@@ -81,7 +91,7 @@ impl Conn {
                 iov.push(raw(&r.head[r.sent..]));
             }
             match &r.body {
-                Body::None => {}
+                Body::None | Body::Fds(_) => {}
                 Body::Buf(b) => {
                     let skip = r.sent.saturating_sub(r.head.len());
                     if skip < b.len() {
@@ -94,7 +104,7 @@ impl Conn {
                 }
             }
         }
-        let n = sendmsg(sock, &iov, more)?;
+        let n = self.send_gathered(sock, &iov, with_fds, more)?;
         self.out_bytes -= n;
         let mut left = n;
         while left > 0 {
@@ -162,7 +172,7 @@ impl Conn {
             } else {
                 let at = pos - r.head.len();
                 match &r.body {
-                    Body::None => 0,
+                    Body::None | Body::Fds(_) => 0,
                     Body::Buf(b) => {
                         let k = (b.len() - at).min(room);
                         w.put(taken, &b[at..at + k]);
@@ -224,6 +234,71 @@ pub(super) fn sendmsg(sock: i32, iov: &[RawIov], more: bool) -> io::Result<usize
         Err(io::Error::last_os_error())
     } else {
         Ok(r as usize)
+    }
+}
+
+impl Conn {
+    /// `sendmsg` of vectors gathered from the queue's front; `with_fds`: the front reply's
+    /// descriptors go along.
+    fn send_gathered(
+        &mut self,
+        sock: i32,
+        iov: &[RawIov],
+        with_fds: bool,
+        more: bool,
+    ) -> io::Result<usize> {
+        match &mut self.out[0].body {
+            Body::Fds(fds) if with_fds => {
+                let n = sendmsg_fds(sock, iov, fds)?;
+                // They went with the first byte: never again with the rest.
+                fds.clear();
+                Ok(n)
+            }
+            _ => sendmsg(sock, iov, more),
+        }
+    }
+}
+
+impl OutReply {
+    /// Descriptors still to go with this reply's first byte.
+    fn carries_fds(&self) -> bool {
+        matches!(&self.body, Body::Fds(f) if !f.is_empty())
+    }
+}
+
+/// `sendmsg` of `iov` with `fds` attached (`SCM_RIGHTS`): they arrive with its first byte.
+fn sendmsg_fds(sock: i32, iov: &[RawIov], fds: &[OwnedFd]) -> io::Result<usize> {
+    const MAX: usize = 4;
+    assert!(
+        fds.len() <= MAX,
+        "a frame carries at most {MAX} descriptors"
+    );
+    let raw_fds: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let data_len = std::mem::size_of_val(&raw_fds[..]);
+    // u64s: aligned for `cmsghdr`.
+    let mut space = [0u64; 8];
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space_len = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
+    assert!(space_len <= std::mem::size_of_val(&space));
+    // SAFETY: a zeroed msghdr is valid; it points at `iov` and at `space`, both live for the
+    // call, and the control message is written inside `space` (its size checked above).
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = iov.len();
+        msg.msg_control = space.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space_len;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(data_len as u32) as usize;
+        std::ptr::copy_nonoverlapping(raw_fds.as_ptr() as *const u8, libc::CMSG_DATA(c), data_len);
+        let r = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT);
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as usize)
+        }
     }
 }
 

@@ -172,6 +172,15 @@ impl Layer for Marks {
         }
     }
 
+    fn backing<'f>(&self, cx: &Ctx, fd: &'f Fd) -> FopResult<&'f std::fs::File> {
+        // A heal handle writes what clients skipped: never read around it.
+        let f = usable(fd, cx.owner)?;
+        if f.heal {
+            return Err(crate::errno::EOPNOTSUPP);
+        }
+        self.child().backing(cx, &f.inner)
+    }
+
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
         match usable(fd, cx.owner) {
             Ok(f) => self.child().read(cx, &f.inner, offset, dst),

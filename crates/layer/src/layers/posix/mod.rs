@@ -189,6 +189,10 @@ impl Layer for Posix {
         self.now(cx, On::Fd(fd), || brick::fstat(file(fd)?))
     }
 
+    fn backing<'f>(&self, _cx: &Ctx, fd: &'f Fd) -> FopResult<&'f File> {
+        Ok(file(fd)?)
+    }
+
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
         self.now(cx, On::Path(path), || self.brick.setattr(path, attrs))
     }

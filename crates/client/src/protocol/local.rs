@@ -1,0 +1,150 @@
+//! The protocol-client's local short-circuit reads (see [`crate::shortcut`]).
+
+use kiln_layer::{Ctx, FopResult, ReadDst, ReadOut};
+use kiln_proto::codec::Wire;
+use kiln_proto::ops::{GrantReply, GrantReq};
+use kiln_proto::{errno, Op};
+
+use super::{ProtocolClient, RemoteFd};
+use crate::shortcut::{Grant, Plan, Table};
+
+impl ProtocolClient {
+    /// A read on a brick of this host: straight from its file while a grant holds, else
+    /// through the brick.
+    pub(super) async fn read_local(
+        &self,
+        cx: &Ctx,
+        rfd: &RemoteFd,
+        offset: u64,
+        mut dst: ReadDst,
+    ) -> FopResult<ReadOut> {
+        let (client, gen) = self.current();
+        let grant = match rfd.direct.plan(gen) {
+            Plan::Direct(g) => Some(g),
+            Plan::Ask => self.ask_grant(rfd, gen).await,
+            Plan::Brick => None,
+        };
+        if let Some(g) = grant.filter(|_| !client.is_dead()) {
+            let got = match &mut dst {
+                // SAFETY: the caller's vectors, writable until the read completes.
+                ReadDst::Into(bufs) => unsafe { g.read(bufs.iov(), offset) },
+                ReadDst::Any(len) => {
+                    let mut buf = vec![0u8; *len as usize];
+                    let iov = [kiln_proto::iov::RawIov {
+                        base: buf.as_mut_ptr() as usize,
+                        len: buf.len(),
+                    }];
+                    // SAFETY: `buf` is ours and lives across the call.
+                    match unsafe { g.read(&iov, offset) } {
+                        Some(n) => {
+                            buf.truncate(n);
+                            self.counted(n);
+                            return Ok(ReadOut::Buf(buf));
+                        }
+                        None => None,
+                    }
+                }
+            };
+            match (got, dst) {
+                (Some(n), ReadDst::Into(bufs)) => {
+                    self.counted(n);
+                    return Ok(ReadOut::Into { n, bufs });
+                }
+                (_, d) => {
+                    self.shortcut
+                        .stale
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    rfd.direct.dropped();
+                    dst = d;
+                }
+            }
+        }
+        self.read_brick(cx, rfd, offset, dst).await
+    }
+
+    /// Reads made straight from the brick's files, and those found stale (done again
+    /// through the brick), since the layer was made.
+    pub fn short_circuit_counts(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.shortcut.direct.load(Relaxed),
+            self.shortcut.stale.load(Relaxed),
+        )
+    }
+
+    /// Reports direct reads not reported yet (a handle closes: its reads show in the brick's
+    /// profile at once).
+    pub(super) async fn report_now(&self) {
+        let (reads, bytes) = self.shortcut.take_report();
+        if reads > 0 {
+            let _ = self.current().0.report_local_reads(reads, bytes).await;
+        }
+    }
+
+    /// Counts a direct read, and reports the reads to the brick once a second.
+    fn counted(&self, n: usize) {
+        if self.shortcut.count(n) {
+            let (reads, bytes) = self.shortcut.take_report();
+            let client = self.current().0;
+            kiln_layer::exec::spawn(async move {
+                let _ = client.report_local_reads(reads, bytes).await;
+            });
+        }
+    }
+
+    /// Asks the brick for a grant of `rfd` on connection `gen`.
+    async fn ask_grant(&self, rfd: &RemoteFd, gen: u64) -> Option<std::sync::Arc<Grant>> {
+        let (reads, bytes) = self.shortcut.take_report();
+        let args = GrantReq {
+            fh: 0,
+            reads,
+            bytes,
+        }
+        .to_wire();
+        let req = self.request(&Ctx::NONE, Op::Grant, args, Some(rfd));
+        let c = match self.send(&Ctx::NONE, req, None).await {
+            Ok(c) => c,
+            Err(_) => {
+                rfd.direct.dropped();
+                return None;
+            }
+        };
+        let reply = match c.result {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(layer = self.name, path = rfd.path, "no grant: errno {e}");
+                match e {
+                    // Not now (a move or heal under way, a lost connection): later.
+                    errno::EMOVED | errno::ENOTCONN | errno::ECONNRESET => rfd.direct.dropped(),
+                    _ => rfd.direct.refused(),
+                }
+                return None;
+            }
+        };
+        let Ok(r) = GrantReply::from_wire(&reply.args) else {
+            rfd.direct.refused();
+            return None;
+        };
+        let mut fds = reply.fds.into_iter();
+        let table = match r.table {
+            true => match fds.next().map(Table::map) {
+                Some(Ok(t)) => {
+                    self.shortcut.set_table(gen, t.clone());
+                    Some(t)
+                }
+                _ => None,
+            },
+            false => self.shortcut.table(gen),
+        };
+        match (table, fds.next()) {
+            (Some(t), Some(file)) => {
+                Some(rfd.direct.granted(Grant::new(file, t, r.slot, r.gen, gen)))
+            }
+            _ => {
+                tracing::warn!(layer = self.name, "a grant came without its descriptors");
+                rfd.direct.refused();
+                None
+            }
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! GRANT and what makes grants stale (see [`crate::grants`]).
+
+use kiln_layer::Ctx;
+use kiln_proto::codec::Wire;
+use kiln_proto::ops::{CreateReq, GrantReply, GrantReq, HandleReq, OpenReq};
+use kiln_proto::{errno, Op};
+
+use crate::grants::{self, Table};
+
+use super::*;
+
+impl Conn {
+    /// GRANT: counts the client's direct reads, then (for a handle) answers with a read-only
+    /// descriptor of its file, and the table with the first grant.
+    pub(super) fn grant(&mut self, args: &[u8], cx: &Ctx) -> Result<Step, Fail> {
+        let req = GrantReq::from_wire(args)?;
+        if req.reads > 0 {
+            self.count_local_reads(req.reads, req.bytes);
+        }
+        if req.fh == 0 {
+            return Ok(Step::Now(Vec::new(), Body::None));
+        }
+        if !self.local {
+            return Err(Fail::Errno(errno::EOPNOTSUPP));
+        }
+        let fd = self.handle(req.fh)?;
+        let file = self.stack.backing(cx, &fd)?;
+        // A write-only handle gives no right to read.
+        let mode =
+            rustix::fs::fcntl_getfl(file).map_err(|e| Fail::Errno(e.raw_os_error() as u32))?;
+        if mode & rustix::fs::OFlags::RWMODE == rustix::fs::OFlags::WRONLY {
+            return Err(Fail::Errno(errno::EBADF));
+        }
+        let io = |e: io::Error| Fail::Errno(e.raw_os_error().unwrap_or(libc::EIO) as u32);
+        let ino = grants::inode_of(file).map_err(io)?;
+        let copy = grants::reopen_read_only(file).map_err(io)?;
+        let first = self.mine.table.is_none();
+        if first {
+            self.mine.table = Some(Table::new().map_err(|e| {
+                tracing::warn!("cannot make a grant table: {e}");
+                io(e)
+            })?);
+        }
+        let (table, slot) = self
+            .mine
+            .slot_for(req.fh, ino)
+            .ok_or(Fail::Errno(libc::ENOSPC as u32))?;
+        self.grants.add(ino, self.conn_id, &table, slot);
+        // Read after the grant is recorded: a change that begins from now on bumps past it.
+        let gen = table.value(slot);
+        let mut fds = Vec::with_capacity(2);
+        if first {
+            fds.push(table.memfd().try_clone().map_err(io)?);
+        }
+        fds.push(copy);
+        let reply = GrantReply {
+            slot,
+            gen,
+            table: first,
+        };
+        Ok(Step::Now(reply.to_wire(), Body::Fds(fds)))
+    }
+
+    fn count_local_reads(&self, reads: u64, bytes: u64) {
+        let mut found = false;
+        let mut f = |l: &dyn kiln_layer::Layer| {
+            if found {
+                return;
+            }
+            if let Some(s) = l
+                .as_any()
+                .and_then(|a| a.downcast_ref::<kiln_layer::layers::iostats::IoStats>())
+            {
+                s.data().record_untimed(Op::LocalRead, reads, bytes);
+                found = true;
+            }
+        };
+        f(&*self.stack);
+        self.stack.visit(&mut f);
+    }
+
+    /// Before a fop runs: bumps the grants it could make stale. Writes and size changes through
+    /// a handle bump other connections' grants of that file; a name change, a truncating open,
+    /// or a heal or migration session beginning bumps every grant (which file a name is would
+    /// take a lookup). One relaxed load when no grant is alive.
+    pub(super) fn before_change(&mut self, op: Op, args: &[u8]) {
+        if !self.grants.any() {
+            return;
+        }
+        match op {
+            Op::Write | Op::WriteMarked | Op::Fallocate | Op::Discard | Op::Fsetattr => {
+                // Every handle fop's arguments start with its handle.
+                let Ok(req) = HandleReq::from_wire(&args[..args.len().min(8)]) else {
+                    return;
+                };
+                match self.inode_of_handle(req.fh) {
+                    Some(ino) => self.grants.changing(ino, self.conn_id),
+                    None => self.grants.changing_all(),
+                }
+            }
+            Op::Open | Op::Create => {
+                let flags = match op {
+                    Op::Open => OpenReq::from_wire(args).map(|r| r.flags),
+                    _ => CreateReq::from_wire(args).map(|r| r.flags),
+                };
+                if flags.map_or(true, |f| f & libc::O_TRUNC as u32 != 0) {
+                    self.grants.changing_all();
+                }
+            }
+            Op::Setattr
+            | Op::Unlink
+            | Op::Rename
+            | Op::HealOpen
+            | Op::HealSession
+            | Op::HealLock => self.grants.changing_all(),
+            _ => {}
+        }
+    }
+
+    /// The file a handle has open, learned once per handle.
+    fn inode_of_handle(&mut self, fh: u64) -> Option<grants::Inode> {
+        if let Some(i) = self.mine.inodes.get(&fh) {
+            return Some(*i);
+        }
+        let fd = self.handles.get(&fh)?;
+        let file = self
+            .stack
+            .backing(&Ctx::NONE.with_owner(self.conn_id), fd)
+            .ok()?;
+        let ino = grants::inode_of(file).ok()?;
+        self.mine.inodes.insert(fh, ino);
+        Some(ino)
+    }
+
+    /// A handle was released: its grant ends.
+    pub(super) fn released(&mut self, fh: u64) {
+        self.mine.release(&self.grants, self.conn_id, fh);
+    }
+}

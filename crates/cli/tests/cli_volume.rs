@@ -183,6 +183,24 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
         let (n, bufs) = block_on(v.preadv(&fd, vec![vec![0u8; 128 * 1024]; 2], 0));
         assert_eq!(n.unwrap(), data.len());
         assert_eq!(bufs.concat(), data);
+        // Read again: now straight from the local replica's file (short-circuit).
+        for _ in 0..2 {
+            let (n, bufs) = block_on(v.preadv(&fd, vec![vec![0u8; 4096]], 8192));
+            assert_eq!(n.unwrap(), 4096);
+            assert_eq!(bufs.concat(), data[8192..8192 + 4096]);
+        }
+        let mut direct = 0;
+        let mut count = |l: &dyn kiln_layer::Layer| {
+            let pc = l
+                .as_any()
+                .and_then(|a| a.downcast_ref::<kiln_client::protocol::ProtocolClient>());
+            direct += pc.map_or(0, |p| p.short_circuit_counts().0);
+        };
+        v.top().visit(&mut count);
+        assert!(
+            direct > 0,
+            "local replicas are read straight from their files"
+        );
         block_on(v.close(fd)).unwrap();
     }
     assert_eq!(
@@ -768,7 +786,13 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
         .collect();
     assert_eq!(
         names,
-        ["allow", "root-squash", "io-timeout", "shard-block-size"],
+        [
+            "allow",
+            "root-squash",
+            "io-timeout",
+            "short-circuit",
+            "shard-block-size"
+        ],
         "{all}"
     );
     assert!(all["version"].as_u64().unwrap() > 0, "{all}");
@@ -780,6 +804,12 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     }
     mgmt_ok(&kd, &state, &["volume", "set", "ov", "io-timeout", "12"]);
     mgmt_ok(&kd, &state, &["volume", "set", "ov", "root-squash", "on"]);
+    mgmt_ok(
+        &kd,
+        &state,
+        &["volume", "set", "ov", "short-circuit", "off"],
+    );
+    assert_eq!(get("short-circuit")["options"][0]["value"], "off");
     let io = get("io-timeout");
     assert_eq!(io["options"][0]["value"], "12", "{io}");
     assert_eq!(io["options"][0]["restarts_bricks"], false, "{io}");
@@ -810,6 +840,7 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     assert_eq!(get("root-squash")["options"][0]["value"], "on");
     mgmt_ok(&kd, &state, &["volume", "reset", "ov", "all"]);
     assert_eq!(get("root-squash")["options"][0]["value"], "off");
+    assert_eq!(get("short-circuit")["options"][0]["value"], "on");
 
     // A second kilnd on the same state directory refuses to start, and says which holds it.
     let err = refused_kilnd(&[

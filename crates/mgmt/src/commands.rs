@@ -73,6 +73,7 @@ impl Manager {
             allow,
             root_squash: false,
             io_timeout: None,
+            short_circuit: None,
             draining: Vec::new(),
             rebalance: None,
             sets: Vec::new(),
@@ -271,14 +272,22 @@ impl Manager {
         name: &str,
         allow: Option<&[String]>,
         root_squash: Option<bool>,
-        io_timeout: Option<u32>,
+        (io_timeout, short_circuit): (Option<u32>, Option<bool>),
     ) -> Result<Response, String> {
         let mut def = self.load(name)?;
-        if allow.is_none() && root_squash.is_none() && io_timeout.is_none() {
+        if allow.is_none()
+            && root_squash.is_none()
+            && io_timeout.is_none()
+            && short_circuit.is_none()
+        {
             return Err(format!("volume {name}: no option given to set"));
         }
         if let Some(s) = io_timeout {
             def.io_timeout = Some(s);
+        }
+        if let Some(on) = short_circuit {
+            // Stored only when off: a volume left at the default keeps its clients' graph.
+            def.short_circuit = (!on).then_some(false);
         }
         // Only the bricks' own options need their restart; the I/O timeout is the clients'.
         let restart = allow.is_some() || root_squash.is_some();

@@ -113,6 +113,10 @@ pub struct VolumeDef {
     /// or the one brick) before failing; `None`: 30 (`kiln volume set VOL io-timeout S`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_timeout: Option<u32>,
+    /// Clients on a brick's host read straight from its files while it grants them; `None`:
+    /// on (`kiln volume set VOL short-circuit off`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_circuit: Option<bool>,
     /// Replica sets on their way out (`remove-brick start`): they take no new files, and the
     /// rebalance moves theirs off.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -97,7 +97,14 @@ impl Manager {
                 allow,
                 root_squash,
                 io_timeout,
-            } => self.set(procs, &name, allow.as_deref(), root_squash, io_timeout),
+                short_circuit,
+            } => self.set(
+                procs,
+                &name,
+                allow.as_deref(),
+                root_squash,
+                (io_timeout, short_circuit),
+            ),
             Request::AddBrick {
                 name,
                 replica,

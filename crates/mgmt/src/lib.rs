@@ -135,6 +135,7 @@ mod tests {
             allow: Vec::new(),
             root_squash: false,
             io_timeout: None,
+            short_circuit: None,
             draining: Vec::new(),
             rebalance: None,
             sets: Vec::new(),

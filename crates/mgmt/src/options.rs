@@ -80,6 +80,17 @@ pub const OPTIONS: &[Spec] = &[
         create_only: false,
     },
     Spec {
+        name: "short-circuit",
+        kind: "on or off",
+        default: "on",
+        restarts_bricks: false,
+        description: "clients on a brick's host read straight from the brick's files (a \
+                      descriptor the brick passes over its Unix socket) while the brick \
+                      vouches that nothing changed them; writes always go through the brick",
+        get: |d| if d.short_circuit == Some(false) { "off" } else { "on" }.into(),
+        create_only: false,
+    },
+    Spec {
         name: "shard-block-size",
         kind: "chosen at create (--shard SIZE): a power of two from 1M to 1T, or off",
         default: "off",
@@ -142,7 +153,12 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
              the pieces of files already written depend on it"
         ));
     }
-    let (mut allow, mut root_squash, mut io_timeout) = (None, None, None);
+    let (mut allow, mut root_squash, mut io_timeout, mut short_circuit) = (None, None, None, None);
+    let on_off = |text: &str| match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(bad()),
+    };
     match name {
         "allow" => {
             allow = Some(match text {
@@ -155,13 +171,8 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
                     .collect(),
             })
         }
-        "root-squash" => {
-            root_squash = Some(match text {
-                "on" => true,
-                "off" => false,
-                _ => return Err(bad()),
-            })
-        }
+        "root-squash" => root_squash = Some(on_off(text)?),
+        "short-circuit" => short_circuit = Some(on_off(text)?),
         _ => {
             io_timeout = Some(
                 text.parse::<u32>()
@@ -176,6 +187,7 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
         allow,
         root_squash,
         io_timeout,
+        short_circuit,
     })
 }
 
@@ -213,11 +225,13 @@ mod tests {
             ("allow", "10.0.0.0/8,127.0.0.1/32"),
             ("root-squash", "on"),
             ("io-timeout", "7"),
+            ("short-circuit", "off"),
         ] {
             let Request::Set {
                 allow,
                 root_squash,
                 io_timeout,
+                short_circuit,
                 ..
             } = set_request("v", name, text).unwrap()
             else {
@@ -231,6 +245,9 @@ mod tests {
             }
             if io_timeout.is_some() {
                 d.io_timeout = io_timeout;
+            }
+            if let Some(on) = short_circuit {
+                d.short_circuit = Some(on);
             }
             assert_eq!(values(&d, Some(name)).unwrap()[0].value, text);
         }

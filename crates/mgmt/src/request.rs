@@ -58,6 +58,9 @@ pub enum Request {
         /// Seconds clients' I/O waits for bricks to come back; absent: unchanged.
         #[serde(default)]
         io_timeout: Option<u32>,
+        /// Whether local clients read straight from the bricks' files; absent: unchanged.
+        #[serde(default)]
+        short_circuit: Option<bool>,
     },
     /// Append whole replica sets of new, empty bricks to a volume (running them if it is
     /// started): new files land on them at once.

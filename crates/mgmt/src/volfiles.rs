@@ -65,7 +65,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
                 remote: format!("tcp:{}", SocketAddr::new(b.ip()?, port)),
                 // A replica's connection does not wait: its replicate layer does.
                 timeout: (def.replica <= 1).then_some(def.io_timeout).flatten(),
-                short_circuit: None,
+                short_circuit: def.short_circuit,
             },
         });
     }

@@ -366,6 +366,48 @@ impl BenchResult {
     }
 }
 
+/// A request buffer aligned to a page, as fio's and QEMU's are: the kernel's copies into it
+/// then run at the speed they run for them (a 128 KiB `Vec` starts 16 bytes into its page,
+/// which costs a copy from the page cache about a quarter of its speed here).
+struct PageBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value alone.
+unsafe impl Send for PageBuf {}
+
+impl PageBuf {
+    fn layout(len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(len.max(1), 4096).expect("a valid layout")
+    }
+
+    fn new(len: usize, fill: u8) -> PageBuf {
+        // SAFETY: a non-zero-sized layout; the result is checked.
+        let raw = unsafe { std::alloc::alloc(PageBuf::layout(len)) };
+        let ptr = std::ptr::NonNull::new(raw)
+            .unwrap_or_else(|| std::alloc::handle_alloc_error(PageBuf::layout(len)));
+        // SAFETY: `len` bytes were just allocated at `ptr`.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), fill, len) };
+        PageBuf { ptr, len }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for PageBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), PageBuf::layout(self.len)) };
+    }
+}
+
 /// Requests whose completion came inside a submission, to be issued by the outer one.
 type Queued = Vec<(Arc<Job>, usize)>;
 
@@ -378,7 +420,7 @@ struct Job {
     deadline: Instant,
     next_seq: AtomicU64,
     rng: AtomicU64,
-    bufs: Vec<Mutex<Vec<u8>>>,
+    bufs: Vec<Mutex<PageBuf>>,
     hist: Mutex<Histogram<u64>>,
     ios: AtomicU64,
     bytes: AtomicU64,
@@ -631,7 +673,7 @@ pub fn run_volfile(
         vol.set_trace_every(args.trace_every);
         let fd = block_on(vol.open(&args.file, libc::O_RDWR))?;
         let bufs = (0..args.iodepth)
-            .map(|i| Mutex::new(vec![(i as u8).wrapping_add(j as u8); args.bs as usize]))
+            .map(|i| Mutex::new(PageBuf::new(args.bs as usize, (i as u8).wrapping_add(j as u8))))
             .collect();
         jobs.push((vol, fd, bufs));
     }

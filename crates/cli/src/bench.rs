@@ -392,6 +392,13 @@ impl PageBuf {
         PageBuf { ptr, len }
     }
 
+    /// Job `j`'s buffers, one per request in flight.
+    fn slots(args: &BenchArgs, j: usize) -> Vec<Mutex<PageBuf>> {
+        (0..args.iodepth)
+            .map(|i| Mutex::new(PageBuf::new(args.bs as usize, (i + j) as u8)))
+            .collect()
+    }
+
     fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -672,10 +679,7 @@ pub fn run_volfile(
         let vol = Arc::new(job_volume(args, volfile)?);
         vol.set_trace_every(args.trace_every);
         let fd = block_on(vol.open(&args.file, libc::O_RDWR))?;
-        let bufs = (0..args.iodepth)
-            .map(|i| Mutex::new(PageBuf::new(args.bs as usize, (i as u8).wrapping_add(j as u8))))
-            .collect();
-        jobs.push((vol, fd, bufs));
+        jobs.push((vol, fd, PageBuf::slots(args, j)));
     }
     let cpu0 = self_cpu_seconds();
     let srv_cpu = || -> Option<f64> {

@@ -420,6 +420,7 @@ impl Client {
             fh: 0,
             reads,
             bytes,
+            pin: 0,
         };
         self.call_unit(Op::Grant, &req).await
     }

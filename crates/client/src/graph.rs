@@ -447,6 +447,12 @@ macro_rules! switch_layer {
             fn hangup(&self, owner: u64) {
                 self.current().top.hangup(owner)
             }
+            fn pin_local<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
+                Box::pin(async move {
+                    let h = self.bind(fd).await?;
+                    h.gen.top.pin_local(cx, inner(&h)).await
+                })
+            }
             $( switch_one!($name, ($($arg : $ty),*), $ret); )*
         }
     };

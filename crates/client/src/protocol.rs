@@ -790,6 +790,11 @@ impl Layer for ProtocolClient {
         Some(self)
     }
 
+    fn pin_local<'a>(&'a self, _: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
+        let rfd = try_fut!(self.remote(fd));
+        Box::pin(self.pin_file(rfd))
+    }
+
     fn local(&self) -> bool {
         self.local
     }

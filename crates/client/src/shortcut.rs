@@ -337,7 +337,7 @@ impl Shortcut {
         self.direct.fetch_add(1, Ordering::Relaxed);
         self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         // The clock only every so many reads: a 4 KiB direct read costs about a microsecond.
-        if n % 64 != 0 {
+        if !n.is_multiple_of(64) {
             return false;
         }
         let now = self.born.elapsed().as_millis() as u64;

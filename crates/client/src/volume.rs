@@ -284,6 +284,17 @@ impl Volume {
             .map_err(errno_error)
     }
 
+    /// A read-only descriptor of the brick file under `fd`, pinned on its brick while `fd` is
+    /// open, where reading it directly is as good as reading through the stack (see
+    /// [`kiln_layer::Layer::pin_local`]; FUSE passthrough).
+    pub async fn pin_local(&self, fd: &Fd) -> io::Result<std::os::fd::OwnedFd> {
+        self.stack
+            .top
+            .pin_local(&Ctx::NONE, fd)
+            .await
+            .map_err(errno_error)
+    }
+
     /// Flushes a file to stable storage on every brick that holds it.
     pub async fn fsync(&self, fd: &Fd, datasync: bool) -> io::Result<()> {
         let cx = self.ctx();

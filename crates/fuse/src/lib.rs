@@ -23,6 +23,7 @@ mod callers;
 mod convert;
 pub mod inodes;
 mod mount;
+mod passthrough;
 #[cfg(test)]
 mod tests;
 
@@ -95,10 +96,24 @@ pub struct MountArgs {
     /// Attribute and entry cache timeout in general mode, in seconds.
     #[arg(long, default_value_t = 1.0)]
     pub attr_timeout: f64,
+    /// In vm-image mode, files opened read-only on a brick of this host (without replicas) are
+    /// read by the kernel straight from the brick's file (FUSE passthrough; needs root and
+    /// Linux 6.9): on, or off to send every read through this process.
+    #[arg(long, value_enum, default_value = "on")]
+    pub passthrough: Switch,
     /// Serve Prometheus `/metrics` on this address (port 0 picks one, logged at start; the
     /// brick learns it, so `kiln volume profile` reaches this mount); "off" disables it.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
     pub metrics: String,
+}
+
+/// A switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    /// On.
+    On,
+    /// Off.
+    Off,
 }
 
 /// Splits `SERVER:/VOL` at the last `:/`.
@@ -117,6 +132,8 @@ struct DirSnapshot {
 struct OpenFile {
     ino: u64,
     fd: Fd,
+    /// Opened with the inode's backing file ([`passthrough`]).
+    backed: bool,
 }
 
 /// The FUSE file system.
@@ -134,6 +151,8 @@ pub struct KilnFs {
     inodes: Mutex<Inodes>,
     dirs: Mutex<HashMap<u64, DirSnapshot>>,
     next_dir: AtomicU64,
+    /// Backing files of inodes open for passthrough reads.
+    pass: passthrough::Passthrough,
 }
 
 impl KilnFs {
@@ -151,7 +170,17 @@ impl KilnFs {
             inodes: Mutex::new(Inodes::new(root.ino)),
             dirs: Mutex::new(HashMap::new()),
             next_dir: AtomicU64::new(1),
+            pass: passthrough::Passthrough::new(mode == Mode::VmImage),
         })
+    }
+
+    /// With `on` false, every read goes through this process even where the kernel could read
+    /// the brick's file itself (passthrough is on by default in vm-image mode).
+    pub fn with_passthrough(self, on: bool) -> KilnFs {
+        if !on {
+            self.pass.off("--passthrough off");
+        }
+        self
     }
 
     /// The volume on behalf of the request's caller: name and metadata fops run on the bricks
@@ -225,10 +254,14 @@ impl KilnFs {
     /// Gives file `ino`, open as `fd`, a FUSE file handle.
     fn register_open(&self, ino: u64, fd: Fd) -> u64 {
         let id = self.next_file.fetch_add(1, Ordering::Relaxed);
-        self.files
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, OpenFile { ino, fd });
+        self.files.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            id,
+            OpenFile {
+                ino,
+                fd,
+                backed: false,
+            },
+        );
         id
     }
 
@@ -296,8 +329,16 @@ impl fuser::Filesystem for KilnFs {
                 | InitFlags::FUSE_DO_READDIRPLUS
                 | InitFlags::FUSE_READDIRPLUS_AUTO;
         }
+        if self.pass.is_on() {
+            caps |= InitFlags::FUSE_PASSTHROUGH;
+            // Bricks on ext4, XFS, tmpfs: one file system under ours.
+            let _ = config.set_max_stack_depth(1);
+        }
         if let Err(missing) = config.add_capabilities(caps) {
             tracing::info!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
+            if missing.contains(InitFlags::FUSE_PASSTHROUGH) {
+                self.pass.off("the kernel does not offer it");
+            }
             let _ = config.add_capabilities(caps - missing);
         }
         Ok(())
@@ -546,10 +587,16 @@ impl fuser::Filesystem for KilnFs {
         };
         let flags = self.open_flags(flags.0);
         match block_on(self.caller(req).open(&path, flags)) {
-            Ok(fd) => reply.opened(
-                FileHandle(self.register_open(ino.0, fd)),
-                self.fopen_flags(),
-            ),
+            Ok(fd) => {
+                let fh = FileHandle(self.register_open(ino.0, fd));
+                let at = (ino.0, path.as_str(), flags);
+                if self.pass.open(&self.vol, at, fh, self.fopen_flags(), reply) {
+                    let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(f) = files.get_mut(&fh.0) {
+                        f.backed = true;
+                    }
+                }
+            }
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -675,7 +722,7 @@ impl fuser::Filesystem for KilnFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(OpenFile { fd, .. }) = self
+        let Some(OpenFile { fd, ino, backed }) = self
             .files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -683,6 +730,9 @@ impl fuser::Filesystem for KilnFs {
         else {
             return reply.error(Errno::EBADF);
         };
+        if backed {
+            self.pass.released(&self.vol, ino);
+        }
         match block_on(self.vol.close(fd)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),

@@ -62,6 +62,16 @@ pub fn mount_background(
 ) -> Result<fuser::BackgroundSession, String> {
     let fs = KilnFs::new(vol, mode, attr_timeout)
         .map_err(|e| format!("cannot read the root of {source}: {e}"))?;
+    serve_background(fs, source, mountpoint, threads)
+}
+
+/// Serves `fs` on `mountpoint` from background threads (see [`mount_background`]).
+pub fn serve_background(
+    fs: KilnFs,
+    source: &str,
+    mountpoint: &Path,
+    threads: usize,
+) -> Result<fuser::BackgroundSession, String> {
     let mut config = fuser::Config::default();
     config.mount_options = vec![
         fuser::MountOption::FSName(format!("kiln:{source}")),
@@ -123,14 +133,11 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     block_signals();
     kiln_client::start_metrics(&args.metrics, "kiln-mount")?;
     let vol = Volume::from_source(&source).map_err(|e| format!("cannot reach {source}: {e}"))?;
-    let bg = mount_background(
-        Arc::new(vol),
-        &label,
-        &mountpoint,
-        args.mode,
-        Duration::from_secs_f64(args.attr_timeout.max(0.0)),
-        args.threads,
-    )?;
+    let ttl = Duration::from_secs_f64(args.attr_timeout.max(0.0));
+    let fs = KilnFs::new(Arc::new(vol), args.mode, ttl)
+        .map_err(|e| format!("cannot read the root of {label}: {e}"))?
+        .with_passthrough(args.passthrough == Switch::On);
+    let bg = serve_background(fs, &label, &mountpoint, args.threads)?;
     println!(
         "kiln: mounted {} on {} ({:?} mode)",
         label,

@@ -452,6 +452,20 @@ macro_rules! declare_layer {
                 }
             }
 
+            /// A read-only descriptor of the brick file behind a handle this layer opened, for
+            /// a reader on the brick's host to read with no further check (FUSE passthrough).
+            /// Given only where nothing can make such reads differ from reads through the
+            /// stack while the handle is open: the file whole on one brick of this host, no
+            /// replicas, and the brick keeps it from moving while the descriptor is out
+            /// ([`kiln_proto::Op::Grant`] with `pin`). `EOPNOTSUPP` elsewhere. The default
+            /// asks the first child with the same handle.
+            fn pin_local<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
+                match self.children().first() {
+                    Some(c) => c.pin_local(cx, fd),
+                    None => fail(errno::EOPNOTSUPP),
+                }
+            }
+
             /// This layer as `Any`, for operator tools that look for a layer type.
             fn as_any(&self) -> Option<&dyn Any> {
                 None

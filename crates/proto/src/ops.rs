@@ -221,7 +221,9 @@ wire_struct! {
 
     /// GRANT: a descriptor for handle `fh` (0: none), and the reads (`reads` calls, `bytes`
     /// bytes) the client made straight from this brick's files since its last GRANT.
-    pub struct GrantReq { pub fh: u64, pub reads: u64, pub bytes: u64 }
+    /// With `pin` 1 the file may not move while the handle is open (its reader bypasses every
+    /// check: FUSE passthrough), and a migration of it is refused with `EBUSY`.
+    pub struct GrantReq { pub fh: u64, pub reads: u64, pub bytes: u64, pub pin: u8 }
     /// GRANT's reply: the handle's slot in the connection's generation table and the value it
     /// holds now. Reads through the descriptor are current while the slot keeps that value.
     /// With `table` set, the reply carries two descriptors: the table (a sealed memfd of

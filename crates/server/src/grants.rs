@@ -140,6 +140,9 @@ struct Holder {
 #[derive(Default)]
 pub struct Grants {
     by_inode: Mutex<HashMap<Inode, Vec<Holder>>>,
+    /// Files whose readers bypass every check (FUSE passthrough), by `st_ino`: how many
+    /// handles hold them. They may not move meanwhile.
+    pins: Mutex<HashMap<u64, usize>>,
     /// Grants alive: with none, writes skip every lookup here.
     live: AtomicUsize,
 }
@@ -177,6 +180,32 @@ impl Grants {
         }
     }
 
+    /// Pins file `ino` (one more handle bypasses every check).
+    pub fn pin(&self, ino: Inode) {
+        *lock(&self.pins).entry(ino.1).or_default() += 1;
+    }
+
+    /// Drops one pin of `ino`.
+    pub fn unpin(&self, ino: Inode) {
+        let mut p = lock(&self.pins);
+        if let Some(n) = p.get_mut(&ino.1) {
+            *n -= 1;
+            if *n == 0 {
+                p.remove(&ino.1);
+            }
+        }
+    }
+
+    /// Whether any file is pinned.
+    pub fn any_pins(&self) -> bool {
+        !lock(&self.pins).is_empty()
+    }
+
+    /// Whether the file with inode number `st_ino` is pinned.
+    pub fn pinned(&self, st_ino: u64) -> bool {
+        lock(&self.pins).contains_key(&st_ino)
+    }
+
     /// Makes stale the grants of `ino` held by connections other than `by`.
     pub fn changing(&self, ino: Inode, by: u64) {
         let m = lock(&self.by_inode);
@@ -207,6 +236,8 @@ pub struct ConnGrants {
     pub by_fh: HashMap<u64, (u32, Inode)>,
     /// Files of handles, learned when a handle first writes while grants exist.
     pub inodes: HashMap<u64, Inode>,
+    /// Handles that pinned their file.
+    pub pinned: HashMap<u64, Inode>,
 }
 
 impl ConnGrants {
@@ -227,6 +258,9 @@ impl ConnGrants {
     /// Handle `fh` was released: its grant ends (its slot is bumped before reuse).
     pub fn release(&mut self, grants: &Grants, conn: u64, fh: u64) {
         self.inodes.remove(&fh);
+        if let Some(ino) = self.pinned.remove(&fh) {
+            grants.unpin(ino);
+        }
         if let (Some((slot, ino)), Some(t)) = (self.by_fh.remove(&fh), &self.table) {
             grants.remove(ino, conn, slot);
             t.put(slot);
@@ -235,6 +269,9 @@ impl ConnGrants {
 
     /// The connection ended: all its grants end.
     pub fn hangup(&mut self, grants: &Grants, conn: u64) {
+        for (_, ino) in self.pinned.drain() {
+            grants.unpin(ino);
+        }
         for (_, (slot, ino)) in self.by_fh.drain() {
             grants.remove(ino, conn, slot);
             if let Some(t) = &self.table {

@@ -1,5 +1,8 @@
 //! The protocol-client's local short-circuit reads (see [`crate::shortcut`]).
 
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
 use kiln_layer::{Ctx, FopResult, ReadDst, ReadOut};
 use kiln_proto::codec::Wire;
 use kiln_proto::ops::{GrantReply, GrantReq};
@@ -94,23 +97,16 @@ impl ProtocolClient {
 
     /// Asks the brick for a grant of `rfd` on connection `gen`.
     async fn ask_grant(&self, rfd: &RemoteFd, gen: u64) -> Option<std::sync::Arc<Grant>> {
-        let (reads, bytes) = self.shortcut.take_report();
-        let args = GrantReq {
-            fh: 0,
-            reads,
-            bytes,
-        }
-        .to_wire();
-        let req = self.request(&Ctx::NONE, Op::Grant, args, Some(rfd));
-        let c = match self.send(&Ctx::NONE, req, None).await {
-            Ok(c) => c,
-            Err(_) => {
-                rfd.direct.dropped();
-                return None;
+        match self.grant_call(rfd, gen, false).await {
+            Ok((r, Some(table), file)) => Some(
+                rfd.direct
+                    .granted(Grant::new(file, table, r.slot, r.gen, gen)),
+            ),
+            Ok(_) => {
+                tracing::warn!(layer = self.name, "a grant came without its table");
+                rfd.direct.refused();
+                None
             }
-        };
-        let reply = match c.result {
-            Ok(r) => r,
             Err(e) => {
                 tracing::debug!(layer = self.name, path = rfd.path, "no grant: errno {e}");
                 match e {
@@ -118,33 +114,53 @@ impl ProtocolClient {
                     errno::EMOVED | errno::ENOTCONN | errno::ECONNRESET => rfd.direct.dropped(),
                     _ => rfd.direct.refused(),
                 }
-                return None;
-            }
-        };
-        let Ok(r) = GrantReply::from_wire(&reply.args) else {
-            rfd.direct.refused();
-            return None;
-        };
-        let mut fds = reply.fds.into_iter();
-        let table = match r.table {
-            true => match fds.next().map(Table::map) {
-                Some(Ok(t)) => {
-                    self.shortcut.set_table(gen, t.clone());
-                    Some(t)
-                }
-                _ => None,
-            },
-            false => self.shortcut.table(gen),
-        };
-        match (table, fds.next()) {
-            (Some(t), Some(file)) => {
-                Some(rfd.direct.granted(Grant::new(file, t, r.slot, r.gen, gen)))
-            }
-            _ => {
-                tracing::warn!(layer = self.name, "a grant came without its descriptors");
-                rfd.direct.refused();
                 None
             }
         }
+    }
+
+    /// A read-only descriptor of the brick's file under `rfd`, pinned there while the handle
+    /// is open (FUSE passthrough).
+    pub(super) async fn pin_file(&self, rfd: &RemoteFd) -> FopResult<OwnedFd> {
+        if !self.local || rfd.heal {
+            return Err(errno::EOPNOTSUPP);
+        }
+        let gen = self.current().1;
+        Ok(self.grant_call(rfd, gen, true).await?.2)
+    }
+
+    /// GRANT on connection `gen`: the reply, the connection's table (kept when it came with
+    /// this reply), and the file.
+    async fn grant_call(
+        &self,
+        rfd: &RemoteFd,
+        gen: u64,
+        pin: bool,
+    ) -> FopResult<(GrantReply, Option<Arc<Table>>, OwnedFd)> {
+        let (reads, bytes) = self.shortcut.take_report();
+        let args = GrantReq {
+            fh: 0,
+            reads,
+            bytes,
+            pin: pin as u8,
+        }
+        .to_wire();
+        let req = self.request(&Ctx::NONE, Op::Grant, args, Some(rfd));
+        let reply = self.send(&Ctx::NONE, req, None).await?.result?;
+        let r = GrantReply::from_wire(&reply.args).map_err(|_| errno::EPROTO)?;
+        let mut fds = reply.fds.into_iter();
+        let table = match r.table {
+            true => {
+                let t = Table::map(fds.next().ok_or(errno::EPROTO)?).map_err(|e| {
+                    tracing::warn!(layer = self.name, "cannot map a grant table: {e}");
+                    errno::EPROTO
+                })?;
+                self.shortcut.set_table(gen, t.clone());
+                Some(t)
+            }
+            false => self.shortcut.table(gen),
+        };
+        let file = fds.next().ok_or(errno::EPROTO)?;
+        Ok((r, table, file))
     }
 }

@@ -17,6 +17,11 @@ pub struct Mounted {
 
 impl Mounted {
     pub fn new(mode: Mode) -> Mounted {
+        Mounted::with_passthrough(mode, true)
+    }
+
+    /// A mount with FUSE passthrough on (the default in vm-image mode) or off.
+    pub fn with_passthrough(mode: Mode, passthrough: bool) -> Mounted {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir(dir.path().join("brick")).expect("brick");
         std::fs::create_dir(dir.path().join("mnt")).expect("mnt");
@@ -26,15 +31,11 @@ impl Mounted {
                 .expect("brick server");
         let stats = server.stats;
         let vol = Volume::connect(&format!("unix:{}", sock.display())).expect("connect");
-        let session = kiln_fuse::mount_background(
-            Arc::new(vol),
-            "test:/vol",
-            &dir.path().join("mnt"),
-            mode,
-            Duration::from_secs(1),
-            4,
-        )
-        .expect("mount");
+        let fs = kiln_fuse::KilnFs::new(Arc::new(vol), mode, Duration::from_secs(1))
+            .expect("the volume's root")
+            .with_passthrough(passthrough);
+        let session = kiln_fuse::serve_background(fs, "test:/vol", &dir.path().join("mnt"), 4)
+            .expect("mount");
         Mounted {
             dir,
             stats,

@@ -93,7 +93,12 @@ impl Conn {
                     empty()
                 })
             }
-            kiln_layer::for_each_control_fop!(control_ops) => control(stack, op, args, cx),
+            kiln_layer::for_each_control_fop!(control_ops) => {
+                if op == Op::HealSession {
+                    self.refuse_pinned(args)?;
+                }
+                control(stack, op, args, cx)
+            }
             kiln_layer::for_each_path_fop!(path_ops) => self.path_fop(stack, op, args, cx),
             Op::HealOpen => {
                 let req = OpenReq::from_wire(args)?;

@@ -2,6 +2,7 @@
 
 use kiln_layer::Ctx;
 use kiln_proto::codec::Wire;
+use kiln_proto::marks::{HealReq, SESSION_MIGRATE};
 use kiln_proto::ops::{CreateReq, GrantReply, GrantReq, HandleReq, OpenReq};
 use kiln_proto::{errno, Op};
 
@@ -45,6 +46,9 @@ impl Conn {
             .mine
             .slot_for(req.fh, ino)
             .ok_or(Fail::Errno(libc::ENOSPC as u32))?;
+        if req.pin != 0 && self.mine.pinned.insert(req.fh, ino).is_none() {
+            self.grants.pin(ino);
+        }
         self.grants.add(ino, self.conn_id, &table, slot);
         // Read after the grant is recorded: a change that begins from now on bumps past it.
         let gen = table.value(slot);
@@ -114,6 +118,25 @@ impl Conn {
             | Op::HealSession
             | Op::HealLock => self.grants.changing_all(),
             _ => {}
+        }
+    }
+
+    /// A migration may not begin on a pinned file (its passthrough readers could not follow
+    /// it): `EBUSY`, and the rebalance leaves the file where it is.
+    pub(super) fn refuse_pinned(&self, args: &[u8]) -> Result<(), Fail> {
+        let Ok((path, req)) = <(String, HealReq)>::from_wire(args) else {
+            return Ok(()); // the fop itself reports bad arguments
+        };
+        if req.begin != SESSION_MIGRATE || !self.grants.any_pins() {
+            return Ok(());
+        }
+        let attr = kiln_layer::exec::block_on(self.stack.lookup(&Ctx::NONE, &path));
+        match attr {
+            Ok(a) if self.grants.pinned(a.ino) => {
+                tracing::info!(path, "not moved: a local reader has it open past the brick");
+                Err(Fail::Errno(libc::EBUSY as u32))
+            }
+            _ => Ok(()),
         }
     }
 

@@ -748,6 +748,13 @@ impl Layer for Distribute {
         &self.name
     }
 
+    fn pin_local<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
+        match self.fd_kid(fd) {
+            Ok((k, f)) => k.pin_local(cx, f),
+            Err(e) => crate::fail(e),
+        }
+    }
+
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }

@@ -589,6 +589,12 @@ macro_rules! try_rep {
 }
 
 impl Layer for Replicate {
+    fn pin_local<'a>(&'a self, _: &'a Ctx, _: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
+        // A replica that misses a write cannot tell a reader that bypasses the stack: reads
+        // of replicated files stay where replicate chooses, and checks, them.
+        fail(errno::EOPNOTSUPP)
+    }
+
     fn heal_session<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::HealReq) -> Fut<'a, ()> {
         Box::pin(self.session_all(cx, path, arg))
     }

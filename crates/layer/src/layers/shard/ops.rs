@@ -211,6 +211,15 @@ impl Layer for Shard {
         })
     }
 
+    fn pin_local<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
+        match fd.get::<ShardFd>() {
+            Ok(ShardFd::Plain(f)) => self.kid().pin_local(cx, f),
+            // Pieces on several bricks: no one file to read.
+            Ok(ShardFd::Split(_)) => fail(crate::errno::EOPNOTSUPP),
+            Err(e) => fail(e),
+        }
+    }
+
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
         match fd.get::<ShardFd>() {
             Err(e) => fail(e),

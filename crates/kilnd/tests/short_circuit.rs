@@ -300,3 +300,32 @@ fn off_and_over_tcp_read_through_the_brick() {
         assert_eq!(counts(&vol), (0, 0), "{addr} short-circuit {on}");
     }
 }
+
+/// A pinned file (FUSE passthrough's grant) may not begin to move: the brick says `EBUSY`
+/// until the pinning handle is released.
+#[test]
+fn a_pinned_file_is_not_moved() {
+    let brick = Brick::start();
+    let mut other = Other::start(&brick.tcp);
+    other.run("write 0 65536 9");
+    let local = Volume::from_volfile(&volfile(&brick.unix, true)).unwrap();
+    let fd = block_on(local.open(FILE, libc::O_RDONLY)).unwrap();
+    let file = block_on(local.pin_local(&fd)).expect("a local file without replicas is pinned");
+    let mut b = [0u8; 4];
+    assert_eq!(rustix::io::pread(&file, &mut b, 0).unwrap(), 4);
+    assert_eq!(b, [9; 4], "the pinned descriptor reads the file");
+
+    let mover = Volume::from_volfile(&volfile(&brick.tcp, false)).unwrap();
+    let begin = |begin| {
+        let req = kiln_layer::marks::HealReq { begin };
+        block_on(mover.top().heal_session(&Ctx::NONE, FILE, &req))
+    };
+    assert_eq!(
+        begin(kiln_layer::marks::SESSION_MIGRATE),
+        Err(libc::EBUSY as u32),
+        "a migration of a pinned file is refused"
+    );
+    block_on(local.close(fd)).unwrap();
+    begin(kiln_layer::marks::SESSION_MIGRATE).expect("unpinned: the move may begin");
+    begin(kiln_layer::marks::SESSION_END).unwrap();
+}

@@ -7,6 +7,9 @@ One `kiln server` on a brick in /dev/shm, reached over its Unix socket, and one 
   fio      fio psync straight on the brick's file (the floor: one preadv per I/O)
   direct   kiln bench --short-circuit on  (reads through the brick's grant, preadv on its file)
   brick    kiln bench --short-circuit off (every read a request over the Unix socket)
+  fuse     fio psync on a `kiln mount --mode vm-image` of the brick (FUSE passthrough: the
+           kernel reads the brick's file itself)
+  fuse_off the same mount with --passthrough off (every read through the mount process)
 
 and two jobs, each for --runtime seconds:
 
@@ -18,6 +21,7 @@ rotates from one repetition to the next; the report gives medians and the ratios
 
   direct_vs_fio_qd1_p50     direct / fio 4k QD1 p50             (target <= 1.5)
   direct_vs_fio_seqread     direct / fio 128k MB/s              (target >= 0.8)
+  fuse_vs_fio_seqread       passthrough mount / fio 128k MB/s   (target >= 0.8)
   brick_vs_direct_qd1_p50   what a request over the socket costs instead
 
 A table goes to stderr, one JSON object to stdout (and --out FILE). Needs fio (apt-get
@@ -40,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare as c  # noqa: E402  (log, repo_root, BenchError, tail, last_json_line)
 
-WAYS = ["fio", "direct", "brick"]
+WAYS = ["fio", "direct", "brick", "fuse", "fuse_off"]
 JOBS = {
     "randread_4k_qd1": {"kiln": ["--rw", "randread", "--bs", "4k", "--iodepth", "1"],
                         "fio": ["--rw=randread", "--bs=4k"]},
@@ -73,9 +77,27 @@ def run_kiln(kiln: Path, sock: Path, pid: int, way: str, job: str, args) -> dict
     return {"mb_s": r["mb_s"], "p50_us": r["lat_us"]["p50"], "p99_us": r["lat_us"]["p99"]}
 
 
-def run_fio(brick: Path, job: str, args) -> dict:
+def mount(kiln: Path, sock: Path, mnt: Path, passthrough: bool) -> subprocess.Popen:
+    mnt.mkdir(exist_ok=True)
+    p = subprocess.Popen([str(kiln), "mount", f"unix:{sock}:/vol", str(mnt), "--mode",
+                          "vm-image", "--metrics", "off", "--passthrough",
+                          "on" if passthrough else "off"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()
+    if not line.startswith("kiln: mounted"):
+        p.kill()
+        raise c.BenchError(f"mount did not start: {line!r}")
+    return p
+
+
+def unmount(p: subprocess.Popen) -> None:
+    p.terminate()
+    p.wait(timeout=30)
+
+
+def run_fio(path: Path, job: str, args) -> dict:
     out = subprocess.run(
-        ["fio", "--name=floor", f"--filename={brick / FILE}", "--ioengine=psync",
+        ["fio", "--name=floor", f"--filename={path}", "--ioengine=psync", "--readonly",
          "--size=1g", "--time_based", f"--runtime={args.runtime}", "--invalidate=0",
          "--output-format=json", *JOBS[job]["fio"]],
         capture_output=True, text=True, timeout=args.runtime * 4 + 120)
@@ -114,11 +136,19 @@ def main(argv: list[str]) -> int:
         run_kiln(kiln, sock, server.pid, "brick", "randread_4k_qd1",
                  argparse.Namespace(runtime=0.5))
         for rep in range(args.reps):
-            order = WAYS[rep % 3:] + WAYS[:rep % 3]
+            order = WAYS[rep % len(WAYS):] + WAYS[:rep % len(WAYS)]
             for job in JOBS:
                 for way in order:
-                    r = (run_fio(brick, job, args) if way == "fio"
-                         else run_kiln(kiln, sock, server.pid, way, job, args))
+                    if way == "fio":
+                        r = run_fio(brick / FILE, job, args)
+                    elif way.startswith("fuse"):
+                        m = mount(kiln, sock, work / way, way == "fuse")
+                        try:
+                            r = run_fio(work / way / FILE, job, args)
+                        finally:
+                            unmount(m)
+                    else:
+                        r = run_kiln(kiln, sock, server.pid, way, job, args)
                     r.update(rep=rep, job=job, way=way)
                     runs.append(r)
                     c.log(f"rep {rep} {job:18} {way:6} {r['mb_s']:9.1f} MB/s "
@@ -137,6 +167,8 @@ def main(argv: list[str]) -> int:
     ratios = [
         ("direct_vs_fio_qd1_p50", q1["direct"]["p50_us"] / q1["fio"]["p50_us"], "<=", 1.5),
         ("direct_vs_fio_seqread", sr["direct"]["mb_s"] / sr["fio"]["mb_s"], ">=", 0.8),
+        ("fuse_vs_fio_seqread", sr["fuse"]["mb_s"] / sr["fio"]["mb_s"], ">=", 0.8),
+        ("fuse_off_vs_fio_seqread", sr["fuse_off"]["mb_s"] / sr["fio"]["mb_s"], "", None),
         ("brick_vs_direct_qd1_p50", q1["brick"]["p50_us"] / q1["direct"]["p50_us"], "", None),
         ("direct_vs_brick_seqread", sr["direct"]["mb_s"] / sr["brick"]["mb_s"], "", None),
     ]

@@ -32,7 +32,15 @@ ratios Kiln is held to (each compared with its target, PASS or FAIL):
                                  Kiln 4k QD32 IOPS / GlusterFS's              >= 4
   seqwrite_vs_gluster            Kiln seqwrite MB/s / GlusterFS's             >= 1.6
 
-Ratios are ratios of medians. MB = 10^6 bytes. A human table goes to stderr,
+and four that every repetition must meet, each run against its own repetition's baseline:
+
+  seqread_tcp_vs_iperf3_every_run   worst run's Kiln tcp / iperf3                 >= 0.8
+  seqread_tcp_spread                Kiln tcp runs' largest distance from median   <= 0.15
+  seqread_unix_vs_iperf3_every_run  worst run's Kiln unix / iperf3                >= 1.0
+  randread4k_qd1_minus_pingpong_every_run
+                                    worst run's 4k QD1 p50 - ping-pong p50 (us)   <= 10
+
+The other ratios are ratios of medians. MB = 10^6 bytes. A human table goes to stderr,
 one JSON object to stdout (and to --out FILE).
 
 How each side is measured:
@@ -415,7 +423,9 @@ class Bench(GlusterRef):
         cmd = [str(self.kiln_bin), "bench", "--rw", job["rw"], "--bs", job["bs"],
                "--iodepth", str(job["iodepth"]), "--size", self.args.size,
                "--runtime", str(self.args.runtime), "--transport", transport,
-               "--brick", str(KILN_TMPFS / "brick"), "--json"]
+               "--brick", str(KILN_TMPFS / "brick"), "--json",
+               # The socket itself: short-circuit reads (which skip it) are bench/local.py's.
+               "--short-circuit", "off"]
         before = children_cpu_s()
         rc, out, err = run_group(cmd, timeout=self.args.runtime * 3 + 180, cwd=self.root)
         proc_cpu = children_cpu_s() - before
@@ -636,6 +646,46 @@ def ratios(med: dict, floor: str) -> list[dict]:
     return out
 
 
+def per_run(runs: list[dict], floor: str) -> list[dict]:
+    """The issue-22 checks that hold for every repetition, not only for the medians: each
+    run's ratio to the same repetition's baseline, and the spread of the runs."""
+    sr, rr1 = JOBS[0]["name"], JOBS[1]["name"]
+    pingpong = {"unpinned": "pingpong_tcp", "same": "pingpong_tcp_same",
+                "split": "pingpong_tcp_split"}[floor]
+
+    def by_rep(job: str, system: str, key: str) -> dict[int, float]:
+        return {r["rep"]: r[key] for r in runs if r.get("ok") and r["job"] == job
+                and r["system"] == system and isinstance(r.get(key), (int, float))}
+
+    iperf = by_rep("net", "iperf3", "mb_s")
+    tcp, unix = by_rep(sr, "kiln_tcp", "mb_s"), by_rep(sr, "kiln_unix", "mb_s")
+    qd1, pp = by_rep(rr1, "kiln_tcp", "p50_us"), by_rep("net", pingpong, "p50_us")
+
+    def worst(a: dict, b: dict, f, pick) -> float | None:
+        vals = [f(a[k], b[k]) for k in a if k in b and b[k] not in (0, None)]
+        return pick(vals) if vals else None
+
+    spread = None
+    if tcp:
+        m = statistics.median(tcp.values())
+        spread = max(abs(v - m) / m for v in tcp.values())
+    rows = [
+        ("seqread_tcp_vs_iperf3_every_run", "Kiln seqread tcp / iperf3, worst run",
+         worst(tcp, iperf, lambda a, b: a / b, min), ">=", 0.8),
+        ("seqread_tcp_spread", "Kiln seqread tcp, largest distance from the median",
+         spread, "<=", 0.15),
+        ("seqread_unix_vs_iperf3_every_run", "Kiln seqread unix / iperf3, worst run",
+         worst(unix, iperf, lambda a, b: a / b, min), ">=", 1.0),
+        ("randread4k_qd1_minus_pingpong_every_run",
+         f"Kiln 4k QD1 p50 - {floor} ping-pong p50 (us), worst run",
+         worst(qd1, pp, lambda a, b: a - b, max), "<=", 10.0),
+    ]
+    return [{"name": n, "what": d, "value": v, "op": op, "target": t,
+             "status": "n/a" if v is None else
+             ("PASS" if (v >= t if op == ">=" else v <= t) else "FAIL")}
+            for n, d, v, op, t in rows]
+
+
 def fmt(v, width: int, prec: int = 1) -> str:
     if v is None:
         return "-".rjust(width)
@@ -748,7 +798,7 @@ def main(argv: list[str]) -> int:
         bench.cleanup()
 
     med = summarize(bench.runs)
-    rats = ratios(med, args.pingpong_floor)
+    rats = ratios(med, args.pingpong_floor) + per_run(bench.runs, args.pingpong_floor)
     print_table(med, rats, args)
     result = {
         "started": started,

@@ -588,12 +588,14 @@ impl Conn {
     /// Queues the descriptors of a received message as one batch.
     fn take_fds(&self, msg: &libc::msghdr) {
         let mut batch = Vec::new();
+        let mut rights = false;
         // SAFETY: walking the control messages the kernel wrote into `msg`'s buffer, within
         // `msg_controllen`; each SCM_RIGHTS payload is an array of descriptors now ours.
         unsafe {
             let mut c = libc::CMSG_FIRSTHDR(msg);
             while !c.is_null() {
                 if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    rights = true;
                     let data = libc::CMSG_DATA(c) as *const i32;
                     let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
                     for i in 0..len / std::mem::size_of::<i32>() {
@@ -604,11 +606,16 @@ impl Conn {
                 c = libc::CMSG_NXTHDR(msg, c);
             }
         }
-        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        let truncated = msg.msg_flags & libc::MSG_CTRUNC != 0;
+        if truncated {
             // The kernel closed what did not fit: the reply gets fewer than it says.
             tracing::warn!("descriptors truncated on receive");
         }
-        lock(&self.fds).push_back(batch);
+        // One batch per frame that carried descriptors, even an emptied one, so that batches
+        // and frames stay paired.
+        if rights || truncated {
+            lock(&self.fds).push_back(batch);
+        }
     }
 
     /// Accounts `left` bytes received into the vectors built for `cur` and the next header:

@@ -169,6 +169,8 @@ impl ProtocolClient {
     /// A protocol-client layer named `name` over a connected client, waiting up to
     /// [`DEFAULT_PATIENCE`] for a lost connection to come back.
     pub fn new(name: &str, client: Arc<Client>) -> ProtocolClient {
+        // Grants come only over a Unix socket; the layer reconnects to the same address.
+        let unix = client.server().starts_with("unix:");
         ProtocolClient {
             local: is_local_address(client.server()),
             name: name.into(),
@@ -180,7 +182,7 @@ impl ProtocolClient {
                 watching: AtomicBool::new(false),
             }),
             patience: DEFAULT_PATIENCE,
-            shortcut: Arc::new(Shortcut::new(true)),
+            shortcut: Arc::new(Shortcut::new(unix)),
         }
     }
 

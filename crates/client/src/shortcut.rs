@@ -52,7 +52,8 @@ impl Table {
     pub fn map(memfd: OwnedFd) -> std::io::Result<Arc<Table>> {
         let len = rustix::fs::fstat(&memfd)?.st_size as usize;
         let slots = len / 8;
-        if slots == 0 {
+        // A brick's table has 4096 slots; refuse anything absurd rather than map it.
+        if slots == 0 || slots > 1 << 20 {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         }
         // SAFETY: a fresh read-only shared mapping of the whole memfd; checked for failure.
@@ -280,6 +281,8 @@ fn skip_bytes(iov: &[RawIov], mut n: usize) -> Vec<RawIov> {
 /// A protocol-client's short-circuit: on or off, the connection's table, and the direct reads
 /// not yet reported to the brick.
 pub struct Shortcut {
+    /// The connection is a Unix socket: the only kind a brick grants over.
+    unix: bool,
     on: AtomicBool,
     table: Mutex<Option<(u64, Arc<Table>)>>,
     reads: AtomicU64,
@@ -294,10 +297,11 @@ pub struct Shortcut {
 }
 
 impl Shortcut {
-    /// On or off.
-    pub fn new(on: bool) -> Shortcut {
+    /// For a connection over a Unix socket (`unix`) or not; on until [`Shortcut::set`].
+    pub fn new(unix: bool) -> Shortcut {
         Shortcut {
-            on: AtomicBool::new(on),
+            unix,
+            on: AtomicBool::new(true),
             table: Mutex::new(None),
             reads: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
@@ -313,9 +317,9 @@ impl Shortcut {
         self.on.store(on, Ordering::Relaxed);
     }
 
-    /// Whether it is on.
+    /// Whether it is on (and can be: over a Unix socket).
     pub fn is_on(&self) -> bool {
-        self.on.load(Ordering::Relaxed)
+        self.unix && self.on.load(Ordering::Relaxed)
     }
 
     /// The table of connection `conn`, if one came.

@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -290,10 +291,21 @@ pub fn inode_of(f: &std::fs::File) -> io::Result<Inode> {
 /// A new read-only open file description of `f` (never the brick's own, which may be
 /// writable): through `/proc/self/fd`, so the name it has now does not matter.
 pub fn reopen_read_only(f: &std::fs::File) -> io::Result<OwnedFd> {
+    // Regular files only, checked before the open: opening a FIFO would wait for a writer.
+    let regular = |st: rustix::fs::Stat| {
+        rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile
+    };
+    if !regular(rustix::fs::fstat(f)?) {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
     let path = format!("/proc/self/fd/{}", f.as_raw_fd());
-    let file = std::fs::OpenOptions::new().read(true).open(path)?;
-    let st = rustix::fs::fstat(&file)?;
-    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    // The same check on what was opened (the first one's file cannot change type, but the
+    // name in /proc is resolved again).
+    if !regular(rustix::fs::fstat(&file)?) {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     }
     Ok(file.into())

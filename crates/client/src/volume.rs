@@ -684,7 +684,10 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
             timeout,
             short_circuit,
         } => {
-            let short_circuit = short_circuit.unwrap_or(true);
+            // The graph's word, else the process's (KILN_SHORT_CIRCUIT=off), else on.
+            let short_circuit = short_circuit.unwrap_or_else(|| {
+                std::env::var("KILN_SHORT_CIRCUIT").map_or(true, |v| v != "off")
+            });
             if let Some(pc) = prev.and_then(|g| g.reusable(&def.name, remote, *timeout)) {
                 pc.set_short_circuit(short_circuit);
                 reached += 1;

@@ -14,7 +14,8 @@ enum kiln_completion_mode
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
-  // Callbacks run on the connection's receive thread (the default).
+  // Callbacks run on the connection's receive thread (the default); a local
+  // short-circuit read's on the calling thread, before the call returns.
   KILN_COMPLETE_ON_IO_THREAD = 0,
   // Completions are queued; `kiln_completion_fd` (an eventfd) becomes readable and
   // `kiln_poll_completions` runs them on the calling thread.

@@ -10,7 +10,10 @@
 //! read goes from the socket straight into the caller's iovecs, as in the Rust API.
 //!
 //! Completions of the `_async` calls run, by default, on the connection's receive thread: keep
-//! callbacks short. A program with its own event loop (QEMU, say) sets
+//! callbacks short. A read served straight from the file of a brick on this host (a local
+//! short-circuit read) completes at once, so its callback runs on the calling thread before
+//! the call returns: never hold a lock across a submission that the callback takes (or use
+//! `KILN_COMPLETE_BY_POLL`, or `KILN_SHORT_CIRCUIT=off` in the environment). A program with its own event loop (QEMU, say) sets
 //! `KILN_COMPLETE_BY_POLL` in `kiln_options`: completions are then queued, `kiln_completion_fd`
 //! becomes readable, and `kiln_poll_completions` runs the callbacks on the caller's thread.
 //!
@@ -34,7 +37,8 @@ const EINVAL: c_int = libc::EINVAL;
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum kiln_completion_mode {
-    /// Callbacks run on the connection's receive thread (the default).
+    /// Callbacks run on the connection's receive thread (the default); a local
+    /// short-circuit read's on the calling thread, before the call returns.
     KILN_COMPLETE_ON_IO_THREAD = 0,
     /// Completions are queued; `kiln_completion_fd` (an eventfd) becomes readable and
     /// `kiln_poll_completions` runs them on the calling thread.

@@ -171,6 +171,14 @@ impl HandleGrant {
         }
     }
 
+    /// A request for a grant went away unanswered (its future was dropped): back to the
+    /// brick for a while, rather than waiting for ever on an answer that will not come.
+    pub fn abandoned(&self) {
+        if matches!(*self.state(), State::Backoff(ASKING, _)) {
+            self.dropped();
+        }
+    }
+
     /// True once the handle was granted (it may have read straight from the file).
     pub fn used(&self) -> bool {
         !matches!(*self.state(), State::Untried(_) | State::Refused)

@@ -588,14 +588,17 @@ impl fuser::Filesystem for KilnFs {
         let flags = self.open_flags(flags.0);
         match block_on(self.caller(req).open(&path, flags)) {
             Ok(fd) => {
-                let fh = FileHandle(self.register_open(ino.0, fd));
-                let at = (ino.0, path.as_str(), flags);
-                if self.pass.open(&self.vol, at, fh, self.fopen_flags(), reply) {
+                let fh = FileHandle(self.register_open(ino.0, fd.clone()));
+                let at = (ino.0, path.as_str(), flags, &fd);
+                // Marked before the answer goes: its release may come at once.
+                let backed = || {
                     let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
                     if let Some(f) = files.get_mut(&fh.0) {
                         f.backed = true;
                     }
-                }
+                };
+                self.pass
+                    .open(&self.vol, at, fh, self.fopen_flags(), reply, backed);
             }
             Err(e) => reply.error(errno(e)),
         }

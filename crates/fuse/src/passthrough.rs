@@ -59,34 +59,34 @@ impl Passthrough {
         self.by_ino.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Answers an open of inode `ino` at `path` with `flags` as FUSE handle `fh`: backed by
-    /// the brick's file when the inode has one or this is a read-only open that can get one,
-    /// else with `plain` flags. True when it went out backed ([`Passthrough::released`] then
-    /// follows its release). The answer is sent under the lock, so that no plain open of an
-    /// inode can reach the kernel after a backed one.
+    /// Answers an open of inode `ino` at `path` with `flags` (the stack's handle `fd`) as FUSE
+    /// handle `fh`: backed by the brick's file when the inode has one or this is a read-only
+    /// open that can get one, else with `plain` flags. A backed answer calls `backed` first
+    /// ([`Passthrough::released`] must then follow its release). The answer is sent under the
+    /// lock, so that no plain open of an inode can reach the kernel after a backed one.
     pub fn open(
         &self,
         vol: &Volume,
-        at: (u64, &str, i32),
+        at: (u64, &str, i32, &Fd),
         fh: FileHandle,
         plain: FopenFlags,
         reply: ReplyOpen,
-    ) -> bool {
-        let (ino, path, flags) = at;
-        if !self.is_on() {
-            reply.opened(fh, plain);
-            return false;
-        }
+        backed: impl FnOnce(),
+    ) {
+        let (ino, path, flags, fd) = at;
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
         let mut map = self.map();
-        if !map.contains_key(&ino) && !writes {
-            if let Some(b) = self.back(vol, path, &reply) {
+        // Checked under the lock and before `is_on`: an inode that has a backing file is
+        // opened backed even after passthrough went off.
+        if !map.contains_key(&ino) && !writes && self.is_on() {
+            if let Some(b) = self.back(vol, path, fd, &reply) {
                 map.insert(ino, b);
             }
         }
         match map.get_mut(&ino) {
             Some(b) => {
                 b.opens += 1;
+                backed();
                 // A writer of a backed inode must open backed too; direct I/O keeps its reads
                 // and writes coming here (replication needs them).
                 let extra = match writes {
@@ -94,27 +94,32 @@ impl Passthrough {
                     false => FopenFlags::empty(),
                 };
                 reply.opened_passthrough(fh, extra, &b.id);
-                true
             }
-            None => {
-                reply.opened(fh, plain);
-                false
-            }
+            None => reply.opened(fh, plain),
         }
     }
 
-    /// Pins `path`'s file on its brick and registers it with the kernel.
-    fn back(&self, vol: &Volume, path: &str, reply: &ReplyOpen) -> Option<Backed> {
+    /// Pins `path`'s file on its brick (the one `fd` has open) and registers it with the
+    /// kernel.
+    fn back(&self, vol: &Volume, path: &str, fd: &Fd, reply: &ReplyOpen) -> Option<Backed> {
         let pin = block_on(vol.open(path, libc::O_RDONLY)).ok()?;
-        let registered = match block_on(vol.pin_local(&pin)) {
-            Ok(file) => reply.open_backing(&file).map_err(|e| {
+        // The name may lead to another file than the one `fd` opened, by now.
+        let same = match (block_on(vol.fstat(fd)), block_on(vol.fstat(&pin))) {
+            (Ok(a), Ok(b)) => a.ino == b.ino,
+            _ => false,
+        };
+        let pinned = match same {
+            true => block_on(vol.pin_local(&pin)).map_err(|e| e.to_string()),
+            false => Err("the name leads to another file now".to_owned()),
+        };
+        let registered = pinned.and_then(|file| {
+            reply.open_backing(&file).map_err(|e| {
                 if e.raw_os_error() == Some(libc::EPERM) {
                     self.off("registering a backing file needs CAP_SYS_ADMIN");
                 }
-                format!("{e}")
-            }),
-            Err(e) => Err(format!("errno {e}")),
-        };
+                e.to_string()
+            })
+        });
         match registered {
             Ok(id) => Some(Backed { id, pin, opens: 0 }),
             Err(why) => {

@@ -327,5 +327,10 @@ fn a_pinned_file_is_not_moved() {
     );
     block_on(local.close(fd)).unwrap();
     begin(kiln_layer::marks::SESSION_MIGRATE).expect("unpinned: the move may begin");
+    // While the move runs, no pin (and no grant) is given: its reader could not follow.
+    let fd = block_on(local.open(FILE, libc::O_RDONLY)).unwrap();
+    let e = block_on(local.pin_local(&fd)).expect_err("no pin while the file moves");
+    assert_eq!(e.raw_os_error(), Some(libc::EBUSY), "{e}");
     begin(kiln_layer::marks::SESSION_END).unwrap();
+    block_on(local.pin_local(&fd)).expect("the move gave up: pinned again");
 }

@@ -2,7 +2,7 @@
 
 use kiln_layer::Ctx;
 use kiln_proto::codec::Wire;
-use kiln_proto::marks::{HealReq, SESSION_MIGRATE};
+use kiln_proto::marks::{HealReq, SESSION_FREEZE, SESSION_MIGRATE};
 use kiln_proto::ops::{CreateReq, GrantReply, GrantReq, HandleReq, OpenReq};
 use kiln_proto::{errno, Op};
 
@@ -121,13 +121,15 @@ impl Conn {
         }
     }
 
-    /// A migration may not begin on a pinned file (its passthrough readers could not follow
-    /// it): `EBUSY`, and the rebalance leaves the file where it is.
+    /// A migration may not begin, nor freeze, a pinned file (its passthrough readers could not
+    /// follow it): `EBUSY`, and the rebalance leaves the file where it is. (A pin taken between
+    /// the two is refused by the marks layer: no grant while a migration session lives.)
     pub(super) fn refuse_pinned(&self, args: &[u8]) -> Result<(), Fail> {
         let Ok((path, req)) = <(String, HealReq)>::from_wire(args) else {
             return Ok(()); // the fop itself reports bad arguments
         };
-        if req.begin != SESSION_MIGRATE || !self.grants.any_pins() {
+        let moving = req.begin == SESSION_MIGRATE || req.begin == SESSION_FREEZE;
+        if !moving || !self.grants.any_pins() {
             return Ok(());
         }
         let attr = kiln_layer::exec::block_on(self.stack.lookup(&Ctx::NONE, &path));

@@ -69,12 +69,8 @@ impl Conn {
             if iov.len() + 2 > GATHER_MAX {
                 break;
             }
-            if self.out[i].carries_fds() {
-                // Alone in its `sendmsg`, with nothing after it.
-                with_fds = i == 0;
-                if with_fds {
-                    iov.push(raw(&self.out[0].head[self.out[0].sent..]));
-                }
+            // A frame with descriptors goes alone in its `sendmsg`, with nothing after it.
+            if self.out[i].carries_fds() && i > 0 {
                 break;
             }
             if self.out[i].stamps_next && self.out[i].sent == 0 {
@@ -85,6 +81,11 @@ impl Conn {
                         next.head[at..at + 8].copy_from_slice(&t);
                     }
                 }
+            }
+            if self.out[i].carries_fds() {
+                with_fds = true;
+                iov.push(raw(&self.out[0].head[self.out[0].sent..]));
+                break;
             }
             let r = &self.out[i];
             if r.sent < r.head.len() {
@@ -247,14 +248,38 @@ impl Conn {
         with_fds: bool,
         more: bool,
     ) -> io::Result<usize> {
-        match &mut self.out[0].body {
-            Body::Fds(fds) if with_fds => {
-                let n = sendmsg_fds(sock, iov, fds)?;
+        let Body::Fds(fds) = &mut self.out[0].body else {
+            return sendmsg(sock, iov, more);
+        };
+        if !with_fds {
+            return sendmsg(sock, iov, more);
+        }
+        match sendmsg_fds(sock, iov, fds) {
+            Ok(n) => {
                 // They went with the first byte: never again with the rest.
                 fds.clear();
                 Ok(n)
             }
-            _ => sendmsg(sock, iov, more),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                Err(e)
+            }
+            Err(e) => {
+                // The descriptors cannot go (too many in flight, …): the client gets the error
+                // instead of the grant, and the connection lives on.
+                tracing::warn!(peer = %self.peer, "cannot pass descriptors: {e}");
+                let hdr = Header::parse(&self.out[0].head[..HEADER_LEN])
+                    .map_err(|_| io::Error::from_raw_os_error(libc::EPROTO))?;
+                let errno = e.raw_os_error().unwrap_or(libc::EIO) as u32;
+                let r = OutReply::new(hdr.opcode.get(), hdr.request_id.get(), Err(errno));
+                self.out_bytes = self.out_bytes - self.out[0].total() + r.total();
+                self.out[0] = r;
+                Err(io::ErrorKind::Interrupted.into())
+            }
         }
     }
 }

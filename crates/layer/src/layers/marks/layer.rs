@@ -178,6 +178,11 @@ impl Layer for Marks {
         if f.heal {
             return Err(crate::errno::EOPNOTSUPP);
         }
+        // A file on its way to another subvolume: a reader past the brick could not follow
+        // it (the move's freeze bumps every grant given before).
+        if Marks::moving(&f.key, cx.owner) {
+            return Err(libc::EBUSY as u32);
+        }
         self.child().backing(cx, &f.inner)
     }
 

@@ -90,6 +90,15 @@ impl Marks {
         Ok(())
     }
 
+    /// Whether a live migration session of a connection other than `owner` is on the file.
+    pub(super) fn moving(key: &FileKey, owner: u64) -> bool {
+        let now = Instant::now();
+        key.state()
+            .sessions
+            .iter()
+            .any(|s| s.migrate && s.owner != owner && s.expires > now)
+    }
+
     /// Whether a live session of a connection other than `owner` freezes the file.
     pub(super) fn frozen_for(st: &FileState, owner: u64) -> bool {
         let now = Instant::now();

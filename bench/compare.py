@@ -240,6 +240,15 @@ def ensure_packages(binaries: dict[str, str]) -> None:
         raise BenchError(f"still missing after apt-get: {' '.join(still)}")
 
 
+def emit(result: dict, out: str | None) -> int:
+    """Prints a bench script's result as one JSON line on stdout (and to `out`); exit 0."""
+    text = json.dumps(result)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return 0
+
+
 def repo_root() -> Path:
     here = Path(__file__).resolve().parent
     try:

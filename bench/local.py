@@ -187,11 +187,7 @@ def main(argv: list[str]) -> int:
                            "status": status})
     result = {"reps": args.reps, "runtime_s": args.runtime, "medians": medians,
               "ratios": out_ratios, "runs": runs}
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return c.emit(result, args.out)
 
 
 if __name__ == "__main__":

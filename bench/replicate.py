@@ -34,7 +34,6 @@ Usage: bench/replicate.py [--reps N] [--runtime S] [--size 1g] [--no-build] [--k
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -202,11 +201,7 @@ def main(argv: list[str]) -> int:
     for r in result["ratios"]:
         print(f"{r['name']:<28} {r['value']:>7.3f}  target {r['target']:<7} "
               f"{'PASS' if r['pass'] else 'FAIL'}", file=sys.stderr)
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return c.emit(result, args.out)
 
 
 if __name__ == "__main__":

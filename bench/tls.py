@@ -29,7 +29,6 @@ Usage: bench/tls.py [--reps N] [--runtime S] [--size 1g] [--no-build] [--out FIL
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -159,11 +158,7 @@ def main(argv: list[str]) -> int:
         print(f"{k:32} {v:6.3f}", file=sys.stderr)
     result = {"reps": args.reps, "runtime_s": args.runtime, "medians": medians,
               "ratios": ratios, "runs": runs}
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return c.emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -449,7 +449,12 @@ struct JobState {
     error: Option<Errno>,
     /// READ: header room + data; WRITE: the payload. Nothing touches it while parts are in
     /// flight: the brick connection reads into it or sends from it through raw vectors.
+    /// A READ's buffer is not zeroed first (measured: `memset` was 21% of the export's CPU at
+    /// 128k QD32): its length stays 0 until every byte of its capacity has been written —
+    /// by the reads, and with zeros past a short read — see [`Job::part_done`].
     buf: Vec<u8>,
+    /// Header room in front of a READ's data (0 for a WRITE).
+    head: usize,
     permit: Option<OwnedSemaphorePermit>,
 }
 
@@ -461,7 +466,13 @@ fn parts(len: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 impl Job {
-    fn new(ctx: &Arc<Ctx>, req: Request, buf: Vec<u8>, permit: OwnedSemaphorePermit) -> Arc<Job> {
+    fn new(
+        ctx: &Arc<Ctx>,
+        req: Request,
+        buf: Vec<u8>,
+        head: usize,
+        permit: OwnedSemaphorePermit,
+    ) -> Arc<Job> {
         Arc::new(Job {
             ctx: ctx.clone(),
             req,
@@ -469,13 +480,15 @@ impl Job {
                 parts_left: parts(req.len as usize).count(),
                 error: None,
                 buf,
+                head,
                 permit: Some(permit),
             }),
         })
     }
 
-    /// Records one part's completion; the last one finishes the request.
-    fn part_done(self: &Arc<Self>, r: Result<usize, Errno>, want: usize) {
+    /// Records the completion of the part at `off` (`want` bytes); the last one finishes the
+    /// request.
+    fn part_done(self: &Arc<Self>, r: Result<usize, Errno>, off: usize, want: usize) {
         let finished = {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             match r {
@@ -486,9 +499,14 @@ impl Job {
                     s.error.get_or_insert(libc::EIO as Errno);
                 }
                 Ok(n) if n < want => {
-                    // The file shrank under the export: the rest of the buffer stays zero, as
+                    // The file shrank under the export: the rest of the part reads as zeros, as
                     // a read beyond the end of a sparse file would give.
                     tracing::debug!(peer = %self.ctx.peer, "short read: {n} of {want} bytes");
+                    let at = s.head + off + n;
+                    debug_assert!(at + (want - n) <= s.buf.capacity());
+                    // SAFETY: the part's range lies inside the buffer's capacity (see
+                    // submit_read), and no read is writing to it any more.
+                    unsafe { s.buf.as_mut_ptr().add(at).write_bytes(0, want - n) };
                 }
                 Ok(_) => {}
             }
@@ -496,13 +514,16 @@ impl Job {
             if s.parts_left > 0 {
                 return;
             }
-            (std::mem::take(&mut s.buf), s.error, s.permit.take())
+            (std::mem::take(&mut s.buf), s.head, s.error, s.permit.take())
         };
-        let (mut buf, error, permit) = finished;
+        let (mut buf, head, error, permit) = finished;
         let (ctx, req) = (&self.ctx, &self.req);
         match (req.cmd, error) {
             (cmd::READ, None) => {
                 ctx.metrics.finish(req.cmd, true);
+                // SAFETY: the first `head + len` bytes are initialised: the header room at
+                // allocation, each part by its read (and zeros past a short one).
+                unsafe { buf.set_len(head + req.len as usize) };
                 if ctx.structured {
                     proto::offset_data_head(&mut buf, req.handle, req.offset, req.len);
                 } else {
@@ -532,10 +553,12 @@ fn submit_read(ctx: &Arc<Ctx>, req: Request, permit: OwnedSemaphorePermit) {
     } else {
         SIMPLE_REPLY_LEN
     };
-    let mut buf = vec![0u8; head + req.len as usize];
+    let mut buf = Vec::<u8>::with_capacity(head + req.len as usize);
+    // SAFETY: `head` bytes are within the capacity just reserved.
+    unsafe { buf.as_mut_ptr().write_bytes(0, head) };
     // The heap block does not move when `buf` moves into the job below.
     let base = buf.as_mut_ptr() as usize + head;
-    let job = Job::new(ctx, req, buf, permit);
+    let job = Job::new(ctx, req, buf, head, permit);
     for (off, len) in parts(req.len as usize) {
         let j = job.clone();
         let iov = [RawIov {
@@ -550,7 +573,7 @@ fn submit_read(ctx: &Arc<Ctx>, req: Request, permit: OwnedSemaphorePermit) {
                 &ctx.fd,
                 &iov,
                 req.offset + off as u64,
-                Box::new(move |r| j.part_done(r, len)),
+                Box::new(move |r| j.part_done(r, off, len)),
             )
         };
     }
@@ -558,7 +581,7 @@ fn submit_read(ctx: &Arc<Ctx>, req: Request, permit: OwnedSemaphorePermit) {
 
 fn submit_write(ctx: &Arc<Ctx>, req: Request, payload: Vec<u8>, permit: OwnedSemaphorePermit) {
     let base = payload.as_ptr() as usize;
-    let job = Job::new(ctx, req, payload, permit);
+    let job = Job::new(ctx, req, payload, 0, permit);
     for (off, len) in parts(req.len as usize) {
         let j = job.clone();
         let iov = [RawIov {
@@ -572,7 +595,7 @@ fn submit_write(ctx: &Arc<Ctx>, req: Request, payload: Vec<u8>, permit: OwnedSem
                 &ctx.fd,
                 &iov,
                 req.offset + off as u64,
-                Box::new(move |r| j.part_done(r, len)),
+                Box::new(move |r| j.part_done(r, off, len)),
             )
         };
     }

@@ -481,6 +481,40 @@ fn read_only_export_refuses_writes() {
     assert_eq!(c.simple_cmd(0, cmd::FLUSH, 5, 0, 0), 0);
 }
 
+/// The image shrinks under the export (its size was fixed at connect): the part of a read past
+/// the new end reads as zeros, never as what the export's memory held before.
+#[test]
+fn a_read_past_a_shrunk_end_reads_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = setup(dir.path(), false);
+    let mut c = Nbd::connect(&exp.sock);
+    c.go("disk.img");
+    const LEN: u32 = 128 << 10;
+    let at = SIZE - LEN as u64;
+    let data = pattern(LEN as usize, 9);
+    assert_eq!(c.write(cflag::FUA, 1, at, &data), 0);
+    // Reads that leave buffers full of the pattern behind in the export's memory.
+    for h in 2..10 {
+        assert_eq!(c.read(h, at, LEN), (0, data.clone()));
+    }
+    let half = LEN as usize / 2;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("brick/disk.img"))
+        .unwrap()
+        .set_len(SIZE - half as u64)
+        .unwrap();
+    for h in 10..14 {
+        let (e, got) = c.read(h, at, LEN);
+        assert_eq!(e, 0);
+        assert_eq!(got[..half], data[..half], "before the new end");
+        assert!(
+            got[half..].iter().all(|&b| b == 0),
+            "zeros past the new end"
+        );
+    }
+}
+
 #[test]
 fn old_style_export_name_and_broken_handshakes() {
     let dir = tempfile::tempdir().unwrap();

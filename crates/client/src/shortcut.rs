@@ -25,6 +25,9 @@ use std::time::{Duration, Instant};
 
 use kiln_proto::iov::RawIov;
 
+mod copier;
+pub use copier::{copy, LARGE};
+
 /// Reads through the brick after a stale grant before asking again, at first; doubles up to
 /// [`BACKOFF_MAX`].
 const BACKOFF_MIN: u32 = 16;

@@ -207,6 +207,19 @@ fn read(top: &dyn Layer, fd: &Fd, offset: u64, len: u32) -> Vec<u8> {
     }
 }
 
+/// A read into the caller's own buffer (large ones are copied on the copy thread).
+fn read_into(top: &dyn Layer, fd: &Fd, offset: u64, len: usize) -> Vec<u8> {
+    let dst = ReadDst::Into(kiln_layer::IoBufs::owned(vec![vec![0u8; len]]));
+    match block_on(top.read(&Ctx::NONE, fd, offset, dst)).unwrap() {
+        kiln_layer::ReadOut::Into { n, bufs } => {
+            let mut b = bufs.into_owned::<Vec<u8>>().unwrap().remove(0);
+            b.truncate(n);
+            b
+        }
+        _ => unreachable!("asked for my buffer"),
+    }
+}
+
 /// (direct reads, stale ones) of the volume's protocol-client.
 fn counts(vol: &Volume) -> (u64, u64) {
     let mut c = None;
@@ -283,6 +296,44 @@ fn direct_reads_never_stale() {
         .map(|f| f["calls"].as_u64().unwrap_or(0))
         .sum::<u64>();
     assert_eq!(calls, direct, "profile counts every direct read: {text}");
+}
+
+#[test]
+fn large_direct_reads_never_stale() {
+    let brick = Brick::start();
+    let mut other = Other::start(&brick.tcp);
+    other.run("write 0 1048576 17");
+    let vol = Volume::from_volfile(&volfile(&brick.unix, true)).unwrap();
+    let top = vol.top().clone();
+    let fd = block_on(top.open(&Ctx::NONE, FILE, libc::O_RDONLY as u32)).unwrap();
+    let len = kiln_client::shortcut::LARGE * 4;
+    for _ in 0..3 {
+        assert_eq!(read_into(&*top, &fd, 4096, len), vec![17u8; len]);
+    }
+    let (direct, stale) = counts(&vol);
+    assert!(direct >= 2, "large reads went direct: {direct}");
+    assert_eq!(stale, 0);
+    // Another client's write in the middle of the range: stale, and read right.
+    other.run("write 65536 4096 34");
+    let b = read_into(&*top, &fd, 0, len);
+    assert_eq!(b.len(), len);
+    assert!(b[..65536].iter().all(|&x| x == 17));
+    assert!(
+        b[65536..65536 + 4096].iter().all(|&x| x == 34),
+        "saw the write"
+    );
+    assert!(b[65536 + 4096..].iter().all(|&x| x == 17));
+    assert_eq!(counts(&vol).1, 1, "the write made the grant stale");
+    // Short at the end of the file.
+    other.run("truncate 100000");
+    for _ in 0..40 {
+        assert_eq!(
+            read_into(&*top, &fd, 0, len).len(),
+            100000,
+            "read after truncate"
+        );
+    }
+    assert!(counts(&vol).0 > direct, "granted again after the backoff");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use kiln_proto::ops::{GrantReply, GrantReq};
 use kiln_proto::{errno, Op};
 
 use super::{ProtocolClient, RemoteFd};
-use crate::shortcut::{Grant, Plan, Table};
+use crate::shortcut::{copy, Grant, Plan, Table, LARGE};
 
 impl ProtocolClient {
     /// A read on a brick of this host: straight from its file while a grant holds, else
@@ -19,7 +19,7 @@ impl ProtocolClient {
         cx: &Ctx,
         rfd: &RemoteFd,
         offset: u64,
-        mut dst: ReadDst,
+        dst: ReadDst,
     ) -> FopResult<ReadOut> {
         super::check_len(dst.len())?;
         let (client, gen) = self.current();
@@ -28,42 +28,60 @@ impl ProtocolClient {
             Plan::Ask => self.ask_grant(rfd, gen).await,
             Plan::Brick => None,
         };
-        if let Some(g) = grant.filter(|_| !client.is_dead()) {
-            let got = match &mut dst {
-                // SAFETY: the caller's vectors, writable until the read completes.
-                ReadDst::Into(bufs) => unsafe { g.read(bufs.iov(), offset) },
-                ReadDst::Any(len) => {
-                    let mut buf = vec![0u8; *len as usize];
-                    let iov = [kiln_proto::iov::RawIov {
-                        base: buf.as_mut_ptr() as usize,
-                        len: buf.len(),
-                    }];
-                    // SAFETY: `buf` is ours and lives across the call.
-                    match unsafe { g.read(&iov, offset) } {
-                        Some(n) => {
-                            buf.truncate(n);
-                            self.counted(n);
-                            return Ok(ReadOut::Buf(buf));
-                        }
-                        None => None,
+        let dst = match grant.filter(|_| !client.is_dead()) {
+            Some(g) => match Self::read_direct(g, offset, dst).await {
+                Ok(out) => {
+                    self.counted(out.len());
+                    return Ok(out);
+                }
+                Err(dst) => {
+                    self.stale(rfd);
+                    dst
+                }
+            },
+            None => dst,
+        };
+        self.read_brick(cx, rfd, offset, dst).await
+    }
+
+    /// Reads through `g`: large reads into the caller's buffers on the copy thread, others
+    /// here. `Err(dst)`: the grant is stale, and `dst` is given back for a read through the
+    /// brick.
+    async fn read_direct(g: Arc<Grant>, offset: u64, dst: ReadDst) -> Result<ReadOut, ReadDst> {
+        match dst {
+            ReadDst::Into(bufs) if bufs.len() >= LARGE => match copy(g, bufs, offset).await {
+                (Some(n), bufs) => Ok(ReadOut::Into { n, bufs }),
+                (None, bufs) => Err(ReadDst::Into(bufs)),
+            },
+            // SAFETY: the caller's vectors, writable until the read completes.
+            ReadDst::Into(bufs) => match unsafe { g.read(bufs.iov(), offset) } {
+                Some(n) => Ok(ReadOut::Into { n, bufs }),
+                None => Err(ReadDst::Into(bufs)),
+            },
+            ReadDst::Any(len) => {
+                let mut buf = vec![0u8; len as usize];
+                let iov = [kiln_proto::iov::RawIov {
+                    base: buf.as_mut_ptr() as usize,
+                    len: buf.len(),
+                }];
+                // SAFETY: `buf` is ours and lives across the call.
+                match unsafe { g.read(&iov, offset) } {
+                    Some(n) => {
+                        buf.truncate(n);
+                        Ok(ReadOut::Buf(buf))
                     }
-                }
-            };
-            match (got, dst) {
-                (Some(n), ReadDst::Into(bufs)) => {
-                    self.counted(n);
-                    return Ok(ReadOut::Into { n, bufs });
-                }
-                (_, d) => {
-                    self.shortcut
-                        .stale
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    rfd.direct.dropped();
-                    dst = d;
+                    None => Err(ReadDst::Any(len)),
                 }
             }
         }
-        self.read_brick(cx, rfd, offset, dst).await
+    }
+
+    /// A direct read found its grant stale: count it, and back off.
+    fn stale(&self, rfd: &RemoteFd) {
+        self.shortcut
+            .stale
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        rfd.direct.dropped();
     }
 
     /// Reads made straight from the brick's files, and those found stale (done again

@@ -425,6 +425,26 @@ impl Client {
         self.call_unit(Op::Grant, &req).await
     }
 
+    /// Pins `fh`'s file on the brick: it refuses to move the file while the handle is open
+    /// (FUSE passthrough reads it behind the brick's back). Returns the reply and the
+    /// descriptors that came with it: the connection's grant table when `table` says so,
+    /// then a read-only descriptor of the file.
+    pub async fn pin(
+        &self,
+        fh: Fh,
+    ) -> io::Result<(kiln_proto::ops::GrantReply, Vec<std::os::fd::OwnedFd>)> {
+        let req = kiln_proto::ops::GrantReq {
+            fh: fh.0,
+            reads: 0,
+            bytes: 0,
+            pin: 1,
+        };
+        let reply = self.call_raw(Op::Grant, req.to_wire()).await?;
+        let r = kiln_proto::ops::GrantReply::from_wire(&reply.args)
+            .map_err(|_| errno_error(errno::EPROTO))?;
+        Ok((r, reply.fds))
+    }
+
     /// Profiling on the brick: `cmd` is `PROFILE_INFO`, `PROFILE_START` or `PROFILE_STOP`
     /// (see `kiln_proto::ops`). Returns the brick's io-stats report as JSON, with the metrics
     /// endpoints its clients announced.

@@ -16,7 +16,7 @@
 //! (`ENOTCONN`), does the caller see an answer. Heal handles are not reopened (`ESTALE`):
 //! their session ended with the connection.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,8 @@ struct RemoteFd {
     at: Mutex<(u64, u64)>,
     /// Local short-circuit reads ([`crate::shortcut`]).
     direct: HandleGrant,
+    /// The inode of the brick file this handle pinned (FUSE passthrough), 0 if none.
+    pinned: AtomicU64,
 }
 
 /// Stale handle: opened on an earlier connection.
@@ -66,6 +68,8 @@ struct Link {
     attempts: Signal,
     /// A thread asks a new brick, once a second, whether it has become a member.
     watching: AtomicBool,
+    /// Handles that pinned their file: pinned again after a reconnect.
+    pins: Mutex<Vec<Weak<RemoteFd>>>,
 }
 
 /// The protocol-client layer.
@@ -180,6 +184,7 @@ impl ProtocolClient {
                 closed: AtomicBool::new(false),
                 attempts: Signal::default(),
                 watching: AtomicBool::new(false),
+                pins: Mutex::new(Vec::new()),
             }),
             patience: DEFAULT_PATIENCE,
             shortcut: Arc::new(Shortcut::new(unix)),
@@ -236,10 +241,10 @@ impl ProtocolClient {
             return;
         }
         let weak: Weak<Link> = Arc::downgrade(&self.link);
-        let name = self.name.clone();
+        let (name, shortcut) = (self.name.clone(), self.shortcut.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("kiln-reconnect-{name}"))
-            .spawn(move || reconnect_loop(weak, name));
+            .spawn(move || reconnect_loop(weak, name, shortcut));
         if spawned.is_err() {
             self.link.reconnecting.store(false, Ordering::Release);
         }
@@ -563,7 +568,7 @@ impl ProtocolClient {
 
     /// The open handle of `fd`, or `EBADF` for another layer's.
     fn remote<'f>(&self, fd: &'f Fd) -> FopResult<&'f RemoteFd> {
-        fd.get::<RemoteFd>()
+        fd.get::<Arc<RemoteFd>>().map(|r| &**r)
     }
 
     fn call<'a, R: Wire + Send + 'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, R> {
@@ -590,14 +595,15 @@ impl ProtocolClient {
 
     /// A handle for `p` as OPEN, HEAL_OPEN or CREATE answered with `fh`.
     fn handle(&self, cx: &Ctx, op: Op, p: &str, flags: u32, fh: u64, gen: u64) -> Fd {
-        Fd::new(RemoteFd {
+        Fd::new(Arc::new(RemoteFd {
             path: p.to_owned(),
             flags: flags & !((libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) as u32),
             heal: op == Op::HealOpen,
             cred: cx.cred.clone(),
             at: Mutex::new((fh, gen)),
             direct: HandleGrant::default(),
-        })
+            pinned: AtomicU64::new(0),
+        }))
     }
 
     /// OPEN or HEAL_OPEN.
@@ -662,7 +668,7 @@ impl ProtocolClient {
 
 /// The reconnect thread's loop: tries until it connects (backing off from 20 ms to 1 s) or the
 /// layer is gone, and tells waiters after every attempt.
-fn reconnect_loop(weak: Weak<Link>, name: String) {
+fn reconnect_loop(weak: Weak<Link>, name: String, shortcut: Arc<Shortcut>) {
     let mut wait = Duration::from_millis(20);
     loop {
         let Some(link) = weak.upgrade() else { return };
@@ -675,6 +681,7 @@ fn reconnect_loop(weak: Weak<Link>, name: String) {
                     g.0 = Arc::new(c);
                     tracing::info!(layer = name, gen = g.1, "reconnected to {}", old.server());
                 }
+                local::repin(&link, &name, &shortcut);
                 link.reconnecting.store(false, Ordering::Release);
                 link.attempts.notify();
                 return;
@@ -793,7 +800,7 @@ impl Layer for ProtocolClient {
     }
 
     fn pin_local<'a>(&'a self, _: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
-        let rfd = try_fut!(self.remote(fd));
+        let rfd = try_fut!(fd.get::<Arc<RemoteFd>>());
         Box::pin(self.pin_file(rfd))
     }
 

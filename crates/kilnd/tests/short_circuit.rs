@@ -23,14 +23,26 @@ struct Brick {
     child: Child,
     unix: String,
     tcp: String,
-    _dir: tempfile::TempDir,
+    dir: Option<tempfile::TempDir>,
 }
 
 impl Brick {
     fn start() -> Brick {
         let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("brick")).unwrap();
+        Brick::start_in(dir)
+    }
+
+    /// Stops the brick and starts it again on the same directory and Unix socket.
+    fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let dir = self.dir.take().expect("a brick's directory");
+        *self = Brick::start_in(dir);
+    }
+
+    fn start_in(dir: tempfile::TempDir) -> Brick {
         let brick = dir.path().join("brick");
-        std::fs::create_dir(&brick).unwrap();
         let vf = dir.path().join("brick.toml");
         std::fs::write(&vf, kiln_server::replica_volfile(&brick, "brick").to_toml()).unwrap();
         let sock = dir.path().join("brick.sock");
@@ -69,7 +81,7 @@ impl Brick {
             child,
             unix,
             tcp,
-            _dir: dir,
+            dir: Some(dir),
         }
     }
 }
@@ -384,4 +396,30 @@ fn a_pinned_file_is_not_moved() {
     assert_eq!(e.raw_os_error(), Some(libc::EBUSY), "{e}");
     begin(kiln_layer::marks::SESSION_END).unwrap();
     block_on(local.pin_local(&fd)).expect("the move gave up: pinned again");
+}
+
+#[test]
+fn a_pin_survives_a_brick_restart() {
+    let mut brick = Brick::start();
+    Other::start(&brick.tcp).run("write 0 65536 9");
+    let local = Volume::from_volfile(&volfile(&brick.unix, true)).unwrap();
+    let fd = block_on(local.open(FILE, libc::O_RDONLY)).unwrap();
+    let _file = block_on(local.pin_local(&fd)).expect("pinned");
+    brick.restart();
+    // The next fop finds the connection gone and waits for the reconnect, which pins the
+    // file again before it tells anyone.
+    let other = block_on(local.open(FILE, libc::O_RDONLY)).unwrap();
+    let mover = Volume::from_volfile(&volfile(&brick.tcp, false)).unwrap();
+    let begin = |begin| {
+        let req = kiln_layer::marks::HealReq { begin };
+        block_on(mover.top().heal_session(&Ctx::NONE, FILE, &req))
+    };
+    assert_eq!(
+        begin(kiln_layer::marks::SESSION_MIGRATE),
+        Err(libc::EBUSY as u32),
+        "pinned again after the brick restarted"
+    );
+    block_on(local.close(fd)).unwrap();
+    block_on(local.close(other)).unwrap();
+    begin(kiln_layer::marks::SESSION_MIGRATE).expect("unpinned: the move may begin");
 }

@@ -1,15 +1,18 @@
 //! The protocol-client's local short-circuit reads (see [`crate::shortcut`]).
 
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use kiln_layer::{Ctx, FopResult, ReadDst, ReadOut};
 use kiln_proto::codec::Wire;
 use kiln_proto::ops::{GrantReply, GrantReq};
 use kiln_proto::{errno, Op};
 
-use super::{ProtocolClient, RemoteFd};
-use crate::shortcut::{copy, Grant, Plan, Table, LARGE};
+use super::{Link, ProtocolClient, RemoteFd};
+use crate::client::Client;
+use crate::shortcut::{copy, Grant, Plan, Shortcut, Table, LARGE};
+use kiln_layer::exec::block_on;
 
 impl ProtocolClient {
     /// A read on a brick of this host: straight from its file while a grant holds, else
@@ -149,12 +152,17 @@ impl ProtocolClient {
 
     /// A read-only descriptor of the brick's file under `rfd`, pinned there while the handle
     /// is open (FUSE passthrough).
-    pub(super) async fn pin_file(&self, rfd: &RemoteFd) -> FopResult<OwnedFd> {
+    pub(super) async fn pin_file(&self, rfd: &Arc<RemoteFd>) -> FopResult<OwnedFd> {
         if !self.local || rfd.heal || !self.shortcut.is_on() {
             return Err(errno::EOPNOTSUPP);
         }
         let gen = self.current().1;
-        Ok(self.grant_call(rfd, gen, true).await?.2)
+        let file = self.grant_call(rfd, gen, true).await?.2;
+        rfd.pinned.store(inode(&file).unwrap_or(0), Relaxed);
+        let mut pins = lock(&self.link.pins);
+        pins.retain(|w| w.strong_count() > 0);
+        pins.push(Arc::downgrade(rfd));
+        Ok(file)
     }
 
     /// GRANT on connection `gen`: the reply, the connection's table (kept when it came with
@@ -191,4 +199,64 @@ impl ProtocolClient {
         let file = fds.next().ok_or(errno::EPROTO)?;
         Ok((r, table, file))
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The inode number of an open file.
+fn inode(f: &OwnedFd) -> std::io::Result<u64> {
+    Ok(rustix::fs::fstat(f)?.st_ino)
+}
+
+/// After a reconnect: pins every pinned handle's file again. A brick's pins live with the
+/// connection (and a brick that restarted has none), so without this a rebalance could move a
+/// file that the kernel reads straight from. Runs on the reconnect thread.
+pub(super) fn repin(link: &Link, name: &str, shortcut: &Shortcut) {
+    let (client, gen) = link.cur.read().unwrap_or_else(|e| e.into_inner()).clone();
+    let pins: Vec<Arc<RemoteFd>> = {
+        let mut pins = lock(&link.pins);
+        pins.retain(|w| w.strong_count() > 0);
+        pins.iter().filter_map(Weak::upgrade).collect()
+    };
+    for rfd in pins {
+        match block_on(repin_one(&client, gen, &rfd, shortcut)) {
+            Ok(fh) => *lock(&rfd.at) = (fh, gen),
+            Err(e) => tracing::warn!(
+                layer = name,
+                path = rfd.path,
+                "cannot pin a passthrough file again after a reconnect ({e}): a rebalance may \
+                 move it from under its readers until it is closed"
+            ),
+        }
+    }
+}
+
+/// Opens `rfd`'s file on connection `gen` and pins it; returns the new handle number.
+async fn repin_one(
+    client: &Client,
+    gen: u64,
+    rfd: &RemoteFd,
+    shortcut: &Shortcut,
+) -> std::io::Result<u64> {
+    let fh = client.open(&rfd.path, rfd.flags as i32).await?;
+    let (r, mut fds) = client.pin(fh).await?;
+    let file = fds
+        .pop()
+        .ok_or_else(|| std::io::Error::from_raw_os_error(errno::EPROTO as i32))?;
+    if let (true, Some(t)) = (r.table, fds.pop()) {
+        // The connection's table came with this reply: keep it for the grants that follow.
+        shortcut.set_table(gen, Table::map(t)?);
+    }
+    let was = rfd.pinned.load(Relaxed);
+    if inode(&file)? != was {
+        tracing::warn!(
+            path = rfd.path,
+            "a passthrough file was replaced while its brick was away: readers that have it \
+             open read the old file until they open it again"
+        );
+        rfd.pinned.store(inode(&file)?, Relaxed);
+    }
+    Ok(fh.0)
 }

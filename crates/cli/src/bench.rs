@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use kiln_client::{block_on, Fd, RawIov, Volume};
+use kiln_fuse::Switch;
 use kiln_layer::trace::{TraceLog, Waterfall};
 use kiln_layer::volfile::{LayerKind, Volfile};
 
@@ -117,16 +118,7 @@ pub struct BenchArgs {
     /// Local short-circuit reads: over a Unix socket, read straight from the brick's file
     /// while the brick's grant holds (on), or always through the brick (off).
     #[arg(long, value_enum, default_value = "on")]
-    pub short_circuit: OnOff,
-}
-
-/// A switch.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnOff {
-    /// On.
-    On,
-    /// Off.
-    Off,
+    pub short_circuit: Switch,
 }
 
 impl BenchArgs {
@@ -169,7 +161,7 @@ impl BenchArgs {
     fn short_circuit(&self, mut volfile: Volfile) -> Volfile {
         for l in &mut volfile.layers {
             if let LayerKind::ProtocolClient { short_circuit, .. } = &mut l.kind {
-                *short_circuit = Some(self.short_circuit == OnOff::On);
+                *short_circuit = Some(self.short_circuit == Switch::On);
             }
         }
         volfile

@@ -244,6 +244,6 @@ fn bench_args(rw: Rw, bs: u64, qd: usize, args: &DemoArgs, server: &ChildServer)
         switch: false,
         replica: 1,
         tls: None,
-        short_circuit: crate::bench::OnOff::On,
+        short_circuit: kiln_fuse::Switch::On,
     }
 }

@@ -107,7 +107,7 @@ pub struct MountArgs {
     pub metrics: String,
 }
 
-/// A switch.
+/// An on/off command-line value (`--passthrough`, and `kiln bench --short-circuit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Switch {
     /// On.

@@ -235,7 +235,7 @@ pub struct ConnGrants {
     pub table: Option<Arc<Table>>,
     /// Handles granted: slot and file.
     pub by_fh: HashMap<u64, (u32, Inode)>,
-    /// Files of handles, learned when a handle first writes while grants exist.
+    /// Files of other handles, learned when one first writes while grants exist.
     pub inodes: HashMap<u64, Inode>,
     /// Handles that pinned their file.
     pub pinned: HashMap<u64, Inode>,

@@ -142,8 +142,11 @@ impl Conn {
         }
     }
 
-    /// The file a handle has open, learned once per handle.
+    /// The file a handle has open: a granted handle's is known; others are learned once.
     fn inode_of_handle(&mut self, fh: u64) -> Option<grants::Inode> {
+        if let Some(&(_, i)) = self.mine.by_fh.get(&fh) {
+            return Some(i);
+        }
         if let Some(i) = self.mine.inodes.get(&fh) {
             return Some(*i);
         }

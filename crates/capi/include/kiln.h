@@ -14,8 +14,10 @@ enum kiln_completion_mode
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
-  // Callbacks run on the connection's receive thread (the default); a local
-  // short-circuit read's on the calling thread, before the call returns.
+  // Callbacks run on a Kiln thread (the connection's receive thread, or the copy thread
+  // for large local short-circuit reads) — or on the calling thread, before the call
+  // returns, when the result is there at once (a small short-circuit read, a fast reply).
+  // The default.
   KILN_COMPLETE_ON_IO_THREAD = 0,
   // Completions are queued; `kiln_completion_fd` (an eventfd) becomes readable and
   // `kiln_poll_completions` runs them on the calling thread.

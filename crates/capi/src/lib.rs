@@ -9,11 +9,13 @@
 //! success and `-errno` on failure; callbacks carry the caller's `user_data`. The payload of a
 //! read goes from the socket straight into the caller's iovecs, as in the Rust API.
 //!
-//! Completions of the `_async` calls run, by default, on the connection's receive thread: keep
-//! callbacks short. A read served straight from the file of a brick on this host (a local
-//! short-circuit read) completes at once, so its callback runs on the calling thread before
-//! the call returns: never hold a lock across a submission that the callback takes (or use
-//! `KILN_COMPLETE_BY_POLL`, or `KILN_SHORT_CIRCUIT=off` in the environment). A program with its own event loop (QEMU, say) sets
+//! Completions of the `_async` calls run, by default, on a Kiln thread: the connection's
+//! receive thread, or for a read of 64 KiB or more served straight from the file of a brick on
+//! this host (a local short-circuit read), the process's copy thread. Keep callbacks short.
+//! A smaller short-circuit read completes at once, and so may any call whose reply is back
+//! before the call has finished: such a callback runs on the calling thread before the call
+//! returns. Never hold a lock across a submission that the callback takes (or use
+//! `KILN_COMPLETE_BY_POLL`). A program with its own event loop (QEMU, say) sets
 //! `KILN_COMPLETE_BY_POLL` in `kiln_options`: completions are then queued, `kiln_completion_fd`
 //! becomes readable, and `kiln_poll_completions` runs the callbacks on the caller's thread.
 //!
@@ -37,8 +39,10 @@ const EINVAL: c_int = libc::EINVAL;
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum kiln_completion_mode {
-    /// Callbacks run on the connection's receive thread (the default); a local
-    /// short-circuit read's on the calling thread, before the call returns.
+    /// Callbacks run on a Kiln thread (the connection's receive thread, or the copy thread
+    /// for large local short-circuit reads) — or on the calling thread, before the call
+    /// returns, when the result is there at once (a small short-circuit read, a fast reply).
+    /// The default.
     KILN_COMPLETE_ON_IO_THREAD = 0,
     /// Completions are queued; `kiln_completion_fd` (an eventfd) becomes readable and
     /// `kiln_poll_completions` runs them on the calling thread.

@@ -53,6 +53,9 @@ struct RemoteFd {
     direct: HandleGrant,
     /// The inode of the brick file this handle pinned (FUSE passthrough), 0 if none.
     pinned: AtomicU64,
+    /// Set (under `at`'s lock) when the handle is released: a pin taken again after a
+    /// reconnect is then released at once.
+    released: AtomicBool,
 }
 
 /// Stale handle: opened on an earlier connection.
@@ -603,6 +606,7 @@ impl ProtocolClient {
             at: Mutex::new((fh, gen)),
             direct: HandleGrant::default(),
             pinned: AtomicU64::new(0),
+            released: AtomicBool::new(false),
         }))
     }
 
@@ -675,13 +679,17 @@ fn reconnect_loop(weak: Weak<Link>, name: String, shortcut: Arc<Shortcut>) {
         let old = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
         match old.reconnect() {
             Ok(c) => {
+                let c = Arc::new(c);
+                let gen = link.cur.read().unwrap_or_else(|e| e.into_inner()).1 + 1;
+                // Pinned handles are pinned again before anyone can use the connection.
+                let repinned = local::repin(&link, &name, &c, gen, &shortcut);
                 {
                     let mut g = link.cur.write().unwrap_or_else(|e| e.into_inner());
-                    g.1 += 1;
-                    g.0 = Arc::new(c);
-                    tracing::info!(layer = name, gen = g.1, "reconnected to {}", old.server());
+                    g.1 = gen;
+                    g.0 = c.clone();
+                    tracing::info!(layer = name, gen, "reconnected to {}", old.server());
                 }
-                local::repin(&link, &name, &shortcut);
+                local::adopt(repinned, &c, gen);
                 link.reconnecting.store(false, Ordering::Release);
                 link.attempts.notify();
                 return;
@@ -899,6 +907,10 @@ impl Layer for ProtocolClient {
             let rfd = self.remote(&fd)?;
             if rfd.direct.used() {
                 self.report_now().await;
+            }
+            {
+                let _at = rfd.at.lock().unwrap_or_else(|e| e.into_inner());
+                rfd.released.store(true, Ordering::Relaxed);
             }
             let args = HandleReq { fh: 0 }.to_wire();
             let req = self.request(cx, Op::Release, args, Some(rfd));

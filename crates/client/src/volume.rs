@@ -366,7 +366,11 @@ impl Volume {
         exec::spawn(async move {
             let r = top.read(&cx, &fd, offset, ReadDst::Into(bufs)).await;
             Volume::finish(&cx);
-            cb(r.map(|o| o.len()));
+            // Only bytes in the caller's memory count: anything else left it unwritten.
+            cb(r.and_then(|o| match o {
+                ReadOut::Into { n, .. } => Ok(n),
+                _ => Err(kiln_proto::errno::EIO),
+            }));
         });
     }
 

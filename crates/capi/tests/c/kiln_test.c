@@ -36,7 +36,10 @@ struct waiter {
     int errors;
     long bytes;
     pthread_t thread; /* where the last callback ran */
+    pthread_t caller; /* the submitting thread, when set */
+    int elsewhere;    /* callbacks that ran on another thread than `caller` */
 };
+#define WAITER_INIT {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER}
 
 static void on_done(kiln_fd_t *fd, ssize_t ret, void *user_data) {
     struct waiter *w = user_data;
@@ -48,6 +51,8 @@ static void on_done(kiln_fd_t *fd, ssize_t ret, void *user_data) {
         w->bytes += ret;
     w->done++;
     w->thread = pthread_self();
+    if (!pthread_equal(w->thread, w->caller))
+        w->elsewhere++;
     pthread_cond_signal(&w->cv);
     pthread_mutex_unlock(&w->mu);
 }
@@ -89,7 +94,7 @@ static void volume_roundtrip(const char *source, const unsigned char *data) {
         r = kiln_creat(kv, names[f], O_RDWR | O_CREAT | O_TRUNC, 0644, &fd);
         CHECK(r == 0 && fd, "volume creat %s: %d", names[f], r);
         if (r != 0) continue;
-        struct waiter w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0};
+        struct waiter w = WAITER_INIT;
         for (int i = 0; i < 8; i++) {
             struct iovec iov = {(void *)(data + (size_t)(f * 8 + i) * BS), BS};
             CHECK(kiln_pwritev_async(fd, &iov, 1, (off_t)i * BS, on_done, &w) == 0, "volume write");
@@ -139,7 +144,8 @@ int main(int argc, char **argv) {
     /* 64 async writes in flight, each from three iovecs. */
     unsigned char *data = malloc((size_t)INFLIGHT * BS);
     for (size_t i = 0; i < (size_t)INFLIGHT * BS; i++) data[i] = pattern(i);
-    struct waiter w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0};
+    struct waiter w = WAITER_INIT;
+    w.caller = pthread_self();
     for (int i = 0; i < INFLIGHT; i++) {
         unsigned char *b = data + (size_t)i * BS;
         struct iovec iov[3] = {{b, 100}, {b + 100, 0}, {b + 100, BS - 100}};
@@ -148,16 +154,18 @@ int main(int argc, char **argv) {
     }
     wait_for(&w, INFLIGHT);
     CHECK(w.errors == 0 && w.bytes == (long)INFLIGHT * BS, "async writes: %d errors, %ld bytes", w.errors, w.bytes);
-    CHECK(!pthread_equal(w.thread, pthread_self()), "io-thread mode runs callbacks on the io thread");
+    /* A reply back before its submitting call finished completes on the caller (documented);
+     * the others on Kiln's threads. */
+    CHECK(w.elsewhere > 0, "io-thread mode runs callbacks on Kiln's threads: %d of %d", w.elsewhere, INFLIGHT);
 
-    struct waiter fs = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0};
+    struct waiter fs = WAITER_INIT;
     CHECK(kiln_fsync_async(fd, on_done, &fs) == 0, "fsync_async");
     wait_for(&fs, 1);
     CHECK(fs.errors == 0, "fsync_async result");
 
     /* 64 async reads in flight into separate buffers, verified. */
     unsigned char *back = calloc((size_t)INFLIGHT, BS);
-    struct waiter rw = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0};
+    struct waiter rw = WAITER_INIT;
     for (int i = INFLIGHT - 1; i >= 0; i--) {
         struct iovec iov[2] = {{back + (size_t)i * BS, 4096}, {back + (size_t)i * BS + 4096, BS - 4096}};
         r = kiln_preadv_async(fd, iov, 2, (off_t)i * BS, on_done, &rw);
@@ -191,7 +199,7 @@ int main(int argc, char **argv) {
     kiln_fd_t *fd2 = NULL;
     CHECK(kiln_open(k2, "/c-test.bin", O_RDONLY, &fd2) == 0, "open in poll mode");
     memset(back, 0, (size_t)INFLIGHT * BS);
-    struct waiter pw = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0};
+    struct waiter pw = WAITER_INIT;
     for (int i = 0; i < 32; i++) {
         struct iovec iov = {back + (size_t)i * BS, BS};
         CHECK(kiln_preadv_async(fd2, &iov, 1, (off_t)i * BS, on_done, &pw) == 0, "poll-mode read %d", i);

@@ -156,13 +156,23 @@ impl ProtocolClient {
         if !self.local || rfd.heal || !self.shortcut.is_on() {
             return Err(errno::EOPNOTSUPP);
         }
+        // Listed before asking, so that a reconnect in between pins it again too.
+        {
+            let mut pins = lock(&self.link.pins);
+            pins.retain(|w| w.strong_count() > 0);
+            pins.push(Arc::downgrade(rfd));
+        }
         let gen = self.current().1;
-        let file = self.grant_call(rfd, gen, true).await?.2;
-        rfd.pinned.store(inode(&file).unwrap_or(0), Relaxed);
-        let mut pins = lock(&self.link.pins);
-        pins.retain(|w| w.strong_count() > 0);
-        pins.push(Arc::downgrade(rfd));
-        Ok(file)
+        match self.grant_call(rfd, gen, true).await {
+            Ok((_, _, file)) => {
+                rfd.pinned.store(inode(&file).unwrap_or(0), Relaxed);
+                Ok(file)
+            }
+            Err(e) => {
+                lock(&self.link.pins).retain(|w| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(rfd)));
+                Err(e)
+            }
+        }
     }
 
     /// GRANT on connection `gen`: the reply, the connection's table (kept when it came with
@@ -210,19 +220,34 @@ fn inode(f: &OwnedFd) -> std::io::Result<u64> {
     Ok(rustix::fs::fstat(f)?.st_ino)
 }
 
-/// After a reconnect: pins every pinned handle's file again. A brick's pins live with the
-/// connection (and a brick that restarted has none), so without this a rebalance could move a
-/// file that the kernel reads straight from. Runs on the reconnect thread.
-pub(super) fn repin(link: &Link, name: &str, shortcut: &Shortcut) {
-    let (client, gen) = link.cur.read().unwrap_or_else(|e| e.into_inner()).clone();
+/// After a reconnect, before the new connection (`client`, generation `gen`) is published:
+/// pins every pinned handle's file again on it. A brick's pins live with the connection (and
+/// a brick that restarted has none), so without this a rebalance could move a file that the
+/// kernel reads straight from. Runs on the reconnect thread; gives the new handle numbers,
+/// for [`adopt`] once the connection is published.
+pub(super) fn repin(
+    link: &Link,
+    name: &str,
+    client: &Client,
+    gen: u64,
+    shortcut: &Shortcut,
+) -> Vec<(Arc<RemoteFd>, u64)> {
     let pins: Vec<Arc<RemoteFd>> = {
         let mut pins = lock(&link.pins);
         pins.retain(|w| w.strong_count() > 0);
         pins.iter().filter_map(Weak::upgrade).collect()
     };
-    for rfd in pins {
-        match block_on(repin_one(&client, gen, &rfd, shortcut)) {
-            Ok(fh) => *lock(&rfd.at) = (fh, gen),
+    // Bounded: a brick that accepts the connection and then stalls must not hold back every
+    // request waiting for the reconnect.
+    let deadline = std::time::Instant::now() + REPIN_PATIENCE;
+    let mut out = Vec::new();
+    for rfd in pins.into_iter().filter(|r| !r.released.load(Relaxed)) {
+        let r = block_on(kiln_layer::timer::within(
+            deadline,
+            repin_one(client, gen, &rfd, shortcut),
+        ));
+        match r.unwrap_or_else(|| Err(std::io::ErrorKind::TimedOut.into())) {
+            Ok(fh) => out.push((rfd, fh)),
             Err(e) => tracing::warn!(
                 layer = name,
                 path = rfd.path,
@@ -231,9 +256,30 @@ pub(super) fn repin(link: &Link, name: &str, shortcut: &Shortcut) {
             ),
         }
     }
+    out
 }
 
-/// Opens `rfd`'s file on connection `gen` and pins it; returns the new handle number.
+/// How long pinning again after a reconnect may take in all.
+const REPIN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The connection of generation `gen` is published: the handles [`repin`] opened on it become
+/// theirs, except for handles released meanwhile, whose new handle is closed.
+pub(super) fn adopt(repinned: Vec<(Arc<RemoteFd>, u64)>, client: &Client, gen: u64) {
+    for (rfd, fh) in repinned {
+        let mut at = lock(&rfd.at);
+        if !rfd.released.load(Relaxed) {
+            *at = (fh, gen);
+            continue;
+        }
+        drop(at);
+        if let Err(e) = block_on(client.close(crate::client::Fh(fh))) {
+            tracing::debug!(path = rfd.path, "closing a pin of a released handle: {e}");
+        }
+    }
+}
+
+/// Opens `rfd`'s file on connection `gen` and pins it; returns the new handle number. Closes
+/// what it opened if the pin fails.
 async fn repin_one(
     client: &Client,
     gen: u64,
@@ -241,6 +287,23 @@ async fn repin_one(
     shortcut: &Shortcut,
 ) -> std::io::Result<u64> {
     let fh = client.open(&rfd.path, rfd.flags as i32).await?;
+    let fh_no = fh.0;
+    match pin_again(client, fh, gen, rfd, shortcut).await {
+        Ok(()) => Ok(fh_no),
+        Err(e) => {
+            let _ = client.close(crate::client::Fh(fh_no)).await;
+            Err(e)
+        }
+    }
+}
+
+async fn pin_again(
+    client: &Client,
+    fh: crate::client::Fh,
+    gen: u64,
+    rfd: &RemoteFd,
+    shortcut: &Shortcut,
+) -> std::io::Result<()> {
     let (r, mut fds) = client.pin(fh).await?;
     let file = fds
         .pop()
@@ -249,14 +312,15 @@ async fn repin_one(
         // The connection's table came with this reply: keep it for the grants that follow.
         shortcut.set_table(gen, Table::map(t)?);
     }
-    let was = rfd.pinned.load(Relaxed);
-    if inode(&file)? != was {
+    let now = inode(&file)?;
+    let was = rfd.pinned.swap(now, Relaxed);
+    // 0: pinned while the connection was lost, before the first pin's answer.
+    if was != 0 && was != now {
         tracing::warn!(
             path = rfd.path,
             "a passthrough file was replaced while its brick was away: readers that have it \
              open read the old file until they open it again"
         );
-        rfd.pinned.store(inode(&file)?, Relaxed);
     }
-    Ok(fh.0)
+    Ok(())
 }

@@ -8,7 +8,9 @@
 //! through a brick complete on its receive thread; small reads stay inline, where a hop would
 //! cost more than the copy.
 
+use std::cell::Cell;
 use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::mpsc::{channel, SendError, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,6 +19,12 @@ use std::task::{Context, Poll, Waker};
 use kiln_layer::IoBufs;
 
 use super::Grant;
+
+thread_local! {
+    /// True on the copy thread: a copy asked for there (by a completion that reads again,
+    /// perhaps waiting for it) runs inline, never queued behind itself.
+    static ON_COPY_THREAD: Cell<bool> = const { Cell::new(false) };
+}
 
 /// Reads at least this long go to the copy thread.
 pub const LARGE: usize = 64 << 10;
@@ -46,7 +54,15 @@ fn worker() -> Option<&'static Sender<Job>> {
         let (tx, rx) = channel::<Job>();
         let spawned = std::thread::Builder::new()
             .name("kiln-copy".into())
-            .spawn(move || rx.into_iter().for_each(|job| job()));
+            .spawn(move || {
+                ON_COPY_THREAD.with(|c| c.set(true));
+                for job in rx {
+                    // A completion that panics must not take the other copies with it.
+                    if catch_unwind(AssertUnwindSafe(job)).is_err() {
+                        tracing::error!("a completion run after a direct read panicked");
+                    }
+                }
+            });
         match spawned {
             Ok(_) => Some(tx),
             Err(e) => {
@@ -58,7 +74,8 @@ fn worker() -> Option<&'static Sender<Job>> {
     .as_ref()
 }
 
-/// Reads into `bufs` at `offset` through `g` on the copy thread (inline if there is none).
+/// Reads into `bufs` at `offset` through `g` on the copy thread (inline if there is none, or
+/// if this is it); the read's completion runs there too.
 /// The buffers travel with the job, so they outlive the copy even if the future is dropped.
 pub fn copy(g: Arc<Grant>, bufs: IoBufs, offset: u64) -> Copy {
     let shared = Arc::new(Mutex::new(Shared::default()));
@@ -76,7 +93,7 @@ pub fn copy(g: Arc<Grant>, bufs: IoBufs, offset: u64) -> Copy {
             w.wake();
         }
     });
-    match worker() {
+    match worker().filter(|_| !ON_COPY_THREAD.with(|c| c.get())) {
         Some(tx) => {
             if let Err(SendError(job)) = tx.send(job) {
                 job();

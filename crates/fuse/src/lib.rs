@@ -26,6 +26,7 @@ mod mount;
 mod passthrough;
 #[cfg(test)]
 mod tests;
+mod xattr;
 
 pub use mount::*;
 
@@ -153,6 +154,8 @@ pub struct KilnFs {
     next_dir: AtomicU64,
     /// Backing files of inodes open for passthrough reads.
     pass: passthrough::Passthrough,
+    /// Inodes listed without extended attributes (see [`xattr`]).
+    no_xattrs: xattr::NoXattrs,
 }
 
 impl KilnFs {
@@ -171,6 +174,7 @@ impl KilnFs {
             dirs: Mutex::new(HashMap::new()),
             next_dir: AtomicU64::new(1),
             pass: passthrough::Passthrough::new(mode == Mode::VmImage),
+            no_xattrs: xattr::NoXattrs::default(),
         })
     }
 
@@ -858,6 +862,8 @@ impl fuser::Filesystem for KilnFs {
             }
             // Each entry handed to the kernel with attributes counts as a lookup.
             self.table().learn(fa.ino.0, &join(&parent, &e.name));
+            self.no_xattrs
+                .listed(fa.ino.0, e.xattrs, std::time::Instant::now() + self.ttl);
         }
         reply.ok()
     }
@@ -903,62 +909,19 @@ impl fuser::Filesystem for KilnFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        let (path, name) = match self.path_and_name(ino, name) {
-            Ok(x) => x,
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.caller(req).setxattr(&path, name, value, flags as u32)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.xattr_set(req, ino, name, value, flags, reply)
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        let (path, name) = match self.path_and_name(ino, name) {
-            Ok(x) => x,
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.caller(req).getxattr(&path, name)) {
-            Ok(v) if size == 0 => reply.size(v.len() as u32),
-            Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
-            Ok(v) => reply.data(&v),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.xattr_get(req, ino, name, size, reply)
     }
 
     fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        let path = match self.path(ino) {
-            Ok(p) => p,
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.caller(req).listxattr(&path)) {
-            Ok(names) => {
-                let mut buf = Vec::new();
-                for n in names {
-                    buf.extend_from_slice(n.as_bytes());
-                    buf.push(0);
-                }
-                if size == 0 {
-                    reply.size(buf.len() as u32)
-                } else if buf.len() > size as usize {
-                    reply.error(Errno::from_i32(libc::ERANGE))
-                } else {
-                    reply.data(&buf)
-                }
-            }
-            Err(e) => reply.error(errno(e)),
-        }
+        self.xattr_list(req, ino, size, reply)
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let (path, name) = match self.path_and_name(ino, name) {
-            Ok(x) => x,
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.caller(req).removexattr(&path, name)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.xattr_remove(req, ino, name, reply)
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {

@@ -233,10 +233,12 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
                         DirEntry {
                             name: "a".into(),
                             attr: attr(),
+                            xattrs: true,
                         },
                         DirEntry {
                             name: "ü".into(),
                             attr: Attr::default(),
+                            xattrs: false,
                         },
                     ]),
                     eof: true,

@@ -277,6 +277,7 @@ impl Brick {
                 entries.push(DirEntry {
                     name: name.to_owned(),
                     attr: attr_of(&st),
+                    xattrs: has_xattrs(&fd, name),
                 });
             }
         }
@@ -422,6 +423,21 @@ enum XattrOn {
 }
 
 /// `/proc/self/fd/N` for `fd`.
+/// True if entry `name` of directory `dir` has extended attributes a client may see — not
+/// Kiln's own (`trusted.kiln.*`) nor the brick host's security labels (`security.*`, which
+/// clients may not set) — or if that cannot be told.
+fn has_xattrs(dir: &OwnedFd, name: &str) -> bool {
+    let mut buf = [0u8; 1024];
+    match rfs::llistxattr(format!("{}/{name}", proc_fd(dir)), &mut buf[..]) {
+        Ok(n) => buf[..n]
+            .split(|b| *b == 0)
+            .filter(|s| !s.is_empty())
+            .any(|s| !s.starts_with(b"trusted.kiln.") && !s.starts_with(b"security.")),
+        // ERANGE (more names than fit here) among others: say yes, the client will ask.
+        Err(_) => true,
+    }
+}
+
 fn proc_fd(fd: &OwnedFd) -> String {
     format!("/proc/self/fd/{}", fd.as_raw_fd())
 }

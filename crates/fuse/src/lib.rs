@@ -127,6 +127,8 @@ pub fn parse_source(s: &str) -> Result<(String, String), String> {
 
 struct DirSnapshot {
     entries: Vec<DirEntry>,
+    /// What the listing may tell of extended attributes: taken before it was fetched.
+    seen: xattr::Seen,
 }
 
 /// An open file: the stack's handle and the FUSE inode it was opened as.
@@ -237,6 +239,8 @@ impl KilnFs {
     fn entry(&self, path: &str, a: &Attr, reply: ReplyEntry) {
         let fa = self.fattr(a);
         self.table().learn(fa.ino.0, path);
+        // A new name for this inode number (perhaps a new file): nothing known of it.
+        self.no_xattrs.drop_entry(fa.ino.0);
         reply.entry(&self.ttl, &fa, Generation(0));
     }
 
@@ -772,13 +776,14 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
+        let seen = self.no_xattrs.seen(self.ttl);
         match block_on(self.caller(req).readdir(&path)) {
             Ok(entries) => {
                 let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
                 self.dirs
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .insert(id, DirSnapshot { entries });
+                    .insert(id, DirSnapshot { entries, seen });
                 reply.opened(FileHandle(id), FopenFlags::empty())
             }
             Err(e) => reply.error(errno(e)),
@@ -862,8 +867,10 @@ impl fuser::Filesystem for KilnFs {
             }
             // Each entry handed to the kernel with attributes counts as a lookup.
             self.table().learn(fa.ino.0, &join(&parent, &e.name));
-            self.no_xattrs
-                .listed(fa.ino.0, e.xattrs, std::time::Instant::now() + self.ttl);
+            // A directory's copies on several bricks may differ: only files are taken at their
+            // word.
+            let has = e.xattrs || fa.kind == FileType::Directory;
+            self.no_xattrs.listed(fa.ino.0, has, &d.seen);
         }
         reply.ok()
     }

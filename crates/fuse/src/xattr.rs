@@ -7,12 +7,15 @@
 //!   labels, which mean nothing to a client); the mount reads and lists none, without asking.
 //! - An entry that `readdirplus` listed, and whose brick said it has no extended attributes a
 //!   client may see: `getxattr` answers `ENODATA` and `listxattr` an empty list without asking,
-//!   until the entry's attribute timeout — the bound the kernel keeps its attributes for. A set
-//!   or remove through this mount forgets that at once; another client's is seen after the
-//!   timeout at the latest.
+//!   until the attribute timeout counted from when the listing was fetched — the bound the
+//!   kernel keeps attributes for. A set or remove through this mount forgets that at once (and
+//!   a listing fetched before it cannot bring it back); another client's is seen after the
+//!   timeout at the latest. Directories are always asked (their copies on several bricks may
+//!   differ), and so are replicated volumes' files (replicate lists one replica).
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -22,30 +25,51 @@ use kiln_client::block_on;
 use crate::convert::errno;
 use crate::KilnFs;
 
-/// Inodes known to have no extended attributes a client may see, and until when.
+/// Inodes known to have no extended attributes a client may see, and until when; and a count
+/// of this mount's xattr changes, so that a listing fetched before one cannot undo it.
 #[derive(Default)]
-pub(crate) struct NoXattrs(Mutex<HashMap<u64, Instant>>);
+pub(crate) struct NoXattrs {
+    until: Mutex<HashMap<u64, Instant>>,
+    changes: AtomicU64,
+}
+
+/// Taken before a listing is fetched: until when what it says holds, and the changes count.
+pub(crate) struct Seen {
+    until: Instant,
+    changes: u64,
+}
 
 impl NoXattrs {
     /// Entries remembered at most; the table is emptied when it grows past this.
     const KEEP: usize = 1 << 20;
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Instant>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.until.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A listing said inode `ino` has (`has`) or has no extended attributes; trusted until
-    /// `until`.
-    pub(crate) fn listed(&self, ino: u64, has: bool, until: Instant) {
+    /// Call before fetching a listing whose entries are then trusted for `ttl`.
+    pub(crate) fn seen(&self, ttl: std::time::Duration) -> Seen {
+        Seen {
+            until: Instant::now() + ttl,
+            changes: self.changes.load(Ordering::Acquire),
+        }
+    }
+
+    /// A listing (`seen` before it was fetched) said inode `ino` has (`has`) or has no
+    /// extended attributes. "None" is not taken from a listing older than a change made here.
+    pub(crate) fn listed(&self, ino: u64, has: bool, seen: &Seen) {
         let mut m = self.map();
         if has {
             m.remove(&ino);
             return;
         }
+        if seen.changes != self.changes.load(Ordering::Acquire) || Instant::now() >= seen.until {
+            return;
+        }
         if m.len() >= Self::KEEP {
             m.clear();
         }
-        m.insert(ino, until);
+        m.insert(ino, seen.until);
     }
 
     fn none(&self, ino: u64) -> bool {
@@ -60,7 +84,15 @@ impl NoXattrs {
         }
     }
 
+    /// This mount changes `ino`'s extended attributes: call before and after.
     fn forget(&self, ino: u64) {
+        let mut m = self.map();
+        self.changes.fetch_add(1, Ordering::AcqRel);
+        m.remove(&ino);
+    }
+
+    /// Nothing is known of `ino` any more (a lookup gave it a name: perhaps a new file).
+    pub(crate) fn drop_entry(&self, ino: u64) {
         self.map().remove(&ino);
     }
 }
@@ -96,7 +128,9 @@ impl KilnFs {
             Err(e) => return reply.error(e),
         };
         self.no_xattrs.forget(ino.0);
-        match block_on(self.caller(req).setxattr(&path, name, value, flags as u32)) {
+        let r = block_on(self.caller(req).setxattr(&path, name, value, flags as u32));
+        self.no_xattrs.forget(ino.0);
+        match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -156,7 +190,9 @@ impl KilnFs {
             Err(e) => return reply.error(e),
         };
         self.no_xattrs.forget(ino.0);
-        match block_on(self.caller(req).removexattr(&path, name)) {
+        let r = block_on(self.caller(req).removexattr(&path, name));
+        self.no_xattrs.forget(ino.0);
+        match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }

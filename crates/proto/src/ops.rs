@@ -276,8 +276,7 @@ wire_struct! {
 
     /// Readdir request: up to `max` entries starting at index `offset`.
     pub struct ReaddirReq { pub path: String, pub offset: u64, pub max: u32 }
-    /// One directory entry.
-    /// A directory entry. `xattrs`: it has extended attributes a client may see (false lets a
+    /// One directory entry. `xattrs`: it has extended attributes a client may see (false lets a
     /// client that listed it answer "none" itself, for a while).
     pub struct DirEntry { pub name: String, pub attr: Attr, pub xattrs: bool }
     /// Readdir reply; `eof` when no entries follow.

@@ -22,6 +22,11 @@ impl Mounted {
 
     /// A mount with FUSE passthrough on (the default in vm-image mode) or off.
     pub fn with_passthrough(mode: Mode, passthrough: bool) -> Mounted {
+        Mounted::with_options(mode, passthrough, Duration::from_secs(1))
+    }
+
+    /// A mount with passthrough on or off and this attribute timeout.
+    pub fn with_options(mode: Mode, passthrough: bool, attr_timeout: Duration) -> Mounted {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir(dir.path().join("brick")).expect("brick");
         std::fs::create_dir(dir.path().join("mnt")).expect("mnt");
@@ -31,7 +36,7 @@ impl Mounted {
                 .expect("brick server");
         let stats = server.stats;
         let vol = Volume::connect(&format!("unix:{}", sock.display())).expect("connect");
-        let fs = kiln_fuse::KilnFs::new(Arc::new(vol), mode, Duration::from_secs(1))
+        let fs = kiln_fuse::KilnFs::new(Arc::new(vol), mode, attr_timeout)
             .expect("the volume's root")
             .with_passthrough(passthrough);
         let session = kiln_fuse::serve_background(fs, "test:/vol", &dir.path().join("mnt"), 4)

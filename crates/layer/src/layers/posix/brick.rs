@@ -422,7 +422,6 @@ enum XattrOn {
     Symlink,
 }
 
-/// `/proc/self/fd/N` for `fd`.
 /// True if entry `name` of directory `dir` has extended attributes a client may see — not
 /// Kiln's own (`trusted.kiln.*`) nor the brick host's security labels (`security.*`, which
 /// clients may not set) — or if that cannot be told.
@@ -438,6 +437,7 @@ fn has_xattrs(dir: &OwnedFd, name: &str) -> bool {
     }
 }
 
+/// `/proc/self/fd/N` for `fd`.
 fn proc_fd(fd: &OwnedFd) -> String {
     format!("/proc/self/fd/{}", fd.as_raw_fd())
 }

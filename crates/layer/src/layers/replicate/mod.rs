@@ -954,7 +954,12 @@ impl Layer for Replicate {
                 let mut last = errno::ENOTCONN;
                 for k in self.kids.iter().filter(|k| k.up() && !k.joining()) {
                     match k.readdir(cx, path, offset, max).await {
-                        Ok(r) => return Ok(r),
+                        Ok(mut r) => {
+                            // One replica's word on extended attributes is not the volume's:
+                            // heal carries only `user.` ones, and getxattr asks every replica.
+                            r.entries.0.iter_mut().for_each(|e| e.xattrs = true);
+                            return Ok(r);
+                        }
                         Err(e) => last = e,
                     }
                 }

@@ -232,6 +232,13 @@ fn read_into(top: &dyn Layer, fd: &Fd, offset: u64, len: usize) -> Vec<u8> {
     }
 }
 
+/// Begins (or ends) a heal session of kind `begin` on FILE through `mover`, as a migration
+/// does.
+fn session(mover: &Volume, begin: u32) -> Result<(), u32> {
+    let req = kiln_layer::marks::HealReq { begin };
+    block_on(mover.top().heal_session(&Ctx::NONE, FILE, &req)).map(|_| ())
+}
+
 /// (direct reads, stale ones) of the volume's protocol-client.
 fn counts(vol: &Volume) -> (u64, u64) {
     let mut c = None;
@@ -379,10 +386,7 @@ fn a_pinned_file_is_not_moved() {
     assert_eq!(b, [9; 4], "the pinned descriptor reads the file");
 
     let mover = Volume::from_volfile(&volfile(&brick.tcp, false)).unwrap();
-    let begin = |begin| {
-        let req = kiln_layer::marks::HealReq { begin };
-        block_on(mover.top().heal_session(&Ctx::NONE, FILE, &req))
-    };
+    let begin = |begin| session(&mover, begin);
     assert_eq!(
         begin(kiln_layer::marks::SESSION_MIGRATE),
         Err(libc::EBUSY as u32),
@@ -410,10 +414,7 @@ fn a_pin_survives_a_brick_restart() {
     // file again before it tells anyone.
     let other = block_on(local.open(FILE, libc::O_RDONLY)).unwrap();
     let mover = Volume::from_volfile(&volfile(&brick.tcp, false)).unwrap();
-    let begin = |begin| {
-        let req = kiln_layer::marks::HealReq { begin };
-        block_on(mover.top().heal_session(&Ctx::NONE, FILE, &req))
-    };
+    let begin = |begin| session(&mover, begin);
     assert_eq!(
         begin(kiln_layer::marks::SESSION_MIGRATE),
         Err(libc::EBUSY as u32),

@@ -102,6 +102,11 @@ pub struct MountArgs {
     /// Linux 6.9): on, or off to send every read through this process.
     #[arg(long, value_enum, default_value = "on")]
     pub passthrough: Switch,
+    /// Support POSIX ACLs: stored on the bricks, enforced and cached by the kernel. Without
+    /// it the mount has none (getfacl shows the mode, setfacl fails with "Operation not
+    /// supported"), and `ls -l` does not ask for them entry by entry.
+    #[arg(long)]
+    pub acl: bool,
     /// Serve Prometheus `/metrics` on this address (port 0 picks one, logged at start; the
     /// brick learns it, so `kiln volume profile` reaches this mount); "off" disables it.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
@@ -158,6 +163,8 @@ pub struct KilnFs {
     pass: passthrough::Passthrough,
     /// Inodes listed without extended attributes (see [`xattr`]).
     no_xattrs: xattr::NoXattrs,
+    /// POSIX ACLs stored and enforced (`--acl`), or not supported.
+    acl: bool,
 }
 
 impl KilnFs {
@@ -177,6 +184,7 @@ impl KilnFs {
             next_dir: AtomicU64::new(1),
             pass: passthrough::Passthrough::new(mode == Mode::VmImage),
             no_xattrs: xattr::NoXattrs::default(),
+            acl: false,
         })
     }
 
@@ -186,6 +194,13 @@ impl KilnFs {
         if !on {
             self.pass.off("--passthrough off");
         }
+        self
+    }
+
+    /// With `on`, POSIX ACLs are stored on the bricks and enforced by the kernel; without, the
+    /// mount does not support them (see [`xattr`]).
+    pub fn with_acl(mut self, on: bool) -> KilnFs {
+        self.acl = on;
         self
     }
 
@@ -336,6 +351,9 @@ impl fuser::Filesystem for KilnFs {
             caps |= InitFlags::FUSE_WRITEBACK_CACHE
                 | InitFlags::FUSE_DO_READDIRPLUS
                 | InitFlags::FUSE_READDIRPLUS_AUTO;
+        }
+        if self.acl {
+            caps |= InitFlags::FUSE_POSIX_ACL;
         }
         if self.pass.is_on() {
             caps |= InitFlags::FUSE_PASSTHROUGH;

@@ -136,7 +136,8 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     let ttl = Duration::from_secs_f64(args.attr_timeout.max(0.0));
     let fs = KilnFs::new(Arc::new(vol), args.mode, ttl)
         .map_err(|e| format!("cannot read the root of {label}: {e}"))?
-        .with_passthrough(args.passthrough == Switch::On);
+        .with_passthrough(args.passthrough == Switch::On)
+        .with_acl(args.acl);
     let bg = serve_background(fs, &label, &mountpoint, args.threads)?;
     println!(
         "kiln: mounted {} on {} ({:?} mode)",

@@ -3,8 +3,14 @@
 //! `ls -l` asks every entry for two attributes (`security.selinux` and
 //! `system.posix_acl_access`); asked of the brick, that was 72 µs an entry, two thirds of a
 //! cold `ls -lR`. So:
-//! - `security.*`: Kiln refuses to set them (on a brick they are the brick host's security
-//!   labels, which mean nothing to a client); the mount reads and lists none, without asking.
+//! - `security.*`: not supported (on a brick they are the brick host's security labels, which
+//!   mean nothing to a client): reading, setting or removing one is `EOPNOTSUPP`, answered
+//!   without asking, and listings leave them out. `ls` takes the `EOPNOTSUPP` to mean the whole
+//!   file system has no labels and stops asking.
+//! - POSIX ACLs (`system.posix_acl_*`) the same, unless the mount was made with `--acl`: then
+//!   they are stored on the bricks and the kernel enforces and caches them (`FUSE_POSIX_ACL`).
+//!   Off, `ls -l` asks once per mount instead of once per entry, and `setfacl` says "Operation
+//!   not supported", as on a local file system mounted without ACLs.
 //! - An entry that `readdirplus` listed, and whose brick said it has no extended attributes a
 //!   client may see: `getxattr` answers `ENODATA` and `listxattr` an empty list without asking,
 //!   until the attribute timeout counted from when the listing was fetched — the bound the
@@ -97,10 +103,8 @@ impl NoXattrs {
     }
 }
 
-/// Names the mount never shows.
-fn hidden(name: &str) -> bool {
-    name.starts_with("security.")
-}
+/// The ACL attributes' prefix.
+const ACL_PREFIX: &str = "system.posix_acl_";
 
 /// Answers an xattr read of `size` bytes (0: the size) with `data`.
 fn sized(reply: ReplyXattr, data: &[u8], size: u32) {
@@ -114,6 +118,11 @@ fn sized(reply: ReplyXattr, data: &[u8], size: u32) {
 }
 
 impl KilnFs {
+    /// Whether the mount supports attribute `name` (see the module's notes).
+    fn supported(&self, name: &str) -> bool {
+        !(name.starts_with("security.") || (!self.acl && name.starts_with(ACL_PREFIX)))
+    }
+
     pub(crate) fn xattr_set(
         &self,
         req: &Request,
@@ -127,6 +136,9 @@ impl KilnFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
+        if !self.supported(name) {
+            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        }
         self.no_xattrs.forget(ino.0);
         let r = block_on(self.caller(req).setxattr(&path, name, value, flags as u32));
         self.no_xattrs.forget(ino.0);
@@ -148,7 +160,10 @@ impl KilnFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        if hidden(name) || self.no_xattrs.none(ino.0) {
+        if !self.supported(name) {
+            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        }
+        if self.no_xattrs.none(ino.0) {
             return reply.error(Errno::from_i32(libc::ENODATA));
         }
         match block_on(self.caller(req).getxattr(&path, name)) {
@@ -168,7 +183,7 @@ impl KilnFs {
         match block_on(self.caller(req).listxattr(&path)) {
             Ok(names) => {
                 let mut buf = Vec::new();
-                for n in names.iter().filter(|n| !hidden(n)) {
+                for n in names.iter().filter(|n| self.supported(n)) {
                     buf.extend_from_slice(n.as_bytes());
                     buf.push(0);
                 }
@@ -189,6 +204,9 @@ impl KilnFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
+        if !self.supported(name) {
+            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        }
         self.no_xattrs.forget(ino.0);
         let r = block_on(self.caller(req).removexattr(&path, name));
         self.no_xattrs.forget(ino.0);

@@ -27,6 +27,15 @@ impl Mounted {
 
     /// A mount with passthrough on or off and this attribute timeout.
     pub fn with_options(mode: Mode, passthrough: bool, attr_timeout: Duration) -> Mounted {
+        Mounted::start(mode, passthrough, attr_timeout, false)
+    }
+
+    /// A general-mode mount with POSIX ACLs on (`kiln mount --acl`).
+    pub fn with_acl() -> Mounted {
+        Mounted::start(Mode::General, true, Duration::from_secs(1), true)
+    }
+
+    fn start(mode: Mode, passthrough: bool, attr_timeout: Duration, acl: bool) -> Mounted {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir(dir.path().join("brick")).expect("brick");
         std::fs::create_dir(dir.path().join("mnt")).expect("mnt");
@@ -38,7 +47,8 @@ impl Mounted {
         let vol = Volume::connect(&format!("unix:{}", sock.display())).expect("connect");
         let fs = kiln_fuse::KilnFs::new(Arc::new(vol), mode, attr_timeout)
             .expect("the volume's root")
-            .with_passthrough(passthrough);
+            .with_passthrough(passthrough)
+            .with_acl(acl);
         let session = kiln_fuse::serve_background(fs, "test:/vol", &dir.path().join("mnt"), 4)
             .expect("mount");
         Mounted {

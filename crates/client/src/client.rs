@@ -484,6 +484,7 @@ impl Client {
                 &OpenReq {
                     path: wire_path(path),
                     flags: flags as u32,
+                    peek: 0,
                 },
             )
             .await?;

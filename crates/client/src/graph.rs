@@ -453,6 +453,31 @@ macro_rules! switch_layer {
                     h.gen.top.pin_local(cx, inner(&h)).await
                 })
             }
+            fn open_small<'a>(
+                &'a self,
+                cx: &'a Ctx,
+                path: &'a str,
+                flags: u32,
+                max: u32,
+            ) -> Fut<'a, kiln_layer::Opened> {
+                Box::pin(async move {
+                    let (g, o) = self
+                        .past_moves(|| {
+                            Box::pin(async move {
+                                let g = self.current();
+                                let o = g.top.open_small(cx, path, flags, max).await?;
+                                Ok((g, o))
+                            })
+                        })
+                        .await?;
+                    Ok(match o {
+                        kiln_layer::Opened::Fd(fd) => {
+                            kiln_layer::Opened::Fd(self.wrap(cx, g, fd, path, flags, false))
+                        }
+                        whole => whole,
+                    })
+                })
+            }
             $( switch_one!($name, ($($arg : $ty),*), $ret); )*
         }
     };

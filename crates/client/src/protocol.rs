@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use kiln_layer::timer::Signal;
 use kiln_layer::{
-    errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, ReadDst, ReadOut, ReaddirReply,
-    Written,
+    errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, Opened, ReadDst, ReadOut,
+    ReaddirReply, Written,
 };
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::iov::RawIov;
@@ -153,6 +153,9 @@ macro_rules! try_fut {
         }
     };
 }
+
+// After `try_fut!`, which it uses.
+mod open;
 
 /// The payload and sink vectors of a request of `shape` whose memory `keep` holds.
 fn vectors(shape: Shape, keep: &Keep) -> (Vec<RawIov>, Vec<RawIov>) {
@@ -434,6 +437,7 @@ impl ProtocolClient {
         let req = OpenReq {
             path: fd.path.clone(),
             flags: fd.flags,
+            peek: 0,
         };
         let r: OpenReply = Box::pin(self.call(&cx, Op::Open, &req)).await?;
         *fd.at.lock().unwrap_or_else(|e| e.into_inner()) = (r.fh, gen);
@@ -594,33 +598,6 @@ impl ProtocolClient {
                 errno::EPROTO
             })
         })
-    }
-
-    /// A handle for `p` as OPEN, HEAL_OPEN or CREATE answered with `fh`.
-    fn handle(&self, cx: &Ctx, op: Op, p: &str, flags: u32, fh: u64, gen: u64) -> Fd {
-        Fd::new(Arc::new(RemoteFd {
-            path: p.to_owned(),
-            flags: flags & !((libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) as u32),
-            heal: op == Op::HealOpen,
-            cred: cx.cred.clone(),
-            at: Mutex::new((fh, gen)),
-            direct: HandleGrant::default(),
-            pinned: AtomicU64::new(0),
-            released: AtomicBool::new(false),
-        }))
-    }
-
-    /// OPEN or HEAL_OPEN.
-    fn open_as<'a>(&'a self, cx: &'a Ctx, op: Op, p: &'a str, flags: u32) -> Fut<'a, Fd> {
-        let req = OpenReq {
-            path: try_fut!(path(p)),
-            flags,
-        };
-        // Read before sending: a reconnect in between makes the handle look stale (safe: it
-        // is reopened), never a stale handle look current.
-        let gen = self.gen();
-        let f = self.call::<OpenReply>(cx, op, &req);
-        Box::pin(async move { Ok(self.handle(cx, op, &req.path, flags, f.await?.fh, gen)) })
     }
 
     /// A read through the brick.
@@ -852,6 +829,10 @@ impl Layer for ProtocolClient {
 
     fn heal_open<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32) -> Fut<'a, Fd> {
         self.open_as(cx, Op::HealOpen, p, flags)
+    }
+
+    fn open_small<'a>(&'a self, cx: &'a Ctx, p: &'a str, flags: u32, max: u32) -> Fut<'a, Opened> {
+        self.open_whole(cx, p, flags, max)
     }
 
     kiln_layer::for_each_control_fop!(control_methods);

@@ -20,7 +20,8 @@ use std::time::Duration;
 pub use kiln_layer as layer;
 pub use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_layer::{
-    exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, RawIov, ReadDst, ReadOut, SetAttrs, StatfsReply,
+    exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, Opened, RawIov, ReadDst, ReadOut, SetAttrs,
+    StatfsReply,
 };
 use kiln_proto::ops::DirEntry;
 use kiln_proto::Cred;
@@ -263,6 +264,20 @@ impl Volume {
     pub async fn open(&self, path: &str, flags: i32) -> io::Result<Fd> {
         let cx = self.ctx();
         let r = self.stack.top.open(&cx, path, flags as u32).await;
+        Volume::finish(&cx);
+        r.map_err(errno_error)
+    }
+
+    /// Opens an existing file; a read-only open of a file smaller than `max` bytes may give
+    /// its whole content instead, in the same round trip, with nothing to close (see
+    /// [`Opened`]).
+    pub async fn open_small(&self, path: &str, flags: i32, max: u32) -> io::Result<Opened> {
+        let cx = self.ctx();
+        let r = self
+            .stack
+            .top
+            .open_small(&cx, path, flags as u32, max)
+            .await;
         Volume::finish(&cx);
         r.map_err(errno_error)
     }

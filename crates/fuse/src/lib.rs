@@ -21,6 +21,7 @@
 mod bufs;
 mod callers;
 mod convert;
+mod files;
 pub mod inodes;
 mod mount;
 mod passthrough;
@@ -44,7 +45,7 @@ use fuser::{
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
 use kiln_client::volume::Source;
-use kiln_client::{block_on, Attr, DirEntry, Fd, RawIov, SetAttrs, Volume};
+use kiln_client::{block_on, Attr, DirEntry, Fd, Opened, RawIov, SetAttrs, Volume};
 use kiln_proto::ops::*;
 
 use crate::bufs::BufPool;
@@ -53,6 +54,10 @@ use crate::inodes::{join, Inodes, ROOT};
 
 /// Largest read or write the kernel sends in one request.
 pub const MAX_IO: u32 = 1 << 20;
+
+/// Default of `--small-file-max`: most files of a source tree or a documentation tree are
+/// smaller (`/usr/include` and `/usr/share/doc` here: 12,239 files, 21 KB on average).
+pub const SMALL_FILE_MAX: u32 = 64 << 10;
 
 /// Caching mode of a mount.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -102,6 +107,11 @@ pub struct MountArgs {
     /// Linux 6.9): on, or off to send every read through this process.
     #[arg(long, value_enum, default_value = "on")]
     pub passthrough: Switch,
+    /// In general mode, a read-only open of a file smaller than this many bytes fetches the
+    /// whole file with the open, in one round trip to the brick, and later reads of that
+    /// handle need none (close-to-open: the file as it was when opened). 0 turns it off.
+    #[arg(long, value_name = "BYTES", default_value_t = SMALL_FILE_MAX)]
+    pub small_file_max: u32,
     /// Support POSIX ACLs: stored on the bricks, enforced and cached by the kernel. Without
     /// it the mount has none (getfacl shows the mode, setfacl fails with "Operation not
     /// supported"), and `ls -l` does not ask for them entry by entry.
@@ -136,14 +146,6 @@ struct DirSnapshot {
     seen: xattr::Seen,
 }
 
-/// An open file: the stack's handle and the FUSE inode it was opened as.
-struct OpenFile {
-    ino: u64,
-    fd: Fd,
-    /// Opened with the inode's backing file ([`passthrough`]).
-    backed: bool,
-}
-
 /// The FUSE file system.
 pub struct KilnFs {
     bufs: Arc<BufPool>,
@@ -151,9 +153,10 @@ pub struct KilnFs {
     vol: Arc<Volume>,
     /// Recent callers' credentials (name and metadata fops act as the caller on the bricks).
     callers: callers::Callers,
-    /// The stack's handle of each open file, by the FUSE file handle.
-    files: Mutex<HashMap<u64, OpenFile>>,
-    next_file: AtomicU64,
+    /// What each FUSE file handle holds.
+    files: files::Files,
+    /// Read-only opens of files smaller than this fetch them whole (see [`files`]); 0: never.
+    small_max: u32,
     mode: Mode,
     ttl: Duration,
     inodes: Mutex<Inodes>,
@@ -175,8 +178,12 @@ impl KilnFs {
             bufs: Arc::default(),
             vol,
             callers: callers::Callers::default(),
-            files: Mutex::new(HashMap::new()),
-            next_file: AtomicU64::new(1),
+            files: files::Files::default(),
+            small_max: if mode == Mode::General {
+                SMALL_FILE_MAX
+            } else {
+                0
+            },
             mode,
             ttl: attr_timeout,
             inodes: Mutex::new(Inodes::new(root.ino)),
@@ -201,6 +208,15 @@ impl KilnFs {
     /// mount does not support them (see [`xattr`]).
     pub fn with_acl(mut self, on: bool) -> KilnFs {
         self.acl = on;
+        self
+    }
+
+    /// Read-only opens (general mode) of files smaller than `max` bytes fetch them whole with
+    /// the open (see [`files`]); 0 turns that off.
+    pub fn with_small_file_max(mut self, max: u32) -> KilnFs {
+        if self.mode == Mode::General {
+            self.small_max = max.min(MAX_IO);
+        }
         self
     }
 
@@ -276,37 +292,13 @@ impl KilnFs {
 
     /// Gives file `ino`, open as `fd`, a FUSE file handle.
     fn register_open(&self, ino: u64, fd: Fd) -> u64 {
-        let id = self.next_file.fetch_add(1, Ordering::Relaxed);
-        self.files.lock().unwrap_or_else(|e| e.into_inner()).insert(
-            id,
-            OpenFile {
-                ino,
-                fd,
-                backed: false,
-            },
-        );
-        id
-    }
-
-    /// The stack's handle for a FUSE file handle.
-    fn fd(&self, fh: FileHandle) -> Result<Fd, Errno> {
-        self.files
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&fh.0)
-            .map(|f| f.fd.clone())
-            .ok_or(Errno::EBADF)
+        self.files.add(ino, files::Held::Fd(fd))
     }
 
     /// A handle of some open file of inode `ino`: `fstat` on an open file whose names are all
     /// gone reaches us without a handle (the kernel asks by inode).
     fn any_open(&self, ino: u64) -> Option<Fd> {
-        self.files
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .find(|f| f.ino == ino)
-            .map(|f| f.fd.clone())
+        self.files.any_fd(ino)
     }
 
     /// unlink or rmdir `name`, and forget the path.
@@ -318,6 +310,7 @@ impl KilnFs {
         let r = if dir {
             block_on(self.caller(req).rmdir(&path))
         } else {
+            self.keep_whole_files_open(req, &path);
             block_on(self.caller(req).unlink(&path))
         };
         match r {
@@ -387,10 +380,12 @@ impl fuser::Filesystem for KilnFs {
 
     fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let r = match fh {
-            Some(fh) if ino.0 != ROOT => match self.fd(fh) {
-                Ok(f) => block_on(self.caller(req).fstat(&f)),
-                Err(e) => return reply.error(e),
-            },
+            Some(fh) if ino.0 != ROOT && !matches!(self.open_fd(fh), Ok(None)) => {
+                match self.fd(fh) {
+                    Ok(f) => block_on(self.caller(req).fstat(&f)),
+                    Err(e) => return reply.error(e),
+                }
+            }
             // By path; the open file only when no name leads to it any more (all its names
             // gone, or the name now another file's): the list of open files is not walked
             // on every stat.
@@ -450,6 +445,7 @@ impl fuser::Filesystem for KilnFs {
         if let Some(s) = size {
             set.valid |= SETATTR_SIZE;
             set.size = s;
+            self.files.changed(ino.0);
         }
         if let Some(t) = atime {
             let (t, now) = wire_time(t);
@@ -579,6 +575,7 @@ impl fuser::Filesystem for KilnFs {
             (Ok(f), Ok(t)) => (f, t),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
+        self.keep_whole_files_open(req, &to);
         match block_on(self.caller(req).rename(&from, &to, flags.bits())) {
             Ok(()) => {
                 self.table().renamed(&from, &to);
@@ -612,17 +609,22 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let flags = self.open_flags(flags.0);
-        match block_on(self.caller(req).open(&path, flags)) {
-            Ok(fd) => {
+        let small = self.small_max > 0 && flags & (libc::O_ACCMODE | libc::O_TRUNC) == 0;
+        let opened = if small {
+            block_on(self.caller(req).open_small(&path, flags, self.small_max))
+        } else {
+            block_on(self.caller(req).open(&path, flags)).map(Opened::Fd)
+        };
+        match opened {
+            Ok(Opened::Whole(data)) => {
+                let fh = self.files.add(ino.0, files::Held::whole(data));
+                reply.opened(FileHandle(fh), self.fopen_flags())
+            }
+            Ok(Opened::Fd(fd)) => {
                 let fh = FileHandle(self.register_open(ino.0, fd.clone()));
                 let at = (ino.0, path.as_str(), flags, &fd);
                 // Marked before the answer goes: its release may come at once.
-                let backed = || {
-                    let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-                    if let Some(f) = files.get_mut(&fh.0) {
-                        f.backed = true;
-                    }
-                };
+                let backed = || self.files.mark_backed(fh.0);
                 self.pass
                     .open(&self.vol, at, fh, self.fopen_flags(), reply, backed);
             }
@@ -673,11 +675,14 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
+        let size = size.min(MAX_IO) as usize;
+        let Some(reply) = self.read_whole(fh, offset, size, reply) else {
+            return;
+        };
         let fd = match self.fd(fh) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        let size = size.min(MAX_IO) as usize;
         let mut buf = self.bufs.get(size);
         let iov = [RawIov {
             base: buf.as_mut_ptr() as usize,
@@ -705,7 +710,7 @@ impl fuser::Filesystem for KilnFs {
     fn write(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -716,6 +721,7 @@ impl fuser::Filesystem for KilnFs {
     ) {
         // Sent straight from the kernel's request buffer; this FUSE thread waits for the
         // stack (others keep serving).
+        self.files.changed(ino.0);
         let fd = match self.fd(fh) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
@@ -737,8 +743,10 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: fuser::LockOwner,
         reply: ReplyEmpty,
     ) {
-        // Writes are acknowledged by the brick before they are acknowledged to the kernel.
-        reply.ok()
+        // Writes are acknowledged by the brick before they are acknowledged to the kernel,
+        // so a close has nothing to send here: ENOSYS tells the kernel to stop asking (it
+        // still writes back its cached pages first), one crossing less per close.
+        reply.error(Errno::ENOSYS)
     }
 
     fn release(
@@ -751,13 +759,12 @@ impl fuser::Filesystem for KilnFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(OpenFile { fd, ino, backed }) = self
-            .files
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&fh.0)
-        else {
+        let Some(files::OpenFile { held, ino, backed }) = self.files.remove(fh.0) else {
             return reply.error(Errno::EBADF);
+        };
+        let files::Held::Fd(fd) = held else {
+            // Nothing open on the brick.
+            return reply.ok();
         };
         if backed {
             self.pass.released(&self.vol, ino);
@@ -957,13 +964,14 @@ impl fuser::Filesystem for KilnFs {
     fn fallocate(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         length: u64,
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        self.files.changed(ino.0);
         let f = match self.fd(fh) {
             Ok(f) => f,
             Err(e) => return reply.error(e),

@@ -137,7 +137,8 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     let fs = KilnFs::new(Arc::new(vol), args.mode, ttl)
         .map_err(|e| format!("cannot read the root of {label}: {e}"))?
         .with_passthrough(args.passthrough == Switch::On)
-        .with_acl(args.acl);
+        .with_acl(args.acl)
+        .with_small_file_max(args.small_file_max);
     let bg = serve_background(fs, &label, &mountpoint, args.threads)?;
     println!(
         "kiln: mounted {} on {} ({:?} mode)",

@@ -1,7 +1,8 @@
 //! The Volumes issue's "distribute over 4 bricks" check, through a FUSE mount: 10,000 files
 //! created with plain `std::fs` calls on a mounted distribute volume land on every brick (none
 //! above 35%), each on exactly one brick and on the one its name hashes to, and a second,
-//! cold mount finds every one by lookup and lists every name exactly once.
+//! cold mount finds every one by lookup, reads each small file with its open alone (no READ
+//! anywhere), and lists every name exactly once.
 //!
 //! The graphs are the ones the management daemon makes: each brick runs
 //! `mgmt::brick_volfile` (io-stats → marks → dispatch → posix) through kilnd's own entry point
@@ -180,6 +181,31 @@ fn files_on_brick(brick: &Path) -> Vec<String> {
     out
 }
 
+/// Calls of fop `op` counted by this process's io-stats points whose name `pick` accepts.
+fn calls(pick: impl Fn(&str) -> bool, op: &str) -> u64 {
+    let mut n = 0;
+    for p in kiln_client::volume::layer::iostats::points() {
+        if pick(p.name()) {
+            p.for_each_fop(|name, calls, _, _, _| {
+                if name == op {
+                    n += calls;
+                }
+            });
+        }
+    }
+    n
+}
+
+/// The mount's (the client stack's io-stats is named after the volume).
+fn client_calls(op: &str) -> u64 {
+    calls(|name| name == VOLUME, op)
+}
+
+/// The bricks' (`VOLUME-brick-N`).
+fn brick_calls(op: &str) -> u64 {
+    calls(|name| name.starts_with(&format!("{VOLUME}-brick-")), op)
+}
+
 /// Every name of a directory through the mount, in readdir order.
 fn list(dir: &Path) -> Vec<String> {
     std::fs::read_dir(dir)
@@ -345,6 +371,7 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
     }
     let looked_up = t.elapsed();
     let t = Instant::now();
+    let (reads, bricks_read) = (client_calls("read"), brick_calls("read"));
     for i in (0..TOTAL).step_by(20) {
         let p = m.path(&rel(i));
         let got =
@@ -352,6 +379,14 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
         assert_eq!(got, content(i), "content of {}", p.display());
     }
     let read = t.elapsed();
+    // Each file came whole with its open, from the brick distribute routed the open to,
+    // which read it once.
+    assert_eq!(client_calls("read"), reads, "small files need no READ");
+    assert_eq!(
+        brick_calls("read"),
+        bricks_read + (TOTAL / 20) as u64,
+        "one read of each file on the brick that holds it"
+    );
 
     // readdir lists every name exactly once.
     let t = Instant::now();

@@ -127,6 +127,7 @@ fn dotdot_absolute_and_symlink_escapes_are_refused() {
             &OpenReq {
                 path: (*p).into(),
                 flags: 0,
+                peek: 0,
             }
             .to_wire(),
         );

@@ -452,6 +452,24 @@ macro_rules! declare_layer {
                 }
             }
 
+            /// OPEN, and for a read-only open of a file smaller than `max` bytes the file's
+            /// whole content instead of a handle, in the same round trip (`O_RDONLY` opens
+            /// only; `max` at most [`kiln_proto::MAX_PAYLOAD_LEN`]). A layer may always answer
+            /// with a handle: the default is this layer's own [`Layer::open`]. Layers that
+            /// route an open to one child pass it on; those that open on several (replicas,
+            /// shards) keep the default.
+            fn open_small<'a>(
+                &'a self,
+                cx: &'a Ctx,
+                path: &'a str,
+                flags: u32,
+                max: u32,
+            ) -> Fut<'a, Opened> {
+                let _ = max;
+                let f = self.open(cx, path, flags);
+                Box::pin(async move { f.await.map(Opened::Fd) })
+            }
+
             /// A read-only descriptor of the brick file behind a handle this layer opened, for
             /// a reader on the brick's host to read with no further check (FUSE passthrough).
             /// Given only where nothing can make such reads differ from reads through the
@@ -510,6 +528,24 @@ pub trait FopOutput {
 impl FopOutput for ReadOut {
     fn data_bytes(&self) -> usize {
         self.len()
+    }
+}
+
+/// What [`Layer::open_small`] gives: a handle, or a small file's whole content with nothing
+/// left open.
+pub enum Opened {
+    /// The file is open.
+    Fd(Fd),
+    /// The file's content as of the open, all of it; no handle to release.
+    Whole(Vec<u8>),
+}
+
+impl FopOutput for Opened {
+    fn data_bytes(&self) -> usize {
+        match self {
+            Opened::Fd(_) => 0,
+            Opened::Whole(v) => v.len(),
+        }
     }
 }
 
@@ -583,6 +619,21 @@ macro_rules! __interpose_impl {
             }
             fn as_any(&self) -> Option<&dyn std::any::Any> {
                 $crate::Interpose::as_any(self)
+            }
+            fn open_small<'a>(
+                &'a self,
+                cx: &'a $crate::Ctx,
+                path: &'a str,
+                flags: u32,
+                max: u32,
+            ) -> $crate::Fut<'a, $crate::Opened> {
+                let child = &$crate::Interpose::children(self)[0];
+                $crate::Interpose::around(
+                    self,
+                    cx,
+                    $crate::Op::Open,
+                    Box::new(move || child.open_small(cx, path, flags, max)),
+                )
             }
             $(
                 fn $name<'a>(&'a self, cx: &'a $crate::Ctx, $($arg: $ty),*) -> $crate::Fut<'a, $ret> {

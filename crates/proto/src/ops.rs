@@ -247,9 +247,13 @@ wire_struct! {
     /// Fsetattr request: change `attrs` of an open handle (works after unlink).
     pub struct FsetattrReq { pub fh: u64, pub attrs: SetAttrs }
 
-    /// Open request; `flags` are Linux `O_*` flags (the server filters them).
-    pub struct OpenReq { pub path: String, pub flags: u32 }
-    /// Open reply.
+    /// Open request; `flags` are Linux `O_*` flags (the server filters them). With `peek`
+    /// above 0 (OPEN only, read-only opens of regular files): when the file holds
+    /// `peek` bytes or fewer, the reply carries them all as
+    /// its payload, `fh` is 0 and nothing stays open on the brick — a small file read in one
+    /// round trip, and no release to send.
+    pub struct OpenReq { pub path: String, pub flags: u32, pub peek: u32 }
+    /// Open reply: the handle, or 0 when the payload is the whole file (see [`OpenReq`]).
     pub struct OpenReply { pub fh: u64 }
     /// Create request.
     pub struct CreateReq { pub path: String, pub flags: u32, pub mode: u32 }

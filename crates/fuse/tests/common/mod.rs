@@ -35,7 +35,28 @@ impl Mounted {
         Mounted::start(Mode::General, true, Duration::from_secs(1), true)
     }
 
+    /// A general-mode mount with this `--small-file-max`.
+    pub fn with_small_file_max(max: u32) -> Mounted {
+        Mounted::start_with(
+            Mode::General,
+            true,
+            Duration::from_secs(1),
+            false,
+            Some(max),
+        )
+    }
+
     fn start(mode: Mode, passthrough: bool, attr_timeout: Duration, acl: bool) -> Mounted {
+        Mounted::start_with(mode, passthrough, attr_timeout, acl, None)
+    }
+
+    fn start_with(
+        mode: Mode,
+        passthrough: bool,
+        attr_timeout: Duration,
+        acl: bool,
+        small_file_max: Option<u32>,
+    ) -> Mounted {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir(dir.path().join("brick")).expect("brick");
         std::fs::create_dir(dir.path().join("mnt")).expect("mnt");
@@ -49,6 +70,10 @@ impl Mounted {
             .expect("the volume's root")
             .with_passthrough(passthrough)
             .with_acl(acl);
+        let fs = match small_file_max {
+            Some(max) => fs.with_small_file_max(max),
+            None => fs,
+        };
         let session = kiln_fuse::serve_background(fs, "test:/vol", &dir.path().join("mnt"), 4)
             .expect("mount");
         Mounted {

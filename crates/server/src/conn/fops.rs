@@ -39,10 +39,7 @@ impl Conn {
             Op::Mgmt => self.mgmt(args),
             Op::Grant => self.grant(args, &cx),
             Op::LocalRead => Err(Fail::Errno(errno::ENOSYS)),
-            Op::Open => {
-                let req = OpenReq::from_wire(args)?;
-                stack!(Ok(Done::Open(stack.open(&cx, &req.path, req.flags).await?)))
-            }
+            Op::Open => self.open(stack, args, cx),
             Op::Create => {
                 let req = CreateReq::from_wire(args)?;
                 stack!({
@@ -107,6 +104,28 @@ impl Conn {
                 )))
             }
         }
+    }
+
+    /// OPEN; with `peek`, a small file's whole content instead of a handle (see [`OpenReq`]):
+    /// open, fstat, one read and close on the brick, one reply. Where the file is not small,
+    /// or reading it fails, the reply is the handle, as for a plain OPEN.
+    fn open(&self, stack: LayerRef, args: &[u8], cx: Ctx) -> Result<Step, Fail> {
+        let req = OpenReq::from_wire(args)?;
+        let peek = req.peek.min(kiln_proto::MAX_PAYLOAD_LEN);
+        let read_only = req.flags & libc::O_ACCMODE as u32 == libc::O_RDONLY as u32;
+        let stats = self.stats.clone();
+        Ok(Step::Stack(Box::pin(async move {
+            let fd = stack.open(&cx, &req.path, req.flags).await?;
+            if peek == 0 || !read_only {
+                return Ok(Done::Open(fd));
+            }
+            let Some(body) = whole(&stack, &cx, &fd, peek).await else {
+                return Ok(Done::Open(fd));
+            };
+            stack.release(&cx, fd).await?;
+            stats.add_read(body.len());
+            Ok(Done::Reply(OpenReply { fh: 0 }.to_wire(), body))
+        })))
     }
 
     /// READ: the data comes back as a buffer or as a file region the reply sends with
@@ -387,3 +406,20 @@ macro_rules! path_fn {
     };
 }
 kiln_layer::for_each_path_fop!(path_fn);
+
+/// The whole of open regular file `fd` if it holds at most `max` bytes; None if it is larger,
+/// not a regular file, grew while being read, or could not be read.
+async fn whole(stack: &LayerRef, cx: &Ctx, fd: &kiln_layer::Fd, max: u32) -> Option<Body> {
+    let a = stack.fstat(cx, fd).await.ok()?;
+    if a.mode & libc::S_IFMT != libc::S_IFREG || a.size > max as u64 {
+        return None;
+    }
+    // A byte more than the file holds: getting it means the file grew meanwhile.
+    let want = (a.size + 1).min(kiln_proto::MAX_PAYLOAD_LEN as u64) as u32;
+    let body = match stack.read(cx, fd, 0, ReadDst::Any(want)).await.ok()? {
+        ReadOut::Buf(b) => Body::Buf(b),
+        ReadOut::File { file, offset, len } => Body::File { file, offset, len },
+        ReadOut::Into { .. } => return None,
+    };
+    (body.len() as u64 <= a.size).then_some(body)
+}

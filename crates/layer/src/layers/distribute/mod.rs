@@ -90,8 +90,8 @@ use std::sync::Mutex;
 use std::task::Poll;
 
 use crate::{
-    Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, ReaddirReply,
-    SetAttrs, StatfsReply, Written,
+    Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, Opened, ReadDst, ReadOut,
+    ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
 mod layout;
@@ -787,6 +787,27 @@ impl Layer for Distribute {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(self.do_open(cx, path, flags))
+    }
+
+    fn open_small<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        max: u32,
+    ) -> Fut<'a, Opened> {
+        if flags & O_CREAT != 0 {
+            return Box::pin(async move { self.do_open(cx, path, flags).await.map(Opened::Fd) });
+        }
+        Box::pin(async move {
+            let (kid, o) = self
+                .on_file(cx, path, |k| k.open_small(cx, path, flags, max))
+                .await?;
+            Ok(match o {
+                Opened::Fd(fd) => Opened::Fd(Fd::new(DistFd { kid, fd })),
+                whole => whole,
+            })
+        })
     }
 
     fn create<'a>(

@@ -1,0 +1,126 @@
+//! Small files opened read-only in general mode come whole with the open
+//! (`crates/fuse/src/files.rs`): one OPEN on the brick and no READ or RELEASE; bigger files are
+//! opened and read as before; a write through the mount makes a whole-file handle read the
+//! brick again; and closing a file sends the brick nothing.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::time::{Duration, Instant};
+
+use common::Mounted;
+use kiln_fuse::Mode;
+use kiln_proto::Op;
+
+fn counts(m: &Mounted) -> [u64; 3] {
+    [Op::Open, Op::Read, Op::Release].map(|op| m.stats.calls(op))
+}
+
+/// Waits (bounded) until the brick has seen `n` releases: the kernel sends RELEASE after
+/// `close` returns.
+fn releases_reach(m: &Mounted, n: u64) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while m.stats.calls(Op::Release) < n {
+        assert!(Instant::now() < end, "no release reached the brick");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn a_small_file_is_read_with_its_open() {
+    let m = Mounted::new(Mode::General);
+    let small: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    let big: Vec<u8> = (0..300_000u32).map(|i| (i * 13) as u8).collect();
+    std::fs::write(m.path("small"), &small).unwrap();
+    std::fs::write(m.path("big"), &big).unwrap();
+    std::fs::write(m.path("empty"), b"").unwrap();
+    releases_reach(&m, 3);
+
+    let [open0, read0, rel0] = counts(&m);
+    // Opening drops the kernel's cached pages (no keep-cache), so the data comes from the mount.
+    assert_eq!(std::fs::read(m.path("small")).unwrap(), small);
+    assert_eq!(std::fs::read(m.path("empty")).unwrap(), b"");
+    let [open1, read1, _] = counts(&m);
+    assert_eq!(open1, open0 + 2, "one OPEN each");
+    assert_eq!(read1, read0, "no READ: the content came with the open");
+
+    assert_eq!(std::fs::read(m.path("big")).unwrap(), big);
+    let [open2, read2, _] = counts(&m);
+    assert_eq!(open2, open1 + 1);
+    assert!(
+        read2 > read1,
+        "a file over the limit is read from the brick"
+    );
+    // Only the big file had anything open on the brick.
+    releases_reach(&m, rel0 + 1);
+    let [_, _, rel2] = counts(&m);
+    assert_eq!(rel2, rel0 + 1, "small files leave nothing to release");
+}
+
+#[test]
+fn a_write_through_the_mount_reaches_a_whole_file_handle() {
+    let m = Mounted::new(Mode::General);
+    std::fs::write(m.path("f"), b"old content").unwrap();
+    // O_DIRECT so that every read reaches the mount, not the kernel's page cache.
+    let reader = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(m.path("f"))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let reads = m.stats.calls(Op::Read);
+    let n = reader.read_at(&mut buf, 0).unwrap();
+    assert_eq!(&buf[..n], b"old content");
+    assert_eq!(
+        m.stats.calls(Op::Read),
+        reads,
+        "served from the open's content"
+    );
+
+    let writer = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(m.path("f"))
+        .unwrap();
+    writer.write_all_at(b"NEW", 0).unwrap();
+    let n = reader.read_at(&mut buf, 0).unwrap();
+    assert_eq!(
+        &buf[..n],
+        b"NEW content",
+        "the reader sees this mount's write"
+    );
+    assert!(
+        m.stats.calls(Op::Read) > reads,
+        "read from the brick once stale"
+    );
+}
+
+#[test]
+fn the_limit_can_be_turned_off() {
+    let m = Mounted::with_small_file_max(0);
+    std::fs::write(m.path("f"), b"tiny").unwrap();
+    let reads = m.stats.calls(Op::Read);
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), b"tiny");
+    assert!(m.stats.calls(Op::Read) > reads, "read from the brick");
+}
+
+#[test]
+fn an_open_small_file_outlives_its_name() {
+    // No attribute caching: every fstat reaches the mount.
+    let m = Mounted::with_options(Mode::General, true, Duration::ZERO);
+    std::fs::write(m.path("f"), b"still here").unwrap();
+    std::fs::write(m.path("g"), b"replaced").unwrap();
+    let f = std::fs::File::open(m.path("f")).unwrap();
+    let g = std::fs::File::open(m.path("g")).unwrap();
+    std::fs::remove_file(m.path("f")).unwrap();
+    std::fs::write(m.path("h"), b"a newer one").unwrap();
+    std::fs::rename(m.path("h"), m.path("g")).unwrap();
+    assert_eq!(f.metadata().expect("fstat after unlink").len(), 10);
+    assert_eq!(g.metadata().expect("fstat after rename over it").len(), 8);
+    let mut buf = [0u8; 32];
+    let n = f.read_at(&mut buf, 0).unwrap();
+    assert_eq!(&buf[..n], b"still here");
+    let n = g.read_at(&mut buf, 0).unwrap();
+    assert_eq!(&buf[..n], b"replaced");
+}

@@ -268,7 +268,7 @@ impl Volume {
         r.map_err(errno_error)
     }
 
-    /// Opens an existing file; a read-only open of a file smaller than `max` bytes may give
+    /// Opens an existing file; a read-only open of a file of at most `max` bytes may give
     /// its whole content instead, in the same round trip, with nothing to close (see
     /// [`Opened`]).
     pub async fn open_small(&self, path: &str, flags: i32, max: u32) -> io::Result<Opened> {

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use fuser::{Errno, FileHandle, ReplyData};
-use kiln_client::{block_on, Fd};
+use kiln_client::{block_on, Fd, Volume};
 
 use crate::convert::errno;
 use crate::KilnFs;
@@ -31,8 +31,21 @@ pub(crate) enum Held {
 /// A small file's content as of its open.
 pub(crate) struct Whole {
     data: Vec<u8>,
-    /// Written, truncated or allocated through this mount since.
+    /// Written, truncated or allocated through this mount since, or opened again (the newer
+    /// open's content is the one the shared page cache may hold).
     stale: AtomicBool,
+    /// The opener: a reopen acts as the opener.
+    caller: Volume,
+}
+
+/// What [`Files::set_fd`] did.
+pub(crate) enum SetFd {
+    /// The handle holds the new `Fd` now.
+    Stored,
+    /// Another reopen won: the handle holds this one.
+    Already(Fd),
+    /// The handle was released meanwhile.
+    Gone,
 }
 
 /// An open file: what it holds and the FUSE inode it was opened as.
@@ -50,6 +63,9 @@ pub(crate) struct Files {
     last: AtomicU64,
     /// How many hold a whole file: writes skip looking for them when there are none.
     wholes: AtomicUsize,
+    /// Bumped as each change through this mount (write, truncate, fallocate) begins and
+    /// ends: an open that saw it move may have read the file mid-change.
+    changes: AtomicU64,
 }
 
 impl Files {
@@ -86,17 +102,45 @@ impl Files {
         Some(f)
     }
 
-    /// Handle `fh` reads through the brick's file now; false when it is already released.
-    pub fn set_fd(&self, fh: u64, fd: Fd) -> bool {
+    /// Handle `fh` reads through the brick's file `fd` now (unless it already does).
+    pub fn set_fd(&self, fh: u64, fd: Fd) -> SetFd {
         let mut m = self.map();
         let Some(f) = m.get_mut(&fh) else {
-            return false;
+            return SetFd::Gone;
         };
-        if matches!(f.held, Held::Whole(_)) {
-            self.wholes.fetch_sub(1, Ordering::Relaxed);
+        if let Held::Fd(other) = &f.held {
+            return SetFd::Already(other.clone());
         }
+        self.wholes.fetch_sub(1, Ordering::Relaxed);
         f.held = Held::Fd(fd);
-        true
+        SetFd::Stored
+    }
+
+    /// The change count, read before an open (see [`Files::add_whole`]).
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
+    }
+
+    /// A change through this mount of inode `ino` begins: whole files held of it are stale.
+    pub fn changing(&self, ino: u64) {
+        self.changes.fetch_add(1, Ordering::AcqRel);
+        self.changed(ino);
+    }
+
+    /// That change is done.
+    pub fn changed_done(&self) {
+        self.changes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A new file handle for inode `ino` holding a whole file read by an open that began
+    /// when the change count was `seen`: stale from the start if a change ran meanwhile.
+    /// Older whole files of the inode become stale (this open's content is the newer).
+    pub fn add_whole(&self, ino: u64, whole: Whole, seen: u64) -> u64 {
+        self.changed(ino);
+        if self.changes() != seen {
+            whole.stale.store(true, Ordering::Relaxed);
+        }
+        self.add(ino, Held::Whole(Arc::new(whole)))
     }
 
     /// Handle `fh`'s reads go to the brick's file.
@@ -126,7 +170,7 @@ impl Files {
             .collect()
     }
 
-    /// Inode `ino` changes through this mount: whole files held of it are stale.
+    /// Whole files held of inode `ino` are stale.
     pub fn changed(&self, ino: u64) {
         if self.wholes.load(Ordering::Relaxed) == 0 {
             return;
@@ -141,14 +185,15 @@ impl Files {
     }
 }
 
-impl Held {
-    /// A whole file's content.
-    pub fn whole(mut data: Vec<u8>) -> Held {
+impl Whole {
+    /// A whole file's content, opened by `caller`.
+    pub fn new(mut data: Vec<u8>, caller: Volume) -> Whole {
         data.shrink_to_fit();
-        Held::Whole(Arc::new(Whole {
+        Whole {
             data,
             stale: AtomicBool::new(false),
-        }))
+            caller,
+        }
     }
 }
 
@@ -157,7 +202,7 @@ impl KilnFs {
     pub(crate) fn fd(&self, fh: FileHandle) -> Result<Fd, Errno> {
         match self.files.get(fh.0) {
             Some((_, Held::Fd(fd))) => Ok(fd),
-            Some((ino, Held::Whole(_))) => self.reopen(fh.0, ino),
+            Some((_, Held::Whole(w))) => self.reopen(fh.0, &w),
             None => Err(Errno::EBADF),
         }
     }
@@ -184,20 +229,34 @@ impl KilnFs {
         };
         let ino = self.table().fuse_ino(a.ino);
         for fh in self.files.wholes_of(ino) {
-            let _ = self.reopen(fh, ino);
+            if let Some((_, Held::Whole(w))) = self.files.get(fh) {
+                let _ = self.reopen(fh, &w);
+            }
         }
     }
 
-    /// Opens whole-file handle `fh` of inode `ino` on the brick, read-only (access was
-    /// checked at its open).
-    fn reopen(&self, fh: u64, ino: u64) -> Result<Fd, Errno> {
+    /// Opens whole-file handle `fh` on the brick, read-only, as its opener; `ESTALE` when
+    /// its name leads to another file now. Two reopens of one handle keep one brick handle.
+    fn reopen(&self, fh: u64, w: &Whole) -> Result<Fd, Errno> {
+        let ino = self.files.get(fh).map(|(ino, _)| ino).ok_or(Errno::EBADF)?;
         let path = self.path(fuser::INodeNo(ino))?;
-        let fd = block_on(self.vol.open(&path, libc::O_RDONLY)).map_err(errno)?;
-        if self.files.set_fd(fh, fd.clone()) {
-            Ok(fd)
-        } else {
+        let fd = block_on(w.caller.open(&path, libc::O_RDONLY)).map_err(errno)?;
+        // The same file, or the name leads elsewhere now (another client renamed over it).
+        let same = block_on(w.caller.fstat(&fd)).map(|a| self.table().fuse_ino(a.ino) == ino);
+        if !matches!(same, Ok(true)) {
             let _ = block_on(self.vol.close(fd));
-            Err(Errno::EBADF)
+            return Err(same.err().map_or(Errno::ESTALE, errno));
+        }
+        match self.files.set_fd(fh, fd.clone()) {
+            SetFd::Stored => Ok(fd),
+            SetFd::Already(other) => {
+                let _ = block_on(self.vol.close(fd));
+                Ok(other)
+            }
+            SetFd::Gone => {
+                let _ = block_on(self.vol.close(fd));
+                Err(Errno::EBADF)
+            }
         }
     }
 

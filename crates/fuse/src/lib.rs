@@ -18,10 +18,12 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod args;
 mod bufs;
 mod callers;
 mod convert;
 mod files;
+mod fresh;
 pub mod inodes;
 mod mount;
 mod passthrough;
@@ -29,12 +31,13 @@ mod passthrough;
 mod tests;
 mod xattr;
 
+pub use args::*;
 pub use mount::*;
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io::IoSlice;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -44,7 +47,6 @@ use fuser::{
     KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
-use kiln_client::volume::Source;
 use kiln_client::{block_on, Attr, DirEntry, Fd, Opened, RawIov, SetAttrs, Volume};
 use kiln_proto::ops::*;
 
@@ -68,78 +70,6 @@ pub enum Mode {
     General,
 }
 
-/// Mounts a Kiln volume with FUSE and serves it in the foreground until unmounted
-/// (`kiln umount DIR`, `umount DIR`) or sent SIGTERM/SIGINT.
-///
-/// SERVER:/VOL names the server (`HOST:PORT`, `tcp:HOST:PORT` or `unix:PATH`) and the volume:
-/// the client stack is the volume's volfile; a plain brick (one that keeps no volume
-/// definitions) is mounted with the default stack, io-stats over one protocol-client. With
-/// `--volfile FILE` the stack comes from FILE instead (distribute, replicate, several bricks):
-/// `kiln mount --volfile vol.toml DIR`.
-/// Prints `kiln: mounted SOURCE on DIR` once the mount is ready.
-#[derive(clap::Args, Debug, Clone)]
-pub struct MountArgs {
-    /// SERVER:/VOL, e.g. 127.0.0.1:24100:/vol or unix:/run/kiln.sock:/vol (with --volfile:
-    /// the mount point, or a name for the mount followed by the mount point).
-    pub source: String,
-    /// An existing, empty directory to mount on.
-    pub mountpoint: Option<PathBuf>,
-    /// Build the client stack from this volfile (TOML) instead of asking SERVER.
-    #[arg(long, value_name = "FILE")]
-    pub volfile: Option<PathBuf>,
-    /// Caching mode: vm-image (direct I/O, no page cache) or general (page cache).
-    #[arg(long, value_enum, default_value = "general")]
-    pub mode: Mode,
-    /// FUSE worker threads. A write waits for the brick on its FUSE thread (it is sent from
-    /// the kernel's buffer, without a copy), so this bounds the writes in flight. Measured with
-    /// fio 128k QD32 O_DIRECT writes: 4 threads 1.84-2.07 GB/s, 16 threads 2.15-2.26 GB/s;
-    /// reads were the same either way.
-    #[arg(long, default_value_t = 16)]
-    pub threads: usize,
-    /// Accepted for compatibility and ignored: the stack has one connection per brick.
-    #[arg(long, default_value_t = 1, hide = true)]
-    pub connections: usize,
-    /// Attribute and entry cache timeout in general mode, in seconds.
-    #[arg(long, default_value_t = 1.0)]
-    pub attr_timeout: f64,
-    /// In vm-image mode, files opened read-only on a brick of this host (without replicas) are
-    /// read by the kernel straight from the brick's file (FUSE passthrough; needs root and
-    /// Linux 6.9): on, or off to send every read through this process.
-    #[arg(long, value_enum, default_value = "on")]
-    pub passthrough: Switch,
-    /// In general mode, a read-only open of a file smaller than this many bytes fetches the
-    /// whole file with the open, in one round trip to the brick, and later reads of that
-    /// handle need none (close-to-open: the file as it was when opened). 0 turns it off.
-    #[arg(long, value_name = "BYTES", default_value_t = SMALL_FILE_MAX)]
-    pub small_file_max: u32,
-    /// Support POSIX ACLs: stored on the bricks, enforced and cached by the kernel. Without
-    /// it the mount has none (getfacl shows the mode, setfacl fails with "Operation not
-    /// supported"), and `ls -l` does not ask for them entry by entry.
-    #[arg(long)]
-    pub acl: bool,
-    /// Serve Prometheus `/metrics` on this address (port 0 picks one, logged at start; the
-    /// brick learns it, so `kiln volume profile` reaches this mount); "off" disables it.
-    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
-    pub metrics: String,
-}
-
-/// An on/off command-line value (`--passthrough`, and `kiln bench --short-circuit`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Switch {
-    /// On.
-    On,
-    /// Off.
-    Off,
-}
-
-/// Splits `SERVER:/VOL` at the last `:/`.
-pub fn parse_source(s: &str) -> Result<(String, String), String> {
-    match Source::parse(s)? {
-        Source::Server { server, volume } => Ok((server, volume)),
-        Source::Volfile(_) => unreachable!("parse gives a server"),
-    }
-}
-
 struct DirSnapshot {
     entries: Vec<DirEntry>,
     /// What the listing may tell of extended attributes: taken before it was fetched.
@@ -155,7 +85,7 @@ pub struct KilnFs {
     callers: callers::Callers,
     /// What each FUSE file handle holds.
     files: files::Files,
-    /// Read-only opens of files smaller than this fetch them whole (see [`files`]); 0: never.
+    /// Read-only opens of files of at most this size fetch them whole (see [`files`]); 0: never.
     small_max: u32,
     mode: Mode,
     ttl: Duration,
@@ -168,6 +98,10 @@ pub struct KilnFs {
     no_xattrs: xattr::NoXattrs,
     /// POSIX ACLs stored and enforced (`--acl`), or not supported.
     acl: bool,
+    /// Close-to-open: what the kernel has been told of sizes (see [`fresh`]).
+    fresh: Arc<fresh::Fresh>,
+    /// The kernel's writeback cache (`--writeback-cache`): it then trusts its own sizes.
+    writeback: bool,
 }
 
 impl KilnFs {
@@ -192,6 +126,8 @@ impl KilnFs {
             pass: passthrough::Passthrough::new(mode == Mode::VmImage),
             no_xattrs: xattr::NoXattrs::default(),
             acl: false,
+            fresh: Arc::default(),
+            writeback: false,
         })
     }
 
@@ -204,6 +140,15 @@ impl KilnFs {
         self
     }
 
+    /// With `on` (general mode), the kernel gathers writes in its page cache and sends them
+    /// later (FUSE writeback caching). It then keeps its own idea of each file's size and
+    /// mtime, so other clients' changes to a file it holds are not seen: for a tree only this
+    /// mount writes. Off, writes go through at once and close-to-open holds (see [`fresh`]).
+    pub fn with_writeback_cache(mut self, on: bool) -> KilnFs {
+        self.writeback = on && self.mode == Mode::General;
+        self
+    }
+
     /// With `on`, POSIX ACLs are stored on the bricks and enforced by the kernel; without, the
     /// mount does not support them (see [`xattr`]).
     pub fn with_acl(mut self, on: bool) -> KilnFs {
@@ -211,7 +156,7 @@ impl KilnFs {
         self
     }
 
-    /// Read-only opens (general mode) of files smaller than `max` bytes fetch them whole with
+    /// Read-only opens (general mode) of files of at most `max` bytes fetch them whole with
     /// the open (see [`files`]); 0 turns that off.
     pub fn with_small_file_max(mut self, max: u32) -> KilnFs {
         if self.mode == Mode::General {
@@ -247,8 +192,12 @@ impl KilnFs {
     }
 
     fn fattr(&self, a: &Attr) -> FileAttr {
+        let ino = self.table().fuse_ino(a.ino);
+        if self.mode == Mode::General && !self.writeback {
+            self.fresh.told(ino, a.size);
+        }
         FileAttr {
-            ino: INodeNo(self.table().fuse_ino(a.ino)),
+            ino: INodeNo(ino),
             size: a.size,
             blocks: a.blocks,
             atime: systime(&a.atime),
@@ -279,7 +228,7 @@ impl KilnFs {
         // O_DIRECT is the kernel's business on this side (no page cache here); passed to the
         // brick it would demand aligned buffers there.
         let mut f = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT);
-        if self.mode == Mode::General {
+        if self.writeback {
             // With writeback caching the kernel may read pages of a write-only file and does
             // O_APPEND itself.
             if f & libc::O_ACCMODE == libc::O_WRONLY {
@@ -341,9 +290,10 @@ impl fuser::Filesystem for KilnFs {
             | InitFlags::FUSE_MAX_PAGES
             | InitFlags::FUSE_BIG_WRITES;
         if self.mode == Mode::General {
-            caps |= InitFlags::FUSE_WRITEBACK_CACHE
-                | InitFlags::FUSE_DO_READDIRPLUS
-                | InitFlags::FUSE_READDIRPLUS_AUTO;
+            caps |= InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO;
+        }
+        if self.writeback {
+            caps |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
         if self.acl {
             caps |= InitFlags::FUSE_POSIX_ACL;
@@ -357,6 +307,13 @@ impl fuser::Filesystem for KilnFs {
             tracing::info!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
             if missing.contains(InitFlags::FUSE_PASSTHROUGH) {
                 self.pass.off("the kernel does not offer it");
+            }
+            if missing.contains(InitFlags::FUSE_POSIX_ACL) && self.acl {
+                tracing::warn!("--acl: the kernel cannot enforce POSIX ACLs; the mount has none");
+                self.acl = false;
+            }
+            if missing.contains(InitFlags::FUSE_WRITEBACK_CACHE) {
+                self.writeback = false;
             }
             let _ = config.add_capabilities(caps - missing);
         }
@@ -445,7 +402,6 @@ impl fuser::Filesystem for KilnFs {
         if let Some(s) = size {
             set.valid |= SETATTR_SIZE;
             set.size = s;
-            self.files.changed(ino.0);
         }
         if let Some(t) = atime {
             let (t, now) = wire_time(t);
@@ -467,6 +423,9 @@ impl fuser::Filesystem for KilnFs {
         }
         // With a handle (the kernel passes one from ftruncate and from writeback of an open
         // file), act on the open file: its name may be gone already. Otherwise by path.
+        if size.is_some() {
+            self.files.changing(ino.0);
+        }
         let r = match fh {
             Some(fh) => match self.fd(fh) {
                 Ok(f) => block_on(self.caller(req).fsetattr(&f, set)),
@@ -477,6 +436,9 @@ impl fuser::Filesystem for KilnFs {
                 Err(e) => return reply.error(e),
             },
         };
+        if size.is_some() {
+            self.files.changed_done();
+        }
         match r {
             Ok(a) => reply.attr(&self.ttl, &self.fattr(&a)),
             Err(e) => reply.error(errno(e)),
@@ -610,17 +572,26 @@ impl fuser::Filesystem for KilnFs {
         };
         let flags = self.open_flags(flags.0);
         let small = self.small_max > 0 && flags & (libc::O_ACCMODE | libc::O_TRUNC) == 0;
+        let caller = self.caller(req);
+        let seen = self.files.changes();
         let opened = if small {
-            block_on(self.caller(req).open_small(&path, flags, self.small_max))
+            block_on(caller.open_small(&path, flags, self.small_max))
         } else {
-            block_on(self.caller(req).open(&path, flags)).map(Opened::Fd)
+            block_on(caller.open(&path, flags)).map(Opened::Fd)
         };
         match opened {
             Ok(Opened::Whole(data)) => {
-                let fh = self.files.add(ino.0, files::Held::whole(data));
+                self.fresh.opened(ino.0, Some(data.len() as u64));
+                let whole = files::Whole::new(data, caller);
+                let fh = self.files.add_whole(ino.0, whole, seen);
                 reply.opened(FileHandle(fh), self.fopen_flags())
             }
             Ok(Opened::Fd(fd)) => {
+                if self.mode == Mode::General && !self.writeback {
+                    self.fresh.opened(ino.0, None);
+                }
+                // Older whole-file handles must not fill the shared page cache now.
+                self.files.changed(ino.0);
                 let fh = FileHandle(self.register_open(ino.0, fd.clone()));
                 let at = (ino.0, path.as_str(), flags, &fd);
                 // Marked before the answer goes: its release may come at once.
@@ -721,17 +692,16 @@ impl fuser::Filesystem for KilnFs {
     ) {
         // Sent straight from the kernel's request buffer; this FUSE thread waits for the
         // stack (others keep serving).
-        self.files.changed(ino.0);
-        let fd = match self.fd(fh) {
-            Ok(x) => x,
-            Err(e) => return reply.error(e),
-        };
-        match self
-            .vol
-            .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
-        {
+        self.files.changing(ino.0);
+        let r = self.fd(fh).and_then(|fd| {
+            self.vol
+                .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
+                .map_err(errno)
+        });
+        self.files.changed_done();
+        match r {
             Ok(n) => reply.written(n as u32),
-            Err(e) => reply.error(errno(e)),
+            Err(e) => reply.error(e),
         }
     }
 
@@ -743,10 +713,15 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: fuser::LockOwner,
         reply: ReplyEmpty,
     ) {
-        // Writes are acknowledged by the brick before they are acknowledged to the kernel,
-        // so a close has nothing to send here: ENOSYS tells the kernel to stop asking (it
-        // still writes back its cached pages first), one crossing less per close.
-        reply.error(Errno::ENOSYS)
+        // Without writeback caching, writes are acknowledged by the brick before they are
+        // acknowledged to the kernel, so a close has nothing to send here: ENOSYS tells the
+        // kernel to stop asking, one crossing less per close. With it, the kernel writes its
+        // cached pages back before asking (older kernels only then), so it is answered.
+        if self.writeback {
+            reply.ok()
+        } else {
+            reply.error(Errno::ENOSYS)
+        }
     }
 
     fn release(
@@ -783,9 +758,11 @@ impl fuser::Filesystem for KilnFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        // The stack flushes the file on every brick that holds it.
-        let f = match self.fd(fh) {
-            Ok(f) => f,
+        // The stack flushes the file on every brick that holds it; a whole file read with
+        // its open has nothing to flush.
+        let f = match self.open_fd(fh) {
+            Ok(Some(f)) => f,
+            Ok(None) => return reply.ok(),
             Err(e) => return reply.error(e),
         };
         match block_on(self.vol.fsync(&f, datasync)) {
@@ -971,14 +948,14 @@ impl fuser::Filesystem for KilnFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        self.files.changed(ino.0);
-        let f = match self.fd(fh) {
-            Ok(f) => f,
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.caller(req).fallocate(&f, mode as u32, offset, length)) {
+        self.files.changing(ino.0);
+        let r = self.fd(fh).and_then(|f| {
+            block_on(self.caller(req).fallocate(&f, mode as u32, offset, length)).map_err(errno)
+        });
+        self.files.changed_done();
+        match r {
             Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
+            Err(e) => reply.error(e),
         }
     }
 }

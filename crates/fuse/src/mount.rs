@@ -88,8 +88,10 @@ pub fn serve_background(
     config.acl = fuser::SessionACL::All;
     config.n_threads = Some(threads.max(1));
     config.clone_fd = true;
+    let fresh = fs.fresh.clone();
     let session = fuser::Session::new(fs, mountpoint, &config)
         .map_err(|e| format!("cannot mount on {}: {e}", mountpoint.display()))?;
+    fresh.set_notifier(session.notifier());
     session
         .spawn()
         .map_err(|e| format!("cannot start the FUSE session: {e}"))
@@ -138,6 +140,7 @@ pub fn main(args: MountArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot read the root of {label}: {e}"))?
         .with_passthrough(args.passthrough == Switch::On)
         .with_acl(args.acl)
+        .with_writeback_cache(args.writeback_cache)
         .with_small_file_max(args.small_file_max);
     let bg = serve_background(fs, &label, &mountpoint, args.threads)?;
     println!(

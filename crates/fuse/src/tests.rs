@@ -2,6 +2,8 @@
 
 use super::*;
 use clap::Parser;
+use kiln_client::volume::Source;
+use std::path::PathBuf;
 
 #[derive(clap::Parser)]
 struct Cli {

@@ -452,7 +452,7 @@ macro_rules! declare_layer {
                 }
             }
 
-            /// OPEN, and for a read-only open of a file smaller than `max` bytes the file's
+            /// OPEN, and for a read-only open of a file of at most `max` bytes the file's
             /// whole content instead of a handle, in the same round trip (`O_RDONLY` opens
             /// only; `max` at most [`kiln_proto::MAX_PAYLOAD_LEN`]). A layer may always answer
             /// with a handle: the default is this layer's own [`Layer::open`]. Layers that

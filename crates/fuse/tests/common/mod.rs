@@ -83,6 +83,21 @@ impl Mounted {
         }
     }
 
+    /// Another general-mode mount of the same brick (another client), on `mnt2`.
+    pub fn second(&self, attr_timeout: Duration) -> Second {
+        let dir = self.dir.path().join("mnt2");
+        std::fs::create_dir_all(&dir).expect("mnt2");
+        let sock = self.dir.path().join("kilnd.sock");
+        let vol = Volume::connect(&format!("unix:{}", sock.display())).expect("connect");
+        let fs = kiln_fuse::KilnFs::new(Arc::new(vol), Mode::General, attr_timeout)
+            .expect("the volume's root");
+        let session = kiln_fuse::serve_background(fs, "test2:/vol", &dir, 4).expect("mount");
+        Second {
+            dir,
+            session: Some(session),
+        }
+    }
+
     pub fn mnt(&self) -> PathBuf {
         self.dir.path().join("mnt")
     }
@@ -141,4 +156,24 @@ impl Rng {
 
 pub fn exists(p: &Path) -> bool {
     std::fs::symlink_metadata(p).is_ok()
+}
+
+/// A second mount of a [`Mounted`]'s brick.
+pub struct Second {
+    pub dir: PathBuf,
+    session: Option<fuser::BackgroundSession>,
+}
+
+impl Second {
+    pub fn path(&self, p: &str) -> PathBuf {
+        self.dir.join(p)
+    }
+}
+
+impl Drop for Second {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            let _ = s.umount_and_join();
+        }
+    }
 }

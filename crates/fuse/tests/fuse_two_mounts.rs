@@ -1,0 +1,117 @@
+//! The general mount's consistency rule, with two mounts of one brick (two clients), as the
+//! README states it: close-to-open — what mount A wrote and closed is read whole and fresh by
+//! the next open on mount B, whatever B cached before (`crates/fuse/src/fresh.rs`); a rename
+//! or unlink on A is seen by B within B's attribute timeout.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+use common::Mounted;
+use kiln_fuse::Mode;
+
+/// Content of `len` bytes that differs for each `seed`.
+fn content(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Asserts B read `want` (lengths and the first difference, not the bytes, on failure).
+fn same(got: &[u8], want: &[u8], name: &str, what: &str) {
+    let first = got.iter().zip(want).position(|(g, w)| g != w);
+    assert!(
+        got == want,
+        "{name}, {what}: B read {} bytes, want {}; first difference at {first:?}",
+        got.len(),
+        want.len()
+    );
+}
+
+fn write_and_close(p: &std::path::Path, data: &[u8]) {
+    let mut f = std::fs::File::create(p).unwrap();
+    f.write_all(data).unwrap();
+}
+
+#[test]
+fn what_a_wrote_and_closed_b_opens_whole_and_fresh() {
+    // Timeouts far beyond the test: without close-to-open, B would keep its old sizes.
+    let a = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    let b = a.second(Duration::from_secs(60));
+    // A small file (whole with its open) and one past --small-file-max.
+    for (name, small, large) in [("small", 100, 3_000), ("large", 100_000, 300_000)] {
+        let (pa, pb) = (a.path(name), b.path(name));
+        write_and_close(&pa, &content(small, 1));
+        same(
+            &std::fs::read(&pb).unwrap(),
+            &content(small, 1),
+            name,
+            "first read",
+        );
+        assert_eq!(std::fs::metadata(&pb).unwrap().len(), small as u64);
+
+        // Grown on A: B's next open reads all of it.
+        write_and_close(&pa, &content(large, 2));
+        same(
+            &std::fs::read(&pb).unwrap(),
+            &content(large, 2),
+            name,
+            "grown on A",
+        );
+        // Rewritten in place, same size: fresh bytes.
+        a_rewrites(&pa, &content(large, 3));
+        same(
+            &std::fs::read(&pb).unwrap(),
+            &content(large, 3),
+            name,
+            "rewritten on A",
+        );
+
+        // Truncated on A: no stale tail on B.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&pa)
+            .unwrap()
+            .set_len(small as u64 / 2)
+            .unwrap();
+        same(
+            &std::fs::read(&pb).unwrap(),
+            &content(large, 3)[..small / 2],
+            name,
+            "truncated on A",
+        );
+    }
+}
+
+fn a_rewrites(p: &std::path::Path, data: &[u8]) {
+    let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+    f.write_all_at(data, 0).unwrap();
+}
+
+#[test]
+fn a_rename_or_unlink_on_a_is_seen_by_b_within_its_timeout() {
+    let bound = Duration::from_secs(1);
+    let a = Mounted::with_options(Mode::General, true, bound);
+    let b = a.second(bound);
+    write_and_close(&a.path("old"), b"x");
+    write_and_close(&a.path("gone"), b"y");
+    // B looks them up (and caches the entries).
+    assert!(b.path("old").exists() && b.path("gone").exists());
+    assert!(!b.path("new").exists());
+
+    let t = Instant::now();
+    std::fs::rename(a.path("old"), a.path("new")).unwrap();
+    std::fs::remove_file(a.path("gone")).unwrap();
+    // Polled, not slept on: it must happen, and within the bound (plus scheduling slack).
+    while b.path("old").exists() || b.path("gone").exists() || !b.path("new").exists() {
+        assert!(
+            t.elapsed() < bound + Duration::from_secs(2),
+            "B still sees the old names after {:?}",
+            t.elapsed()
+        );
+        std::thread::yield_now();
+    }
+    assert_eq!(std::fs::read(b.path("new")).unwrap(), b"x");
+}

@@ -13,8 +13,10 @@
 //! Two modes:
 //! - `vm-image` (`cache=none` semantics): every file is opened `FOPEN_DIRECT_IO`, so nothing is
 //!   cached in the kernel and every read and write reaches the brick — what QEMU images want.
-//! - `general`: the kernel page cache with writeback caching, attribute and entry timeouts,
-//!   and readdirplus — what people living in a tree of small files want.
+//! - `general`: the kernel page cache, attribute and entry timeouts, readdirplus, small
+//!   files read whole with their open ([`files`]) and close-to-open across clients
+//!   ([`fresh`]) — what people living in a tree of small files want. Writeback caching is
+//!   opt-in (`--writeback-cache`): the kernel then trusts its own file sizes.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -66,7 +68,7 @@ pub const SMALL_FILE_MAX: u32 = 64 << 10;
 pub enum Mode {
     /// Direct I/O, no page cache (`cache=none` for QEMU images).
     VmImage,
-    /// Page cache with writeback, attribute/entry caching and readdirplus.
+    /// Page cache, attribute/entry caching, readdirplus and close-to-open.
     General,
 }
 

@@ -132,15 +132,31 @@ impl KilnFs {
         flags: i32,
         reply: ReplyEmpty,
     ) {
-        let (path, name) = match self.path_and_name(ino, name) {
+        let (path, name) = match self.xattr_changing(ino, name) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
+        let r = block_on(self.caller(req).setxattr(&path, name, value, flags as u32));
+        self.xattr_changed(ino, r, reply)
+    }
+
+    /// Before a set or remove of `ino`'s attribute `name`: its path and the name, once it is
+    /// known to be supported and the "none" answer is forgotten.
+    fn xattr_changing<'n>(
+        &self,
+        ino: INodeNo,
+        name: &'n OsStr,
+    ) -> Result<(String, &'n str), Errno> {
+        let (path, name) = self.path_and_name(ino, name)?;
         if !self.supported(name) {
-            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+            return Err(Errno::from_i32(libc::EOPNOTSUPP));
         }
         self.no_xattrs.forget(ino.0);
-        let r = block_on(self.caller(req).setxattr(&path, name, value, flags as u32));
+        Ok((path, name))
+    }
+
+    /// After a set or remove: forgets "none" again (a listing may have raced it) and replies.
+    fn xattr_changed(&self, ino: INodeNo, r: std::io::Result<()>, reply: ReplyEmpty) {
         self.no_xattrs.forget(ino.0);
         match r {
             Ok(()) => reply.ok(),
@@ -200,19 +216,11 @@ impl KilnFs {
         name: &OsStr,
         reply: ReplyEmpty,
     ) {
-        let (path, name) = match self.path_and_name(ino, name) {
+        let (path, name) = match self.xattr_changing(ino, name) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        if !self.supported(name) {
-            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
-        }
-        self.no_xattrs.forget(ino.0);
         let r = block_on(self.caller(req).removexattr(&path, name));
-        self.no_xattrs.forget(ino.0);
-        match r {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.xattr_changed(ino, r, reply)
     }
 }

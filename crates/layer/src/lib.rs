@@ -540,6 +540,16 @@ pub enum Opened {
     Whole(Vec<u8>),
 }
 
+impl Opened {
+    /// The same answer with the handle (if it is one) wrapped by `f`.
+    pub fn map_fd(self, f: impl FnOnce(Fd) -> Fd) -> Opened {
+        match self {
+            Opened::Fd(fd) => Opened::Fd(f(fd)),
+            whole => whole,
+        }
+    }
+}
+
 impl FopOutput for Opened {
     fn data_bytes(&self) -> usize {
         match self {

@@ -803,10 +803,7 @@ impl Layer for Distribute {
             let (kid, o) = self
                 .on_file(cx, path, |k| k.open_small(cx, path, flags, max))
                 .await?;
-            Ok(match o {
-                Opened::Fd(fd) => Opened::Fd(Fd::new(DistFd { kid, fd })),
-                whole => whole,
-            })
+            Ok(o.map_fd(|fd| Fd::new(DistFd { kid, fd })))
         })
     }
 

@@ -413,6 +413,23 @@ impl Client {
 
     kiln_layer::for_each_path_fop!(client_methods);
 
+    /// Asks the brick to push other connections' changes to this one ([`Op::Watch`]), to
+    /// `sink` (called on the receiving thread with each push's [`kiln_proto::ops::Changes`]
+    /// arguments; it must not block), or stops.
+    pub async fn watch(&self, sink: Option<crate::conn::PushSink>) -> io::Result<()> {
+        let on = sink.is_some();
+        if on {
+            self.conn.set_push(sink);
+        }
+        let r = self
+            .call_unit(Op::Watch, &kiln_proto::ops::WatchReq { on })
+            .await;
+        if !on {
+            self.conn.set_push(None);
+        }
+        r
+    }
+
     /// Tells the brick about `reads` reads (`bytes` bytes) made straight from its files
     /// ([`crate::shortcut`]), for its profile.
     pub async fn report_local_reads(&self, reads: u64, bytes: u64) -> io::Result<()> {

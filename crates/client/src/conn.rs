@@ -110,7 +110,13 @@ pub struct Conn {
     ended: std::sync::atomic::AtomicBool,
     /// Counters.
     pub stats: ConnStats,
+    /// Where the brick's push frames go ([`kiln_proto::frame::FLAG_PUSH`]): called on the
+    /// receiving thread with the frame's arguments, so it must not block.
+    push: std::sync::RwLock<Option<PushSink>>,
 }
+
+/// A receiver of push frames' arguments (see [`Conn::set_push`]).
+pub type PushSink = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
 thread_local! {
     /// The connection whose receive thread this is (its address), or 0.
@@ -133,6 +139,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Conn {
+    /// Sends the brick's push frames to `sink` from now on.
+    pub fn set_push(&self, sink: Option<PushSink>) {
+        *self.push.write().unwrap_or_else(|e| e.into_inner()) = sink;
+    }
+
     /// Wraps a connected, blocking stream socket and starts its receive thread.
     pub fn start(sock: OwnedFd) -> io::Result<Arc<Conn>> {
         Conn::start_with(sock, None)
@@ -170,6 +181,7 @@ impl Conn {
             fds: Mutex::new(VecDeque::new()),
             ended: Default::default(),
             stats: ConnStats::default(),
+            push: Default::default(),
         });
         {
             let mut r = live().lock().unwrap_or_else(|e| e.into_inner());
@@ -703,7 +715,11 @@ impl Conn {
     /// A reply header arrived: find its request and prepare to receive into its sink.
     fn begin(&self, hdr: Header) -> io::Result<InReply> {
         let id = hdr.request_id.get();
-        if hdr.traced() {
+        if hdr.is_push() && (hdr.payload_len.get() != 0 || hdr.has_fds()) {
+            tracing::warn!("push frame with a payload");
+            return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
+        }
+        if hdr.traced() || hdr.is_push() {
             // The brick's stamps for a request that has completed.
             let trace = lock(&self.table).traces.remove(&id);
             if hdr.payload_len.get() != 0 {
@@ -713,6 +729,7 @@ impl Conn {
             return Ok(InReply {
                 id,
                 trace_frame: true,
+                push: hdr.is_push(),
                 trace,
                 status: hdr.status.get(),
                 args: vec![0u8; hdr.args_len.get() as usize],
@@ -769,6 +786,7 @@ impl Conn {
         Ok(InReply {
             id,
             trace_frame: false,
+            push: false,
             trace: None,
             status: hdr.status.get(),
             args: vec![0u8; hdr.args_len.get() as usize],
@@ -783,6 +801,13 @@ impl Conn {
     }
 
     fn complete(&self, r: InReply) {
+        if r.push {
+            let sink = self.push.read().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(sink) = sink {
+                sink(&r.args);
+            }
+            return;
+        }
         if r.trace_frame {
             if let Some(t) = r.trace {
                 match kiln_proto::ops::TraceBlock::from_wire(&r.args) {
@@ -893,6 +918,8 @@ struct InReply {
     id: u64,
     /// A trace frame (the brick's stamps for a completed request), not a reply.
     trace_frame: bool,
+    /// A push frame (with `trace_frame` set too: no request of its own).
+    push: bool,
     /// For a trace frame: the trace its stamps belong to, if still wanted.
     trace: Option<Arc<Trace>>,
     status: u32,

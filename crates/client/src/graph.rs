@@ -54,6 +54,11 @@ pub struct Gen {
 }
 
 impl Gen {
+    /// Where this generation's pushes go, if the volume watches.
+    pub fn push_sink(&self) -> Option<crate::conn::PushSink> {
+        self.links.iter().find_map(|l| l.push_sink())
+    }
+
     /// A generation of `top`, built with `links`.
     pub fn new(
         version: u64,
@@ -470,12 +475,7 @@ macro_rules! switch_layer {
                             })
                         })
                         .await?;
-                    Ok(match o {
-                        kiln_layer::Opened::Fd(fd) => {
-                            kiln_layer::Opened::Fd(self.wrap(cx, g, fd, path, flags, false))
-                        }
-                        whole => whole,
-                    })
+                    Ok(o.map_fd(|fd| self.wrap(cx, g, fd, path, flags, false)))
                 })
             }
             $( switch_one!($name, ($($arg : $ty),*), $ret); )*

@@ -73,6 +73,8 @@ struct Link {
     watching: AtomicBool,
     /// Handles that pinned their file: pinned again after a reconnect.
     pins: Mutex<Vec<Weak<RemoteFd>>>,
+    /// Where the brick's pushes go, if this layer watches: asked for again after a reconnect.
+    push: Mutex<Option<crate::conn::PushSink>>,
 }
 
 /// The protocol-client layer.
@@ -156,6 +158,7 @@ macro_rules! try_fut {
 
 // After `try_fut!`, which it uses.
 mod open;
+mod watch;
 
 /// The payload and sink vectors of a request of `shape` whose memory `keep` holds.
 fn vectors(shape: Shape, keep: &Keep) -> (Vec<RawIov>, Vec<RawIov>) {
@@ -191,6 +194,7 @@ impl ProtocolClient {
                 attempts: Signal::default(),
                 watching: AtomicBool::new(false),
                 pins: Mutex::new(Vec::new()),
+                push: Mutex::new(None),
             }),
             patience: DEFAULT_PATIENCE,
             shortcut: Arc::new(Shortcut::new(unix)),
@@ -667,6 +671,7 @@ fn reconnect_loop(weak: Weak<Link>, name: String, shortcut: Arc<Shortcut>) {
                     tracing::info!(layer = name, gen, "reconnected to {}", old.server());
                 }
                 local::adopt(repinned, &c, gen);
+                watch::rewatch(&link, &name, &c);
                 link.reconnecting.store(false, Ordering::Release);
                 link.attempts.notify();
                 return;

@@ -23,7 +23,8 @@ use kiln_layer::{
     exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, Opened, RawIov, ReadDst, ReadOut, SetAttrs,
     StatfsReply,
 };
-use kiln_proto::ops::DirEntry;
+use kiln_proto::codec::Wire;
+use kiln_proto::ops::{Changes, DirEntry};
 use kiln_proto::Cred;
 
 use crate::client::{errno_error, Client};
@@ -266,6 +267,31 @@ impl Volume {
         let r = self.stack.top.open(&cx, path, flags as u32).await;
         Volume::finish(&cx);
         r.map_err(errno_error)
+    }
+
+    /// Has every brick push the changes other clients make to `sink` (called on a receiving
+    /// thread: it must not block), for as long as the volume lives, across reconnects (after
+    /// each, `sink` is told everything may have changed) and graph changes. Fails with the
+    /// first brick's error, if any could not be asked (it is asked again when it comes back).
+    pub async fn watch(&self, sink: Arc<dyn Fn(&Changes) + Send + Sync>) -> io::Result<()> {
+        let raw: crate::conn::PushSink =
+            Arc::new(move |args: &[u8]| match Changes::from_wire(args) {
+                Ok(c) => sink(&c),
+                Err(e) => {
+                    tracing::warn!("malformed push from a brick ({e}): dropping every cache");
+                    sink(&Changes {
+                        all: true,
+                        changes: kiln_proto::codec::Seq(Vec::new()),
+                    })
+                }
+            });
+        let mut first = None;
+        for l in &self.stack.gen().links {
+            if let Err(e) = l.watch(raw.clone()).await {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
 
     /// Opens an existing file; a read-only open of a file of at most `max` bytes may give
@@ -745,6 +771,12 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
             };
             let pc = Arc::new(ProtocolClient::new(&def.name, c).with_patience(patience));
             pc.set_short_circuit(short_circuit);
+            // A new brick of a volume this process watches is watched too.
+            if let Some(sink) = prev.and_then(Gen::push_sink) {
+                if let Err(e) = crate::block_on(pc.watch(sink)) {
+                    tracing::warn!("{}: cannot watch for changes: {e}", def.name);
+                }
+            }
             links.push((pc.clone(), remote.clone(), *timeout));
             Ok(pc as LayerRef)
         }

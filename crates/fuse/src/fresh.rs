@@ -31,6 +31,19 @@ impl Fresh {
         let _ = self.notifier.set(n);
     }
 
+    /// The session's notifier, if it exists yet.
+    pub fn notifier(&self) -> Option<&Notifier> {
+        self.notifier.get()
+    }
+
+    /// Whatever the kernel was told of `ino`'s size is to be told again.
+    pub fn forget(&self, ino: u64) {
+        self.told
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&ino);
+    }
+
     /// The kernel was given size `size` for inode `ino`.
     pub fn told(&self, ino: u64, size: u64) {
         let mut t = self.told.lock().unwrap_or_else(|e| e.into_inner());

@@ -23,6 +23,8 @@ struct Node {
 #[derive(Debug)]
 pub struct Inodes {
     nodes: HashMap<u64, Node>,
+    /// Each known path's inode (the inverse of the nodes' paths).
+    by_path: HashMap<String, u64>,
     root_brick_ino: u64,
 }
 
@@ -48,6 +50,7 @@ impl Inodes {
         );
         Inodes {
             nodes,
+            by_path: HashMap::from([(String::new(), ROOT)]),
             root_brick_ino,
         }
     }
@@ -69,8 +72,28 @@ impl Inodes {
         self.nodes.get(&ino).and_then(|n| n.paths.first().cloned())
     }
 
+    /// The inode known by `path`, if any.
+    pub fn ino_of(&self, path: &str) -> Option<u64> {
+        self.by_path.get(path).copied()
+    }
+
+    /// Every inode and its path (for forgetting everything).
+    pub fn all(&self) -> Vec<(u64, String)> {
+        self.by_path.iter().map(|(p, i)| (*i, p.clone())).collect()
+    }
+
     /// Records that the kernel learnt `ino` as `path` (one more lookup).
     pub fn learn(&mut self, ino: u64, path: &str) {
+        let old = self.by_path.get(path).copied();
+        if old != Some(ino) {
+            self.by_path.insert(path.to_owned(), ino);
+        }
+        if let Some(old) = old.filter(|&o| o != ino) {
+            // The name leads to a new file now: the old one is not reached by it.
+            if let Some(o) = self.nodes.get_mut(&old) {
+                o.paths.retain(|p| p != path);
+            }
+        }
         let n = self.nodes.entry(ino).or_default();
         if !n.paths.iter().any(|p| p == path) {
             n.paths.insert(0, path.to_owned());
@@ -86,6 +109,11 @@ impl Inodes {
         if let Some(n) = self.nodes.get_mut(&ino) {
             n.lookups = n.lookups.saturating_sub(count);
             if n.lookups == 0 {
+                for p in &n.paths {
+                    if self.by_path.get(p) == Some(&ino) {
+                        self.by_path.remove(p);
+                    }
+                }
                 self.nodes.remove(&ino);
             }
         }
@@ -93,8 +121,10 @@ impl Inodes {
 
     /// `path` no longer exists (unlink, rmdir, or the target of a rename).
     pub fn unlinked(&mut self, path: &str) {
-        for n in self.nodes.values_mut() {
-            n.paths.retain(|p| p != path);
+        if let Some(ino) = self.by_path.remove(path) {
+            if let Some(n) = self.nodes.get_mut(&ino) {
+                n.paths.retain(|p| p != path);
+            }
         }
     }
 
@@ -102,13 +132,20 @@ impl Inodes {
     pub fn renamed(&mut self, from: &str, to: &str) {
         self.unlinked(to);
         let prefix = format!("{from}/");
-        for n in self.nodes.values_mut() {
+        for (ino, n) in self.nodes.iter_mut() {
             for p in n.paths.iter_mut() {
-                if p == from {
-                    *p = to.to_owned();
+                let new = if p == from {
+                    to.to_owned()
                 } else if let Some(rest) = p.strip_prefix(&prefix) {
-                    *p = format!("{to}/{rest}");
+                    format!("{to}/{rest}")
+                } else {
+                    continue;
+                };
+                if self.by_path.get(p.as_str()) == Some(ino) {
+                    self.by_path.remove(p.as_str());
                 }
+                self.by_path.insert(new.clone(), *ino);
+                *p = new;
             }
         }
     }
@@ -138,8 +175,16 @@ mod tests {
         t.learn(9, "y");
         t.unlinked("y");
         assert_eq!(t.path(9).as_deref(), Some("x"));
+        assert_eq!(t.ino_of("z/b/c"), Some(7));
+        assert_eq!(t.ino_of("a/b/c"), None);
+        assert_eq!(t.ino_of("y"), None);
+        assert_eq!(t.ino_of("x"), Some(9));
         t.forget(9, 2);
         assert_eq!(t.path(9), None);
+        assert_eq!(t.ino_of("x"), None);
+        t.learn(10, "ab");
+        assert_eq!(t.ino_of("ab"), Some(10), "a name that leads to a new file");
+        assert_eq!(t.path(8), None);
         assert_eq!(join("", "n"), "n");
         assert_eq!(join("d", "n"), "d/n");
     }

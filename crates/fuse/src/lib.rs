@@ -23,6 +23,7 @@
 mod args;
 mod bufs;
 mod callers;
+mod changes;
 mod convert;
 mod files;
 mod fresh;
@@ -91,13 +92,13 @@ pub struct KilnFs {
     small_max: u32,
     mode: Mode,
     ttl: Duration,
-    inodes: Mutex<Inodes>,
+    inodes: Arc<Mutex<Inodes>>,
     dirs: Mutex<HashMap<u64, DirSnapshot>>,
     next_dir: AtomicU64,
     /// Backing files of inodes open for passthrough reads.
     pass: passthrough::Passthrough,
     /// Inodes listed without extended attributes (see [`xattr`]).
-    no_xattrs: xattr::NoXattrs,
+    no_xattrs: Arc<xattr::NoXattrs>,
     /// POSIX ACLs stored and enforced (`--acl`), or not supported.
     acl: bool,
     /// Close-to-open: what the kernel has been told of sizes (see [`fresh`]).
@@ -122,11 +123,11 @@ impl KilnFs {
             },
             mode,
             ttl: attr_timeout,
-            inodes: Mutex::new(Inodes::new(root.ino)),
+            inodes: Arc::new(Mutex::new(Inodes::new(root.ino))),
             dirs: Mutex::new(HashMap::new()),
             next_dir: AtomicU64::new(1),
             pass: passthrough::Passthrough::new(mode == Mode::VmImage),
-            no_xattrs: xattr::NoXattrs::default(),
+            no_xattrs: Arc::default(),
             acl: false,
             fresh: Arc::default(),
             writeback: false,
@@ -173,6 +174,15 @@ impl KilnFs {
     fn caller(&self, req: &Request) -> Volume {
         self.vol
             .on_behalf_of(self.callers.cred(req.pid(), req.uid(), req.gid()))
+    }
+
+    /// What other clients' changes, pushed by the bricks, make stale (see [`changes`]).
+    fn caches(&self) -> changes::Caches {
+        changes::Caches {
+            inodes: self.inodes.clone(),
+            no_xattrs: self.no_xattrs.clone(),
+            fresh: self.fresh.clone(),
+        }
     }
 
     fn table(&self) -> std::sync::MutexGuard<'_, Inodes> {

@@ -89,9 +89,18 @@ pub fn serve_background(
     config.n_threads = Some(threads.max(1));
     config.clone_fd = true;
     let fresh = fs.fresh.clone();
+    let watch = (fs.mode == Mode::General).then(|| (fs.vol.clone(), fs.caches()));
     let session = fuser::Session::new(fs, mountpoint, &config)
         .map_err(|e| format!("cannot mount on {}: {e}", mountpoint.display()))?;
     fresh.set_notifier(session.notifier());
+    if let Some((vol, caches)) = watch {
+        if let Err(e) = changes::watch(&vol, caches) {
+            tracing::warn!(
+                "the bricks do not all push changes ({e}): other clients' changes are seen \
+                 within --attr-timeout"
+            );
+        }
+    }
     session
         .spawn()
         .map_err(|e| format!("cannot start the FUSE session: {e}"))

@@ -1,7 +1,8 @@
 //! The general mount's consistency rule, with two mounts of one brick (two clients), as the
 //! README states it: close-to-open — what mount A wrote and closed is read whole and fresh by
 //! the next open on mount B, whatever B cached before (`crates/fuse/src/fresh.rs`); a rename
-//! or unlink on A is seen by B within B's attribute timeout.
+//! or unlink on A is seen by B within B's attribute timeout, and long before it when the brick
+//! pushes the change (`crates/fuse/src/changes.rs`).
 
 mod common;
 
@@ -88,6 +89,62 @@ fn what_a_wrote_and_closed_b_opens_whole_and_fresh() {
 fn a_rewrites(p: &std::path::Path, data: &[u8]) {
     let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
     f.write_all_at(data, 0).unwrap();
+}
+
+/// Polls (not sleeps) until `done`, failing after `bound`.
+fn within(bound: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(
+            t.elapsed() < bound,
+            "{what}: not seen after {:?}",
+            t.elapsed()
+        );
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn changes_on_a_are_pushed_to_b_long_before_its_timeout() {
+    // B trusts names and attributes for a minute: only the brick's pushes can tell it sooner.
+    let ttl = Duration::from_secs(60);
+    let bound = Duration::from_secs(5);
+    let a = Mounted::with_options(Mode::General, true, ttl);
+    let b = a.second(ttl);
+    write_and_close(&a.path("old"), b"x");
+    write_and_close(&a.path("gone"), b"y");
+    write_and_close(&a.path("mode"), b"z");
+    std::fs::create_dir(a.path("d")).unwrap();
+    write_and_close(&a.path("d/grow"), b"1");
+    // B looks them up, and caches the entries and attributes.
+    assert!(b.path("old").exists() && b.path("gone").exists());
+    assert!(!b.path("new").exists());
+    let mode = |p: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    };
+    assert_ne!(mode(&a.path("mode")), 0o600);
+    assert_eq!(mode(&b.path("mode")), mode(&a.path("mode")));
+    assert_eq!(std::fs::metadata(b.path("d/grow")).unwrap().len(), 1);
+
+    std::fs::rename(a.path("old"), a.path("new")).unwrap();
+    within(bound, "rename", || {
+        !b.path("old").exists() && b.path("new").exists()
+    });
+    assert_eq!(std::fs::read(b.path("new")).unwrap(), b"x");
+    std::fs::remove_file(a.path("gone")).unwrap();
+    within(bound, "unlink", || !b.path("gone").exists());
+    std::fs::set_permissions(
+        a.path("mode"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    within(bound, "chmod", || mode(&b.path("mode")) == 0o600);
+    // A write through an open handle (no name involved), seen by B's stat.
+    a_rewrites(&a.path("d/grow"), b"12345");
+    within(bound, "write", || {
+        std::fs::metadata(b.path("d/grow")).unwrap().len() == 5
+    });
 }
 
 #[test]

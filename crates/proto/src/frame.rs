@@ -31,8 +31,11 @@ pub const FLAG_CRED: u32 = 2;
 /// Flag: on a reply over a Unix socket, descriptors came with the frame's first byte
 /// (`SCM_RIGHTS`, one batch per frame, in stream order); the fop says how many.
 pub const FLAG_FDS: u32 = 4;
+/// Flag: a reply frame the server sends unasked (request id 0, opcode [`crate::Op::Watch`]),
+/// to a connection that asked for pushes: its arguments are a [`crate::ops::Changes`].
+pub const FLAG_PUSH: u32 = 8;
 /// Every flag this version knows.
-pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED | FLAG_FDS;
+pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED | FLAG_FDS | FLAG_PUSH;
 
 /// Frame kinds.
 pub const KIND_REQUEST: u8 = 0;
@@ -186,6 +189,20 @@ impl Header {
     pub fn with_cred(mut self) -> Header {
         self.flags = (self.flags.get() | FLAG_CRED).into();
         self
+    }
+
+    /// True for a push frame ([`FLAG_PUSH`]).
+    pub fn is_push(&self) -> bool {
+        self.flags.get() & FLAG_PUSH != 0
+    }
+
+    /// A push frame's header ([`FLAG_PUSH`]) for `args_len` bytes of [`crate::ops::Changes`].
+    pub fn push(args_len: u32) -> Header {
+        let h = Header::reply(crate::Op::Watch as u16, 0, 0, args_len, 0);
+        Header {
+            flags: FLAG_PUSH.into(),
+            ..h
+        }
     }
 
     /// True when descriptors came with the frame ([`FLAG_FDS`]).

@@ -137,6 +137,11 @@ ops! {
     /// Never sent: the io-stats row that counts reads clients made straight from the brick's
     /// files with a grant (reported with [`Op::Grant`]).
     LocalRead = 47,
+    /// Ask the brick to tell this connection when other connections change files and names
+    /// ([`WatchReq`]): it then sends [`crate::frame::FLAG_PUSH`] frames, unasked, each a
+    /// [`Changes`]. Caches of what others may change (a mount's names, attributes and small
+    /// files) are dropped on them instead of on a timeout.
+    Watch = 48,
 }
 
 impl Op {
@@ -318,6 +323,15 @@ wire_struct! {
     /// Listxattr reply.
     pub struct XattrNames { pub names: Seq<String> }
 
+    /// Watch request: `on` starts the pushes ([`Op::Watch`]), off stops them.
+    pub struct WatchReq { pub on: bool }
+    /// One change another connection made: `kind` is a `CHANGE_*` value, `path` as on the
+    /// wire.
+    pub struct Change { pub kind: u8, pub path: String }
+    /// A push frame's arguments: what changed since the last push. With `all`, more changed
+    /// than the brick kept track of (or the list is incomplete): drop everything cached.
+    pub struct Changes { pub all: bool, pub changes: Seq<Change> }
+
     /// Fallocate request; `mode` is Linux `FALLOC_FL_*`.
     pub struct FallocateReq { pub fh: u64, pub mode: u32, pub offset: u64, pub len: u64 }
     /// Discard request.
@@ -364,3 +378,11 @@ pub const SETATTR_MTIME: u32 = 1 << 5;
 pub const SETATTR_ATIME_NOW: u32 = 1 << 6;
 /// Setattr: set mtime to the server's now.
 pub const SETATTR_MTIME_NOW: u32 = 1 << 7;
+
+/// [`Change::kind`]: the file's content (and so its size and times) changed.
+pub const CHANGE_DATA: u8 = 1;
+/// [`Change::kind`]: the file's attributes changed (mode, owner, times, extended attributes).
+pub const CHANGE_ATTR: u8 = 2;
+/// [`Change::kind`]: the name now leads to another file, or to none (created, removed,
+/// renamed from or to, linked).
+pub const CHANGE_NAME: u8 = 3;

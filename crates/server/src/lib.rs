@@ -9,6 +9,7 @@ pub mod door;
 pub mod grants;
 pub mod limits;
 pub mod stats;
+pub mod watch;
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -160,6 +161,7 @@ impl Server {
                 secret: self.secret.clone(),
                 mgmt: self.mgmt.clone(),
                 grants: Default::default(),
+                watchers: Default::default(),
             },
             door: door::Door::new(self.limits, self.stats.clone()),
         });

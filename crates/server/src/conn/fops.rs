@@ -39,6 +39,7 @@ impl Conn {
             Op::Mgmt => self.mgmt(args),
             Op::Grant => self.grant(args, &cx),
             Op::LocalRead => Err(Fail::Errno(errno::ENOSYS)),
+            Op::Watch => self.watch_req(args),
             Op::Open => self.open(stack, args, cx),
             Op::Create => {
                 let req = CreateReq::from_wire(args)?;
@@ -53,6 +54,7 @@ impl Conn {
                 let fh = HandleReq::from_wire(args)?.fh;
                 let fd = self.handles.remove(&fh).ok_or(Fail::Errno(errno::EBADF))?;
                 self.released(fh);
+                self.handle_paths.remove(&fh);
                 stack!({
                     stack.release(&cx, fd).await?;
                     empty()

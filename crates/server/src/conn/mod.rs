@@ -35,6 +35,9 @@ use kiln_layer::Errno;
 pub use kiln_layer::layers::posix::SENDFILE_MIN;
 
 mod fops;
+mod pushes;
+
+use crate::watch::pushed;
 mod grant;
 mod send;
 
@@ -262,6 +265,21 @@ struct Conn {
     /// The brick's grants, and this connection's.
     grants: Arc<crate::grants::Grants>,
     mine: crate::grants::ConnGrants,
+    /// The brick's watchers, and this connection's place among them if it watches.
+    watchers: Arc<crate::watch::Watchers>,
+    watch: Option<Arc<crate::watch::Watcher>>,
+    /// The path each handle was opened by, for the changes made through it.
+    handle_paths: HashMap<u64, String>,
+    /// Requests on the stack that change something, by request id: what to publish when
+    /// they are done, and the path of an open's handle.
+    changing: HashMap<u64, Changing>,
+}
+
+/// What a request on the stack changes, published when it is done (see `pushes`); for an
+/// open, the path its handle will have.
+struct Changing {
+    changes: Vec<(String, u8)>,
+    opened: Option<String>,
 }
 
 impl Drop for Conn {
@@ -270,6 +288,7 @@ impl Drop for Conn {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.conn_id);
+        self.watchers.remove(self.conn_id);
         // First what the connection may have left half done (a client killed mid-write),
         // while its handles still say what it was changing; then the handles it never
         // released.
@@ -326,6 +345,8 @@ pub struct Served {
     pub mgmt: Option<crate::control::Handler>,
     /// Local clients' short-circuit grants, brick-wide.
     pub grants: Arc<crate::grants::Grants>,
+    /// Connections that asked to be told of others' changes, brick-wide.
+    pub watchers: Arc<crate::watch::Watchers>,
 }
 
 /// Serves one connection, holding `ticket` (its place at the door), until the peer closes it
@@ -339,6 +360,7 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
         secret,
         mgmt,
         grants,
+        watchers,
     } = served;
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let (recv, send) = match sock {
@@ -385,6 +407,10 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
         local,
         grants,
         mine: Default::default(),
+        watchers,
+        watch: None,
+        handle_paths: HashMap::new(),
+        changing: HashMap::new(),
     };
     match conn
         .run(&fd, wfd.as_ref().unwrap_or(&fd), &mut done_rx, &peer)
@@ -429,6 +455,7 @@ impl Conn {
             tokio::time::sleep_until(last_activity + if idle_on { idle } else { park });
         tokio::pin!(idle_timer);
         loop {
+            let watch = self.watch.clone();
             let reading = self.may_read();
             let writing = self.has_output();
             let quiet = idle_on && self.inflight == 0 && self.out.is_empty();
@@ -456,7 +483,9 @@ impl Conn {
                     }
                 }
                 g = wfd.writable(), if writing => g?.retain_ready(),
+                () = pushed(watch.as_deref()) => {}
             }
+            self.queue_pushes();
             while let Ok(f) = done_rx.try_recv() {
                 self.finish(f);
             }
@@ -600,9 +629,7 @@ impl Conn {
     /// Sends an error for a frame that broke the stream's framing, then ends the connection.
     async fn fatal(&mut self, fd: &AsyncFd<OwnedFd>, why: &str) -> io::Result<()> {
         tracing::warn!("malformed frame, closing connection: {why}");
-        self.stats
-            .bad_frames
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.bad_frame();
         self.push(OutReply::new(0, 0, Err(errno::EPROTO)));
         // Best effort: the peer is already misbehaving, so do not wait on it for long.
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
@@ -650,9 +677,7 @@ impl Conn {
         };
         let Some(op) = Op::from_u16(opcode) else {
             tracing::warn!(opcode, "unknown opcode");
-            self.stats
-                .bad_frames
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.bad_frame();
             return self.push(OutReply::new(opcode, id, Err(errno::ENOSYS)));
         };
         self.stats.count(op);
@@ -665,9 +690,7 @@ impl Conn {
         }
         if !matches!(op, Op::Write | Op::WriteMarked) && inc.payload_len != 0 {
             tracing::warn!(op = op.name(), "payload on a fop that takes none");
-            self.stats
-                .bad_frames
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.bad_frame();
             return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
         }
         let trace = cx.trace.clone();
@@ -678,9 +701,7 @@ impl Conn {
                 Ok((_, rest)) => (cx, rest),
                 Err(e) => {
                     tracing::warn!(op = op.name(), "bad credentials: {e}");
-                    self.stats
-                        .bad_frames
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.bad_frame();
                     return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
                 }
             }
@@ -688,6 +709,7 @@ impl Conn {
             (cx, &inc.args[..])
         };
         self.before_change(op, args);
+        let changing = self.changes_of(op, args);
         match self.fop(op, args, inc.payload, cx) {
             Ok(Step::Now(args, body)) => self.push_traced(OutReply::traced(
                 opcode,
@@ -696,6 +718,9 @@ impl Conn {
                 trace.as_deref(),
             )),
             Ok(Step::Stack(mut fut)) => {
+                if let Some(c) = changing {
+                    self.changing.insert(id, c);
+                }
                 // Most fops complete on their first poll (posix is synchronous): queue the
                 // reply now, without a task. The rest finish on a task of their own.
                 let mut cx = Context::from_waker(std::task::Waker::noop());
@@ -723,28 +748,33 @@ impl Conn {
             Err(Fail::Errno(e)) => self.push(OutReply::new(opcode, id, Err(e))),
             Err(Fail::Decode(e)) => {
                 tracing::warn!(op = op.name(), "bad arguments: {e}");
-                self.stats
-                    .bad_frames
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.bad_frame();
                 self.push(OutReply::new(opcode, id, Err(errno::EPROTO)))
             }
         }
     }
 
+    fn bad_frame(&self) {
+        self.stats
+            .bad_frames
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Queues the reply of a fop that went through the stack.
     fn finish(&mut self, f: Finished) {
+        let opened = self.changes_done(f.id);
         let result = f.result.map(|done| match done {
             Done::Reply(args, body) => (args, body),
             Done::Open(fd) => (
                 OpenReply {
-                    fh: self.new_handle(fd),
+                    fh: self.new_handle(fd, opened.clone()),
                 }
                 .to_wire(),
                 Body::None,
             ),
             Done::Create(fd, attr) => (
                 CreateReply {
-                    fh: self.new_handle(fd),
+                    fh: self.new_handle(fd, opened.clone()),
                     attr,
                 }
                 .to_wire(),
@@ -771,10 +801,13 @@ impl Conn {
             .ok_or(Fail::Errno(errno::EBADF))
     }
 
-    fn new_handle(&mut self, fd: Fd) -> u64 {
+    fn new_handle(&mut self, fd: Fd, path: Option<String>) -> u64 {
         let fh = self.next_fh;
         self.next_fh += 1;
         self.handles.insert(fh, fd);
+        if let Some(p) = path {
+            self.handle_paths.insert(fh, p);
+        }
         fh
     }
 }

@@ -1,0 +1,114 @@
+//! Other clients' changes, pushed by the bricks ([`Volume::watch`]): the kernel is told to
+//! forget the names, attributes and cached pages they made stale, so a general mount sees
+//! another client's rename, unlink, `chmod` or write as soon as the push arrives instead of
+//! when `--attr-timeout` runs out.
+//!
+//! Pushes arrive on a connection's receiving thread; they are handed to a thread of their own
+//! here, because telling the kernel to forget a name waits for the directory's lock, which a
+//! request in that directory may hold while it waits for a reply from that same connection.
+//! When a brick's connection is lost and comes back, whatever changed meanwhile was not
+//! pushed: everything the kernel holds is forgotten then.
+
+use std::ffi::OsStr;
+use std::sync::{mpsc, Arc, Mutex};
+
+use fuser::INodeNo;
+use kiln_client::Volume;
+use kiln_proto::ops::{Changes, CHANGE_DATA, CHANGE_NAME};
+
+use crate::fresh::Fresh;
+use crate::inodes::Inodes;
+use crate::xattr::NoXattrs;
+
+/// What applying a push touches.
+pub(crate) struct Caches {
+    pub inodes: Arc<Mutex<Inodes>>,
+    pub no_xattrs: Arc<NoXattrs>,
+    pub fresh: Arc<Fresh>,
+}
+
+/// Asks the bricks of `vol` to push other clients' changes, applied to `caches` on a thread
+/// of their own. Returns the first brick's refusal, if any (the mount then relies on
+/// `--attr-timeout` for that brick's changes).
+pub(crate) fn watch(vol: &Volume, caches: Caches) -> std::io::Result<()> {
+    let (tx, rx) = mpsc::channel::<Changes>();
+    let tx = Mutex::new(tx);
+    std::thread::Builder::new()
+        .name("kiln-changes".into())
+        .spawn(move || {
+            for c in rx {
+                caches.apply(&c);
+            }
+        })?;
+    kiln_client::block_on(vol.watch(Arc::new(move |c: &Changes| {
+        let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(c.clone());
+    })))
+}
+
+/// `path`'s parent path and last name.
+fn split(path: &str) -> (&str, &str) {
+    match path.rfind('/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => ("", path),
+    }
+}
+
+impl Caches {
+    fn apply(&self, c: &Changes) {
+        let Some(n) = self.fresh.notifier() else {
+            return;
+        };
+        if c.all {
+            let all = self.inodes.lock().unwrap_or_else(|e| e.into_inner()).all();
+            tracing::debug!(
+                inodes = all.len(),
+                "a brick's changes went unpushed: forgetting all"
+            );
+            for (ino, path) in all {
+                self.forget_inode(n, ino, true);
+                self.forget_name(n, &path);
+            }
+            return;
+        }
+        for ch in c.changes.0.iter() {
+            // The table keeps the name: the kernel may still use its entry until told, and
+            // asks again (a lookup, which corrects the table) after.
+            let ino = self
+                .inodes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .ino_of(&ch.path);
+            if let Some(ino) = ino {
+                self.forget_inode(n, ino, ch.kind & CHANGE_DATA != 0);
+            }
+            if ch.kind & CHANGE_NAME != 0 {
+                self.forget_name(n, &ch.path);
+            }
+        }
+    }
+
+    /// The kernel forgets `ino`'s attributes (and with `pages` its cached content); the
+    /// mount's own answers about it are asked again.
+    fn forget_inode(&self, n: &fuser::Notifier, ino: u64, pages: bool) {
+        self.no_xattrs.drop_entry(ino);
+        self.fresh.forget(ino);
+        // ENOENT: the kernel holds no such inode, nothing to forget.
+        let _ = n.inval_inode(INodeNo(ino), if pages { 0 } else { -1 }, 0);
+    }
+
+    /// The kernel forgets the name `path` (its parent's entry for it).
+    fn forget_name(&self, n: &fuser::Notifier, path: &str) {
+        if path.is_empty() {
+            return;
+        }
+        let (parent, name) = split(path);
+        let pino = self
+            .inodes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ino_of(parent);
+        if let Some(p) = pino {
+            let _ = n.inval_entry(INodeNo(p), OsStr::new(name));
+        }
+    }
+}

@@ -578,7 +578,8 @@ impl Volume {
     pub async fn readdir(&self, path: &str) -> io::Result<Vec<DirEntry>> {
         let mut out = Vec::new();
         loop {
-            let r = fop!(self, cx => self.stack.top.readdir(&cx, path, out.len() as u64, 256))?;
+            // As many as a brick sends in one reply (it stops short at the reply's size limit).
+            let r = fop!(self, cx => self.stack.top.readdir(&cx, path, out.len() as u64, 4096))?;
             let got = r.entries.0.len();
             out.extend(r.entries.0);
             if r.eof || got == 0 {

@@ -62,8 +62,8 @@ impl Conn {
             }
             Op::Readdir => {
                 let req = ReaddirReq::from_wire(args)?;
-                // Keep the reply under the argument limit: an entry costs < 128 bytes + name.
-                let max = req.max.min(256);
+                // The brick keeps the reply under the argument limit (brick::READDIR_BYTES).
+                let max = req.max.min(4096);
                 stack!(reply(
                     &stack.readdir(&cx, &req.path, req.offset, max).await?
                 ))

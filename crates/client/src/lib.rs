@@ -34,8 +34,9 @@ pub use volume::Volume;
 
 use std::future::Future;
 
-/// Runs a future to completion on the calling thread (for tools and tests without a runtime).
-pub use kiln_layer::exec::block_on;
+/// `block_on` runs a future to completion on the calling thread (for tools and tests without a
+/// runtime); `spawn` starts one that is polled from then on by whoever wakes it.
+pub use kiln_layer::exec::{block_on, spawn};
 
 /// Runs several futures concurrently on the calling thread and returns their outputs in order:
 /// the way to keep many requests in flight without an async runtime.

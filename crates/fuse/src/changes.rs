@@ -16,12 +16,14 @@ use fuser::INodeNo;
 use kiln_client::Volume;
 use kiln_proto::ops::{Changes, CHANGE_DATA, CHANGE_NAME};
 
+use crate::ahead::{parent, Ahead};
 use crate::fresh::Fresh;
 use crate::inodes::Inodes;
 use crate::xattr::NoXattrs;
 
 /// What applying a push touches.
 pub(crate) struct Caches {
+    pub ahead: Arc<Ahead>,
     pub inodes: Arc<Mutex<Inodes>>,
     pub no_xattrs: Arc<NoXattrs>,
     pub fresh: Arc<Fresh>,
@@ -59,6 +61,7 @@ impl Caches {
             return;
         };
         if c.all {
+            self.ahead.spoil_all();
             let all = self.inodes.lock().unwrap_or_else(|e| e.into_inner()).all();
             tracing::debug!(
                 inodes = all.len(),
@@ -71,6 +74,12 @@ impl Caches {
             return;
         }
         for ch in c.changes.0.iter() {
+            // Every change shows in the listing of the directory it is in; a directory
+            // replaced or removed takes its own listing with it.
+            self.ahead.spoil(parent(&ch.path));
+            if ch.kind & CHANGE_NAME != 0 {
+                self.ahead.spoil(&ch.path);
+            }
             // The table keeps the name: the kernel may still use its entry until told, and
             // asks again (a lookup, which corrects the table) after.
             let ino = self

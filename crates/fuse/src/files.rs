@@ -227,7 +227,7 @@ impl KilnFs {
         let Ok(a) = block_on(self.caller(req).lookup(path)) else {
             return;
         };
-        let ino = self.table().fuse_ino(a.ino);
+        let ino = self.fuse_ino(a.ino);
         for fh in self.files.wholes_of(ino) {
             if let Some((_, Held::Whole(w))) = self.files.get(fh) {
                 let _ = self.reopen(fh, &w);
@@ -242,7 +242,7 @@ impl KilnFs {
         let path = self.path(fuser::INodeNo(ino))?;
         let fd = block_on(w.caller.open(&path, libc::O_RDONLY)).map_err(errno)?;
         // The same file, or the name leads elsewhere now (another client renamed over it).
-        let same = block_on(w.caller.fstat(&fd)).map(|a| self.table().fuse_ino(a.ino) == ino);
+        let same = block_on(w.caller.fstat(&fd)).map(|a| self.fuse_ino(a.ino) == ino);
         if !matches!(same, Ok(true)) {
             let _ = block_on(self.vol.close(fd));
             return Err(same.err().map_or(Errno::ESTALE, errno));

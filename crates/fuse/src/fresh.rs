@@ -9,7 +9,7 @@
 //! kernel, the common case, which costs nothing. Sent before the open is answered, so the
 //! opener's first read already sees it.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use fuser::{INodeNo, Notifier};
@@ -44,13 +44,15 @@ impl Fresh {
             .remove(&ino);
     }
 
-    /// The kernel was given size `size` for inode `ino`.
-    pub fn told(&self, ino: u64, size: u64) {
+    /// The kernel was given these sizes (inode, size).
+    pub fn told(&self, sizes: impl Iterator<Item = (u64, u64)>) {
         let mut t = self.told.lock().unwrap_or_else(|e| e.into_inner());
-        if t.len() >= Self::KEEP {
-            t.clear();
+        for (ino, size) in sizes {
+            if t.len() >= Self::KEEP {
+                t.clear();
+            }
+            t.insert(ino, size);
         }
-        t.insert(ino, size);
     }
 
     /// Inode `ino` is being opened; `size` is its size now, if the open learned it. Unless that

@@ -6,7 +6,7 @@
 //! one name of a hard-linked file leaves the others usable, and renames rewrite the paths of
 //! everything below a moved directory.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 /// FUSE's root inode.
 pub const ROOT: u64 = 1;
@@ -37,10 +37,22 @@ pub fn join(parent: &str, name: &str) -> String {
     }
 }
 
+/// The FUSE inode for brick inode `brick_ino` of a volume whose root is `root_brick_ino`.
+pub fn fuse_ino(root_brick_ino: u64, brick_ino: u64) -> u64 {
+    if brick_ino == root_brick_ino {
+        ROOT
+    } else if brick_ino == ROOT {
+        // A brick file with inode 1 would collide with the root; move it out of the way.
+        u64::MAX - 1
+    } else {
+        brick_ino
+    }
+}
+
 impl Inodes {
     /// A table whose root is the brick inode `root_brick_ino`.
     pub fn new(root_brick_ino: u64) -> Inodes {
-        let mut nodes = HashMap::new();
+        let mut nodes = HashMap::default();
         nodes.insert(
             ROOT,
             Node {
@@ -50,21 +62,14 @@ impl Inodes {
         );
         Inodes {
             nodes,
-            by_path: HashMap::from([(String::new(), ROOT)]),
+            by_path: HashMap::from_iter([(String::new(), ROOT)]),
             root_brick_ino,
         }
     }
 
     /// The FUSE inode for a brick inode.
     pub fn fuse_ino(&self, brick_ino: u64) -> u64 {
-        if brick_ino == self.root_brick_ino {
-            ROOT
-        } else if brick_ino == ROOT {
-            // A brick file with inode 1 would collide with the root; move it out of the way.
-            u64::MAX - 1
-        } else {
-            brick_ino
-        }
+        fuse_ino(self.root_brick_ino, brick_ino)
     }
 
     /// A path of `ino`, if the kernel still holds it.

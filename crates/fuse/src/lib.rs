@@ -20,11 +20,13 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod ahead;
 mod args;
 mod bufs;
 mod callers;
 mod changes;
 mod convert;
+mod dirs;
 mod files;
 mod fresh;
 pub mod inodes;
@@ -41,14 +43,14 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io::IoSlice;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    Errno, FileAttr, FileHandle, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
 use kiln_client::{block_on, Attr, DirEntry, Fd, Opened, RawIov, SetAttrs, Volume};
 use kiln_proto::ops::*;
@@ -105,6 +107,10 @@ pub struct KilnFs {
     fresh: Arc<fresh::Fresh>,
     /// The kernel's writeback cache (`--writeback-cache`): it then trusts its own sizes.
     writeback: bool,
+    /// Directory listings fetched ahead of a walk (see [`ahead`]).
+    ahead: Arc<ahead::Ahead>,
+    /// The volume root's brick inode (FUSE's is [`ROOT`]).
+    root_brick_ino: u64,
 }
 
 impl KilnFs {
@@ -131,6 +137,8 @@ impl KilnFs {
             acl: false,
             fresh: Arc::default(),
             writeback: false,
+            ahead: Arc::new(ahead::Ahead::new(attr_timeout)),
+            root_brick_ino: root.ino,
         })
     }
 
@@ -182,6 +190,7 @@ impl KilnFs {
             inodes: self.inodes.clone(),
             no_xattrs: self.no_xattrs.clone(),
             fresh: self.fresh.clone(),
+            ahead: self.ahead.clone(),
         }
     }
 
@@ -198,18 +207,50 @@ impl KilnFs {
         Ok((self.path(ino)?, name.to_str().ok_or(Errno::EINVAL)?))
     }
 
+    /// A name in `path`'s directory changed (through this mount): listings fetched ahead of
+    /// it are stale.
+    fn named(&self, path: &str) {
+        self.ahead.spoil(ahead::parent(path));
+    }
+
+    /// `ino`'s attributes changed through this mount: the listing its entry is in is stale.
+    fn touched(&self, ino: u64) {
+        if !self.ahead.holds() {
+            return;
+        }
+        if let Some(p) = self.table().path(ino) {
+            self.named(&p);
+        }
+    }
+
     fn child(&self, parent: INodeNo, name: &OsStr) -> Result<String, Errno> {
         let name = name.to_str().ok_or(Errno::EINVAL)?;
         Ok(join(&self.path(parent)?, name))
     }
 
+    /// The FUSE inode of brick inode `brick_ino`.
+    fn fuse_ino(&self, brick_ino: u64) -> u64 {
+        inodes::fuse_ino(self.root_brick_ino, brick_ino)
+    }
+
+    /// `a` as the kernel is to be told it, recording the size it is told (see [`fresh`]).
     fn fattr(&self, a: &Attr) -> FileAttr {
-        let ino = self.table().fuse_ino(a.ino);
+        self.fresh_told(std::iter::once(a));
+        self.fattr_of(a)
+    }
+
+    /// Records the sizes the kernel is told in `attrs` (close-to-open, see [`fresh`]).
+    fn fresh_told<'a>(&self, attrs: impl Iterator<Item = &'a Attr>) {
         if self.mode == Mode::General && !self.writeback {
-            self.fresh.told(ino, a.size);
+            self.fresh
+                .told(attrs.map(|a| (self.fuse_ino(a.ino), a.size)));
         }
+    }
+
+    /// `a` as the kernel sees it.
+    fn fattr_of(&self, a: &Attr) -> FileAttr {
         FileAttr {
-            ino: INodeNo(ino),
+            ino: INodeNo(self.fuse_ino(a.ino)),
             size: a.size,
             blocks: a.blocks,
             atime: systime(&a.atime),
@@ -274,6 +315,7 @@ impl KilnFs {
             self.keep_whole_files_open(req, &path);
             block_on(self.caller(req).unlink(&path))
         };
+        self.named(&path);
         match r {
             Ok(()) => {
                 self.table().unlinked(&path);
@@ -363,7 +405,7 @@ impl fuser::Filesystem for KilnFs {
                     .path(ino)
                     .map(|p| block_on(self.caller(req).lookup(&p)));
                 let gone = match &by_path {
-                    Ok(Ok(a)) => self.table().fuse_ino(a.ino) != ino.0,
+                    Ok(Ok(a)) => self.fuse_ino(a.ino) != ino.0,
                     Ok(Err(e)) => e.raw_os_error() == Some(libc::ENOENT),
                     Err(_) => true,
                 };
@@ -451,6 +493,7 @@ impl fuser::Filesystem for KilnFs {
         if size.is_some() {
             self.files.changed_done();
         }
+        self.touched(ino.0);
         match r {
             Ok(a) => reply.attr(&self.ttl, &self.fattr(&a)),
             Err(e) => reply.error(errno(e)),
@@ -481,7 +524,9 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        match block_on(self.caller(req).mkdir(&path, mode & !umask)) {
+        let r = block_on(self.caller(req).mkdir(&path, mode & !umask));
+        self.named(&path);
+        match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -502,7 +547,9 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let mode = mode & (libc::S_IFMT | !umask);
-        match block_on(self.caller(req).mknod(&path, mode, rdev as u64)) {
+        let r = block_on(self.caller(req).mknod(&path, mode, rdev as u64));
+        self.named(&path);
+        match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -529,7 +576,9 @@ impl fuser::Filesystem for KilnFs {
             (Err(e), _) => return reply.error(e),
             (_, None) => return reply.error(Errno::EINVAL),
         };
-        match block_on(self.caller(req).symlink(target, &path)) {
+        let r = block_on(self.caller(req).symlink(target, &path));
+        self.named(&path);
+        match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -550,7 +599,12 @@ impl fuser::Filesystem for KilnFs {
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
         self.keep_whole_files_open(req, &to);
-        match block_on(self.caller(req).rename(&from, &to, flags.bits())) {
+        let r = block_on(self.caller(req).rename(&from, &to, flags.bits()));
+        self.named(&from);
+        self.named(&to);
+        // A directory moved: its own listing's entries are reached by new paths.
+        self.ahead.spoil(&from);
+        match r {
             Ok(()) => {
                 self.table().renamed(&from, &to);
                 reply.ok()
@@ -571,7 +625,10 @@ impl fuser::Filesystem for KilnFs {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
-        match block_on(self.caller(req).link(&existing, &path)) {
+        let r = block_on(self.caller(req).link(&existing, &path));
+        self.named(&existing);
+        self.named(&path);
+        match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -630,7 +687,9 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let flags = self.open_flags(flags) | (flags & libc::O_EXCL);
-        match block_on(self.caller(req).create(&path, flags, mode & !umask)) {
+        let r = block_on(self.caller(req).create(&path, flags, mode & !umask));
+        self.named(&path);
+        match r {
             Ok((fd, a)) => {
                 let fa = self.fattr(&a);
                 let id = self.register_open(fa.ino.0, fd);
@@ -711,6 +770,7 @@ impl fuser::Filesystem for KilnFs {
                 .map_err(errno)
         });
         self.files.changed_done();
+        self.touched(ino.0);
         match r {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(e),
@@ -784,24 +844,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: fuser::OpenFlags, reply: ReplyOpen) {
-        // One listing per open directory: later pages come from this snapshot, so a listing
-        // is stable while entries are created or removed concurrently.
-        let path = match self.path(ino) {
-            Ok(p) => p,
-            Err(e) => return reply.error(e),
-        };
-        let seen = self.no_xattrs.seen(self.ttl);
-        match block_on(self.caller(req).readdir(&path)) {
-            Ok(entries) => {
-                let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
-                self.dirs
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id, DirSnapshot { entries, seen });
-                reply.opened(FileHandle(id), FopenFlags::empty())
-            }
-            Err(e) => reply.error(errno(e)),
-        }
+        self.dir_open(req, ino, reply)
     }
 
     fn readdir(
@@ -810,32 +853,9 @@ impl fuser::Filesystem for KilnFs {
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
-        mut reply: ReplyDirectory,
+        reply: ReplyDirectory,
     ) {
-        let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(d) = dirs.get(&fh.0) else {
-            return reply.error(Errno::EBADF);
-        };
-        let mut i = offset;
-        if i == 0 {
-            if reply.add(ino, 1, FileType::Directory, ".") {
-                return reply.ok();
-            }
-            i = 1;
-        }
-        if i == 1 {
-            if reply.add(ino, 2, FileType::Directory, "..") {
-                return reply.ok();
-            }
-            i = 2;
-        }
-        for (k, e) in d.entries.iter().enumerate().skip((i - 2) as usize) {
-            let ino = INodeNo(self.table().fuse_ino(e.attr.ino));
-            if reply.add(ino, k as u64 + 3, kind(e.attr.mode), &e.name) {
-                break;
-            }
-        }
-        reply.ok()
+        self.dir_read(ino, fh, offset, reply)
     }
 
     fn readdirplus(
@@ -844,49 +864,9 @@ impl fuser::Filesystem for KilnFs {
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
-        mut reply: ReplyDirectoryPlus,
+        reply: ReplyDirectoryPlus,
     ) {
-        // Offsets match `readdir`'s (".", "..", then entry k at k + 3): with readdirplus-auto
-        // the kernel may switch between the two within one listing.
-        let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(d) = dirs.get(&fh.0) else {
-            return reply.error(Errno::EBADF);
-        };
-        let parent = match self.path(ino) {
-            Ok(p) => p,
-            Err(e) => return reply.error(e),
-        };
-        if offset < 2 {
-            let here = match block_on(self.caller(req).lookup(&parent)) {
-                Ok(a) => self.fattr(&a),
-                Err(e) => return reply.error(errno(e)),
-            };
-            // The kernel takes no lookup reference for "." and "..".
-            if offset == 0 && reply.add(ino, 1, ".", &self.ttl, &here, Generation(0)) {
-                return reply.ok();
-            }
-            if reply.add(ino, 2, "..", &self.ttl, &here, Generation(0)) {
-                return reply.ok();
-            }
-        }
-        for (k, e) in d
-            .entries
-            .iter()
-            .enumerate()
-            .skip(offset.saturating_sub(2) as usize)
-        {
-            let fa = self.fattr(&e.attr);
-            if reply.add(fa.ino, k as u64 + 3, &e.name, &self.ttl, &fa, Generation(0)) {
-                break;
-            }
-            // Each entry handed to the kernel with attributes counts as a lookup.
-            self.table().learn(fa.ino.0, &join(&parent, &e.name));
-            // A directory's copies on several bricks may differ: only files are taken at their
-            // word.
-            let has = e.xattrs || fa.kind == FileType::Directory;
-            self.no_xattrs.listed(fa.ino.0, has, &d.seen);
-        }
-        reply.ok()
+        self.dir_read_plus(req, ino, fh, offset, reply)
     }
 
     fn releasedir(
@@ -965,6 +945,7 @@ impl fuser::Filesystem for KilnFs {
             block_on(self.caller(req).fallocate(&f, mode as u32, offset, length)).map_err(errno)
         });
         self.files.changed_done();
+        self.touched(ino.0);
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),

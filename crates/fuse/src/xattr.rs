@@ -19,7 +19,7 @@
 //!   timeout at the latest. Directories are always asked (their copies on several bricks may
 //!   differ), and so are replicated volumes' files (replicate lists one replica).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -61,21 +61,22 @@ impl NoXattrs {
         }
     }
 
-    /// A listing (`seen` before it was fetched) said inode `ino` has (`has`) or has no
-    /// extended attributes. "None" is not taken from a listing older than a change made here.
-    pub(crate) fn listed(&self, ino: u64, has: bool, seen: &Seen) {
+    /// A listing (`seen` before it was fetched) said each inode has (true) or has no extended
+    /// attributes. "None" is not taken from a listing older than a change made here.
+    pub(crate) fn listed(&self, entries: impl Iterator<Item = (u64, bool)>, seen: &Seen) {
         let mut m = self.map();
-        if has {
-            m.remove(&ino);
-            return;
+        let trusted =
+            seen.changes == self.changes.load(Ordering::Acquire) && Instant::now() < seen.until;
+        for (ino, has) in entries {
+            if has {
+                m.remove(&ino);
+            } else if trusted {
+                if m.len() >= Self::KEEP {
+                    m.clear();
+                }
+                m.insert(ino, seen.until);
+            }
         }
-        if seen.changes != self.changes.load(Ordering::Acquire) || Instant::now() >= seen.until {
-            return;
-        }
-        if m.len() >= Self::KEEP {
-            m.clear();
-        }
-        m.insert(ino, seen.until);
     }
 
     fn none(&self, ino: u64) -> bool {
@@ -158,6 +159,7 @@ impl KilnFs {
     /// After a set or remove: forgets "none" again (a listing may have raced it) and replies.
     fn xattr_changed(&self, ino: INodeNo, r: std::io::Result<()>, reply: ReplyEmpty) {
         self.no_xattrs.forget(ino.0);
+        self.touched(ino.0);
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),

@@ -172,3 +172,62 @@ fn a_rename_or_unlink_on_a_is_seen_by_b_within_its_timeout() {
     }
     assert_eq!(std::fs::read(b.path("new")).unwrap(), b"x");
 }
+
+/// Names in `dir`, sorted.
+fn names(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn listings_fetched_ahead_never_hide_a_change() {
+    // Listings of subdirectories are fetched ahead of a walk (crates/fuse/src/ahead.rs) and
+    // trusted for the attribute timeout: a minute here, so only spoiling keeps them honest.
+    let ttl = Duration::from_secs(60);
+    let a = Mounted::with_options(Mode::General, true, ttl);
+    let b = a.second(ttl);
+    for d in ["top", "top/s1", "top/s2", "top/s3"] {
+        std::fs::create_dir(a.path(d)).unwrap();
+    }
+    write_and_close(&a.path("top/s1/f"), b"1");
+    write_and_close(&a.path("marker"), b"m");
+    let mode = |p: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    };
+    assert_ne!(mode(&b.path("marker")), 0o600);
+
+    // B lists top: s1..s3 are fetched ahead. A then changes s1 and s2, and chmods the marker
+    // after: once B sees the chmod, the earlier pushes have been applied too (one brick, one
+    // connection, applied in order).
+    assert_eq!(names(&b.path("top")), ["s1", "s2", "s3"]);
+    write_and_close(&a.path("top/s1/new"), b"n");
+    std::fs::remove_file(a.path("top/s1/f")).unwrap();
+    std::fs::rename(a.path("top/s2"), a.path("top/s2b")).unwrap();
+    std::fs::set_permissions(
+        a.path("marker"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    within(Duration::from_secs(5), "chmod", || {
+        mode(&b.path("marker")) == 0o600
+    });
+    assert_eq!(names(&b.path("top/s1")), ["new"], "A's create and unlink");
+    assert_eq!(names(&b.path("top")), ["s1", "s2b", "s3"], "A's rename");
+
+    // Changes through B itself: s3 was fetched ahead again by the listing just above.
+    write_and_close(&b.path("top/s3/mine"), b"b");
+    assert_eq!(names(&b.path("top/s3")), ["mine"], "B's own create");
+    assert_eq!(std::fs::metadata(b.path("top/s3/mine")).unwrap().len(), 1);
+    assert_eq!(names(&b.path("top")), ["s1", "s2b", "s3"]);
+    write_and_close(&b.path("top/s3/mine"), b"longer");
+    let listed = std::fs::read_dir(b.path("top/s3"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .collect::<Vec<_>>();
+    assert_eq!(listed, [6], "B's own write, as the listing gives it");
+}

@@ -1,0 +1,149 @@
+//! Directories: opening one takes a snapshot of its listing; pages are read from it.
+
+use std::sync::atomic::Ordering;
+
+use fuser::{
+    Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, ReplyDirectory,
+    ReplyDirectoryPlus, ReplyOpen, Request,
+};
+use kiln_client::block_on;
+
+use crate::convert::{errno, kind};
+use crate::inodes::join;
+use crate::{DirSnapshot, KilnFs, Mode};
+
+impl KilnFs {
+    /// OPENDIR: one listing per open directory, so later pages come from this snapshot and
+    /// a listing is stable while entries are created or removed concurrently. The listing
+    /// comes from those fetched ahead when one is ready; its subdirectories' listings are
+    /// fetched ahead in turn (general mode, see [`crate::ahead`]).
+    pub(crate) fn dir_open(&self, req: &Request, ino: INodeNo, reply: ReplyOpen) {
+        let path = match self.path(ino) {
+            Ok(p) => p,
+            Err(e) => return reply.error(e),
+        };
+        let caller = self.caller(req);
+        let (entries, seen) = match self.ahead.take(&path) {
+            Some(f) => (f.entries, f.seen),
+            None => {
+                let seen = self.no_xattrs.seen(self.ttl);
+                match block_on(caller.readdir(&path)) {
+                    Ok(entries) => (entries, seen),
+                    Err(e) => return reply.error(errno(e)),
+                }
+            }
+        };
+        if self.mode == Mode::General {
+            let subdirs = entries
+                .iter()
+                .filter(|e| kind(e.attr.mode) == FileType::Directory)
+                .map(|e| join(&path, &e.name))
+                .collect();
+            self.ahead
+                .want(&caller, subdirs, || self.no_xattrs.seen(self.ttl));
+        }
+        let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
+        self.dirs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, DirSnapshot { entries, seen });
+        reply.opened(FileHandle(id), FopenFlags::empty())
+    }
+
+    /// READDIR: a page of the open directory's snapshot.
+    pub(crate) fn dir_read(
+        &self,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(d) = dirs.get(&fh.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        let mut i = offset;
+        if i == 0 {
+            if reply.add(ino, 1, FileType::Directory, ".") {
+                return reply.ok();
+            }
+            i = 1;
+        }
+        if i == 1 {
+            if reply.add(ino, 2, FileType::Directory, "..") {
+                return reply.ok();
+            }
+            i = 2;
+        }
+        for (k, e) in d.entries.iter().enumerate().skip((i - 2) as usize) {
+            let ino = INodeNo(self.fuse_ino(e.attr.ino));
+            if reply.add(ino, k as u64 + 3, kind(e.attr.mode), &e.name) {
+                break;
+            }
+        }
+        reply.ok()
+    }
+
+    /// READDIRPLUS: a page of the snapshot, with attributes (each entry a lookup).
+    pub(crate) fn dir_read_plus(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        // Offsets match `readdir`'s (".", "..", then entry k at k + 3): with readdirplus-auto
+        // the kernel may switch between the two within one listing.
+        let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(d) = dirs.get(&fh.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        let parent = match self.path(ino) {
+            Ok(p) => p,
+            Err(e) => return reply.error(e),
+        };
+        if offset < 2 {
+            let here = match block_on(self.caller(req).lookup(&parent)) {
+                Ok(a) => self.fattr(&a),
+                Err(e) => return reply.error(errno(e)),
+            };
+            // The kernel takes no lookup reference for "." and "..".
+            if offset == 0 && reply.add(ino, 1, ".", &self.ttl, &here, Generation(0)) {
+                return reply.ok();
+            }
+            if reply.add(ino, 2, "..", &self.ttl, &here, Generation(0)) {
+                return reply.ok();
+            }
+        }
+        let first = offset.saturating_sub(2) as usize;
+        let mut sent = 0;
+        for (k, e) in d.entries.iter().enumerate().skip(first) {
+            let fa = self.fattr_of(&e.attr);
+            if reply.add(fa.ino, k as u64 + 3, &e.name, &self.ttl, &fa, Generation(0)) {
+                break;
+            }
+            sent += 1;
+        }
+        // What the kernel was given, recorded with one lock per table, not per entry.
+        let page = || d.entries[first..first + sent].iter();
+        self.fresh_told(page().map(|e| &e.attr));
+        {
+            // Each entry handed to the kernel with attributes counts as a lookup.
+            let mut t = self.table();
+            for e in page() {
+                t.learn(self.fuse_ino(e.attr.ino), &join(&parent, &e.name));
+            }
+        }
+        // A directory's copies on several bricks may differ: only files are taken at their
+        // word.
+        self.no_xattrs.listed(
+            page().map(|e| {
+                let dir = kind(e.attr.mode) == FileType::Directory;
+                (self.fuse_ino(e.attr.ino), e.xattrs || dir)
+            }),
+            &d.seen,
+        );
+        reply.ok()
+    }
+}

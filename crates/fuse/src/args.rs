@@ -56,6 +56,12 @@ pub struct MountArgs {
     /// Without it, writes go through at once and an open sees what others wrote and closed.
     #[arg(long)]
     pub writeback_cache: bool,
+    /// General mode, without --writeback-cache: a write that continues the file's last one
+    /// is answered at once and held (up to 256 KiB a file) until anything needs it on the
+    /// brick — a read, stat, chmod, fsync, and at the latest the file's close, which waits
+    /// for it and reports its errors. Off: every write waits for the brick.
+    #[arg(long, value_enum, default_value = "on")]
+    pub write_behind: Switch,
     /// Support POSIX ACLs: stored on the bricks, enforced and cached by the kernel. Without
     /// it the mount has none (getfacl shows the mode, setfacl fails with "Operation not
     /// supported"), and `ls -l` does not ask for them entry by entry.

@@ -22,10 +22,12 @@
 
 mod ahead;
 mod args;
+mod behind;
 mod bufs;
 mod callers;
 mod changes;
 mod convert;
+mod data;
 mod dirs;
 mod files;
 mod fresh;
@@ -41,7 +43,6 @@ pub use mount::*;
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::io::IoSlice;
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -52,7 +53,7 @@ use fuser::{
     ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
     ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
-use kiln_client::{block_on, Attr, DirEntry, Fd, Opened, RawIov, SetAttrs, Volume};
+use kiln_client::{block_on, Attr, DirEntry, Fd, Opened, SetAttrs, Volume};
 use kiln_proto::ops::*;
 
 use crate::bufs::BufPool;
@@ -111,6 +112,9 @@ pub struct KilnFs {
     ahead: Arc<ahead::Ahead>,
     /// The volume root's brick inode (FUSE's is [`ROOT`]).
     root_brick_ino: u64,
+    /// Writes held behind (see [`behind`]), when `write_behind`.
+    behind: behind::Behind,
+    write_behind: bool,
 }
 
 impl KilnFs {
@@ -139,6 +143,8 @@ impl KilnFs {
             writeback: false,
             ahead: Arc::new(ahead::Ahead::new(attr_timeout)),
             root_brick_ino: root.ino,
+            behind: behind::Behind::default(),
+            write_behind: mode == Mode::General,
         })
     }
 
@@ -157,6 +163,14 @@ impl KilnFs {
     /// mount writes. Off, writes go through at once and close-to-open holds (see [`fresh`]).
     pub fn with_writeback_cache(mut self, on: bool) -> KilnFs {
         self.writeback = on && self.mode == Mode::General;
+        self.write_behind &= !self.writeback;
+        self
+    }
+
+    /// With `on` (general mode, without the writeback cache), writes that continue a file's
+    /// last one are held and sent together (see [`behind`]).
+    pub fn with_write_behind(mut self, on: bool) -> KilnFs {
+        self.write_behind = on && self.mode == Mode::General && !self.writeback;
         self
     }
 
@@ -390,6 +404,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _ = self.send_behind(ino.0);
         let r = match fh {
             Some(fh) if ino.0 != ROOT && !matches!(self.open_fd(fh), Ok(None)) => {
                 match self.fd(fh) {
@@ -475,6 +490,7 @@ impl fuser::Filesystem for KilnFs {
             };
             set.mtime = t;
         }
+        let _ = self.send_behind(ino.0);
         // With a handle (the kernel passes one from ftruncate and from writeback of an open
         // file), act on the open file: its name may be gone already. Otherwise by path.
         if size.is_some() {
@@ -639,8 +655,14 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
+        let _ = self.send_behind(ino.0);
         let flags = self.open_flags(flags.0);
         let small = self.small_max > 0 && flags & (libc::O_ACCMODE | libc::O_TRUNC) == 0;
+        // A read-only handle holds no writes: its close needs no FLUSH.
+        let ff = match flags & libc::O_ACCMODE == libc::O_RDONLY {
+            true => self.fopen_flags() | FopenFlags::FOPEN_NOFLUSH,
+            false => self.fopen_flags(),
+        };
         let caller = self.caller(req);
         let seen = self.files.changes();
         let opened = if small {
@@ -653,7 +675,7 @@ impl fuser::Filesystem for KilnFs {
                 self.fresh.opened(ino.0, Some(data.len() as u64));
                 let whole = files::Whole::new(data, caller);
                 let fh = self.files.add_whole(ino.0, whole, seen);
-                reply.opened(FileHandle(fh), self.fopen_flags())
+                reply.opened(FileHandle(fh), ff)
             }
             Ok(Opened::Fd(fd)) => {
                 if self.mode == Mode::General && !self.writeback {
@@ -665,8 +687,7 @@ impl fuser::Filesystem for KilnFs {
                 let at = (ino.0, path.as_str(), flags, &fd);
                 // Marked before the answer goes: its release may come at once.
                 let backed = || self.files.mark_backed(fh.0);
-                self.pass
-                    .open(&self.vol, at, fh, self.fopen_flags(), reply, backed);
+                self.pass.open(&self.vol, at, fh, ff, reply, backed);
             }
             Err(e) => reply.error(errno(e)),
         }
@@ -709,7 +730,7 @@ impl fuser::Filesystem for KilnFs {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -717,36 +738,7 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
-        let size = size.min(MAX_IO) as usize;
-        let Some(reply) = self.read_whole(fh, offset, size, reply) else {
-            return;
-        };
-        let fd = match self.fd(fh) {
-            Ok(x) => x,
-            Err(e) => return reply.error(e),
-        };
-        let mut buf = self.bufs.get(size);
-        let iov = [RawIov {
-            base: buf.as_mut_ptr() as usize,
-            len: size,
-        }];
-        let pool = self.bufs.clone();
-        // The reply goes to the kernel from the thread that completed the read (the
-        // connection's receive thread), straight from `buf`.
-        let done = Box::new(move |r: Result<usize, u32>| {
-            match r {
-                Ok(n) => {
-                    // SAFETY: the client wrote `n` bytes of payload into `buf`'s capacity.
-                    unsafe { buf.set_len(n) };
-                    reply.data(&buf);
-                }
-                Err(e) => reply.error(Errno::from_i32(e as i32)),
-            }
-            pool.put(buf);
-        });
-        // SAFETY: `buf` moves into the callback, so its heap memory lives until the callback
-        // runs; nothing else touches it meanwhile.
-        unsafe { self.vol.preadv_raw(&fd, &iov, offset, done) }
+        self.data_read(ino, fh, offset, size, reply)
     }
 
     fn write(
@@ -761,39 +753,18 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyWrite,
     ) {
-        // Sent straight from the kernel's request buffer; this FUSE thread waits for the
-        // stack (others keep serving).
-        self.files.changing(ino.0);
-        let r = self.fd(fh).and_then(|fd| {
-            self.vol
-                .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
-                .map_err(errno)
-        });
-        self.files.changed_done();
-        self.touched(ino.0);
-        match r {
-            Ok(n) => reply.written(n as u32),
-            Err(e) => reply.error(e),
-        }
+        self.data_write(ino, fh, offset, data, reply)
     }
 
     fn flush(
         &self,
         _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
+        ino: INodeNo,
+        fh: FileHandle,
         _lock_owner: fuser::LockOwner,
         reply: ReplyEmpty,
     ) {
-        // Without writeback caching, writes are acknowledged by the brick before they are
-        // acknowledged to the kernel, so a close has nothing to send here: ENOSYS tells the
-        // kernel to stop asking, one crossing less per close. With it, the kernel writes its
-        // cached pages back before asking (older kernels only then), so it is answered.
-        if self.writeback {
-            reply.ok()
-        } else {
-            reply.error(Errno::ENOSYS)
-        }
+        self.data_flush(ino, fh, reply)
     }
 
     fn release(
@@ -806,41 +777,18 @@ impl fuser::Filesystem for KilnFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(files::OpenFile { held, ino, backed }) = self.files.remove(fh.0) else {
-            return reply.error(Errno::EBADF);
-        };
-        let files::Held::Fd(fd) = held else {
-            // Nothing open on the brick.
-            return reply.ok();
-        };
-        if backed {
-            self.pass.released(&self.vol, ino);
-        }
-        match block_on(self.vol.close(fd)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.data_release(fh, reply)
     }
 
     fn fsync(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        // The stack flushes the file on every brick that holds it; a whole file read with
-        // its open has nothing to flush.
-        let f = match self.open_fd(fh) {
-            Ok(Some(f)) => f,
-            Ok(None) => return reply.ok(),
-            Err(e) => return reply.error(e),
-        };
-        match block_on(self.vol.fsync(&f, datasync)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.data_fsync(ino, fh, datasync, reply)
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: fuser::OpenFlags, reply: ReplyOpen) {
@@ -940,6 +888,7 @@ impl fuser::Filesystem for KilnFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        let _ = self.send_behind(ino.0);
         self.files.changing(ino.0);
         let r = self.fd(fh).and_then(|f| {
             block_on(self.caller(req).fallocate(&f, mode as u32, offset, length)).map_err(errno)

@@ -150,6 +150,7 @@ pub fn main(args: MountArgs) -> Result<(), String> {
         .with_passthrough(args.passthrough == Switch::On)
         .with_acl(args.acl)
         .with_writeback_cache(args.writeback_cache)
+        .with_write_behind(args.write_behind == Switch::On)
         .with_small_file_max(args.small_file_max);
     let bg = serve_background(fs, &label, &mountpoint, args.threads)?;
     println!(

@@ -1,0 +1,138 @@
+//! Write-behind for the general mount (without the kernel's writeback cache).
+//!
+//! The kernel sends each `write(2)` as its own WRITE and waits for the answer; `tar` writes
+//! 10 KiB at a time, so a 30 KiB file cost three round trips to a brick. Here a write that
+//! continues the one before it on the same file is answered at once and held, up to
+//! [`LIMIT`] bytes per file, and sent as one write when anything needs it on the brick: a
+//! read, `stat`, `chmod`/`utimes`/truncate, `fallocate`, `fsync`, another open of the file,
+//! a write elsewhere in it, and at the latest its `close` (FLUSH, which `close(2)` waits for).
+//! So another client's open after this one's close sees the data (close-to-open), and this
+//! mount sees its own writes at once.
+//!
+//! An error of a held write (`ENOSPC`, `EDQUOT`, `EIO`) is reported by the next write,
+//! `fsync` or `close` of the handle that wrote it — as NFS does, and as a local file system
+//! does for errors found at writeback.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use fuser::Errno;
+use kiln_client::Fd;
+use rustc_hash::FxHashMap as HashMap;
+
+/// Bytes held per file at most: a write past this is sent at once.
+pub(crate) const LIMIT: usize = 256 * 1024;
+
+/// Writes held, by inode, and errors not yet reported, by file handle.
+pub(crate) struct Behind {
+    held: Mutex<HashMap<u64, Held>>,
+    /// Inodes with writes held: reads and stats skip the lock when there are none.
+    count: AtomicUsize,
+    errors: Mutex<HashMap<u64, Errno>>,
+    order: [Mutex<()>; STRIPES],
+}
+
+impl Default for Behind {
+    fn default() -> Behind {
+        Behind {
+            held: Mutex::default(),
+            count: AtomicUsize::new(0),
+            errors: Mutex::default(),
+            order: std::array::from_fn(|_| Mutex::new(())),
+        }
+    }
+}
+
+/// Contiguous bytes for one file, from one handle.
+pub(crate) struct Held {
+    pub fh: u64,
+    pub fd: Fd,
+    pub offset: u64,
+    pub data: Vec<u8>,
+}
+
+/// What [`Behind::hold`] did with a write.
+pub(crate) enum Hold {
+    /// Held: answer the write now.
+    Held,
+    /// Not held: under [`Behind::order`], send what is held for the file, then this write.
+    Through,
+}
+
+/// Locks that keep the sends of one file in order (striped by inode).
+const STRIPES: usize = 64;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Behind {
+    /// True when some file has writes held.
+    pub fn any(&self) -> bool {
+        self.count.load(Ordering::Acquire) > 0
+    }
+
+    /// Held while sending inode `ino`'s writes: what was held is sent before what follows it,
+    /// whichever thread sends each.
+    pub fn order(&self, ino: u64) -> MutexGuard<'_, ()> {
+        lock(&self.order[(ino as usize) % STRIPES])
+    }
+
+    /// A write of `data` at `offset` to inode `ino` through handle `fh` (`fd` on the
+    /// stack): held if it continues what is held from the same handle and fits [`LIMIT`],
+    /// or if nothing is held and it is small.
+    pub fn hold(&self, ino: u64, fh: u64, fd: &Fd, offset: u64, data: &[u8]) -> Hold {
+        let mut m = lock(&self.held);
+        match m.get_mut(&ino) {
+            Some(h) => {
+                let follows = h.fh == fh && h.offset + h.data.len() as u64 == offset;
+                if follows && h.data.len() + data.len() <= LIMIT {
+                    h.data.extend_from_slice(data);
+                    return Hold::Held;
+                }
+                Hold::Through
+            }
+            // Large writes gain nothing from waiting.
+            None if data.len() >= LIMIT / 2 => Hold::Through,
+            None => {
+                let mut buf = Vec::with_capacity(LIMIT.min(data.len() * 4));
+                buf.extend_from_slice(data);
+                let held = Held {
+                    fh,
+                    fd: fd.clone(),
+                    offset,
+                    data: buf,
+                };
+                m.insert(ino, held);
+                self.count.store(m.len(), Ordering::Release);
+                Hold::Held
+            }
+        }
+    }
+
+    /// What is held for inode `ino`, to be sent now (under [`Behind::order`]).
+    pub fn take(&self, ino: u64) -> Option<Held> {
+        if !self.any() {
+            return None;
+        }
+        let mut m = lock(&self.held);
+        let h = m.remove(&ino);
+        self.count.store(m.len(), Ordering::Release);
+        h
+    }
+
+    /// A held write of handle `fh` failed with `e`: reported by the handle's next write,
+    /// fsync or close.
+    pub fn failed(&self, fh: u64, e: Errno) {
+        lock(&self.errors).insert(fh, e);
+    }
+
+    /// The error to report on handle `fh` now, if a held write of it failed.
+    pub fn error(&self, fh: u64) -> Option<Errno> {
+        let mut e = lock(&self.errors);
+        if e.is_empty() {
+            return None;
+        }
+        e.remove(&fh)
+    }
+}

@@ -1,0 +1,194 @@
+//! File data: reads, writes (held behind, see [`crate::behind`]), flush, fsync and release.
+
+use std::io::IoSlice;
+
+use fuser::{Errno, FileHandle, INodeNo, ReplyData, ReplyEmpty, ReplyWrite};
+use kiln_client::{block_on, RawIov};
+
+use crate::behind::Hold;
+use crate::convert::errno;
+use crate::{files, KilnFs, MAX_IO};
+
+impl KilnFs {
+    /// READ: from a whole file read with its open, or from the brick, answered from the
+    /// thread that completes it.
+    pub(crate) fn data_read(
+        &self,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        reply: ReplyData,
+    ) {
+        let _ = self.send_behind(ino.0);
+        let size = size.min(MAX_IO) as usize;
+        let Some(reply) = self.read_whole(fh, offset, size, reply) else {
+            return;
+        };
+        let fd = match self.fd(fh) {
+            Ok(x) => x,
+            Err(e) => return reply.error(e),
+        };
+        let mut buf = self.bufs.get(size);
+        let iov = [RawIov {
+            base: buf.as_mut_ptr() as usize,
+            len: size,
+        }];
+        let pool = self.bufs.clone();
+        // The reply goes to the kernel from the thread that completed the read (the
+        // connection's receive thread), straight from `buf`.
+        let done = Box::new(move |r: Result<usize, u32>| {
+            match r {
+                Ok(n) => {
+                    // SAFETY: the client wrote `n` bytes of payload into `buf`'s capacity.
+                    unsafe { buf.set_len(n) };
+                    reply.data(&buf);
+                }
+                Err(e) => reply.error(Errno::from_i32(e as i32)),
+            }
+            pool.put(buf);
+        });
+        // SAFETY: `buf` moves into the callback, so its heap memory lives until the callback
+        // runs; nothing else touches it meanwhile.
+        unsafe { self.vol.preadv_raw(&fd, &iov, offset, done) }
+    }
+
+    /// WRITE: held behind when it continues the file's last write (general mode), else sent
+    /// straight from the kernel's request buffer while this FUSE thread waits (others keep
+    /// serving).
+    pub(crate) fn data_write(
+        &self,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        reply: ReplyWrite,
+    ) {
+        if let Some(e) = self.behind.error(fh.0) {
+            return reply.error(e);
+        }
+        let fd = match self.fd(fh) {
+            Ok(fd) => fd,
+            Err(e) => return reply.error(e),
+        };
+        self.files.changing(ino.0);
+        if self.write_behind {
+            if let Hold::Held = self.behind.hold(ino.0, fh.0, &fd, offset, data) {
+                self.files.changed_done();
+                return reply.written(data.len() as u32);
+            }
+        }
+        let r = {
+            let _order = self.behind.order(ino.0);
+            self.send_held(ino.0)
+                .inspect_err(|_| {
+                    // Reported now if it was this handle's; kept for the other's otherwise.
+                    let _ = self.behind.error(fh.0);
+                })
+                .and_then(|()| {
+                    self.vol
+                        .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
+                        .map_err(errno)
+                })
+        };
+        self.files.changed_done();
+        self.touched(ino.0);
+        match r {
+            Ok(n) => reply.written(n as u32),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// Sends what is held behind for `ino`, if anything; an error is also kept for the
+    /// handle that wrote it (its next write, fsync or close reports it).
+    pub(crate) fn send_behind(&self, ino: u64) -> Result<(), Errno> {
+        if !self.behind.any() {
+            return Ok(());
+        }
+        let _order = self.behind.order(ino);
+        self.send_held(ino)
+    }
+
+    /// [`Self::send_behind`] under the file's order lock.
+    fn send_held(&self, ino: u64) -> Result<(), Errno> {
+        let Some(h) = self.behind.take(ino) else {
+            return Ok(());
+        };
+        let r = self
+            .vol
+            .pwritev_blocking(&h.fd, &[IoSlice::new(&h.data)], h.offset);
+        self.touched(ino);
+        match r {
+            Ok(n) if n == h.data.len() => Ok(()),
+            Ok(n) => {
+                tracing::warn!(ino, n, held = h.data.len(), "short write of held data");
+                self.behind.failed(h.fh, Errno::EIO);
+                Err(Errno::EIO)
+            }
+            Err(e) => {
+                let e = errno(e);
+                self.behind.failed(h.fh, e);
+                Err(e)
+            }
+        }
+    }
+
+    /// FLUSH (every `close(2)` of a handle that may write): what is held goes to the brick,
+    /// and an error of a held write is reported. With the kernel's writeback cache, it
+    /// writes its cached pages back before asking, so there is nothing to do here.
+    pub(crate) fn data_flush(&self, ino: INodeNo, fh: FileHandle, reply: ReplyEmpty) {
+        let _ = self.send_behind(ino.0);
+        match self.behind.error(fh.0) {
+            Some(e) => reply.error(e),
+            None => reply.ok(),
+        }
+    }
+
+    /// FSYNC: what is held goes first; then the stack flushes the file on every brick that
+    /// holds it. A whole file read with its open has nothing to flush.
+    pub(crate) fn data_fsync(
+        &self,
+        ino: INodeNo,
+        fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let _ = self.send_behind(ino.0);
+        if let Some(e) = self.behind.error(fh.0) {
+            return reply.error(e);
+        }
+        let f = match self.open_fd(fh) {
+            Ok(Some(f)) => f,
+            Ok(None) => return reply.ok(),
+            Err(e) => return reply.error(e),
+        };
+        match block_on(self.vol.fsync(&f, datasync)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    /// RELEASE: the handle is closed on the brick (after FLUSH, so nothing is held).
+    pub(crate) fn data_release(&self, fh: FileHandle, reply: ReplyEmpty) {
+        let Some(files::OpenFile { held, ino, backed }) = self.files.remove(fh.0) else {
+            return reply.error(Errno::EBADF);
+        };
+        if self.send_behind(ino).is_err() || self.behind.error(fh.0).is_some() {
+            tracing::warn!(
+                ino,
+                "a held write failed and its handle was closed without FLUSH"
+            );
+        }
+        let files::Held::Fd(fd) = held else {
+            // Nothing open on the brick.
+            return reply.ok();
+        };
+        if backed {
+            self.pass.released(&self.vol, ino);
+        }
+        match block_on(self.vol.close(fd)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+}

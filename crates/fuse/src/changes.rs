@@ -19,11 +19,13 @@ use kiln_proto::ops::{Changes, CHANGE_DATA, CHANGE_NAME};
 use crate::ahead::{parent, Ahead};
 use crate::fresh::Fresh;
 use crate::inodes::Inodes;
+use crate::known::Known;
 use crate::xattr::NoXattrs;
 
 /// What applying a push touches.
 pub(crate) struct Caches {
     pub ahead: Arc<Ahead>,
+    pub known: Arc<Known>,
     pub inodes: Arc<Mutex<Inodes>>,
     pub no_xattrs: Arc<NoXattrs>,
     pub fresh: Arc<Fresh>,
@@ -35,6 +37,7 @@ pub(crate) struct Caches {
 pub(crate) fn watch(vol: &Volume, caches: Caches) -> std::io::Result<()> {
     let (tx, rx) = mpsc::channel::<Changes>();
     let tx = Mutex::new(tx);
+    let known = caches.known.clone();
     std::thread::Builder::new()
         .name("kiln-changes".into())
         .spawn(move || {
@@ -44,7 +47,10 @@ pub(crate) fn watch(vol: &Volume, caches: Caches) -> std::io::Result<()> {
         })?;
     kiln_client::block_on(vol.watch(Arc::new(move |c: &Changes| {
         let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(c.clone());
-    })))
+    })))?;
+    // Every brick pushes: what this mount alone changed can be known (see [`crate::known`]).
+    known.pushes(true);
+    Ok(())
 }
 
 /// `path`'s parent path and last name.
@@ -62,6 +68,7 @@ impl Caches {
         };
         if c.all {
             self.ahead.spoil_all();
+            self.known.forget_all();
             let all = self.inodes.lock().unwrap_or_else(|e| e.into_inner()).all();
             tracing::debug!(
                 inodes = all.len(),
@@ -77,8 +84,10 @@ impl Caches {
             // Every change shows in the listing of the directory it is in; a directory
             // replaced or removed takes its own listing with it.
             self.ahead.spoil(parent(&ch.path));
+            self.known.forget(parent(&ch.path));
             if ch.kind & CHANGE_NAME != 0 {
                 self.ahead.spoil(&ch.path);
+                self.known.forget(&ch.path);
             }
             // The table keeps the name: the kernel may still use its entry until told, and
             // asks again (a lookup, which corrects the table) after.

@@ -32,6 +32,7 @@ mod dirs;
 mod files;
 mod fresh;
 pub mod inodes;
+mod known;
 mod mount;
 mod passthrough;
 #[cfg(test)]
@@ -112,6 +113,8 @@ pub struct KilnFs {
     ahead: Arc<ahead::Ahead>,
     /// The volume root's brick inode (FUSE's is [`ROOT`]).
     root_brick_ino: u64,
+    /// Directories whose every name this mount knows (see [`known`]).
+    known: Arc<known::Known>,
     /// Writes held behind (see [`behind`]), when `write_behind`.
     behind: behind::Behind,
     write_behind: bool,
@@ -143,6 +146,7 @@ impl KilnFs {
             writeback: false,
             ahead: Arc::new(ahead::Ahead::new(attr_timeout)),
             root_brick_ino: root.ino,
+            known: Arc::new(known::Known::new(attr_timeout)),
             behind: behind::Behind::default(),
             write_behind: mode == Mode::General,
         })
@@ -205,6 +209,7 @@ impl KilnFs {
             no_xattrs: self.no_xattrs.clone(),
             fresh: self.fresh.clone(),
             ahead: self.ahead.clone(),
+            known: self.known.clone(),
         }
     }
 
@@ -221,10 +226,13 @@ impl KilnFs {
         Ok((self.path(ino)?, name.to_str().ok_or(Errno::EINVAL)?))
     }
 
-    /// A name in `path`'s directory changed (through this mount): listings fetched ahead of
-    /// it are stale.
-    fn named(&self, path: &str) {
-        self.ahead.spoil(ahead::parent(path));
+    /// A name in `path`'s directory changed through this mount, with outcome `made`:
+    /// listings fetched ahead of it are stale, and what is known of its names follows.
+    fn named(&self, path: &str, made: known::Name) {
+        let parent = ahead::parent(path);
+        self.ahead.spoil(parent);
+        let name = path.rsplit('/').next().unwrap_or(path);
+        self.known.named(parent, name, made);
     }
 
     /// `ino`'s attributes changed through this mount: the listing its entry is in is stale.
@@ -233,7 +241,7 @@ impl KilnFs {
             return;
         }
         if let Some(p) = self.table().path(ino) {
-            self.named(&p);
+            self.named(&p, known::Name::Exists);
         }
     }
 
@@ -329,7 +337,7 @@ impl KilnFs {
             self.keep_whole_files_open(req, &path);
             block_on(self.caller(req).unlink(&path))
         };
-        self.named(&path);
+        self.named(&path, made(&r, known::Name::Gone));
         match r {
             Ok(()) => {
                 self.table().unlinked(&path);
@@ -393,6 +401,12 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
+        if self
+            .known
+            .absent(ahead::parent(&path), name.to_str().unwrap_or_default())
+        {
+            return reply.error(Errno::ENOENT);
+        }
         match block_on(self.caller(req).lookup(&path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
@@ -541,7 +555,10 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let r = block_on(self.caller(req).mkdir(&path, mode & !umask));
-        self.named(&path);
+        self.named(&path, made(&r, known::Name::Exists));
+        if r.is_ok() {
+            self.known.made_dir(&path);
+        }
         match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
@@ -564,7 +581,7 @@ impl fuser::Filesystem for KilnFs {
         };
         let mode = mode & (libc::S_IFMT | !umask);
         let r = block_on(self.caller(req).mknod(&path, mode, rdev as u64));
-        self.named(&path);
+        self.named(&path, made(&r, known::Name::Exists));
         match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
@@ -593,7 +610,7 @@ impl fuser::Filesystem for KilnFs {
             (_, None) => return reply.error(Errno::EINVAL),
         };
         let r = block_on(self.caller(req).symlink(target, &path));
-        self.named(&path);
+        self.named(&path, made(&r, known::Name::Exists));
         match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
@@ -616,10 +633,18 @@ impl fuser::Filesystem for KilnFs {
         };
         self.keep_whole_files_open(req, &to);
         let r = block_on(self.caller(req).rename(&from, &to, flags.bits()));
-        self.named(&from);
-        self.named(&to);
+        let exchange = flags.bits() & libc::RENAME_EXCHANGE != 0;
+        let left = if exchange {
+            known::Name::Exists
+        } else {
+            known::Name::Gone
+        };
+        self.named(&from, made(&r, left));
+        self.named(&to, made(&r, known::Name::Exists));
         // A directory moved: its own listing's entries are reached by new paths.
         self.ahead.spoil(&from);
+        self.known.forget(&from);
+        self.known.forget(&to);
         match r {
             Ok(()) => {
                 self.table().renamed(&from, &to);
@@ -642,8 +667,8 @@ impl fuser::Filesystem for KilnFs {
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
         };
         let r = block_on(self.caller(req).link(&existing, &path));
-        self.named(&existing);
-        self.named(&path);
+        self.named(&existing, known::Name::Exists);
+        self.named(&path, made(&r, known::Name::Exists));
         match r {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
@@ -709,7 +734,7 @@ impl fuser::Filesystem for KilnFs {
         };
         let flags = self.open_flags(flags) | (flags & libc::O_EXCL);
         let r = block_on(self.caller(req).create(&path, flags, mode & !umask));
-        self.named(&path);
+        self.named(&path, made(&r, known::Name::Exists));
         match r {
             Ok((fd, a)) => {
                 let fa = self.fattr(&a);
@@ -899,5 +924,14 @@ impl fuser::Filesystem for KilnFs {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
+    }
+}
+
+/// The outcome for [`known`] of a change that would leave a name `ok` if it succeeded.
+fn made<T, E>(r: &Result<T, E>, ok: known::Name) -> known::Name {
+    if r.is_ok() {
+        ok
+    } else {
+        known::Name::Unknown
     }
 }

@@ -231,3 +231,30 @@ fn listings_fetched_ahead_never_hide_a_change() {
         .collect::<Vec<_>>();
     assert_eq!(listed, [6], "B's own write, as the listing gives it");
 }
+
+#[test]
+fn names_absent_from_a_directory_made_here_need_no_brick_until_another_client_adds_one() {
+    let ttl = Duration::from_secs(60);
+    let a = Mounted::with_options(Mode::General, true, ttl);
+    let b = a.second(ttl);
+    std::fs::create_dir(a.path("k")).unwrap();
+    write_and_close(&a.path("k/mine"), b"a");
+    // The create made the kernel forget k's attributes: fetched once here (a lookup too).
+    assert!(a.path("k").is_dir());
+    let lookups = a.stats.calls(kiln_proto::Op::Lookup);
+    for i in 0..20 {
+        assert!(!a.path(&format!("k/x{i}")).exists());
+    }
+    assert_eq!(
+        a.stats.calls(kiln_proto::Op::Lookup),
+        lookups,
+        "20 absent names in a directory A made: no lookup on the brick"
+    );
+    assert_eq!(std::fs::read(a.path("k/mine")).unwrap(), b"a");
+    // Another client's file in it: pushed, so A asks the brick again and finds it.
+    write_and_close(&b.path("k/theirs"), b"b");
+    within(Duration::from_secs(5), "B's create", || {
+        a.path("k/theirs").exists()
+    });
+    assert_eq!(std::fs::read(a.path("k/theirs")).unwrap(), b"b");
+}

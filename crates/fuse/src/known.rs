@@ -1,0 +1,175 @@
+//! Directories whose every name this mount knows: a lookup of any other name there is
+//! answered "no such file" without asking a brick.
+//!
+//! Creating a file asks the kernel to look its name up first, and in a directory this mount
+//! just made (an untar, a build, a checkout) the brick always says there is none: a round
+//! trip per file for nothing. A directory made through this mount starts known and empty;
+//! names created or removed in it through this mount keep it known; anything else forgets it:
+//! a failed change in it, a rename of it, another client's change in it (pushed by the brick,
+//! see [`crate::changes`]), a lost brick connection. It is only kept while the bricks push
+//! changes, and for the attribute timeout at most (the bound the README gives for what a push
+//! cannot cover).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+
+/// The longest name a brick takes (Linux's `NAME_MAX`).
+const NAME_MAX: usize = 255;
+/// Directories known at most (all are forgotten past this).
+const DIRS_MAX: usize = 4096;
+/// Names one known directory may hold (it is forgotten past this).
+const NAMES_MAX: usize = 65536;
+
+/// Known directories by path.
+pub(crate) struct Known {
+    dirs: Mutex<HashMap<String, Dir>>,
+    /// The bricks push changes: without that, nothing is known.
+    pushed: AtomicBool,
+    ttl: Duration,
+}
+
+struct Dir {
+    names: HashSet<String>,
+    since: Instant,
+}
+
+/// What a change through this mount did to a name.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Name {
+    /// The name now exists.
+    Exists,
+    /// The name is gone.
+    Gone,
+    /// Not known (the change failed, or moved something): its directory is forgotten.
+    Unknown,
+}
+
+impl Known {
+    /// Nothing known; directories are kept for `ttl` at most.
+    pub fn new(ttl: Duration) -> Known {
+        Known {
+            dirs: Mutex::default(),
+            pushed: AtomicBool::new(false),
+            ttl,
+        }
+    }
+
+    fn dirs(&self) -> MutexGuard<'_, HashMap<String, Dir>> {
+        self.dirs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The bricks push changes from now on (`on`), or may not (everything is forgotten).
+    pub fn pushes(&self, on: bool) {
+        self.pushed.store(on, Ordering::Release);
+        if !on {
+            self.dirs().clear();
+        }
+    }
+
+    /// True when `name` is surely not in directory `dir` (a name the brick would refuse, too
+    /// long for it, is left for the brick to refuse).
+    pub fn absent(&self, dir: &str, name: &str) -> bool {
+        if !self.pushed.load(Ordering::Acquire) || name.len() > NAME_MAX {
+            return false;
+        }
+        let mut d = self.dirs();
+        match d.get(dir) {
+            Some(k) if k.since.elapsed() < self.ttl => !k.names.contains(name),
+            Some(_) => {
+                d.remove(dir);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Directory `dir` was just made through this mount: empty.
+    pub fn made_dir(&self, dir: &str) {
+        if !self.pushed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut d = self.dirs();
+        if d.len() >= DIRS_MAX {
+            d.clear();
+        }
+        let k = Dir {
+            names: HashSet::default(),
+            since: Instant::now(),
+        };
+        d.insert(dir.to_owned(), k);
+    }
+
+    /// `name` in `dir` was changed through this mount, with outcome `made`.
+    pub fn named(&self, dir: &str, name: &str, made: Name) {
+        let mut d = self.dirs();
+        if d.is_empty() {
+            return;
+        }
+        let Some(k) = d.get_mut(dir) else {
+            return;
+        };
+        match made {
+            Name::Exists if k.names.len() < NAMES_MAX => {
+                k.names.insert(name.to_owned());
+            }
+            Name::Gone => {
+                k.names.remove(name);
+            }
+            _ => {
+                d.remove(dir);
+            }
+        }
+    }
+
+    /// Another client changed something in (or of) `dir`, or it was renamed: forgotten.
+    pub fn forget(&self, dir: &str) {
+        let mut d = self.dirs();
+        if !d.is_empty() {
+            d.remove(dir);
+        }
+    }
+
+    /// Anything may have changed: everything is forgotten.
+    pub fn forget_all(&self) {
+        self.dirs().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_made_directory_is_known_until_something_else_happens() {
+        let k = Known::new(Duration::from_secs(60));
+        k.made_dir("d");
+        assert!(!k.absent("d", "x"), "nothing is known without pushes");
+        k.pushes(true);
+        k.made_dir("d");
+        assert!(k.absent("d", "x"));
+        assert!(
+            !k.absent("d", &"n".repeat(256)),
+            "ENAMETOOLONG is the brick's to say"
+        );
+        k.named("d", "x", Name::Exists);
+        assert!(!k.absent("d", "x"));
+        k.named("d", "x", Name::Gone);
+        assert!(k.absent("d", "x"));
+        k.named("d", "y", Name::Unknown);
+        assert!(!k.absent("d", "z"), "forgotten after a failed change");
+        k.made_dir("e");
+        k.forget("e");
+        assert!(!k.absent("e", "z"));
+        k.made_dir("f");
+        k.pushes(false);
+        k.pushes(true);
+        assert!(!k.absent("f", "z"), "forgotten when pushes stop");
+        let short = Known::new(Duration::ZERO);
+        short.pushes(true);
+        short.made_dir("g");
+        assert!(!short.absent("g", "z"), "kept no longer than the timeout");
+    }
+}

@@ -139,7 +139,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Conn {
-    /// Sends the brick's push frames to `sink` from now on.
+    /// Sends the brick's push frames' arguments to `sink` from now on; when the connection
+    /// fails, `sink` is called once with nothing (pushes stopped).
     pub fn set_push(&self, sink: Option<PushSink>) {
         *self.push.write().unwrap_or_else(|e| e.into_inner()) = sink;
     }
@@ -438,6 +439,11 @@ impl Conn {
             self.ended.store(true, std::sync::atomic::Ordering::Release);
             std::mem::take(&mut t.pending)
         };
+        // Pushes stop with the connection: an empty push says so (see `set_push`).
+        let sink = self.push.write().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(sink) = sink {
+            sink(&[]);
+        }
         for p in receiving.into_iter().chain(drained.into_values()) {
             let lost = if p.sent { Lost::InDoubt } else { Lost::Unsent };
             deliver(

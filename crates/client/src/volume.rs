@@ -41,6 +41,15 @@ pub struct Volume {
     cred: Option<Arc<Cred>>,
 }
 
+/// What a brick pushed ([`Volume::watch`]).
+pub enum Pushed<'a> {
+    /// Changes other clients made (`all`: anything may have changed).
+    Changes(&'a Changes),
+    /// The brick's pushes stopped (its connection failed, or it would not push again): until
+    /// a later [`Pushed::Changes`] with `all`, changes may go unpushed.
+    Lost,
+}
+
 /// What every view of a volume shares.
 struct Stack {
     top: LayerRef,
@@ -270,21 +279,26 @@ impl Volume {
     }
 
     /// Has every brick push the changes other clients make to `sink` (called on a receiving
-    /// thread: it must not block), for as long as the volume lives, across reconnects (after
-    /// each, `sink` is told everything may have changed) and graph changes. Fails with the
+    /// thread: it must not block), for as long as the volume lives, across reconnects (a lost
+    /// connection is [`Pushed::Lost`]; after a reconnect `sink` is told everything may have
+    /// changed) and graph changes. Fails with the
     /// first brick's error, if any could not be asked (it is asked again when it comes back).
-    pub async fn watch(&self, sink: Arc<dyn Fn(&Changes) + Send + Sync>) -> io::Result<()> {
-        let raw: crate::conn::PushSink =
-            Arc::new(move |args: &[u8]| match Changes::from_wire(args) {
-                Ok(c) => sink(&c),
+    pub async fn watch(&self, sink: Arc<dyn Fn(Pushed<'_>) + Send + Sync>) -> io::Result<()> {
+        let raw: crate::conn::PushSink = Arc::new(move |args: &[u8]| {
+            if args.is_empty() {
+                return sink(Pushed::Lost);
+            }
+            match Changes::from_wire(args) {
+                Ok(c) => sink(Pushed::Changes(&c)),
                 Err(e) => {
                     tracing::warn!("malformed push from a brick ({e}): dropping every cache");
-                    sink(&Changes {
+                    sink(Pushed::Changes(&Changes {
                         all: true,
                         changes: kiln_proto::codec::Seq(Vec::new()),
-                    })
+                    }))
                 }
-            });
+            }
+        });
         let mut first = None;
         for l in &self.stack.gen().links {
             if let Err(e) = l.watch(raw.clone()).await {

@@ -1,111 +1,172 @@
-//! Directory listings fetched ahead of a walk.
+//! Fetching ahead of the application: directory listings ahead of a walk, small files'
+//! content ahead of a reader (see [`Listings`] and [`Contents`]).
 //!
-//! The kernel asks for one directory at a time, and an `ls -lR`, `find` or `du` waits for each
-//! listing in turn (a brick lists and stats some 2,000 entries a millisecond). So when a
-//! listing shows subdirectories, the mount fetches their listings in the background, a few at
-//! a time, and the walk finds the next one waiting when it gets there.
+//! The kernel asks for one thing at a time: an `ls -lR`, `find` or `du` waits for each listing
+//! in turn, and `cat` of a tree for each file's open. So when a listing shows subdirectories
+//! the mount fetches their listings in the background, a few at a time, and when a reader
+//! opens a small file it fetches the next small files of the same directory; the application
+//! finds them waiting when it gets there.
 //!
-//! A listing fetched ahead is used once, by the next `opendir` of its directory, and only
-//! while younger than the attribute timeout. Any change to the directory's names, or to the
-//! attributes of an entry, spoils it: made through this mount (spoiled when the change is
-//! done) or by another client (when the brick's push arrives, see [`crate::changes`]). A fetch
-//! still running when its directory is spoiled is thrown away when it ends; one that ended
-//! before is dropped. So a listing never shows the directory as it was before a change that
-//! completed before the listing is used.
+//! What was fetched ahead is used once, by the next `opendir` or `open` of its path, and only
+//! while younger than the attribute timeout. A change to it spoils it: made through this mount
+//! (spoiled when the change is done) or by another client (when the brick's push arrives, see
+//! [`crate::changes`]). A fetch still running when its path is spoiled is thrown away when it
+//! ends; one that ended before is dropped. So nothing fetched ahead shows a file or directory
+//! as it was before a change that completed before it is used.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kiln_client::Volume;
 use kiln_proto::ops::DirEntry;
 
 use crate::xattr::Seen;
 
-/// Fetches running at once.
-const RUNNING_MAX: usize = 4;
-/// Entries held in listings not yet used; no fetch starts past this.
-const ENTRIES_MAX: usize = 256 * 1024;
-/// Directories waiting to be fetched, at most (the rest are not fetched ahead).
-const QUEUE_MAX: usize = 4096;
+/// A directory listing fetched ahead, and what it may tell of extended attributes.
+pub(crate) type Listing = (Vec<DirEntry>, Seen);
+/// Listings fetched ahead, by directory path: 4 at a time, 256 Ki entries held at most.
+pub(crate) type Listings = Ahead<Listing>;
+/// A small file fetched ahead: its FUSE inode and whole content.
+pub(crate) type Content = (u64, Vec<u8>);
+/// Small files fetched ahead, by path: 8 at a time, 32 MiB held at most.
+pub(crate) type Contents = Ahead<Content>;
 
-/// Listings fetched ahead, and those being fetched.
-pub(crate) struct Ahead {
-    state: Mutex<State>,
-    /// Listings held plus fetches running: spoiling costs nothing when both are none.
+/// One fetch: its result and what holding it costs (entries, bytes), or nothing.
+pub(crate) type Job<T> =
+    Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = Option<(T, usize)>> + Send>> + Send>;
+
+/// Things fetched ahead by path, and those being fetched.
+pub(crate) struct Ahead<T> {
+    state: Mutex<State<T>>,
+    /// Things held plus fetches running or queued: spoiling costs nothing when all are none.
     busy: AtomicUsize,
     ttl: Duration,
+    /// Fetches running at once; cost held (past it, no fetch starts: those running may end
+    /// past it, by at most what they hold); jobs queued at most.
+    running_max: usize,
+    cost_max: usize,
+    queue_max: usize,
 }
 
-#[derive(Default)]
-struct State {
-    ready: HashMap<String, Fetched>,
-    /// Directories fetching now; those spoiled meanwhile are thrown away when they end.
+struct State<T> {
+    ready: HashMap<String, (T, usize, Instant)>,
+    /// Paths fetching now; those spoiled meanwhile are thrown away when they end.
     running: HashMap<String, bool>,
-    queue: VecDeque<(Volume, String, Seen)>,
+    queue: VecDeque<(String, Job<T>)>,
     queued: HashSet<String>,
-    entries: usize,
+    cost: usize,
 }
 
-/// A listing, when it was fetched, and what it may tell of extended attributes.
-pub(crate) struct Fetched {
-    pub entries: Vec<DirEntry>,
-    pub seen: Seen,
-    at: Instant,
-}
-
-impl Ahead {
+impl Listings {
     /// Listings used within `ttl` of their fetch.
-    pub fn new(ttl: Duration) -> Ahead {
+    pub fn listings(ttl: Duration) -> Listings {
+        Ahead::new(ttl, 4, 256 * 1024)
+    }
+}
+
+impl Contents {
+    /// Contents used within `ttl` of their fetch.
+    pub fn contents(ttl: Duration) -> Contents {
+        Ahead::new(ttl, 8, 32 << 20)
+    }
+}
+
+impl<T: Send + 'static> Ahead<T> {
+    fn new(ttl: Duration, running_max: usize, cost_max: usize) -> Ahead<T> {
         Ahead {
-            state: Mutex::default(),
+            state: Mutex::new(State {
+                ready: HashMap::new(),
+                running: HashMap::new(),
+                queue: VecDeque::new(),
+                queued: HashSet::new(),
+                cost: 0,
+            }),
             busy: AtomicUsize::new(0),
             ttl,
+            running_max,
+            cost_max,
+            queue_max: 4096,
         }
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
+    fn state(&self) -> MutexGuard<'_, State<T>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn count(&self, s: &State) {
+    fn count(&self, s: &State<T>) {
         self.busy.store(
             s.ready.len() + s.running.len() + s.queue.len(),
             Ordering::Release,
         );
     }
 
-    /// True while listings are held or being fetched (else spoiling has nothing to do).
+    /// True while things are held or being fetched (else spoiling has nothing to do).
     pub fn holds(&self) -> bool {
         self.busy.load(Ordering::Acquire) > 0
     }
 
-    /// The listing of `dir` fetched ahead, if one is ready and fresh.
-    pub fn take(&self, dir: &str) -> Option<Fetched> {
-        if self.busy.load(Ordering::Acquire) == 0 {
+    /// True when `path` is held, being fetched or waiting to be.
+    #[cfg(test)]
+    pub fn has(&self, path: &str) -> bool {
+        if !self.holds() {
+            return false;
+        }
+        let s = self.state();
+        s.ready.contains_key(path) || s.running.contains_key(path) || s.queued.contains(path)
+    }
+
+    /// What was fetched ahead for `path`, if it is ready and fresh.
+    pub fn take(self: &Arc<Self>, path: &str) -> Option<T> {
+        if !self.holds() {
             return None;
         }
         let mut s = self.state();
-        let f = s.ready.remove(dir)?;
-        s.entries -= f.entries.len();
+        let (t, cost, at) = s.ready.remove(path)?;
+        s.cost -= cost;
+        let starts = self.next(&mut s);
         self.count(&s);
-        (f.at.elapsed() < self.ttl).then_some(f)
+        drop(s);
+        self.start(starts);
+        (at.elapsed() < self.ttl).then_some(t)
     }
 
-    /// Directory `dir`'s names or an entry's attributes changed: what was fetched of it is
-    /// dropped, and a fetch of it now running is thrown away when it ends.
-    pub fn spoil(&self, dir: &str) {
-        if self.busy.load(Ordering::Acquire) == 0 {
+    /// `path` changed: what was fetched of it is dropped, and a fetch of it now running is
+    /// thrown away when it ends.
+    pub fn spoil(&self, path: &str) {
+        if !self.holds() {
             return;
         }
         let mut s = self.state();
-        if let Some(f) = s.ready.remove(dir) {
-            s.entries -= f.entries.len();
+        if let Some((_, cost, _)) = s.ready.remove(path) {
+            s.cost -= cost;
         }
-        if let Some(spoiled) = s.running.get_mut(dir) {
+        if let Some(spoiled) = s.running.get_mut(path) {
             *spoiled = true;
         }
+        self.count(&s);
+    }
+
+    /// `path` was renamed, replaced or removed: it and everything below it is spoiled.
+    pub fn spoil_tree(&self, path: &str) {
+        if !self.holds() {
+            return;
+        }
+        let below = format!("{path}/");
+        let hit = |p: &String| p == path || p.starts_with(&below);
+        let mut s = self.state();
+        let gone: Vec<String> = s.ready.keys().filter(|p| hit(p)).cloned().collect();
+        for p in gone {
+            if let Some((_, cost, _)) = s.ready.remove(&p) {
+                s.cost -= cost;
+            }
+        }
+        s.running
+            .iter_mut()
+            .filter(|(p, _)| hit(p))
+            .for_each(|(_, v)| *v = true);
         self.count(&s);
     }
 
@@ -113,74 +174,89 @@ impl Ahead {
     pub fn spoil_all(&self) {
         let mut s = self.state();
         s.ready.clear();
-        s.entries = 0;
+        s.cost = 0;
         s.running.values_mut().for_each(|v| *v = true);
         self.count(&s);
     }
 
-    /// Fetches the listings of `dirs` ahead, as `vol`'s caller; `seen` for each is taken now
-    /// (before its fetch: the conservative side).
-    pub fn want(self: &Arc<Self>, vol: &Volume, dirs: Vec<String>, seen: impl Fn() -> Seen) {
-        if dirs.is_empty() {
-            return;
-        }
+    /// Fetches `paths` ahead, in order, as room allows, each with the job `fetch` makes for
+    /// it; paths already held, fetching or queued are skipped (and make no job).
+    pub fn want(
+        self: &Arc<Self>,
+        paths: impl IntoIterator<Item = String>,
+        fetch: impl Fn(&str) -> Job<T>,
+    ) {
         let mut s = self.state();
-        for d in dirs {
-            if s.queue.len() >= QUEUE_MAX {
+        for path in paths {
+            if s.queue.len() >= self.queue_max {
                 break;
             }
-            if s.ready.contains_key(&d) || s.running.contains_key(&d) || s.queued.contains(&d) {
+            let known = s.ready.contains_key(&path) || s.running.contains_key(&path);
+            if known || s.queued.contains(&path) {
                 continue;
             }
-            s.queued.insert(d.clone());
-            s.queue.push_back((vol.clone(), d, seen()));
+            let job = fetch(&path);
+            s.queued.insert(path.clone());
+            s.queue.push_back((path, job));
         }
         let starts = self.next(&mut s);
         self.count(&s);
         drop(s);
-        for (vol, dir, seen) in starts {
-            self.fetch(vol, dir, seen);
-        }
+        self.start(starts);
     }
 
     /// Takes what may start now off the queue.
-    fn next(&self, s: &mut State) -> Vec<(Volume, String, Seen)> {
+    fn next(&self, s: &mut State<T>) -> Vec<(String, Job<T>)> {
+        if s.cost >= self.cost_max {
+            // Full: what is too old to be used goes (never-used fetches would pin the room).
+            let ttl = self.ttl;
+            let mut freed = 0;
+            s.ready.retain(|_, (_, cost, at)| {
+                let keep = at.elapsed() < ttl;
+                if !keep {
+                    freed += *cost;
+                }
+                keep
+            });
+            s.cost -= freed;
+        }
         let mut out = Vec::new();
-        while s.running.len() < RUNNING_MAX && s.entries < ENTRIES_MAX {
-            let Some((vol, dir, seen)) = s.queue.pop_front() else {
+        while s.running.len() < self.running_max && s.cost < self.cost_max {
+            let Some((path, job)) = s.queue.pop_front() else {
                 break;
             };
-            s.queued.remove(&dir);
-            s.running.insert(dir.clone(), false);
-            out.push((vol, dir, seen));
+            s.queued.remove(&path);
+            s.running.insert(path.clone(), false);
+            out.push((path, job));
         }
         out
     }
 
-    fn fetch(self: &Arc<Self>, vol: Volume, dir: String, seen: Seen) {
-        let me = self.clone();
-        let at = Instant::now();
-        kiln_client::spawn(async move {
-            let r = vol.readdir(&dir).await;
-            let starts = {
-                let mut s = me.state();
-                let spoiled = s.running.remove(&dir).unwrap_or(true);
-                match r {
-                    Ok(entries) if !spoiled => {
-                        s.entries += entries.len();
-                        s.ready.insert(dir, Fetched { entries, seen, at });
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::debug!(dir, "listing ahead failed: {e}"),
-                }
-                let starts = me.next(&mut s);
-                me.count(&s);
-                starts
-            };
-            for (vol, dir, seen) in starts {
-                me.fetch(vol, dir, seen);
-            }
-        });
+    fn start(self: &Arc<Self>, jobs: Vec<(String, Job<T>)>) {
+        for (path, job) in jobs {
+            let at = Instant::now();
+            let fut = job();
+            let me = self.clone();
+            kiln_client::spawn(async move {
+                let r = fut.await;
+                me.finish(path, r, at);
+            });
+        }
+    }
+
+    /// A fetch of `path` begun `at` ended with `r`: kept unless spoiled meanwhile; the next
+    /// fetches start.
+    fn finish(self: &Arc<Self>, path: String, r: Option<(T, usize)>, at: Instant) {
+        let mut s = self.state();
+        let spoiled = s.running.remove(&path).unwrap_or(true);
+        if let (Some((t, cost)), false) = (r, spoiled) {
+            s.cost += cost;
+            s.ready.insert(path, (t, cost, at));
+        }
+        let starts = self.next(&mut s);
+        self.count(&s);
+        drop(s);
+        self.start(starts);
     }
 }
 
@@ -198,5 +274,73 @@ mod tests {
         assert_eq!(parent("a/b/c"), "a/b");
         assert_eq!(parent("a"), "");
         assert_eq!(parent(""), "");
+    }
+
+    /// A job that completes at once with `v`.
+    fn ready(v: u32) -> Job<u32> {
+        Box::new(move || Box::pin(async move { Some((v, 1)) }))
+    }
+
+    #[test]
+    fn fetched_once_and_spoiled_by_a_change() {
+        let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
+        a.want(["x".to_owned(), "y".to_owned()], |p| {
+            ready(if p == "x" { 1 } else { 2 })
+        });
+        assert!(a.has("x"));
+        assert_eq!(a.take("x"), Some(1));
+        assert_eq!(a.take("x"), None, "used once");
+        a.spoil("y");
+        assert_eq!(a.take("y"), None, "spoiled");
+        a.want(["d/e".to_owned(), "de".to_owned()], |_| ready(4));
+        a.spoil_tree("d");
+        assert_eq!(a.take("d/e"), None, "below a renamed directory");
+        assert_eq!(
+            a.take("de"),
+            Some(4),
+            "a sibling whose name starts the same"
+        );
+        a.want(["z".to_owned()], |_| ready(3));
+        a.spoil_all();
+        assert_eq!(a.take("z"), None);
+        assert!(!a.holds());
+    }
+
+    #[test]
+    fn a_fetch_spoiled_while_running_is_thrown_away() {
+        let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = Mutex::new(Some(rx));
+        let slow: Mutex<Option<Job<u32>>> = Mutex::new(Some(Box::new(move || {
+            let rx = rx.lock().unwrap().take().unwrap();
+            Box::pin(async move {
+                // Completed by the test thread below, after the spoil.
+                let _ = rx.recv();
+                Some((7, 1))
+            })
+        })));
+        let a2 = a.clone();
+        let t = std::thread::spawn(move || {
+            a2.want(["p".to_owned()], |_| slow.lock().unwrap().take().unwrap())
+        });
+        while !a.has("p") {
+            std::thread::yield_now();
+        }
+        a.spoil("p");
+        tx.send(()).unwrap();
+        t.join().unwrap();
+        assert_eq!(a.take("p"), None);
+    }
+
+    #[test]
+    fn nothing_starts_past_the_cost_held() {
+        // One at a time: the cost of a fetch is known when it ends.
+        let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 1, 2));
+        a.want((0..5).map(|i| format!("f{i}")), |p| {
+            ready(p[1..].parse().unwrap())
+        });
+        assert_eq!(a.take("f2"), None, "two held, the rest wait");
+        assert_eq!(a.take("f0"), Some(0));
+        assert_eq!(a.take("f2"), Some(2), "room made: the next one was fetched");
     }
 }

@@ -23,11 +23,20 @@ use rustc_hash::FxHashMap as HashMap;
 /// Bytes held per file at most: a write past this is sent at once.
 pub(crate) const LIMIT: usize = 256 * 1024;
 
+/// Bytes held in all, at most: past this, writes go through.
+const TOTAL_MAX: usize = 64 << 20;
+
 /// Writes held, by inode, and errors not yet reported, by file handle.
 pub(crate) struct Behind {
     held: Mutex<HashMap<u64, Held>>,
-    /// Inodes with writes held: reads and stats skip the lock when there are none.
+    /// Where held or sending writes end, by inode: the size the kernel must be told at least
+    /// (the brick's lags until they land).
+    ends: Mutex<HashMap<u64, u64>>,
+    /// Inodes with writes held, plus sends under way: reads and stats skip the locks when
+    /// both are none.
     count: AtomicUsize,
+    /// Bytes held in all.
+    bytes: AtomicUsize,
     errors: Mutex<HashMap<u64, Errno>>,
     order: [Mutex<()>; STRIPES],
 }
@@ -36,7 +45,9 @@ impl Default for Behind {
     fn default() -> Behind {
         Behind {
             held: Mutex::default(),
+            ends: Mutex::default(),
             count: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
             errors: Mutex::default(),
             order: std::array::from_fn(|_| Mutex::new(())),
         }
@@ -80,20 +91,23 @@ impl Behind {
 
     /// A write of `data` at `offset` to inode `ino` through handle `fh` (`fd` on the
     /// stack): held if it continues what is held from the same handle and fits [`LIMIT`],
-    /// or if nothing is held and it is small.
+    /// or if nothing is held and it is small (and fewer than [`TOTAL_MAX`] bytes are held).
     pub fn hold(&self, ino: u64, fh: u64, fd: &Fd, offset: u64, data: &[u8]) -> Hold {
+        if self.bytes.load(Ordering::Acquire) + data.len() > TOTAL_MAX {
+            return Hold::Through;
+        }
+        let end = offset + data.len() as u64;
         let mut m = lock(&self.held);
         match m.get_mut(&ino) {
             Some(h) => {
                 let follows = h.fh == fh && h.offset + h.data.len() as u64 == offset;
-                if follows && h.data.len() + data.len() <= LIMIT {
-                    h.data.extend_from_slice(data);
-                    return Hold::Held;
+                if !follows || h.data.len() + data.len() > LIMIT {
+                    return Hold::Through;
                 }
-                Hold::Through
+                h.data.extend_from_slice(data);
             }
             // Large writes gain nothing from waiting.
-            None if data.len() >= LIMIT / 2 => Hold::Through,
+            None if data.len() >= LIMIT / 2 => return Hold::Through,
             None => {
                 let mut buf = Vec::with_capacity(LIMIT.min(data.len() * 4));
                 buf.extend_from_slice(data);
@@ -104,21 +118,44 @@ impl Behind {
                     data: buf,
                 };
                 m.insert(ino, held);
-                self.count.store(m.len(), Ordering::Release);
-                Hold::Held
+                self.count.fetch_add(1, Ordering::AcqRel);
             }
         }
+        self.bytes.fetch_add(data.len(), Ordering::AcqRel);
+        let mut e = lock(&self.ends);
+        let x = e.entry(ino).or_insert(end);
+        *x = (*x).max(end);
+        Hold::Held
     }
 
-    /// What is held for inode `ino`, to be sent now (under [`Behind::order`]).
+    /// What is held for inode `ino`, to be sent now (under [`Behind::order`]); call
+    /// [`Behind::sent`] when the send is done. Until then the inode counts as held.
     pub fn take(&self, ino: u64) -> Option<Held> {
         if !self.any() {
             return None;
         }
-        let mut m = lock(&self.held);
-        let h = m.remove(&ino);
-        self.count.store(m.len(), Ordering::Release);
-        h
+        // The send counts instead of the entry until `sent`.
+        let h = lock(&self.held).remove(&ino)?;
+        self.bytes.fetch_sub(h.data.len(), Ordering::AcqRel);
+        Some(h)
+    }
+
+    /// The send of what [`Behind::take`] gave for `ino` is done (landed or failed).
+    pub fn sent(&self, ino: u64) {
+        let m = lock(&self.held);
+        if !m.contains_key(&ino) {
+            lock(&self.ends).remove(&ino);
+        }
+        self.count.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Where the writes held or being sent for `ino` end, if any: the kernel must not be
+    /// told a smaller size.
+    pub fn end(&self, ino: u64) -> Option<u64> {
+        if !self.any() {
+            return None;
+        }
+        lock(&self.ends).get(&ino).copied()
     }
 
     /// A held write of handle `fh` failed with `e`: reported by the handle's next write,

@@ -13,10 +13,11 @@ use std::ffi::OsStr;
 use std::sync::{mpsc, Arc, Mutex};
 
 use fuser::INodeNo;
+use kiln_client::volume::Pushed;
 use kiln_client::Volume;
 use kiln_proto::ops::{Changes, CHANGE_DATA, CHANGE_NAME};
 
-use crate::ahead::{parent, Ahead};
+use crate::ahead::{parent, Contents, Listings};
 use crate::fresh::Fresh;
 use crate::inodes::Inodes;
 use crate::known::Known;
@@ -24,7 +25,8 @@ use crate::xattr::NoXattrs;
 
 /// What applying a push touches.
 pub(crate) struct Caches {
-    pub ahead: Arc<Ahead>,
+    pub ahead: Arc<Listings>,
+    pub contents: Arc<Contents>,
     pub known: Arc<Known>,
     pub inodes: Arc<Mutex<Inodes>>,
     pub no_xattrs: Arc<NoXattrs>,
@@ -35,18 +37,25 @@ pub(crate) struct Caches {
 /// of their own. Returns the first brick's refusal, if any (the mount then relies on
 /// `--attr-timeout` for that brick's changes).
 pub(crate) fn watch(vol: &Volume, caches: Caches) -> std::io::Result<()> {
-    let (tx, rx) = mpsc::channel::<Changes>();
+    let (tx, rx) = mpsc::channel::<Option<Changes>>();
     let tx = Mutex::new(tx);
     let known = caches.known.clone();
     std::thread::Builder::new()
         .name("kiln-changes".into())
         .spawn(move || {
             for c in rx {
-                caches.apply(&c);
+                match c {
+                    Some(c) => caches.apply(&c),
+                    None => caches.lost(),
+                }
             }
         })?;
-    kiln_client::block_on(vol.watch(Arc::new(move |c: &Changes| {
-        let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(c.clone());
+    kiln_client::block_on(vol.watch(Arc::new(move |p: Pushed<'_>| {
+        let c = match p {
+            Pushed::Changes(c) => Some(c.clone()),
+            Pushed::Lost => None,
+        };
+        let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(c);
     })))?;
     // Every brick pushes: what this mount alone changed can be known (see [`crate::known`]).
     known.pushes(true);
@@ -62,13 +71,25 @@ fn split(path: &str) -> (&str, &str) {
 }
 
 impl Caches {
+    /// A brick's pushes stopped: what only pushes kept true is dropped, and nothing is known
+    /// until they resume (a push of "everything" after the reconnect).
+    fn lost(&self) {
+        tracing::info!("a brick's pushes stopped: relying on --attr-timeout until it is back");
+        self.known.pushes(false);
+        self.ahead.spoil_all();
+        self.contents.spoil_all();
+    }
+
     fn apply(&self, c: &Changes) {
         let Some(n) = self.fresh.notifier() else {
             return;
         };
         if c.all {
             self.ahead.spoil_all();
+            self.contents.spoil_all();
             self.known.forget_all();
+            // Pushed again (after a reconnect), or a list too long to send: pushes go on.
+            self.known.pushes(true);
             let all = self.inodes.lock().unwrap_or_else(|e| e.into_inner()).all();
             tracing::debug!(
                 inodes = all.len(),
@@ -84,10 +105,13 @@ impl Caches {
             // Every change shows in the listing of the directory it is in; a directory
             // replaced or removed takes its own listing with it.
             self.ahead.spoil(parent(&ch.path));
+            self.contents.spoil(&ch.path);
             self.known.forget(parent(&ch.path));
             if ch.kind & CHANGE_NAME != 0 {
-                self.ahead.spoil(&ch.path);
-                self.known.forget(&ch.path);
+                // Renamed, replaced or removed: so is everything below it.
+                self.ahead.spoil_tree(&ch.path);
+                self.contents.spoil_tree(&ch.path);
+                self.known.forget_tree(&ch.path);
             }
             // The table keeps the name: the kernel may still use its entry until told, and
             // asks again (a lookup, which corrects the table) after.

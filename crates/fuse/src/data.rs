@@ -53,15 +53,16 @@ impl KilnFs {
         unsafe { self.vol.preadv_raw(&fd, &iov, offset, done) }
     }
 
-    /// WRITE: held behind when it continues the file's last write (general mode), else sent
-    /// straight from the kernel's request buffer while this FUSE thread waits (others keep
-    /// serving).
+    /// WRITE: held behind when it continues the file's last write (general mode, not
+    /// `O_DIRECT` or `O_SYNC`), else sent straight from the kernel's request buffer while this
+    /// FUSE thread waits (others keep serving), after what was held for the file.
     pub(crate) fn data_write(
         &self,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
+        flags: i32,
         reply: ReplyWrite,
     ) {
         if let Some(e) = self.behind.error(fh.0) {
@@ -72,25 +73,20 @@ impl KilnFs {
             Err(e) => return reply.error(e),
         };
         self.files.changing(ino.0);
-        if self.write_behind {
+        let sync = flags & (libc::O_DIRECT | libc::O_SYNC | libc::O_DSYNC) != 0;
+        if self.write_behind && !sync {
             if let Hold::Held = self.behind.hold(ino.0, fh.0, &fd, offset, data) {
                 self.files.changed_done();
+                self.touched(ino.0);
                 return reply.written(data.len() as u32);
             }
         }
-        let r = {
-            let _order = self.behind.order(ino.0);
-            self.send_held(ino.0)
-                .inspect_err(|_| {
-                    // Reported now if it was this handle's; kept for the other's otherwise.
-                    let _ = self.behind.error(fh.0);
-                })
-                .and_then(|()| {
-                    self.vol
-                        .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
-                        .map_err(errno)
-                })
-        };
+        // What was held goes first (its error is its writer's to hear; this write goes on).
+        let _ = self.send_behind(ino.0);
+        let r = self
+            .vol
+            .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
+            .map_err(errno);
         self.files.changed_done();
         self.touched(ino.0);
         match r {
@@ -99,38 +95,32 @@ impl KilnFs {
         }
     }
 
-    /// Sends what is held behind for `ino`, if anything; an error is also kept for the
-    /// handle that wrote it (its next write, fsync or close reports it).
+    /// Sends what is held behind for `ino`, if anything, and waits for a send of it under
+    /// way; an error is also kept for the handle that wrote it (its next write, fsync or
+    /// close reports it).
     pub(crate) fn send_behind(&self, ino: u64) -> Result<(), Errno> {
         if !self.behind.any() {
             return Ok(());
         }
         let _order = self.behind.order(ino);
-        self.send_held(ino)
-    }
-
-    /// [`Self::send_behind`] under the file's order lock.
-    fn send_held(&self, ino: u64) -> Result<(), Errno> {
         let Some(h) = self.behind.take(ino) else {
             return Ok(());
         };
         let r = self
             .vol
             .pwritev_blocking(&h.fd, &[IoSlice::new(&h.data)], h.offset);
+        self.behind.sent(ino);
         self.touched(ino);
-        match r {
-            Ok(n) if n == h.data.len() => Ok(()),
+        let e = match r {
+            Ok(n) if n == h.data.len() => return Ok(()),
             Ok(n) => {
                 tracing::warn!(ino, n, held = h.data.len(), "short write of held data");
-                self.behind.failed(h.fh, Errno::EIO);
-                Err(Errno::EIO)
+                Errno::EIO
             }
-            Err(e) => {
-                let e = errno(e);
-                self.behind.failed(h.fh, e);
-                Err(e)
-            }
-        }
+            Err(e) => errno(e),
+        };
+        self.behind.failed(h.fh, e);
+        Err(e)
     }
 
     /// FLUSH (every `close(2)` of a handle that may write): what is held goes to the brick,

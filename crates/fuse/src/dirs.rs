@@ -6,8 +6,9 @@ use fuser::{
     Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, ReplyDirectory,
     ReplyDirectoryPlus, ReplyOpen, Request,
 };
-use kiln_client::block_on;
+use kiln_client::{block_on, DirEntry, Volume};
 
+use crate::ahead::{Job, Listing};
 use crate::convert::{errno, kind};
 use crate::inodes::join;
 use crate::{DirSnapshot, KilnFs, Mode};
@@ -24,7 +25,7 @@ impl KilnFs {
         };
         let caller = self.caller(req);
         let (entries, seen) = match self.ahead.take(&path) {
-            Some(f) => (f.entries, f.seen),
+            Some(listing) => listing,
             None => {
                 let seen = self.no_xattrs.seen(self.ttl);
                 match block_on(caller.readdir(&path)) {
@@ -34,13 +35,8 @@ impl KilnFs {
             }
         };
         if self.mode == Mode::General {
-            let subdirs = entries
-                .iter()
-                .filter(|e| kind(e.attr.mode) == FileType::Directory)
-                .map(|e| join(&path, &e.name))
-                .collect();
-            self.ahead
-                .want(&caller, subdirs, || self.no_xattrs.seen(self.ttl));
+            self.listings_ahead(&caller, &path, &entries);
+            self.note_files(&path, &entries);
         }
         let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
         self.dirs
@@ -145,5 +141,28 @@ impl KilnFs {
             &d.seen,
         );
         reply.ok()
+    }
+
+    /// Fetches the listings of `path`'s subdirectories (in `entries`) ahead.
+    fn listings_ahead(&self, caller: &Volume, path: &str, entries: &[DirEntry]) {
+        let dirs = entries
+            .iter()
+            .filter(|e| kind(e.attr.mode) == FileType::Directory)
+            .map(|e| join(path, &e.name));
+        self.ahead.want(dirs, |dir| {
+            let (vol, seen, dir) = (
+                caller.clone(),
+                self.no_xattrs.seen(self.ttl),
+                dir.to_owned(),
+            );
+            let job: Job<Listing> = Box::new(move || {
+                Box::pin(async move {
+                    let entries = vol.readdir(&dir).await.ok()?;
+                    let n = entries.len();
+                    Some(((entries, seen), n))
+                })
+            });
+            job
+        });
     }
 }

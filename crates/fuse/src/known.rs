@@ -10,7 +10,7 @@
 //! changes, and for the attribute timeout at most (the bound the README gives for what a push
 //! cannot cover).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,9 @@ pub(crate) struct Known {
     dirs: Mutex<HashMap<String, Dir>>,
     /// The bricks push changes: without that, nothing is known.
     pushed: AtomicBool,
+    /// Bumped by every push that forgets: a directory made while one arrived is not known
+    /// (the push may have been about it, before it was).
+    epoch: AtomicU64,
     ttl: Duration,
 }
 
@@ -53,6 +56,7 @@ impl Known {
         Known {
             dirs: Mutex::default(),
             pushed: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
             ttl,
         }
     }
@@ -65,7 +69,7 @@ impl Known {
     pub fn pushes(&self, on: bool) {
         self.pushed.store(on, Ordering::Release);
         if !on {
-            self.dirs().clear();
+            self.forget_all();
         }
     }
 
@@ -86,12 +90,21 @@ impl Known {
         }
     }
 
-    /// Directory `dir` was just made through this mount: empty.
-    pub fn made_dir(&self, dir: &str) {
+    /// Read before making a directory, for [`Known::made_dir`].
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Directory `dir` was just made through this mount (`epoch` read before): empty, unless
+    /// a push forgot something meanwhile.
+    pub fn made_dir(&self, dir: &str, epoch: u64) {
         if !self.pushed.load(Ordering::Acquire) {
             return;
         }
         let mut d = self.dirs();
+        if self.epoch.load(Ordering::Acquire) != epoch {
+            return;
+        }
         if d.len() >= DIRS_MAX {
             d.clear();
         }
@@ -127,14 +140,28 @@ impl Known {
     /// Another client changed something in (or of) `dir`, or it was renamed: forgotten.
     pub fn forget(&self, dir: &str) {
         let mut d = self.dirs();
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         if !d.is_empty() {
             d.remove(dir);
         }
     }
 
+    /// `dir` was renamed, replaced or removed: it and every directory below it is forgotten.
+    pub fn forget_tree(&self, dir: &str) {
+        let mut d = self.dirs();
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        if d.is_empty() {
+            return;
+        }
+        let below = format!("{dir}/");
+        d.retain(|p, _| p != dir && !p.starts_with(&below));
+    }
+
     /// Anything may have changed: everything is forgotten.
     pub fn forget_all(&self) {
-        self.dirs().clear();
+        let mut d = self.dirs();
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        d.clear();
     }
 }
 
@@ -145,10 +172,10 @@ mod tests {
     #[test]
     fn a_made_directory_is_known_until_something_else_happens() {
         let k = Known::new(Duration::from_secs(60));
-        k.made_dir("d");
+        k.made_dir("d", k.epoch());
         assert!(!k.absent("d", "x"), "nothing is known without pushes");
         k.pushes(true);
-        k.made_dir("d");
+        k.made_dir("d", k.epoch());
         assert!(k.absent("d", "x"));
         assert!(
             !k.absent("d", &"n".repeat(256)),
@@ -160,16 +187,20 @@ mod tests {
         assert!(k.absent("d", "x"));
         k.named("d", "y", Name::Unknown);
         assert!(!k.absent("d", "z"), "forgotten after a failed change");
-        k.made_dir("e");
+        k.made_dir("e", k.epoch());
         k.forget("e");
+        let before = k.epoch();
+        k.forget("elsewhere");
+        k.made_dir("h", before);
+        assert!(!k.absent("h", "z"), "a push came while it was made");
         assert!(!k.absent("e", "z"));
-        k.made_dir("f");
+        k.made_dir("f", k.epoch());
         k.pushes(false);
         k.pushes(true);
         assert!(!k.absent("f", "z"), "forgotten when pushes stop");
         let short = Known::new(Duration::ZERO);
         short.pushes(true);
-        short.made_dir("g");
+        short.made_dir("g", short.epoch());
         assert!(!short.absent("g", "z"), "kept no longer than the timeout");
     }
 }

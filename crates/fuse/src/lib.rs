@@ -35,6 +35,7 @@ pub mod inodes;
 mod known;
 mod mount;
 mod passthrough;
+mod smalls;
 #[cfg(test)]
 mod tests;
 mod xattr;
@@ -110,7 +111,11 @@ pub struct KilnFs {
     /// The kernel's writeback cache (`--writeback-cache`): it then trusts its own sizes.
     writeback: bool,
     /// Directory listings fetched ahead of a walk (see [`ahead`]).
-    ahead: Arc<ahead::Ahead>,
+    ahead: Arc<ahead::Listings>,
+    /// Small files' content fetched ahead of a reader (see [`ahead`] and [`smalls`]).
+    contents: Arc<ahead::Contents>,
+    /// The small regular files of recent listings, for [`smalls`].
+    recent: smalls::Recent,
     /// The volume root's brick inode (FUSE's is [`ROOT`]).
     root_brick_ino: u64,
     /// Directories whose every name this mount knows (see [`known`]).
@@ -144,7 +149,9 @@ impl KilnFs {
             acl: false,
             fresh: Arc::default(),
             writeback: false,
-            ahead: Arc::new(ahead::Ahead::new(attr_timeout)),
+            ahead: Arc::new(ahead::Listings::listings(attr_timeout)),
+            contents: Arc::new(ahead::Contents::contents(attr_timeout)),
+            recent: smalls::Recent::default(),
             root_brick_ino: root.ino,
             known: Arc::new(known::Known::new(attr_timeout)),
             behind: behind::Behind::default(),
@@ -209,6 +216,7 @@ impl KilnFs {
             no_xattrs: self.no_xattrs.clone(),
             fresh: self.fresh.clone(),
             ahead: self.ahead.clone(),
+            contents: self.contents.clone(),
             known: self.known.clone(),
         }
     }
@@ -231,13 +239,14 @@ impl KilnFs {
     fn named(&self, path: &str, made: known::Name) {
         let parent = ahead::parent(path);
         self.ahead.spoil(parent);
+        self.contents.spoil(path);
         let name = path.rsplit('/').next().unwrap_or(path);
         self.known.named(parent, name, made);
     }
 
     /// `ino`'s attributes changed through this mount: the listing its entry is in is stale.
     fn touched(&self, ino: u64) {
-        if !self.ahead.holds() {
+        if !self.ahead.holds() && !self.contents.holds() {
             return;
         }
         if let Some(p) = self.table().path(ino) {
@@ -271,9 +280,12 @@ impl KilnFs {
 
     /// `a` as the kernel sees it.
     fn fattr_of(&self, a: &Attr) -> FileAttr {
+        let ino = self.fuse_ino(a.ino);
+        // Writes held behind make the file longer than the brick says yet.
+        let size = self.behind.end(ino).map_or(a.size, |end| end.max(a.size));
         FileAttr {
-            ino: INodeNo(self.fuse_ino(a.ino)),
-            size: a.size,
+            ino: INodeNo(ino),
+            size,
             blocks: a.blocks,
             atime: systime(&a.atime),
             mtime: systime(&a.mtime),
@@ -554,10 +566,11 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
+        let epoch = self.known.epoch();
         let r = block_on(self.caller(req).mkdir(&path, mode & !umask));
         self.named(&path, made(&r, known::Name::Exists));
         if r.is_ok() {
-            self.known.made_dir(&path);
+            self.known.made_dir(&path, epoch);
         }
         match r {
             Ok(a) => self.entry(&path, &a, reply),
@@ -641,10 +654,12 @@ impl fuser::Filesystem for KilnFs {
         };
         self.named(&from, made(&r, left));
         self.named(&to, made(&r, known::Name::Exists));
-        // A directory moved: its own listing's entries are reached by new paths.
-        self.ahead.spoil(&from);
-        self.known.forget(&from);
-        self.known.forget(&to);
+        // A directory moved: what was fetched or known below either name is not there now.
+        for p in [&from, &to] {
+            self.ahead.spoil_tree(p);
+            self.contents.spoil_tree(p);
+            self.known.forget_tree(p);
+        }
         match r {
             Ok(()) => {
                 self.table().renamed(&from, &to);
@@ -691,7 +706,10 @@ impl fuser::Filesystem for KilnFs {
         let caller = self.caller(req);
         let seen = self.files.changes();
         let opened = if small {
-            block_on(caller.open_small(&path, flags, self.small_max))
+            match self.small_ahead(&caller, &path, ino.0) {
+                Some(data) => Ok(Opened::Whole(data)),
+                None => block_on(caller.open_small(&path, flags, self.small_max)),
+            }
         } else {
             block_on(caller.open(&path, flags)).map(Opened::Fd)
         };
@@ -774,11 +792,11 @@ impl fuser::Filesystem for KilnFs {
         offset: u64,
         data: &[u8],
         _write_flags: fuser::WriteFlags,
-        _flags: fuser::OpenFlags,
+        flags: fuser::OpenFlags,
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.data_write(ino, fh, offset, data, reply)
+        self.data_write(ino, fh, offset, data, flags.0, reply)
     }
 
     fn flush(

@@ -258,3 +258,52 @@ fn names_absent_from_a_directory_made_here_need_no_brick_until_another_client_ad
     });
     assert_eq!(std::fs::read(a.path("k/theirs")).unwrap(), b"b");
 }
+
+#[test]
+fn small_files_fetched_ahead_never_hide_a_change() {
+    // Opening a small file fetches the next ones of its directory ahead
+    // (crates/fuse/src/smalls.rs), trusted for a minute here: only spoiling keeps them fresh.
+    let ttl = Duration::from_secs(60);
+    let a = Mounted::with_options(Mode::General, true, ttl);
+    let b = a.second(ttl);
+    std::fs::create_dir(a.path("d")).unwrap();
+    for i in 0..6 {
+        write_and_close(&a.path(&format!("d/f{i}")), format!("old{i}").as_bytes());
+    }
+    write_and_close(&a.path("marker"), b"m");
+    let mode = |p: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    };
+    assert_ne!(mode(&b.path("marker")), 0o600);
+    // B lists d and reads f0: f1.. are fetched ahead.
+    assert_eq!(names(&b.path("d")).len(), 6);
+    assert_eq!(std::fs::read(b.path("d/f0")).unwrap(), b"old0");
+    assert_eq!(std::fs::read(b.path("d/f1")).unwrap(), b"old1");
+    // A rewrites f2 (same length), grows f3, removes f4; then the marker, which B waits for.
+    write_and_close(&a.path("d/f2"), b"new2");
+    write_and_close(&a.path("d/f3"), b"newer3");
+    std::fs::remove_file(a.path("d/f4")).unwrap();
+    std::fs::set_permissions(
+        a.path("marker"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    within(Duration::from_secs(5), "chmod", || {
+        mode(&b.path("marker")) == 0o600
+    });
+    assert_eq!(
+        std::fs::read(b.path("d/f2")).unwrap(),
+        b"new2",
+        "rewritten by A"
+    );
+    assert_eq!(
+        std::fs::read(b.path("d/f3")).unwrap(),
+        b"newer3",
+        "grown by A"
+    );
+    assert!(std::fs::read(b.path("d/f4")).is_err(), "removed by A");
+    // B's own write to a file fetched ahead (f5, by the reads above).
+    write_and_close(&b.path("d/f5"), b"mine5");
+    assert_eq!(std::fs::read(b.path("d/f5")).unwrap(), b"mine5");
+}

@@ -325,8 +325,8 @@ wire_struct! {
 
     /// Watch request: `on` starts the pushes ([`Op::Watch`]), off stops them.
     pub struct WatchReq { pub on: bool }
-    /// One change another connection made: `kind` is a `CHANGE_*` value, `path` as on the
-    /// wire.
+    /// One change another connection made: `kind` is a set of `CHANGE_*` bits, `path` as on
+    /// the wire.
     pub struct Change { pub kind: u8, pub path: String }
     /// A push frame's arguments: what changed since the last push. With `all`, more changed
     /// than the brick kept track of (or the list is incomplete): drop everything cached.
@@ -379,10 +379,11 @@ pub const SETATTR_ATIME_NOW: u32 = 1 << 6;
 /// Setattr: set mtime to the server's now.
 pub const SETATTR_MTIME_NOW: u32 = 1 << 7;
 
-/// [`Change::kind`]: the file's content (and so its size and times) changed.
+/// [`Change::kind`] is a set of these bits. The file's content (and so its size and times)
+/// changed.
 pub const CHANGE_DATA: u8 = 1;
 /// [`Change::kind`]: the file's attributes changed (mode, owner, times, extended attributes).
 pub const CHANGE_ATTR: u8 = 2;
 /// [`Change::kind`]: the name now leads to another file, or to none (created, removed,
 /// renamed from or to, linked).
-pub const CHANGE_NAME: u8 = 3;
+pub const CHANGE_NAME: u8 = 4;

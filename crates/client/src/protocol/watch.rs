@@ -29,7 +29,8 @@ impl ProtocolClient {
     }
 }
 
-/// After a reconnect to `c`: watch again, then tell the sink that anything may have changed.
+/// After a reconnect to `c`: watch again, then tell the sink that anything may have changed
+/// (or, if the brick will not push, that pushes stopped).
 pub(super) fn rewatch(link: &Link, name: &str, c: &Client) {
     let sink = link.push.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let Some(sink) = sink else {
@@ -37,6 +38,9 @@ pub(super) fn rewatch(link: &Link, name: &str, c: &Client) {
     };
     if let Err(e) = crate::block_on(c.watch(Some(sink.clone()))) {
         tracing::warn!(layer = name, "cannot watch the brick again: {e}");
+        // No pushes from it: said with an empty push.
+        sink(&[]);
+        return;
     }
     let all = Changes {
         all: true,

@@ -455,9 +455,16 @@ pub const READDIR_BYTES: usize = kiln_proto::MAX_ARGS_LEN as usize - 4096;
 fn listxattrat(dir: &OwnedFd, name: &str, buf: &mut [u8]) -> Option<rustix::io::Result<usize>> {
     use std::sync::atomic::{AtomicBool, Ordering};
     static MISSING: AtomicBool = AtomicBool::new(false);
-    /// The syscall's number, the same on every architecture (it is newer than their split).
+    /// The syscall's number on the architectures that share the generic table (alpha and
+    /// MIPS offset theirs; there the /proc walk is used).
     const SYS_LISTXATTRAT: libc::c_long = 465;
-    if MISSING.load(Ordering::Relaxed) {
+    const SHARED_TABLE: bool = cfg!(any(
+        target_arch = "x86_64",
+        target_arch = "aarch64",
+        target_arch = "riscv64",
+        target_arch = "loongarch64"
+    ));
+    if !SHARED_TABLE || MISSING.load(Ordering::Relaxed) {
         return None;
     }
     let mut z = [0u8; 256];
@@ -482,7 +489,9 @@ fn listxattrat(dir: &OwnedFd, name: &str, buf: &mut [u8]) -> Option<rustix::io::
         return Some(Ok(n as usize));
     }
     let e = rustix::io::Errno::from_raw_os_error(std::io::Error::last_os_error().raw_os_error()?);
-    if e == rustix::io::Errno::NOSYS {
+    // ENOSYS: an older kernel; EPERM: a seccomp filter that refuses syscalls it does not
+    // know. Either way, never again.
+    if e == rustix::io::Errno::NOSYS || e == rustix::io::Errno::PERM {
         MISSING.store(true, Ordering::Relaxed);
         return None;
     }

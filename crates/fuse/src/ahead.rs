@@ -186,6 +186,10 @@ impl<T: Send + 'static> Ahead<T> {
         paths: impl IntoIterator<Item = String>,
         fetch: impl Fn(&str) -> Job<T>,
     ) {
+        if self.ttl.is_zero() {
+            // Nothing fetched could be used (`--attr-timeout 0`).
+            return;
+        }
         let mut s = self.state();
         for path in paths {
             if s.queue.len() >= self.queue_max {

@@ -266,7 +266,7 @@ impl<T: Send + 'static> Ahead<T> {
 
 /// The parent directory's path of `path` (the root's is the root).
 pub(crate) fn parent(path: &str) -> &str {
-    path.rfind('/').map_or("", |i| &path[..i])
+    crate::inodes::split(path).0
 }
 
 #[cfg(test)]

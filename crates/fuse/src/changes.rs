@@ -19,7 +19,7 @@ use kiln_proto::ops::{Changes, CHANGE_DATA, CHANGE_NAME};
 
 use crate::ahead::{parent, Contents, Listings};
 use crate::fresh::Fresh;
-use crate::inodes::Inodes;
+use crate::inodes::{split, Inodes};
 use crate::known::Known;
 use crate::xattr::NoXattrs;
 
@@ -60,14 +60,6 @@ pub(crate) fn watch(vol: &Volume, caches: Caches) -> std::io::Result<()> {
     // Every brick pushes: what this mount alone changed can be known (see [`crate::known`]).
     known.pushes(true);
     Ok(())
-}
-
-/// `path`'s parent path and last name.
-fn split(path: &str) -> (&str, &str) {
-    match path.rfind('/') {
-        Some(i) => (&path[..i], &path[i + 1..]),
-        None => ("", path),
-    }
 }
 
 impl Caches {

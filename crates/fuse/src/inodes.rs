@@ -28,6 +28,14 @@ pub struct Inodes {
     root_brick_ino: u64,
 }
 
+/// Splits a path into its parent's path and its last name (the inverse of [`join`]).
+pub fn split(path: &str) -> (&str, &str) {
+    match path.rfind('/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => ("", path),
+    }
+}
+
 /// Joins a parent path and a name.
 pub fn join(parent: &str, name: &str) -> String {
     if parent.is_empty() {

@@ -237,10 +237,9 @@ impl KilnFs {
     /// A name in `path`'s directory changed through this mount, with outcome `made`:
     /// listings fetched ahead of it are stale, and what is known of its names follows.
     fn named(&self, path: &str, made: known::Name) {
-        let parent = ahead::parent(path);
+        let (parent, name) = inodes::split(path);
         self.ahead.spoil(parent);
         self.contents.spoil(path);
-        let name = path.rsplit('/').next().unwrap_or(path);
         self.known.named(parent, name, made);
     }
 

@@ -12,7 +12,7 @@ use kiln_client::{DirEntry, Opened, Volume};
 
 use crate::ahead::{Content, Job};
 use crate::convert::kind;
-use crate::inodes::join;
+use crate::inodes::{join, split};
 use crate::KilnFs;
 
 /// Files fetched ahead per open, at most.
@@ -66,10 +66,7 @@ impl KilnFs {
             Some((i, data)) if i == ino => Some(data),
             _ => None,
         };
-        let (dir, name) = match path.rfind('/') {
-            Some(i) => (&path[..i], &path[i + 1..]),
-            None => ("", path),
-        };
+        let (dir, name) = split(path);
         let files = self
             .recent
             .dirs
@@ -88,7 +85,7 @@ impl KilnFs {
         let inos: HashMap<&str, u64> = next.iter().map(|(n, ino)| (n.as_str(), *ino)).collect();
         let paths = next.iter().map(|(n, _)| join(dir, n));
         self.contents.want(paths, |p| {
-            let name = p.rsplit('/').next().unwrap_or(p);
+            let name = split(p).1;
             let ino = inos.get(name).copied().unwrap_or(0);
             let (vol, at) = (caller.clone(), p.to_owned());
             let job: Job<Content> = Box::new(move || {

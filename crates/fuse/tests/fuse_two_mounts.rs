@@ -104,6 +104,21 @@ fn within(bound: Duration, what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// A file's permission bits.
+fn mode(p: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+/// A chmods `on_a` to 0600 and B sees it at `on_b` within 5 s (far below the mounts' 60 s
+/// timeouts). Pushes from one brick are applied in order: once B sees this, every change A
+/// made before it has reached B too.
+fn chmod_seen(on_a: &std::path::Path, on_b: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(on_a, std::fs::Permissions::from_mode(0o600)).unwrap();
+    within(Duration::from_secs(5), "chmod", || mode(on_b) == 0o600);
+}
+
 #[test]
 fn changes_on_a_are_pushed_to_b_long_before_its_timeout() {
     // B trusts names and attributes for a minute: only the brick's pushes can tell it sooner.
@@ -119,10 +134,6 @@ fn changes_on_a_are_pushed_to_b_long_before_its_timeout() {
     // B looks them up, and caches the entries and attributes.
     assert!(b.path("old").exists() && b.path("gone").exists());
     assert!(!b.path("new").exists());
-    let mode = |p: &std::path::Path| {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
-    };
     assert_ne!(mode(&a.path("mode")), 0o600);
     assert_eq!(mode(&b.path("mode")), mode(&a.path("mode")));
     assert_eq!(std::fs::metadata(b.path("d/grow")).unwrap().len(), 1);
@@ -134,12 +145,7 @@ fn changes_on_a_are_pushed_to_b_long_before_its_timeout() {
     assert_eq!(std::fs::read(b.path("new")).unwrap(), b"x");
     std::fs::remove_file(a.path("gone")).unwrap();
     within(bound, "unlink", || !b.path("gone").exists());
-    std::fs::set_permissions(
-        a.path("mode"),
-        std::os::unix::fs::PermissionsExt::from_mode(0o600),
-    )
-    .unwrap();
-    within(bound, "chmod", || mode(&b.path("mode")) == 0o600);
+    chmod_seen(&a.path("mode"), &b.path("mode"));
     // A write through an open handle (no name involved), seen by B's stat.
     a_rewrites(&a.path("d/grow"), b"12345");
     within(bound, "write", || {
@@ -195,10 +201,6 @@ fn listings_fetched_ahead_never_hide_a_change() {
     }
     write_and_close(&a.path("top/s1/f"), b"1");
     write_and_close(&a.path("marker"), b"m");
-    let mode = |p: &std::path::Path| {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
-    };
     assert_ne!(mode(&b.path("marker")), 0o600);
 
     // B lists top: s1..s3 are fetched ahead. A then changes s1 and s2, and chmods the marker
@@ -208,14 +210,7 @@ fn listings_fetched_ahead_never_hide_a_change() {
     write_and_close(&a.path("top/s1/new"), b"n");
     std::fs::remove_file(a.path("top/s1/f")).unwrap();
     std::fs::rename(a.path("top/s2"), a.path("top/s2b")).unwrap();
-    std::fs::set_permissions(
-        a.path("marker"),
-        std::os::unix::fs::PermissionsExt::from_mode(0o600),
-    )
-    .unwrap();
-    within(Duration::from_secs(5), "chmod", || {
-        mode(&b.path("marker")) == 0o600
-    });
+    chmod_seen(&a.path("marker"), &b.path("marker"));
     assert_eq!(names(&b.path("top/s1")), ["new"], "A's create and unlink");
     assert_eq!(names(&b.path("top")), ["s1", "s2b", "s3"], "A's rename");
 
@@ -271,10 +266,6 @@ fn small_files_fetched_ahead_never_hide_a_change() {
         write_and_close(&a.path(&format!("d/f{i}")), format!("old{i}").as_bytes());
     }
     write_and_close(&a.path("marker"), b"m");
-    let mode = |p: &std::path::Path| {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
-    };
     assert_ne!(mode(&b.path("marker")), 0o600);
     // B lists d and reads f0: f1.. are fetched ahead.
     assert_eq!(names(&b.path("d")).len(), 6);
@@ -284,14 +275,7 @@ fn small_files_fetched_ahead_never_hide_a_change() {
     write_and_close(&a.path("d/f2"), b"new2");
     write_and_close(&a.path("d/f3"), b"newer3");
     std::fs::remove_file(a.path("d/f4")).unwrap();
-    std::fs::set_permissions(
-        a.path("marker"),
-        std::os::unix::fs::PermissionsExt::from_mode(0o600),
-    )
-    .unwrap();
-    within(Duration::from_secs(5), "chmod", || {
-        mode(&b.path("marker")) == 0o600
-    });
+    chmod_seen(&a.path("marker"), &b.path("marker"));
     assert_eq!(
         std::fs::read(b.path("d/f2")).unwrap(),
         b"new2",

@@ -83,6 +83,10 @@ impl Conn {
     /// Request `id` is done: its changes go to the watchers; the path its handle (if it
     /// opened one) was opened by.
     pub(super) fn changes_done(&mut self, id: u64) -> Option<String> {
+        if self.changing.is_empty() {
+            // Most replies: reads and other fops that change nothing.
+            return None;
+        }
         let c = self.changing.remove(&id)?;
         self.watchers.publish(self.conn_id, &c.changes);
         c.opened

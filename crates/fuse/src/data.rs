@@ -1,6 +1,7 @@
 //! File data: reads, writes (held behind, see [`crate::behind`]), flush, fsync and release.
 
 use std::io::IoSlice;
+use std::sync::atomic::Ordering;
 
 use fuser::{Errno, FileHandle, INodeNo, ReplyData, ReplyEmpty, ReplyWrite};
 use kiln_client::{block_on, RawIov};
@@ -20,6 +21,7 @@ impl KilnFs {
         size: u32,
         reply: ReplyData,
     ) {
+        self.counters.reads.fetch_add(1, Ordering::Relaxed);
         let _ = self.send_behind(ino.0);
         let size = size.min(MAX_IO) as usize;
         let Some(reply) = self.read_whole(fh, offset, size, reply) else {

@@ -19,6 +19,15 @@ use kiln_client::{block_on, Fd, Volume};
 use crate::convert::errno;
 use crate::KilnFs;
 
+/// Counts of the mount's own work on file data, for tests and operators.
+#[derive(Default, Debug)]
+pub struct Counters {
+    /// READ requests the kernel sent this mount.
+    pub reads: AtomicU64,
+    /// Small files put into the kernel's page cache with their open (no READ follows).
+    pub stored: AtomicU64,
+}
+
 /// What a FUSE file handle holds.
 #[derive(Clone)]
 pub(crate) enum Held {
@@ -158,6 +167,11 @@ impl Files {
         })
     }
 
+    /// Whether some handle of inode `ino` is open here.
+    pub fn open_of(&self, ino: u64) -> bool {
+        self.map().values().any(|f| f.ino == ino)
+    }
+
     /// The handles holding a whole file of inode `ino`.
     fn wholes_of(&self, ino: u64) -> Vec<u64> {
         if self.wholes.load(Ordering::Relaxed) == 0 {
@@ -198,6 +212,36 @@ impl Whole {
 }
 
 impl KilnFs {
+    /// Puts the whole content `data` of inode `ino`, read by an open that began at change
+    /// count `seen`, into the kernel's page cache (`FUSE_NOTIFY_STORE`) before the open is
+    /// answered, so that the opener's reads need no READ: true if it is there, and the open
+    /// may keep the cache (`FOPEN_KEEP_CACHE`).
+    ///
+    /// Only when the kernel already has the inode's size as `data`'s length (the store may
+    /// grow the size the kernel has, never shrink it), and no other handle of the inode is
+    /// open here (general mode). Then no read of the inode holds a page locked while it waits
+    /// on this mount, so the store cannot wait on it, and no write through this mount is under
+    /// way. A handle opened meanwhile, or a change through this mount begun meanwhile, could
+    /// have put newer pages there that the store overwrote: then the inode's pages are dropped
+    /// again and the open does not keep them.
+    pub(crate) fn store_whole(&self, ino: u64, data: &[u8], seen: u64) -> bool {
+        if self.mode != crate::Mode::General || data.is_empty() || self.files.open_of(ino) {
+            return false;
+        }
+        let Some(n) = self.fresh.notifier() else {
+            return false;
+        };
+        if n.store(fuser::INodeNo(ino), 0, data).is_err() {
+            return false;
+        }
+        if self.files.changes() == seen && !self.files.open_of(ino) {
+            self.counters.stored.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        let _ = n.inval_inode(fuser::INodeNo(ino), 0, 0);
+        false
+    }
+
     /// The stack's handle for a FUSE file handle; a whole file is opened on the brick now.
     pub(crate) fn fd(&self, fh: FileHandle) -> Result<Fd, Errno> {
         match self.files.get(fh.0) {

@@ -56,11 +56,11 @@ impl Fresh {
     }
 
     /// Inode `ino` is being opened; `size` is its size now, if the open learned it. Unless that
-    /// is what the kernel already has, the kernel forgets the inode's attributes.
-    pub fn opened(&self, ino: u64, size: Option<u64>) {
+    /// is what the kernel already has (then true), the kernel forgets the inode's attributes.
+    pub fn opened(&self, ino: u64, size: Option<u64>) -> bool {
         let mut t = self.told.lock().unwrap_or_else(|e| e.into_inner());
         if size.is_some() && t.get(&ino).copied() == size {
-            return;
+            return true;
         }
         t.remove(&ino);
         drop(t);
@@ -68,5 +68,6 @@ impl Fresh {
             // ENOENT: the kernel holds no such inode (nothing cached to forget).
             let _ = n.inval_inode(INodeNo(ino), -1, 0);
         }
+        false
     }
 }

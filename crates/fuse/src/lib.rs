@@ -41,6 +41,7 @@ mod tests;
 mod xattr;
 
 pub use args::*;
+pub use files::Counters;
 pub use mount::*;
 
 use std::collections::HashMap;
@@ -123,6 +124,8 @@ pub struct KilnFs {
     /// Writes held behind (see [`behind`]), when `write_behind`.
     behind: behind::Behind,
     write_behind: bool,
+    /// What the mount answered itself (see [`Counters`]).
+    counters: Arc<Counters>,
 }
 
 impl KilnFs {
@@ -156,7 +159,13 @@ impl KilnFs {
             known: Arc::new(known::Known::new(attr_timeout)),
             behind: behind::Behind::default(),
             write_behind: mode == Mode::General,
+            counters: Arc::default(),
         })
+    }
+
+    /// Counts of what this mount does, readable while it serves.
+    pub fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
     }
 
     /// With `on` false, every read goes through this process even where the kernel could read
@@ -714,14 +723,18 @@ impl fuser::Filesystem for KilnFs {
         };
         match opened {
             Ok(Opened::Whole(data)) => {
-                self.fresh.opened(ino.0, Some(data.len() as u64));
+                let sized = self.fresh.opened(ino.0, Some(data.len() as u64));
+                let ff = match sized && self.store_whole(ino.0, &data, seen) {
+                    true => ff | FopenFlags::FOPEN_KEEP_CACHE,
+                    false => ff,
+                };
                 let whole = files::Whole::new(data, caller);
                 let fh = self.files.add_whole(ino.0, whole, seen);
                 reply.opened(FileHandle(fh), ff)
             }
             Ok(Opened::Fd(fd)) => {
                 if self.mode == Mode::General && !self.writeback {
-                    self.fresh.opened(ino.0, None);
+                    let _ = self.fresh.opened(ino.0, None);
                 }
                 // Older whole-file handles must not fill the shared page cache now.
                 self.files.changed(ino.0);

@@ -1,12 +1,15 @@
 //! Small files opened read-only in general mode come whole with the open
 //! (`crates/fuse/src/files.rs`): one OPEN on the brick and no READ or RELEASE; bigger files are
 //! opened and read as before; a write through the mount makes a whole-file handle read the
-//! brick again; and closing a file sends the brick nothing.
+//! brick again; and closing a file sends the brick nothing. A small file opened when no other
+//! handle of it is open is in the kernel's page cache when the open returns, so its reads do
+//! not reach the mount either — and what is put there is the file as the open found it.
 
 mod common;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::Mounted;
@@ -123,4 +126,97 @@ fn an_open_small_file_outlives_its_name() {
     assert_eq!(&buf[..n], b"still here");
     let n = g.read_at(&mut buf, 0).unwrap();
     assert_eq!(&buf[..n], b"replaced");
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+/// The file at `p` reads back as `want` (compared without printing megabytes).
+fn same(p: std::path::PathBuf, want: &[u8], what: &str) {
+    let got = std::fs::read(&p).unwrap();
+    let first = got.iter().zip(want).position(|(a, b)| a != b);
+    assert!(
+        got == want,
+        "{what}: {} bytes read, {} expected, first difference at {first:?}",
+        got.len(),
+        want.len()
+    );
+}
+
+/// READs the kernel sent the mount, and small files it stored in the page cache.
+fn mount_counts(m: &Mounted) -> (u64, u64) {
+    let c = &m.counters;
+    (
+        c.reads.load(Ordering::Relaxed),
+        c.stored.load(Ordering::Relaxed),
+    )
+}
+
+#[test]
+fn a_small_file_opened_alone_is_read_from_the_page_cache_as_the_open_found_it() {
+    // Attributes cached longer than the test: the kernel asks for a size only when the mount
+    // tells it to forget the one it has.
+    let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    let first = pattern(20_000, 1);
+    std::fs::write(m.path("f"), &first).unwrap();
+    // The kernel's size came from its own writes, not from the mount: this open has the kernel
+    // ask for it again, and is not stored.
+    let (_, stored) = mount_counts(&m);
+    same(m.path("f"), &first, "the content");
+    assert_eq!(
+        mount_counts(&m).1,
+        stored,
+        "not stored before the size is known"
+    );
+
+    let (reads, stored) = mount_counts(&m);
+    same(m.path("f"), &first, "the content");
+    assert_eq!(
+        mount_counts(&m),
+        (reads, stored + 1),
+        "stored with the open; no READ"
+    );
+
+    // Another writer, straight on the brick (no push): same size, other bytes. The next open
+    // brings them, and the store overwrites the pages an earlier open left cached.
+    let second = pattern(20_000, 2);
+    std::fs::write(m.brick().join("f"), &second).unwrap();
+    same(m.path("f"), &second, "what the open found");
+    assert_eq!(mount_counts(&m), (reads, stored + 2));
+
+    // Shrunk on the brick: the kernel's size is larger than the file now, so nothing is stored
+    // (a store cannot shrink it) and the read asks the mount: no old bytes past the new end.
+    let third = pattern(5_000, 3);
+    std::fs::write(m.brick().join("f"), &third).unwrap();
+    same(m.path("f"), &third, "the content");
+    let (reads_now, stored_now) = mount_counts(&m);
+    assert_eq!(stored_now, stored + 2, "not stored over a larger size");
+    assert!(reads_now > reads, "read through the mount");
+}
+
+#[test]
+fn a_small_file_open_elsewhere_in_the_mount_is_not_stored() {
+    let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    let old = pattern(8_000, 4);
+    std::fs::write(m.path("f"), &old).unwrap();
+    same(m.path("f"), &old, "the size is known after this");
+
+    // A writer holds the file open: a store could overwrite what it writes.
+    let writer = OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    let (_, stored) = mount_counts(&m);
+    same(m.path("f"), &old, "the content");
+    assert_eq!(
+        mount_counts(&m).1,
+        stored,
+        "not stored while another handle is open"
+    );
+
+    let new = pattern(8_000, 5);
+    writer.write_all_at(&new, 0).unwrap();
+    same(m.path("f"), &new, "the writer's bytes");
+    drop(writer);
+    same(m.path("f"), &new, "and after its close");
 }

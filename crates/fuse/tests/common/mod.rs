@@ -12,6 +12,8 @@ use kiln_server::{Listen, Stats};
 pub struct Mounted {
     pub dir: tempfile::TempDir,
     pub stats: Arc<Stats>,
+    /// The mount's own counts (READs it was sent, small files it stored in the page cache).
+    pub counters: Arc<kiln_fuse::Counters>,
     session: Option<fuser::BackgroundSession>,
 }
 
@@ -74,11 +76,13 @@ impl Mounted {
             Some(max) => fs.with_small_file_max(max),
             None => fs,
         };
+        let counters = fs.counters();
         let session = kiln_fuse::serve_background(fs, "test:/vol", &dir.path().join("mnt"), 4)
             .expect("mount");
         Mounted {
             dir,
             stats,
+            counters,
             session: Some(session),
         }
     }

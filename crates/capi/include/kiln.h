@@ -247,6 +247,19 @@ int kiln_pwritev_async(struct kiln_fd_t *fd,
 // `fd` live.
 int kiln_fsync_async(struct kiln_fd_t *fd, kiln_io_cbk cb, void *user_data);
 
+// Reads the file at `path` from its start into `buf`, which holds `len` bytes. Returns the
+// file's size, or `-errno`.
+//
+// When the file fits (its size is at most `len`), all of it is in `buf`, and it came in one
+// round trip with the open; a file whose size is over `len` has its first `len` bytes in
+// `buf` (read through a handle, then closed), and the size returned tells the caller to
+// call again with a bigger buffer. A directory is `-EISDIR`.
+//
+// # Safety
+// `k` is live and initialised; `path` is NUL-terminated; `buf` is writable for `len` bytes
+// (it may be null when `len` is 0).
+int64_t kiln_read_file(struct kiln_t *k, const char *path, void *buf, size_t len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -29,6 +29,9 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
 
+mod whole;
+pub use whole::kiln_read_file;
+
 use kiln_client::volume::Source;
 use kiln_client::{block_on, Fd, RawIov, Volume};
 

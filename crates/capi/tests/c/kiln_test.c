@@ -1,5 +1,6 @@
 /* C test of libkiln: sync and async I/O with data verified, 64 requests in flight, both
- * completion modes, errors as -errno, and kiln_volume_open of a spec and of a volfile.
+ * completion modes, errors as -errno, kiln_read_file, and kiln_volume_open of a spec and of
+ * a volfile.
  * Usage: kiln_test tcp HOST PORT | unix PATH 0 [VOLFILE] */
 #include "kiln.h"
 
@@ -193,6 +194,25 @@ int main(int argc, char **argv) {
     CHECK(kiln_mkdir(k, "/c-dir", 0755) == -EEXIST, "mkdir twice");
     CHECK(kiln_rmdir(k, "/c-dir") == 0, "rmdir");
     CHECK(kiln_rmdir(k, "/c-dir") == -ENOENT, "rmdir twice");
+
+    /* kiln_read_file: a small file whole (one round trip), the head of a bigger one. */
+    kiln_fd_t *sf = NULL;
+    CHECK(kiln_creat(k, "/c-small.txt", O_WRONLY | O_CREAT | O_TRUNC, 0644, &sf) == 0, "creat small");
+    struct iovec sv = {data, 3000};
+    CHECK(kiln_pwritev(sf, &sv, 1, 0) == 3000, "write small");
+    CHECK(kiln_close(sf) == 0, "close small");
+    unsigned char whole[4096];
+    memset(whole, 0, sizeof whole);
+    CHECK(kiln_read_file(k, "/c-small.txt", whole, sizeof whole) == 3000, "read_file: the size");
+    CHECK(memcmp(whole, data, 3000) == 0, "read_file: the content");
+    memset(whole, 0, sizeof whole);
+    CHECK(kiln_read_file(k, "/c-small.txt", whole, 100) == 3000, "read_file, short buffer: the whole size");
+    CHECK(memcmp(whole, data, 100) == 0 && whole[100] == 0, "read_file, short buffer: its first bytes only");
+    CHECK(kiln_read_file(k, "/c-small.txt", NULL, 0) == 3000, "read_file with no buffer: the size");
+    CHECK(kiln_read_file(k, "/c-small.txt", NULL, 1) == -EINVAL, "read_file: NULL buffer with a length");
+    CHECK(kiln_read_file(k, "/missing", whole, sizeof whole) == -ENOENT, "read_file missing");
+    CHECK(kiln_read_file(k, "/", whole, sizeof whole) == -EISDIR, "read_file of a directory");
+    CHECK(kiln_unlink(k, "/c-small.txt") == 0, "unlink small");
 
     /* Event-loop mode: completions wait for kiln_poll_completions on this thread. */
     kiln_t *k2 = connect_to(argv[1], argv[2], atoi(argv[3]), KILN_COMPLETE_BY_POLL);

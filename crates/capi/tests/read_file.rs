@@ -1,0 +1,71 @@
+//! `kiln_read_file` reads a small file in one round trip: the brick sees one OPEN and no READ
+//! or RELEASE. A file bigger than the caller's buffer is read through a handle, which is
+//! closed again. Counted on a real brick server over its Unix socket.
+
+use std::ffi::{c_char, CString};
+use std::ptr::null_mut;
+
+use kiln::{kiln_fini, kiln_init, kiln_new, kiln_read_file, kiln_set_volfile_server, Kiln};
+use kiln_proto::Op;
+use kiln_server::{Listen, Stats};
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29) ^ seed)
+        .collect()
+}
+
+fn counts(s: &Stats) -> [u64; 3] {
+    [Op::Open, Op::Read, Op::Release].map(|op| s.calls(op))
+}
+
+fn read_file(k: *mut Kiln, path: &str, buf: &mut [u8]) -> i64 {
+    let p = CString::new(path).unwrap();
+    // SAFETY: `k` is live and initialised; `p` is NUL-terminated; `buf` is writable.
+    unsafe { kiln_read_file(k, p.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) }
+}
+
+#[test]
+fn a_small_file_is_one_open_on_the_brick() {
+    let dir = tempfile::tempdir().unwrap();
+    let brick = dir.path().join("brick");
+    std::fs::create_dir(&brick).unwrap();
+    let sock = dir.path().join("kilnd.sock");
+    let server = kiln_server::spawn_background(&brick, &[Listen::Unix(sock.clone())]).unwrap();
+    let small = pattern(20_000, 1);
+    let big = pattern(300_000, 2);
+    std::fs::write(brick.join("small"), &small).unwrap();
+    std::fs::write(brick.join("big"), &big).unwrap();
+
+    let mut k: *mut Kiln = null_mut();
+    let sock = CString::new(sock.to_str().unwrap()).unwrap();
+    // SAFETY: NUL-terminated strings, `k` written by kiln_new and live until kiln_fini.
+    unsafe {
+        assert_eq!(kiln_new(c"vol".as_ptr() as *const c_char, &mut k), 0);
+        assert_eq!(
+            kiln_set_volfile_server(k, c"unix".as_ptr(), sock.as_ptr(), 0),
+            0
+        );
+        assert_eq!(kiln_init(k), 0);
+    }
+
+    let mut buf = vec![0u8; 64 << 10];
+    let [open0, read0, rel0] = counts(&server.stats);
+    assert_eq!(read_file(k, "/small", &mut buf), small.len() as i64);
+    assert_eq!(&buf[..small.len()], &small[..]);
+    assert_eq!(
+        counts(&server.stats),
+        [open0 + 1, read0, rel0],
+        "one OPEN, nothing read or released after it"
+    );
+
+    assert_eq!(read_file(k, "/big", &mut buf), big.len() as i64, "the size");
+    assert_eq!(buf, big[..buf.len()], "the head that fits");
+    let [open1, read1, rel1] = counts(&server.stats);
+    assert_eq!(open1, open0 + 2);
+    assert!(read1 > read0, "read through a handle");
+    assert_eq!(rel1, rel0 + 1, "and the handle closed");
+
+    // SAFETY: `k` is live and not used again.
+    assert_eq!(unsafe { kiln_fini(k) }, 0);
+}

@@ -160,6 +160,21 @@ macro_rules! try_fut {
 mod open;
 mod watch;
 
+/// The vector a [`Shape::ReadAny`] request kept, holding the `n` payload bytes that landed
+/// in it.
+fn landed(keep: Keep, n: usize) -> Vec<u8> {
+    let mut buf = *keep
+        .expect("the connection hands back what it kept")
+        .downcast::<Vec<u8>>()
+        .expect("same type");
+    assert!(n <= buf.capacity(), "more landed than the sink holds");
+    // SAFETY: the connection received the reply's payload into the vector's spare capacity
+    // from its start (the sink `vectors` gave it), and `n` is what landed there, at most the
+    // capacity: the first `n` bytes are initialised.
+    unsafe { buf.set_len(n) };
+    buf
+}
+
 /// The payload and sink vectors of a request of `shape` whose memory `keep` holds.
 fn vectors(shape: Shape, keep: &Keep) -> (Vec<RawIov>, Vec<RawIov>) {
     let kept = || keep.as_ref().and_then(|k| k.downcast_ref::<Kept>());
@@ -168,10 +183,12 @@ fn vectors(shape: Shape, keep: &Keep) -> (Vec<RawIov>, Vec<RawIov>) {
         Shape::Write => (kept().map(|k| k.0.clone()).unwrap_or_default(), Vec::new()),
         Shape::ReadInto => (Vec::new(), kept().map(|k| k.0.clone()).unwrap_or_default()),
         Shape::ReadAny => {
+            // The payload lands in the vector's spare capacity: nothing zeroes it first, and
+            // the completion sets the length to what landed (see `landed`).
             let buf = keep.as_ref().and_then(|k| k.downcast_ref::<Vec<u8>>());
             let sink = buf.map(|b| RawIov {
                 base: b.as_ptr() as usize,
-                len: b.len(),
+                len: b.capacity(),
             });
             (Vec::new(), sink.into_iter().collect())
         }
@@ -629,17 +646,15 @@ impl ProtocolClient {
             }
             ReadDst::Any(len) => {
                 req.shape = Shape::ReadAny;
-                let f = self.send(cx, req, Some(Box::new(vec![0u8; len as usize])));
+                let f = self.send(
+                    cx,
+                    req,
+                    Some(Box::new(Vec::<u8>::with_capacity(len as usize))),
+                );
                 Box::pin(async move {
                     let c = f.await?;
                     let n = c.result?.payload_len;
-                    let mut buf = *c
-                        .keep
-                        .expect("the connection hands back what it kept")
-                        .downcast::<Vec<u8>>()
-                        .expect("same type");
-                    buf.truncate(n);
-                    Ok(ReadOut::Buf(buf))
+                    Ok(ReadOut::Buf(landed(c.keep, n)))
                 })
             }
         }

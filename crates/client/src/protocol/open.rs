@@ -69,7 +69,11 @@ impl ProtocolClient {
         let mut r = self.request(cx, Op::Open, req.to_wire(), None);
         // The payload, if any, lands in the buffer as a read's would.
         r.shape = Shape::ReadAny;
-        let f = self.send(cx, r, Some(Box::new(vec![0u8; max as usize])));
+        let f = self.send(
+            cx,
+            r,
+            Some(Box::new(Vec::<u8>::with_capacity(max as usize))),
+        );
         Box::pin(async move {
             let mut c = f.await?;
             let got = c.result?;
@@ -87,14 +91,7 @@ impl ProtocolClient {
                     gen,
                 )));
             }
-            let mut buf = *c
-                .keep
-                .take()
-                .expect("the connection hands back what it kept")
-                .downcast::<Vec<u8>>()
-                .expect("same type");
-            buf.truncate(got.payload_len);
-            Ok(Opened::Whole(buf))
+            Ok(Opened::Whole(super::landed(c.keep.take(), got.payload_len)))
         })
     }
 }

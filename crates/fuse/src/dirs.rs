@@ -83,14 +83,13 @@ impl KilnFs {
     /// READDIRPLUS: a page of the snapshot, with attributes (each entry a lookup).
     pub(crate) fn dir_read_plus(
         &self,
-        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        // Offsets match `readdir`'s (".", "..", then entry k at k + 3): with readdirplus-auto
-        // the kernel may switch between the two within one listing.
+        // Offsets match `readdir`'s (".", "..", then entry k at k + 3), so either can go on
+        // from where the other stopped.
         let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
         let Some(d) = dirs.get(&fh.0) else {
             return reply.error(Errno::EBADF);
@@ -100,11 +99,10 @@ impl KilnFs {
             Err(e) => return reply.error(e),
         };
         if offset < 2 {
-            let here = match block_on(self.caller(req).lookup(&parent)) {
-                Ok(a) => self.fattr(&a),
-                Err(e) => return reply.error(errno(e)),
-            };
-            // The kernel takes no lookup reference for "." and "..".
+            // The kernel takes neither a lookup reference nor the attributes of "." and ".."
+            // (fs/fuse/readdir.c, `fuse_direntplus_link`): only their type reaches the reader,
+            // so no brick lookup of the directory is spent on them.
+            let here = dot(ino);
             if offset == 0 && reply.add(ino, 1, ".", &self.ttl, &here, Generation(0)) {
                 return reply.ok();
             }
@@ -164,5 +162,27 @@ impl KilnFs {
             });
             job
         });
+    }
+}
+
+/// What a READDIRPLUS page says of "." and "..": a directory (the kernel uses nothing else).
+fn dot(ino: INodeNo) -> fuser::FileAttr {
+    let never = std::time::UNIX_EPOCH;
+    fuser::FileAttr {
+        ino,
+        size: 0,
+        blocks: 0,
+        atime: never,
+        mtime: never,
+        ctime: never,
+        crtime: never,
+        kind: FileType::Directory,
+        perm: 0o755,
+        nlink: 2,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
     }
 }

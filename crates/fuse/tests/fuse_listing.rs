@@ -1,0 +1,46 @@
+//! A listing gives the kernel every entry with its attributes (READDIRPLUS on every page, not
+//! the kernel's choice), so the names of a big directory need no brick LOOKUP when they are
+//! used after it; and a listing costs no brick lookup of the directory itself (the kernel
+//! takes nothing from the "." and ".." entries but their type).
+
+mod common;
+
+use std::time::Duration;
+
+use common::Mounted;
+use kiln_fuse::Mode;
+use kiln_proto::Op;
+
+#[test]
+fn the_names_of_a_big_listing_need_no_lookups_after_it() {
+    // Attributes and names cached far longer than the test.
+    let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    // Made on the brick itself, so the kernel has none of the names before the listing.
+    let dir = m.brick().join("big");
+    std::fs::create_dir(&dir).unwrap();
+    for i in 0..3000 {
+        std::fs::write(dir.join(format!("file-with-a-longish-name-{i:05}")), b"x").unwrap();
+    }
+
+    // The kernel knows the directory itself from here on.
+    assert!(std::fs::metadata(m.path("big")).unwrap().is_dir());
+
+    let before = m.stats.calls(Op::Lookup);
+    let names: Vec<_> = std::fs::read_dir(m.path("big"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 3000);
+    let listed = m.stats.calls(Op::Lookup);
+    assert_eq!(listed, before, "listing looked nothing up on the brick");
+
+    for name in &names {
+        let md = std::fs::metadata(m.path("big").join(name)).unwrap();
+        assert_eq!(md.len(), 1);
+    }
+    assert_eq!(
+        m.stats.calls(Op::Lookup),
+        listed,
+        "every name and its attributes came with the listing, the last pages' too"
+    );
+}

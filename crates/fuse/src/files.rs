@@ -1,7 +1,7 @@
 //! The mount's open files: each FUSE file handle's stack handle or, for a small file opened
 //! read-only in general mode, the file's whole content.
 //!
-//! A small-file open (`--small-file-max`, 64 KiB by default) asks the stack for the file's
+//! A small-file open (`--small-file-max`, 256 KiB by default) asks the stack for the file's
 //! content with the open (OPEN with `peek`): one round trip, and nothing is left open on the
 //! brick, so the release costs none either. Reads of such a handle come from that content, the
 //! file as it was when opened — the close-to-open rule: what another client wrote and closed

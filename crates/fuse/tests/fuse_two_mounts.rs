@@ -42,7 +42,7 @@ fn what_a_wrote_and_closed_b_opens_whole_and_fresh() {
     let a = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
     let b = a.second(Duration::from_secs(60));
     // A small file (whole with its open) and one past --small-file-max.
-    for (name, small, large) in [("small", 100, 3_000), ("large", 100_000, 300_000)] {
+    for (name, small, large) in [("small", 100, 3_000), ("large", 400_000, 900_000)] {
         let (pa, pb) = (a.path(name), b.path(name));
         write_and_close(&pa, &content(small, 1));
         same(

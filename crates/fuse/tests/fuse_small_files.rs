@@ -12,7 +12,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::Mounted;
+use common::{content, same_bytes, Mounted};
 use kiln_fuse::Mode;
 use kiln_proto::Op;
 
@@ -128,22 +128,9 @@ fn an_open_small_file_outlives_its_name() {
     assert_eq!(&buf[..n], b"replaced");
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
-        .collect()
-}
-
-/// The file at `p` reads back as `want` (compared without printing megabytes).
+/// The file at `p` reads back as `want`.
 fn same(p: std::path::PathBuf, want: &[u8], what: &str) {
-    let got = std::fs::read(&p).unwrap();
-    let first = got.iter().zip(want).position(|(a, b)| a != b);
-    assert!(
-        got == want,
-        "{what}: {} bytes read, {} expected, first difference at {first:?}",
-        got.len(),
-        want.len()
-    );
+    same_bytes(&std::fs::read(&p).unwrap(), want, what);
 }
 
 /// READs the kernel sent the mount, and small files it stored in the page cache.
@@ -160,7 +147,7 @@ fn a_small_file_opened_alone_is_read_from_the_page_cache_as_the_open_found_it() 
     // Attributes cached longer than the test: the kernel asks for a size only when the mount
     // tells it to forget the one it has.
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
-    let first = pattern(20_000, 1);
+    let first = content(20_000, 1);
     std::fs::write(m.path("f"), &first).unwrap();
     // The kernel's size came from its own writes, not from the mount: this open has the kernel
     // ask for it again, and is not stored.
@@ -182,14 +169,14 @@ fn a_small_file_opened_alone_is_read_from_the_page_cache_as_the_open_found_it() 
 
     // Another writer, straight on the brick (no push): same size, other bytes. The next open
     // brings them, and the store overwrites the pages an earlier open left cached.
-    let second = pattern(20_000, 2);
+    let second = content(20_000, 2);
     std::fs::write(m.brick().join("f"), &second).unwrap();
     same(m.path("f"), &second, "what the open found");
     assert_eq!(mount_counts(&m), (reads, stored + 2));
 
     // Shrunk on the brick: the kernel's size is larger than the file now, so nothing is stored
     // (a store cannot shrink it) and the read asks the mount: no old bytes past the new end.
-    let third = pattern(5_000, 3);
+    let third = content(5_000, 3);
     std::fs::write(m.brick().join("f"), &third).unwrap();
     same(m.path("f"), &third, "the content");
     let (reads_now, stored_now) = mount_counts(&m);
@@ -200,7 +187,7 @@ fn a_small_file_opened_alone_is_read_from_the_page_cache_as_the_open_found_it() 
 #[test]
 fn a_small_file_open_elsewhere_in_the_mount_is_not_stored() {
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
-    let old = pattern(8_000, 4);
+    let old = content(8_000, 4);
     std::fs::write(m.path("f"), &old).unwrap();
     same(m.path("f"), &old, "the size is known after this");
 
@@ -214,7 +201,7 @@ fn a_small_file_open_elsewhere_in_the_mount_is_not_stored() {
         "not stored while another handle is open"
     );
 
-    let new = pattern(8_000, 5);
+    let new = content(8_000, 5);
     writer.write_all_at(&new, 0).unwrap();
     same(m.path("f"), &new, "the writer's bytes");
     drop(writer);

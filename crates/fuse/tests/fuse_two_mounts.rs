@@ -10,25 +10,12 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use common::Mounted;
+use common::{content, same_bytes, Mounted};
 use kiln_fuse::Mode;
 
-/// Content of `len` bytes that differs for each `seed`.
-fn content(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
-/// Asserts B read `want` (lengths and the first difference, not the bytes, on failure).
+/// Asserts B read `want`.
 fn same(got: &[u8], want: &[u8], name: &str, what: &str) {
-    let first = got.iter().zip(want).position(|(g, w)| g != w);
-    assert!(
-        got == want,
-        "{name}, {what}: B read {} bytes, want {}; first difference at {first:?}",
-        got.len(),
-        want.len()
-    );
+    same_bytes(got, want, &format!("{name}, {what}: B"));
 }
 
 fn write_and_close(p: &std::path::Path, data: &[u8]) {

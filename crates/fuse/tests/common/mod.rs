@@ -181,3 +181,21 @@ impl Drop for Second {
         }
     }
 }
+
+/// Content of `len` bytes that differs for each `seed`.
+pub fn content(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Asserts `got` is `want` (lengths and the first difference, not the bytes, on failure).
+pub fn same_bytes(got: &[u8], want: &[u8], what: &str) {
+    let first = got.iter().zip(want).position(|(g, w)| g != w);
+    assert!(
+        got == want,
+        "{what}: {} bytes read, want {}; first difference at {first:?}",
+        got.len(),
+        want.len()
+    );
+}

@@ -26,6 +26,8 @@ pub struct Counters {
     pub reads: AtomicU64,
     /// Small files put into the kernel's page cache with their open (no READ follows).
     pub stored: AtomicU64,
+    /// Small-file opens answered with content fetched ahead (no wait on a brick).
+    pub fetched_ahead: AtomicU64,
 }
 
 /// What a FUSE file handle holds.

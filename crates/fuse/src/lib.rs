@@ -422,6 +422,10 @@ impl fuser::Filesystem for KilnFs {
         Ok(())
     }
 
+    fn destroy(&mut self) {
+        tracing::info!(counters = ?self.counters, "unmounted");
+    }
+
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let path = match self.child(parent, name) {
             Ok(p) => p,

@@ -1,9 +1,13 @@
 //! Small files fetched ahead of a reader (general mode): when a small file is opened
-//! read-only, the next small files of its directory's listing are fetched whole in the
-//! background, and their opens find them waiting — a tree read (`find | xargs cat`, a build
-//! reading headers, a backup) waits on one round trip per directory instead of one per file.
-//! What is fetched ahead is kept as [`crate::ahead`] says (used once, within the attribute
-//! timeout, spoiled by any change), and within 32 MiB.
+//! read-only, the small files a walk reaches next are fetched whole in the background, and
+//! their opens find them waiting — a tree read (`find | xargs cat`, a build reading headers, a
+//! backup) waits on one round trip per directory instead of one per file. What is fetched
+//! ahead is kept as [`crate::ahead`] says (used once, within the attribute timeout, spoiled by
+//! any change), and within 32 MiB.
+//!
+//! "Next" is the order of a depth-first walk in listing order (what `find`, `tar`, `cp -r` and
+//! `rsync` do): the directory's later entries, and at a subdirectory, the subdirectory's own
+//! entries first (when its listing has been fetched) before the rest of the directory.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,76 +21,120 @@ use crate::KilnFs;
 
 /// Files fetched ahead per open, at most.
 const AHEAD: usize = 16;
-/// Directories whose files are remembered (all are forgotten past this).
-const DIRS_MAX: usize = 1024;
+/// Directories whose entries are remembered (all are forgotten past this).
+const DIRS_MAX: usize = 4096;
 
-/// The small regular files of recent listings, by directory path, in listing order.
+/// The entries of recent listings, by directory path, in listing order.
 #[derive(Default)]
 pub(crate) struct Recent {
-    dirs: Mutex<HashMap<String, Arc<Files>>>,
+    dirs: Mutex<HashMap<String, Arc<Entries>>>,
 }
 
-struct Files {
-    /// Name and FUSE inode.
-    list: Vec<(String, u64)>,
+/// An entry a walk may go through: a small regular file (its FUSE inode) or a directory.
+enum Step {
+    Small(u64),
+    Dir,
+}
+
+struct Entries {
+    /// Name and what it is; other entries (big files, links, …) are left out.
+    list: Vec<(String, Step)>,
+    /// Where each small file is in `list`.
     at: HashMap<String, usize>,
 }
 
 impl KilnFs {
-    /// A listing of `dir` was fetched: its small regular files are remembered.
+    /// A listing of `dir` was fetched: its small regular files and subdirectories are
+    /// remembered.
     pub(crate) fn note_files(&self, dir: &str, entries: &[DirEntry]) {
         if self.small_max == 0 {
             return;
         }
-        let list: Vec<(String, u64)> = entries
+        let list: Vec<(String, Step)> = entries
             .iter()
-            .filter(|e| kind(e.attr.mode) == fuser::FileType::RegularFile)
-            .filter(|e| e.attr.size <= self.small_max as u64)
-            .map(|e| (e.name.clone(), self.fuse_ino(e.attr.ino)))
+            .filter_map(|e| match kind(e.attr.mode) {
+                fuser::FileType::RegularFile if e.attr.size <= self.small_max as u64 => {
+                    Some((e.name.clone(), Step::Small(self.fuse_ino(e.attr.ino))))
+                }
+                fuser::FileType::Directory => Some((e.name.clone(), Step::Dir)),
+                _ => None,
+            })
             .collect();
-        if list.len() < 2 {
-            return;
-        }
         let at = list
             .iter()
             .enumerate()
+            .filter(|(_, (_, s))| matches!(s, Step::Small(_)))
             .map(|(i, (n, _))| (n.clone(), i))
             .collect();
         let mut d = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
         if d.len() >= DIRS_MAX {
             d.clear();
         }
-        d.insert(dir.to_owned(), Arc::new(Files { list, at }));
+        d.insert(dir.to_owned(), Arc::new(Entries { list, at }));
+    }
+
+    /// The small files (path, FUSE inode) a depth-first walk reaches after `name` in `dir`,
+    /// at most [`AHEAD`]: the directory's later entries, descending into each subdirectory
+    /// whose listing is known, then back up into the parents' later entries.
+    fn walk_after(&self, dir: &str, name: &str) -> Vec<(String, u64)> {
+        let recent = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(here) = recent.get(dir) else {
+            return Vec::new();
+        };
+        let Some(&i) = here.at.get(name) else {
+            return Vec::new();
+        };
+        // Directories being walked and the next entry of each; the innermost last.
+        let mut stack = vec![(dir.to_owned(), here.clone(), i + 1)];
+        let mut out = Vec::new();
+        while let Some((path, entries, k)) = stack.pop() {
+            let Some((name, step)) = entries.list.get(k) else {
+                continue; // this directory is done: back to its parent's next entry
+            };
+            stack.push((path.clone(), entries.clone(), k + 1));
+            match step {
+                Step::Small(ino) => {
+                    out.push((join(&path, name), *ino));
+                    if out.len() == AHEAD {
+                        break;
+                    }
+                }
+                Step::Dir => {
+                    let sub = join(&path, name);
+                    // A walk reads a subdirectory before the rest of its parent; one not
+                    // listed yet ends the prediction (it would be a guess).
+                    match recent.get(&sub) {
+                        Some(e) => stack.push((sub, e.clone(), 0)),
+                        None => break,
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// A read-only open of small file `path` (inode `ino`) by `caller`: its content if it
-    /// was fetched ahead; and the next small files of its directory are fetched ahead now.
+    /// was fetched ahead; and the small files a walk reaches next are fetched ahead now.
     pub(crate) fn small_ahead(&self, caller: &Volume, path: &str, ino: u64) -> Option<Vec<u8>> {
         let got = match self.contents.take(path) {
-            Some((i, data)) if i == ino => Some(data),
+            Some((i, data)) if i == ino => {
+                self.counters
+                    .fetched_ahead
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some(data)
+            }
             _ => None,
         };
         let (dir, name) = split(path);
-        let files = self
-            .recent
-            .dirs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(dir)
-            .cloned();
-        let Some(files) = files else {
+        let next = self.walk_after(dir, name);
+        if next.is_empty() {
             return got;
-        };
-        let Some(&i) = files.at.get(name) else {
-            return got;
-        };
+        }
         let max = self.small_max;
-        let next = &files.list[i + 1..files.list.len().min(i + 1 + AHEAD)];
-        let inos: HashMap<&str, u64> = next.iter().map(|(n, ino)| (n.as_str(), *ino)).collect();
-        let paths = next.iter().map(|(n, _)| join(dir, n));
+        let inos: HashMap<&str, u64> = next.iter().map(|(p, ino)| (p.as_str(), *ino)).collect();
+        let paths = next.iter().map(|(p, _)| p.clone());
         self.contents.want(paths, |p| {
-            let name = split(p).1;
-            let ino = inos.get(name).copied().unwrap_or(0);
+            let ino = inos.get(p).copied().unwrap_or(0);
             let (vol, at) = (caller.clone(), p.to_owned());
             let job: Job<Content> = Box::new(move || {
                 Box::pin(async move {

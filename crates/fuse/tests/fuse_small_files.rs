@@ -207,3 +207,64 @@ fn a_small_file_open_elsewhere_in_the_mount_is_not_stored() {
     drop(writer);
     same(m.path("f"), &new, "and after its close");
 }
+
+/// The files of `dir` in a depth-first walk in listing order, as `find` makes it: each
+/// directory listed whole when the walk reaches it, a subdirectory's files at its place.
+fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    let entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .collect();
+    for e in entries {
+        if e.file_type().unwrap().is_dir() {
+            walk(&e.path(), out);
+        } else {
+            out.push(e.path());
+        }
+    }
+}
+
+#[test]
+fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
+    let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    // Made on the brick itself: nothing of them is known to the mount before the walk.
+    let top = m.brick().join("top");
+    std::fs::create_dir_all(top.join("sub").join("deeper")).unwrap();
+    for (i, d) in ["", "sub", "sub/deeper"].iter().enumerate() {
+        for f in 0..3 {
+            std::fs::write(top.join(d).join(format!("f{f}")), content(100 + f, i as u8)).unwrap();
+        }
+    }
+    // The walk lists every directory before reading any file (as `find | xargs cat` does).
+    let mut files = Vec::new();
+    walk(&m.path("top"), &mut files);
+    assert_eq!(files.len(), 9);
+
+    let opens = m.stats.calls(Op::Open);
+    std::fs::read(&files[0]).unwrap();
+    // That open fetched every other file of the walk ahead, in and below its directory
+    // (bounded wait: the fetches run in the background).
+    let end = Instant::now() + Duration::from_secs(10);
+    while m.stats.calls(Op::Open) < opens + 9 {
+        assert!(
+            Instant::now() < end,
+            "{} of the 8 next files fetched ahead",
+            m.stats.calls(Op::Open) - opens - 1
+        );
+        std::thread::yield_now();
+    }
+    let hits = m.counters.fetched_ahead.load(Ordering::Relaxed);
+    for f in &files[1..] {
+        std::fs::read(f).unwrap();
+    }
+    assert_eq!(
+        m.counters.fetched_ahead.load(Ordering::Relaxed),
+        hits + 8,
+        "every later open found its file fetched"
+    );
+    assert_eq!(
+        m.stats.calls(Op::Open),
+        opens + 9,
+        "and asked the brick nothing"
+    );
+}

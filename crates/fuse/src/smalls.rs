@@ -87,20 +87,21 @@ impl KilnFs {
         // Directories being walked and the next entry of each; the innermost last.
         let mut stack = vec![(dir.to_owned(), here.clone(), i + 1)];
         let mut out = Vec::new();
-        while let Some((path, entries, k)) = stack.pop() {
-            let Some((name, step)) = entries.list.get(k) else {
-                continue; // this directory is done: back to its parent's next entry
+        while let Some((path, entries, k)) = stack.last_mut() {
+            let Some((name, step)) = entries.list.get(*k) else {
+                stack.pop(); // this directory is done: back to its parent's next entry
+                continue;
             };
-            stack.push((path.clone(), entries.clone(), k + 1));
+            *k += 1;
             match step {
                 Step::Small(ino) => {
-                    out.push((join(&path, name), *ino));
+                    out.push((join(path, name), *ino));
                     if out.len() == AHEAD {
                         break;
                     }
                 }
                 Step::Dir => {
-                    let sub = join(&path, name);
+                    let sub = join(path, name);
                     // A walk reads a subdirectory before the rest of its parent; one not
                     // listed yet ends the prediction (it would be a guess).
                     match recent.get(&sub) {

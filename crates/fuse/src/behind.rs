@@ -14,10 +14,11 @@
 //! does for errors found at writeback.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use fuser::Errno;
 use kiln_client::Fd;
+use kiln_proto::Cred;
 use rustc_hash::FxHashMap as HashMap;
 
 /// Bytes held per file at most: a write past this is sent at once.
@@ -58,6 +59,9 @@ impl Default for Behind {
 pub(crate) struct Held {
     pub fh: u64,
     pub fd: Fd,
+    /// Whom the bytes are written as on the brick (None: the mount itself); see
+    /// [`crate::KilnFs::data_write`].
+    pub by: Option<Arc<Cred>>,
     pub offset: u64,
     pub data: Vec<u8>,
 }
@@ -92,7 +96,15 @@ impl Behind {
     /// A write of `data` at `offset` to inode `ino` through handle `fh` (`fd` on the
     /// stack): held if it continues what is held from the same handle and fits [`LIMIT`],
     /// or if nothing is held and it is small (and fewer than [`TOTAL_MAX`] bytes are held).
-    pub fn hold(&self, ino: u64, fh: u64, fd: &Fd, offset: u64, data: &[u8]) -> Hold {
+    /// Writes made as different callers (`by`) are never joined.
+    pub fn hold(
+        &self,
+        ino: u64,
+        (fh, fd): (u64, &Fd),
+        by: &Option<Arc<Cred>>,
+        offset: u64,
+        data: &[u8],
+    ) -> Hold {
         if self.bytes.load(Ordering::Acquire) + data.len() > TOTAL_MAX {
             return Hold::Through;
         }
@@ -100,7 +112,7 @@ impl Behind {
         let mut m = lock(&self.held);
         match m.get_mut(&ino) {
             Some(h) => {
-                let follows = h.fh == fh && h.offset + h.data.len() as u64 == offset;
+                let follows = h.fh == fh && h.offset + h.data.len() as u64 == offset && h.by == *by;
                 if !follows || h.data.len() + data.len() > LIMIT {
                     return Hold::Through;
                 }
@@ -114,6 +126,7 @@ impl Behind {
                 let held = Held {
                     fh,
                     fd: fd.clone(),
+                    by: by.clone(),
                     offset,
                     data: buf,
                 };

@@ -2,9 +2,11 @@
 
 use std::io::IoSlice;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use fuser::{Errno, FileHandle, INodeNo, ReplyData, ReplyEmpty, ReplyWrite};
 use kiln_client::{block_on, RawIov};
+use kiln_proto::Cred;
 
 use crate::behind::Hold;
 use crate::convert::errno;
@@ -58,10 +60,15 @@ impl KilnFs {
     /// WRITE: held behind when it continues the file's last write (general mode, not
     /// `O_DIRECT` or `O_SYNC`), else sent straight from the kernel's request buffer while this
     /// FUSE thread waits (others keep serving), after what was held for the file.
+    ///
+    /// `by`: the caller, when the kernel asks that the write drop the file's set-user-ID and
+    /// set-group-ID bits (`FUSE_WRITE_KILL_SUIDGID`: the writer lacks `CAP_FSETID`). The
+    /// brick then writes as that caller, and its own kernel drops them as for a local write;
+    /// otherwise it writes as itself, which keeps them, as root's write does.
     pub(crate) fn data_write(
         &self,
-        ino: INodeNo,
-        fh: FileHandle,
+        (ino, fh): (INodeNo, FileHandle),
+        by: Option<Arc<Cred>>,
         offset: u64,
         data: &[u8],
         flags: i32,
@@ -77,7 +84,7 @@ impl KilnFs {
         self.files.changing(ino.0);
         let sync = flags & (libc::O_DIRECT | libc::O_SYNC | libc::O_DSYNC) != 0;
         if self.write_behind && !sync {
-            if let Hold::Held = self.behind.hold(ino.0, fh.0, &fd, offset, data) {
+            if let Hold::Held = self.behind.hold(ino.0, (fh.0, &fd), &by, offset, data) {
                 self.files.changed_done();
                 self.touched(ino.0);
                 return reply.written(data.len() as u32);
@@ -87,6 +94,7 @@ impl KilnFs {
         let _ = self.send_behind(ino.0);
         let r = self
             .vol
+            .on_behalf_of(by)
             .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
             .map_err(errno);
         self.files.changed_done();
@@ -108,9 +116,11 @@ impl KilnFs {
         let Some(h) = self.behind.take(ino) else {
             return Ok(());
         };
-        let r = self
-            .vol
-            .pwritev_blocking(&h.fd, &[IoSlice::new(&h.data)], h.offset);
+        let r = self.vol.on_behalf_of(h.by.clone()).pwritev_blocking(
+            &h.fd,
+            &[IoSlice::new(&h.data)],
+            h.offset,
+        );
         self.behind.sent(ino);
         self.touched(ino);
         let e = match r {

@@ -386,7 +386,11 @@ impl fuser::Filesystem for KilnFs {
             | InitFlags::FUSE_ASYNC_DIO
             | InitFlags::FUSE_PARALLEL_DIROPS
             | InitFlags::FUSE_MAX_PAGES
-            | InitFlags::FUSE_BIG_WRITES;
+            | InitFlags::FUSE_BIG_WRITES
+            // Set-ID bits and file capabilities are the bricks' to drop on a write, truncate
+            // or chown (their kernels do it, acting as the caller; see `data_write`), so the
+            // kernel need not ask for `security.capability` before every WRITE.
+            | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         if self.mode == Mode::General {
             // Always readdirplus, never the kernel's choice (READDIRPLUS_AUTO): the brick's
             // listing carries every entry's attributes anyway, and with plain READDIR pages
@@ -808,17 +812,22 @@ impl fuser::Filesystem for KilnFs {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: fuser::WriteFlags,
+        write_flags: fuser::WriteFlags,
         flags: fuser::OpenFlags,
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.data_write(ino, fh, offset, data, flags.0, reply)
+        let by = if write_flags.contains(fuser::WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            self.callers.cred(req.pid(), req.uid(), req.gid())
+        } else {
+            None
+        };
+        self.data_write((ino, fh), by, offset, data, flags.0, reply)
     }
 
     fn flush(

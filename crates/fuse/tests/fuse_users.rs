@@ -168,6 +168,8 @@ fn users(mode: Mode) {
     assert_eq!(owner(&brick.join("shared/open")).2, 0o777);
     assert_eq!(owner(&brick.join("shared/masked")).2, 0o750);
 
+    set_id_bits(&m);
+
     // The brick itself checks, not only the client's kernel: a stack used on behalf of a
     // user (no FUSE in between) is refused what the user may not do.
     let sock = m.dir.path().join("kilnd.sock");
@@ -185,6 +187,34 @@ fn users(mode: Mode) {
         block_on(vol.mkdir("private/x", 0o755)).is_ok(),
         "the process itself is root"
     );
+}
+
+/// A write by a user without `CAP_FSETID` drops a file's set-user-ID and set-group-ID bits
+/// (the mount leaves that to the bricks: `FUSE_HANDLE_KILLPRIV_V2`); root's write keeps
+/// them. Seen through the mount and on the brick, through write-behind (small appends), a
+/// large write and truncation alike.
+fn set_id_bits(m: &Mounted) {
+    let (mnt, brick) = (m.mnt(), m.brick());
+    for (name, write) in [
+        ("small", "echo x >>"),
+        ("large", "head -c 1000000 /dev/zero >>"),
+    ] {
+        for (who, kept) in [(0, 0o6777), (NOBODY, 0o777)] {
+            let f = format!("shared/{name}-{who}");
+            ok(
+                0,
+                0,
+                &[],
+                &format!(
+                    "echo a > {mnt}/{f} && chmod 6777 {mnt}/{f}",
+                    mnt = mnt.display()
+                ),
+            );
+            ok(who, who, &[], &format!("{write} {}/{f}", mnt.display()));
+            assert_eq!(owner(&brick.join(&f)).2, kept, "{f} on the brick");
+            assert_eq!(owner(&mnt.join(&f)).2, kept, "{f} through the mount");
+        }
+    }
 }
 
 #[test]

@@ -146,9 +146,12 @@ ops! {
 
 impl Op {
     /// True for the POSIX fops a brick runs with the caller's credentials when the request
-    /// carries them ([`crate::frame::FLAG_CRED`]): every name and metadata fop. Data fops on
-    /// an open file (read, write, fsync, release) were checked at open, and replication control
-    /// is the brick's own business: those run as the brick and ignore credentials.
+    /// carries them ([`crate::frame::FLAG_CRED`]): every name and metadata fop, and writes.
+    /// A write was checked at open; it carries credentials only when the writer lacks
+    /// `CAP_FSETID`, so that the brick's kernel drops the file's set-user-ID and set-group-ID
+    /// bits as for a local write (a mount leaves that to the bricks). Other data fops on an
+    /// open file (read, fsync, release) and replication control are the brick's own
+    /// business: those run as the brick and ignore credentials.
     pub fn acts_for_caller(self) -> bool {
         use Op::*;
         matches!(
@@ -175,6 +178,8 @@ impl Op {
                 | Fallocate
                 | Discard
                 | Fsetattr
+                | Write
+                | WriteMarked
         )
     }
 }

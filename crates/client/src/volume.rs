@@ -24,7 +24,7 @@ use kiln_layer::{
     StatfsReply,
 };
 use kiln_proto::codec::Wire;
-use kiln_proto::ops::{Changes, DirEntry};
+use kiln_proto::ops::{Changes, DirEntry, Extent, ExtentList};
 use kiln_proto::Cred;
 
 use crate::client::{errno_error, Client};
@@ -656,6 +656,15 @@ impl Volume {
     /// Punches a hole, keeping the size.
     pub async fn discard(&self, fd: &Fd, offset: u64, len: u64) -> io::Result<()> {
         fop!(self, cx => self.stack.top.discard(&cx, fd, offset, len))
+    }
+
+    /// The runs of data and holes from `offset`, covering at most `len` bytes: consecutive,
+    /// at least one unless `len` is 0, possibly fewer than the range needs (ask again from
+    /// where they end). A layer that cannot tell says data.
+    pub async fn extents(&self, fd: &Fd, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        let l: io::Result<ExtentList> =
+            fop!(self, cx => self.stack.top.extents(&cx, fd, offset, len));
+        Ok(l?.runs.0)
     }
 
     /// Writes borrowed slices at `offset`, sent straight from them; blocks the calling thread

@@ -30,7 +30,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 pub use kiln_proto::iov::RawIov;
-pub use kiln_proto::ops::{Attr, ReaddirReply, SetAttrs, StatfsReply};
+pub use kiln_proto::ops::{Attr, Extent, ExtentList, ReaddirReply, SetAttrs, StatfsReply};
 pub use kiln_proto::{errno, Op};
 pub use trace::{Ctx, Trace};
 
@@ -316,6 +316,9 @@ macro_rules! for_each_path_fop {
             (discard, Discard,
                 $crate::__wire::DiscardReq { fh: &'a $crate::Fd => handle, offset: u64 => val, len: u64 => val },
                 (), (), (|r| r), (|v| v))
+            (extents, Extents,
+                $crate::__wire::ExtentsReq { fh: &'a $crate::Fd => handle, offset: u64 => val, len: u64 => val },
+                $crate::ExtentList, $crate::ExtentList, (|r| r), (|v| v))
             (setattr, Setattr,
                 $crate::__wire::SetattrReq { path: &'a str => path, attrs: &'a $crate::SetAttrs => refd },
                 $crate::Attr, $crate::Attr, (|r| r), (|v| v))
@@ -577,6 +580,7 @@ no_data!(
     Fd,
     (Fd, Attr),
     (),
+    ExtentList,
     ReaddirReply,
     String,
     StatfsReply,

@@ -142,6 +142,9 @@ ops! {
     /// [`Changes`]. Caches of what others may change (a mount's names, attributes and small
     /// files) are dropped on them instead of on a timeout.
     Watch = 48,
+    /// Where an open file's data lies in a range ([`ExtentsReq`]): runs of data and of holes,
+    /// from the brick file system's `SEEK_DATA`/`SEEK_HOLE` ([`ExtentList`]).
+    Extents = 49,
 }
 
 impl Op {
@@ -342,6 +345,16 @@ wire_struct! {
     /// Discard request.
     pub struct DiscardReq { pub fh: u64, pub offset: u64, pub len: u64 }
 
+    /// Extents request: the runs of data and holes of `[offset, offset + len)`, at most
+    /// [`EXTENTS_MAX`] of them.
+    pub struct ExtentsReq { pub fh: u64, pub offset: u64, pub len: u64 }
+    /// One run of an open file: `len` bytes, data or a hole (reads as zeros, takes no space).
+    pub struct Extent { pub len: u64, pub hole: bool }
+    /// Extents reply: consecutive runs from the request's offset. They may end before the
+    /// range does (more runs than fit, or a layer that knows no more); the caller asks again
+    /// from where they end. Past the end of the file is one hole.
+    pub struct ExtentList { pub runs: Seq<Extent> }
+
     /// Profile request: `cmd` is one of the `PROFILE_*` values. The reply carries no arguments
     /// and a JSON payload: the server's io-stats (cumulative and since the last start).
     pub struct ProfileReq { pub cmd: u32 }
@@ -359,6 +372,9 @@ wire_struct! {
 
 /// [`HelloReply::flags`]: the brick is new to its volume (see `kiln_layer::marks`).
 pub const HELLO_NEW_BRICK: u32 = 1;
+
+/// The most runs an [`ExtentList`] carries (a brick stops there; the caller asks again).
+pub const EXTENTS_MAX: usize = 1024;
 
 /// Profile: report only.
 pub const PROFILE_INFO: u32 = 0;

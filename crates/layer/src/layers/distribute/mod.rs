@@ -90,8 +90,8 @@ use std::sync::Mutex;
 use std::task::Poll;
 
 use crate::{
-    Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, Opened, ReadDst, ReadOut,
-    ReaddirReply, SetAttrs, StatfsReply, Written,
+    Attr, Ctx, Errno, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, Opened, ReadDst,
+    ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
 mod layout;
@@ -951,6 +951,13 @@ impl Layer for Distribute {
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
         match self.fd_kid(fd) {
             Ok((k, fd)) => k.discard(cx, fd, offset, len),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn extents<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, at: u64, len: u64) -> Fut<'a, ExtentList> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.extents(cx, fd, at, len),
             Err(e) => crate::fail(e),
         }
     }

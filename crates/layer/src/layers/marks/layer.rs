@@ -8,8 +8,8 @@ use crate::marks::{
     MemberState, PendingPage,
 };
 use crate::{
-    fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, SetAttrs,
-    Written,
+    fail, Attr, Ctx, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
+    SetAttrs, Written,
 };
 use kiln_proto::ops::{
     SETATTR_ATIME, SETATTR_ATIME_NOW, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_MTIME_NOW,
@@ -168,6 +168,13 @@ impl Layer for Marks {
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
         match usable(fd, cx.owner) {
             Ok(f) => self.child().fstat(cx, &f.inner),
+            Err(e) => fail(e),
+        }
+    }
+
+    fn extents<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, at: u64, len: u64) -> Fut<'a, ExtentList> {
+        match usable(fd, cx.owner) {
+            Ok(f) => self.child().extents(cx, &f.inner, at, len),
             Err(e) => fail(e),
         }
     }

@@ -11,6 +11,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use kiln_proto::codec::Seq;
 use kiln_proto::errno;
 use kiln_proto::ops::*;
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
@@ -621,6 +622,47 @@ pub fn fallocate(file: &File, mode: u32, offset: u64, len: u64) -> FopResult<()>
 pub fn discard(file: &File, offset: u64, len: u64) -> FopResult<()> {
     let flags = rfs::FallocateFlags::PUNCH_HOLE | rfs::FallocateFlags::KEEP_SIZE;
     rfs::fallocate(file.as_fd(), flags, offset, len).map_err(err)
+}
+
+/// The runs of data and holes of `[offset, offset + len)` in an open file, from the file
+/// system's `SEEK_DATA`/`SEEK_HOLE` (one data run where it has no such notion), at most
+/// [`EXTENTS_MAX`] of them; past the end of the file is one hole.
+pub fn extents(file: &File, offset: u64, len: u64) -> FopResult<ExtentList> {
+    let size = rfs::fstat(file).map_err(err)?.st_size as u64;
+    let end = offset.saturating_add(len);
+    // Where the next data (or hole) starts at or after `at`: `none` on a file system without
+    // the notion (data everywhere up to the end of the file).
+    let seek = |pos: rfs::SeekFrom, none: u64| match rfs::seek(file, pos) {
+        Ok(p) => Ok(p),
+        Err(rustix::io::Errno::NXIO) => Ok(size),
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::OPNOTSUPP) => Ok(none),
+        Err(e) => Err(err(e)),
+    };
+    let mut runs = Vec::new();
+    let mut at = offset;
+    while at < end && runs.len() < EXTENTS_MAX {
+        if at >= size {
+            runs.push(Extent {
+                len: end - at,
+                hole: true,
+            });
+            break;
+        }
+        let data = seek(rfs::SeekFrom::Data(at), at)?.max(at);
+        let (stop, hole) = if data > at {
+            (data, true)
+        } else {
+            // At data: a hole follows it, at the end of the file at the latest.
+            (seek(rfs::SeekFrom::Hole(at), size)?.max(at + 1), false)
+        };
+        let stop = stop.min(end);
+        runs.push(Extent {
+            len: stop - at,
+            hole,
+        });
+        at = stop;
+    }
+    Ok(ExtentList { runs: Seq(runs) })
 }
 
 #[cfg(test)]

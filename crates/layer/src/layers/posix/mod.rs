@@ -9,8 +9,8 @@ use std::fs::File;
 use std::sync::Arc;
 
 use crate::{
-    errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, RawIov, ReadDst, ReadOut,
-    ReaddirReply, SetAttrs, StatfsReply, Written,
+    errno, fail, Attr, Ctx, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, RawIov, ReadDst,
+    ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
 use crate::distribute::{Layout, LAYOUT_XATTR};
@@ -383,6 +383,16 @@ impl Layer for Posix {
 
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
         self.now(cx, On::Fd(fd), || brick::discard(file(fd)?, offset, len))
+    }
+
+    fn extents<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ExtentList> {
+        self.now(cx, On::Fd(fd), || brick::extents(file(fd)?, offset, len))
     }
 }
 

@@ -50,8 +50,8 @@ use crate::exec::{join2, join_all};
 use crate::marks::{self as m, FlagMark, Mark};
 use crate::shared::Shared;
 use crate::{
-    errno, fail, Attr, Ctx, Errno, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
-    ReaddirReply, SetAttrs, StatfsReply, Written,
+    errno, fail, Attr, Ctx, Errno, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef,
+    ReadDst, ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
 mod behind;
@@ -270,6 +270,29 @@ impl Replicate {
             .map(|k| (start + k) % n)
             .filter(|i| bad & bit(*i) == 0 && self.kids[*i].up() && !self.kids[*i].joining())
             .collect()
+    }
+
+    /// A fop on a handle answered by the first replica that may be read (up to date, up,
+    /// not joining), in read order; patient while none is up.
+    fn on_readable<'a, T: Send + 'a>(
+        &'a self,
+        cx: &'a Ctx,
+        rfd: &'a RepFd,
+        f: impl Fn(LayerRef, Fd) -> Fut<'a, T> + Send + Sync + Copy + 'a,
+    ) -> Fut<'a, T> {
+        Box::pin(self.patiently(move || {
+            Box::pin(async move {
+                let mut last = errno::ENOTCONN;
+                for i in self.read_order(rfd.state.unread(), rfd.prefer) {
+                    let op = move |k: &LayerRef, fd: Fd| f(k.clone(), fd);
+                    match self.on_child(cx, rfd, i, &op).await {
+                        Ok(a) => return Ok(a),
+                        Err(e) => last = e,
+                    }
+                }
+                Err(last)
+            })
+        }))
     }
 
     fn child_fd(&self, rfd: &RepFd, i: usize) -> Option<Fd> {
@@ -771,22 +794,18 @@ impl Layer for Replicate {
 
     fn fstat<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, Attr> {
         let rfd = try_rep!(fd);
-        Box::pin(self.patiently(move || {
-            Box::pin(async move {
-                let mut last = errno::ENOTCONN;
-                for i in self.read_order(rfd.state.unread(), rfd.prefer) {
-                    let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
-                        let k = k.clone();
-                        Box::pin(async move { k.fstat(cx, &fd).await })
-                    };
-                    match self.on_child(cx, rfd, i, &op).await {
-                        Ok(a) => return Ok(a),
-                        Err(e) => last = e,
-                    }
-                }
-                Err(last)
-            })
-        }))
+        self.on_readable(cx, rfd, move |k, fd| {
+            Box::pin(async move { k.fstat(cx, &fd).await })
+        })
+    }
+
+    fn extents<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, at: u64, len: u64) -> Fut<'a, ExtentList> {
+        // Holes as a replica that may be read has them (heal may have filled some in: a
+        // hole reported as data is still read right).
+        let rfd = try_rep!(fd);
+        self.on_readable(cx, rfd, move |k, fd| {
+            Box::pin(async move { k.extents(cx, &fd, at, len).await })
+        })
     }
 
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {

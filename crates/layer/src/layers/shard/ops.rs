@@ -6,8 +6,8 @@ use super::file::ShardFd;
 use super::{hidden, inner, is_reg, Mark, Shard, EEXIST, ENODATA, ENOENT, EPERM, O_EXCL, O_TRUNC};
 use super::{SHARD_DIR, SHARD_XATTR};
 use crate::{
-    errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
-    ReaddirReply, SetAttrs, Written,
+    errno, fail, Attr, Ctx, Extent, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef,
+    ReadDst, ReadOut, ReaddirReply, SetAttrs, Written,
 };
 
 impl Shard {
@@ -297,6 +297,20 @@ impl Layer for Shard {
             Err(e) => fail(e),
             Ok(ShardFd::Plain(f)) => self.kid().discard(cx, f, offset, len),
             Ok(ShardFd::Split(p)) => Box::pin(self.discard_split(cx, p, offset, len)),
+        }
+    }
+
+    fn extents<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, at: u64, len: u64) -> Fut<'a, ExtentList> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().extents(cx, f, at, len),
+            // Not asked of every shard: all data, which reads right.
+            Ok(ShardFd::Split(_)) => {
+                let run = Extent { len, hole: false };
+                Box::pin(std::future::ready(Ok(ExtentList {
+                    runs: kiln_proto::codec::Seq(vec![run]),
+                })))
+            }
         }
     }
 

@@ -16,7 +16,9 @@ fn roundtrip<T: Wire + PartialEq + std::fmt::Debug>(bytes: &[u8]) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&which, rest)) = data.split_first() else { return };
+    let Some((&which, rest)) = data.split_first() else {
+        return;
+    };
     match which % 45 {
         0 => roundtrip::<HelloReq>(rest),
         1 => roundtrip::<HelloReply>(rest),

@@ -23,6 +23,27 @@ fn reference_info(d: &[u8]) -> Option<(String, Vec<u16>)> {
     Some((name.to_owned(), reqs.collect()))
 }
 
+/// Meta-context option data, read straight from the protocol description: a 32-bit name length
+/// and the name, a 32-bit query count, then each query as a 32-bit length and the string (all
+/// UTF-8), nothing more.
+fn reference_meta(d: &[u8]) -> Option<(String, Vec<String>)> {
+    fn string(d: &mut &[u8]) -> Option<String> {
+        let len = u32::from_be_bytes(d.get(..4)?.try_into().ok()?) as usize;
+        let s = std::str::from_utf8(d.get(4..4usize.checked_add(len)?)?).ok()?;
+        *d = &d[4 + len..];
+        Some(s.to_owned())
+    }
+    let mut d = d;
+    let name = string(&mut d)?;
+    let n = u32::from_be_bytes(d.get(..4)?.try_into().ok()?);
+    d = &d[4..];
+    let mut queries = Vec::new();
+    for _ in 0..n {
+        queries.push(string(&mut d)?);
+    }
+    d.is_empty().then_some((name, queries))
+}
+
 fn encode_info(name: &str, requests: &[u16]) -> Vec<u8> {
     let mut d = (name.len() as u32).to_be_bytes().to_vec();
     d.extend_from_slice(name.as_bytes());
@@ -69,6 +90,14 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(go, option == opt::GO);
                 assert_eq!((&name, &requests), (&want.0, &want.1));
                 assert_eq!(encode_info(&name, &requests), d, "re-encoding differs");
+            }
+            (Err(_), None) => {}
+            (got, want) => panic!("decoder says {got:?}, the protocol says {want:?}"),
+        },
+        opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => match (parsed, reference_meta(d)) {
+            (Ok(ClientOption::MetaContext { set, query }), Some(want)) => {
+                assert_eq!(set, option == opt::SET_META_CONTEXT);
+                assert_eq!((query.name, query.queries), want);
             }
             (Err(_), None) => {}
             (got, want) => panic!("decoder says {got:?}, the protocol says {want:?}"),

@@ -61,6 +61,7 @@ fn check_invariants(req: &Request, size: u64, structured: bool, read_only: bool)
                 cmd::READ if structured => cflag::FUA | cflag::DF,
                 cmd::READ | cmd::WRITE | cmd::FLUSH | cmd::TRIM => cflag::FUA,
                 cmd::WRITE_ZEROES => cflag::FUA | cflag::NO_HOLE | cflag::FAST_ZERO,
+                cmd::BLOCK_STATUS if structured => cflag::REQ_ONE,
                 c => panic!("accepted command {c}"),
             };
             assert_eq!(req.flags & !allowed, 0, "accepted flags of {req:?}");

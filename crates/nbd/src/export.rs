@@ -238,6 +238,7 @@ async fn session(
     let Negotiated {
         backend,
         structured,
+        allocation,
     } = match neg {
         Ok(Ok(Some(n))) => n,
         Ok(Ok(None)) => {
@@ -275,7 +276,7 @@ async fn session(
         vol.clone(),
         fd.clone(),
         backend.size,
-        structured,
+        (structured, allocation),
         sh.read_only,
         metrics.clone(),
         peer.clone(),

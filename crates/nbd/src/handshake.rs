@@ -1,8 +1,9 @@
 //! The fixed-newstyle handshake: greeting, client flags, then option haggling until the client
 //! picks the export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) or leaves.
 //!
-//! Supported options: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`, `STRUCTURED_REPLY`; every
-//! other option gets `NBD_REP_ERR_UNSUP` and haggling goes on. The image is opened on the brick
+//! Supported options: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`, `STRUCTURED_REPLY`,
+//! `LIST_META_CONTEXT` and `SET_META_CONTEXT` (see [`crate::status`]); every other option gets
+//! `NBD_REP_ERR_UNSUP` and haggling goes on. The image is opened on the brick
 //! (over this client's own Kiln connection) the first time an option needs its size, so a
 //! client that only lists exports costs the brick nothing. A client that breaks the framing
 //! (bad magic, unknown client flags, absurd option length) is disconnected; no one else is
@@ -15,6 +16,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use crate::backend::{open_backend, Backend, Shared};
 use crate::proto::{self, info, opt, rep, tflag, MAX_BLOCK, MIN_BLOCK, PREFERRED_BLOCK};
 use crate::reader::Reader;
+use crate::status::{self, MetaQuery};
 
 /// Option data larger than this is refused with `NBD_REP_ERR_TOO_BIG` (the largest real option,
 /// `NBD_OPT_GO` with a 4096-byte name, is far smaller).
@@ -28,6 +30,8 @@ pub struct Negotiated {
     pub backend: Backend,
     /// Structured replies were negotiated.
     pub structured: bool,
+    /// The `base:allocation` context was selected (`NBD_CMD_BLOCK_STATUS` answers it).
+    pub allocation: bool,
 }
 
 fn invalid(msg: String) -> io::Error {
@@ -86,6 +90,7 @@ where
     let no_zeroes = cflags & proto::CLIENT_NO_ZEROES != 0;
 
     let mut structured = false;
+    let mut allocation = false;
     let mut backend: Option<Backend> = None;
     loop {
         if !rd.fill_to(16).await? {
@@ -137,6 +142,7 @@ where
                 return Ok(Some(Negotiated {
                     backend: be,
                     structured,
+                    allocation,
                 }));
             }
             ClientOption::Abort => {
@@ -207,8 +213,30 @@ where
                     return Ok(Some(Negotiated {
                         backend,
                         structured,
+                        allocation,
                     }));
                 }
+            }
+            ClientOption::MetaContext { set, query } => {
+                if set && !structured {
+                    let msg = "metadata contexts need structured replies first";
+                    reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
+                    continue;
+                }
+                if !sh.name_matches(&query.name) {
+                    let msg = format!("no export named {:?}", query.name);
+                    reply(w, option, rep::ERR_UNKNOWN, msg.as_bytes()).await?;
+                    continue;
+                }
+                let chosen = status::selects_allocation(&query.queries, !set);
+                if set {
+                    // Each SET replaces what an earlier one chose.
+                    allocation = chosen;
+                }
+                if chosen {
+                    reply(w, option, rep::META_CONTEXT, &status::meta_context_reply()).await?;
+                }
+                reply(w, option, rep::ACK, &[]).await?;
             }
             ClientOption::Unsupported(_) => {
                 let msg = format!("option {option} is not supported by kiln nbd");
@@ -240,6 +268,13 @@ pub enum ClientOption {
         /// The `NBD_INFO_*` types asked for, in order.
         requests: Vec<u16>,
     },
+    /// `NBD_OPT_LIST_META_CONTEXT` (`set` false) or `NBD_OPT_SET_META_CONTEXT` (`set` true).
+    MetaContext {
+        /// `NBD_OPT_SET_META_CONTEXT`: select what the queries name.
+        set: bool,
+        /// The export and the queries.
+        query: MetaQuery,
+    },
     /// An option this server does not support (`NBD_REP_ERR_UNSUP`).
     Unsupported(u32),
 }
@@ -266,6 +301,10 @@ pub fn parse_option(option: u32, data: &[u8]) -> Result<ClientOption, String> {
                 requests,
             })
         }
+        opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => Ok(ClientOption::MetaContext {
+            set: option == opt::SET_META_CONTEXT,
+            query: status::parse_meta(data)?,
+        }),
         other => Ok(ClientOption::Unsupported(other)),
     }
 }

@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod proto;
 pub mod reader;
 pub mod spec;
+pub mod status;
 pub mod transmission;
 
 pub use export::{Export, ExportConfig};

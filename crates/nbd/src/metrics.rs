@@ -11,7 +11,15 @@ use std::time::Instant;
 use crate::proto::cmd;
 
 /// Commands counted separately; everything else lands in "other".
-const NAMES: [&str; 6] = ["read", "write", "flush", "trim", "write_zeroes", "other"];
+const NAMES: [&str; 7] = [
+    "read",
+    "write",
+    "flush",
+    "trim",
+    "write_zeroes",
+    "block_status",
+    "other",
+];
 
 fn slot(c: u16) -> usize {
     match c {
@@ -20,7 +28,8 @@ fn slot(c: u16) -> usize {
         cmd::FLUSH => 2,
         cmd::TRIM => 3,
         cmd::WRITE_ZEROES => 4,
-        _ => 5,
+        cmd::BLOCK_STATUS => 5,
+        _ => 6,
     }
 }
 
@@ -34,7 +43,7 @@ struct Counters {
 /// Counters of one NBD client connection.
 pub struct Metrics {
     started: Instant,
-    per_cmd: [Counters; 6],
+    per_cmd: [Counters; NAMES.len()],
     /// Replies sent.
     pub replies: AtomicU64,
     /// Vectored writes that carried them (replies / this = replies per system call).

@@ -62,6 +62,10 @@ pub mod opt {
     pub const GO: u32 = 7;
     /// Use structured replies.
     pub const STRUCTURED_REPLY: u32 = 8;
+    /// List the metadata contexts a query matches.
+    pub const LIST_META_CONTEXT: u32 = 9;
+    /// Select the metadata contexts for `NBD_CMD_BLOCK_STATUS`.
+    pub const SET_META_CONTEXT: u32 = 10;
 }
 
 /// Option reply types (`NBD_REP_*`).
@@ -72,6 +76,8 @@ pub mod rep {
     pub const SERVER: u32 = 2;
     /// One piece of information about an export.
     pub const INFO: u32 = 3;
+    /// One metadata context: its id and name.
+    pub const META_CONTEXT: u32 = 4;
     /// The option is not known.
     pub const ERR_UNSUP: u32 = (1 << 31) + 1;
     /// The option is known but malformed.
@@ -110,6 +116,8 @@ pub mod cmd {
     pub const TRIM: u16 = 4;
     /// Zero a range without payload.
     pub const WRITE_ZEROES: u16 = 6;
+    /// Which parts of a range are data and which holes (a structured reply).
+    pub const BLOCK_STATUS: u16 = 7;
 }
 
 /// Command flags (`NBD_CMD_FLAG_*`).
@@ -120,6 +128,8 @@ pub mod cflag {
     pub const NO_HOLE: u16 = 1 << 1;
     /// `READ` must come back in one content chunk.
     pub const DF: u16 = 1 << 2;
+    /// `BLOCK_STATUS` needs to describe only the first extent.
+    pub const REQ_ONE: u16 = 1 << 3;
     /// `WRITE_ZEROES` must fail fast with `ENOTSUP` rather than be slow.
     pub const FAST_ZERO: u16 = 1 << 4;
 }
@@ -132,6 +142,8 @@ pub mod chunk {
     pub const NONE: u16 = 0;
     /// Data at an offset.
     pub const OFFSET_DATA: u16 = 1;
+    /// Block status descriptors of one metadata context.
+    pub const BLOCK_STATUS: u16 = 5;
     /// An error with an optional message.
     pub const ERROR: u16 = (1 << 15) + 1;
 }
@@ -198,7 +210,7 @@ pub fn cmd_name(c: u16) -> &'static str {
         cmd::TRIM => "trim",
         5 => "cache",
         cmd::WRITE_ZEROES => "write_zeroes",
-        7 => "block_status",
+        cmd::BLOCK_STATUS => "block_status",
         _ => "unknown",
     }
 }

@@ -37,6 +37,7 @@ use crate::proto::{
     self, cflag, cmd, err, Request, MAX_BLOCK, OFFSET_DATA_HEAD_LEN, REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
 use crate::reader::Reader;
+use crate::status;
 
 /// Largest Kiln request payload.
 const KILN_MAX: usize = kiln_proto::MAX_PAYLOAD_LEN as usize;
@@ -77,6 +78,8 @@ pub struct Ctx {
     pub size: u64,
     /// Structured replies were negotiated.
     pub structured: bool,
+    /// The `base:allocation` metadata context was selected (see [`crate::status`]).
+    pub allocation: bool,
     /// Writes are refused.
     pub read_only: bool,
     /// Counters.
@@ -90,13 +93,14 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    /// Builds the context; replies go to `tx`.
+    /// Builds the context (`agreed`: structured replies, `base:allocation`); replies go to
+    /// `tx`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         vol: Arc<Volume>,
         fd: Fd,
         size: u64,
-        structured: bool,
+        (structured, allocation): (bool, bool),
         read_only: bool,
         metrics: Arc<Metrics>,
         peer: String,
@@ -107,6 +111,7 @@ impl Ctx {
             fd,
             size,
             structured,
+            allocation,
             read_only,
             metrics,
             peer,
@@ -156,6 +161,17 @@ impl Ctx {
         self.send(r);
     }
 
+    /// Completes request `req` with a whole structured reply made elsewhere.
+    fn reply_chunk(&self, req: &Request, body: Vec<u8>, permit: OwnedSemaphorePermit) {
+        self.metrics.finish(req.cmd, true);
+        self.send(Reply {
+            head: [0; proto::CHUNK_HEADER_LEN],
+            head_len: 0,
+            body,
+            _permit: Some(permit),
+        });
+    }
+
     /// Completes a request with the errno the brick returned.
     fn reply_errno(
         &self,
@@ -203,6 +219,7 @@ pub fn check_request(
         cmd::READ => cflag::FUA | if structured { cflag::DF } else { 0 },
         cmd::WRITE | cmd::FLUSH | cmd::TRIM => cflag::FUA,
         cmd::WRITE_ZEROES => cflag::FUA | cflag::NO_HOLE | cflag::FAST_ZERO,
+        cmd::BLOCK_STATUS if structured => cflag::REQ_ONE,
         c => return Err((err::EINVAL, format!("unknown command {c}"))),
     };
     if req.flags & !allowed != 0 {
@@ -430,6 +447,15 @@ fn submit(ctx: &Arc<Ctx>, req: Request, payload: Vec<u8>, permit: OwnedSemaphore
                     r => r,
                 };
                 ctx.reply(&req, r, Some(permit));
+            });
+        }
+        cmd::BLOCK_STATUS => {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                match status::block_status(&ctx.vol, &ctx.fd, ctx.allocation, &req).await {
+                    Ok(chunk) => ctx.reply_chunk(&req, chunk, permit),
+                    Err(e) => ctx.reply(&req, Err(e), Some(permit)),
+                }
             });
         }
         // check() lets no other command through; refuse rather than trust that blindly.

@@ -303,3 +303,59 @@ fn fio_nbd_engine_reads_and_verifies_writes() {
         "verify pass read nothing: {vw}"
     );
 }
+
+/// `nbdinfo --map` (`base:allocation` through `NBD_CMD_BLOCK_STATUS`) shows the image's real
+/// extents: data where it was written on the brick, holes elsewhere, ending at the image's end.
+#[test]
+fn nbdinfo_maps_data_and_holes() {
+    require_tool("nbdinfo", "libnbd-bin");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (brick, bsock) = start_brick(dir.path());
+    let size = 64 * MIB;
+    create_image(&bsock, "disk.raw", size);
+    let data = [(4 * MIB, MIB), (40 * MIB, 64 << 10), (size - 8192, 8192)];
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(brick.join("disk.raw"))
+        .expect("image on the brick");
+    for (at, len) in data {
+        std::os::unix::fs::FileExt::write_all_at(&f, &vec![0xa5; len as usize], at).unwrap();
+    }
+    f.sync_all().unwrap();
+    let exp = start_export(
+        &format!("unix:{}:/v/disk.raw", bsock.display()),
+        &dir.path().join("nbd.sock"),
+        true,
+    );
+
+    let out = run(Command::new("nbdinfo")
+        .args(["--map", "--json"])
+        .arg(&exp.uri));
+    let v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("nbdinfo JSON: {e}\n{out}"));
+    let mut at = 0;
+    let mut found = Vec::new();
+    for e in v.as_array().unwrap_or_else(|| panic!("not a list: {out}")) {
+        let (off, len, kind) = (
+            e["offset"].as_u64().unwrap(),
+            e["length"].as_u64().unwrap(),
+            e["type"].as_u64().unwrap(),
+        );
+        assert_eq!(off, at, "extents are consecutive: {out}");
+        match kind {
+            0 => found.push((off, len)),
+            3 => {}
+            k => panic!("type {k} (neither data nor hole+zero): {out}"),
+        }
+        at += len;
+    }
+    assert_eq!(at, size, "the map covers the image: {out}");
+    assert_eq!(found, data, "data exactly where written: {out}");
+
+    // The context is listed with the export.
+    let out = run(Command::new("nbdinfo")
+        .arg("--list")
+        .arg("--json")
+        .arg(&exp.uri));
+    assert!(out.contains("base:allocation"), "{out}");
+}

@@ -183,30 +183,7 @@ where
                     }
                 }
                 let size = backend.as_ref().map_or(0, |b| b.size);
-                let mut export = Vec::with_capacity(12);
-                export.extend_from_slice(&info::EXPORT.to_be_bytes());
-                export.extend_from_slice(&size.to_be_bytes());
-                export
-                    .extend_from_slice(&transmission_flags(structured, sh.read_only).to_be_bytes());
-                reply(w, option, rep::INFO, &export).await?;
-                // Block sizes go out whether asked for or not: clients that did not ask ignore
-                // them, and the server enforces only the protocol's default maximum anyway.
-                let mut bs = Vec::with_capacity(14);
-                bs.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
-                for v in [MIN_BLOCK, PREFERRED_BLOCK, MAX_BLOCK] {
-                    bs.extend_from_slice(&v.to_be_bytes());
-                }
-                reply(w, option, rep::INFO, &bs).await?;
-                if requests.contains(&info::NAME) {
-                    let mut d = info::NAME.to_be_bytes().to_vec();
-                    d.extend_from_slice(sh.name.as_bytes());
-                    reply(w, option, rep::INFO, &d).await?;
-                }
-                if requests.contains(&info::DESCRIPTION) {
-                    let mut d = info::DESCRIPTION.to_be_bytes().to_vec();
-                    d.extend_from_slice(sh.description.as_bytes());
-                    reply(w, option, rep::INFO, &d).await?;
-                }
+                send_info(w, option, sh, size, structured, &requests).await?;
                 reply(w, option, rep::ACK, &[]).await?;
                 if go {
                     let backend = backend.take().expect("opened above");
@@ -218,25 +195,9 @@ where
                 }
             }
             ClientOption::MetaContext { set, query } => {
-                if set && !structured {
-                    let msg = "metadata contexts need structured replies first";
-                    reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
-                    continue;
-                }
-                if !sh.name_matches(&query.name) {
-                    let msg = format!("no export named {:?}", query.name);
-                    reply(w, option, rep::ERR_UNKNOWN, msg.as_bytes()).await?;
-                    continue;
-                }
-                let chosen = status::selects_allocation(&query.queries, !set);
-                if set {
-                    // Each SET replaces what an earlier one chose.
+                if let Some(chosen) = meta_context(w, option, sh, structured, set, &query).await? {
                     allocation = chosen;
                 }
-                if chosen {
-                    reply(w, option, rep::META_CONTEXT, &status::meta_context_reply()).await?;
-                }
-                reply(w, option, rep::ACK, &[]).await?;
             }
             ClientOption::Unsupported(_) => {
                 let msg = format!("option {option} is not supported by kiln nbd");
@@ -244,6 +205,69 @@ where
             }
         }
     }
+}
+
+/// The `NBD_REP_INFO` replies of `NBD_OPT_INFO` / `NBD_OPT_GO` (the ACK is the caller's).
+async fn send_info<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    option: u32,
+    sh: &Shared,
+    size: u64,
+    structured: bool,
+    requests: &[u16],
+) -> io::Result<()> {
+    let mut export = Vec::with_capacity(12);
+    export.extend_from_slice(&info::EXPORT.to_be_bytes());
+    export.extend_from_slice(&size.to_be_bytes());
+    export.extend_from_slice(&transmission_flags(structured, sh.read_only).to_be_bytes());
+    reply(w, option, rep::INFO, &export).await?;
+    // Block sizes go out whether asked for or not: clients that did not ask ignore them, and
+    // the server enforces only the protocol's default maximum anyway.
+    let mut bs = Vec::with_capacity(14);
+    bs.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
+    for v in [MIN_BLOCK, PREFERRED_BLOCK, MAX_BLOCK] {
+        bs.extend_from_slice(&v.to_be_bytes());
+    }
+    reply(w, option, rep::INFO, &bs).await?;
+    if requests.contains(&info::NAME) {
+        let mut d = info::NAME.to_be_bytes().to_vec();
+        d.extend_from_slice(sh.name.as_bytes());
+        reply(w, option, rep::INFO, &d).await?;
+    }
+    if requests.contains(&info::DESCRIPTION) {
+        let mut d = info::DESCRIPTION.to_be_bytes().to_vec();
+        d.extend_from_slice(sh.description.as_bytes());
+        reply(w, option, rep::INFO, &d).await?;
+    }
+    Ok(())
+}
+
+/// Answers `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT` (`set`); for a SET that
+/// was accepted, whether it selected `base:allocation` (each SET replaces the last).
+async fn meta_context<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    option: u32,
+    sh: &Shared,
+    structured: bool,
+    set: bool,
+    query: &MetaQuery,
+) -> io::Result<Option<bool>> {
+    if set && !structured {
+        let msg = "metadata contexts need structured replies first";
+        reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
+        return Ok(None);
+    }
+    if !sh.name_matches(&query.name) {
+        let msg = format!("no export named {:?}", query.name);
+        reply(w, option, rep::ERR_UNKNOWN, msg.as_bytes()).await?;
+        return Ok(None);
+    }
+    let chosen = status::selects_allocation(&query.queries, !set);
+    if chosen {
+        reply(w, option, rep::META_CONTEXT, &status::meta_context_reply()).await?;
+    }
+    reply(w, option, rep::ACK, &[]).await?;
+    Ok(set.then_some(chosen))
 }
 
 /// One handshake option as the client sent it, decoded from its number and data (what the

@@ -522,3 +522,83 @@ fn heal_moves_what_was_missed() {
     assert_eq!(a, b, "healed replica has another size");
     let _ = block_on(vol.close(fd));
 }
+
+/// A sparse image created while a brick was down heals as what it holds, not as its size:
+/// heal skips the holes the source and the target share, and the healed replica stays sparse
+/// and equal to the others.
+#[test]
+fn heal_keeps_holes_as_holes() {
+    let root = tempfile::tempdir().unwrap();
+    let mut bricks: Vec<Brick> = (0..3).map(|i| Brick::new(root.path(), i)).collect();
+    let vol = Volume::from_volfile(&volfile(&bricks)).expect("connect");
+    bricks[2].kill9();
+    let (fd, _) = block_on(vol.create("sparse.img", libc::O_RDWR | libc::O_CREAT, 0o644)).unwrap();
+    let gib = 1u64 << 30;
+    let size = kiln_layer::SetAttrs {
+        valid: kiln_proto::ops::SETATTR_SIZE,
+        size: gib,
+        ..Default::default()
+    };
+    block_on(vol.top().fsetattr(&Ctx::NONE, &fd, &size)).expect("size the image");
+    // 4 MiB of data in 16 pieces, and the last bytes of the image.
+    let mut data: Vec<(u64, usize)> = (0..16)
+        .map(|i| (i * (gib / 16) + 12345, 256 << 10))
+        .collect();
+    data.push((gib - 100, 100));
+    for (i, (off, len)) in data.iter().enumerate() {
+        let (r, _) = block_on(vol.pwritev(&fd, vec![vec![i as u8 + 1; *len]], *off));
+        assert_eq!(r.expect("write with a brick down"), *len);
+    }
+    let written: u64 = data.iter().map(|(_, l)| *l as u64).sum();
+    let _ = block_on(vol.close(fd));
+    bricks[2].start();
+    let rep = heal::replicate_layers(vol.top()).remove(0);
+    wait_for("the client to reconnect", 30, || rep.children()[2].up());
+
+    let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer");
+    let report = block_on(heal::run(healer.top(), &|_, _| {}));
+    eprintln!(
+        "sparse image of {gib} B holding {written} B: heal moved {} B",
+        report.bytes
+    );
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert!(report.bytes >= written, "heal moved {} B", report.bytes);
+    // Each piece may bring the rest of its chunks along, never the holes between.
+    let bound = written + 2 * 17 * kiln_layer::heal::CHUNK;
+    assert!(
+        report.bytes <= bound,
+        "heal moved {} B (bound {bound})",
+        report.bytes
+    );
+    use std::os::unix::fs::MetadataExt;
+    let healed = std::fs::metadata(bricks[2].dir.join("sparse.img")).unwrap();
+    assert_eq!(healed.len(), gib, "healed replica has another size");
+    assert!(
+        healed.blocks() * 512 <= bound + (1 << 20),
+        "healed replica allocates {} B",
+        healed.blocks() * 512
+    );
+    let read = |b: &Brick, off: u64, len: usize| {
+        let f = std::fs::File::open(b.dir.join("sparse.img")).unwrap();
+        let mut v = vec![0u8; len];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut v, off).unwrap();
+        v
+    };
+    // Around every piece and in the middle of the holes, byte for byte.
+    for (off, len) in &data {
+        let from = off.saturating_sub(4096);
+        let n = (*len + 8192).min((gib - from) as usize);
+        assert!(
+            read(&bricks[2], from, n) == read(&bricks[0], from, n),
+            "at {from}"
+        );
+        let mid = off + gib / 32;
+        if mid + 4096 <= gib {
+            assert_eq!(
+                read(&bricks[2], mid, 4096),
+                vec![0u8; 4096],
+                "hole at {mid}"
+            );
+        }
+    }
+}

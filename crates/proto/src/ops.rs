@@ -352,8 +352,9 @@ wire_struct! {
     pub struct Extent { pub len: u64, pub hole: bool }
     /// Extents reply: consecutive runs from the request's offset. They may end before the
     /// range does (more runs than fit, or a layer that knows no more); the caller asks again
-    /// from where they end. Past the end of the file is one hole.
-    pub struct ExtentList { pub runs: Seq<Extent> }
+    /// from where they end. Past the end of the file is one hole; `size` is the file's size
+    /// when asked (`u64::MAX`: not known).
+    pub struct ExtentList { pub size: u64, pub runs: Seq<Extent> }
 
     /// Profile request: `cmd` is one of the `PROFILE_*` values. The reply carries no arguments
     /// and a JSON payload: the server's io-stats (cumulative and since the last start).

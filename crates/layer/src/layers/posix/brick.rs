@@ -662,7 +662,10 @@ pub fn extents(file: &File, offset: u64, len: u64) -> FopResult<ExtentList> {
         });
         at = stop;
     }
-    Ok(ExtentList { runs: Seq(runs) })
+    Ok(ExtentList {
+        size,
+        runs: Seq(runs),
+    })
 }
 
 #[cfg(test)]

@@ -308,6 +308,7 @@ impl Layer for Shard {
             Ok(ShardFd::Split(_)) => {
                 let run = Extent { len, hole: false };
                 Box::pin(std::future::ready(Ok(ExtentList {
+                    size: u64::MAX,
                     runs: kiln_proto::codec::Seq(vec![run]),
                 })))
             }

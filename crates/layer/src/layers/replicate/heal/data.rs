@@ -164,14 +164,14 @@ async fn copy_all(
 
 /// One file being healed on one target.
 pub(super) struct Healing<'a> {
-    kids: &'a [LayerRef],
-    up: &'a [usize],
+    pub(super) kids: &'a [LayerRef],
+    pub(super) up: &'a [usize],
     /// Up replicas but the target.
     others: &'a [usize],
-    target: usize,
-    path: &'a str,
+    pub(super) target: usize,
+    pub(super) path: &'a str,
     /// The target's heal handle.
-    tfd: &'a Fd,
+    pub(super) tfd: &'a Fd,
     /// Sources' handles, opened on first use.
     sfds: Vec<Option<Fd>>,
     buf: Vec<u8>,
@@ -237,6 +237,8 @@ impl Healing<'_> {
         let mut moved = 0u64;
         let mut tried = RangeSet::default();
         let mut no_source = false;
+        // Where the source has holes, as last read: a hint, read again each pass.
+        let mut hint = None;
         for _ in 0..ROUNDS {
             let view = View::read(self.kids, self.up, self.path, self.target).await?;
             let mut todo = view.need.clone();
@@ -271,6 +273,15 @@ impl Healing<'_> {
                         pos += n;
                         continue;
                     };
+                    // A hole on the source and the target: cleared, not copied.
+                    let hole = self.hole_ahead(&mut hint, src, pos, end).await;
+                    if hole > 0 && self.source(&view, pos, hole) == Some(src) {
+                        let skipped = self.skip_hole(src, gens, pos, hole, whole).await?;
+                        if skipped > 0 {
+                            pos += skipped;
+                            continue;
+                        }
+                    }
                     let (got, last) = self.chunk(src, gens, pos, n, whole).await?;
                     moved += got;
                     self.moved += got;

@@ -85,6 +85,7 @@ use crate::{Ctx, Errno, FopResult, LayerRef};
 
 mod data;
 mod entries;
+mod holes;
 mod rebuild;
 mod suspect;
 mod view;

@@ -247,6 +247,22 @@ int kiln_pwritev_async(struct kiln_fd_t *fd,
 // `fd` live.
 int kiln_fsync_async(struct kiln_fd_t *fd, kiln_io_cbk cb, void *user_data);
 
+// Allocates, punches or zeroes `len` bytes at `offset`, as Linux `fallocate(2)` with `mode`
+// (`FALLOC_FL_KEEP_SIZE`, `FALLOC_FL_PUNCH_HOLE`, `FALLOC_FL_ZERO_RANGE`, …) does on the
+// bricks' file system. Returns 0 or `-errno` (`-EOPNOTSUPP` where the brick's file system
+// cannot).
+//
+// # Safety
+// `fd` live.
+int kiln_fallocate(struct kiln_fd_t *fd, int mode, int64_t offset, int64_t len);
+
+// Gives the space of `len` bytes at `offset` back: the range becomes a hole that reads as
+// zeros, and the file keeps its size. Returns 0 or `-errno`.
+//
+// # Safety
+// `fd` live.
+int kiln_discard(struct kiln_fd_t *fd, int64_t offset, int64_t len);
+
 // Reads the file at `path` from its start into `buf`, which holds `len` bytes. Returns the
 // file's size, or `-errno`.
 //

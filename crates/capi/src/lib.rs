@@ -29,7 +29,9 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
 
+mod space;
 mod whole;
+pub use space::{kiln_discard, kiln_fallocate};
 pub use whole::kiln_read_file;
 
 use kiln_client::volume::Source;

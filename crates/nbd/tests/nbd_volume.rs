@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use std::os::unix::fs::MetadataExt;
+
 use common::{require_tool, run, try_start_config, try_start_export};
 use kiln_client::volume::Volfile;
 use kiln_client::{block_on, SetAttrs, Volume};
@@ -37,8 +39,13 @@ fn dist_volfile(top: &str, socks: &[PathBuf]) -> String {
 
 /// Two bricks under `dir`; returns their directories and sockets.
 fn two_bricks(dir: &Path) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    bricks(dir, 2)
+}
+
+/// `n` bricks under `dir`; returns their directories and sockets.
+fn bricks(dir: &Path, n: usize) -> (Vec<PathBuf>, Vec<PathBuf>) {
     let (mut dirs, mut socks) = (Vec::new(), Vec::new());
-    for i in 0..2 {
+    for i in 0..n {
         let d = dir.join(format!("brick{i}"));
         std::fs::create_dir(&d).unwrap();
         let s = dir.join(format!("b{i}.sock"));
@@ -189,4 +196,79 @@ fn volfile_and_managed_volume_exports() {
         .err()
         .expect("a missing image fails");
     assert!(e.contains("image none.img not found"), "{e}");
+}
+
+/// A replica-3 volume over the bricks at `socks`.
+fn rep_volfile(socks: &[PathBuf]) -> String {
+    let names: Vec<String> = (0..socks.len()).map(|i| format!("\"rep-b{i}\"")).collect();
+    let mut v = format!(
+        "[[layer]]\nname = \"rep\"\ntype = \"replicate\"\nsubvolumes = [{}]\n",
+        names.join(", ")
+    );
+    for (i, s) in socks.iter().enumerate() {
+        v.push_str(&format!(
+            "\n[[layer]]\nname = \"rep-b{i}\"\ntype = \"protocol-client\"\nremote = \"unix:{}\"\n",
+            s.display()
+        ));
+    }
+    v
+}
+
+/// TRIM, and WRITE_ZEROES that may unmap, sent by a real client (qemu-io) to an image on a
+/// replica-3 volume, come back as space on every replica's brick; the range reads as zeros
+/// and `nbdinfo --map` (block status through replicate) shows it as a hole.
+#[test]
+fn trim_and_zeroes_free_space_on_every_replica() {
+    require_tool("qemu-io", "qemu-utils");
+    require_tool("nbdinfo", "libnbd-bin");
+    let dir = tempfile::tempdir().unwrap();
+    let (dirs, socks) = bricks(dir.path(), 3);
+    let text = rep_volfile(&socks);
+    let vf_path = dir.path().join("rep.toml");
+    std::fs::write(&vf_path, &text).unwrap();
+    let size = 64 * MIB;
+    create_image(&text, "disk.img", size);
+    let exp = try_start_config(ExportConfig {
+        image: ImageSpec::in_volfile("/disk.img", &vf_path).unwrap(),
+        volfile: Some(vf_path.clone()),
+        listen: format!("unix:{}", dir.path().join("r.nbd").display())
+            .parse()
+            .unwrap(),
+        export_name: None,
+        read_only: false,
+    })
+    .expect("export over the replica-3 volfile");
+    let io = |cmd: &str| {
+        run(Command::new("qemu-io")
+            .args(["-f", "raw", "--discard=unmap", "-c", cmd])
+            .arg(&exp.uri))
+    };
+    let used = |d: &PathBuf| std::fs::metadata(d.join("disk.img")).unwrap().blocks() * 512;
+
+    io("write -P 0xa5 0 64M");
+    for d in &dirs {
+        assert!(used(d) >= size, "{} holds {} B", d.display(), used(d));
+    }
+    io("discard 0 32M");
+    io("write -z -u 32M 32M");
+    for d in &dirs {
+        assert!(used(d) < MIB, "{} still holds {} B", d.display(), used(d));
+    }
+    io("read -P 0 0 64M");
+    let out = run(Command::new("nbdinfo")
+        .args(["--map", "--json"])
+        .arg(&exp.uri));
+    let v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("nbdinfo JSON: {e}\n{out}"));
+    let map: Vec<(u64, u64, u64)> = v
+        .as_array()
+        .unwrap_or_else(|| panic!("not a list: {out}"))
+        .iter()
+        .map(|e| {
+            let f = |k: &str| e[k].as_u64().unwrap();
+            (f("offset"), f("length"), f("type"))
+        })
+        .collect();
+    assert_eq!(map, [(0, size, 3)], "one hole, read as zeros: {out}");
+    exp.stop();
 }

@@ -64,15 +64,9 @@ impl Server {
                     tcp.push(TcpListener::from_std(std)?);
                 }
                 Listen::Unix(p) => {
-                    if std::fs::symlink_metadata(p)
-                        .map(|m| {
-                            use std::os::unix::fs::FileTypeExt;
-                            m.file_type().is_socket()
-                        })
-                        .unwrap_or(false)
-                    {
-                        std::fs::remove_file(p)?;
-                    }
+                    clear_stale_socket(p).map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("cannot listen on {l}: {e}"))
+                    })?;
                     let l2 = UnixListener::bind(p).map_err(|e| {
                         std::io::Error::new(e.kind(), format!("cannot listen on {l}: {e}"))
                     })?;
@@ -333,6 +327,25 @@ impl Background {
         self.addrs
             .iter()
             .find_map(|a| matches!(a, Listen::Tcp(_)).then(|| a.to_string()))
+    }
+}
+
+/// Removes the socket file at `p` if nobody listens on it any more (a server that died left
+/// it behind). One that a live server listens on is refused: binding over it would take its
+/// clients' next connections away from it without a word.
+fn clear_stale_socket(p: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let socket = std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket());
+    if !socket {
+        return Ok(());
+    }
+    match std::os::unix::net::UnixStream::connect(p) {
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            "a running server listens on this socket (stop it first)",
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => std::fs::remove_file(p),
+        Err(e) => Err(e),
     }
 }
 

@@ -189,3 +189,92 @@ fn mount_serves_refuses_a_busy_mountpoint_and_unmounts_on_sigterm() {
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// Runs `kiln ARGS DIR`; its success and stderr.
+fn kiln_on(args: &[&str], dir: &std::path::Path) -> (bool, String) {
+    let out = kiln().args(args).arg(dir).output().expect("run kiln");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `kiln mount` refuses a directory that is not empty unless told `-o nonempty`, and an
+/// unknown option; `kiln umount` unmounts a Kiln mount and refuses anything else (a tmpfs, a
+/// plain directory), leaving it as it was.
+#[test]
+fn mount_refuses_a_nonempty_dir_and_umount_only_kiln_mounts() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (brick, mnt) = (dir.path().join("brick"), dir.path().join("mnt"));
+    std::fs::create_dir(&brick).expect("brick");
+    std::fs::create_dir(&mnt).expect("mnt");
+    std::fs::write(mnt.join("underneath"), b"x").expect("a file in the mount point");
+    let sock = dir.path().join("brick.sock");
+    let mut server = kiln()
+        .args([
+            "server",
+            "--listen",
+            &format!("unix:{}", sock.display()),
+            "--brick",
+        ])
+        .arg(&brick)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("server");
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("listen line");
+    let src = format!("unix:{}:/vol", sock.display());
+
+    let (ok, err) = kiln_on(&["mount", &src], &mnt);
+    assert!(!ok && err.contains("is not empty"), "{err}");
+    assert!(!mounted(&mnt));
+    let (ok, err) = kiln_on(&["mount", &src, "-o", "bogus"], &mnt);
+    assert!(!ok && err.contains("unknown mount option"), "{err}");
+
+    let mut mount = kiln()
+        .args(["mount", &src, "-o", "nonempty"])
+        .arg(&mnt)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("mount");
+    let mut line = String::new();
+    BufReader::new(mount.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("mounted line");
+    assert!(line.starts_with("kiln: mounted"), "{line:?}");
+    assert!(
+        !mnt.join("underneath").exists(),
+        "the volume hides the directory"
+    );
+
+    // A tmpfs is not kiln umount's to take down.
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).expect("tmp");
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "kiln-test", tmp.to_str().unwrap()])
+        .status()
+        .expect("mount tmpfs");
+    assert!(st.success());
+    let (ok, err) = kiln_on(&["umount"], &tmp);
+    assert!(!ok && err.contains("not a Kiln mount"), "{err}");
+    assert!(mounted(&tmp), "the tmpfs stays mounted");
+    let st = std::process::Command::new("umount").arg(&tmp).status();
+    assert!(st.expect("umount tmpfs").success());
+    let (ok, err) = kiln_on(&["umount"], &tmp);
+    assert!(!ok && err.contains("not a mount point"), "{err}");
+
+    let (ok, err) = kiln_on(&["umount"], &mnt);
+    assert!(ok, "{err}");
+    let st = mount.wait().expect("mount exits");
+    assert!(st.success(), "kiln mount exits once unmounted: {st:?}");
+    assert!(!mounted(&mnt));
+    assert!(
+        mnt.join("underneath").exists(),
+        "the directory is as it was"
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+}

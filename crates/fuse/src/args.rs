@@ -71,6 +71,11 @@ pub struct MountArgs {
     /// brick learns it, so `kiln volume profile` reaches this mount); "off" disables it.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
     pub metrics: String,
+    /// Mount options, comma-separated. `nonempty`: mount on a directory that is not empty
+    /// (what it holds is hidden while the volume is mounted there); without it such a
+    /// directory is refused.
+    #[arg(short = 'o', value_name = "OPTIONS", value_delimiter = ',')]
+    pub options: Vec<String>,
 }
 
 /// An on/off command-line value (`--passthrough`, and `kiln bench --short-circuit`).

@@ -40,14 +40,45 @@ fn block_signals() {
 }
 
 fn is_mountpoint(dir: &Path) -> bool {
+    mounted_at(dir).is_some()
+}
+
+/// The file system type and source of what is mounted on `dir` now (the topmost mount), from
+/// `/proc/self/mountinfo`.
+fn mounted_at(dir: &Path) -> Option<(String, String)> {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let Ok(canon) = dir.canonicalize() else {
-        return false;
-    };
-    let canon = canon.to_string_lossy().into_owned();
-    mounts
-        .lines()
-        .any(|l| l.split(' ').nth(4) == Some(canon.as_str()))
+    let canon = dir.canonicalize().ok()?.to_string_lossy().into_owned();
+    mounts.lines().rev().find_map(|l| {
+        let (mount, fs) = l.split_once(" - ")?;
+        if unescape(mount.split(' ').nth(4)?) != canon {
+            return None;
+        }
+        let mut f = fs.split(' ');
+        Some((f.next()?.to_owned(), unescape(f.next()?)))
+    })
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) decoded.
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Mounts the volume of the client stack `vol` on `mountpoint` and serves it from background
@@ -141,6 +172,24 @@ pub fn main(args: MountArgs) -> Result<(), String> {
             mountpoint.display()
         ));
     }
+    let mut nonempty = false;
+    for o in &args.options {
+        match o.as_str() {
+            "nonempty" => nonempty = true,
+            other => return Err(format!("unknown mount option {other:?} (known: nonempty)")),
+        }
+    }
+    let empty = std::fs::read_dir(&mountpoint)
+        .map_err(|e| format!("mount point {}: {e}", mountpoint.display()))?
+        .next()
+        .is_none();
+    if !empty && !nonempty {
+        return Err(format!(
+            "mount point {} is not empty: what it holds would be hidden while mounted \
+             (-o nonempty mounts there anyway)",
+            mountpoint.display()
+        ));
+    }
     block_signals();
     kiln_client::start_metrics(&args.metrics, "kiln-mount")?;
     let vol = Volume::from_source(&source).map_err(|e| format!("cannot reach {source}: {e}"))?;
@@ -180,7 +229,7 @@ pub fn main(args: MountArgs) -> Result<(), String> {
         match rx.recv() {
             Ok(Event::Signal) => {
                 tracing::info!("signal received, unmounting {}", mountpoint.display());
-                if let Err(e) = umount(&mountpoint) {
+                if let Err(e) = unmount(&mountpoint) {
                     tracing::warn!("{e}; detaching instead");
                     let _ = umount_lazy(&mountpoint);
                 }
@@ -206,8 +255,20 @@ fn umount_lazy(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// `kiln umount DIR`.
+/// `kiln umount DIR`: unmounts a Kiln mount, and nothing else (`umount(8)` is for the rest).
 pub fn umount(dir: &Path) -> Result<(), String> {
+    match mounted_at(dir) {
+        None => Err(format!("{} is not a mount point", dir.display())),
+        Some((kind, source)) if kind == "fuse.kiln" || source.starts_with("kiln:") => unmount(dir),
+        Some((kind, source)) => Err(format!(
+            "{} is not a Kiln mount ({kind} from {source}); use umount(8) for it",
+            dir.display()
+        )),
+    }
+}
+
+/// Unmounts `dir`, whatever is mounted there.
+fn unmount(dir: &Path) -> Result<(), String> {
     let c =
         std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|_| "bad path".to_owned())?;
     // SAFETY: a valid NUL-terminated path.

@@ -278,3 +278,53 @@ fn mount_refuses_a_nonempty_dir_and_umount_only_kiln_mounts() {
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// Logs are plain text when stderr is not a terminal, and `RUST_LOG` sets the filter when
+/// `KILN_LOG` does not.
+#[test]
+fn logs_honour_rust_log_and_have_no_colour_in_a_file() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let brick = dir.path().join("brick");
+    std::fs::create_dir(&brick).expect("brick");
+    let run = |filter: Option<&str>| {
+        let err = dir.path().join("err.log");
+        let mut c = kiln();
+        c.env_remove("KILN_LOG").env_remove("RUST_LOG");
+        if let Some(f) = filter {
+            c.env("RUST_LOG", f);
+        }
+        let mut server = c
+            .args([
+                "server",
+                "--listen",
+                "tcp:127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+            ])
+            .arg("--brick")
+            .arg(&brick)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&err).expect("log file"))
+            .spawn()
+            .expect("server");
+        // Its second line comes once the metrics server (which logs at debug) is up.
+        let mut out = BufReader::new(server.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        for _ in 0..2 {
+            out.read_line(&mut line).expect("server output");
+        }
+        assert!(line.contains("metrics on"), "{line}");
+        let _ = server.kill();
+        let _ = server.wait();
+        std::fs::read_to_string(&err).expect("log")
+    };
+    let debug = run(Some("debug"));
+    assert!(debug.contains("DEBUG"), "RUST_LOG=debug ignored:\n{debug}");
+    assert!(
+        !debug.contains('\u{1b}'),
+        "colour codes in a log file:\n{debug}"
+    );
+    let quiet = run(None);
+    assert!(!quiet.contains("DEBUG"), "debug lines by default:\n{quiet}");
+}

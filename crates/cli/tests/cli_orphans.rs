@@ -73,3 +73,31 @@ fn a_brick_of_a_volume_that_is_not_started_is_stopped_and_started_ones_stay() {
         .unwrap()
         .success());
 }
+
+/// A brick's log survives its restarts (appended to, not truncated: what it said before a
+/// restart is what one looks for after it), and a restarted brick is still seen to listen.
+#[test]
+fn a_bricks_log_is_appended_to_across_restarts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start_env(&state, &["--brick-port-base", "25300"], &[]);
+    let mgmt = |args: &[&str]| mgmt_ok(&kd, &state, args);
+    let brick = format!("127.0.0.1:{}", tmp.path().join("b").display());
+    mgmt(&["volume", "create", "logs", &brick]);
+    let log = state.join("vols/logs/bricks/0.log");
+    let listening = || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            !text.contains('\u{1b}'),
+            "colour codes in a log file:\n{text}"
+        );
+        text.matches("kilnd: listening on").count()
+    };
+    mgmt(&["volume", "start", "logs"]);
+    let first = listening();
+    assert!(first > 0, "the brick's log says where it listens");
+    mgmt(&["volume", "stop", "logs"]);
+    mgmt(&["volume", "start", "logs"]);
+    assert_eq!(listening(), 2 * first, "both runs are in the log");
+}

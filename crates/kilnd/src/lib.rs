@@ -120,14 +120,19 @@ pub struct ServeArgs {
     pub threads: usize,
 }
 
-/// Installs the stderr logger (`KILN_LOG` filter, default `info` but openraft's own lines,
-/// which repeat every half second while a pool member is down). Safe to call twice.
+/// Installs the stderr logger: the `KILN_LOG` filter, else `RUST_LOG`, else `info` but
+/// openraft's own lines (which repeat every half second while a pool member is down); plain
+/// text unless stderr is a terminal. Safe to call twice.
 pub fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("KILN_LOG")
+        .or_else(|_| EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| EnvFilter::new("info,openraft=off"));
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=off")),
-        )
+        .with_env_filter(filter)
+        // Colour only for a person at a terminal: a log file or the journal gets plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .try_init();
 }

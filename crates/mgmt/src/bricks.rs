@@ -227,8 +227,14 @@ impl Manager {
     ) -> Result<u32, (String, bool)> {
         let vf_path = self.brick_volfile_path(&def.name, i);
         let fail = |e: String| (e, false);
-        let log = fs::File::create(log_path)
-            .map_err(|e| fail(format!("cannot create {}: {e}", log_path.display())))?;
+        // Appended to: what a brick logged before a restart is what one looks for after it.
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log_path)
+            .map_err(|e| fail(format!("cannot open {}: {e}", log_path.display())))?;
+        // Only what this run writes tells whether it is listening.
+        let start = log.metadata().map_or(0, |m| m.len() as usize);
         let log2 = log
             .try_clone()
             .map_err(|e| fail(format!("{}: {e}", log_path.display())))?;
@@ -259,7 +265,8 @@ impl Manager {
         let pid = child.id();
         let deadline = Instant::now() + BRICK_START_TIMEOUT;
         loop {
-            let text = fs::read_to_string(log_path).unwrap_or_default();
+            let all = fs::read(log_path).unwrap_or_default();
+            let text = String::from_utf8_lossy(all.get(start..).unwrap_or_default());
             if text.contains("kilnd: listening on") {
                 procs.children.insert(pid, child);
                 return Ok(pid);

@@ -117,6 +117,15 @@ pub const PASSES: usize = 8;
 /// Most looks at a file's marks within one pass (each copies what is new since the last).
 const ROUNDS: usize = 64;
 
+/// A byte count, or null where it is not known (u64::MAX and the sums that reached it).
+fn known_bytes<S: serde::Serializer>(b: &u64, s: S) -> Result<S::Ok, S::Error> {
+    if *b > u64::MAX / 2 {
+        s.serialize_none()
+    } else {
+        s.serialize_u64(*b)
+    }
+}
+
 /// One file a replica needs healed.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Need {
@@ -130,7 +139,9 @@ pub struct Need {
     pub target_name: String,
     /// Marked ranges.
     pub ranges: u64,
-    /// Marked bytes (a range "to the end of the file" counts as unknown: u64::MAX).
+    /// Marked bytes (a range "to the end of the file" counts as unknown: u64::MAX, shown as
+    /// null in JSON).
+    #[serde(serialize_with = "known_bytes")]
     pub bytes: u64,
     /// False while the replica behind is down (nothing can be healed yet).
     pub target_up: bool,
@@ -378,4 +389,29 @@ pub const DUTY: f64 = 0.4;
 /// Rests after a step of heal that took `worked` (see [`DUTY`]).
 async fn rest(worked: Duration) {
     sleep(worked.mul_f64((1.0 - DUTY) / DUTY)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Need;
+
+    #[test]
+    fn a_whole_file_need_shows_unknown_bytes_as_null() {
+        let mut n = Need {
+            set: "rep".into(),
+            path: "f".into(),
+            target: 1,
+            target_name: "c1".into(),
+            ranges: 1,
+            bytes: u64::MAX,
+            target_up: true,
+            entry: false,
+            metadata: false,
+            suspect: false,
+        };
+        let v = serde_json::to_value(&n).unwrap();
+        assert!(v["bytes"].is_null(), "{v}");
+        n.bytes = 4096;
+        assert_eq!(serde_json::to_value(&n).unwrap()["bytes"], 4096);
+    }
 }

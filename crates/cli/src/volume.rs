@@ -24,8 +24,10 @@ use kiln_mgmt::{options, Request, VolState};
 use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 use serde::{de::DeserializeOwned, Serialize};
 
+mod create;
 mod heal;
 mod rebalance;
+use create::{create, replica_and_bricks, CreateArgs};
 use heal::HealArgs;
 use rebalance::{RebalanceArgs, RemoveBrickArgs};
 
@@ -202,27 +204,6 @@ fn secret_hint(secret: &MgmtSecret) -> String {
             path.display()
         ),
     }
-}
-
-#[derive(clap::Args, Debug)]
-struct CreateArgs {
-    /// The volume's name: letters, digits, '_' and '-'.
-    name: String,
-    /// `replica N` (optional), then the bricks: HOST:/DIR or HOST:MGMTPORT:/DIR.
-    #[arg(required = true, value_name = "[replica N] HOST:/DIR")]
-    args: Vec<String>,
-    /// Clients of the bricks may connect only from this address range (ADDR/PREFIX; repeat
-    /// for several; default: from anywhere). Change it later with `kiln volume set`.
-    #[arg(long, value_name = "CIDR")]
-    allow: Vec<String>,
-    /// Store files in pieces of SIZE (a power of two from 1M to 1T; default 4M when given
-    /// without a size) striped over the replica sets, so that one big image reads and writes
-    /// with all of them, a rebalance moves pieces and heal copies only the pieces a replica
-    /// missed. Chosen here for good: files keep the pieces they were written in.
-    #[arg(long, value_name = "SIZE", num_args = 0..=1, default_missing_value = "4M")]
-    shard: Option<String>,
-    #[command(flatten)]
-    opts: MgmtOpts,
 }
 
 #[derive(clap::Args, Debug)]
@@ -612,60 +593,6 @@ struct OptionValues {
     volume: String,
     version: u64,
     options: Vec<options::OptionValue>,
-}
-
-/// `[replica N] BRICK...` split into the count (if given) and the bricks.
-fn replica_and_bricks(
-    cmd: &str,
-    name: &str,
-    args: &[String],
-) -> Result<(Option<u64>, Vec<String>), String> {
-    let mut args = args;
-    let mut replica = None;
-    if args.first().map(String::as_str) == Some("replica") {
-        let n = args
-            .get(1)
-            .ok_or(format!("volume {cmd}: `replica` needs a count"))?;
-        replica = Some(
-            n.parse()
-                .ok()
-                .filter(|n| *n >= 1)
-                .ok_or_else(|| format!("volume {cmd}: bad replica count {n:?}"))?,
-        );
-        args = &args[2..];
-    }
-    if args.is_empty() {
-        return Err(format!(
-            "volume {cmd}: {name}: no bricks given (HOST:/DIR ...)"
-        ));
-    }
-    Ok((replica, args.to_vec()))
-}
-
-fn create(a: &CreateArgs) -> Result<(), String> {
-    let (replica, bricks) = replica_and_bricks("create", &a.name, &a.args)?;
-    let shard = a
-        .shard
-        .as_deref()
-        .map(kiln_mgmt::options::parse_size)
-        .transpose()
-        .map_err(|e| format!("volume create: {}: --shard {e}", a.name))?;
-    let req = Request::Create {
-        name: a.name.clone(),
-        replica: Some(replica.unwrap_or(1)),
-        bricks,
-        allow: a.allow.clone(),
-        shard,
-    };
-    let r: Changed = mgmt_call(&a.opts, &req)?;
-    show(&a.opts, &r, |_| {
-        format!(
-            "volume create: {}: success: please start the volume to access data\n",
-            a.name
-        )
-    });
-    warn(&r.warnings);
-    Ok(())
 }
 
 fn info_text(r: &Infos) -> String {

@@ -300,6 +300,14 @@ fn bad_volume_definitions_are_refused_with_reasons() {
         (vec!["vol", &b1, &nested], "nest"),
         (vec!["vol", "127.0.0.1:relative/dir"], "absolute directory"),
         (vec!["vol", "127.0.0.1:/a/../b"], "'..'"),
+        (vec!["vol", "127.0.0.1:/etc"], "system directory"),
+        (
+            vec!["vol", "127.0.0.1:/usr/share/kiln-brick"],
+            "system directory",
+        ),
+        (vec!["vol", "127.0.0.1:/"], "root directory"),
+        // No terminal to ask at: replica 2 needs --yes.
+        (vec!["vol", "replica", "2", &b1, &b2], "split-brain"),
     ];
     for (args, want) in cases {
         let mut full = vec!["volume", "create"];
@@ -336,6 +344,34 @@ fn bad_volume_definitions_are_refused_with_reasons() {
         err.contains("overlaps") && err.contains("volume one"),
         "{err}"
     );
+    // The same directory through a symlink is the same directory.
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(tmp.path().join("b1"), &link).unwrap();
+    let via_link = format!("127.0.0.1:{}/inner", link.display());
+    let err = fails(&[
+        "volume",
+        "create",
+        "two",
+        &via_link,
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("overlaps"), "{err}");
+    // `force` takes a system directory past that check (this one then overlaps "one").
+    let err = fails(&[
+        "volume",
+        "create",
+        "two",
+        "127.0.0.1:/tmp",
+        "force",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("overlaps") && !err.contains("system"), "{err}");
     let err = fails(&[
         "volume",
         "create",
@@ -361,6 +397,30 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     ]))
     .unwrap();
     assert_eq!(v["volumes"][0]["type"], "Distribute");
+    // replica 2 with --yes: made, with the warning.
+    let out = run(
+        &[
+            "volume",
+            "create",
+            "pair",
+            "replica",
+            "2",
+            &b3,
+            &b("b4"),
+            "--yes",
+            "--server",
+            a,
+            "--state-dir",
+            sd,
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning") && err.contains("split-brain"),
+        "{err}"
+    );
     // A brick server is not a management server: a clear message, not a hang.
     let brick = tmp.path().join("plain");
     std::fs::create_dir(&brick).unwrap();

@@ -3,6 +3,7 @@
 
 use std::fs;
 use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
 
 use crate::bricks::port_answers;
 use crate::def::{check_name, is_local, parse_brick, BrickDef, VolState, VolumeDef};
@@ -23,6 +24,7 @@ impl Manager {
         specs: &[String],
         allow: &[String],
         shard: Option<u64>,
+        force: bool,
     ) -> Result<Response, String> {
         check_name(name)?;
         if let Some(b) = shard.filter(|b| !kiln_layer::shard::valid_block(*b)) {
@@ -51,7 +53,7 @@ impl Manager {
             return Err(format!("volume {name} already exists"));
         }
         let allow = check_allow(allow)?;
-        let (bricks, ips) = self.check_bricks(specs)?;
+        let (bricks, ips) = self.check_bricks(specs, force)?;
         for (b, ip) in bricks.iter().zip(&ips) {
             if is_local(*ip) {
                 fs::create_dir_all(&b.dir).map_err(|e| {
@@ -105,24 +107,41 @@ impl Manager {
         tracing::info!("created volume {name} ({} bricks)", def.bricks.len());
         Ok(Changed {
             volume: VolumeView::from(&def),
-            warnings: Vec::new(),
+            warnings: replica_warning(replica),
         }
         .into())
     }
 
     /// Parses `specs` and refuses a brick given twice, bricks that nest, and a brick that
-    /// overlaps a brick of another volume; returns the bricks and their hosts' addresses.
+    /// overlaps a brick of another volume — compared where they really are on this host (a
+    /// symlink resolved) — and, unless `force`, a system directory; returns the bricks and
+    /// their hosts' addresses.
     pub(crate) fn check_bricks(
         &self,
         specs: &[String],
+        force: bool,
     ) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
         let mut bricks = Vec::new();
         let mut ips = Vec::new();
         for s in specs {
             let b = parse_brick(s)?;
-            ips.push(b.ip().map_err(|e| format!("brick {s}: {e}"))?);
+            let ip = b.ip().map_err(|e| format!("brick {s}: {e}"))?;
+            let real = real_dir(&b.dir, ip);
+            if !force && is_system_dir(&real) {
+                return Err(format!(
+                    "brick {s}: {} is a system directory, not a place for a brick (add \
+                     `force` to use it anyway)",
+                    real.display()
+                ));
+            }
+            ips.push(ip);
             bricks.push(b);
         }
+        let real: Vec<std::path::PathBuf> = bricks
+            .iter()
+            .zip(&ips)
+            .map(|(b, ip)| real_dir(&b.dir, *ip))
+            .collect();
         // Same host (by address), same or nested directory: refuse.
         for j in 0..bricks.len() {
             for i in 0..j {
@@ -130,10 +149,11 @@ impl Manager {
                     continue;
                 }
                 let (a, b) = (&bricks[i], &bricks[j]);
-                if a.dir == b.dir {
+                let (ad, bd) = (&real[i], &real[j]);
+                if ad == bd {
                     return Err(format!("brick {} is given twice", b.spec()));
                 }
-                if b.dir.starts_with(&a.dir) || a.dir.starts_with(&b.dir) {
+                if bd.starts_with(ad) || ad.starts_with(bd) {
                     return Err(format!(
                         "bricks {} and {} nest: a brick may not be inside another",
                         a.spec(),
@@ -145,8 +165,9 @@ impl Manager {
         for other in self.load_all() {
             for ob in other.bricks.iter().filter(|b| !b.removed) {
                 let Ok(oip) = ob.ip() else { continue };
-                for (b, ip) in bricks.iter().zip(&ips) {
-                    if *ip == oip && (b.dir.starts_with(&ob.dir) || ob.dir.starts_with(&b.dir)) {
+                let od = real_dir(&ob.dir, oip);
+                for ((b, ip), bd) in bricks.iter().zip(&ips).zip(&real) {
+                    if *ip == oip && (bd.starts_with(&od) || od.starts_with(bd)) {
                         return Err(format!(
                             "brick {} overlaps brick {} of volume {}",
                             b.spec(),
@@ -481,4 +502,53 @@ pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
             .map_err(|e| format!("allow {c:?}: {e}"))?;
     }
     Ok(allow.to_vec())
+}
+
+/// Where `dir` really is, when its host is this one: symlinks resolved, for the part of it
+/// that exists. A brick elsewhere is taken as given.
+fn real_dir(dir: &Path, ip: IpAddr) -> PathBuf {
+    if !is_local(ip) {
+        return dir.to_owned();
+    }
+    let mut rest = Vec::new();
+    let mut at = dir;
+    loop {
+        if let Ok(real) = fs::canonicalize(at) {
+            return rest.iter().rev().fold(real, |p, n| p.join(n));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                at = parent;
+            }
+            _ => return dir.to_owned(),
+        }
+    }
+}
+
+/// True for the host's own directories, where a brick would mix volume data with the
+/// system's (or be the whole file system): `/`, `/etc`, `/usr` and the like, and anything
+/// under those that only the system uses.
+fn is_system_dir(dir: &Path) -> bool {
+    const TOP: &[&str] = &[
+        "/", "/home", "/mnt", "/media", "/opt", "/root", "/run", "/srv", "/tmp", "/var",
+    ];
+    const TREES: &[&str] = &[
+        "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys",
+        "/usr",
+    ];
+    TOP.iter().any(|t| dir == Path::new(t)) || TREES.iter().any(|t| dir.starts_with(t))
+}
+
+/// What a new volume of `replica` copies warns of: replica 2 is prone to split-brain.
+fn replica_warning(replica: usize) -> Vec<String> {
+    if replica != 2 {
+        return Vec::new();
+    }
+    vec![
+        "replica 2 volumes are prone to split-brain: when the two copies of a file change \
+          apart (each brick cut off from the other while clients write), no majority says \
+          which is right. Replica 3 avoids it."
+            .to_owned(),
+    ]
 }

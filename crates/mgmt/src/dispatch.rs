@@ -89,7 +89,8 @@ impl Manager {
                 bricks,
                 allow,
                 shard,
-            } => self.create(&name, replica, &bricks, &allow, shard),
+                force,
+            } => self.create(&name, replica, &bricks, &allow, shard, force),
             Request::Start { name, force } => self.start(procs, &name, force),
             Request::Stop { name } => self.stop(procs, &name),
             Request::Set {

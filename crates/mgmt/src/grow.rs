@@ -54,7 +54,7 @@ impl Manager {
             }
             None => {}
         }
-        let (bricks, ips) = self.check_bricks(specs)?;
+        let (bricks, ips) = self.check_bricks(specs, false)?;
         for (b, ip) in bricks.iter().zip(&ips) {
             if is_local(*ip) {
                 fs::create_dir_all(&b.dir).map_err(|e| {

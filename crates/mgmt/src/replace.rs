@@ -35,7 +35,7 @@ impl Manager {
             .ok_or_else(|| format!("volume {name} has no brick {old}"))?;
         // Checked like create's bricks, against every volume's (this one's old brick too: the
         // new directory may not nest in it).
-        let (mut nb, nips) = self.check_bricks(&[new.to_owned()])?;
+        let (mut nb, nips) = self.check_bricks(&[new.to_owned()], false)?;
         let mut nb = nb.remove(0);
         let old_spec = def.bricks[i].spec();
         if nips[0] == oip {

@@ -31,6 +31,9 @@ pub enum Request {
         /// Store files in pieces of this many bytes over the replica sets; None: whole.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         shard: Option<u64>,
+        /// Accept bricks in system directories (`/`, `/etc`, `/usr`, ...).
+        #[serde(default)]
+        force: bool,
     },
     /// Run the volume's bricks; `force` also restarts bricks that died.
     Start {

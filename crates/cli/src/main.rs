@@ -29,7 +29,8 @@ enum Cmd {
     Mount(kiln_fuse::MountArgs),
     // Help text comes from `NbdArgs`' own doc comment.
     Nbd(kiln_nbd::NbdArgs),
-    /// Volume operations: profile (io-stats tables and request waterfalls), layers.
+    /// Volumes: create, start, stop, delete, info, status, options, bricks (add, remove,
+    /// replace), heal, rebalance, profiles and request waterfalls.
     Volume(volume::VolumeArgs),
     /// The trusted storage pool: add (probe), remove (detach) and list the kilnds that share
     /// volume definitions.
@@ -47,6 +48,15 @@ enum Cmd {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if matches!(
+        cli.cmd,
+        Cmd::Volume(_) | Cmd::Tls(_) | Cmd::Peer(_) | Cmd::Pool(_) | Cmd::Umount { .. }
+    ) {
+        quiet_on_closed_output();
+    }
+    // The management commands answer --json with one envelope, errors included.
+    let json = matches!(cli.cmd, Cmd::Volume(_) | Cmd::Peer(_) | Cmd::Pool(_))
+        && std::env::args_os().any(|a| a == "--json");
     let r = match cli.cmd {
         Cmd::Server(a) => return kilnd::main(a),
         Cmd::Demo(a) => {
@@ -74,8 +84,22 @@ fn main() -> std::process::ExitCode {
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({ "ok": false, "error": e }));
+            }
             eprintln!("kiln: {e}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// A command that prints and ends (`kiln volume list | head -1`) dies quietly when what reads
+/// its output goes away, as `ls` does, instead of panicking in `println!`. Not for the
+/// servers, mounts and exports: their sockets must see EPIPE as an error, not end them.
+/// (Their own sockets and the management connection send with `MSG_NOSIGNAL` anyway.)
+fn quiet_on_closed_output() {
+    // SAFETY: restores the default action of one signal before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

@@ -383,6 +383,27 @@ fn bad_volume_definitions_are_refused_with_reasons() {
         sd,
     ]);
     assert!(err.contains("already exists"), "{err}");
+    // An error with --json is a JSON envelope too, and still a failure.
+    let out = run(
+        &[
+            "volume",
+            "info",
+            "nope",
+            "--json",
+            "--server",
+            a,
+            "--state-dir",
+            sd,
+        ],
+        &[],
+    );
+    assert!(!out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).expect("a JSON error on stdout");
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(
+        v["error"].as_str().unwrap_or_default().contains("nope"),
+        "{v}"
+    );
     let err = fails(&["volume", "start", "nope", "--server", a, "--state-dir", sd]);
     assert!(err.contains("does not exist"), "{err}");
     // --json carries the server's reply.
@@ -397,6 +418,33 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     ]))
     .unwrap();
     assert_eq!(v["volumes"][0]["type"], "Distribute");
+    // Output nobody reads any more (`kiln volume list | head -1`): a quiet end by SIGPIPE,
+    // as `ls` has, not a panic.
+    {
+        use std::os::fd::FromRawFd;
+        use std::os::unix::process::ExitStatusExt;
+        let mut fds = [0; 2];
+        // SAFETY: `fds` has room for the two descriptors; the read end is closed at once and
+        // the write end is owned by the OwnedFd handed to the child.
+        let w = unsafe {
+            assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+            libc::close(fds[0]);
+            std::os::fd::OwnedFd::from_raw_fd(fds[1])
+        };
+        let out = kiln()
+            .args(["volume", "list", "--server", a, "--state-dir", sd])
+            .stdout(Stdio::from(w))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{err}");
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGPIPE),
+            "{:?}: {err}",
+            out.status
+        );
+    }
     // replica 2 with --yes: made, with the warning.
     let out = run(
         &[

@@ -358,6 +358,15 @@ pub fn secret_file_in(volume: &str, explicit: Option<&Path>, state_dir: &Path) -
     std::fs::File::open(&p).is_ok().then_some(p)
 }
 
+/// Makes `path` the secret file of this process's connections to bricks (what
+/// `KILN_SECRET_FILE` says; `kiln mount --secret-file` and `kiln nbd --secret-file`). Call it
+/// before the process starts any thread: it sets the process's environment.
+pub fn use_secret_file(path: &Path) {
+    // Environment changes race with threads reading it; the callers run this first thing,
+    // while the process has one thread.
+    std::env::set_var("KILN_SECRET_FILE", path);
+}
+
 /// Reads a secret file as bricks and clients use it (its text without surrounding space).
 pub fn read_secret(path: &Path) -> io::Result<Vec<u8>> {
     let s = std::fs::read_to_string(path).map_err(|e| {

@@ -71,6 +71,10 @@ pub struct MountArgs {
     /// brick learns it, so `kiln volume profile` reaches this mount); "off" disables it.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
     pub metrics: String,
+    /// The volume's secret file (else `KILN_SECRET_FILE`, else the local state directory's
+    /// copy, `/var/lib/kiln/vols/VOL/secret`, when readable).
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
     /// Mount options, comma-separated. `nonempty`: mount on a directory that is not empty
     /// (what it holds is hidden while the volume is mounted there); without it such a
     /// directory is refused.

@@ -155,6 +155,9 @@ pub fn mount_target(args: &MountArgs) -> Result<(Source, String, PathBuf), Strin
 
 /// `kiln mount`.
 pub fn main(args: MountArgs) -> Result<(), String> {
+    if let Some(p) = &args.secret_file {
+        kiln_client::mgmt::use_secret_file(p);
+    }
     let (source, label, mountpoint) = mount_target(&args)?;
     match std::fs::metadata(&mountpoint) {
         Ok(m) if m.is_dir() => {}

@@ -95,10 +95,17 @@ pub struct NbdArgs {
     /// brick learns it, so `kiln volume profile` reaches this export); "off" disables it.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
     pub metrics: String,
+    /// The volume's secret file (else `KILN_SECRET_FILE`, else the local state directory's
+    /// copy, `/var/lib/kiln/vols/VOL/secret`, when readable).
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
 }
 
 /// Runs `kiln nbd` until SIGINT or SIGTERM.
 pub fn main(args: NbdArgs) -> Result<(), String> {
+    if let Some(p) = &args.secret_file {
+        kiln_client::mgmt::use_secret_file(p);
+    }
     let mut builder = if args.threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {

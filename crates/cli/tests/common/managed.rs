@@ -163,9 +163,15 @@ impl Vol {
     /// Mounts with `env` added (a log file: `KILN_TEST_STDERR`).
     pub fn mount_env(&self, mnt: &Path, env: &[(&str, &str)]) -> Proc {
         let mut c = kiln();
-        c.args(["mount", &self.source(""), "--mode", "vm-image"])
-            .arg(mnt)
-            .env("KILN_SECRET_FILE", &self.secret);
+        c.args([
+            "mount",
+            &self.source(""),
+            "--mode",
+            "vm-image",
+            "--secret-file",
+        ])
+        .arg(&self.secret)
+        .arg(mnt);
         with_env(&mut c, env);
         spawn_until(c, "kiln: mounted").0
     }
@@ -178,9 +184,10 @@ impl Vol {
     /// Exports `image` with `env` added (see [`Vol::mount_env`]).
     pub fn nbd_env(&self, image: &str, sock: &Path, env: &[(&str, &str)]) -> (Proc, String) {
         let mut c = kiln();
-        c.args(["nbd", &self.source(image), "--listen"])
-            .arg(format!("unix:{}", sock.display()))
-            .env("KILN_SECRET_FILE", &self.secret);
+        c.args(["nbd", &self.source(image), "--secret-file"])
+            .arg(&self.secret)
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()));
         with_env(&mut c, env);
         let (p, line) = spawn_until(c, "kiln nbd: exporting");
         let uri = line.rsplit(" at ").next().expect("the URI").to_owned();

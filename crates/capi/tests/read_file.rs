@@ -2,10 +2,11 @@
 //! or RELEASE. A file bigger than the caller's buffer is read through a handle, which is
 //! closed again. Counted on a real brick server over its Unix socket.
 
-use std::ffi::{c_char, CString};
-use std::ptr::null_mut;
+use std::ffi::CString;
 
-use kiln::{kiln_fini, kiln_init, kiln_new, kiln_read_file, kiln_set_volfile_server, Kiln};
+mod common;
+
+use kiln::{kiln_fini, kiln_read_file, Kiln};
 use kiln_proto::Op;
 use kiln_server::{Listen, Stats};
 
@@ -37,17 +38,7 @@ fn a_small_file_is_one_open_on_the_brick() {
     std::fs::write(brick.join("small"), &small).unwrap();
     std::fs::write(brick.join("big"), &big).unwrap();
 
-    let mut k: *mut Kiln = null_mut();
-    let sock = CString::new(sock.to_str().unwrap()).unwrap();
-    // SAFETY: NUL-terminated strings, `k` written by kiln_new and live until kiln_fini.
-    unsafe {
-        assert_eq!(kiln_new(c"vol".as_ptr() as *const c_char, &mut k), 0);
-        assert_eq!(
-            kiln_set_volfile_server(k, c"unix".as_ptr(), sock.as_ptr(), 0),
-            0
-        );
-        assert_eq!(kiln_init(k), 0);
-    }
+    let k = common::connect(&sock);
 
     let mut buf = vec![0u8; 64 << 10];
     let [open0, read0, rel0] = counts(&server.stats);

@@ -2,15 +2,13 @@
 //! on the brick and reads as zeros, the size stays; a zeroed range reads as zeros; bad
 //! arguments are refused. On a real brick server over its Unix socket.
 
-use std::ffi::{c_char, CString};
 use std::os::unix::fs::MetadataExt;
 use std::ptr::null_mut;
 
-use kiln::{
-    kiln_close, kiln_discard, kiln_fallocate, kiln_fini, kiln_init, kiln_new, kiln_open,
-    kiln_set_volfile_server, Kiln, KilnFd,
-};
+use kiln::{kiln_close, kiln_discard, kiln_fallocate, kiln_fini, kiln_open, KilnFd};
 use kiln_server::Listen;
+
+mod common;
 
 const MIB: usize = 1 << 20;
 
@@ -26,18 +24,11 @@ fn discard_gives_space_back_and_zero_range_zeroes() {
     let used = || std::fs::metadata(&file).unwrap().blocks() as usize * 512;
     assert!(used() >= 8 * MIB);
 
-    let mut k: *mut Kiln = null_mut();
+    let k = common::connect(&sock);
     let mut fd: *mut KilnFd = null_mut();
-    let sock = CString::new(sock.to_str().unwrap()).unwrap();
-    // SAFETY: NUL-terminated strings; `k` and `fd` are written by the calls and live until
-    // closed below.
+    // SAFETY: a NUL-terminated path; `k` is live and `fd` is written by kiln_open and live
+    // until closed below.
     unsafe {
-        assert_eq!(kiln_new(c"vol".as_ptr() as *const c_char, &mut k), 0);
-        assert_eq!(
-            kiln_set_volfile_server(k, c"unix".as_ptr(), sock.as_ptr(), 0),
-            0
-        );
-        assert_eq!(kiln_init(k), 0);
         assert_eq!(kiln_open(k, c"/img".as_ptr(), libc::O_RDWR, &mut fd), 0);
 
         assert_eq!(kiln_discard(fd, 0, 4 * MIB as i64), 0);

@@ -116,40 +116,40 @@ fn mounted(dir: &std::path::Path) -> bool {
         .any(|l| l.split(' ').nth(4) == Some(canon.as_str()))
 }
 
+/// Starts `kiln ARGS` and reads the first line it prints (its "listening" or "mounted" line).
+fn spawn_first_line(args: &[&str], last: &std::path::Path) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = kiln()
+        .args(args)
+        .arg(last)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn kiln");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("first line");
+    (child, line)
+}
+
 #[test]
 fn mount_serves_refuses_a_busy_mountpoint_and_unmounts_on_sigterm() {
-    use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().expect("tempdir");
     let (brick, mnt) = (dir.path().join("brick"), dir.path().join("mnt"));
     std::fs::create_dir(&brick).expect("brick");
     std::fs::create_dir(&mnt).expect("mnt");
-    let mut server = kiln()
-        .args(["server", "--listen", "tcp:127.0.0.1:0", "--brick"])
-        .arg(&brick)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("server");
-    let mut line = String::new();
-    BufReader::new(server.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("listen line");
+    let (mut server, line) = spawn_first_line(
+        &["server", "--listen", "tcp:127.0.0.1:0", "--brick"],
+        &brick,
+    );
     let addr = line
         .trim()
         .strip_prefix("kilnd: listening on tcp:")
         .expect("tcp address")
         .to_owned();
 
-    let mut mount = kiln()
-        .args(["mount", &format!("{addr}:/vol")])
-        .arg(&mnt)
-        .args(["--mode", "vm-image"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("mount");
-    let mut line = String::new();
-    BufReader::new(mount.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("mounted line");
+    let src = format!("{addr}:/vol");
+    let (mut mount, line) = spawn_first_line(&["mount", &src, "--mode", "vm-image"], &mnt);
     assert!(line.starts_with("kiln: mounted"), "{line:?}");
     assert!(mounted(&mnt));
     std::fs::write(mnt.join("hello"), b"through the mount").expect("write through the mount");
@@ -204,28 +204,14 @@ fn kiln_on(args: &[&str], dir: &std::path::Path) -> (bool, String) {
 /// plain directory), leaving it as it was.
 #[test]
 fn mount_refuses_a_nonempty_dir_and_umount_only_kiln_mounts() {
-    use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().expect("tempdir");
     let (brick, mnt) = (dir.path().join("brick"), dir.path().join("mnt"));
     std::fs::create_dir(&brick).expect("brick");
     std::fs::create_dir(&mnt).expect("mnt");
     std::fs::write(mnt.join("underneath"), b"x").expect("a file in the mount point");
     let sock = dir.path().join("brick.sock");
-    let mut server = kiln()
-        .args([
-            "server",
-            "--listen",
-            &format!("unix:{}", sock.display()),
-            "--brick",
-        ])
-        .arg(&brick)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("server");
-    let mut line = String::new();
-    BufReader::new(server.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("listen line");
+    let listen = format!("unix:{}", sock.display());
+    let (mut server, _) = spawn_first_line(&["server", "--listen", &listen, "--brick"], &brick);
     let src = format!("unix:{}:/vol", sock.display());
 
     let (ok, err) = kiln_on(&["mount", &src], &mnt);
@@ -234,16 +220,7 @@ fn mount_refuses_a_nonempty_dir_and_umount_only_kiln_mounts() {
     let (ok, err) = kiln_on(&["mount", &src, "-o", "bogus"], &mnt);
     assert!(!ok && err.contains("unknown mount option"), "{err}");
 
-    let mut mount = kiln()
-        .args(["mount", &src, "-o", "nonempty"])
-        .arg(&mnt)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("mount");
-    let mut line = String::new();
-    BufReader::new(mount.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("mounted line");
+    let (mut mount, line) = spawn_first_line(&["mount", &src, "-o", "nonempty"], &mnt);
     assert!(line.starts_with("kiln: mounted"), "{line:?}");
     assert!(
         !mnt.join("underneath").exists(),

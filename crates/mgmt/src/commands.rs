@@ -123,25 +123,22 @@ impl Manager {
     ) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
         let mut bricks = Vec::new();
         let mut ips = Vec::new();
+        let mut real: Vec<PathBuf> = Vec::new();
         for s in specs {
             let b = parse_brick(s)?;
             let ip = b.ip().map_err(|e| format!("brick {s}: {e}"))?;
-            let real = real_dir(&b.dir, ip);
-            if !force && is_system_dir(&real) {
+            let r = real_dir(&b.dir, ip);
+            if !force && is_system_dir(&r) {
                 return Err(format!(
                     "brick {s}: {} is a system directory, not a place for a brick (add \
                      `force` to use it anyway)",
-                    real.display()
+                    r.display()
                 ));
             }
             ips.push(ip);
             bricks.push(b);
+            real.push(r);
         }
-        let real: Vec<std::path::PathBuf> = bricks
-            .iter()
-            .zip(&ips)
-            .map(|(b, ip)| real_dir(&b.dir, *ip))
-            .collect();
         // Same host (by address), same or nested directory: refuse.
         for j in 0..bricks.len() {
             for i in 0..j {

@@ -92,11 +92,16 @@ impl KilnFs {
         }
         // What was held goes first (its error is its writer's to hear; this write goes on).
         let _ = self.send_behind(ino.0);
-        let r = self
-            .vol
-            .on_behalf_of(by)
-            .pwritev_blocking(&fd, &[IoSlice::new(data)], offset)
-            .map_err(errno);
+        let bufs = [IoSlice::new(data)];
+        let r = match by {
+            // The common case (root, or the writeback cache) takes no view of the stack.
+            None => self.vol.pwritev_blocking(&fd, &bufs, offset),
+            by => self
+                .vol
+                .on_behalf_of(by)
+                .pwritev_blocking(&fd, &bufs, offset),
+        }
+        .map_err(errno);
         self.files.changed_done();
         self.touched(ino.0);
         match r {
@@ -116,11 +121,11 @@ impl KilnFs {
         let Some(h) = self.behind.take(ino) else {
             return Ok(());
         };
-        let r = self.vol.on_behalf_of(h.by.clone()).pwritev_blocking(
-            &h.fd,
-            &[IoSlice::new(&h.data)],
-            h.offset,
-        );
+        let bufs = [IoSlice::new(&h.data)];
+        let r = match &h.by {
+            None => self.vol.pwritev_blocking(&h.fd, &bufs, h.offset),
+            by => (self.vol.on_behalf_of(by.clone())).pwritev_blocking(&h.fd, &bufs, h.offset),
+        };
         self.behind.sent(ino);
         self.touched(ino);
         let e = match r {

@@ -259,6 +259,16 @@ def repo_root() -> Path:
         return here.parent
 
 
+def release_kiln(no_build: bool) -> Path:
+    """The release `kiln` binary of this checkout, built first unless `no_build`."""
+    root = repo_root()
+    if not no_build:
+        log("cargo build --release -p kiln-cli")
+        subprocess.run(["cargo", "build", "--release", "-q", "-p", "kiln-cli"], cwd=root,
+                       check=True)
+    return root / "target" / "release" / "kiln"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -120,12 +120,7 @@ def main(argv: list[str]) -> int:
         c.log("installing fio")
         subprocess.run(["apt-get", "install", "-y", "-qq", "fio"], check=True,
                        stdout=subprocess.DEVNULL)
-    root = c.repo_root()
-    kiln = root / "target" / "release" / "kiln"
-    if not args.no_build:
-        c.log("cargo build --release -p kiln-cli")
-        subprocess.run(["cargo", "build", "--release", "-q", "-p", "kiln-cli"], cwd=root,
-                       check=True)
+    kiln = c.release_kiln(args.no_build)
     work = Path(tempfile.mkdtemp(prefix="kiln-local-bench-", dir="/dev/shm"))
     brick, sock = work / "brick", work / "brick.sock"
     brick.mkdir()

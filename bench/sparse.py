@@ -91,12 +91,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     c.ensure_packages({"nbdcopy": "libnbd-bin"})
-    root = c.repo_root()
-    kiln = root / "target" / "release" / "kiln"
-    if not args.no_build:
-        c.log("cargo build --release -p kiln-cli")
-        subprocess.run(["cargo", "build", "--release", "-q", "-p", "kiln-cli"], cwd=root,
-                       check=True)
+    kiln = c.release_kiln(args.no_build)
     work = Path(tempfile.mkdtemp(prefix="kiln-sparse-bench-", dir="/dev/shm"))
     brick, sock, nbd = work / "brick", work / "brick.sock", work / "nbd.sock"
     brick.mkdir()

@@ -101,12 +101,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    root = c.repo_root()
-    kiln = root / "target" / "release" / "kiln"
-    if not args.no_build:
-        c.log("cargo build --release -p kiln-cli")
-        subprocess.run(["cargo", "build", "--release", "-q", "-p", "kiln-cli"], cwd=root,
-                       check=True)
+    kiln = c.release_kiln(args.no_build)
     work = Path(tempfile.mkdtemp(prefix="kiln-tls-bench-", dir="/dev/shm"))
     keys = work / "keys"
     brick = work / "brick"

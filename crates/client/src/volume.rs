@@ -24,7 +24,7 @@ use kiln_layer::{
     StatfsReply,
 };
 use kiln_proto::codec::Wire;
-use kiln_proto::ops::{Changes, DirEntry, Extent, ExtentList};
+use kiln_proto::ops::{Changes, DirEntry, Extent, ExtentList, LeaseState};
 use kiln_proto::Cred;
 
 use crate::client::{errno_error, Client};
@@ -664,6 +664,36 @@ impl Volume {
     pub async fn extents(&self, fd: &Fd, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
         let l: io::Result<ExtentList> =
             fop!(self, cx => self.stack.top.extents(&cx, fd, offset, len));
+        Ok(l?.runs.0)
+    }
+
+    /// The image's exclusive lease ([`kiln_proto::ops::LeaseReq`]): `cmd` is a `LEASE_*`;
+    /// `holder` names this process (unique per image), `ttl_ms` how long a grant lasts
+    /// unless renewed. `granted` false says who holds it and for how long yet.
+    pub async fn lease(
+        &self,
+        fd: &Fd,
+        cmd: u32,
+        ttl_ms: u32,
+        holder: &str,
+    ) -> io::Result<LeaseState> {
+        fop!(self, cx => self.stack.top.lease(&cx, fd, cmd, ttl_ms, holder))
+    }
+
+    /// A dirty record of the file ([`kiln_proto::ops::DirtyReq`]): `cmd` is a `DIRTY_*`;
+    /// for `DIRTY_GET`, the runs from `offset` (at most `len` bytes) written since the record
+    /// started (data) or not (holes), possibly fewer than the range needs (ask again from
+    /// where they end). `ENOENT`: the record is not known (take everything as written).
+    pub async fn dirty(
+        &self,
+        fd: &Fd,
+        cmd: u32,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<Vec<Extent>> {
+        let l: io::Result<ExtentList> =
+            fop!(self, cx => self.stack.top.dirty(&cx, fd, cmd, name, offset, len));
         Ok(l?.runs.0)
     }
 

@@ -30,7 +30,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 pub use kiln_proto::iov::RawIov;
-pub use kiln_proto::ops::{Attr, Extent, ExtentList, ReaddirReply, SetAttrs, StatfsReply};
+pub use kiln_proto::ops::{
+    Attr, Extent, ExtentList, LeaseState, ReaddirReply, SetAttrs, StatfsReply,
+};
 pub use kiln_proto::{errno, Op};
 pub use trace::{Ctx, Trace};
 
@@ -319,6 +321,16 @@ macro_rules! for_each_path_fop {
             (extents, Extents,
                 $crate::__wire::ExtentsReq { fh: &'a $crate::Fd => handle, offset: u64 => val, len: u64 => val },
                 $crate::ExtentList, $crate::ExtentList, (|r| r), (|v| v))
+            (lease, Lease,
+                $crate::__wire::LeaseReq {
+                    fh: &'a $crate::Fd => handle, cmd: u32 => val, ttl_ms: u32 => val, holder: &'a str => text
+                },
+                $crate::LeaseState, $crate::LeaseState, (|r| r), (|v| v))
+            (dirty, Dirty,
+                $crate::__wire::DirtyReq {
+                    fh: &'a $crate::Fd => handle, cmd: u32 => val, name: &'a str => text, offset: u64 => val, len: u64 => val
+                },
+                $crate::ExtentList, $crate::ExtentList, (|r| r), (|v| v))
             (setattr, Setattr,
                 $crate::__wire::SetattrReq { path: &'a str => path, attrs: &'a $crate::SetAttrs => refd },
                 $crate::Attr, $crate::Attr, (|r| r), (|v| v))
@@ -581,6 +593,7 @@ no_data!(
     (Fd, Attr),
     (),
     ExtentList,
+    LeaseState,
     ReaddirReply,
     String,
     StatfsReply,

@@ -145,6 +145,12 @@ ops! {
     /// Where an open file's data lies in a range ([`ExtentsReq`]): runs of data and of holes,
     /// from the brick file system's `SEEK_DATA`/`SEEK_HOLE` ([`ExtentList`]).
     Extents = 49,
+    /// An image's exclusive lock ([`LeaseReq`]): one holder at a time writes the file; a
+    /// holder that stops renewing loses it to the next one that asks ([`LeaseState`]).
+    Lease = 50,
+    /// Changed-block tracking ([`DirtyReq`]): start or stop recording which ranges of a file
+    /// are written under a name, or ask which were since it started ([`ExtentList`]).
+    Dirty = 51,
 }
 
 impl Op {
@@ -356,6 +362,19 @@ wire_struct! {
     /// when asked (`u64::MAX`: not known).
     pub struct ExtentList { pub size: u64, pub runs: Seq<Extent> }
 
+    /// Lease request on the file an open handle names: `cmd` is one of the `LEASE_*` values,
+    /// `holder` names the asker (unique per process and image), `ttl_ms` how long a grant
+    /// lasts unless renewed.
+    pub struct LeaseReq { pub fh: u64, pub cmd: u32, pub ttl_ms: u32, pub holder: String }
+    /// Lease reply: whether the asker holds the lease now (or, for a release, no longer
+    /// does); otherwise who does and for how much longer. `token` rises with each new holder.
+    pub struct LeaseState { pub granted: bool, pub holder: String, pub remaining_ms: u32, pub token: u64 }
+
+    /// Dirty request on the file an open handle names: `cmd` is one of the `DIRTY_*` values;
+    /// `name` the record's; `[offset, offset + len)` the range asked about (`DIRTY_GET`). The
+    /// reply is an [`ExtentList`] whose holes are the ranges not written since the start.
+    pub struct DirtyReq { pub fh: u64, pub cmd: u32, pub name: String, pub offset: u64, pub len: u64 }
+
     /// Profile request: `cmd` is one of the `PROFILE_*` values. The reply carries no arguments
     /// and a JSON payload: the server's io-stats (cumulative and since the last start).
     pub struct ProfileReq { pub cmd: u32 }
@@ -376,6 +395,24 @@ pub const HELLO_NEW_BRICK: u32 = 1;
 
 /// The most runs an [`ExtentList`] carries (a brick stops there; the caller asks again).
 pub const EXTENTS_MAX: usize = 1024;
+
+/// Lease: who holds it (grants nothing).
+pub const LEASE_QUERY: u32 = 0;
+/// Lease: take it if nobody holds it, it lapsed, or the asker holds it (a renewal).
+pub const LEASE_ACQUIRE: u32 = 1;
+/// Lease: give it up (granted: the asker does not hold it now).
+pub const LEASE_RELEASE: u32 = 2;
+/// The longest lease a brick grants, in milliseconds.
+pub const LEASE_TTL_MAX: u32 = 300_000;
+
+/// Dirty: start recording writes under the name (from now: anything recorded is dropped).
+pub const DIRTY_START: u32 = 1;
+/// Dirty: the ranges written since the record started (`ENOENT`: no such record).
+pub const DIRTY_GET: u32 = 2;
+/// Dirty: stop recording and drop the record.
+pub const DIRTY_STOP: u32 = 3;
+/// The most dirty records one file keeps.
+pub const DIRTY_MAX: usize = 8;
 
 /// Profile: report only.
 pub const PROFILE_INFO: u32 = 0;

@@ -90,8 +90,8 @@ use std::sync::Mutex;
 use std::task::Poll;
 
 use crate::{
-    Attr, Ctx, Errno, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, Opened, ReadDst,
-    ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
+    Attr, Ctx, Errno, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, LeaseState, Opened,
+    ReadDst, ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
 };
 
 mod layout;
@@ -958,6 +958,35 @@ impl Layer for Distribute {
     fn extents<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, at: u64, len: u64) -> Fut<'a, ExtentList> {
         match self.fd_kid(fd) {
             Ok((k, fd)) => k.extents(cx, fd, at, len),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn lease<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        ttl_ms: u32,
+        holder: &'a str,
+    ) -> Fut<'a, LeaseState> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.lease(cx, fd, cmd, ttl_ms, holder),
+            Err(e) => crate::fail(e),
+        }
+    }
+
+    fn dirty<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        name: &'a str,
+        at: u64,
+        len: u64,
+    ) -> Fut<'a, ExtentList> {
+        match self.fd_kid(fd) {
+            Ok((k, fd)) => k.dirty(cx, fd, cmd, name, at, len),
             Err(e) => crate::fail(e),
         }
     }

@@ -8,9 +8,10 @@ use crate::marks::{
     MemberState, PendingPage,
 };
 use crate::{
-    fail, Attr, Ctx, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut,
-    SetAttrs, Written,
+    fail, Attr, Ctx, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, LeaseState, ReadDst,
+    ReadOut, SetAttrs, Written,
 };
+use kiln_proto::ops::DirtyReq;
 use kiln_proto::ops::{
     SETATTR_ATIME, SETATTR_ATIME_NOW, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_MTIME_NOW,
     SETATTR_SIZE, SETATTR_UID,
@@ -119,6 +120,7 @@ impl Layer for Marks {
 
     fn hangup(&self, owner: u64) {
         self.suspect_leftovers(owner);
+        self.drop_leases(owner);
     }
 
     fn create<'a>(
@@ -177,6 +179,42 @@ impl Layer for Marks {
             Ok(f) => self.child().extents(cx, &f.inner, at, len),
             Err(e) => fail(e),
         }
+    }
+
+    fn lease<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        ttl_ms: u32,
+        holder: &'a str,
+    ) -> Fut<'a, LeaseState> {
+        match usable(fd, cx.owner) {
+            Ok(f) if !f.heal => Box::pin(Marks::lease_req(
+                &f.key, cx.owner, cmd, ttl_ms, holder, &f.path,
+            )),
+            Ok(_) => fail(crate::errno::EINVAL),
+            Err(e) => fail(e),
+        }
+    }
+
+    fn dirty<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        name: &'a str,
+        offset: u64,
+        len: u64,
+    ) -> Fut<'a, ExtentList> {
+        let req = DirtyReq {
+            fh: 0,
+            cmd,
+            name: name.to_owned(),
+            offset,
+            len,
+        };
+        ready(usable(fd, cx.owner).and_then(|f| Marks::dirty_req(&f.key, &req)))
     }
 
     fn backing<'f>(&self, cx: &Ctx, fd: &'f Fd) -> FopResult<&'f std::fs::File> {

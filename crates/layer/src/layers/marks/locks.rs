@@ -175,6 +175,9 @@ impl Marks {
                 match wait {
                     Some(w) => w,
                     None => {
+                        if record {
+                            st.admit_change(owner, start, end)?;
+                        }
                         st.next += 1;
                         let id = st.next;
                         st.inflight.push(Inflight {

@@ -62,6 +62,7 @@ use crate::{Fd, FopResult, LayerRef};
 
 mod control;
 mod identity;
+mod images;
 mod layer;
 mod locks;
 mod log;
@@ -165,6 +166,10 @@ struct FileState {
     lockers: u32,
     /// What client handles changed lately ([`recent`]).
     recent: Vec<recent::Recent>,
+    /// The file's exclusive lease, if one is held ([`images`]).
+    lease: Option<images::Lease>,
+    /// Dirty records by name: the ranges changed since each started ([`images`]).
+    dirty: Vec<(String, RangeSet)>,
 }
 
 #[derive(Default)]
@@ -363,7 +368,10 @@ impl Marks {
                 let mut st = key.state();
                 let now = Instant::now();
                 st.sessions.retain(|s| s.expires > now);
-                st.locks.is_empty() && st.sessions.is_empty()
+                st.locks.is_empty()
+                    && st.sessions.is_empty()
+                    && st.lease.is_none()
+                    && st.dirty.is_empty()
             }
             && files.get(path).is_some_and(|k| Arc::ptr_eq(k, key))
         {

@@ -228,6 +228,57 @@ impl RangeSet {
         out
     }
 
+    /// `[offset, offset + len)` as consecutive runs: in the set (data) and not (holes), at
+    /// most [`EXTENTS_MAX`](kiln_proto::ops::EXTENTS_MAX) of them (the caller asks again
+    /// from where they end).
+    pub fn runs(&self, offset: u64, len: u64) -> kiln_proto::ops::ExtentList {
+        use kiln_proto::ops::{Extent, ExtentList, EXTENTS_MAX};
+        let end = offset.saturating_add(len);
+        let mut out = Vec::new();
+        let mut at = offset;
+        let mut full = false;
+        for (s, l) in self.inside(offset, len) {
+            if out.len() + 2 > EXTENTS_MAX {
+                full = true;
+                break;
+            }
+            let e = end_of(s, l).min(end);
+            if s > at {
+                out.push(Extent {
+                    len: s - at,
+                    hole: true,
+                });
+            }
+            out.push(Extent {
+                len: e - s,
+                hole: false,
+            });
+            at = e;
+        }
+        if at < end && !full {
+            out.push(Extent {
+                len: end - at,
+                hole: true,
+            });
+        }
+        ExtentList {
+            size: u64::MAX,
+            runs: kiln_proto::codec::Seq(out),
+        }
+    }
+
+    /// The data runs of `runs` from `offset` added to the set; returns where they end.
+    pub fn add_runs(&mut self, offset: u64, runs: &[kiln_proto::ops::Extent]) -> u64 {
+        let mut at = offset;
+        for r in runs {
+            if !r.hole {
+                self.add(at, r.len);
+            }
+            at = at.saturating_add(r.len);
+        }
+        at
+    }
+
     /// True when any marked range overlaps `[offset, offset+len)`.
     pub fn overlaps(&self, offset: u64, len: u64) -> bool {
         let end = end_of(offset, len);
@@ -241,6 +292,20 @@ impl RangeSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runs_alternate_and_cover_the_range() {
+        let mut set = RangeSet::default();
+        set.add(10, 5);
+        set.add(30, WHOLE);
+        let r = set.runs(0, 40).runs.0;
+        let got: Vec<(u64, bool)> = r.iter().map(|e| (e.len, e.hole)).collect();
+        assert_eq!(got, vec![(10, true), (5, false), (15, true), (10, false)]);
+        let mut back = RangeSet::default();
+        assert_eq!(back.add_runs(0, &r), 40);
+        assert_eq!(back.inside(0, 40), vec![(10, 5), (30, 10)]);
+        assert_eq!(RangeSet::default().runs(5, 7).runs.0.len(), 1);
+    }
 
     #[test]
     fn ranges_merge_and_split() {

@@ -7,7 +7,7 @@ use super::{hidden, inner, is_reg, Mark, Shard, EEXIST, ENODATA, ENOENT, EPERM, 
 use super::{SHARD_DIR, SHARD_XATTR};
 use crate::{
     errno, fail, Attr, Ctx, Extent, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef,
-    ReadDst, ReadOut, ReaddirReply, SetAttrs, Written,
+    LeaseState, ReadDst, ReadOut, ReaddirReply, SetAttrs, Written,
 };
 
 impl Shard {
@@ -312,6 +312,38 @@ impl Layer for Shard {
                     runs: kiln_proto::codec::Seq(vec![run]),
                 })))
             }
+        }
+    }
+
+    fn lease<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        ttl_ms: u32,
+        holder: &'a str,
+    ) -> Fut<'a, LeaseState> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().lease(cx, f, cmd, ttl_ms, holder),
+            // Its shards would each need the lease: not offered yet.
+            Ok(ShardFd::Split(_)) => fail(errno::EOPNOTSUPP),
+        }
+    }
+
+    fn dirty<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        name: &'a str,
+        at: u64,
+        len: u64,
+    ) -> Fut<'a, ExtentList> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().dirty(cx, f, cmd, name, at, len),
+            Ok(ShardFd::Split(_)) => fail(errno::EOPNOTSUPP),
         }
     }
 

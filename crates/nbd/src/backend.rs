@@ -18,6 +18,8 @@ pub struct Shared {
     pub description: String,
     /// Refuse writes.
     pub read_only: bool,
+    /// The dirty record offered as `qemu:dirty-bitmap:NAME`, if any.
+    pub bitmap: Option<String>,
     /// Where the stack comes from.
     pub source: Source,
     /// The client stack every session opens the image through (rebuilt when it has died).

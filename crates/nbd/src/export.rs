@@ -22,6 +22,7 @@ use tokio::task::JoinSet;
 
 pub use crate::backend::{open_backend, Backend, Shared};
 use crate::handshake::{handshake, Negotiated};
+pub use crate::lock::{Held, LockConfig};
 use crate::metrics::Metrics;
 use crate::reader::Reader;
 use crate::spec::{nbd_uri, ImageSpec, Listen};
@@ -45,6 +46,11 @@ pub struct ExportConfig {
     pub export_name: Option<String>,
     /// Refuse writes.
     pub read_only: bool,
+    /// Lock the image for this export alone while it runs ([`crate::lock`]); ignored for a
+    /// read-only export.
+    pub lock: Option<LockConfig>,
+    /// Offer the bricks' dirty record of this name as `qemu:dirty-bitmap:NAME`.
+    pub bitmap: Option<String>,
 }
 
 enum Listener {
@@ -58,6 +64,7 @@ pub struct Export {
     listener: Listener,
     local: Listen,
     size: u64,
+    lock: Option<Held>,
 }
 
 impl Export {
@@ -91,14 +98,22 @@ impl Export {
             name,
             description,
             read_only: cfg.read_only,
+            bitmap: cfg.bitmap,
             source,
             vol: Mutex::new(None),
         });
         let mut probe = open_backend(&shared).await?;
         let size = probe.size;
-        if let Some(fd) = probe.fd.take() {
-            let _ = probe.vol.close(fd).await;
-        }
+        let fd = probe.fd.take().expect("a new backend holds the image");
+        let lock = match &cfg.lock {
+            Some(l) if !cfg.read_only => {
+                crate::lock::take(probe.vol.clone(), fd, &shared.name, l).await?
+            }
+            _ => {
+                let _ = probe.vol.close(fd).await;
+                None
+            }
+        };
         drop(probe);
 
         let (listener, local) = match &cfg.listen {
@@ -128,6 +143,7 @@ impl Export {
             listener,
             local,
             size,
+            lock,
         })
     }
 
@@ -195,6 +211,9 @@ impl Export {
             );
             sessions.shutdown().await;
         }
+        if let Some(l) = self.lock {
+            l.release().await;
+        }
     }
 }
 
@@ -238,7 +257,7 @@ async fn session(
     let Negotiated {
         backend,
         structured,
-        allocation,
+        contexts,
     } = match neg {
         Ok(Ok(Some(n))) => n,
         Ok(Ok(None)) => {
@@ -276,7 +295,7 @@ async fn session(
         vol.clone(),
         fd.clone(),
         backend.size,
-        (structured, allocation),
+        (structured, contexts),
         sh.read_only,
         metrics.clone(),
         peer.clone(),

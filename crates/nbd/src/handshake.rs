@@ -30,8 +30,8 @@ pub struct Negotiated {
     pub backend: Backend,
     /// Structured replies were negotiated.
     pub structured: bool,
-    /// The `base:allocation` context was selected (`NBD_CMD_BLOCK_STATUS` answers it).
-    pub allocation: bool,
+    /// The metadata contexts selected (`NBD_CMD_BLOCK_STATUS` answers them).
+    pub contexts: status::Contexts,
 }
 
 fn invalid(msg: String) -> io::Error {
@@ -90,7 +90,7 @@ where
     let no_zeroes = cflags & proto::CLIENT_NO_ZEROES != 0;
 
     let mut structured = false;
-    let mut allocation = false;
+    let mut contexts = status::Contexts::default();
     let mut backend: Option<Backend> = None;
     loop {
         if !rd.fill_to(16).await? {
@@ -142,7 +142,7 @@ where
                 return Ok(Some(Negotiated {
                     backend: be,
                     structured,
-                    allocation,
+                    contexts,
                 }));
             }
             ClientOption::Abort => {
@@ -190,13 +190,13 @@ where
                     return Ok(Some(Negotiated {
                         backend,
                         structured,
-                        allocation,
+                        contexts,
                     }));
                 }
             }
             ClientOption::MetaContext { set, query } => {
                 if let Some(chosen) = meta_context(w, option, sh, structured, set, &query).await? {
-                    allocation = chosen;
+                    contexts = chosen;
                 }
             }
             ClientOption::Unsupported(_) => {
@@ -243,7 +243,7 @@ async fn send_info<W: AsyncWrite + Unpin>(
 }
 
 /// Answers `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT` (`set`); for a SET that
-/// was accepted, whether it selected `base:allocation` (each SET replaces the last).
+/// was accepted, the contexts it selected (each SET replaces the last).
 async fn meta_context<W: AsyncWrite + Unpin>(
     w: &mut W,
     option: u32,
@@ -251,7 +251,7 @@ async fn meta_context<W: AsyncWrite + Unpin>(
     structured: bool,
     set: bool,
     query: &MetaQuery,
-) -> io::Result<Option<bool>> {
+) -> io::Result<Option<status::Contexts>> {
     if set && !structured {
         let msg = "metadata contexts need structured replies first";
         reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
@@ -262,9 +262,9 @@ async fn meta_context<W: AsyncWrite + Unpin>(
         reply(w, option, rep::ERR_UNKNOWN, msg.as_bytes()).await?;
         return Ok(None);
     }
-    let chosen = status::selects_allocation(&query.queries, !set);
-    if chosen {
-        reply(w, option, rep::META_CONTEXT, &status::meta_context_reply()).await?;
+    let chosen = status::Contexts::select(&query.queries, !set, sh.bitmap.as_deref());
+    for d in chosen.replies() {
+        reply(w, option, rep::META_CONTEXT, &d).await?;
     }
     reply(w, option, rep::ACK, &[]).await?;
     Ok(set.then_some(chosen))

@@ -17,6 +17,8 @@
 //!     listen: "unix:/run/kiln/vm.nbd".parse()?,
 //!     export_name: None,
 //!     read_only: false,
+//!     lock: Some(Default::default()),
+//!     bitmap: None,
 //! })
 //! .await?;
 //! println!("{}", export.uri()); // nbd+unix:///images/vm.img?socket=/run/kiln/vm.nbd
@@ -29,6 +31,7 @@
 pub mod backend;
 pub mod export;
 pub mod handshake;
+pub mod lock;
 pub mod metrics;
 pub mod proto;
 pub mod reader;
@@ -86,6 +89,26 @@ pub struct NbdArgs {
     /// Refuse writes, trims and zeroing (NBD_FLAG_READ_ONLY); the image is opened read-only.
     #[arg(long)]
     pub read_only: bool,
+    /// Lock the image for this export alone while it runs: the bricks refuse every other
+    /// client's writes to it, and a second export of it is refused. "auto" (the default)
+    /// locks when the bricks can (a managed volume's can, a standalone brick's cannot: then
+    /// it warns and exports unlocked), "exclusive" insists, "off" shares the image (its
+    /// clients must then coordinate). A read-only export never locks.
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "exclusive", "off"])]
+    pub lock: String,
+    /// Wait up to SECS at start for another export's lock on the image to go (a live
+    /// migration's destination), instead of failing at once.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    pub lock_wait: f64,
+    /// How long the lock outlives this export if it is cut off from the bricks without
+    /// exiting (it renews every third of this): the time another export must wait then.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub lock_ttl: f64,
+    /// Offer the bricks' dirty record NAME (started with `kiln image dirty start`) as the
+    /// metadata context qemu:dirty-bitmap:NAME: the ranges written since it started, for
+    /// incremental backups (`nbdinfo --map=qemu:dirty-bitmap:NAME`).
+    #[arg(long, value_name = "NAME")]
+    pub bitmap: Option<String>,
     /// Runtime threads for the NBD side. One is fastest on small machines: completions arrive
     /// on each client's Kiln receive thread anyway, and a second runtime thread mostly adds
     /// cross-thread wake-ups.
@@ -99,6 +122,28 @@ pub struct NbdArgs {
     /// copy, `/var/lib/kiln/vols/VOL/secret`, when readable).
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
+}
+
+/// The lock an export takes, from its options.
+fn lock_config(mode: &str, wait: f64, ttl: f64) -> Result<Option<lock::LockConfig>, String> {
+    let secs = |v: f64, what: &str, max: f64| {
+        if v.is_finite() && (0.0..=max).contains(&v) {
+            Ok(std::time::Duration::from_secs_f64(v))
+        } else {
+            Err(format!(
+                "{what} must be between 0 and {max} seconds, not {v}"
+            ))
+        }
+    };
+    let ttl = secs(ttl, "--lock-ttl", 300.0)?;
+    if ttl < std::time::Duration::from_millis(300) {
+        return Err("--lock-ttl must be at least 0.3 seconds".into());
+    }
+    Ok((mode != "off").then_some(lock::LockConfig {
+        ttl,
+        wait: secs(wait, "--lock-wait", 86400.0)?,
+        required: mode == "exclusive",
+    }))
 }
 
 /// Runs `kiln nbd` until SIGINT or SIGTERM.
@@ -134,6 +179,8 @@ pub fn main(args: NbdArgs) -> Result<(), String> {
             listen: args.listen,
             export_name: args.export_name,
             read_only: args.read_only,
+            lock: lock_config(&args.lock, args.lock_wait, args.lock_ttl)?,
+            bitmap: args.bitmap,
         })
         .await?;
         println!(

@@ -3,18 +3,73 @@
 //!
 //! The client picks metadata contexts during the handshake (`NBD_OPT_LIST_META_CONTEXT`,
 //! `NBD_OPT_SET_META_CONTEXT`, after structured replies) and asks with
-//! `NBD_CMD_BLOCK_STATUS`. One context is offered: `base:allocation`, from the brick file
+//! `NBD_CMD_BLOCK_STATUS`. Two contexts are offered: `base:allocation`, from the brick file
 //! system's `SEEK_DATA`/`SEEK_HOLE` through the stack's extents fop (a layer that cannot tell
-//! says data, which always reads right). A hole is `NBD_STATE_HOLE | NBD_STATE_ZERO`; data is 0.
+//! says data, which always reads right; a hole is `NBD_STATE_HOLE | NBD_STATE_ZERO`, data 0),
+//! and, when the export names one (`--bitmap NAME`), `qemu:dirty-bitmap:NAME`: the ranges
+//! written since the bricks' dirty record `NAME` started (`NBD_STATE_DIRTY`), so that an
+//! incremental backup reads only those.
 
 use kiln_client::{Extent, Fd, Volume};
+use kiln_proto::ops::DIRTY_GET;
 
 use crate::proto::{self, chunk, err, Request};
 
-/// The one context this server offers.
+/// The allocation context.
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// Its id in `NBD_REP_META_CONTEXT` and block status chunks.
 pub const ALLOCATION_ID: u32 = 1;
+/// The dirty bitmap contexts' prefix (the record's name follows).
+pub const DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
+/// The dirty bitmap context's id.
+pub const DIRTY_ID: u32 = 2;
+/// `NBD_STATE_DIRTY` (in a dirty bitmap context): written since the record started.
+pub const STATE_DIRTY: u32 = 1;
+
+/// The contexts a client selected.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Contexts {
+    /// `base:allocation`.
+    pub allocation: bool,
+    /// `qemu:dirty-bitmap:NAME`: the record's name.
+    pub dirty: Option<String>,
+}
+
+impl Contexts {
+    /// What `queries` select among this export's contexts (`bitmap`: the dirty record it
+    /// offers). When listing (`list`): everything for no query, a whole namespace for
+    /// `base:` or `qemu:`, or the prefix `qemu:dirty-bitmap:`; when setting, exact names.
+    pub fn select(queries: &[String], list: bool, bitmap: Option<&str>) -> Contexts {
+        let dirty = bitmap.filter(|b| {
+            let name = format!("{DIRTY_BITMAP}{b}");
+            (list && queries.is_empty())
+                || queries
+                    .iter()
+                    .any(|q| *q == name || (list && (q == "qemu:" || q == DIRTY_BITMAP)))
+        });
+        Contexts {
+            allocation: selects_allocation(queries, list),
+            dirty: dirty.map(str::to_owned),
+        }
+    }
+
+    /// Nothing selected.
+    pub fn is_empty(&self) -> bool {
+        !self.allocation && self.dirty.is_none()
+    }
+
+    /// The `NBD_REP_META_CONTEXT` data of each selected context: its id and its name.
+    pub fn replies(&self) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        if self.allocation {
+            out.push(context_reply(ALLOCATION_ID, BASE_ALLOCATION));
+        }
+        if let Some(b) = &self.dirty {
+            out.push(context_reply(DIRTY_ID, &format!("{DIRTY_BITMAP}{b}")));
+        }
+        out
+    }
+}
 /// `NBD_STATE_HOLE`: the range takes no space.
 pub const STATE_HOLE: u32 = 1;
 /// `NBD_STATE_ZERO`: the range reads as zeros.
@@ -79,17 +134,21 @@ pub fn selects_allocation(queries: &[String], list: bool) -> bool {
         .any(|q| q == BASE_ALLOCATION || (list && q == "base:"))
 }
 
-/// The `NBD_REP_META_CONTEXT` data for `base:allocation`: its id and its name.
-pub fn meta_context_reply() -> Vec<u8> {
-    let mut d = ALLOCATION_ID.to_be_bytes().to_vec();
-    d.extend_from_slice(BASE_ALLOCATION.as_bytes());
+fn context_reply(id: u32, name: &str) -> Vec<u8> {
+    let mut d = id.to_be_bytes().to_vec();
+    d.extend_from_slice(name.as_bytes());
     d
 }
 
 /// Block status descriptors (length, flags) for `runs` from the request's offset: neighbours
 /// of the same kind merged, no more than `len` bytes in all, only the first with `one`
-/// (`NBD_CMD_FLAG_REQ_ONE`).
-pub fn descriptors(runs: &[Extent], len: u32, one: bool) -> Vec<(u32, u32)> {
+/// (`NBD_CMD_FLAG_REQ_ONE`); `(data, hole)` are the flags of each kind of run.
+pub fn descriptors(
+    runs: &[Extent],
+    len: u32,
+    one: bool,
+    (data, hole): (u32, u32),
+) -> Vec<(u32, u32)> {
     let mut out: Vec<(u32, u32)> = Vec::new();
     let mut left = len;
     for r in runs {
@@ -97,7 +156,7 @@ pub fn descriptors(runs: &[Extent], len: u32, one: bool) -> Vec<(u32, u32)> {
         if n == 0 {
             break;
         }
-        let flags = if r.hole { STATE_HOLE | STATE_ZERO } else { 0 };
+        let flags = if r.hole { hole } else { data };
         match out.last_mut() {
             Some(last) if last.1 == flags => last.0 += n,
             _ => out.push((n, flags)),
@@ -110,17 +169,12 @@ pub fn descriptors(runs: &[Extent], len: u32, one: bool) -> Vec<(u32, u32)> {
     out
 }
 
-/// A final `BLOCK_STATUS` chunk of context `id` with `descs`.
-pub fn block_status_chunk(handle: u64, id: u32, descs: &[(u32, u32)]) -> Vec<u8> {
+/// A `BLOCK_STATUS` chunk of context `id` with `descs`, the reply's last with `done`.
+pub fn block_status_chunk(handle: u64, id: u32, descs: &[(u32, u32)], done: bool) -> Vec<u8> {
     let len = 4 + 8 * descs.len();
     let mut out = vec![0u8; proto::CHUNK_HEADER_LEN];
-    proto::chunk_header(
-        &mut out,
-        chunk::FLAG_DONE,
-        chunk::BLOCK_STATUS,
-        handle,
-        len as u32,
-    );
+    let flags = if done { chunk::FLAG_DONE } else { 0 };
+    proto::chunk_header(&mut out, flags, chunk::BLOCK_STATUS, handle, len as u32);
     out.extend_from_slice(&id.to_be_bytes());
     for (n, flags) in descs {
         out.extend_from_slice(&n.to_be_bytes());
@@ -129,35 +183,63 @@ pub fn block_status_chunk(handle: u64, id: u32, descs: &[(u32, u32)]) -> Vec<u8>
     out
 }
 
-/// Answers `NBD_CMD_BLOCK_STATUS` (range and flags already checked): the whole reply, or the
-/// NBD error and a message.
+/// Answers `NBD_CMD_BLOCK_STATUS` (range and flags already checked): the whole reply (one
+/// chunk per selected context), or the NBD error and a message.
 pub async fn block_status(
     vol: &Volume,
     fd: &Fd,
-    allocation: bool,
+    contexts: &Contexts,
     req: &Request,
 ) -> Result<Vec<u8>, (u32, String)> {
-    if !allocation {
+    if contexts.is_empty() {
         return Err((err::EINVAL, "no metadata context was negotiated".into()));
     }
     if req.len == 0 {
         return Err((err::EINVAL, "block status of 0 bytes".into()));
     }
-    let runs = vol
-        .extents(fd, req.offset, u64::from(req.len))
-        .await
-        .map_err(|e| {
-            let n = e.raw_os_error().unwrap_or(libc::EIO) as u32;
-            (
-                proto::nbd_error(n),
-                format!("extents failed on the brick: {e}"),
-            )
-        })?;
-    let descs = descriptors(&runs, req.len, req.flags & proto::cflag::REQ_ONE != 0);
-    if descs.is_empty() {
+    let one = req.flags & proto::cflag::REQ_ONE != 0;
+    let failed = |what: &str, e: std::io::Error| {
+        let n = e.raw_os_error().unwrap_or(libc::EIO) as u32;
+        (
+            proto::nbd_error(n),
+            format!("{what} failed on the brick: {e}"),
+        )
+    };
+    let mut parts: Vec<(u32, Vec<(u32, u32)>)> = Vec::new();
+    if contexts.allocation {
+        let runs = vol
+            .extents(fd, req.offset, u64::from(req.len))
+            .await
+            .map_err(|e| failed("extents", e))?;
+        let kinds = (0, STATE_HOLE | STATE_ZERO);
+        parts.push((ALLOCATION_ID, descriptors(&runs, req.len, one, kinds)));
+    }
+    if let Some(name) = &contexts.dirty {
+        let runs = vol
+            .dirty(fd, DIRTY_GET, name, req.offset, u64::from(req.len))
+            .await
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ENOENT) => (
+                    err::EIO,
+                    format!(
+                        "the bricks do not know dirty record {name:?} (restarted?): \
+                         copy everything"
+                    ),
+                ),
+                _ => failed("dirty", e),
+            })?;
+        // A dirty run is the record's data; clean runs are its holes.
+        parts.push((DIRTY_ID, descriptors(&runs, req.len, one, (STATE_DIRTY, 0))));
+    }
+    if parts.iter().any(|(_, d)| d.is_empty()) {
         return Err((err::EIO, "the brick reported no extents".into()));
     }
-    Ok(block_status_chunk(req.handle, ALLOCATION_ID, &descs))
+    let last = parts.len() - 1;
+    let mut out = Vec::new();
+    for (i, (id, descs)) in parts.iter().enumerate() {
+        out.extend(block_status_chunk(req.handle, *id, descs, i == last));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -203,6 +285,22 @@ mod tests {
         assert!(!selects_allocation(&q(&["base:"]), false));
         assert!(selects_allocation(&q(&["x:y", BASE_ALLOCATION]), false));
         assert!(!selects_allocation(&q(&["base:allocations"]), true));
+        let sel = |v: &[&str], list| Contexts::select(&q(v), list, Some("b"));
+        assert_eq!(sel(&[], true).dirty.as_deref(), Some("b"));
+        assert_eq!(sel(&["qemu:"], true).dirty.as_deref(), Some("b"));
+        assert_eq!(sel(&["qemu:"], false).dirty, None);
+        assert_eq!(
+            sel(&["qemu:dirty-bitmap:b"], false).dirty.as_deref(),
+            Some("b")
+        );
+        assert_eq!(sel(&["qemu:dirty-bitmap:c"], false).dirty, None);
+        assert!(Contexts::select(&q(&["qemu:dirty-bitmap:b"]), false, None).is_empty());
+        assert_eq!(
+            sel(&[BASE_ALLOCATION, "qemu:dirty-bitmap:b"], false)
+                .replies()
+                .len(),
+            2
+        );
     }
 
     #[test]
@@ -210,18 +308,24 @@ mod tests {
         let e = |len, hole| Extent { len, hole };
         let runs = [e(10, false), e(5, false), e(20, true), e(1 << 40, false)];
         assert_eq!(
-            descriptors(&runs, 100, false),
+            descriptors(&runs, 100, false, (0, 3)),
             [(15, 0), (20, STATE_HOLE | STATE_ZERO), (65, 0)]
         );
-        assert_eq!(descriptors(&runs, 100, true), [(15, 0)]);
-        assert_eq!(descriptors(&runs, 12, false), [(12, 0)]);
-        assert!(descriptors(&[], 5, false).is_empty());
-        assert!(descriptors(&[e(0, true)], 5, false).is_empty());
+        assert_eq!(descriptors(&runs, 100, true, (0, 3)), [(15, 0)]);
+        assert_eq!(descriptors(&runs, 12, false, (0, 3)), [(12, 0)]);
+        assert!(descriptors(&[], 5, false, (0, 3)).is_empty());
+        assert!(descriptors(&[e(0, true)], 5, false, (0, 3)).is_empty());
+        assert_eq!(
+            descriptors(&[e(4, true), e(4, false)], 8, false, (1, 0)),
+            [(4, 0), (4, 1)]
+        );
     }
 
     #[test]
     fn a_block_status_chunk_is_laid_out_as_the_protocol_says() {
-        let c = block_status_chunk(7, ALLOCATION_ID, &[(4096, 3), (8192, 0)]);
+        let c = block_status_chunk(7, ALLOCATION_ID, &[(4096, 3), (8192, 0)], true);
+        let not_last = block_status_chunk(7, DIRTY_ID, &[(1, 1)], false);
+        assert_eq!(u16::from_be_bytes([not_last[4], not_last[5]]), 0);
         assert_eq!(proto::be32(&c), proto::STRUCTURED_REPLY_MAGIC);
         assert_eq!(u16::from_be_bytes([c[4], c[5]]), chunk::FLAG_DONE);
         assert_eq!(u16::from_be_bytes([c[6], c[7]]), chunk::BLOCK_STATUS);

@@ -78,8 +78,8 @@ pub struct Ctx {
     pub size: u64,
     /// Structured replies were negotiated.
     pub structured: bool,
-    /// The `base:allocation` metadata context was selected (see [`crate::status`]).
-    pub allocation: bool,
+    /// The metadata contexts selected (see [`crate::status`]).
+    pub contexts: status::Contexts,
     /// Writes are refused.
     pub read_only: bool,
     /// Counters.
@@ -93,14 +93,14 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    /// Builds the context (`agreed`: structured replies, `base:allocation`); replies go to
+    /// Builds the context (`agreed`: structured replies, metadata contexts); replies go to
     /// `tx`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         vol: Arc<Volume>,
         fd: Fd,
         size: u64,
-        (structured, allocation): (bool, bool),
+        (structured, contexts): (bool, status::Contexts),
         read_only: bool,
         metrics: Arc<Metrics>,
         peer: String,
@@ -111,7 +111,7 @@ impl Ctx {
             fd,
             size,
             structured,
-            allocation,
+            contexts,
             read_only,
             metrics,
             peer,
@@ -452,7 +452,7 @@ fn submit(ctx: &Arc<Ctx>, req: Request, payload: Vec<u8>, permit: OwnedSemaphore
         cmd::BLOCK_STATUS => {
             let ctx = ctx.clone();
             tokio::spawn(async move {
-                match status::block_status(&ctx.vol, &ctx.fd, ctx.allocation, &req).await {
+                match status::block_status(&ctx.vol, &ctx.fd, &ctx.contexts, &req).await {
                     Ok(chunk) => ctx.reply_chunk(&req, chunk, permit),
                     Err(e) => ctx.reply(&req, Err(e), Some(permit)),
                 }

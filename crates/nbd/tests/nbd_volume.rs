@@ -149,6 +149,8 @@ fn volfile_and_managed_volume_exports() {
             .unwrap(),
         export_name: None,
         read_only: false,
+        lock: Some(Default::default()),
+        bitmap: None,
     })
     .expect("export over the volfile");
     assert_eq!(exp.name, "disk.img");
@@ -236,6 +238,8 @@ fn trim_and_zeroes_free_space_on_every_replica() {
             .unwrap(),
         export_name: None,
         read_only: false,
+        lock: Some(Default::default()),
+        bitmap: None,
     })
     .expect("export over the replica-3 volfile");
     let io = |cmd: &str| {

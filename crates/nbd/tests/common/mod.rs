@@ -117,6 +117,8 @@ pub fn try_start_named_export(
         listen: listen.parse()?,
         export_name: name.map(str::to_owned),
         read_only,
+        lock: Some(Default::default()),
+        bitmap: None,
     };
     try_start_config(cfg)
 }

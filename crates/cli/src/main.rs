@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod image;
 mod pool;
 mod tls;
 mod volume;
@@ -29,6 +30,8 @@ enum Cmd {
     Mount(kiln_fuse::MountArgs),
     // Help text comes from `NbdArgs`' own doc comment.
     Nbd(kiln_nbd::NbdArgs),
+    /// VM images: dirty records for incremental backups, and the exclusive lock's holder.
+    Image(image::ImageArgs),
     /// Volumes: create, start, stop, delete, info, status, options, bricks (add, remove,
     /// replace), heal, rebalance, profiles and request waterfalls.
     Volume(volume::VolumeArgs),
@@ -50,7 +53,12 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.cmd,
-        Cmd::Volume(_) | Cmd::Tls(_) | Cmd::Peer(_) | Cmd::Pool(_) | Cmd::Umount { .. }
+        Cmd::Volume(_)
+            | Cmd::Tls(_)
+            | Cmd::Peer(_)
+            | Cmd::Pool(_)
+            | Cmd::Umount { .. }
+            | Cmd::Image(_)
     ) {
         quiet_on_closed_output();
     }
@@ -72,6 +80,7 @@ fn main() -> std::process::ExitCode {
             kiln_fuse::main(a)
         }
         Cmd::Volume(a) => volume::main(a),
+        Cmd::Image(a) => image::main(a),
         Cmd::Tls(a) => tls::main(a),
         Cmd::Peer(a) => pool::peer(a),
         Cmd::Pool(a) => pool::pool(a),

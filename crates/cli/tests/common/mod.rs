@@ -35,10 +35,15 @@ impl Kilnd {
 
     /// [`Kilnd::start`] with `env` added to its environment.
     pub fn start_env(state: &Path, extra: &[&str], env: &[(&str, &str)]) -> Kilnd {
+        Kilnd::start_at(state, "tcp:127.0.0.1:0", extra, env)
+    }
+
+    /// A kilnd whose management listens on `mgmt`.
+    pub fn start_at(state: &Path, mgmt: &str, extra: &[&str], env: &[(&str, &str)]) -> Kilnd {
         let log = state.with_extension("log");
         let child = kiln()
             .envs(env.iter().copied())
-            .args(["server", "--mgmt", "tcp:127.0.0.1:0", "--metrics", "off"])
+            .args(["server", "--mgmt", mgmt, "--metrics", "off"])
             .arg("--state-dir")
             .arg(state)
             .args(extra)

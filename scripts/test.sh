@@ -15,13 +15,15 @@ for c in rustfmt clippy; do
 done
 
 # Real clients the end-to-end tests drive: the FUSE helpers, qemu-img, nbdinfo and fio; tcpdump
-# watches the pool's traffic for secrets.
+# watches the pool's traffic for secrets; XFS (reflink) bricks on loop devices for snapshots.
 need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 command -v qemu-img >/dev/null 2>&1 || need+=(qemu-utils)
 command -v nbdinfo >/dev/null 2>&1 || need+=(libnbd-bin)
 command -v fio >/dev/null 2>&1 || need+=(fio)
 command -v tcpdump >/dev/null 2>&1 || need+=(tcpdump)
+command -v mkfs.xfs >/dev/null 2>&1 || need+=(xfsprogs)
+command -v losetup >/dev/null 2>&1 || need+=(mount)
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 if [ ${#need[@]} -gt 0 ]; then

@@ -1,5 +1,5 @@
-//! `kiln image`: what VM platforms ask of an image's storage beyond I/O — dirty records for
-//! incremental backups, and who holds an image's exclusive lock.
+//! `kiln image`: what VM platforms ask of an image's storage beyond I/O — snapshots and
+//! clones, dirty records for incremental backups, and who holds an image's exclusive lock.
 
 use std::path::PathBuf;
 
@@ -8,9 +8,17 @@ use kiln_client::{block_on, Fd, Volume};
 use kiln_nbd::ImageSpec;
 use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
 
-/// VM images on a volume: dirty records (changed-block tracking) and the exclusive lock.
+/// VM images on a volume: snapshots and clones, dirty records (changed-block tracking) and
+/// the exclusive lock.
 ///
-/// IMAGE is SERVER:/VOL/PATH as `kiln nbd` takes it (or the PATH with --volfile).
+/// IMAGE is SERVER:/VOL/PATH as `kiln nbd` takes it (or the PATH with --volfile); a snapshot
+/// is IMAGE@NAME.
+///
+/// Snapshots are crash-consistent on every replica: writes to the image wait at a barrier on
+/// each brick for the moment the copies take (milliseconds), and the copies are reflinks
+/// (instant, sharing blocks until written): the bricks' file system must reflink (XFS made
+/// with reflink=1, Btrfs); elsewhere a snapshot is refused. A snapshot is the hidden read-only
+/// file DIR/.BASE@NAME beside the image; a clone is a new writable image sharing its blocks.
 ///
 /// An incremental backup: `kiln image dirty start IMAGE daily` once (after a full copy);
 /// later, `kiln nbd IMAGE --bitmap daily` offers qemu:dirty-bitmap:daily, which
@@ -20,6 +28,9 @@ use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
 /// everything (`dirty show` fails, the bitmap context reports an error).
 ///
 /// Examples:
+///   kiln image snapshot 127.0.0.1:/vms/disk.img before-upgrade
+///   kiln image clone 127.0.0.1:/vms/disk.img@before-upgrade test/disk.img
+///   kiln image list 127.0.0.1:/vms/disk.img
 ///   kiln image dirty start 127.0.0.1:/vms/disk.img daily
 ///   kiln image dirty show 127.0.0.1:/vms/disk.img daily --json
 ///   kiln image lock 127.0.0.1:/vms/disk.img
@@ -35,6 +46,38 @@ pub struct ImageArgs {
 
 #[derive(clap::Subcommand, Debug)]
 enum ImageCmd {
+    /// Take snapshot NAME of the image (crash-consistent on every replica, instant).
+    Snapshot {
+        /// The image.
+        image: String,
+        /// The snapshot's name: 1 to 64 of A-Z a-z 0-9 . _ - (not starting with a dot).
+        name: String,
+        /// The longest the image's writers may wait at the barrier, in milliseconds (the
+        /// snapshot fails rather than hold them longer).
+        #[arg(long, default_value_t = 5000, value_name = "MS")]
+        max_wait: u32,
+    },
+    /// Make NEWPATH (in the same volume) a writable clone of snapshot IMAGE@NAME, sharing its
+    /// blocks until written.
+    Clone {
+        /// The snapshot: IMAGE@NAME.
+        snapshot: String,
+        /// The new image's path in the volume.
+        newpath: String,
+    },
+    /// The image's snapshots: "NAME SIZE" per line.
+    List {
+        /// The image.
+        image: String,
+        /// One JSON object: {"image", "snapshots": [{"name", "size", "path"}, …]}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove snapshot IMAGE@NAME (its clones stay).
+    Rm {
+        /// The snapshot: IMAGE@NAME.
+        snapshot: String,
+    },
     /// Dirty records: which ranges of an image were written since a record started.
     Dirty {
         #[command(subcommand)]
@@ -82,21 +125,42 @@ enum DirtyCmd {
 /// Runs `kiln image`.
 pub fn main(args: ImageArgs) -> Result<(), String> {
     let image = match &args.cmd {
-        ImageCmd::Lock { image, .. } => image,
+        ImageCmd::Lock { image, .. }
+        | ImageCmd::Snapshot { image, .. }
+        | ImageCmd::List { image, .. } => image,
+        ImageCmd::Clone { snapshot, .. } | ImageCmd::Rm { snapshot } => split_snapshot(snapshot)?.0,
         ImageCmd::Dirty { cmd } => match cmd {
             DirtyCmd::Start { image, .. }
             | DirtyCmd::Show { image, .. }
             | DirtyCmd::Stop { image, .. } => image,
         },
     };
-    let (vol, fd, size) = open(image, args.volfile.as_deref())?;
-    let r = run(&vol, &fd, size, &args.cmd);
+    let (vol, fd, size, path) = open(image, args.volfile.as_deref())?;
+    let r = run(&vol, &fd, size, &path, &args.cmd);
     let _ = block_on(vol.close(fd));
     r
 }
 
-/// Opens the image read-only (enough for every question; records see every writer).
-fn open(image: &str, volfile: Option<&std::path::Path>) -> Result<(Volume, Fd, u64), String> {
+/// IMAGE@NAME as (IMAGE, NAME).
+fn split_snapshot(s: &str) -> Result<(&str, &str), String> {
+    s.rsplit_once('@')
+        .filter(|(i, n)| !i.is_empty() && !n.is_empty())
+        .ok_or_else(|| format!("{s:?}: want IMAGE@NAME"))
+}
+
+/// The NAME of IMAGE@NAME (checked by [`split_snapshot`] already).
+fn snap_name(s: &str) -> String {
+    split_snapshot(s)
+        .map(|(_, n)| n.to_owned())
+        .unwrap_or_default()
+}
+
+/// Opens the image read-only (enough for every question; records see every writer);
+/// returns it with its size and path in the volume.
+fn open(
+    image: &str,
+    volfile: Option<&std::path::Path>,
+) -> Result<(Volume, Fd, u64, String), String> {
     let (spec, src) = match volfile {
         Some(v) => (
             ImageSpec::in_volfile(image, v)?,
@@ -120,10 +184,11 @@ fn open(image: &str, volfile: Option<&std::path::Path>) -> Result<(Volume, Fd, u
     let size = block_on(vol.fstat(&fd))
         .map_err(|e| format!("cannot stat image {}: {e}", spec.path))?
         .size;
-    Ok((vol, fd, size))
+    Ok((vol, fd, size, spec.path))
 }
 
-fn run(vol: &Volume, fd: &Fd, size: u64, cmd: &ImageCmd) -> Result<(), String> {
+fn run(vol: &Volume, fd: &Fd, size: u64, path: &str, cmd: &ImageCmd) -> Result<(), String> {
+    use crate::snapshots as snaps;
     let dirty_err = |name: &str, e: std::io::Error| match e.raw_os_error() {
         Some(libc::ENOENT) => format!(
             "no dirty record {name:?} on the image's bricks (never started, stopped, or a \
@@ -137,6 +202,15 @@ fn run(vol: &Volume, fd: &Fd, size: u64, cmd: &ImageCmd) -> Result<(), String> {
         _ => format!("dirty record {name:?}: {e}"),
     };
     match cmd {
+        ImageCmd::Snapshot { name, max_wait, .. } => snaps::take(vol, path, name, *max_wait)?,
+        ImageCmd::Clone { snapshot, newpath } => snaps::clone(
+            vol,
+            path,
+            &snap_name(snapshot),
+            newpath.trim_start_matches('/'),
+        )?,
+        ImageCmd::List { json, .. } => snaps::list(vol, path, *json)?,
+        ImageCmd::Rm { snapshot } => snaps::remove(vol, path, &snap_name(snapshot))?,
         ImageCmd::Dirty { cmd } => match cmd {
             DirtyCmd::Start { name, .. } => {
                 block_on(vol.dirty(fd, DIRTY_START, name, 0, 0)).map_err(|e| dirty_err(name, e))?;

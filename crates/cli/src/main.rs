@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod image;
 mod pool;
+mod snapshots;
 mod tls;
 mod volume;
 
@@ -30,7 +31,8 @@ enum Cmd {
     Mount(kiln_fuse::MountArgs),
     // Help text comes from `NbdArgs`' own doc comment.
     Nbd(kiln_nbd::NbdArgs),
-    /// VM images: dirty records for incremental backups, and the exclusive lock's holder.
+    /// VM images: snapshots and clones, dirty records for incremental backups, and the
+    /// exclusive lock's holder.
     Image(image::ImageArgs),
     /// Volumes: create, start, stop, delete, info, status, options, bricks (add, remove,
     /// replace), heal, rebalance, profiles and request waterfalls.

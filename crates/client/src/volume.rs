@@ -697,6 +697,49 @@ impl Volume {
         Ok(l?.runs.0)
     }
 
+    /// A snapshot step on the file ([`kiln_proto::ops::SnapReq`]): `cmd` is a `SNAP_*`.
+    /// [`Volume::snapshot`] and [`Volume::clone_snapshot`] run the whole of each.
+    pub async fn snap(
+        &self,
+        fd: &Fd,
+        cmd: u32,
+        name: &str,
+        to: &str,
+        ttl_ms: u32,
+    ) -> io::Result<Vec<Extent>> {
+        let l: io::Result<ExtentList> =
+            fop!(self, cx => self.stack.top.snap(&cx, fd, cmd, name, to, ttl_ms));
+        Ok(l?.runs.0)
+    }
+
+    /// Snapshot `name` of the file at `path`, crash-consistent on every replica: a write
+    /// barrier on the file (`ttl_ms` at most, lifted as soon as the copies are taken), a
+    /// reflink copy under it. Returns the bytes whose copies heal then makes alike (changes
+    /// that waited at the barrier on some replica).
+    pub async fn snapshot(&self, path: &str, name: &str, ttl_ms: u32) -> io::Result<u64> {
+        use kiln_proto::ops::{SNAP_FREEZE, SNAP_TAKE, SNAP_THAW};
+        let fd = self.open(path, libc::O_RDONLY).await?;
+        let r = match self.snap(&fd, SNAP_FREEZE, name, "", ttl_ms).await {
+            Ok(_) => self.snap(&fd, SNAP_TAKE, name, "", ttl_ms).await,
+            Err(e) => Err(e),
+        };
+        let _ = self.snap(&fd, SNAP_THAW, name, "", ttl_ms).await;
+        let _ = self.close(fd).await;
+        Ok(r?.iter().filter(|e| !e.hole).map(|e| e.len).sum())
+    }
+
+    /// Makes `to` a clone of snapshot `name` of the file at `path`: a new file sharing the
+    /// snapshot's blocks, beside it on every replica. `EAGAIN` while heal is still making the
+    /// snapshot's copies alike.
+    pub async fn clone_snapshot(&self, path: &str, name: &str, to: &str) -> io::Result<()> {
+        let fd = self.open(path, libc::O_RDONLY).await?;
+        let r = self
+            .snap(&fd, kiln_proto::ops::SNAP_CLONE, name, to, 0)
+            .await;
+        let _ = self.close(fd).await;
+        r.map(|_| ())
+    }
+
     /// Writes borrowed slices at `offset`, sent straight from them; blocks the calling thread
     /// until the stack has answered.
     pub fn pwritev_blocking(

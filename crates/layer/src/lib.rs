@@ -326,6 +326,11 @@ macro_rules! for_each_path_fop {
                     fh: &'a $crate::Fd => handle, cmd: u32 => val, ttl_ms: u32 => val, holder: &'a str => text
                 },
                 $crate::LeaseState, $crate::LeaseState, (|r| r), (|v| v))
+            (snap, Snap,
+                $crate::__wire::SnapReq {
+                    fh: &'a $crate::Fd => handle, cmd: u32 => val, name: &'a str => text, to: &'a str => text, ttl_ms: u32 => val
+                },
+                $crate::ExtentList, $crate::ExtentList, (|r| r), (|v| v))
             (dirty, Dirty,
                 $crate::__wire::DirtyReq {
                     fh: &'a $crate::Fd => handle, cmd: u32 => val, name: &'a str => text, offset: u64 => val, len: u64 => val

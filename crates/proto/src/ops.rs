@@ -151,6 +151,9 @@ ops! {
     /// Changed-block tracking ([`DirtyReq`]): start or stop recording which ranges of a file
     /// are written under a name, or ask which were since it started ([`ExtentList`]).
     Dirty = 51,
+    /// Snapshots of an image ([`SnapReq`]): a write barrier on the file, a copy of it taken
+    /// under the barrier by the brick file system's reflink, and clones of such copies.
+    Snap = 52,
 }
 
 impl Op {
@@ -375,6 +378,12 @@ wire_struct! {
     /// reply is an [`ExtentList`] whose holes are the ranges not written since the start.
     pub struct DirtyReq { pub fh: u64, pub cmd: u32, pub name: String, pub offset: u64, pub len: u64 }
 
+    /// Snap request on the file an open handle names: `cmd` is one of the `SNAP_*` values;
+    /// `name` the snapshot's; `to` a clone's path; `ttl_ms` how long a barrier lasts unless
+    /// lifted. The reply is an [`ExtentList`] whose data runs are the ranges changes waited on
+    /// while the barrier stood (`SNAP_TAKE`), empty otherwise.
+    pub struct SnapReq { pub fh: u64, pub cmd: u32, pub name: String, pub to: String, pub ttl_ms: u32 }
+
     /// Profile request: `cmd` is one of the `PROFILE_*` values. The reply carries no arguments
     /// and a JSON payload: the server's io-stats (cumulative and since the last start).
     pub struct ProfileReq { pub cmd: u32 }
@@ -413,6 +422,36 @@ pub const DIRTY_GET: u32 = 2;
 pub const DIRTY_STOP: u32 = 3;
 /// The most dirty records one file keeps.
 pub const DIRTY_MAX: usize = 8;
+
+/// Snap: raise a write barrier on the file: changes from other connections wait until it
+/// is lifted (or lapses); answered once the changes in flight have finished.
+pub const SNAP_FREEZE: u32 = 1;
+/// Snap: under the asker's barrier, copy the file to its snapshot `name` (reflink:
+/// `EOPNOTSUPP` where the file system cannot); answers the ranges that waited.
+pub const SNAP_TAKE: u32 = 2;
+/// Snap: lift the asker's barrier.
+pub const SNAP_THAW: u32 = 3;
+/// Snap: make `to` a new file sharing the blocks of snapshot `name` (reflink).
+pub const SNAP_CLONE: u32 = 4;
+/// The longest write barrier a brick keeps, in milliseconds.
+pub const SNAP_TTL_MAX: u32 = 30_000;
+
+/// Where snapshot `name` of the file at `path` lives: a hidden sibling, `DIR/.BASE@NAME`.
+pub fn snapshot_path(path: &str, name: &str) -> String {
+    match path.rsplit_once('/') {
+        Some((dir, base)) => format!("{dir}/.{base}@{name}"),
+        None => format!(".{path}@{name}"),
+    }
+}
+
+/// True for a snapshot name: 1 to 64 of `A-Z a-z 0-9 . _ -`, not starting with a dot.
+pub fn snapshot_name_ok(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
 
 /// Profile: report only.
 pub const PROFILE_INFO: u32 = 0;

@@ -11,7 +11,7 @@ use crate::{
     fail, Attr, Ctx, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, LeaseState, ReadDst,
     ReadOut, SetAttrs, Written,
 };
-use kiln_proto::ops::DirtyReq;
+use kiln_proto::ops::{DirtyReq, SnapReq};
 use kiln_proto::ops::{
     SETATTR_ATIME, SETATTR_ATIME_NOW, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_MTIME_NOW,
     SETATTR_SIZE, SETATTR_UID,
@@ -196,6 +196,32 @@ impl Layer for Marks {
             Ok(_) => fail(crate::errno::EINVAL),
             Err(e) => fail(e),
         }
+    }
+
+    fn snap<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        name: &'a str,
+        to: &'a str,
+        ttl_ms: u32,
+    ) -> Fut<'a, ExtentList> {
+        let f = match usable(fd, cx.owner) {
+            Ok(f) if !f.heal => f,
+            Ok(_) => return fail(crate::errno::EINVAL),
+            Err(e) => return fail(e),
+        };
+        Box::pin(async move {
+            let req = SnapReq {
+                fh: 0,
+                cmd,
+                name: name.to_owned(),
+                to: to.to_owned(),
+                ttl_ms,
+            };
+            self.snap_req(cx, f, &req).await
+        })
     }
 
     fn dirty<'a>(

@@ -172,6 +172,9 @@ impl Marks {
                         wait = Some(m::LOCK_LEASE);
                     }
                 }
+                if wait.is_none() && record && st.freeze.is_some() {
+                    wait = st.barrier(owner, start, end);
+                }
                 match wait {
                     Some(w) => w,
                     None => {
@@ -229,7 +232,8 @@ impl Marks {
                     .iter()
                     .filter(|l| l.owner != owner && overlap((l.start, l.end), (start, end)))
                     .map(|l| l.expires.saturating_duration_since(now))
-                    .min();
+                    .min()
+                    .or_else(|| st.barrier(owner, start, end));
                 if wait.is_none() {
                     let st = &mut *st;
                     let Some(s) = st.sessions.iter_mut().find(|s| s.owner == owner) else {

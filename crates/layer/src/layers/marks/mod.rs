@@ -69,6 +69,7 @@ mod log;
 mod migrate;
 mod recent;
 mod sessions;
+mod snaps;
 #[cfg(test)]
 mod tests;
 
@@ -170,6 +171,8 @@ struct FileState {
     lease: Option<images::Lease>,
     /// Dirty records by name: the ranges changed since each started ([`images`]).
     dirty: Vec<(String, RangeSet)>,
+    /// A snapshot's write barrier, if one stands ([`snaps`]).
+    freeze: Option<snaps::Freeze>,
 }
 
 #[derive(Default)]
@@ -372,6 +375,7 @@ impl Marks {
                     && st.sessions.is_empty()
                     && st.lease.is_none()
                     && st.dirty.is_empty()
+                    && st.freeze.is_none()
             }
             && files.get(path).is_some_and(|k| Arc::ptr_eq(k, key))
         {

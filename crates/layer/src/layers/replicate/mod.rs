@@ -63,6 +63,7 @@ mod migrate;
 mod patience;
 mod read;
 mod settle;
+mod snaps;
 #[cfg(test)]
 mod tests;
 
@@ -713,6 +714,18 @@ impl Layer for Replicate {
         who: &'a str,
     ) -> Fut<'a, LeaseState> {
         Box::pin(self.lease_all(cx, try_rep!(fd), cmd, ttl, who))
+    }
+
+    fn snap<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        name: &'a str,
+        to: &'a str,
+        ttl: u32,
+    ) -> Fut<'a, ExtentList> {
+        Box::pin(self.snap_all(cx, try_rep!(fd), cmd, name, to, ttl))
     }
 
     fn dirty<'a>(

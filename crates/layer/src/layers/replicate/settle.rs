@@ -67,7 +67,7 @@ impl Replicate {
 
     /// Records on each replica in `on` that every replica in `missed` lacks a range, or
     /// missed a change of the name or attributes.
-    async fn mark(
+    pub(super) async fn mark(
         &self,
         cx: &Ctx,
         path: &str,

@@ -331,6 +331,22 @@ impl Layer for Shard {
         }
     }
 
+    fn snap<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        fd: &'a Fd,
+        cmd: u32,
+        name: &'a str,
+        to: &'a str,
+        ttl_ms: u32,
+    ) -> Fut<'a, ExtentList> {
+        match fd.get::<ShardFd>() {
+            Err(e) => fail(e),
+            Ok(ShardFd::Plain(f)) => self.kid().snap(cx, f, cmd, name, to, ttl_ms),
+            Ok(ShardFd::Split(_)) => fail(errno::EOPNOTSUPP),
+        }
+    }
+
     fn dirty<'a>(
         &'a self,
         cx: &'a Ctx,

@@ -1,0 +1,142 @@
+//! `kiln image snapshot|clone|list|rm`: an image's snapshots as an operator handles them.
+
+use std::time::{Duration, Instant};
+
+use kiln_client::{block_on, Volume};
+use kiln_proto::ops::{snapshot_name_ok, snapshot_path};
+
+/// The words for a snapshot fop's error.
+fn explain(what: &str, e: &std::io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) => format!(
+            "{what}: the bricks' file system cannot reflink (XFS made with reflink=1 or Btrfs \
+             needed), or the image is sharded"
+        ),
+        Some(libc::EEXIST) => format!("{what}: it exists already"),
+        Some(libc::ENOENT) => format!("{what}: no such snapshot or image"),
+        Some(libc::EBUSY) => format!("{what}: another snapshot of the image is being taken"),
+        Some(libc::EAGAIN) => format!(
+            "{what}: a replica of the image is away or behind (see `kiln volume heal VOL \
+             info`); try again once heal has run"
+        ),
+        Some(libc::ETIMEDOUT) => format!("{what}: the barrier lapsed before the copies were taken"),
+        Some(libc::ENOSYS) => format!(
+            "{what}: the bricks take no snapshots (standalone bricks, not a managed volume)"
+        ),
+        _ => format!("{what}: {e}"),
+    }
+}
+
+fn check_name(name: &str) -> Result<(), String> {
+    if snapshot_name_ok(name) {
+        Ok(())
+    } else {
+        Err(format!(
+            "snapshot name {name:?}: want 1 to 64 of A-Z a-z 0-9 . _ - (not starting with a dot)"
+        ))
+    }
+}
+
+/// `kiln image snapshot`.
+pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32) -> Result<(), String> {
+    check_name(name)?;
+    let max = max_wait.clamp(100, kiln_proto::ops::SNAP_TTL_MAX);
+    let healed = patiently("the image's replicas to be current", || {
+        let t = Instant::now();
+        block_on(vol.snapshot(path, name, max)).map(|h| (h, t.elapsed()))
+    })
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
+    let (healed, took) = healed;
+    println!(
+        "snapshot {path}@{name} taken in {:.1} ms{}",
+        took.as_secs_f64() * 1e3,
+        if healed > 0 {
+            format!("; heal makes {healed} bytes written meanwhile alike on every replica")
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
+/// `kiln image clone`: waits (up to a minute, saying so) while heal makes the snapshot's
+/// copies alike.
+pub fn clone(vol: &Volume, path: &str, name: &str, to: &str) -> Result<(), String> {
+    check_name(name)?;
+    patiently("heal to make the snapshot's copies alike", || {
+        block_on(vol.clone_snapshot(path, name, to))
+    })
+    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))?;
+    println!("{to}: a clone of {path}@{name}");
+    Ok(())
+}
+
+/// Runs `f` again while it fails with `EAGAIN` (a replica away or behind, heal not done), for
+/// up to a minute, saying once what it waits for.
+fn patiently<T>(what: &str, mut f: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut told = false;
+    loop {
+        match f() {
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && Instant::now() < deadline => {
+                if !told {
+                    eprintln!("waiting for {what}…");
+                    told = true;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            r => return r,
+        }
+    }
+}
+
+/// The image's snapshots: (name, size, path).
+fn snapshots(vol: &Volume, path: &str) -> Result<Vec<(String, u64, String)>, String> {
+    let (dir, base) = path.rsplit_once('/').unwrap_or(("", path));
+    let prefix = format!(".{base}@");
+    let entries = block_on(vol.readdir(dir)).map_err(|e| {
+        format!(
+            "cannot list {}: {e}",
+            if dir.is_empty() { "/" } else { dir }
+        )
+    })?;
+    let mut out = Vec::new();
+    for e in entries {
+        if let Some(name) = e.name.strip_prefix(&prefix) {
+            let p = snapshot_path(path, name);
+            let size = block_on(vol.lookup(&p)).map_or(0, |a| a.size);
+            out.push((name.to_owned(), size, p));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// `kiln image list`.
+pub fn list(vol: &Volume, path: &str, json: bool) -> Result<(), String> {
+    let snaps = snapshots(vol, path)?;
+    if json {
+        let list: Vec<_> = snaps
+            .iter()
+            .map(|(n, s, p)| serde_json::json!({ "name": n, "size": s, "path": p }))
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "image": path, "snapshots": list })
+        );
+    } else {
+        for (n, s, _) in &snaps {
+            println!("{n} {s}");
+        }
+    }
+    Ok(())
+}
+
+/// `kiln image rm`.
+pub fn remove(vol: &Volume, path: &str, name: &str) -> Result<(), String> {
+    check_name(name)?;
+    block_on(vol.unlink(&snapshot_path(path, name)))
+        .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
+    println!("snapshot {path}@{name} removed");
+    Ok(())
+}

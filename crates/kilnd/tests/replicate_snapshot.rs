@@ -1,0 +1,140 @@
+//! A snapshot's copies agree on every replica even when one replica raises its write barrier
+//! late: real kilnd bricks on an XFS file system (reflink) the test makes on a loop device,
+//! brick 2 with every SNAP fop delayed 100 ms, a client writing 4 KiB blocks at random places
+//! all along. Writes that ran on brick 2 while bricks 0 and 1 held them back leave brick 2's
+//! copy different; the snapshot reports those ranges, marks them, and heal makes the copies
+//! alike. Needs root, mkfs.xfs and losetup; skips (saying why) without.
+
+mod replica;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kiln_client::Volume;
+use kiln_layer::exec::block_on;
+use kiln_layer::heal;
+use replica::{volfile, wait_for, Brick};
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 16 * MIB;
+
+fn sh(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(format!(
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// XFS with reflink on a loop device; unmounted and detached when dropped.
+struct Xfs {
+    dev: String,
+    mnt: PathBuf,
+}
+
+impl Xfs {
+    fn make(tmp: &Path) -> Result<Xfs, String> {
+        let file = tmp.join("xfs.img");
+        std::fs::File::create(&file)
+            .and_then(|f| f.set_len(1 << 30))
+            .map_err(|e| e.to_string())?;
+        let dev = sh(Command::new("losetup").args(["-f", "--show"]).arg(&file))?;
+        let mnt = tmp.join("xfs");
+        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
+        let x = Xfs { dev, mnt };
+        sh(Command::new("mkfs.xfs").args(["-q", "-m", "reflink=1", &x.dev]))?;
+        sh(Command::new("mount").arg(&x.dev).arg(&x.mnt))?;
+        Ok(x)
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        let _ = sh(Command::new("umount").arg("-l").arg(&self.mnt));
+        let _ = sh(Command::new("losetup").args(["-d", &self.dev]));
+    }
+}
+
+#[test]
+fn snapshot_copies_agree_when_a_replica_freezes_late() {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping: loop devices need root");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let xfs = match Xfs::make(tmp.path()) {
+        Ok(x) => x,
+        Err(e) => {
+            println!("skipping: cannot make an XFS file system on a loop device: {e}");
+            return;
+        }
+    };
+    let bricks = vec![
+        Brick::new(&xfs.mnt, 0),
+        Brick::new(&xfs.mnt, 1),
+        Brick::delayed(&xfs.mnt, 2, &["snap"], Some((100_000, 1.0))),
+    ];
+    let vf = volfile(&bricks);
+    let vol = Arc::new(Volume::from_volfile(&vf).expect("client"));
+    let (fd, _) = block_on(vol.create("disk.img", libc::O_RDWR, 0o644)).unwrap();
+    let (r, _) = block_on(vol.pwritev(&fd, vec![vec![7u8; SIZE as usize]], 0));
+    r.unwrap();
+
+    // A writer of 4 KiB blocks at places a seeded generator picks, until told to stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (vol, fd, stop, written) = (vol.clone(), fd.clone(), stop.clone(), written.clone());
+        std::thread::spawn(move || {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            while !stop.load(Ordering::Relaxed) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let at = (x % (SIZE / 4096)) * 4096;
+                let (r, _) = block_on(vol.pwritev(&fd, vec![vec![x as u8; 4096]], at));
+                r.expect("a write failed");
+                written.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    wait_for("writes to flow", 10, || {
+        written.load(Ordering::Relaxed) > 100
+    });
+    let snapper = Volume::from_volfile(&vf).expect("snapshotter");
+    let alike = block_on(snapper.snapshot("disk.img", "s", 5000)).expect("snapshot");
+    let during = written.load(Ordering::Relaxed);
+    wait_for("more writes after the barrier", 10, || {
+        written.load(Ordering::Relaxed) > during + 100
+    });
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    assert!(
+        alike > 0,
+        "no write waited at a barrier while brick 2 froze 100 ms late"
+    );
+
+    let healer = Volume::from_volfile(&vf).expect("healer");
+    let report = block_on(heal::run(healer.top(), &|_, _| {}));
+    let copies: Vec<Vec<u8>> = bricks.iter().map(|b| b.file(".disk.img@s")).collect();
+    assert_eq!(copies[0].len() as u64, SIZE);
+    for (i, c) in copies.iter().enumerate().skip(1) {
+        let diff = c.iter().zip(&copies[0]).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            diff, 0,
+            "replica {i}'s copy differs from replica 0's in {diff} bytes"
+        );
+    }
+    println!(
+        "{alike} B written meanwhile made alike; heal moved {} B in {} file(s)",
+        report.bytes, report.files
+    );
+    block_on(vol.close(fd)).unwrap();
+}

@@ -1,0 +1,218 @@
+//! Snapshots of an image on one brick ([`kiln_proto::ops::SnapReq`]): a write barrier, a
+//! copy taken under it by the file system's reflink, and clones of such copies.
+//!
+//! The barrier stands on the file's state: from `SNAP_FREEZE` until `SNAP_THAW` (or until
+//! it lapses, so a snapshotter that dies cannot lock writers out), every change of the file's
+//! bytes from another connection — heal's writes too — records its range and waits at the gate
+//! ([`Marks::enter_as`]); the freeze is answered once the changes already past the gate have
+//! finished. The ranges that waited are what `SNAP_TAKE` answers: across replicas, only they
+//! can differ (a change that waited here may have run on a replica frozen a moment later), and
+//! the replicate layer makes the copies agree there (see its `snaps`).
+//!
+//! The copy is a hidden sibling of the file, `DIR/.BASE@NAME` ([`snapshot_path`]), made
+//! read-only (mode 0444) with `FICLONE`: instant, sharing every block until one side is
+//! written. A file system without reflink (ext4, tmpfs) refuses with `EOPNOTSUPP`; no slow
+//! copy is made behind the caller's back. A clone is a new file made the same way from a
+//! snapshot, with the image's mode and owner.
+
+use std::time::{Duration, Instant};
+
+use kiln_proto::ops::{
+    snapshot_name_ok, snapshot_path, ExtentList, SetAttrs, SnapReq, SETATTR_GID, SETATTR_MODE,
+    SETATTR_UID, SNAP_CLONE, SNAP_FREEZE, SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
+};
+
+use crate::marks::{self as m, RangeSet};
+use crate::{errno, Ctx, Fd, FopResult};
+
+use super::images::EBUSY;
+use super::locks::{len_of, Locker};
+use super::{FileKey, FileState, MarkFd, Marks, ETIMEDOUT};
+
+/// A write barrier on a file.
+pub(super) struct Freeze {
+    owner: u64,
+    expires: Instant,
+    /// The ranges changes waited on.
+    blocked: RangeSet,
+}
+
+impl FileState {
+    /// How long a change of `[start, end)` through connection `owner` must wait for another
+    /// connection's barrier (its range recorded), if one stands.
+    pub(super) fn barrier(&mut self, owner: u64, start: u64, end: u64) -> Option<Duration> {
+        let f = self.freeze.as_mut()?;
+        let now = Instant::now();
+        if f.expires <= now {
+            self.freeze = None;
+            return None;
+        }
+        if f.owner == owner {
+            return None;
+        }
+        f.blocked.add(start, len_of(start, end));
+        Some(f.expires - now)
+    }
+}
+
+/// `EOPNOTSUPP`, or the error, of a reflink that failed.
+fn reflink_errno(e: rustix::io::Errno) -> u32 {
+    use rustix::io::Errno as E;
+    match e {
+        E::OPNOTSUPP | E::XDEV | E::INVAL | E::NOSYS | E::BADF => errno::EOPNOTSUPP,
+        e => e.raw_os_error() as u32,
+    }
+}
+
+impl Marks {
+    /// SNAP on the file open as `f`.
+    pub(super) async fn snap_req(
+        &self,
+        cx: &Ctx,
+        f: &MarkFd,
+        req: &SnapReq,
+    ) -> FopResult<ExtentList> {
+        let owner = cx.owner;
+        match req.cmd {
+            SNAP_FREEZE => {
+                if req.ttl_ms == 0 || req.ttl_ms > SNAP_TTL_MAX {
+                    return Err(errno::EINVAL);
+                }
+                let ttl = Duration::from_millis(req.ttl_ms.into());
+                Marks::raise_barrier(&f.key, owner, ttl).await?;
+                Ok(ExtentList::default())
+            }
+            SNAP_THAW => {
+                let mut st = f.key.state();
+                if st.freeze.as_ref().is_some_and(|z| z.owner == owner) {
+                    st.freeze = None;
+                    drop(st);
+                    f.key.changed.notify_waiters();
+                }
+                Ok(ExtentList::default())
+            }
+            SNAP_TAKE => self.take(cx, f, &req.name).await,
+            SNAP_CLONE => {
+                if req.to.is_empty() {
+                    return Err(errno::EINVAL);
+                }
+                self.clone_snapshot(cx, f, &req.name, &req.to).await?;
+                Ok(ExtentList::default())
+            }
+            _ => Err(errno::EINVAL),
+        }
+    }
+
+    /// Raises `owner`'s barrier and waits for the other connections' changes in flight.
+    async fn raise_barrier(key: &FileKey, owner: u64, ttl: Duration) -> FopResult<()> {
+        {
+            let mut st = key.state();
+            let now = Instant::now();
+            if st
+                .freeze
+                .as_ref()
+                .is_some_and(|z| z.owner != owner && z.expires > now)
+            {
+                return Err(EBUSY);
+            }
+            st.freeze = Some(Freeze {
+                owner,
+                expires: now + ttl,
+                blocked: RangeSet::default(),
+            });
+        }
+        loop {
+            let notified = key.changed.notified();
+            let busy = {
+                let mut st = key.state();
+                if st.freeze.as_ref().is_none_or(|z| z.owner != owner) {
+                    // Lapsed while changes ran past it.
+                    return Err(ETIMEDOUT);
+                }
+                let busy = st.inflight.iter().any(|w| !w.ns && w.owner != owner);
+                if !busy {
+                    return Ok(());
+                }
+                st.lockers += 1;
+                busy
+            };
+            let _counted = busy.then_some(Locker(key));
+            let _ = tokio::time::timeout(m::LOCK_LEASE, notified).await;
+        }
+    }
+
+    /// Copies the file to its snapshot `name` under the asker's barrier; answers the ranges
+    /// changes waited on.
+    async fn take(&self, cx: &Ctx, f: &MarkFd, name: &str) -> FopResult<ExtentList> {
+        if !snapshot_name_ok(name) {
+            return Err(errno::EINVAL);
+        }
+        let blocked = {
+            let st = f.key.state();
+            match &st.freeze {
+                Some(z) if z.owner == cx.owner && z.expires > Instant::now() => z.blocked.clone(),
+                _ => return Err(ETIMEDOUT),
+            }
+        };
+        let to = snapshot_path(&f.path, name);
+        self.reflink(cx, &f.inner, &to, 0o444, None).await?;
+        tracing::info!(path = f.path, snapshot = to, "snapshot taken");
+        let end = blocked.iter().map(|(o, l)| o.saturating_add(l)).max();
+        Ok(end.map_or_else(ExtentList::default, |e| blocked.runs(0, e)))
+    }
+
+    /// Makes `to` a clone of snapshot `name` of the file, with the file's mode and owner.
+    async fn clone_snapshot(&self, cx: &Ctx, f: &MarkFd, name: &str, to: &str) -> FopResult<()> {
+        if !snapshot_name_ok(name) {
+            return Err(errno::EINVAL);
+        }
+        let attr = self.child().fstat(cx, &f.inner).await?;
+        let snap = self
+            .child()
+            .open(cx, &snapshot_path(&f.path, name), libc::O_RDONLY as u32)
+            .await?;
+        let r = self.reflink(cx, &snap, to, 0o600, Some(&attr)).await;
+        let _ = self.child().release(cx, snap).await;
+        if r.is_ok() {
+            tracing::info!(path = f.path, snapshot = name, clone = to, "clone made");
+        }
+        r
+    }
+
+    /// Creates `to` (it must not exist) sharing every block of `src`; with `like`, gives it
+    /// that mode and owner. Nothing is left behind on failure.
+    async fn reflink(
+        &self,
+        cx: &Ctx,
+        src: &Fd,
+        to: &str,
+        mode: u32,
+        like: Option<&crate::Attr>,
+    ) -> FopResult<()> {
+        let flags = (libc::O_WRONLY | libc::O_EXCL | libc::O_CREAT) as u32;
+        let (dst, _) = self.child().create(cx, to, flags, mode).await?;
+        let r = (|| {
+            let from = self.child().backing(cx, src)?;
+            let into = self.child().backing(cx, &dst)?;
+            rustix::fs::ioctl_ficlone(into, from).map_err(reflink_errno)
+        })();
+        let r = match (r, like) {
+            (Ok(()), Some(a)) => {
+                let attrs = SetAttrs {
+                    valid: SETATTR_MODE | SETATTR_UID | SETATTR_GID,
+                    mode: a.mode & 0o7777,
+                    uid: a.uid,
+                    gid: a.gid,
+                    ..Default::default()
+                };
+                self.child().fsetattr(cx, &dst, &attrs).await.map(|_| ())
+            }
+            (r, _) => r,
+        };
+        let _ = self.child().release(cx, dst).await;
+        if r.is_err() {
+            let _ = self.child().unlink(cx, to).await;
+        }
+        r
+    }
+}

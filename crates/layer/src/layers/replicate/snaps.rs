@@ -1,0 +1,192 @@
+//! Snapshots of an image across replicas: the same barrier, the same copy, on every replica.
+//!
+//! A snapshot needs every replica up and current for the file (a replica behind would copy an
+//! old image). The barrier is raised on all of them (`SNAP_FREEZE`); once each answered — every
+//! change already past its gate finished — each takes its copy (`SNAP_TAKE`) and the barriers
+//! are lifted (`SNAP_THAW`, by the caller, also after a failure; they lapse by themselves too).
+//!
+//! The copies can only differ where changes waited at some replica's barrier: such a change
+//! may have run on a replica frozen a moment later. Each replica answers those ranges. For every
+//! piece of them, a replica on which no change waited there holds every change that finished
+//! anywhere before the barrier — every acknowledged write among them, since a write is
+//! acknowledged only after a quorum ran it — and it becomes the source: the snapshot is marked
+//! on it as missed by the others there, and heal makes them alike (a few ranges, moments). Where
+//! every replica held changes back, none of them ran anywhere, and the copies agree. Until heal
+//! has run, reads of the snapshot go to the source (marks keep them away from the others), and
+//! a clone waits (`EAGAIN`), so every clone starts from copies that agree.
+
+use kiln_proto::ops::{snapshot_path, SNAP_CLONE, SNAP_FREEZE, SNAP_TAKE, SNAP_THAW};
+
+use super::{missing, Miss, RepFd, Replicate};
+use crate::marks::{self as m, RangeSet};
+use crate::{errno, Ctx, ExtentList, Fd, FopResult, Fut, LayerRef};
+
+/// Try again: a replica is away or behind, or a snapshot is still being made alike.
+const EAGAIN: u32 = libc::EAGAIN as u32;
+
+/// For each piece of the ranges some replica held changes back on: the replica to copy it
+/// from (one that held none back there, else the first) and the piece (offset, len).
+pub(super) fn sources(blocked: &[RangeSet]) -> Vec<(usize, u64, u64)> {
+    let mut cuts: Vec<u64> = blocked
+        .iter()
+        .flat_map(|s| s.iter())
+        .flat_map(|(o, l)| [o, if l == m::WHOLE { u64::MAX } else { o + l }])
+        .collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut out = Vec::new();
+    for w in cuts.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let len = if b == u64::MAX { m::WHOLE } else { b - a };
+        let held: Vec<bool> = blocked.iter().map(|s| s.overlaps(a, len)).collect();
+        if !held.contains(&true) {
+            continue;
+        }
+        let from = held.iter().position(|h| !h).unwrap_or(0);
+        match out.last_mut() {
+            Some((f, o, l)) if *f == from && *l != m::WHOLE && *o + *l == a => *l = len,
+            _ => out.push((from, a, len)),
+        }
+    }
+    out
+}
+
+impl Replicate {
+    /// SNAP on every replica.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn snap_all(
+        &self,
+        cx: &Ctx,
+        rfd: &RepFd,
+        cmd: u32,
+        name: &str,
+        to: &str,
+        ttl_ms: u32,
+    ) -> FopResult<ExtentList> {
+        let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ExtentList> {
+            let k = k.clone();
+            Box::pin(async move { k.snap(cx, &fd, cmd, name, to, ttl_ms).await })
+        };
+        if cmd != SNAP_THAW {
+            let away = (0..self.kids.len()).any(|i| !self.kids[i].up() || self.kids[i].joining());
+            if away || missing(rfd) != 0 || rfd.state.unread() != 0 {
+                tracing::warn!(
+                    path = rfd.path,
+                    "snapshot refused: a replica is away or behind"
+                );
+                return Err(EAGAIN);
+            }
+        }
+        if cmd == SNAP_CLONE && self.healing(cx, &snapshot_path(&rfd.path, name)).await? {
+            return Err(EAGAIN);
+        }
+        let res = self.fan_out(cx, rfd, &op).await;
+        let all = res.iter().all(|r| matches!(r, Some(Ok(_))));
+        let first_err = || {
+            res.iter()
+                .find_map(|r| match r {
+                    Some(Err(e)) => Some(*e),
+                    _ => None,
+                })
+                .unwrap_or(errno::ENOTCONN)
+        };
+        match cmd {
+            SNAP_THAW => Ok(ExtentList::default()),
+            SNAP_FREEZE | SNAP_TAKE | SNAP_CLONE if !all => {
+                // What some replicas made, the others did not: take it back.
+                let made = match cmd {
+                    SNAP_TAKE => Some(snapshot_path(&rfd.path, name)),
+                    SNAP_CLONE => Some(to.to_owned()),
+                    _ => None,
+                };
+                for (i, r) in res.iter().enumerate() {
+                    if let (Some(p), Some(Ok(_))) = (&made, r) {
+                        let _ = self.kids[i].unlink(cx, p).await;
+                    }
+                }
+                Err(first_err())
+            }
+            SNAP_TAKE => {
+                let blocked: Vec<RangeSet> = res
+                    .into_iter()
+                    .map(|r| {
+                        let mut s = RangeSet::default();
+                        if let Some(Ok(l)) = r {
+                            s.add_runs(0, &l.runs.0);
+                        }
+                        s
+                    })
+                    .collect();
+                self.make_alike(cx, &snapshot_path(&rfd.path, name), &blocked)
+                    .await
+            }
+            _ => Ok(ExtentList::default()),
+        }
+    }
+
+    /// Marks where the replicas' copies may differ (see the module documentation); answers
+    /// those ranges.
+    async fn make_alike(
+        &self,
+        cx: &Ctx,
+        snap: &str,
+        blocked: &[RangeSet],
+    ) -> FopResult<ExtentList> {
+        let mut all = RangeSet::default();
+        for (from, offset, len) in sources(blocked) {
+            let others: Vec<usize> = (0..self.kids.len()).filter(|i| *i != from).collect();
+            self.mark(cx, snap, &[from], &others, Miss::bytes(offset, len))
+                .await?;
+            all.add(offset, len);
+        }
+        if !all.is_empty() {
+            tracing::info!(
+                snapshot = snap,
+                ranges = all.count(),
+                "snapshot copies made alike by heal"
+            );
+        }
+        let end = all.iter().map(|(o, l)| o.saturating_add(l)).max();
+        Ok(end.map_or_else(ExtentList::default, |e| all.runs(0, e)))
+    }
+
+    /// True while any replica holds marks on `path` (heal has not made its copies alike).
+    async fn healing(&self, cx: &Ctx, path: &str) -> FopResult<bool> {
+        for k in &self.kids {
+            match k.pending(cx, path, &()).await {
+                Ok(p) if !p.targets.0.is_empty() => return Ok(true),
+                Ok(_) | Err(errno::ENOENT) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(r: &[(u64, u64)]) -> RangeSet {
+        let mut s = RangeSet::default();
+        for (o, l) in r {
+            s.add(*o, *l);
+        }
+        s
+    }
+
+    #[test]
+    fn each_piece_comes_from_a_replica_that_held_nothing_back_there() {
+        // Replica 1 held back [0, 10); replicas 0 and 1 both held back [20, 30); replica 2
+        // held back everything from 25 on.
+        let b = [
+            set(&[(20, 10)]),
+            set(&[(0, 10), (20, 10)]),
+            set(&[(25, m::WHOLE)]),
+        ];
+        assert_eq!(sources(&b), vec![(0, 0, 10), (2, 20, 5), (0, 25, m::WHOLE)]);
+        assert!(sources(&[set(&[]), set(&[])]).is_empty());
+        // Held back everywhere: the first replica, whose copy the others then match.
+        assert_eq!(sources(&[set(&[(5, 5)]), set(&[(5, 5)])]), vec![(0, 5, 5)]);
+    }
+}

@@ -135,7 +135,14 @@ pub fn main(args: ImageArgs) -> Result<(), String> {
             | DirtyCmd::Stop { image, .. } => image,
         },
     };
-    let (vol, fd, size, path) = open(image, args.volfile.as_deref())?;
+    // Starting or stopping a record changes others' backups: the bricks want a writer.
+    let write = matches!(
+        &args.cmd,
+        ImageCmd::Dirty {
+            cmd: DirtyCmd::Start { .. } | DirtyCmd::Stop { .. }
+        }
+    );
+    let (vol, fd, size, path) = open(image, args.volfile.as_deref(), write)?;
     let r = run(&vol, &fd, size, &path, &args.cmd);
     let _ = block_on(vol.close(fd));
     r
@@ -155,11 +162,12 @@ fn snap_name(s: &str) -> String {
         .unwrap_or_default()
 }
 
-/// Opens the image read-only (enough for every question; records see every writer);
-/// returns it with its size and path in the volume.
+/// Opens the image (for writing with `write`); returns it with its size and path in the
+/// volume.
 fn open(
     image: &str,
     volfile: Option<&std::path::Path>,
+    write: bool,
 ) -> Result<(Volume, Fd, u64, String), String> {
     let (spec, src) = match volfile {
         Some(v) => (
@@ -176,11 +184,11 @@ fn open(
         }
     };
     let vol = Volume::from_source(&src).map_err(|e| format!("cannot reach {src}: {e}"))?;
-    let fd =
-        block_on(vol.open(&spec.path, libc::O_RDONLY)).map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOENT) => format!("image {} not found", spec.path),
-            _ => format!("cannot open image {}: {e}", spec.path),
-        })?;
+    let flags = if write { libc::O_RDWR } else { libc::O_RDONLY };
+    let fd = block_on(vol.open(&spec.path, flags)).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => format!("image {} not found", spec.path),
+        _ => format!("cannot open image {}: {e}", spec.path),
+    })?;
     let size = block_on(vol.fstat(&fd))
         .map_err(|e| format!("cannot stat image {}: {e}", spec.path))?
         .size;

@@ -14,7 +14,11 @@ fn explain(what: &str, e: &std::io::Error) -> String {
         ),
         Some(libc::EEXIST) => format!("{what}: it exists already"),
         Some(libc::ENOENT) => format!("{what}: no such snapshot or image"),
-        Some(libc::EBUSY) => format!("{what}: another snapshot of the image is being taken"),
+        Some(libc::EBUSY) => format!(
+            "{what}: another snapshot of the image is being taken, or the image is being moved \
+             by a rebalance; try again"
+        ),
+        Some(libc::EBADF) => format!("{what}: the image could not be opened for writing"),
         Some(libc::EAGAIN) => format!(
             "{what}: a replica of the image is away or behind (see `kiln volume heal VOL \
              info`); try again once heal has run"
@@ -41,15 +45,15 @@ fn check_name(name: &str) -> Result<(), String> {
 pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32) -> Result<(), String> {
     check_name(name)?;
     let max = max_wait.clamp(100, kiln_proto::ops::SNAP_TTL_MAX);
-    let healed = patiently("the image's replicas to be current", || {
+    let ((healed, held), took) = patiently("the image's replicas to be current", || {
         let t = Instant::now();
         block_on(vol.snapshot(path, name, max)).map(|h| (h, t.elapsed()))
     })
     .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
-    let (healed, took) = healed;
     println!(
-        "snapshot {path}@{name} taken in {:.1} ms{}",
+        "snapshot {path}@{name} taken in {:.1} ms (writes held {:.1} ms){}",
         took.as_secs_f64() * 1e3,
+        held.as_secs_f64() * 1e3,
         if healed > 0 {
             format!("; heal makes {healed} bytes written meanwhile alike on every replica")
         } else {

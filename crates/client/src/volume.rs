@@ -712,27 +712,43 @@ impl Volume {
         Ok(l?.runs.0)
     }
 
-    /// Snapshot `name` of the file at `path`, crash-consistent on every replica: a write
-    /// barrier on the file (`ttl_ms` at most, lifted as soon as the copies are taken), a
-    /// reflink copy under it. Returns the bytes whose copies heal then makes alike (changes
-    /// that waited at the barrier on some replica).
-    pub async fn snapshot(&self, path: &str, name: &str, ttl_ms: u32) -> io::Result<u64> {
+    /// Snapshot `name` of the file at `path`, crash-consistent on every replica: the file is
+    /// flushed first (so that the copy has little to flush), then a write barrier on the file
+    /// (`ttl_ms` at most, lifted as soon as the copies are taken) and a reflink copy under it.
+    /// Returns the bytes whose copies heal then makes alike (changes that waited at the
+    /// barrier on some replica) and how long writers were held at the barrier.
+    pub async fn snapshot(
+        &self,
+        path: &str,
+        name: &str,
+        ttl_ms: u32,
+    ) -> io::Result<(u64, std::time::Duration)> {
         use kiln_proto::ops::{SNAP_FREEZE, SNAP_TAKE, SNAP_THAW};
-        let fd = self.open(path, libc::O_RDONLY).await?;
-        let r = match self.snap(&fd, SNAP_FREEZE, name, "", ttl_ms).await {
-            Ok(_) => self.snap(&fd, SNAP_TAKE, name, "", ttl_ms).await,
-            Err(e) => Err(e),
-        };
-        let _ = self.snap(&fd, SNAP_THAW, name, "", ttl_ms).await;
+        // A barrier holds writers back: the bricks let only a writer raise one.
+        let fd = self.open(path, libc::O_RDWR).await?;
+        let r = async {
+            // A reflink first writes back the file's dirty pages: most of them now, with no
+            // writer held.
+            self.fsync(&fd, true).await?;
+            let t = std::time::Instant::now();
+            let r = match self.snap(&fd, SNAP_FREEZE, name, "", ttl_ms).await {
+                Ok(_) => self.snap(&fd, SNAP_TAKE, name, "", ttl_ms).await,
+                Err(e) => Err(e),
+            };
+            let _ = self.snap(&fd, SNAP_THAW, name, "", ttl_ms).await;
+            let held = t.elapsed();
+            Ok::<_, io::Error>((r?.iter().filter(|e| !e.hole).map(|e| e.len).sum(), held))
+        }
+        .await;
         let _ = self.close(fd).await;
-        Ok(r?.iter().filter(|e| !e.hole).map(|e| e.len).sum())
+        r
     }
 
     /// Makes `to` a clone of snapshot `name` of the file at `path`: a new file sharing the
     /// snapshot's blocks, beside it on every replica. `EAGAIN` while heal is still making the
     /// snapshot's copies alike.
     pub async fn clone_snapshot(&self, path: &str, name: &str, to: &str) -> io::Result<()> {
-        let fd = self.open(path, libc::O_RDONLY).await?;
+        let fd = self.open(path, libc::O_RDWR).await?;
         let r = self
             .snap(&fd, kiln_proto::ops::SNAP_CLONE, name, to, 0)
             .await;

@@ -109,7 +109,7 @@ fn snapshot_copies_agree_when_a_replica_freezes_late() {
         written.load(Ordering::Relaxed) > 100
     });
     let snapper = Volume::from_volfile(&vf).expect("snapshotter");
-    let alike = block_on(snapper.snapshot("disk.img", "s", 5000)).expect("snapshot");
+    let (alike, _) = block_on(snapper.snapshot("disk.img", "s", 5000)).expect("snapshot");
     let during = written.load(Ordering::Relaxed);
     wait_for("more writes after the barrier", 10, || {
         written.load(Ordering::Relaxed) > during + 100

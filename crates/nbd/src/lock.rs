@@ -58,6 +58,9 @@ fn holder_name(export: &str) -> String {
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
+    // The brick keeps names of 256 bytes at most; what follows `#` is shown to nobody else.
+    let export: String = export.chars().take(120).collect();
+    let host: String = host.chars().take(64).collect();
     format!(
         "kiln-nbd {export} on {host} pid {} #{nonce:08x}",
         std::process::id()
@@ -148,10 +151,15 @@ async fn renew(vol: Arc<Volume>, fd: Fd, holder: String, ttl_ms: u32, lost: Arc<
     let mut tick = tokio::time::interval(Duration::from_millis(u64::from(ttl_ms / 3)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
+    let mut renewed = Instant::now();
+    let mut warned = false;
     loop {
         tick.tick().await;
         match vol.lease(&fd, LEASE_ACQUIRE, ttl_ms, &holder).await {
-            Ok(s) if s.granted => {}
+            Ok(s) if s.granted => {
+                renewed = Instant::now();
+                warned = false;
+            }
             Ok(s) => {
                 tracing::error!(
                     by = s.holder,
@@ -160,7 +168,19 @@ async fn renew(vol: Arc<Volume>, fd: Fd, holder: String, ttl_ms: u32, lost: Arc<
                 lost.store(true, Ordering::Relaxed);
                 return;
             }
-            Err(e) => tracing::warn!("cannot renew the image lock (retrying): {e}"),
+            Err(e) => {
+                let lapsed = renewed.elapsed() > Duration::from_millis(ttl_ms.into());
+                if lapsed && !warned {
+                    tracing::error!(
+                        "the image lock was not renewed for longer than its lease ({e}): \
+                         another export may take it over, and then the bricks refuse this \
+                         export's writes"
+                    );
+                    warned = true;
+                } else {
+                    tracing::warn!("cannot renew the image lock (retrying): {e}");
+                }
+            }
         }
     }
 }

@@ -370,8 +370,10 @@ wire_struct! {
     /// lasts unless renewed.
     pub struct LeaseReq { pub fh: u64, pub cmd: u32, pub ttl_ms: u32, pub holder: String }
     /// Lease reply: whether the asker holds the lease now (or, for a release, no longer
-    /// does); otherwise who does and for how much longer. `token` rises with each new holder.
-    pub struct LeaseState { pub granted: bool, pub holder: String, pub remaining_ms: u32, pub token: u64 }
+    /// does); otherwise who does (the name up to its last `#`) and for how much longer.
+    /// `token` rises with each new holder; `fresh`: granted by this very request (not a
+    /// renewal), so an asker that cannot use it gives it back.
+    pub struct LeaseState { pub granted: bool, pub holder: String, pub remaining_ms: u32, pub token: u64, pub fresh: bool }
 
     /// Dirty request on the file an open handle names: `cmd` is one of the `DIRTY_*` values;
     /// `name` the record's; `[offset, offset + len)` the range asked about (`DIRTY_GET`). The

@@ -177,7 +177,13 @@ impl Distribute {
         Ok(())
     }
 
-    pub(super) async fn do_rename(&self, cx: &Ctx, from: &str, to: &str, flags: u32) -> FopResult<()> {
+    pub(super) async fn do_rename(
+        &self,
+        cx: &Ctx,
+        from: &str,
+        to: &str,
+        flags: u32,
+    ) -> FopResult<()> {
         if from.is_empty() || to.is_empty() {
             return Err(EBUSY);
         }

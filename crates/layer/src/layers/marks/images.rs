@@ -70,15 +70,25 @@ impl FileState {
         Ok(())
     }
 
-    /// The lease as its reply tells it to the asker `holder`.
-    fn lease_state(&self, holder: &str, now: Instant) -> LeaseState {
+    /// The lease as its reply tells it to the asker `holder` (`fresh`: granted just now). To
+    /// anyone else the holder's name is shown up to its last `#`: what follows is the holder's
+    /// secret, which alone lets a connection move the lease to itself.
+    fn lease_state(&self, holder: &str, now: Instant, fresh: bool) -> LeaseState {
         match &self.lease {
-            Some(l) => LeaseState {
-                granted: l.holder == holder,
-                holder: l.holder.clone(),
-                remaining_ms: l.expires.saturating_duration_since(now).as_millis() as u32,
-                token: l.token,
-            },
+            Some(l) => {
+                let granted = l.holder == holder;
+                let shown = match l.holder.rsplit_once('#') {
+                    Some((public, _)) if !granted => public.trim_end(),
+                    _ => &l.holder,
+                };
+                LeaseState {
+                    granted,
+                    holder: shown.to_owned(),
+                    remaining_ms: l.expires.saturating_duration_since(now).as_millis() as u32,
+                    token: l.token,
+                    fresh: granted && fresh,
+                }
+            }
             None => LeaseState::default(),
         }
     }
@@ -99,14 +109,14 @@ impl Marks {
         }
         let ttl = Duration::from_millis(ttl_ms.into());
         match cmd {
-            LEASE_QUERY => Ok(key.state().lease_state(holder, Instant::now())),
+            LEASE_QUERY => Ok(key.state().lease_state(holder, Instant::now(), false)),
             LEASE_RELEASE => {
                 let mut st = key.state();
                 if st.lease.as_ref().is_some_and(|l| l.holder == holder) {
                     st.lease = None;
                     tracing::info!(path, holder, "lease released");
                 }
-                let mut s = st.lease_state(holder, Instant::now());
+                let mut s = st.lease_state(holder, Instant::now(), false);
                 s.granted = st.lease.is_none() || !s.granted;
                 Ok(s)
             }
@@ -115,8 +125,9 @@ impl Marks {
         }
     }
 
-    /// Takes or renews the lease; a takeover waits for the other connections' changes in
-    /// flight to finish first.
+    /// Takes or renews the lease. A new grant (or a move to the holder's new connection) fences
+    /// first — from that moment other connections' changes are refused — then waits for those
+    /// already past the gate to finish, and only then answers.
     async fn acquire(
         key: &FileKey,
         owner: u64,
@@ -124,28 +135,22 @@ impl Marks {
         holder: &str,
         path: &str,
     ) -> FopResult<LeaseState> {
-        loop {
-            let notified = key.changed.notified();
-            let busy = {
-                let mut st = key.state();
-                let now = Instant::now();
-                if let Some(l) = st.lease.as_mut().filter(|l| l.holder == holder) {
-                    if l.owner != owner {
-                        tracing::info!(path, holder, "lease moves to the holder's new connection");
-                        l.owner = owner;
-                    }
+        let fresh = {
+            let mut st = key.state();
+            let now = Instant::now();
+            match st.lease.as_mut() {
+                Some(l) if l.holder == holder => {
                     l.expires = now + ttl;
-                    return Ok(st.lease_state(holder, now));
+                    if l.owner == owner {
+                        return Ok(st.lease_state(holder, now, false));
+                    }
+                    tracing::info!(path, holder, "lease moves to the holder's new connection");
+                    l.owner = owner;
+                    false
                 }
-                if st.lease.as_ref().is_some_and(|l| l.expires > now) {
-                    return Ok(st.lease_state(holder, now));
-                }
-                let busy = st
-                    .inflight
-                    .iter()
-                    .any(|w| !w.heal && !w.ns && w.owner != owner);
-                if !busy {
-                    if let Some(old) = &st.lease {
+                Some(l) if l.expires > now => return Ok(st.lease_state(holder, now, false)),
+                old => {
+                    if let Some(old) = old {
                         tracing::warn!(path, holder, old = old.holder, "lease lapsed: taken over");
                     }
                     let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -155,7 +160,24 @@ impl Marks {
                         token,
                         expires: now + ttl,
                     });
-                    return Ok(st.lease_state(holder, now));
+                    true
+                }
+            }
+        };
+        loop {
+            let notified = key.changed.notified();
+            let busy = {
+                let mut st = key.state();
+                if st.lease.as_ref().is_none_or(|l| l.holder != holder) {
+                    // Released meanwhile (its connection hung up): ask again.
+                    return Ok(st.lease_state(holder, Instant::now(), false));
+                }
+                let busy = st
+                    .inflight
+                    .iter()
+                    .any(|w| !w.heal && !w.ns && w.owner != owner);
+                if !busy {
+                    return Ok(st.lease_state(holder, Instant::now(), fresh));
                 }
                 st.lockers += 1;
                 busy
@@ -166,11 +188,25 @@ impl Marks {
         }
     }
 
-    /// Drops the leases held through connection `owner` (it hung up).
+    /// The file at `path` was replaced or removed: its dirty records no longer describe it
+    /// (asking one answers `ENOENT`: copy everything).
+    pub(super) fn forget_dirty(&self, path: &str) {
+        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = files.get(path) {
+            k.state().dirty.clear();
+        }
+    }
+
+    /// Drops the leases held, and lifts the barriers raised, through connection `owner` (it
+    /// hung up).
     pub(super) fn drop_leases(&self, owner: u64) {
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         for (path, key) in files.iter() {
             let mut st = key.state();
+            if st.lift_barrier(owner) {
+                tracing::info!(path, "snapshot barrier lifted: its connection is gone");
+                key.changed.notify_waiters();
+            }
             if st.lease.as_ref().is_some_and(|l| l.owner == owner) {
                 let l = st.lease.take().expect("checked");
                 tracing::info!(

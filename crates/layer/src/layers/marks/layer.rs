@@ -11,7 +11,7 @@ use crate::{
     fail, Attr, Ctx, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, LeaseState, ReadDst,
     ReadOut, SetAttrs, Written,
 };
-use kiln_proto::ops::{DirtyReq, SnapReq};
+use kiln_proto::ops::{DirtyReq, SnapReq, DIRTY_GET, LEASE_ACQUIRE};
 use kiln_proto::ops::{
     SETATTR_ATIME, SETATTR_ATIME_NOW, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_MTIME_NOW,
     SETATTR_SIZE, SETATTR_UID,
@@ -53,7 +53,9 @@ impl Layer for Marks {
             } else {
                 self.child().open(cx, path, flags).await?
             };
-            Ok(Fd::new(MarkFd::new(key, inner, false, path, cx.owner)))
+            Ok(Fd::new(MarkFd::new(
+                key, inner, false, path, cx.owner, flags,
+            )))
         })
     }
 
@@ -66,6 +68,7 @@ impl Layer for Marks {
                 true,
                 path,
                 cx.owner,
+                flags,
             )))
         })
     }
@@ -132,15 +135,23 @@ impl Layer for Marks {
     ) -> Fut<'a, (Fd, Attr)> {
         self.moved.forget(path);
         Box::pin(async move {
+            let key = self.key(path);
+            // Truncating an existing file changes every byte: the lease, a barrier and the
+            // dirty records see it as they see a write.
+            let _in = match flags & libc::O_TRUNC as u32 {
+                0 => None,
+                _ => Some(Entered {
+                    key: &key,
+                    id: Marks::enter(&key, cx.owner, 0, u64::MAX).await?,
+                }),
+            };
             let (inner, attr) = self
                 .named(cx, path, None, aspect::ENTRY, || {
                     self.child().create(cx, path, flags, mode)
                 })
                 .await?;
-            Ok((
-                Fd::new(MarkFd::new(self.key(path), inner, false, path, cx.owner)),
-                attr,
-            ))
+            let f = MarkFd::new(key.clone(), inner, false, path, cx.owner, flags);
+            Ok((Fd::new(f), attr))
         })
     }
 
@@ -190,6 +201,7 @@ impl Layer for Marks {
         holder: &'a str,
     ) -> Fut<'a, LeaseState> {
         match usable(fd, cx.owner) {
+            Ok(f) if !f.writable && cmd == LEASE_ACQUIRE => fail(crate::errno::EBADF),
             Ok(f) if !f.heal => Box::pin(Marks::lease_req(
                 &f.key, cx.owner, cmd, ttl_ms, holder, &f.path,
             )),
@@ -208,6 +220,8 @@ impl Layer for Marks {
         ttl_ms: u32,
     ) -> Fut<'a, ExtentList> {
         let f = match usable(fd, cx.owner) {
+            // A barrier holds writers back, a clone writes: a reader may do neither.
+            Ok(f) if !f.writable => return fail(crate::errno::EBADF),
             Ok(f) if !f.heal => f,
             Ok(_) => return fail(crate::errno::EINVAL),
             Err(e) => return fail(e),
@@ -240,7 +254,13 @@ impl Layer for Marks {
             offset,
             len,
         };
-        ready(usable(fd, cx.owner).and_then(|f| Marks::dirty_req(&f.key, &req)))
+        ready(usable(fd, cx.owner).and_then(|f| {
+            // Starting or stopping a record changes what others' backups copy.
+            if !f.writable && cmd != DIRTY_GET {
+                return Err(crate::errno::EBADF);
+            }
+            Marks::dirty_req(&f.key, &req)
+        }))
     }
 
     fn backing<'f>(&self, cx: &Ctx, fd: &'f Fd) -> FopResult<&'f std::fs::File> {
@@ -413,6 +433,7 @@ impl Layer for Marks {
         self.named(cx, path, None, aspect::ENTRY, move || {
             Box::pin(async move {
                 self.child().unlink(cx, path).await?;
+                self.forget_dirty(path);
                 self.drop_marks(path)
             })
         })
@@ -459,6 +480,8 @@ impl Layer for Marks {
         self.named(cx, from, Some(to), aspect::ENTRY, move || {
             Box::pin(async move {
                 self.child().rename(cx, from, to, flags).await?;
+                self.forget_dirty(from);
+                self.forget_dirty(to);
                 self.rename_marks(from, to)
             })
         })

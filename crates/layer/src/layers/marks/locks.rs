@@ -172,8 +172,12 @@ impl Marks {
                         wait = Some(m::LOCK_LEASE);
                     }
                 }
-                if wait.is_none() && record && st.freeze.is_some() {
-                    wait = st.barrier(owner, start, end);
+                if record && st.freeze.is_some() {
+                    // Recorded even when a heal lock holds the change back too: it may have
+                    // run on a replica frozen later.
+                    if let Some(b) = st.barrier(owner, start, end) {
+                        wait = Some(wait.map_or(b, |w: std::time::Duration| w.min(b)));
+                    }
                 }
                 match wait {
                     Some(w) => w,
@@ -232,8 +236,11 @@ impl Marks {
                     .iter()
                     .filter(|l| l.owner != owner && overlap((l.start, l.end), (start, end)))
                     .map(|l| l.expires.saturating_duration_since(now))
-                    .min()
-                    .or_else(|| st.barrier(owner, start, end));
+                    .min();
+                let wait = match (wait, st.barrier(owner, start, end)) {
+                    (Some(w), Some(b)) => Some(w.min(b)),
+                    (w, b) => w.or(b),
+                };
                 if wait.is_none() {
                     let st = &mut *st;
                     let Some(s) = st.sessions.iter_mut().find(|s| s.owner == owner) else {

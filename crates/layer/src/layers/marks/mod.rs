@@ -204,13 +204,15 @@ struct MarkFd {
     heal: bool,
     /// The path it was opened by (where a write's misses are recorded).
     path: String,
+    /// Opened for writing: may take the file's lease, raise a barrier, start dirty records.
+    writable: bool,
 }
 
 /// The next handle id.
 static NEXT_FD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl MarkFd {
-    fn new(key: Arc<FileKey>, inner: Fd, heal: bool, path: &str, owner: u64) -> MarkFd {
+    fn new(key: Arc<FileKey>, inner: Fd, heal: bool, path: &str, owner: u64, flags: u32) -> MarkFd {
         if !heal {
             key.state().clients += 1;
         }
@@ -221,6 +223,7 @@ impl MarkFd {
             inner,
             heal,
             path: path.to_owned(),
+            writable: flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32,
         }
     }
 }

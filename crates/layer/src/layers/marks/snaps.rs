@@ -38,6 +38,15 @@ pub(super) struct Freeze {
 }
 
 impl FileState {
+    /// Lifts `owner`'s barrier, if it stands; true if it did (wake the waiters).
+    pub(super) fn lift_barrier(&mut self, owner: u64) -> bool {
+        let ours = self.freeze.as_ref().is_some_and(|z| z.owner == owner);
+        if ours {
+            self.freeze = None;
+        }
+        ours
+    }
+
     /// How long a change of `[start, end)` through connection `owner` must wait for another
     /// connection's barrier (its range recorded), if one stands.
     pub(super) fn barrier(&mut self, owner: u64, start: u64, end: u64) -> Option<Duration> {
@@ -59,7 +68,8 @@ impl FileState {
 fn reflink_errno(e: rustix::io::Errno) -> u32 {
     use rustix::io::Errno as E;
     match e {
-        E::OPNOTSUPP | E::XDEV | E::INVAL | E::NOSYS | E::BADF => errno::EOPNOTSUPP,
+        // EINVAL: "the file system does not support reflinking" (ioctl_ficlone(2)).
+        E::OPNOTSUPP | E::XDEV | E::INVAL | E::NOSYS => errno::EOPNOTSUPP,
         e => e.raw_os_error() as u32,
     }
 }
@@ -83,10 +93,8 @@ impl Marks {
                 Ok(ExtentList::default())
             }
             SNAP_THAW => {
-                let mut st = f.key.state();
-                if st.freeze.as_ref().is_some_and(|z| z.owner == owner) {
-                    st.freeze = None;
-                    drop(st);
+                let lifted = f.key.state().lift_barrier(owner);
+                if lifted {
                     f.key.changed.notify_waiters();
                 }
                 Ok(ExtentList::default())
@@ -125,8 +133,14 @@ impl Marks {
             let notified = key.changed.notified();
             let busy = {
                 let mut st = key.state();
-                if st.freeze.as_ref().is_none_or(|z| z.owner != owner) {
-                    // Lapsed while changes ran past it.
+                let now = Instant::now();
+                if st
+                    .freeze
+                    .as_ref()
+                    .is_none_or(|z| z.owner != owner || z.expires <= now)
+                {
+                    // Lapsed (or lifted) while changes ran past it.
+                    st.lift_barrier(owner);
                     return Err(ETIMEDOUT);
                 }
                 let busy = st.inflight.iter().any(|w| !w.ns && w.owner != owner);

@@ -2,8 +2,8 @@
 //! layer's `images`).
 //!
 //! - **Lease**: asked of every replica that is up. Granted when a quorum of members granted it
-//!   and none refused: a refusal anywhere means another holder, and the grants this ask got are
-//!   given back, so two askers never both count one replica each toward a quorum.
+//!   (two quorums cannot both exist). Short of one, the grants this very ask made are given
+//!   back (not the ones it only renewed), so two askers never block each other for long.
 //! - **Dirty records**: started and stopped on every replica (a quorum must take it). A write
 //!   acknowledged reached a quorum, so the ranges any `n - quorum + 1` replicas recorded cover
 //!   every acknowledged write: the answer is their union, or `ENOENT` (copy everything) when
@@ -54,16 +54,19 @@ impl Replicate {
             .iter()
             .filter(|(i, _)| !self.kids[*i].joining())
             .count();
-        if refused.is_none() && counted >= self.quorum() {
+        if counted >= self.quorum() {
+            // A quorum: no one else can hold one too (a minority that refused is behind on
+            // the lease, and its replicas are healed from the quorum's).
             let best = granted.into_iter().max_by_key(|(_, s)| s.token);
             return Ok(best.expect("a quorum is at least one").1);
         }
-        // Give back what this ask took, so that it blocks nobody.
+        // Give back what this very ask took (not what it only renewed), so that it blocks
+        // nobody.
         let give_back = move |k: &LayerRef, fd: Fd| -> Fut<'_, LeaseState> {
             let k = k.clone();
             Box::pin(async move { k.lease(cx, &fd, LEASE_RELEASE, ttl_ms, holder).await })
         };
-        for (i, _) in &granted {
+        for (i, _) in granted.iter().filter(|(_, s)| s.fresh) {
             let _ = self.on_child(cx, rfd, *i, &give_back).await;
         }
         match refused {

@@ -7,6 +7,9 @@ use crate::exec::join_all;
 use crate::marks::{FlagMark, Mark};
 use crate::{errno, Ctx, FopResult};
 
+/// A lease held by another writer refused the change ([`crate::layers::marks`]).
+const EBUSY: u32 = libc::EBUSY as u32;
+
 impl Replicate {
     /// Settles a change: a quorum or an error; misses marked on the replicas that took it.
     /// `miss` is what a miss needs healed.
@@ -39,6 +42,32 @@ impl Replicate {
         }
         if ok.is_empty() {
             return Err(quorum_errno(&errs));
+        }
+        let fenced: Vec<usize> = outcomes
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| matches!(o, Some(Err(EBUSY))))
+            .map(|(i, _)| i)
+            .collect();
+        let took = ok.iter().filter(|i| !self.kids[**i].joining()).count();
+        if !fenced.is_empty() && took < self.quorum {
+            // Another holder's lease refused the change where it counts: the replicas that
+            // took it are the ones behind (they missed that lease), not the ones that refused
+            // it. Heal copies the refusers' bytes over what slipped through. (A refusal by a
+            // minority while a quorum took it is an ordinary miss, below.)
+            tracing::warn!(
+                layer = self.name,
+                path,
+                "change refused by another holder's lease"
+            );
+            if let Some(s) = state {
+                s.bad
+                    .fetch_or(ok.iter().fold(0, |b, i| b | bit(*i)), Relaxed);
+            }
+            if miss.range.is_some() {
+                self.mark(cx, path, &fenced, &ok, miss).await?;
+            }
+            return Err(EBUSY);
         }
         if !missed.is_empty() {
             if let Some(s) = state {

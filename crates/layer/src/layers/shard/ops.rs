@@ -340,6 +340,10 @@ impl Layer for Shard {
         to: &'a str,
         ttl_ms: u32,
     ) -> Fut<'a, ExtentList> {
+        if hidden(to) {
+            // A clone among the shards would be taken for a piece of another file.
+            return fail(EPERM);
+        }
         match fd.get::<ShardFd>() {
             Err(e) => fail(e),
             Ok(ShardFd::Plain(f)) => self.kid().snap(cx, f, cmd, name, to, ttl_ms),

@@ -31,6 +31,8 @@ enum Cmd {
     Mount(kiln_fuse::MountArgs),
     // Help text comes from `NbdArgs`' own doc comment.
     Nbd(kiln_nbd::NbdArgs),
+    // Help text comes from `VhostArgs`' own doc comment.
+    VhostUserBlk(kiln_vhost::VhostArgs),
     /// VM images: snapshots and clones, dirty records for incremental backups, and the
     /// exclusive lock's holder.
     Image(image::ImageArgs),
@@ -87,6 +89,10 @@ fn main() -> std::process::ExitCode {
         Cmd::Peer(a) => pool::peer(a),
         Cmd::Pool(a) => pool::pool(a),
         Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
+        Cmd::VhostUserBlk(a) => {
+            kilnd::init_logging();
+            kiln_vhost::main(a)
+        }
         Cmd::Nbd(a) => {
             kilnd::init_logging();
             kiln_nbd::main(a)

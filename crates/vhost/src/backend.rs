@@ -1,0 +1,447 @@
+//! The vhost-user-blk device: virtqueues served from the image through Kiln's client stack.
+//!
+//! Each virtqueue has a worker thread of its own (no lock is shared between queues). A worker
+//! pops every request the guest made available, then starts each one without waiting: a read
+//! or write hands the request's guest buffers, as host vectors, to the stack's raw vectored
+//! fop, and its completion — on whichever thread finished it — writes the status byte, puts the
+//! chain on the used ring and notifies the guest if it asked to be (event index). So many
+//! requests per queue are in flight at once, and a read's payload goes from the brick's socket
+//! into the guest's own pages with no buffer in between (`bytes_copied` stays 0).
+//!
+//! Guest memory stays mapped while a request uses it: each request holds the mapping it was
+//! parsed against. When QEMU stops a ring (`GET_VRING_BASE`: a reset, a migration, a
+//! disconnect), `stop_vring` waits for that queue's requests to complete first.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::Duration;
+
+use kiln_client::{Fd, Volume};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::virtio_blk::*;
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::config::{self, SECTOR};
+use crate::request::{Kind, Malformed, Mem, Request};
+
+/// The image the device serves.
+pub struct Image {
+    /// The client stack.
+    pub vol: Arc<Volume>,
+    /// The open image.
+    pub fd: Fd,
+    /// Its size in bytes (the device's capacity).
+    pub size: u64,
+    /// Refuse writes.
+    pub read_only: bool,
+    /// The serial number `GET_ID` answers (20 bytes, zero padded).
+    pub id: [u8; 20],
+}
+
+/// What the device did, for the log and the tests.
+#[derive(Default)]
+pub struct Stats {
+    /// Reads completed, and their bytes.
+    pub reads: AtomicU64,
+    /// Bytes read into guest memory.
+    pub read_bytes: AtomicU64,
+    /// Writes completed.
+    pub writes: AtomicU64,
+    /// Bytes written from guest memory.
+    pub write_bytes: AtomicU64,
+    /// Flushes, discards and write-zeroes completed.
+    pub others: AtomicU64,
+    /// Requests answered with an error status.
+    pub errors: AtomicU64,
+}
+
+/// Requests in flight on one queue.
+#[derive(Default)]
+struct Inflight {
+    n: Mutex<u32>,
+    idle: Condvar,
+}
+
+struct Inner {
+    image: Image,
+    queues: usize,
+    config: Vec<u8>,
+    mem: RwLock<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
+    event_idx: AtomicBool,
+    inflight: Vec<Inflight>,
+    stats: Stats,
+}
+
+/// The device (cheap to clone: one per vhost-user connection shares it).
+#[derive(Clone)]
+pub struct Blk(Arc<Inner>);
+
+/// `VIRTIO_BLK_S_*` as the status byte.
+fn status(code: u32) -> u8 {
+    code as u8
+}
+
+impl Blk {
+    /// A device serving `image` on `queues` virtqueues.
+    pub fn new(image: Image, queues: u16) -> Blk {
+        let config = config::config_space(image.size, queues);
+        Blk(Arc::new(Inner {
+            image,
+            queues: queues.into(),
+            config,
+            mem: RwLock::new(None),
+            event_idx: AtomicBool::new(false),
+            inflight: (0..queues).map(|_| Inflight::default()).collect(),
+            stats: Stats::default(),
+        }))
+    }
+
+    /// What the device did so far.
+    pub fn stats(&self) -> &Stats {
+        &self.0.stats
+    }
+
+    /// The image.
+    pub fn image(&self) -> &Image {
+        &self.0.image
+    }
+
+    /// Waits (up to `limit`) until no request is in flight on any queue.
+    pub fn drain(&self, limit: Duration) -> bool {
+        (0..self.0.queues).all(|q| self.wait_idle(q, limit))
+    }
+
+    fn wait_idle(&self, q: usize, limit: Duration) -> bool {
+        let f = &self.0.inflight[q];
+        let n = f.n.lock().unwrap_or_else(|e| e.into_inner());
+        let (n, _) = f
+            .idle
+            .wait_timeout_while(n, limit, |n| *n > 0)
+            .unwrap_or_else(|e| e.into_inner());
+        *n == 0
+    }
+
+    fn memory(&self) -> Option<Mem> {
+        let m = self.0.mem.read().unwrap_or_else(|e| e.into_inner());
+        m.as_ref().map(|a| a.memory().into_inner())
+    }
+
+    /// Every request the guest made available on queue `q`, started.
+    fn process(&self, vring: &VringRwLock, q: usize) -> io::Result<()> {
+        let Some(mem) = self.memory() else {
+            return Ok(());
+        };
+        let event_idx = self.0.event_idx.load(Relaxed);
+        loop {
+            let chains: Vec<_> = {
+                let mut st = vring.get_mut();
+                if event_idx {
+                    st.disable_notification().map_err(io::Error::other)?;
+                }
+                let mut v = Vec::new();
+                while let Some(c) = st.get_queue_mut().pop_descriptor_chain(mem.clone()) {
+                    v.push(c);
+                }
+                // Counted before the ring's lock goes: stop_vring waits for them.
+                *self.0.inflight[q]
+                    .n
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) += v.len() as u32;
+                v
+            };
+            // Started with the ring unlocked: a completion takes its lock.
+            for chain in chains {
+                let head = chain.head_index();
+                let descs: Vec<_> = chain.collect();
+                self.start(vring, q, &mem, head, &descs);
+            }
+            if !event_idx
+                || !vring
+                    .get_mut()
+                    .enable_notification()
+                    .map_err(io::Error::other)?
+            {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Starts one request; it completes now or from the thread that finishes its I/O.
+    fn start(
+        &self,
+        vring: &VringRwLock,
+        q: usize,
+        mem: &Mem,
+        head: u16,
+        descs: &[virtio_queue::desc::split::Descriptor],
+    ) {
+        let req = match Request::parse(head, descs, mem) {
+            Ok(r) => r,
+            Err(Malformed(why)) => {
+                tracing::warn!(queue = q, head, "malformed request: {why}");
+                self.0.stats.errors.fetch_add(1, Relaxed);
+                self.used(vring, q, head, 0);
+                return;
+            }
+        };
+        let done = Done {
+            blk: self.clone(),
+            vring: vring.clone(),
+            q,
+            mem: mem.clone(),
+            head,
+            status: req.status,
+        };
+        let img = &self.0.image;
+        let at = req.sector.checked_mul(SECTOR);
+        let len = req.len();
+        let inside = at
+            .and_then(|a| a.checked_add(len))
+            .is_some_and(|e| e <= img.size);
+        match req.kind {
+            Kind::Read | Kind::Write if !inside => done.finish(VIRTIO_BLK_S_IOERR, 0),
+            Kind::Write if img.read_only => done.finish(VIRTIO_BLK_S_IOERR, 0),
+            Kind::Read | Kind::Write => self.read_write(req, done, at.unwrap_or(0), len),
+            Kind::Flush => {
+                let vol = img.vol.clone();
+                let fd = img.fd.clone();
+                kiln_layer::exec::spawn(async move {
+                    let r = vol.fsync(&fd, false).await;
+                    if r.is_ok() {
+                        done.blk.0.stats.others.fetch_add(1, Relaxed);
+                    }
+                    done.after(r.is_ok(), 0);
+                });
+            }
+            Kind::GetId => {
+                let n = req.len().min(20) as usize;
+                let ok = req
+                    .data
+                    .first()
+                    .is_some_and(|(a, _)| mem.write_slice(&img.id[..n], *a).is_ok());
+                done.after(ok, n as u32);
+            }
+            Kind::Discard | Kind::WriteZeroes if img.read_only => {
+                done.finish(VIRTIO_BLK_S_IOERR, 0)
+            }
+            Kind::Discard | Kind::WriteZeroes => self.zero(req, done),
+            Kind::Unsupported(t) => {
+                tracing::debug!(queue = q, "request type {t} not supported");
+                done.finish(VIRTIO_BLK_S_UNSUPP, 0);
+            }
+        }
+    }
+
+    /// A read into, or a write from, the guest's buffers, in place.
+    fn read_write(&self, req: Request, done: Done, at: u64, len: u64) {
+        let iov = match req.vectors(&done.mem) {
+            Ok(v) => v,
+            Err(Malformed(why)) => {
+                tracing::warn!(queue = done.q, "bad request: {why}");
+                return done.finish(VIRTIO_BLK_S_IOERR, 0);
+            }
+        };
+        let img = &self.0.image;
+        let read = req.kind == Kind::Read;
+        let cb = Box::new(move |r: Result<usize, u32>| {
+            let ok = r.is_ok_and(|n| n as u64 == len);
+            let st = &done.blk.0.stats;
+            if ok && read {
+                st.reads.fetch_add(1, Relaxed);
+                st.read_bytes.fetch_add(len, Relaxed);
+            } else if ok {
+                st.writes.fetch_add(1, Relaxed);
+                st.write_bytes.fetch_add(len, Relaxed);
+            }
+            if let Err(e) = r {
+                tracing::warn!(at, len, read, "I/O failed: errno {e}");
+            }
+            // A read's bytes are in guest memory now, the status byte after them.
+            done.after(ok, if read { len as u32 } else { 0 });
+        });
+        // SAFETY: the vectors point into guest memory mapped by `done.mem`, which `cb` owns
+        // and so keeps mapped until the fop has stopped using them; the guest does not touch a
+        // request's buffers before the device puts it on the used ring, which happens in `cb`.
+        unsafe {
+            if read {
+                img.vol.preadv_raw(&img.fd, &iov, at, cb)
+            } else {
+                img.vol.pwritev_raw(&img.fd, &iov, at, cb)
+            }
+        }
+    }
+
+    /// DISCARD (holes) and WRITE_ZEROES (zero range, or holes when the guest allows unmap).
+    fn zero(&self, req: Request, done: Done) {
+        let segs = match req.segments(&done.mem) {
+            Ok(s) if !s.is_empty() && s.len() <= config::SEGS_MAX as usize => s,
+            _ => return done.finish(VIRTIO_BLK_S_IOERR, 0),
+        };
+        let unmap_ok = req.kind == Kind::Discard;
+        let (vol, fd, size) = (
+            self.0.image.vol.clone(),
+            self.0.image.fd.clone(),
+            self.0.image.size,
+        );
+        kiln_layer::exec::spawn(async move {
+            let mut ok = true;
+            for (sector, n, flags) in segs {
+                let (at, len) = (sector.saturating_mul(SECTOR), u64::from(n) * SECTOR);
+                let unmap = flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+                if at.checked_add(len).is_none_or(|e| e > size) || (unmap_ok && flags != 0) {
+                    ok = false;
+                    break;
+                }
+                let r = if unmap_ok || unmap {
+                    vol.discard(&fd, at, len).await
+                } else {
+                    let mode = (libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE) as u32;
+                    vol.fallocate(&fd, mode, at, len).await
+                };
+                if r.is_err() {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok {
+                done.blk.0.stats.others.fetch_add(1, Relaxed);
+            }
+            done.after(ok, 0);
+        });
+    }
+
+    /// Puts chain `head` on the used ring (`len` bytes written into it), notifies the guest if
+    /// it wants to be, and counts the request out of queue `q`.
+    fn used(&self, vring: &VringRwLock, q: usize, head: u16, len: u32) {
+        {
+            let mut st = vring.get_mut();
+            if let Err(e) = st.add_used(head, len) {
+                tracing::warn!(
+                    queue = q,
+                    head,
+                    "cannot put a request on the used ring: {e}"
+                );
+            }
+            if st.needs_notification().unwrap_or(true) {
+                let _ = st.signal_used_queue();
+            }
+        }
+        let f = &self.0.inflight[q];
+        let mut n = f.n.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            f.idle.notify_all();
+        }
+    }
+}
+
+/// How a started request completes.
+struct Done {
+    blk: Blk,
+    vring: VringRwLock,
+    q: usize,
+    mem: Mem,
+    head: u16,
+    status: GuestAddress,
+}
+
+impl Done {
+    /// Completes with `VIRTIO_BLK_S_OK` (`ok`, `n` data bytes written into the chain) or
+    /// `VIRTIO_BLK_S_IOERR`.
+    fn after(self, ok: bool, n: u32) {
+        if ok {
+            self.finish(VIRTIO_BLK_S_OK, n)
+        } else {
+            self.finish(VIRTIO_BLK_S_IOERR, 0)
+        }
+    }
+
+    /// Writes the status byte after `n` data bytes and completes.
+    fn finish(self, code: u32, n: u32) {
+        if code != VIRTIO_BLK_S_OK {
+            self.blk.0.stats.errors.fetch_add(1, Relaxed);
+        }
+        if self.mem.write_obj(status(code), self.status).is_err() {
+            tracing::warn!(queue = self.q, "the status byte is outside guest memory");
+        }
+        self.blk.used(&self.vring, self.q, self.head, n + 1);
+    }
+}
+
+impl VhostUserBackend for Blk {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        self.0.queues
+    }
+
+    fn max_queue_size(&self) -> usize {
+        config::QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        config::features(self.0.image.read_only)
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.0.event_idx.store(enabled, Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        config::config_slice(&self.0.config, offset, size)
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+        *self.0.mem.write().unwrap_or_else(|e| e.into_inner()) = Some(mem);
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        // A worker thread per queue: queues share no lock.
+        (0..self.0.queues).map(|q| 1u64 << q).collect()
+    }
+
+    fn exit_event(&self, _thread: usize) -> Option<(EventConsumer, EventNotifier)> {
+        // A new pair each time: every connection's workers get their own.
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    fn stop_vring(&self, queue: u32) -> io::Result<()> {
+        if self.wait_idle(queue as usize, Duration::from_secs(60)) {
+            Ok(())
+        } else {
+            Err(io::Error::other("requests still in flight after 60 s"))
+        }
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::other(format!("unexpected event {evset:?}")));
+        }
+        let vring = vrings
+            .get(usize::from(device_event))
+            .ok_or_else(|| io::Error::other(format!("no vring {device_event}")))?;
+        // One queue per worker thread: the thread's index is the queue's.
+        self.process(vring, thread_id)
+    }
+}

@@ -1,0 +1,200 @@
+//! `kiln vhost-user-blk` under a real QEMU guest (TCG: this machine has no usable KVM): the
+//! guest's fio writes a known pattern and seeded random data through the device and verifies
+//! them, while the volume's only brick is killed and started again; the guest sees no error,
+//! the brick holds the pattern, and the device copied no payload byte.
+//!
+//! The guest is the machine's guest harness (`shared/vm/guest-fio.sh` beside the repository,
+//! or `KILN_VM_HARNESS`): it builds a kernel and initramfs from Debian's packages, boots them
+//! under QEMU with the device, runs the fio job inside and prints fio's JSON. Needs root;
+//! skips (saying why) without the harness.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::managed::{Proc, Vol};
+use common::{kill_brick_pid, kiln, wait_for, BrickReaper};
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// What the first job writes, and the brick must hold: "KILN".
+const PATTERN: [u8; 4] = *b"KILN";
+
+/// The guest harness: `KILN_VM_HARNESS`, else `shared/vm/guest-fio.sh` beside an ancestor of
+/// this repository (or of the machine's work directory).
+fn harness() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("KILN_VM_HARNESS") {
+        return Some(PathBuf::from(p));
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .chain([Path::new("/work")])
+        .map(|a| a.join("shared/vm/guest-fio.sh"))
+        .find(|p| p.exists())
+}
+
+const JOB: &str = "\
+[global]
+filename=${KILN_DEV}
+direct=1
+ioengine=libaio
+verify_fatal=1
+do_verify=1
+
+[pattern]
+rw=write
+bs=1M
+size=32m
+iodepth=4
+verify=pattern
+verify_pattern=0x4b494c4e
+
+[random]
+stonewall
+offset=64m
+size=64m
+rw=randwrite
+bs=64k
+iodepth=8
+loops=6
+verify=crc32c
+randseed=4242
+
+[reads]
+stonewall
+rw=read
+bs=1M
+size=32m
+iodepth=4
+";
+
+#[test]
+fn a_guest_writes_and_verifies_through_a_brick_restart() {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping: the guest harness needs root");
+        return;
+    }
+    let Some(harness) = harness() else {
+        println!("skipping: no guest harness (shared/vm/guest-fio.sh; set KILN_VM_HARNESS)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let _reaper = BrickReaper(tmp.path().join("state"));
+    // One brick: while it restarts, the guest's I/O has nowhere else to go.
+    let v = Vol::new(tmp.path(), "vm", 1, "26000");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = v.mount(&mnt);
+    std::fs::File::create(mnt.join("disk.img"))
+        .and_then(|f| f.set_len(256 * MIB))
+        .unwrap();
+    drop(m);
+
+    let sock = tmp.path().join("v.sock");
+    let log = tmp.path().join("vhost.log");
+    let mut dev = kiln();
+    dev.args(["vhost-user-blk", &v.source("/disk.img"), "--secret-file"])
+        .arg(&v.secret)
+        .arg("--socket")
+        .arg(&sock)
+        .env("KILN_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let mut child = dev.spawn().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("kiln vhost-user-blk: serving"), "{line:?}");
+    let dev = Proc(child);
+
+    let job = tmp.path().join("job.fio");
+    std::fs::write(&job, JOB).unwrap();
+    let console = tmp.path().join("console.log");
+    let guest = {
+        let (harness, job, console, sock) = (harness.clone(), job.clone(), console.clone(), sock);
+        std::thread::spawn(move || {
+            Command::new(&harness)
+                .args(["--job"])
+                .arg(&job)
+                .args(["--time-based", "0", "--runtime", "120", "--mem", "1G"])
+                .arg("--console")
+                .arg(&console)
+                .args([
+                    "--",
+                    "-object",
+                    "memory-backend-memfd,id=mem,size=1G,share=on",
+                    "-numa",
+                    "node,memdev=mem",
+                    "-chardev",
+                    &format!("socket,id=c,path={},reconnect=1", sock.display()),
+                    "-device",
+                    "vhost-user-blk-pci,chardev=c,num-queues=2",
+                ])
+                .output()
+                .unwrap()
+        })
+    };
+
+    // Once the random job writes (the brick file grows past the pattern), the brick goes
+    // away and comes back while the guest's requests wait.
+    let brick_file = tmp.path().join("b0/disk.img");
+    wait_for(300, "the guest to write past the pattern", || {
+        std::fs::metadata(&brick_file).is_ok_and(|m| m.blocks() * 512 > 40 * MIB)
+    });
+    kill_brick_pid(v.pid(0));
+    // Away for a second (the outage, not a synchronisation).
+    std::thread::sleep(Duration::from_secs(1));
+    v.mgmt(&["volume", "start", "vm", "force"]);
+    wait_for(30, "the brick to be back", || v.all_online());
+
+    let run = guest.join().unwrap();
+    let text = String::from_utf8_lossy(&run.stdout);
+    let console_text = std::fs::read_to_string(&console).unwrap_or_default();
+    assert!(
+        run.status.success(),
+        "the guest run failed: {}\n{}",
+        String::from_utf8_lossy(&run.stderr),
+        tail(&console_text)
+    );
+    let fio: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    for j in fio["jobs"].as_array().unwrap() {
+        assert_eq!(
+            j["error"], 0,
+            "fio job {} failed in the guest",
+            j["jobname"]
+        );
+    }
+    assert!(
+        !console_text.contains("I/O error"),
+        "the guest kernel saw an I/O error:\n{}",
+        tail(&console_text)
+    );
+
+    // The brick holds the pattern the guest wrote.
+    let data = std::fs::read(&brick_file).unwrap();
+    assert!(
+        data[..32 * MIB as usize].chunks(4).all(|c| c == PATTERN),
+        "the brick does not hold the guest's pattern"
+    );
+
+    // Every read landed in guest memory: the device's client copied nothing.
+    drop(dev);
+    let summary = std::fs::read_to_string(&log).unwrap();
+    let last = summary
+        .lines()
+        .rfind(|l| l.contains("device summary"))
+        .unwrap_or_else(|| panic!("no device summary in:\n{summary}"));
+    assert!(last.contains("bytes_copied=0"), "{last}");
+    assert!(last.contains("errors=0"), "{last}");
+    println!("{last}");
+}
+
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}

@@ -712,9 +712,10 @@ impl Volume {
         Ok(l?.runs.0)
     }
 
-    /// Snapshot `name` of the file at `path`, crash-consistent on every replica: the file is
-    /// flushed first (so that the copy has little to flush), then a write barrier on the file
-    /// (`ttl_ms` at most, lifted as soon as the copies are taken) and a reflink copy under it.
+    /// Snapshot `name` of the file at `path`, crash-consistent on every replica: a first
+    /// reflink copy with writers running (it writes back the file's dirty pages, the slow
+    /// part), then a write barrier on the file (`ttl_ms` at most, lifted as soon as the copies
+    /// are brought up to it) under which only the ranges changed since are copied again.
     /// Returns the bytes whose copies heal then makes alike (changes that waited at the
     /// barrier on some replica) and how long writers were held at the barrier.
     pub async fn snapshot(
@@ -723,13 +724,11 @@ impl Volume {
         name: &str,
         ttl_ms: u32,
     ) -> io::Result<(u64, std::time::Duration)> {
-        use kiln_proto::ops::{SNAP_FREEZE, SNAP_TAKE, SNAP_THAW};
+        use kiln_proto::ops::{SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW};
         // A barrier holds writers back: the bricks let only a writer raise one.
         let fd = self.open(path, libc::O_RDWR).await?;
         let r = async {
-            // A reflink first writes back the file's dirty pages: most of them now, with no
-            // writer held.
-            self.fsync(&fd, true).await?;
+            self.snap(&fd, SNAP_PREPARE, name, "", ttl_ms).await?;
             let t = std::time::Instant::now();
             let r = match self.snap(&fd, SNAP_FREEZE, name, "", ttl_ms).await {
                 Ok(_) => self.snap(&fd, SNAP_TAKE, name, "", ttl_ms).await,
@@ -737,6 +736,12 @@ impl Volume {
             };
             let _ = self.snap(&fd, SNAP_THAW, name, "", ttl_ms).await;
             let held = t.elapsed();
+            if r.is_err() {
+                // The first copy is no snapshot: it goes.
+                let _ = self
+                    .unlink(&kiln_proto::ops::snapshot_path(path, name))
+                    .await;
+            }
             Ok::<_, io::Error>((r?.iter().filter(|e| !e.hole).map(|e| e.len).sum(), held))
         }
         .await;

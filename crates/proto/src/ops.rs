@@ -425,11 +425,16 @@ pub const DIRTY_STOP: u32 = 3;
 /// The most dirty records one file keeps.
 pub const DIRTY_MAX: usize = 8;
 
+/// Snap: before the barrier, copy the file to its snapshot `name` (reflink) and start
+/// recording the ranges changed from then on (changes in flight included): the barrier then
+/// only has those to copy again, so writers wait for little.
+pub const SNAP_PREPARE: u32 = 5;
 /// Snap: raise a write barrier on the file: changes from other connections wait until it
 /// is lifted (or lapses); answered once the changes in flight have finished.
 pub const SNAP_FREEZE: u32 = 1;
-/// Snap: under the asker's barrier, copy the file to its snapshot `name` (reflink:
-/// `EOPNOTSUPP` where the file system cannot); answers the ranges that waited.
+/// Snap: under the asker's barrier, bring snapshot `name` up to the file (after
+/// `SNAP_PREPARE`: the ranges changed since; else the whole file), by reflink (`EOPNOTSUPP`
+/// where the file system cannot); answers the ranges that waited.
 pub const SNAP_TAKE: u32 = 2;
 /// Snap: lift the asker's barrier.
 pub const SNAP_THAW: u32 = 3;

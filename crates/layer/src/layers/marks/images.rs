@@ -67,6 +67,7 @@ impl FileState {
         for (_, r) in &mut self.dirty {
             r.add(start, super::locks::len_of(start, end));
         }
+        self.note_delta(start, end);
         Ok(())
     }
 

@@ -261,6 +261,7 @@ impl Marks {
                     };
                     st.next += 1;
                     let id = st.next;
+                    st.note_delta(start, end);
                     st.inflight.push(Inflight {
                         id,
                         owner,

@@ -173,6 +173,9 @@ struct FileState {
     dirty: Vec<(String, RangeSet)>,
     /// A snapshot's write barrier, if one stands ([`snaps`]).
     freeze: Option<snaps::Freeze>,
+    /// A snapshot being taken: its name, the connection taking it, and the ranges changed
+    /// since its first copy.
+    delta: Option<(String, u64, RangeSet)>,
 }
 
 #[derive(Default)]
@@ -379,6 +382,7 @@ impl Marks {
                     && st.lease.is_none()
                     && st.dirty.is_empty()
                     && st.freeze.is_none()
+                    && st.delta.is_none()
             }
             && files.get(path).is_some_and(|k| Arc::ptr_eq(k, key))
         {

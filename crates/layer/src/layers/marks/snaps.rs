@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use kiln_proto::ops::{
     snapshot_name_ok, snapshot_path, ExtentList, SetAttrs, SnapReq, SETATTR_GID, SETATTR_MODE,
-    SETATTR_UID, SNAP_CLONE, SNAP_FREEZE, SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
+    SETATTR_UID, SNAP_CLONE, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
 };
 
 use crate::marks::{self as m, RangeSet};
@@ -38,8 +38,19 @@ pub(super) struct Freeze {
 }
 
 impl FileState {
-    /// Lifts `owner`'s barrier, if it stands; true if it did (wake the waiters).
+    /// A change of `[start, end)` let through: a snapshot being taken must copy it again.
+    pub(super) fn note_delta(&mut self, start: u64, end: u64) {
+        if let Some((_, _, r)) = &mut self.delta {
+            r.add(start, len_of(start, end));
+        }
+    }
+
+    /// Lifts `owner`'s barrier, if it stands, and forgets the snapshot it was taking; true if
+    /// a barrier went (wake the waiters).
     pub(super) fn lift_barrier(&mut self, owner: u64) -> bool {
+        if self.delta.as_ref().is_some_and(|d| d.1 == owner) {
+            self.delta = None;
+        }
         let ours = self.freeze.as_ref().is_some_and(|z| z.owner == owner);
         if ours {
             self.freeze = None;
@@ -61,6 +72,31 @@ impl FileState {
         }
         f.blocked.add(start, len_of(start, end));
         Some(f.expires - now)
+    }
+}
+
+/// `FICLONERANGE` (linux/fs.h): `_IOW(0x94, 13, struct file_clone_range)`.
+const FICLONERANGE: libc::c_ulong = 0x4020_940d;
+
+/// Makes `len` bytes at `at` of `into` share the blocks of the same range of `from`.
+fn clone_range(from: &std::fs::File, into: &std::fs::File, at: u64, len: u64) -> FopResult<()> {
+    use std::os::fd::AsRawFd;
+    let arg = libc::file_clone_range {
+        src_fd: i64::from(from.as_raw_fd()),
+        src_offset: at,
+        src_length: len,
+        dest_offset: at,
+    };
+    // SAFETY: FICLONERANGE reads one `struct file_clone_range`, which `arg` is and which lives
+    // across the call; both descriptors are open files this call borrows.
+    let r = unsafe { libc::ioctl(into.as_raw_fd(), FICLONERANGE, &arg) };
+    if r == 0 {
+        Ok(())
+    } else {
+        let e = std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO);
+        Err(reflink_errno(rustix::io::Errno::from_raw_os_error(e)))
     }
 }
 
@@ -97,6 +133,10 @@ impl Marks {
                 if lifted {
                     f.key.changed.notify_waiters();
                 }
+                Ok(ExtentList::default())
+            }
+            SNAP_PREPARE => {
+                self.prepare(cx, f, &req.name).await?;
                 Ok(ExtentList::default())
             }
             SNAP_TAKE => self.take(cx, f, &req.name).await,
@@ -155,24 +195,99 @@ impl Marks {
         }
     }
 
-    /// Copies the file to its snapshot `name` under the asker's barrier; answers the ranges
-    /// changes waited on.
+    /// Copies the file to its snapshot `name` with no barrier yet, recording the ranges that
+    /// change from the moment before the copy on (those of the changes in flight too).
+    async fn prepare(&self, cx: &Ctx, f: &MarkFd, name: &str) -> FopResult<()> {
+        if !snapshot_name_ok(name) {
+            return Err(errno::EINVAL);
+        }
+        {
+            let mut st = f.key.state();
+            if st.delta.as_ref().is_some_and(|d| d.1 != cx.owner) {
+                return Err(EBUSY);
+            }
+            let mut r = RangeSet::default();
+            for w in st.inflight.iter().filter(|w| !w.ns) {
+                r.add(w.start, len_of(w.start, w.end));
+            }
+            st.delta = Some((name.to_owned(), cx.owner, r));
+        }
+        let to = snapshot_path(&f.path, name);
+        let made = self.reflink(cx, &f.inner, &to, 0o444, None).await;
+        if made.is_err() {
+            f.key.state().delta = None;
+        }
+        made
+    }
+
+    /// Under the asker's barrier, brings snapshot `name` up to the file: after a prepare, the
+    /// ranges changed since its copy; else a whole copy. Answers the ranges changes waited on.
     async fn take(&self, cx: &Ctx, f: &MarkFd, name: &str) -> FopResult<ExtentList> {
         if !snapshot_name_ok(name) {
             return Err(errno::EINVAL);
         }
-        let blocked = {
-            let st = f.key.state();
-            match &st.freeze {
+        let (blocked, delta) = {
+            let mut st = f.key.state();
+            let blocked = match &st.freeze {
                 Some(z) if z.owner == cx.owner && z.expires > Instant::now() => z.blocked.clone(),
                 _ => return Err(ETIMEDOUT),
-            }
+            };
+            let delta = match st.delta.take() {
+                Some((n, o, r)) if n == name && o == cx.owner => Some(r),
+                other => {
+                    st.delta = other;
+                    None
+                }
+            };
+            (blocked, delta)
         };
         let to = snapshot_path(&f.path, name);
-        self.reflink(cx, &f.inner, &to, 0o444, None).await?;
+        let r = match delta {
+            None => self.reflink(cx, &f.inner, &to, 0o444, None).await,
+            Some(changed) => self.catch_up(cx, f, &to, &changed).await,
+        };
+        if let Err(e) = r {
+            let _ = self.child().unlink(cx, &to).await;
+            return Err(e);
+        }
         tracing::info!(path = f.path, snapshot = to, "snapshot taken");
         let end = blocked.iter().map(|(o, l)| o.saturating_add(l)).max();
         Ok(end.map_or_else(ExtentList::default, |e| blocked.runs(0, e)))
+    }
+
+    /// Re-copies `changed` (in whole blocks) of the file into the snapshot at `to`, and gives
+    /// it the file's size.
+    async fn catch_up(&self, cx: &Ctx, f: &MarkFd, to: &str, changed: &RangeSet) -> FopResult<()> {
+        const BLOCK: u64 = 4096;
+        let size = self.child().fstat(cx, &f.inner).await?.size;
+        let snap = self.child().open(cx, to, libc::O_WRONLY as u32).await?;
+        let r = (|| {
+            let from = self.child().backing(cx, &f.inner)?;
+            let into = self.child().backing(cx, &snap)?;
+            rustix::fs::ftruncate(into, size).map_err(|e| e.raw_os_error() as u32)?;
+            let mut whole = RangeSet::default();
+            for (o, l) in changed.iter() {
+                let end = if l == m::WHOLE {
+                    size
+                } else {
+                    o.saturating_add(l).min(size)
+                };
+                let start = o / BLOCK * BLOCK;
+                if start < end {
+                    // Whole blocks, the last one cut at the end of the file.
+                    whole.add(
+                        start,
+                        end.div_ceil(BLOCK).saturating_mul(BLOCK).min(size) - start,
+                    );
+                }
+            }
+            for (o, l) in whole.iter() {
+                clone_range(from, into, o, l)?;
+            }
+            Ok(())
+        })();
+        let _ = self.child().release(cx, snap).await;
+        r
     }
 
     /// Makes `to` a clone of snapshot `name` of the file, with the file's mode and owner.

@@ -1,9 +1,11 @@
 //! Snapshots of an image across replicas: the same barrier, the same copy, on every replica.
 //!
 //! A snapshot needs every replica up and current for the file (a replica behind would copy an
-//! old image). The barrier is raised on all of them (`SNAP_FREEZE`); once each answered — every
-//! change already past its gate finished — each takes its copy (`SNAP_TAKE`) and the barriers
-//! are lifted (`SNAP_THAW`, by the caller, also after a failure; they lapse by themselves too).
+//! old image). Each replica first copies the file with writers running and records what
+//! changes from then on (`SNAP_PREPARE`); then the barrier is raised on all of them
+//! (`SNAP_FREEZE`); once each answered — every change already past its gate finished — each
+//! copies again what changed since its first copy (`SNAP_TAKE`) and the barriers are lifted
+//! (`SNAP_THAW`, by the caller, also after a failure; they lapse by themselves too).
 //!
 //! The copies can only differ where changes waited at some replica's barrier: such a change
 //! may have run on a replica frozen a moment later. Each replica answers those ranges. For every
@@ -15,7 +17,7 @@
 //! has run, reads of the snapshot go to the source (marks keep them away from the others), and
 //! a clone waits (`EAGAIN`), so every clone starts from copies that agree.
 
-use kiln_proto::ops::{snapshot_path, SNAP_CLONE, SNAP_FREEZE, SNAP_TAKE, SNAP_THAW};
+use kiln_proto::ops::{snapshot_path, SNAP_CLONE, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW};
 
 use super::{missing, Miss, RepFd, Replicate};
 use crate::marks::{self as m, RangeSet};
@@ -92,10 +94,10 @@ impl Replicate {
         };
         match cmd {
             SNAP_THAW => Ok(ExtentList::default()),
-            SNAP_FREEZE | SNAP_TAKE | SNAP_CLONE if !all => {
+            SNAP_PREPARE | SNAP_FREEZE | SNAP_TAKE | SNAP_CLONE if !all => {
                 // What some replicas made, the others did not: take it back.
                 let made = match cmd {
-                    SNAP_TAKE => Some(snapshot_path(&rfd.path, name)),
+                    SNAP_PREPARE | SNAP_TAKE => Some(snapshot_path(&rfd.path, name)),
                     SNAP_CLONE => Some(to.to_owned()),
                     _ => None,
                 };

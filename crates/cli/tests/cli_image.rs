@@ -17,26 +17,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::managed::{spawn_until, Proc};
-use common::{kiln, mgmt_ok, BrickReaper, Kilnd};
+use common::{ip, kiln, mgmt_ok, BrickReaper, Kilnd};
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
 
 /// A namespace joined to this one by a veth pair: the host end at `.1`, the namespace's at
 /// `.2`. Removed when dropped.

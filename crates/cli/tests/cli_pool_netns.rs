@@ -27,24 +27,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{kiln, recorded_pids, wait_for};
+use common::{ip, kiln, recorded_pids, wait_for};
 use serde_json::Value;
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
 
 /// Namespaces `h0`…: host `i` at 10.78.0.(i+1) on one bridge (in its own namespace). Removed
 /// with everything this test started in them when dropped.

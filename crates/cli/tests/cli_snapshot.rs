@@ -13,6 +13,8 @@
 //! Needs root, mkfs.xfs, losetup, qemu-img, qemu-io and fio; skips (saying why) without.
 
 mod common;
+#[path = "../../kilnd/tests/xfs/mod.rs"]
+mod xfs;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -20,57 +22,11 @@ use std::time::{Duration, Instant};
 
 use common::managed::Vol;
 use common::{kiln, wait_for, BrickReaper};
+use xfs::{sh, Xfs};
 
 const MIB: u64 = 1 << 20;
 /// The image: big enough that a copy would show, small enough for CI.
 const SIZE: u64 = 256 * MIB;
-
-fn sh(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    } else {
-        Err(format!(
-            "{cmd:?}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// An XFS file system with reflink on a loop device over a sparse file; unmounted and
-/// detached when dropped.
-struct Xfs {
-    dev: String,
-    mnt: PathBuf,
-}
-
-impl Xfs {
-    fn make(tmp: &Path) -> Result<Xfs, String> {
-        let file = tmp.join("xfs.img");
-        std::fs::File::create(&file)
-            .and_then(|f| f.set_len(3 << 30))
-            .map_err(|e| e.to_string())?;
-        let dev = sh(Command::new("losetup").args(["-f", "--show"]).arg(&file))?;
-        let mnt = tmp.join("xfs");
-        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
-        let x = Xfs { dev, mnt };
-        sh(Command::new("mkfs.xfs").args(["-q", "-m", "reflink=1", &x.dev]))?;
-        sh(Command::new("mount").arg(&x.dev).arg(&x.mnt))?;
-        Ok(x)
-    }
-
-    fn free(&self) -> u64 {
-        let st = rustix::fs::statvfs(&self.mnt).unwrap();
-        st.f_bavail * st.f_frsize
-    }
-}
-
-impl Drop for Xfs {
-    fn drop(&mut self) {
-        let _ = sh(Command::new("umount").arg("-l").arg(&self.mnt));
-        let _ = sh(Command::new("losetup").args(["-d", &self.dev]));
-    }
-}
 
 fn need(tool: &str) -> bool {
     let ok = Command::new("sh")
@@ -144,7 +100,7 @@ fn snapshots_and_clones_on_xfs_bricks() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let xfs = match Xfs::make(tmp.path()) {
+    let xfs = match Xfs::make(tmp.path(), 3 << 30) {
         Ok(x) => x,
         Err(e) => {
             println!("skipping: cannot make an XFS file system on a loop device: {e}");

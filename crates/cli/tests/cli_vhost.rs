@@ -60,7 +60,7 @@ size=64m
 rw=randwrite
 bs=64k
 iodepth=8
-loops=6
+loops=3
 verify=crc32c
 randseed=4242
 

@@ -6,9 +6,8 @@
 //! alike. Needs root, mkfs.xfs and losetup; skips (saying why) without.
 
 mod replica;
+mod xfs;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -17,6 +16,7 @@ use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::heal;
 use replica::{volfile, wait_for, Brick};
+use xfs::Xfs;
 
 const MIB: u64 = 1 << 20;
 
@@ -29,47 +29,6 @@ struct Write {
 }
 const SIZE: u64 = 16 * MIB;
 
-fn sh(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    } else {
-        Err(format!(
-            "{cmd:?}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// XFS with reflink on a loop device; unmounted and detached when dropped.
-struct Xfs {
-    dev: String,
-    mnt: PathBuf,
-}
-
-impl Xfs {
-    fn make(tmp: &Path) -> Result<Xfs, String> {
-        let file = tmp.join("xfs.img");
-        std::fs::File::create(&file)
-            .and_then(|f| f.set_len(1 << 30))
-            .map_err(|e| e.to_string())?;
-        let dev = sh(Command::new("losetup").args(["-f", "--show"]).arg(&file))?;
-        let mnt = tmp.join("xfs");
-        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
-        let x = Xfs { dev, mnt };
-        sh(Command::new("mkfs.xfs").args(["-q", "-m", "reflink=1", &x.dev]))?;
-        sh(Command::new("mount").arg(&x.dev).arg(&x.mnt))?;
-        Ok(x)
-    }
-}
-
-impl Drop for Xfs {
-    fn drop(&mut self) {
-        let _ = sh(Command::new("umount").arg("-l").arg(&self.mnt));
-        let _ = sh(Command::new("losetup").args(["-d", &self.dev]));
-    }
-}
-
 #[test]
 fn snapshot_copies_agree_when_a_replica_freezes_late() {
     // SAFETY: geteuid(2) takes nothing and cannot fail.
@@ -78,7 +37,7 @@ fn snapshot_copies_agree_when_a_replica_freezes_late() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let xfs = match Xfs::make(tmp.path()) {
+    let xfs = match Xfs::make(tmp.path(), 1 << 30) {
         Ok(x) => x,
         Err(e) => {
             println!("skipping: cannot make an XFS file system on a loop device: {e}");

@@ -189,6 +189,23 @@ pub fn fails(args: &[&str]) -> String {
     fails_env(args, &[])
 }
 
+/// Runs `ip ARGS` (network namespaces, links); what it said on failure.
+pub fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
 /// Polls `f` until it returns true or `secs` pass.
 pub fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);

@@ -106,7 +106,8 @@ fn snapshots(vol: &Volume, path: &str) -> Result<Vec<(String, u64, String)>, Str
     })?;
     let mut out = Vec::new();
     for e in entries {
-        if let Some(name) = e.name.strip_prefix(&prefix) {
+        // A part file (a snapshot being made, or left by one that failed) is not one.
+        if let Some(name) = e.name.strip_prefix(&prefix).filter(|n| snapshot_name_ok(n)) {
             let p = snapshot_path(path, name);
             let size = block_on(vol.lookup(&p)).map_or(0, |a| a.size);
             out.push((name.to_owned(), size, p));

@@ -109,6 +109,10 @@ pub struct Switch {
     cur: RwLock<Arc<Gen>>,
     /// Files open through the switch, for renames to follow.
     open: Mutex<Vec<Weak<Opened>>>,
+    /// The image leases taken through the switch, by path: (holder, time to live in ms). A
+    /// handle reopened on a new generation takes its file's lease there first, so that its
+    /// writes are not refused while the old generation's connection holds it.
+    leases: Mutex<std::collections::HashMap<String, (String, u32)>>,
     /// Shut down: the watcher stops.
     closed: AtomicBool,
 }
@@ -157,7 +161,22 @@ impl Switch {
             name: name.to_owned(),
             cur: RwLock::new(Arc::new(first)),
             open: Mutex::new(Vec::new()),
+            leases: Mutex::default(),
             closed: AtomicBool::new(false),
+        }
+    }
+
+    /// Takes `path`'s lease, if this switch's user holds one, through `fd` on `gen` (a handle
+    /// just reopened there). Best effort: a refusal shows in the writes that follow.
+    async fn carry_lease(&self, cx: &Ctx, gen: &Gen, path: &str, fd: &Fd) {
+        let lease = lock(&self.leases).get(path).cloned();
+        if let Some((holder, ttl)) = lease {
+            let acquire = kiln_proto::ops::LEASE_ACQUIRE;
+            match gen.top.lease(cx, fd, acquire, ttl, &holder).await {
+                Ok(s) if s.granted => {}
+                Ok(s) => tracing::warn!(path, by = s.holder, "the image lease is held elsewhere"),
+                Err(e) => tracing::warn!(path, "cannot carry the image lease over: errno {e}"),
+            }
         }
     }
 
@@ -233,6 +252,7 @@ impl Switch {
         let cx = Ctx::NONE.with_cred(o.cred.clone());
         match cur.top.open(&cx, &path, o.flags).await {
             Ok(new) => {
+                self.carry_lease(&cx, &cur, &path, &new).await;
                 let new = Arc::new(Held {
                     gen: cur,
                     fd: Some(new),
@@ -282,6 +302,7 @@ impl Switch {
             let cx = Ctx::NONE.with_cred(o.cred.clone());
             match cur.top.open(&cx, &path, o.flags).await {
                 Ok(new) => {
+                    self.carry_lease(&cx, &cur, &path, &new).await;
                     let new = Arc::new(Held {
                         gen: cur,
                         fd: Some(new),
@@ -485,6 +506,39 @@ macro_rules! switch_layer {
 
 /// One fop of the switch: written by hand, bound to a generation, or sent to the current one.
 macro_rules! switch_one {
+    (lease, $($rest:tt)*) => {
+        fn lease<'a>(
+            &'a self,
+            cx: &'a Ctx,
+            fd: &'a Fd,
+            cmd: u32,
+            ttl_ms: u32,
+            holder: &'a str,
+        ) -> Fut<'a, kiln_layer::LeaseState> {
+            Box::pin(async move {
+                let mut h = self.bind(fd).await?;
+                let s = loop {
+                    match h.gen.top.lease(cx, inner(&h), cmd, ttl_ms, holder).await {
+                        Err(errno::EMOVED) => h = self.relocate(fd, &h).await?,
+                        r => break r?,
+                    }
+                };
+                // Remembered for the handles reopened on later generations.
+                let path = lock(&fd.get::<SwitchFd>()?.0.path).clone();
+                let mut leases = lock(&self.leases);
+                match cmd {
+                    kiln_proto::ops::LEASE_ACQUIRE if s.granted => {
+                        leases.insert(path, (holder.to_owned(), ttl_ms));
+                    }
+                    kiln_proto::ops::LEASE_RELEASE => {
+                        leases.remove(&path);
+                    }
+                    _ => {}
+                }
+                Ok(s)
+            })
+        }
+    };
     (open, $($rest:tt)*) => {
         fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
             Box::pin(async move {
@@ -493,6 +547,7 @@ macro_rules! switch_one {
                         Box::pin(async move {
                             let g = self.current();
                             let fd = g.top.open(cx, path, flags).await?;
+                            self.carry_lease(cx, &g, path, &fd).await;
                             Ok((g, fd))
                         })
                     })

@@ -728,20 +728,22 @@ impl Volume {
         // A barrier holds writers back: the bricks let only a writer raise one.
         let fd = self.open(path, libc::O_RDWR).await?;
         let r = async {
-            self.snap(&fd, SNAP_PREPARE, name, "", ttl_ms).await?;
             let t = std::time::Instant::now();
-            let r = match self.snap(&fd, SNAP_FREEZE, name, "", ttl_ms).await {
-                Ok(_) => self.snap(&fd, SNAP_TAKE, name, "", ttl_ms).await,
-                Err(e) => Err(e),
+            let r = match self.snap(&fd, SNAP_PREPARE, name, "", ttl_ms).await {
+                Ok(_) => {
+                    let t = std::time::Instant::now();
+                    let r = match self.snap(&fd, SNAP_FREEZE, name, "", ttl_ms).await {
+                        Ok(_) => self.snap(&fd, SNAP_TAKE, name, "", ttl_ms).await,
+                        Err(e) => Err(e),
+                    };
+                    (r, t.elapsed())
+                }
+                Err(e) => (Err(e), t.elapsed()),
             };
+            // Lifts the barrier, and forgets a prepared snapshot that was not taken, whatever
+            // happened (the bricks drop what this connection left when it goes, too).
             let _ = self.snap(&fd, SNAP_THAW, name, "", ttl_ms).await;
-            let held = t.elapsed();
-            if r.is_err() {
-                // The first copy is no snapshot: it goes.
-                let _ = self
-                    .unlink(&kiln_proto::ops::snapshot_path(path, name))
-                    .await;
-            }
+            let (r, held) = r;
             Ok::<_, io::Error>((r?.iter().filter(|e| !e.hole).map(|e| e.len).sum(), held))
         }
         .await;

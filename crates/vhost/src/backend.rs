@@ -84,11 +84,12 @@ struct Inner {
 pub struct Blk(Arc<Inner>);
 
 thread_local! {
-    /// Completions on this thread while it starts a batch of requests (a read served from the
-    /// brick's file on this host completes at once): the used ring is updated for each, and
-    /// the guest notified once for the batch — an interrupt per request costs the guest
-    /// dearly. `None`: not starting a batch.
-    static BATCH: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+    /// The queue this thread is starting a batch of requests on, and how many of them
+    /// completed meanwhile (a read served from the brick's file on this host completes at
+    /// once): the used ring gets each, and the guest one notification for the batch — an
+    /// interrupt per request costs the guest dearly. A completion of another queue that
+    /// happens to run here (a woken task) notifies as usual. `None`: not starting a batch.
+    static BATCH: std::cell::Cell<Option<(usize, u32)>> = const { std::cell::Cell::new(None) };
 }
 
 /// `VIRTIO_BLK_S_*` as the status byte.
@@ -121,9 +122,20 @@ impl Blk {
         &self.0.image
     }
 
-    /// Waits (up to `limit`) until no request is in flight on any queue.
-    pub fn drain(&self, limit: Duration) -> bool {
-        (0..self.0.queues).all(|q| self.wait_idle(q, limit))
+    /// Waits until no request is in flight on any queue, then forgets the guest's memory
+    /// (QEMU went away: its RAM need not stay mapped here).
+    pub fn drain(&self) {
+        for q in 0..self.0.queues {
+            self.drain_queue(q);
+        }
+        *self.0.mem.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Waits until queue `q` has no request in flight, saying every 10 s that it waits.
+    fn drain_queue(&self, q: usize) {
+        while !self.wait_idle(q, Duration::from_secs(10)) {
+            tracing::warn!(queue = q, "waiting for requests in flight to end");
+        }
     }
 
     fn wait_idle(&self, q: usize, limit: Duration) -> bool {
@@ -165,13 +177,13 @@ impl Blk {
                 v
             };
             // Started with the ring unlocked: a completion takes its lock.
-            BATCH.with(|b| b.set(Some(0)));
+            BATCH.with(|b| b.set(Some((q, 0))));
             for chain in chains {
                 let head = chain.head_index();
                 let descs: Vec<_> = chain.collect();
                 self.start(vring, q, &mem, head, &descs);
             }
-            if BATCH.with(|b| b.take()).unwrap_or(0) > 0 {
+            if BATCH.with(|b| b.take()).is_some_and(|(_, n)| n > 0) {
                 let mut st = vring.get_mut();
                 if st.needs_notification().unwrap_or(true) {
                     let _ = st.signal_used_queue();
@@ -236,11 +248,14 @@ impl Blk {
                 });
             }
             Kind::GetId => {
-                let n = req.len().min(20) as usize;
-                let ok = req
-                    .data
-                    .first()
-                    .is_some_and(|(a, _)| mem.write_slice(&img.id[..n], *a).is_ok());
+                // Into the first buffer only, as much of the 20 bytes as it holds.
+                let (ok, n) = match req.data.first() {
+                    Some((a, l)) => {
+                        let n = (*l as usize).min(20);
+                        (mem.write_slice(&img.id[..n], *a).is_ok(), n)
+                    }
+                    None => (false, 0),
+                };
                 done.after(ok, n as u32);
             }
             Kind::Discard | Kind::WriteZeroes if img.read_only => {
@@ -263,6 +278,10 @@ impl Blk {
                 return done.finish(VIRTIO_BLK_S_IOERR, 0);
             }
         };
+        if len >= u64::from(u32::MAX) {
+            // The used ring counts a chain's bytes in 32 bits.
+            return done.finish(VIRTIO_BLK_S_IOERR, 0);
+        }
         let img = &self.0.image;
         let read = req.kind == Kind::Read;
         let cb = Box::new(move |r: Result<usize, u32>| {
@@ -310,7 +329,16 @@ impl Blk {
             for (sector, n, flags) in segs {
                 let (at, len) = (sector.saturating_mul(SECTOR), u64::from(n) * SECTOR);
                 let unmap = flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
-                if at.checked_add(len).is_none_or(|e| e > size) || (unmap_ok && flags != 0) {
+                // A discard takes no flags; a write-zeroes only "unmap".
+                let known = if unmap_ok {
+                    0
+                } else {
+                    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
+                };
+                if flags & !known != 0 {
+                    return done.finish(VIRTIO_BLK_S_UNSUPP, 0);
+                }
+                if at.checked_add(len).is_none_or(|e| e > size) {
                     ok = false;
                     break;
                 }
@@ -344,7 +372,14 @@ impl Blk {
                     "cannot put a request on the used ring: {e}"
                 );
             }
-            if st.needs_notification().unwrap_or(true) {
+            let batched = BATCH.with(|b| match b.get() {
+                Some((bq, n)) if bq == q => {
+                    b.set(Some((bq, n + 1)));
+                    true
+                }
+                _ => false,
+            });
+            if !batched && st.needs_notification().unwrap_or(true) {
                 let _ = st.signal_used_queue();
             }
         }
@@ -386,7 +421,8 @@ impl Done {
         if self.mem.write_obj(status(code), self.status).is_err() {
             tracing::warn!(queue = self.q, "the status byte is outside guest memory");
         }
-        self.blk.used(&self.vring, self.q, self.head, n + 1);
+        self.blk
+            .used(&self.vring, self.q, self.head, n.saturating_add(1));
     }
 }
 
@@ -436,11 +472,11 @@ impl VhostUserBackend for Blk {
     }
 
     fn stop_vring(&self, queue: u32) -> io::Result<()> {
-        if self.wait_idle(queue as usize, Duration::from_secs(60)) {
-            Ok(())
-        } else {
-            Err(io::Error::other("requests still in flight after 60 s"))
-        }
+        // Every request popped must be on the used ring before QEMU reads where the ring
+        // stands: a request answered later would land in a ring set up anew. They all end
+        // (a brick away fails them once the client's patience runs out).
+        self.drain_queue(queue as usize);
+        Ok(())
     }
 
     fn handle_event(
@@ -456,7 +492,11 @@ impl VhostUserBackend for Blk {
         let vring = vrings
             .get(usize::from(device_event))
             .ok_or_else(|| io::Error::other(format!("no vring {device_event}")))?;
-        // One queue per worker thread: the thread's index is the queue's.
-        self.process(vring, thread_id)
+        // One queue per worker thread: the thread's index is the queue's. An error would
+        // end the queue's worker for good (the guest would hang on it): say it, go on.
+        if let Err(e) = self.process(vring, thread_id) {
+            tracing::warn!(queue = thread_id, "cannot serve the queue now: {e}");
+        }
+        Ok(())
     }
 }

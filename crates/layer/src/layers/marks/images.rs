@@ -1,19 +1,21 @@
 //! What a VM image asks of its brick beyond I/O: an exclusive lease and dirty records.
 //!
 //! **Lease** (an image's exclusive lock, [`kiln_proto::ops::LeaseReq`]): a holder — a name
-//! unique per process, the asker — takes the lease on a file through one of its connections;
-//! from then on, changes of the file's bytes (writes, truncation, fallocate, discard) made
-//! through any *other* connection fail with `EBUSY` at the gate every change passes
+//! unique per process, the asker — takes the lease on a file through its connections; from
+//! then on, changes of the file's bytes (writes, truncation, fallocate, discard) made through
+//! any *other* connection fail with `EBUSY` at the gate every change passes
 //! ([`Marks::enter_as`]), until the lease is released: by the holder, or when the holder's
-//! connection hangs up. A holder that keeps its connection but stops renewing (a partitioned
-//! process) keeps the lease until it lapses; then the next asker takes it, and from that
-//! moment the old holder's connection is refused like any other: no write it sends later,
-//! queued or retried, lands after the new holder's first one. The takeover waits for the old
-//! connection's changes already past the gate to finish, so none of them is still running
-//! when the new holder hears it was granted. The same holder asking through a new connection
-//! (it reconnected) moves the lease there, so a brick restart does not cost the holder its
-//! lease. Leases live in memory: a brick that restarts has none until their holders renew
-//! (the old connections are gone with it, so nothing they sent can land).
+//! last connection hangs up. A holder that keeps its connections but stops renewing (a
+//! partitioned process) keeps the lease until it lapses; then the next asker takes it, and
+//! from that moment the old holder's connections are refused like any other: no write they
+//! send later, queued or retried, lands after the new holder's first one. The takeover waits
+//! for the old connections' changes already past the gate to finish, so none of them is still
+//! running when the new holder hears it was granted. The same holder asking through another
+//! connection (it reconnected; its client moved to a new graph) adds that connection, so a
+//! brick restart or a graph change does not cost the holder its lease. Only the holder knows
+//! its whole name: others are shown it up to its last `#`. Leases live in memory: a brick that
+//! restarts has none until their holders renew (the old connections are gone with it, so
+//! nothing they sent can land).
 //!
 //! **Dirty records** ([`kiln_proto::ops::DirtyReq`]): under a name, the ranges of a file that
 //! changes reached since the record started — what an incremental backup must copy. Recorded at
@@ -38,8 +40,8 @@ use super::{FileKey, FileState, Marks};
 /// A file's lease.
 pub(super) struct Lease {
     holder: String,
-    /// The connection it was granted through: the only one whose changes pass.
-    owner: u64,
+    /// The holder's connections (it asked through each): the only ones whose changes pass.
+    owners: Vec<u64>,
     token: u64,
     expires: Instant,
 }
@@ -61,7 +63,11 @@ impl FileState {
     /// Whether a change of bytes through connection `owner` may pass the lease; if so, the
     /// range is added to every dirty record.
     pub(super) fn admit_change(&mut self, owner: u64, start: u64, end: u64) -> FopResult<()> {
-        if self.lease.as_ref().is_some_and(|l| l.owner != owner) {
+        if self
+            .lease
+            .as_ref()
+            .is_some_and(|l| !l.owners.contains(&owner))
+        {
             return Err(EBUSY);
         }
         for (_, r) in &mut self.dirty {
@@ -126,9 +132,11 @@ impl Marks {
         }
     }
 
-    /// Takes or renews the lease. A new grant (or a move to the holder's new connection) fences
-    /// first — from that moment other connections' changes are refused — then waits for those
-    /// already past the gate to finish, and only then answers.
+    /// Takes or renews the lease. A new grant fences first — from that moment other
+    /// connections' changes are refused — then waits for those already past the gate to
+    /// finish, and only then answers. The holder asking through another connection of its own
+    /// (it reconnected, or its client moved to a new graph) adds that connection: its writes
+    /// on either pass, and the lease goes when its last connection does.
     async fn acquire(
         key: &FileKey,
         owner: u64,
@@ -142,12 +150,15 @@ impl Marks {
             match st.lease.as_mut() {
                 Some(l) if l.holder == holder => {
                     l.expires = now + ttl;
-                    if l.owner == owner {
-                        return Ok(st.lease_state(holder, now, false));
+                    if !l.owners.contains(&owner) {
+                        tracing::info!(
+                            path,
+                            holder,
+                            "lease shared with the holder's new connection"
+                        );
+                        l.owners.push(owner);
                     }
-                    tracing::info!(path, holder, "lease moves to the holder's new connection");
-                    l.owner = owner;
-                    false
+                    return Ok(st.lease_state(holder, now, false));
                 }
                 Some(l) if l.expires > now => return Ok(st.lease_state(holder, now, false)),
                 old => {
@@ -157,7 +168,7 @@ impl Marks {
                     let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     st.lease = Some(Lease {
                         holder: holder.to_owned(),
-                        owner,
+                        owners: vec![owner],
                         token,
                         expires: now + ttl,
                     });
@@ -208,13 +219,16 @@ impl Marks {
                 tracing::info!(path, "snapshot barrier lifted: its connection is gone");
                 key.changed.notify_waiters();
             }
-            if st.lease.as_ref().is_some_and(|l| l.owner == owner) {
-                let l = st.lease.take().expect("checked");
-                tracing::info!(
-                    path,
-                    holder = l.holder,
-                    "lease released: its connection is gone"
-                );
+            if let Some(l) = st.lease.as_mut() {
+                l.owners.retain(|o| *o != owner);
+                if l.owners.is_empty() {
+                    let l = st.lease.take().expect("checked");
+                    tracing::info!(
+                        path,
+                        holder = l.holder,
+                        "lease released: its connections are gone"
+                    );
+                }
             }
         }
     }

@@ -391,7 +391,11 @@ impl Layer for Marks {
         offset: u64,
         len: u64,
     ) -> Fut<'a, ()> {
-        let (start, end) = span(offset, len);
+        let (start, mut end) = span(offset, len);
+        if mode & (libc::FALLOC_FL_COLLAPSE_RANGE | libc::FALLOC_FL_INSERT_RANGE) as u32 != 0 {
+            // Everything after the range moves.
+            end = u64::MAX;
+        }
         self.gated(cx, fd, start, end, move |inner| {
             self.child().fallocate(cx, inner, mode, offset, len)
         })

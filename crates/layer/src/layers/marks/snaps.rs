@@ -75,6 +75,12 @@ impl FileState {
     }
 }
 
+/// Where snapshot `name` of `path` is made before it is whole: a name no snapshot can have
+/// (`~` is not allowed in one), so a torn copy is never listed nor cloned.
+fn part_path(path: &str, name: &str) -> String {
+    format!("{}~", snapshot_path(path, name))
+}
+
 /// `FICLONERANGE` (linux/fs.h): `_IOW(0x94, 13, struct file_clone_range)`.
 const FICLONERANGE: libc::c_ulong = 0x4020_940d;
 
@@ -195,11 +201,20 @@ impl Marks {
         }
     }
 
-    /// Copies the file to its snapshot `name` with no barrier yet, recording the ranges that
-    /// change from the moment before the copy on (those of the changes in flight too).
+    /// Copies the file to snapshot `name`'s part file with no barrier yet, recording the
+    /// ranges that change from the moment before the copy on (those of the changes in flight
+    /// too).
     async fn prepare(&self, cx: &Ctx, f: &MarkFd, name: &str) -> FopResult<()> {
         if !snapshot_name_ok(name) {
             return Err(errno::EINVAL);
+        }
+        if self
+            .child()
+            .lookup(cx, &snapshot_path(&f.path, name))
+            .await
+            .is_ok()
+        {
+            return Err(libc::EEXIST as u32);
         }
         {
             let mut st = f.key.state();
@@ -212,44 +227,71 @@ impl Marks {
             }
             st.delta = Some((name.to_owned(), cx.owner, r));
         }
-        let to = snapshot_path(&f.path, name);
-        let made = self.reflink(cx, &f.inner, &to, 0o444, None).await;
+        let part = part_path(&f.path, name);
+        // A part left by a snapshot whose taker died is nobody's now.
+        let _ = self.child().unlink(cx, &part).await;
+        let made = self.reflink(cx, &f.inner, &part, 0o444, None).await;
         if made.is_err() {
             f.key.state().delta = None;
         }
         made
     }
 
-    /// Under the asker's barrier, brings snapshot `name` up to the file: after a prepare, the
-    /// ranges changed since its copy; else a whole copy. Answers the ranges changes waited on.
+    /// Under the asker's barrier, brings snapshot `name`'s part file up to the file (after a
+    /// prepare, the ranges changed since its copy; else a whole copy) and, the barrier still
+    /// standing, renames it into place (never over an existing snapshot). Answers the ranges
+    /// changes waited on.
     async fn take(&self, cx: &Ctx, f: &MarkFd, name: &str) -> FopResult<ExtentList> {
         if !snapshot_name_ok(name) {
             return Err(errno::EINVAL);
         }
-        let (blocked, delta) = {
+        let standing = || {
+            let st = f.key.state();
+            match &st.freeze {
+                Some(z) if z.owner == cx.owner && z.expires > Instant::now() => {
+                    Some(z.blocked.clone())
+                }
+                _ => None,
+            }
+        };
+        standing().ok_or(ETIMEDOUT)?;
+        let delta = {
             let mut st = f.key.state();
-            let blocked = match &st.freeze {
-                Some(z) if z.owner == cx.owner && z.expires > Instant::now() => z.blocked.clone(),
-                _ => return Err(ETIMEDOUT),
-            };
-            let delta = match st.delta.take() {
+            match st.delta.take() {
                 Some((n, o, r)) if n == name && o == cx.owner => Some(r),
                 other => {
                     st.delta = other;
                     None
                 }
-            };
-            (blocked, delta)
+            }
         };
-        let to = snapshot_path(&f.path, name);
+        let part = part_path(&f.path, name);
         let r = match delta {
-            None => self.reflink(cx, &f.inner, &to, 0o444, None).await,
-            Some(changed) => self.catch_up(cx, f, &to, &changed).await,
+            None => {
+                let _ = self.child().unlink(cx, &part).await;
+                self.reflink(cx, &f.inner, &part, 0o444, None).await
+            }
+            Some(changed) => self.catch_up(cx, f, &part, &changed).await,
         };
-        if let Err(e) = r {
-            let _ = self.child().unlink(cx, &to).await;
-            return Err(e);
-        }
+        // The copy is whole only if no change slipped past a barrier that lapsed meanwhile.
+        let r = r.and_then(|()| standing().ok_or(ETIMEDOUT));
+        let r = match r {
+            Ok(blocked) => {
+                let to = snapshot_path(&f.path, name);
+                self.child()
+                    .rename(cx, &part, &to, libc::RENAME_NOREPLACE)
+                    .await
+                    .map(|()| (blocked, to))
+            }
+            Err(e) => Err(e),
+        };
+        let (blocked, to) = match r {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = self.child().unlink(cx, &part).await;
+                return Err(e);
+            }
+        };
         tracing::info!(path = f.path, snapshot = to, "snapshot taken");
         let end = blocked.iter().map(|(o, l)| o.saturating_add(l)).max();
         Ok(end.map_or_else(ExtentList::default, |e| blocked.runs(0, e)))
@@ -258,8 +300,9 @@ impl Marks {
     /// Re-copies `changed` (in whole blocks) of the file into the snapshot at `to`, and gives
     /// it the file's size.
     async fn catch_up(&self, cx: &Ctx, f: &MarkFd, to: &str, changed: &RangeSet) -> FopResult<()> {
-        const BLOCK: u64 = 4096;
-        let size = self.child().fstat(cx, &f.inner).await?.size;
+        let attr = self.child().fstat(cx, &f.inner).await?;
+        // Ranges are cloned in the file system's blocks.
+        let (size, block) = (attr.size, u64::from(attr.blksize.max(512)));
         let snap = self.child().open(cx, to, libc::O_WRONLY as u32).await?;
         let r = (|| {
             let from = self.child().backing(cx, &f.inner)?;
@@ -272,12 +315,12 @@ impl Marks {
                 } else {
                     o.saturating_add(l).min(size)
                 };
-                let start = o / BLOCK * BLOCK;
+                let start = o / block * block;
                 if start < end {
                     // Whole blocks, the last one cut at the end of the file.
                     whole.add(
                         start,
-                        end.div_ceil(BLOCK).saturating_mul(BLOCK).min(size) - start,
+                        end.div_ceil(block).saturating_mul(block).min(size) - start,
                     );
                 }
             }

@@ -90,6 +90,11 @@ pub async fn take(
                 let _ = vol.close(fd).await;
                 return Ok(None);
             }
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) && !cfg.required => {
+                tracing::warn!("a sharded image cannot be locked yet: exporting unlocked");
+                let _ = vol.close(fd).await;
+                return Ok(None);
+            }
             Err(e) => {
                 let _ = vol.close(fd).await;
                 return Err(match e.raw_os_error() {

@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 
-use kiln_client::volume::Source;
 use kiln_client::{block_on, Fd, Volume};
 use kiln_nbd::ImageSpec;
 use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
@@ -169,20 +168,7 @@ fn open(
     volfile: Option<&std::path::Path>,
     write: bool,
 ) -> Result<(Volume, Fd, u64, String), String> {
-    let (spec, src) = match volfile {
-        Some(v) => (
-            ImageSpec::in_volfile(image, v)?,
-            Source::Volfile(v.to_owned()),
-        ),
-        None => {
-            let spec: ImageSpec = image.parse()?;
-            let src = Source::Server {
-                server: spec.server.clone(),
-                volume: spec.volume.clone(),
-            };
-            (spec, src)
-        }
-    };
+    let (spec, src) = ImageSpec::with_source(image, volfile)?;
     let vol = Volume::from_source(&src).map_err(|e| format!("cannot reach {src}: {e}"))?;
     let flags = if write { libc::O_RDWR } else { libc::O_RDONLY };
     let fd = block_on(vol.open(&spec.path, flags)).map_err(|e| match e.raw_os_error() {

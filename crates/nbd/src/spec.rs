@@ -53,6 +53,31 @@ impl FromStr for ImageSpec {
 }
 
 impl ImageSpec {
+    /// IMAGE as a command takes it — SERVER:/VOL/PATH, or with `volfile` the PATH in that
+    /// volume — and where its client stack comes from.
+    pub fn with_source(
+        image: &str,
+        volfile: Option<&std::path::Path>,
+    ) -> Result<(ImageSpec, kiln_client::volume::Source), String> {
+        use kiln_client::volume::Source;
+        Ok(match volfile {
+            Some(v) => (
+                ImageSpec::in_volfile(image, v)?,
+                Source::Volfile(v.to_owned()),
+            ),
+            None => {
+                let spec: ImageSpec = image.parse()?;
+                let src = Source::Server {
+                    server: spec.server.clone(),
+                    volume: spec.volume.clone(),
+                };
+                (spec, src)
+            }
+        })
+    }
+}
+
+impl ImageSpec {
     /// An image at `path` in the volume a volfile describes (`kiln nbd --volfile`): no server
     /// to name, the volume is named after the file.
     pub fn in_volfile(path: &str, volfile: &std::path::Path) -> Result<ImageSpec, String> {

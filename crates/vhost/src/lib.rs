@@ -16,7 +16,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kiln_client::volume::Source;
 use kiln_client::Volume;
 use kiln_nbd::lock::{self, Held, LockConfig};
 use kiln_nbd::ImageSpec;
@@ -75,20 +74,7 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
     if let Some(p) = &args.secret_file {
         kiln_client::mgmt::use_secret_file(p);
     }
-    let (spec, src) = match &args.volfile {
-        Some(v) => (
-            ImageSpec::in_volfile(&args.image, v)?,
-            Source::Volfile(v.clone()),
-        ),
-        None => {
-            let spec: ImageSpec = args.image.parse()?;
-            let src = Source::Server {
-                server: spec.server.clone(),
-                volume: spec.volume.clone(),
-            };
-            (spec, src)
-        }
-    };
+    let (spec, src) = ImageSpec::with_source(&args.image, args.volfile.as_deref())?;
     // The lock's renewals, and the signals, run on a small runtime of their own.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

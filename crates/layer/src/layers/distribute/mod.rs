@@ -490,6 +490,18 @@ impl Distribute {
     }
 }
 
+/// Layer methods for fops on an open file, each sent to the subvolume that holds it.
+macro_rules! on_file_kid {
+    ($( $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty; )*) => {$(
+        fn $name<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, $($arg: $ty),*) -> Fut<'a, $ret> {
+            match self.fd_kid(fd) {
+                Ok((k, fd)) => k.$name(cx, fd, $($arg),*),
+                Err(e) => crate::fail(e),
+            }
+        }
+    )*};
+}
+
 impl Layer for Distribute {
     fn name(&self) -> &str {
         &self.name
@@ -681,76 +693,14 @@ impl Layer for Distribute {
         Box::pin(self.do_xattr_change(cx, path, name, move |k| k.removexattr(cx, path, name)))
     }
 
-    fn fallocate<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        mode: u32,
-        offset: u64,
-        len: u64,
-    ) -> Fut<'a, ()> {
-        match self.fd_kid(fd) {
-            Ok((k, fd)) => k.fallocate(cx, fd, mode, offset, len),
-            Err(e) => crate::fail(e),
-        }
-    }
-
-    fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
-        match self.fd_kid(fd) {
-            Ok((k, fd)) => k.discard(cx, fd, offset, len),
-            Err(e) => crate::fail(e),
-        }
-    }
-
-    fn extents<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, at: u64, len: u64) -> Fut<'a, ExtentList> {
-        match self.fd_kid(fd) {
-            Ok((k, fd)) => k.extents(cx, fd, at, len),
-            Err(e) => crate::fail(e),
-        }
-    }
-
-    fn lease<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        cmd: u32,
-        ttl_ms: u32,
-        holder: &'a str,
-    ) -> Fut<'a, LeaseState> {
-        match self.fd_kid(fd) {
-            Ok((k, fd)) => k.lease(cx, fd, cmd, ttl_ms, holder),
-            Err(e) => crate::fail(e),
-        }
-    }
-
-    fn snap<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        cmd: u32,
-        name: &'a str,
-        to: &'a str,
-        ttl_ms: u32,
-    ) -> Fut<'a, ExtentList> {
-        // A clone lands beside its snapshot, on the image's subvolume (lookups find it there).
-        match self.fd_kid(fd) {
-            Ok((k, fd)) => k.snap(cx, fd, cmd, name, to, ttl_ms),
-            Err(e) => crate::fail(e),
-        }
-    }
-
-    fn dirty<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        cmd: u32,
-        name: &'a str,
-        at: u64,
-        len: u64,
-    ) -> Fut<'a, ExtentList> {
-        match self.fd_kid(fd) {
-            Ok((k, fd)) => k.dirty(cx, fd, cmd, name, at, len),
-            Err(e) => crate::fail(e),
-        }
+    // Fops on one open file go to the subvolume that holds it. (A snapshot's clone lands
+    // beside it, on the image's subvolume: lookups find it there.)
+    on_file_kid! {
+        fallocate(mode: u32, offset: u64, len: u64) -> ();
+        discard(offset: u64, len: u64) -> ();
+        extents(at: u64, len: u64) -> ExtentList;
+        lease(cmd: u32, ttl_ms: u32, holder: &'a str) -> LeaseState;
+        snap(cmd: u32, name: &'a str, to: &'a str, ttl_ms: u32) -> ExtentList;
+        dirty(cmd: u32, name: &'a str, at: u64, len: u64) -> ExtentList;
     }
 }

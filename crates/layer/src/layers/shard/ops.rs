@@ -164,6 +164,19 @@ macro_rules! guarded {
     };
 }
 
+/// Layer methods for fops a plain (unsplit) file passes on and a split one refuses.
+macro_rules! on_plain_file {
+    ($( $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty; )*) => {$(
+        fn $name<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, $($arg: $ty),*) -> Fut<'a, $ret> {
+            match fd.get::<ShardFd>() {
+                Err(e) => fail(e),
+                Ok(ShardFd::Plain(f)) => self.kid().$name(cx, f, $($arg),*),
+                Ok(ShardFd::Split(_)) => fail(errno::EOPNOTSUPP),
+            }
+        }
+    )*};
+}
+
 impl Layer for Shard {
     fn name(&self) -> &str {
         &self.name
@@ -315,20 +328,11 @@ impl Layer for Shard {
         }
     }
 
-    fn lease<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        cmd: u32,
-        ttl_ms: u32,
-        holder: &'a str,
-    ) -> Fut<'a, LeaseState> {
-        match fd.get::<ShardFd>() {
-            Err(e) => fail(e),
-            Ok(ShardFd::Plain(f)) => self.kid().lease(cx, f, cmd, ttl_ms, holder),
-            // Its shards would each need the lease: not offered yet.
-            Ok(ShardFd::Split(_)) => fail(errno::EOPNOTSUPP),
-        }
+    // An image's lease and dirty records: a split file's shards would each need them, which
+    // is not offered yet.
+    on_plain_file! {
+        lease(cmd: u32, ttl_ms: u32, holder: &'a str) -> LeaseState;
+        dirty(cmd: u32, name: &'a str, at: u64, len: u64) -> ExtentList;
     }
 
     fn snap<'a>(
@@ -347,22 +351,6 @@ impl Layer for Shard {
         match fd.get::<ShardFd>() {
             Err(e) => fail(e),
             Ok(ShardFd::Plain(f)) => self.kid().snap(cx, f, cmd, name, to, ttl_ms),
-            Ok(ShardFd::Split(_)) => fail(errno::EOPNOTSUPP),
-        }
-    }
-
-    fn dirty<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        cmd: u32,
-        name: &'a str,
-        at: u64,
-        len: u64,
-    ) -> Fut<'a, ExtentList> {
-        match fd.get::<ShardFd>() {
-            Err(e) => fail(e),
-            Ok(ShardFd::Plain(f)) => self.kid().dirty(cx, f, cmd, name, at, len),
             Ok(ShardFd::Split(_)) => fail(errno::EOPNOTSUPP),
         }
     }

@@ -160,7 +160,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
         for name in ("single", "rep3"):
-            for a in (["volume", "stop", name], ["volume", "delete", name]):
+            for a in (["volume", "stop", name, "--yes"], ["volume", "delete", name, "--yes"]):
                 subprocess.run([str(self.kiln), *a, "--server", self.server], env=self.env,
                                capture_output=True)
         for p in reversed(self.procs):

@@ -6,26 +6,21 @@
 //! else `KILN_MGMT_SECRET_FILE`, else `STATE_DIR/mgmt.secret` (`--state-dir`, default
 //! `/var/lib/kiln`: root can read it on a kilnd host). Only `volfile` works without it.
 //! `heal` fetches the volfile and works on the bricks with the volume's secret. `profile`
-//! talks to one brick server directly (`--server`, default the brick default; the volume's
-//! secret as `heal` finds it) and gathers the io-stats of the brick and of every client that
-//! announced a metrics endpoint to it (mounts, NBD exports).
+//! asks kilnd where the volume's bricks run, then the bricks themselves (with the volume's
+//! secret) and every client that announced a metrics endpoint to them (mounts, NBD exports).
 
 use std::fmt::Write as _;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use kiln_client::Client;
-use kiln_layer::iostats::{Period, PointReport};
-use kiln_layer::trace::{Timeline, Waterfall};
 use kiln_mgmt::response::{
     Changed, Deleted, Envelope, Health, Infos, Names, Statuses, VolfileText,
 };
 use kiln_mgmt::{options, Request, VolState};
-use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 use serde::{de::DeserializeOwned, Serialize};
 
 mod create;
 mod heal;
+mod profile;
 mod rebalance;
 use create::{create, replica_and_bricks, CreateArgs};
 use heal::HealArgs;
@@ -46,7 +41,7 @@ enum VolumeCmd {
     /// `start` opens an interval (counting never stops: cumulative numbers are always there),
     /// `info` prints cumulative and interval tables, `stop` prints them and closes the interval,
     /// `trace` prints the waterfall of sampled requests that clients recorded.
-    Profile(ProfileArgs),
+    Profile(profile::ProfileArgs),
     /// The layer types a volume graph (volfile) may use, with their options.
     Layers,
     /// Define a volume: `kiln volume create NAME [replica N] HOST:/DIR...`.
@@ -79,8 +74,9 @@ enum VolumeCmd {
     /// Start a volume's bricks (each brick a process on its host); `force` also restarts bricks
     /// that are down in a started volume.
     Start(StartArgs),
-    /// Stop a volume's bricks (SIGTERM; clients lose access until the next start).
-    Stop(NameArgs),
+    /// Stop a volume's bricks (SIGTERM; clients lose access until the next start). Asks first
+    /// at a terminal; scripts pass --yes.
+    Stop(DestroyArgs),
     /// Add bricks to a volume, online: `kiln volume add-brick NAME [replica N] HOST:/DIR...`.
     ///
     /// With N the volume's replica count (or no `replica`): whole new replica sets. The new
@@ -117,8 +113,9 @@ enum VolumeCmd {
     /// volume. The new brick serves no reads until the heal service has rebuilt it in full
     /// from its replicas; `heal NAME info` and `status NAME` show the progress.
     ReplaceBrick(ReplaceArgs),
-    /// Forget a stopped volume's definition and secret (the data in the bricks stays).
-    Delete(NameArgs),
+    /// Forget a stopped volume's definition and secret (the data in the bricks stays). Asks
+    /// first at a terminal; scripts pass --yes.
+    Delete(DestroyArgs),
     /// Definitions: name, type, state, bricks (all volumes without NAME).
     Info(MaybeNameArgs),
     /// Every brick's port, pid and whether it answers (all volumes without NAME).
@@ -138,10 +135,10 @@ enum VolumeCmd {
 pub(crate) struct MgmtOpts {
     /// The kilnd management address (tcp:HOST:PORT or HOST:PORT).
     #[arg(long, default_value = kiln_client::mgmt::DEFAULT_SERVER)]
-    server: String,
+    pub(crate) server: String,
     /// Print the server's JSON reply instead of text.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// The kilnd's management secret (default: KILN_MGMT_SECRET_FILE, else
     /// STATE_DIR/mgmt.secret). Every command but `volfile` needs it.
     #[arg(long, value_name = "PATH")]
@@ -149,7 +146,7 @@ pub(crate) struct MgmtOpts {
     /// The state directory of this host's kilnd, where the default management secret and the
     /// volume secrets are (readable by root).
     #[arg(long, value_name = "DIR", default_value = kiln_client::mgmt::DEFAULT_STATE_DIR)]
-    state_dir: PathBuf,
+    pub(crate) state_dir: PathBuf,
 }
 
 /// The management secret a command proves, or why there is none (for the refusal's hint).
@@ -291,34 +288,22 @@ struct NameArgs {
 }
 
 #[derive(clap::Args, Debug)]
-struct MaybeNameArgs {
-    /// The volume's name (default: every volume).
-    name: Option<String>,
+struct DestroyArgs {
+    /// The volume's name.
+    name: String,
+    /// Do not ask.
+    #[arg(long, short = 'y')]
+    yes: bool,
     #[command(flatten)]
     opts: MgmtOpts,
 }
 
 #[derive(clap::Args, Debug)]
-struct ProfileArgs {
-    /// The volume's name.
-    volume: String,
-    /// What to do.
-    #[arg(value_enum)]
-    action: Action,
-    /// The brick server of the volume (tcp:HOST:PORT, HOST:PORT or unix:PATH).
-    #[arg(long, default_value = "tcp:127.0.0.1:24100")]
-    server: String,
-    /// Print JSON instead of tables.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-enum Action {
-    Start,
-    Info,
-    Stop,
-    Trace,
+struct MaybeNameArgs {
+    /// The volume's name (default: every volume).
+    name: Option<String>,
+    #[command(flatten)]
+    opts: MgmtOpts,
 }
 
 /// `kiln volume`.
@@ -328,7 +313,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             print!("{}", layers_text());
             Ok(())
         }
-        VolumeCmd::Profile(p) => profile(&p),
+        VolumeCmd::Profile(p) => profile::profile(&p),
         VolumeCmd::Heal(a) => heal::heal(&a),
         VolumeCmd::Rebalance(a) => rebalance::rebalance(&a),
         VolumeCmd::RemoveBrick(a) => rebalance::remove_brick(&a),
@@ -370,12 +355,28 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             }
         }
         VolumeCmd::Stop(a) => {
+            if !a.yes {
+                create::confirm(
+                    &format!("volume stop: {}", a.name),
+                    "stopping a volume makes its data unreachable to every client until it \
+                     starts again",
+                    &format!("Stop volume {}?", a.name),
+                )?;
+            }
             let req = Request::Stop {
                 name: a.name.clone(),
             };
             done(&a.opts, "stop", &a.name, &mgmt_call(&a.opts, &req)?)
         }
         VolumeCmd::Delete(a) => {
+            if !a.yes {
+                create::confirm(
+                    &format!("volume delete: {}", a.name),
+                    "deleting a volume forgets its definition and its bricks' secret (the \
+                     files stay in the brick directories)",
+                    &format!("Delete volume {}?", a.name),
+                )?;
+            }
             let req = Request::Delete {
                 name: a.name.clone(),
             };
@@ -424,7 +425,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
 
 /// The secret of volume `name`'s bricks: `explicit`, else `KILN_SECRET_FILE`, else
 /// `STATE_DIR/vols/NAME/secret` when readable; none when nothing is found.
-fn volume_secret(
+pub(crate) fn volume_secret(
     name: &str,
     explicit: Option<&Path>,
     state_dir: &Path,
@@ -659,19 +660,20 @@ fn status_text(r: &Statuses) -> String {
         }
         let _ = writeln!(
             out,
-            "{:<50} {:>8} {:>7} {:>8}",
-            "Brick", "TCP Port", "Online", "Pid"
+            "{:<50} {:>8} {:>7} {:>8} {:>8}",
+            "Brick", "TCP Port", "Online", "Pid", "Metrics"
         );
-        let _ = writeln!(out, "{}", "-".repeat(76));
+        let _ = writeln!(out, "{}", "-".repeat(85));
         for b in &v.bricks {
             let shown = |x: Option<String>| x.filter(|_| b.online).unwrap_or("N/A".into());
             let _ = writeln!(
                 out,
-                "{:<50} {:>8} {:>7} {:>8}",
+                "{:<50} {:>8} {:>7} {:>8} {:>8}",
                 format!("Brick {}", b.brick),
                 shown(b.port.map(|p| p.to_string())),
                 if b.online { "Y" } else { "N" },
                 shown(b.pid.map(|p| p.to_string())),
+                shown(b.metrics_port.map(|p| p.to_string())),
             );
         }
         for b in &v.bricks {
@@ -742,182 +744,4 @@ fn layers_text() -> String {
         }
     }
     out
-}
-
-/// GET or POST on a client's endpoint; returns the body.
-fn http(addr: &str, method: &str, path: &str) -> Result<String, String> {
-    let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
-    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
-    write!(
-        s,
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n"
-    )
-    .map_err(|e| format!("{addr}: {e}"))?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)
-        .map_err(|e| format!("{addr}: {e}"))?;
-    let (head, body) = resp
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("{addr}: malformed HTTP response"))?;
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        return Err(format!(
-            "{addr}{path}: {}",
-            head.lines().next().unwrap_or("")
-        ));
-    }
-    Ok(body.to_owned())
-}
-
-fn profile(p: &ProfileArgs) -> Result<(), String> {
-    // A brick of a managed volume wants the volume's secret.
-    let secret = volume_secret(
-        &p.volume,
-        None,
-        Path::new(kiln_client::mgmt::DEFAULT_STATE_DIR),
-    )?;
-    let client = Client::connect_with_secret(&p.server, secret.as_deref())
-        .map_err(|e| format!("volume {}: cannot reach its brick: {e}", p.volume))?;
-    let cmd = match p.action {
-        Action::Start => PROFILE_START,
-        Action::Stop => PROFILE_STOP,
-        Action::Info | Action::Trace => PROFILE_INFO,
-    };
-    let brick = client
-        .profile(cmd)
-        .map_err(|e| format!("volume {}: profile request failed: {e}", p.volume))?;
-    let endpoints: Vec<String> = brick["clients"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut sources = vec![(format!("brick {}", p.server), brick)];
-    let mut unreachable = Vec::new();
-    for ep in &endpoints {
-        let (method, path) = match (p.action, cmd) {
-            (Action::Trace, _) => ("GET", "/traces"),
-            (_, PROFILE_START) => ("POST", "/profile/start"),
-            (_, PROFILE_STOP) => ("POST", "/profile/stop"),
-            _ => ("GET", "/profile"),
-        };
-        match http(ep, method, path).and_then(|b| {
-            serde_json::from_str::<serde_json::Value>(&b).map_err(|e| format!("{ep}: {e}"))
-        }) {
-            Ok(v) => sources.push((format!("client {ep}"), v)),
-            Err(e) => unreachable.push(e),
-        }
-    }
-    if p.action == Action::Trace {
-        let mut timelines: Vec<Timeline> = Vec::new();
-        for (_, v) in &sources {
-            if let Some(t) = v.get("timelines") {
-                timelines
-                    .extend(serde_json::from_value::<Vec<Timeline>>(t.clone()).unwrap_or_default());
-            }
-        }
-        let w = Waterfall::of(&timelines);
-        if p.json {
-            println!(
-                "{}",
-                serde_json::json!({ "volume": p.volume, "waterfall": w })
-            );
-        } else {
-            match w {
-                Some(w) => print!("{}", w.render()),
-                None => println!(
-                    "volume {}: no sampled requests yet (clients sample with --trace-every)",
-                    p.volume
-                ),
-            }
-        }
-        return report_unreachable(&unreachable);
-    }
-    if p.json {
-        let v: Vec<_> = sources
-            .iter()
-            .map(|(who, v)| serde_json::json!({ "source": who, "report": v }))
-            .collect();
-        println!(
-            "{}",
-            serde_json::json!({ "volume": p.volume, "sources": v })
-        );
-        return report_unreachable(&unreachable);
-    }
-    if p.action == Action::Start {
-        println!(
-            "Starting volume profile on {} has been successful ({} source(s))",
-            p.volume,
-            sources.len()
-        );
-        return report_unreachable(&unreachable);
-    }
-    for (who, v) in &sources {
-        let points: Vec<PointReport> =
-            serde_json::from_value(v["points"].clone()).unwrap_or_default();
-        for pt in points {
-            println!("{who}, io-stats point {}", pt.name);
-            println!("{}", "-".repeat(60));
-            print_period("Cumulative Stats", &pt.cumulative);
-            if let Some(iv) = &pt.interval {
-                print_period("Interval Stats (since profile start)", iv);
-            }
-        }
-    }
-    report_unreachable(&unreachable)
-}
-
-fn report_unreachable(errs: &[String]) -> Result<(), String> {
-    for e in errs {
-        eprintln!("kiln: a client of the volume did not answer: {e}");
-    }
-    Ok(())
-}
-
-fn print_period(title: &str, p: &Period) {
-    println!("{title}:");
-    if !p.block_sizes.is_empty() {
-        let mut hdr = String::from("   Block Size:");
-        let mut rd = String::from(" No. of Reads:");
-        let mut wr = String::from("No. of Writes:");
-        for b in &p.block_sizes {
-            let _ = write!(hdr, " {:>10}", format!("{}b+", b.size));
-            let _ = write!(rd, " {:>10}", b.reads);
-            let _ = write!(wr, " {:>10}", b.writes);
-        }
-        println!("{hdr}\n{rd}\n{wr}\n");
-    }
-    let total: f64 = p
-        .fops
-        .iter()
-        .map(|f| f.latency_us_total)
-        .sum::<f64>()
-        .max(1e-9);
-    println!(
-        " %-latency   Avg-latency   Min-Latency   Max-Latency   p50-latency   p99-latency   No. of calls   Errors   Fop"
-    );
-    println!(
-        " ---------   -----------   -----------   -----------   -----------   -----------   ------------   ------   ----"
-    );
-    let mut fops = p.fops.clone();
-    fops.sort_by(|a, b| a.latency_us_total.total_cmp(&b.latency_us_total));
-    for f in &fops {
-        println!(
-            " {:>9.2}   {:>8.2} us   {:>8.2} us   {:>8.2} us   {:>8.2} us   {:>8.2} us   {:>12}   {:>6}   {}",
-            f.latency_us_total * 100.0 / total,
-            f.latency_us_mean,
-            f.latency_us_min,
-            f.latency_us_max,
-            f.latency_us_p50,
-            f.latency_us_p99,
-            f.calls,
-            f.errors,
-            f.fop.to_uppercase()
-        );
-    }
-    println!(
-        "\n    Duration: {:.0} seconds\n   Data Read: {} bytes\nData Written: {} bytes\n",
-        p.duration_s, p.data_read, p.data_written
-    );
 }

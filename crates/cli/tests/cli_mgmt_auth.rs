@@ -92,8 +92,8 @@ fn kiln_volume_needs_the_management_secret() {
         vec!["volume", "info"],
         vec!["volume", "status"],
         vec!["volume", "start", "vol"],
-        vec!["volume", "stop", "vol"],
-        vec!["volume", "delete", "vol"],
+        vec!["volume", "stop", "vol", "--yes"],
+        vec!["volume", "delete", "vol", "--yes"],
     ] {
         let mut full = args.clone();
         full.extend(["--server", a, "--state-dir", nw]);
@@ -195,13 +195,38 @@ fn kiln_volume_needs_the_management_secret() {
     assert_eq!(v.layers.len(), 2);
 
     // Stop and delete with the secret; without it the volume stays started.
-    assert!(
-        fails(&["volume", "stop", "vol", "--server", a, "--state-dir", nw])
-            .contains("needs the management secret")
-    );
+    assert!(fails(&[
+        "volume",
+        "stop",
+        "vol",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        nw
+    ])
+    .contains("needs the management secret"));
     assert!(ok(&["volume", "info", "vol", "--server", a, "--state-dir", sd]).contains("Started"));
-    ok(&["volume", "stop", "vol", "--server", a, "--state-dir", sd]);
-    ok(&["volume", "delete", "vol", "--server", a, "--state-dir", sd]);
+    ok(&[
+        "volume",
+        "stop",
+        "vol",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    ok(&[
+        "volume",
+        "delete",
+        "vol",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
     assert!(!state.join("vols/vol").exists());
 }
 

@@ -25,7 +25,7 @@ fn a_brick_of_a_volume_that_is_not_started_is_stopped_and_started_ones_stay() {
         mgmt(&["volume", "create", v, &brick]);
         mgmt(&["volume", "start", v]);
     }
-    mgmt(&["volume", "stop", "down"]);
+    mgmt(&["volume", "stop", "down", "--yes"]);
     let st: Value = serde_json::from_str(&mgmt(&["volume", "status", "up", "--json"])).unwrap();
     let up_pid = st["volumes"][0]["bricks"][0]["pid"].as_u64().unwrap();
 
@@ -97,7 +97,7 @@ fn a_bricks_log_is_appended_to_across_restarts() {
     mgmt(&["volume", "start", "logs"]);
     let first = listening();
     assert!(first > 0, "the brick's log says where it listens");
-    mgmt(&["volume", "stop", "logs"]);
+    mgmt(&["volume", "stop", "logs", "--yes"]);
     mgmt(&["volume", "start", "logs"]);
     assert_eq!(listening(), 2 * first, "both runs are in the log");
 }

@@ -77,7 +77,13 @@ fn profile_start_info_stop_counts_what_ran() {
         "0.3",
     ]);
     let before = brick_point(&run(&[
-        "volume", "profile", "vol", "info", "--server", addr, "--json",
+        "volume",
+        "profile",
+        "vol",
+        "info",
+        "--brick-server",
+        addr,
+        "--json",
     ]));
     assert!(before["interval"].is_null());
     let reads_before = fop(&before["cumulative"], "read").unwrap()["calls"]
@@ -85,7 +91,7 @@ fn profile_start_info_stop_counts_what_ran() {
         .unwrap();
     assert!(reads_before > 0);
 
-    let started = run(&["volume", "profile", "vol", "start", "--server", addr]);
+    let started = run(&["volume", "profile", "vol", "start", "--brick-server", addr]);
     assert!(started.contains("successful"), "{started}");
     run(&[
         "bench",
@@ -100,14 +106,20 @@ fn profile_start_info_stop_counts_what_ran() {
         "--runtime",
         "0.3",
     ]);
-    let info = run(&["volume", "profile", "vol", "info", "--server", addr]);
+    let info = run(&["volume", "profile", "vol", "info", "--brick-server", addr]);
     assert!(info.contains("Interval Stats"), "{info}");
     assert!(
         info.contains("WRITE") && info.contains("%-latency"),
         "{info}"
     );
     let p = brick_point(&run(&[
-        "volume", "profile", "vol", "info", "--server", addr, "--json",
+        "volume",
+        "profile",
+        "vol",
+        "info",
+        "--brick-server",
+        addr,
+        "--json",
     ]));
     let iv = &p["interval"];
     let w = fop(iv, "write").expect("writes in the interval");
@@ -138,9 +150,15 @@ fn profile_start_info_stop_counts_what_ran() {
         reads_before
     );
 
-    run(&["volume", "profile", "vol", "stop", "--server", addr]);
+    run(&["volume", "profile", "vol", "stop", "--brick-server", addr]);
     let after = brick_point(&run(&[
-        "volume", "profile", "vol", "info", "--server", addr, "--json",
+        "volume",
+        "profile",
+        "vol",
+        "info",
+        "--brick-server",
+        addr,
+        "--json",
     ]));
     assert!(after["interval"].is_null());
 }

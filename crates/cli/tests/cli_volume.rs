@@ -248,17 +248,40 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     assert_eq!(st["bricks"][0]["pid"].as_u64().unwrap(), pids[0]);
 
     // Delete needs a stopped volume; stop ends every brick.
-    assert!(
-        fails(&["volume", "delete", "vol", "--server", a, "--state-dir", sd])
-            .contains("stop it first")
-    );
+    assert!(fails(&[
+        "volume",
+        "delete",
+        "vol",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        sd
+    ])
+    .contains("stop it first"));
     let running: Vec<u64> = st["bricks"]
         .as_array()
         .unwrap()
         .iter()
         .map(|b| b["pid"].as_u64().unwrap())
         .collect();
-    ok(&["volume", "stop", "vol", "--server", a, "--state-dir", sd]);
+    // Not at a terminal and without --yes: refused, and the bricks keep running.
+    let e = fails(&["volume", "stop", "vol", "--server", a, "--state-dir", sd]);
+    assert!(e.contains("--yes"), "{e}");
+    assert!(
+        running.iter().all(|p| pid_alive(*p)),
+        "a refused stop stops nothing"
+    );
+    ok(&[
+        "volume",
+        "stop",
+        "vol",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
     assert!(
         running.iter().all(|p| !pid_alive(*p)),
         "stop ends the bricks"
@@ -266,10 +289,27 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     let st = status(a, sd, "vol");
     assert_eq!(st["state"], "stopped");
     assert_eq!(online(&st), [false, false, false], "{st}");
-    assert!(
-        fails(&["volume", "stop", "vol", "--server", a, "--state-dir", sd]).contains("not started")
-    );
-    ok(&["volume", "delete", "vol", "--server", a, "--state-dir", sd]);
+    assert!(fails(&[
+        "volume",
+        "stop",
+        "vol",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        sd
+    ])
+    .contains("not started"));
+    ok(&[
+        "volume",
+        "delete",
+        "vol",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
     assert!(
         fails(&["volume", "info", "vol", "--server", a, "--state-dir", sd])
             .contains("does not exist")

@@ -254,6 +254,7 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
             dir,
             port: Some(port),
             pid: None,
+            metrics_port: None,
             settled: true,
             removed: false,
         });

@@ -309,6 +309,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         let volfile = mgmt::placeholder_volfile(&args.state_dir);
         let server = match Server::bind_volfile(&volfile, std::slice::from_ref(&args.mgmt)) {
             Ok(s) => {
+                mgmt::restore_umask();
                 let s = s
                     .with_allow_list(args.allow.clone())
                     .with_secret(manager.secret())
@@ -335,7 +336,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
             }
         }
         let m = manager.clone();
-        let heal = move |out: &mut String| {
+        let heal = move |out: &mut kiln_layer::metrics::Scrape| {
             m.healer().render(out);
             m.runs().render(out);
         };
@@ -369,7 +370,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
 
 /// Lines a kilnd adds to `/metrics` beside its server's (the heal service's, in management
 /// mode).
-type MoreMetrics = Box<dyn Fn(&mut String) + Send + Sync>;
+type MoreMetrics = Box<dyn Fn(&mut kiln_layer::metrics::Scrape) + Send + Sync>;
 
 /// Serves `/metrics` (the server's counters with the process's io-stats) on `addr` unless it is
 /// "off", and prints where.
@@ -378,7 +379,7 @@ fn serve_metrics(addr: &str, server: &Server, more: Option<MoreMetrics>) -> Resu
         return Ok(());
     }
     let stats = server.stats();
-    let extra: kiln_metrics::Extra = Arc::new(move |out: &mut String| {
+    let extra: kiln_metrics::Extra = Arc::new(move |out: &mut kiln_layer::metrics::Scrape| {
         stats.render(out);
         kiln_server::posix::trouble::render(out);
         if let Some(more) = &more {

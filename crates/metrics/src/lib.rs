@@ -14,11 +14,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use kiln_layer::iostats::points;
-use kiln_layer::metrics::{profile_json, render};
+use kiln_layer::metrics::{add_points, profile_json, Scrape};
 use kiln_layer::trace::TraceLog;
 
-/// Extra lines a process appends to `/metrics`.
-pub type Extra = Arc<dyn Fn(&mut String) + Send + Sync>;
+/// What a process adds to `/metrics` beside its io-stats points.
+pub type Extra = Arc<dyn Fn(&mut Scrape) + Send + Sync>;
 
 /// A running metrics endpoint.
 pub struct Endpoint {
@@ -73,11 +73,12 @@ fn route(
     let json = |v: serde_json::Value| (200, JSON, v.to_string());
     match (req.method(), req.url()) {
         (Get, "/metrics") => {
-            let mut s = render(process);
+            let mut s = Scrape::default();
+            add_points(&mut s, process);
             if let Some(x) = extra {
                 x(&mut s);
             }
-            (200, TEXT, s)
+            (200, TEXT, s.encode())
         }
         (Get, "/profile") => json(profile_json(process)),
         (Post, "/profile/start") => {

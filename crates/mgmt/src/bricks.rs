@@ -3,6 +3,7 @@
 use crate::def::{is_local, VolState, VolumeDef};
 use crate::manager::{Manager, Procs};
 use crate::peers::CONNECT_TIMEOUT;
+use crate::response::BrickStarted;
 use crate::store::write_atomic;
 use crate::volfiles::brick_volfile;
 use std::collections::BTreeSet;
@@ -62,10 +63,10 @@ impl Manager {
                     continue;
                 }
                 match self.ensure_brick(&mut procs, &def, i) {
-                    Ok((port, pid)) => {
+                    Ok(r) => {
                         let b = &def.bricks[i];
-                        if b.port != Some(port) || b.pid != Some(pid) || !b.settled {
-                            ran.push((i, port, pid));
+                        if b.running() != Some(r) || !b.settled {
+                            ran.push((i, r));
                         }
                     }
                     Err(e) => tracing::warn!(
@@ -79,9 +80,9 @@ impl Manager {
             // ports), whichever member made the volume's last change.
             if !ran.is_empty() {
                 if let Err(e) = self.update(&def.name, |d| {
-                    for &(i, port, pid) in &ran {
-                        if let Some(b) = d.bricks.get_mut(i) {
-                            b.ran(port, pid);
+                    for (i, r) in &ran {
+                        if let Some(b) = d.bricks.get_mut(*i) {
+                            b.ran(r);
                         }
                     }
                 }) {
@@ -143,20 +144,21 @@ impl Manager {
         runs && !zombie
     }
 
-    /// Makes brick `i` of `def` run on this host; returns its port and pid.
+    /// Makes brick `i` of `def` run on this host; returns where it runs.
     pub(crate) fn ensure_brick(
         &self,
         procs: &mut Procs,
         def: &VolumeDef,
         i: usize,
-    ) -> Result<(u16, u32), String> {
+    ) -> Result<BrickStarted, String> {
         let b = &def.bricks[i];
         let ip = b.ip()?;
         let vf_path = self.brick_volfile_path(&def.name, i);
-        if let (Some(port), Some(pid)) = (b.port, b.pid) {
-            if self.pid_runs_brick(procs, pid, &vf_path) && port_answers(SocketAddr::new(ip, port))
+        if let Some(r) = b.running() {
+            if self.pid_runs_brick(procs, r.pid, &vf_path)
+                && port_answers(SocketAddr::new(ip, r.port))
             {
-                return Ok((port, pid));
+                return Ok(r);
             }
         }
         fs::create_dir_all(&b.dir)
@@ -195,13 +197,13 @@ impl Manager {
             };
             taken.insert(port);
             match self.spawn_brick(procs, def, i, ip, port, &log_path) {
-                Ok(pid) => {
+                Ok((pid, metrics)) => {
                     tracing::info!(
                         "volume {}: brick {} runs as pid {pid} on port {port}",
                         def.name,
                         b.spec()
                     );
-                    return Ok((port, pid));
+                    return Ok(BrickStarted { port, pid, metrics });
                 }
                 Err((e, retry)) => {
                     last = e;
@@ -214,8 +216,8 @@ impl Manager {
         Err(last)
     }
 
-    /// Spawns a brick and waits until it listens. On failure: the message and whether another
-    /// port may help.
+    /// Spawns a brick and waits until it listens; returns its pid and metrics port. On
+    /// failure: the message and whether another port may help.
     pub(crate) fn spawn_brick(
         &self,
         procs: &mut Procs,
@@ -224,7 +226,7 @@ impl Manager {
         ip: IpAddr,
         port: u16,
         log_path: &Path,
-    ) -> Result<u32, (String, bool)> {
+    ) -> Result<(u32, Option<u16>), (String, bool)> {
         let vf_path = self.brick_volfile_path(&def.name, i);
         let fail = |e: String| (e, false);
         // Appended to: what a brick logged before a restart is what one looks for after it.
@@ -243,7 +245,9 @@ impl Manager {
         cmd.args(&self.exe[1..])
             .arg("--volfile")
             .arg(&vf_path)
-            .args(["--listen", &listen, "--metrics", "off", "--secret-file"])
+            .args(["--listen", &listen, "--metrics"])
+            .arg(SocketAddr::new(ip, 0).to_string())
+            .arg("--secret-file")
             .arg(self.secret_path(&def.name));
         if let Some(sock) = self.brick_socket(&def.name, i) {
             // Clients on this host reach the brick here: no TCP stack on the way (a third
@@ -267,9 +271,10 @@ impl Manager {
         loop {
             let all = fs::read(log_path).unwrap_or_default();
             let text = String::from_utf8_lossy(all.get(start..).unwrap_or_default());
-            if text.contains("kilnd: listening on") {
+            // It prints where its /metrics are right after it listens.
+            if text.contains("kilnd: listening on") && text.contains("kilnd: metrics on") {
                 procs.children.insert(pid, child);
-                return Ok(pid);
+                return Ok((pid, metrics_port(&text)));
             }
             if let Ok(Some(status)) = child.try_wait() {
                 let tail: String = text.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
@@ -343,4 +348,15 @@ pub(crate) fn free_port(ip: IpAddr, taken: &BTreeSet<u16>, first: u16) -> Result
 
 pub(crate) fn lock_port(m: &Mutex<u16>) -> std::sync::MutexGuard<'_, u16> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The port of a brick's `/metrics` endpoint, from what it printed once it listened
+/// (`kilnd: metrics on http://ADDR/metrics`).
+fn metrics_port(log: &str) -> Option<u16> {
+    log.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("kilnd: metrics on http://"))
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+        .map(|a| a.port())
 }

@@ -205,8 +205,8 @@ impl Manager {
                 Err(e) => Err(e),
             };
             match r {
-                Ok((port, pid)) => {
-                    def.bricks[i].ran(port, pid);
+                Ok(r) => {
+                    def.bricks[i].ran(&r);
                     up += 1;
                 }
                 Err(e) => errors.push(format!("brick {}: {e}", b.spec())),
@@ -348,7 +348,7 @@ impl Manager {
                     Err(e) => Err(e),
                 };
                 match r {
-                    Ok((port, pid)) => def.bricks[i].ran(port, pid),
+                    Ok(r) => def.bricks[i].ran(&r),
                     Err(e) => warnings.push(format!("brick {}: not restarted: {e}", b.spec())),
                 }
             }

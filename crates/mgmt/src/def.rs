@@ -22,6 +22,9 @@ pub struct BrickDef {
     /// The brick process, while it runs (a pid on the brick's host).
     #[serde(default)]
     pub pid: Option<u32>,
+    /// The port of the running brick's `/metrics` endpoint, on the brick's address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_port: Option<u16>,
     /// The brick has run in this volume: from now on a directory without the brick's
     /// identity is a new brick, rebuilt before it is read from. Until then (a volume's first
     /// start) the directory takes the identity at once.
@@ -34,11 +37,21 @@ pub struct BrickDef {
 }
 
 impl BrickDef {
-    /// Records that the brick runs on `port` as `pid` (and so has run in this volume).
-    pub fn ran(&mut self, port: u16, pid: u32) {
-        self.port = Some(port);
-        self.pid = Some(pid);
+    /// Records where the brick runs now (and so that it has run in this volume).
+    pub fn ran(&mut self, r: &crate::response::BrickStarted) {
+        self.port = Some(r.port);
+        self.pid = Some(r.pid);
+        self.metrics_port = r.metrics;
         self.settled = true;
+    }
+
+    /// Where the brick runs, as recorded.
+    pub fn running(&self) -> Option<crate::response::BrickStarted> {
+        Some(crate::response::BrickStarted {
+            port: self.port?,
+            pid: self.pid?,
+            metrics: self.metrics_port,
+        })
     }
 
     /// `HOST:/DIR`, or `HOST:PORT:/DIR` with a management port.
@@ -247,6 +260,7 @@ pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
         dir: clean,
         port: None,
         pid: None,
+        metrics_port: None,
         settled: false,
         removed: false,
     })

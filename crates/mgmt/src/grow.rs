@@ -130,8 +130,8 @@ impl Manager {
                 Err(e) => Err(e),
             };
             match r {
-                Ok((port, pid)) => {
-                    def.bricks[i].ran(port, pid);
+                Ok(r) => {
+                    def.bricks[i].ran(&r);
                     ran.push(i);
                 }
                 Err(e) => {

@@ -79,38 +79,26 @@ impl Healer {
 }
 
 impl Healer {
-    /// The heal service's gauges and counters, in Prometheus text: backlog and bytes healed
-    /// per volume, and each full rebuild's progress (names and bytes in all and done, rate,
+    /// The heal service's gauges and counters for `/metrics`: backlog and bytes healed per
+    /// volume, and each full rebuild's progress (names and bytes in all and done, rate,
     /// seconds left).
-    pub fn render(&self, out: &mut String) {
-        use std::fmt::Write;
+    pub fn render(&self, out: &mut kiln_layer::metrics::Scrape) {
+        // Every family is declared even before the first heal round, so dashboards and
+        // alerts find the names on any kilnd.
         let views = self.views();
-        if views.is_empty() {
-            return;
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kiln_heal_backlog_files Files behind on a replica after the last heal round.\n\
-             # TYPE kiln_heal_backlog_files gauge"
+        let f = out.gauge(
+            "kiln_heal_backlog_files",
+            "Files behind on a replica after the last heal round.",
         );
         for (vol, v) in &views {
-            let _ = writeln!(
-                out,
-                "kiln_heal_backlog_files{{volume=\"{vol}\"}} {}",
-                v.backlog
-            );
+            f.set(&[("volume", vol)], v.backlog as f64);
         }
-        let _ = writeln!(
-            out,
-            "# HELP kiln_heal_bytes_total Bytes the heal service copied to replicas behind.\n\
-             # TYPE kiln_heal_bytes_total counter"
+        let f = out.counter(
+            "kiln_heal_bytes",
+            "Bytes the heal service copied to replicas behind.",
         );
         for (vol, v) in &views {
-            let _ = writeln!(
-                out,
-                "kiln_heal_bytes_total{{volume=\"{vol}\"}} {}",
-                v.healed_bytes
-            );
+            f.count(&[("volume", vol)], v.healed_bytes);
         }
         type Gauge = (
             &'static str,
@@ -150,15 +138,10 @@ impl Healer {
             ),
         ];
         for (name, help, get) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            let f = out.gauge(name, help);
             for (vol, v) in &views {
                 for r in &v.rebuilds {
-                    let _ = writeln!(
-                        out,
-                        "{name}{{volume=\"{vol}\",brick=\"{}\"}} {}",
-                        r.target_name,
-                        get(r)
-                    );
+                    f.set(&[("volume", vol), ("brick", &r.target_name)], get(r));
                 }
             }
         }

@@ -77,7 +77,7 @@ mod volfiles;
 
 pub use bricks::brick_command;
 pub use def::*;
-pub use manager::{Manager, FIRST_BRICK_PORT, MGMT_SECRET_FILE};
+pub use manager::{restore_umask, Manager, FIRST_BRICK_PORT, MGMT_SECRET_FILE};
 pub use request::{Request, OPEN_COMMANDS};
 pub use volfiles::{brick_volfile, client_volfile, placeholder_volfile};
 
@@ -126,6 +126,7 @@ mod tests {
                     dir: format!("/b{i}").into(),
                     port: Some(24100 + i as u16),
                     pid: None,
+                    metrics_port: None,
                     settled: true,
                     removed: false,
                 })

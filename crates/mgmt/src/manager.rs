@@ -79,6 +79,14 @@ fn lock_state(state: &Path) -> Result<fs::File, String> {
     Ok(f)
 }
 
+/// Gives the management daemon the usual umask (022) back after its placeholder brick opened:
+/// a brick clears the process's umask to store modes exactly as clients ask, but what kilnd
+/// itself makes — state directories, brick logs, new brick directories (a volume's root) —
+/// must not be writable by everyone.
+pub fn restore_umask() {
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o022));
+}
+
 impl Manager {
     /// Opens (creating) the state directory, and loads the management secret from
     /// `secret_file`, default `STATE_DIR/mgmt.secret` — a missing file is created with a new
@@ -88,6 +96,16 @@ impl Manager {
         exe: Vec<OsString>,
         secret_file: Option<&Path>,
     ) -> Result<Arc<Manager>, String> {
+        // A new state directory is root's alone: it holds the secrets, the pool's log and
+        // the volfiles kilnd runs bricks from.
+        if !state.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(state)
+                .map_err(|e| format!("cannot create state directory {}: {e}", state.display()))?;
+        }
         for d in [state.join("vols"), state.join("mgmt-root")] {
             fs::create_dir_all(&d)
                 .map_err(|e| format!("cannot create state directory {}: {e}", d.display()))?;

@@ -252,8 +252,7 @@ impl Manager {
             ));
         }
         self.local_files(&def, secret)?;
-        let (port, pid) = self.ensure_brick(procs, &def, i)?;
-        Ok(BrickStarted { port, pid }.into())
+        Ok(self.ensure_brick(procs, &def, i)?.into())
     }
 
     /// Peer side of `stop`.
@@ -347,7 +346,7 @@ impl Manager {
         def: &VolumeDef,
         i: usize,
         secret: &str,
-    ) -> Result<(u16, u32), String> {
+    ) -> Result<BrickStarted, String> {
         let addr = def.bricks[i].mgmt_addr()?;
         let mut c = PeerConn::connect(addr, &self.secret, self.tls.get())?;
         let req = Request::BrickStart {
@@ -355,7 +354,6 @@ impl Manager {
             index: i,
             secret: Some(secret.to_owned()),
         };
-        let r: BrickStarted = c.call(&req)?;
-        Ok((r.port, r.pid))
+        c.call(&req)
     }
 }

@@ -163,13 +163,10 @@ impl Runs {
         }
     }
 
-    /// Every run's counters in Prometheus text.
-    pub fn render(&self, out: &mut String) {
-        use std::fmt::Write;
+    /// Every run's counters for `/metrics`.
+    pub fn render(&self, out: &mut kiln_layer::metrics::Scrape) {
+        // Declared with no samples before a first run, so dashboards find every name.
         let mut views: Vec<RebalanceView> = lock(&self.runs).values().map(|r| r.view()).collect();
-        if views.is_empty() {
-            return;
-        }
         views.sort_by(|a, b| a.volume.cmp(&b.volume));
         type Field = (
             &'static str,
@@ -216,25 +213,29 @@ impl Runs {
             ),
         ];
         for (name, kind, help, get) in fields {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for v in &views {
-                let _ = writeln!(out, "{name}{{volume=\"{}\"}} {}", v.volume, get(v));
+            if kind == "counter" {
+                let f = out.counter(name, help);
+                for v in &views {
+                    f.count(&[("volume", &v.volume)], get(v) as u64);
+                }
+            } else {
+                let f = out.gauge(name, help);
+                for v in &views {
+                    f.set(&[("volume", &v.volume)], get(v));
+                }
             }
         }
-        let _ = writeln!(
-            out,
-            "# HELP kiln_rebalance_brick_bytes_moved Bytes moved off (out) and onto (in) each \
-             brick's replica set.\n# TYPE kiln_rebalance_brick_bytes_moved counter"
+        let f = out.counter(
+            "kiln_rebalance_brick_bytes_moved",
+            "Bytes moved off (out) and onto (in) each brick's replica set.",
         );
         for v in &views {
             for s in &v.sets {
                 for b in &s.bricks {
                     for (dir, n) in [("out", s.moved_out_bytes), ("in", s.moved_in_bytes)] {
-                        let _ = writeln!(
-                            out,
-                            "kiln_rebalance_brick_bytes_moved{{volume=\"{}\",brick=\"{b}\",\
-                             direction=\"{dir}\"}} {n}",
-                            v.volume
+                        f.count(
+                            &[("volume", &v.volume), ("brick", b), ("direction", dir)],
+                            n,
                         );
                     }
                 }

@@ -120,6 +120,9 @@ pub struct BrickStatus {
     pub port: Option<u16>,
     /// Its process on its host.
     pub pid: Option<u32>,
+    /// The port of its `/metrics` endpoint (Prometheus), on the brick's address.
+    #[serde(default)]
+    pub metrics_port: Option<u16>,
     /// Whether it runs and answers now.
     pub online: bool,
     /// Its file system's size and the bytes free for the brick, when it is on this host.
@@ -223,6 +226,7 @@ impl BrickStatus {
             dir: b.dir.clone(),
             port: b.port,
             pid: b.pid,
+            metrics_port: b.metrics_port.filter(|_| online),
             online,
             space,
             health,
@@ -280,6 +284,9 @@ pub struct BrickStarted {
     pub port: u16,
     /// Its process.
     pub pid: u32,
+    /// The port of its `/metrics` endpoint (on the brick's address), when it serves one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<u16>,
 }
 
 /// `brick-stop`.

@@ -72,47 +72,42 @@ impl Stats {
 }
 
 impl Stats {
-    /// Appends the server-wide counters in Prometheus text format.
-    pub fn render(&self, out: &mut String) {
-        use std::fmt::Write;
+    /// Adds the server-wide counters to a `/metrics` scrape.
+    pub fn render(&self, out: &mut kiln_layer::metrics::Scrape) {
         let rows: [(&str, &str, &AtomicU64); 6] = [
             (
-                "kiln_brick_read_bytes_total",
+                "kiln_brick_read_bytes",
                 "Payload bytes sent in READ replies.",
                 &self.bytes_read,
             ),
             (
-                "kiln_brick_written_bytes_total",
+                "kiln_brick_written_bytes",
                 "Payload bytes written by WRITE requests.",
                 &self.bytes_written,
             ),
             (
-                "kiln_brick_copied_bytes_total",
+                "kiln_brick_copied_bytes",
                 "WRITE payload bytes copied in user space.",
                 &self.bytes_copied,
             ),
             (
-                "kiln_brick_bad_frames_total",
+                "kiln_brick_bad_frames",
                 "Frames refused as malformed.",
                 &self.bad_frames,
             ),
             (
-                "kiln_brick_connections_total",
+                "kiln_brick_connections",
                 "Connections accepted.",
                 &self.connections,
             ),
             (
-                "kiln_brick_refused_total",
+                "kiln_brick_refused",
                 "Connections or clients refused.",
                 &self.refused,
             ),
         ];
         for (name, help, v) in rows {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                v.load(Relaxed)
-            );
+            out.counter(name, help).count(&[], v.load(Relaxed));
         }
     }
 }

@@ -95,22 +95,31 @@ pub(super) fn create(a: &CreateArgs) -> Result<(), String> {
 }
 
 /// Asks before a replica 2 volume is made, as GlusterFS does: two copies cannot out-vote each
-/// other. Without a terminal to ask at, refuses (`--yes` goes ahead).
+/// other.
 fn confirm_replica_2(name: &str) -> Result<(), String> {
-    use std::io::{BufRead, IsTerminal, Write};
     let why = "replica 2 volumes are prone to split-brain (two copies that changed apart, and \
                no majority to say which is right); replica 3 avoids it";
+    confirm(
+        &format!("volume create: {name}"),
+        why,
+        &format!("Create volume {name} with replica 2 anyway?"),
+    )
+    .map_err(|e| e.replace("go ahead", "create it anyway"))
+}
+
+/// Asks `question` at the terminal after saying `why`; `what` names the command in errors.
+/// Without a terminal to ask at (a script, a pipe) it refuses: the caller passes `--yes`.
+pub(super) fn confirm(what: &str, why: &str, question: &str) -> Result<(), String> {
+    use std::io::{BufRead, IsTerminal, Write};
     if !std::io::stdin().is_terminal() {
-        return Err(format!(
-            "volume create: {name}: {why}. Pass --yes to create it anyway"
-        ));
+        return Err(format!("{what}: {why}. Pass --yes to go ahead"));
     }
-    eprint!("kiln: {why}.\nCreate volume {name} with replica 2 anyway? (y/N) ");
+    eprint!("kiln: {why}.\n{question} (y/N) ");
     let _ = std::io::stderr().flush();
     let mut answer = String::new();
     let _ = std::io::stdin().lock().read_line(&mut answer);
     match answer.trim() {
         "y" | "Y" | "yes" => Ok(()),
-        _ => Err(format!("volume create: {name}: not created")),
+        _ => Err(format!("{what}: not done")),
     }
 }

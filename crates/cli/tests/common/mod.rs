@@ -26,6 +26,8 @@ pub struct Kilnd {
     pub child: Child,
     pub addr: String,
     pub log: PathBuf,
+    /// Its `/metrics` address (IP:PORT), when `extra` asked for one with `--metrics`.
+    pub metrics: Option<String>,
 }
 
 impl Kilnd {
@@ -43,7 +45,12 @@ impl Kilnd {
         let log = state.with_extension("log");
         let child = kiln()
             .envs(env.iter().copied())
-            .args(["server", "--mgmt", mgmt, "--metrics", "off"])
+            .args(["server", "--mgmt", mgmt])
+            .args(if extra.contains(&"--metrics") {
+                &[][..]
+            } else {
+                &["--metrics", "off"][..]
+            })
             .arg("--state-dir")
             .arg(state)
             .args(extra)
@@ -59,6 +66,7 @@ impl Kilnd {
             child,
             addr: String::new(),
             log,
+            metrics: None,
         };
         let mut out = BufReader::new(kd.child.stdout.take().unwrap());
         let mut line = String::new();
@@ -71,6 +79,9 @@ impl Kilnd {
             );
             if let Some(a) = line.trim().strip_prefix("kilnd: management on ") {
                 kd.addr = a.to_owned();
+            }
+            if let Some(a) = line.trim().strip_prefix("kilnd: metrics on http://") {
+                kd.metrics = Some(a.trim_end_matches("/metrics").to_owned());
             }
         }
         kd

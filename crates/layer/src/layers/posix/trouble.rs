@@ -4,7 +4,6 @@
 //! one line per write.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -62,16 +61,14 @@ pub fn counts() -> Vec<(&'static str, u64)> {
         .collect()
 }
 
-/// Appends the counters in Prometheus text format.
-pub fn render(out: &mut String) {
-    let name = "kiln_brick_storage_errors_total";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Storage calls on the brick that failed with ENOSPC, EDQUOT, EIO or \
-         EROFS.\n# TYPE {name} counter"
+/// Adds the counters to a `/metrics` scrape.
+pub fn render(out: &mut crate::metrics::Scrape) {
+    let f = out.counter(
+        "kiln_brick_storage_errors",
+        "Storage calls on the brick that failed with ENOSPC, EDQUOT, EIO or EROFS.",
     );
     for (e, n) in counts() {
-        let _ = writeln!(out, "{name}{{errno=\"{e}\"}} {n}");
+        f.count(&[("errno", e)], n);
     }
 }
 
@@ -96,9 +93,10 @@ mod tests {
             .as_ref()
             .unwrap()
             .contains_key(&("a".to_owned(), libc::ENOSPC as u32)));
-        let mut out = String::new();
+        let mut out = crate::metrics::Scrape::default();
         drop(logged);
         render(&mut out);
+        let out = out.encode();
         assert!(out.contains("kiln_brick_storage_errors_total{errno=\"ENOSPC\"}"));
     }
 }

@@ -354,39 +354,8 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
                 false => Ok(()),
             }
         }
-        VolumeCmd::Stop(a) => {
-            if !a.yes {
-                create::confirm(
-                    &format!("volume stop: {}", a.name),
-                    "stopping a volume makes its data unreachable to every client until it \
-                     starts again",
-                    &format!("Stop volume {}?", a.name),
-                )?;
-            }
-            let req = Request::Stop {
-                name: a.name.clone(),
-            };
-            done(&a.opts, "stop", &a.name, &mgmt_call(&a.opts, &req)?)
-        }
-        VolumeCmd::Delete(a) => {
-            if !a.yes {
-                create::confirm(
-                    &format!("volume delete: {}", a.name),
-                    "deleting a volume forgets its definition and its bricks' secret (the \
-                     files stay in the brick directories)",
-                    &format!("Delete volume {}?", a.name),
-                )?;
-            }
-            let req = Request::Delete {
-                name: a.name.clone(),
-            };
-            let r: Deleted = mgmt_call(&a.opts, &req)?;
-            show(&a.opts, &r, |_| {
-                format!("volume delete: {}: success\n", a.name)
-            });
-            warn(&r.warnings);
-            Ok(())
-        }
+        VolumeCmd::Stop(a) => stop(&a),
+        VolumeCmd::Delete(a) => delete(&a),
         VolumeCmd::Info(a) => {
             let req = Request::Info {
                 name: a.name.clone(),
@@ -421,6 +390,42 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+/// `volume stop`, after asking.
+fn stop(a: &DestroyArgs) -> Result<(), String> {
+    if !a.yes {
+        create::confirm(
+            &format!("volume stop: {}", a.name),
+            "stopping a volume makes its data unreachable to every client until it starts again",
+            &format!("Stop volume {}?", a.name),
+        )?;
+    }
+    let req = Request::Stop {
+        name: a.name.clone(),
+    };
+    done(&a.opts, "stop", &a.name, &mgmt_call(&a.opts, &req)?)
+}
+
+/// `volume delete`, after asking.
+fn delete(a: &DestroyArgs) -> Result<(), String> {
+    if !a.yes {
+        create::confirm(
+            &format!("volume delete: {}", a.name),
+            "deleting a volume forgets its definition and its bricks' secret (the files stay \
+             in the brick directories)",
+            &format!("Delete volume {}?", a.name),
+        )?;
+    }
+    let req = Request::Delete {
+        name: a.name.clone(),
+    };
+    let r: Deleted = mgmt_call(&a.opts, &req)?;
+    show(&a.opts, &r, |_| {
+        format!("volume delete: {}: success\n", a.name)
+    });
+    warn(&r.warnings);
+    Ok(())
 }
 
 /// The secret of volume `name`'s bricks: `explicit`, else `KILN_SECRET_FILE`, else

@@ -65,7 +65,7 @@ impl Manager {
                 match self.ensure_brick(&mut procs, &def, i) {
                     Ok(r) => {
                         let b = &def.bricks[i];
-                        if b.running() != Some(r) || !b.settled {
+                        if BrickStarted::of(b) != Some(r) || !b.settled {
                             ran.push((i, r));
                         }
                     }
@@ -82,7 +82,7 @@ impl Manager {
                 if let Err(e) = self.update(&def.name, |d| {
                     for (i, r) in &ran {
                         if let Some(b) = d.bricks.get_mut(*i) {
-                            b.ran(r);
+                            r.record_in(b);
                         }
                     }
                 }) {
@@ -154,7 +154,7 @@ impl Manager {
         let b = &def.bricks[i];
         let ip = b.ip()?;
         let vf_path = self.brick_volfile_path(&def.name, i);
-        if let Some(r) = b.running() {
+        if let Some(r) = BrickStarted::of(b) {
             if self.pid_runs_brick(procs, r.pid, &vf_path)
                 && port_answers(SocketAddr::new(ip, r.port))
             {

@@ -206,7 +206,7 @@ impl Manager {
             };
             match r {
                 Ok(r) => {
-                    def.bricks[i].ran(&r);
+                    r.record_in(&mut def.bricks[i]);
                     up += 1;
                 }
                 Err(e) => errors.push(format!("brick {}: {e}", b.spec())),
@@ -348,7 +348,7 @@ impl Manager {
                     Err(e) => Err(e),
                 };
                 match r {
-                    Ok(r) => def.bricks[i].ran(&r),
+                    Ok(r) => r.record_in(&mut def.bricks[i]),
                     Err(e) => warnings.push(format!("brick {}: not restarted: {e}", b.spec())),
                 }
             }

@@ -37,21 +37,13 @@ pub struct BrickDef {
 }
 
 impl BrickDef {
-    /// Records where the brick runs now (and so that it has run in this volume).
-    pub fn ran(&mut self, r: &crate::response::BrickStarted) {
-        self.port = Some(r.port);
-        self.pid = Some(r.pid);
-        self.metrics_port = r.metrics;
+    /// Records that the brick runs on `port` as `pid`, its `/metrics` on `metrics` (and so
+    /// that it has run in this volume).
+    pub fn ran(&mut self, port: u16, pid: u32, metrics: Option<u16>) {
+        self.port = Some(port);
+        self.pid = Some(pid);
+        self.metrics_port = metrics;
         self.settled = true;
-    }
-
-    /// Where the brick runs, as recorded.
-    pub fn running(&self) -> Option<crate::response::BrickStarted> {
-        Some(crate::response::BrickStarted {
-            port: self.port?,
-            pid: self.pid?,
-            metrics: self.metrics_port,
-        })
     }
 
     /// `HOST:/DIR`, or `HOST:PORT:/DIR` with a management port.

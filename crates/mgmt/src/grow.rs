@@ -131,7 +131,7 @@ impl Manager {
             };
             match r {
                 Ok(r) => {
-                    def.bricks[i].ran(&r);
+                    r.record_in(&mut def.bricks[i]);
                     ran.push(i);
                 }
                 Err(e) => {

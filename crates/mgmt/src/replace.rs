@@ -67,7 +67,7 @@ impl Manager {
                 self.remote_brick_start(&def, i, &secret)
             };
             match r {
-                Ok(r) => def.bricks[i].ran(&r),
+                Ok(r) => r.record_in(&mut def.bricks[i]),
                 Err(e) => warnings.push(format!(
                     "new brick {} did not start: {e} (`start {name} force` retries)",
                     def.bricks[i].spec()

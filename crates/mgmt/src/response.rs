@@ -289,6 +289,22 @@ pub struct BrickStarted {
     pub metrics: Option<u16>,
 }
 
+impl BrickStarted {
+    /// Where `b` runs, as recorded.
+    pub fn of(b: &BrickDef) -> Option<BrickStarted> {
+        Some(BrickStarted {
+            port: b.port?,
+            pid: b.pid?,
+            metrics: b.metrics_port,
+        })
+    }
+
+    /// Records in `b` that it runs here.
+    pub fn record_in(&self, b: &mut BrickDef) {
+        b.ran(self.port, self.pid, self.metrics);
+    }
+}
+
 /// `brick-stop`.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
 pub struct BrickStopped {

@@ -87,11 +87,34 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
         Action::Stop => PROFILE_STOP,
         Action::Info | Action::Trace => PROFILE_INFO,
     };
+    let (mut sources, mut unreachable, endpoints) = ask_bricks(p, cmd, secret.as_deref())?;
+    for ep in &endpoints {
+        let (method, path) = match (p.action, cmd) {
+            (Action::Trace, _) => ("GET", "/traces"),
+            (_, PROFILE_START) => ("POST", "/profile/start"),
+            (_, PROFILE_STOP) => ("POST", "/profile/stop"),
+            _ => ("GET", "/profile"),
+        };
+        match http(ep, method, path).and_then(|b| {
+            serde_json::from_str::<serde_json::Value>(&b).map_err(|e| format!("{ep}: {e}"))
+        }) {
+            Ok(v) => sources.push((format!("client {ep}"), v)),
+            Err(e) => unreachable.push(e),
+        }
+    }
+    report(p, &sources, &unreachable)
+}
+
+/// What each brick answered to `cmd` (with its name), what failed, and the clients' metrics
+/// endpoints the bricks know (each once).
+type Answers = (Vec<(String, serde_json::Value)>, Vec<String>, Vec<String>);
+
+fn ask_bricks(p: &ProfileArgs, cmd: u32, secret: Option<&[u8]>) -> Result<Answers, String> {
     let mut sources = Vec::new();
     let mut unreachable = Vec::new();
     let mut endpoints: Vec<String> = Vec::new();
     for (name, addr) in bricks(p)? {
-        let report = Client::connect_with_secret(&addr, secret.as_deref())
+        let report = Client::connect_with_secret(&addr, secret)
             .map_err(|e| format!("brick {name}: cannot reach it at {addr}: {e}"))
             .and_then(|c| {
                 c.profile(cmd)
@@ -119,23 +142,18 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
             unreachable.join("; ")
         ));
     }
-    for ep in &endpoints {
-        let (method, path) = match (p.action, cmd) {
-            (Action::Trace, _) => ("GET", "/traces"),
-            (_, PROFILE_START) => ("POST", "/profile/start"),
-            (_, PROFILE_STOP) => ("POST", "/profile/stop"),
-            _ => ("GET", "/profile"),
-        };
-        match http(ep, method, path).and_then(|b| {
-            serde_json::from_str::<serde_json::Value>(&b).map_err(|e| format!("{ep}: {e}"))
-        }) {
-            Ok(v) => sources.push((format!("client {ep}"), v)),
-            Err(e) => unreachable.push(e),
-        }
-    }
+    Ok((sources, unreachable, endpoints))
+}
+
+/// Prints what the sources said: a waterfall, JSON, a confirmation or the tables.
+fn report(
+    p: &ProfileArgs,
+    sources: &[(String, serde_json::Value)],
+    unreachable: &[String],
+) -> Result<(), String> {
     if p.action == Action::Trace {
         let mut timelines: Vec<Timeline> = Vec::new();
-        for (_, v) in &sources {
+        for (_, v) in sources {
             if let Some(t) = v.get("timelines") {
                 timelines
                     .extend(serde_json::from_value::<Vec<Timeline>>(t.clone()).unwrap_or_default());
@@ -156,7 +174,7 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
                 ),
             }
         }
-        return report_unreachable(&unreachable);
+        return report_unreachable(unreachable);
     }
     if p.opts.json {
         let v: Vec<_> = sources
@@ -167,7 +185,7 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
             "{}",
             serde_json::json!({ "volume": p.volume, "sources": v })
         );
-        return report_unreachable(&unreachable);
+        return report_unreachable(unreachable);
     }
     if p.action == Action::Start {
         println!(
@@ -175,9 +193,9 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
             p.volume,
             sources.len()
         );
-        return report_unreachable(&unreachable);
+        return report_unreachable(unreachable);
     }
-    for (who, v) in &sources {
+    for (who, v) in sources {
         let points: Vec<PointReport> =
             serde_json::from_value(v["points"].clone()).unwrap_or_default();
         for pt in points {
@@ -189,7 +207,7 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
             }
         }
     }
-    report_unreachable(&unreachable)
+    report_unreachable(unreachable)
 }
 
 fn report_unreachable(errs: &[String]) -> Result<(), String> {

@@ -264,3 +264,31 @@ pub fn brick_files(dir: &Path) -> Vec<String> {
     out.sort();
     out
 }
+
+/// `kiln volume status VOL --json` against a management kilnd: the volume's entry.
+pub fn status(addr: &str, sd: &str, vol: &str) -> serde_json::Value {
+    let s = ok(&[
+        "volume",
+        "status",
+        vol,
+        "--server",
+        addr,
+        "--state-dir",
+        sd,
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&s).unwrap();
+    v["volumes"][0].clone()
+}
+
+/// `kiln server --metrics off ARGS` that must refuse to start; its stderr.
+pub fn refused_kilnd(args: &[&std::ffi::OsStr]) -> String {
+    let out = kiln()
+        .args(["server", "--metrics", "off"])
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "kilnd started: {err}");
+    err
+}

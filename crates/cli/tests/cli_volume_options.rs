@@ -1,0 +1,249 @@
+//! Volume options as an operator changes them on a running volume, against a real management
+//! kilnd with real brick processes: the clients' allow-list and root squash, and the one table
+//! of options that `set`, `get` and `reset` read.
+
+use kiln_client::block_on;
+use serde_json::Value;
+
+mod common;
+use common::{fails, mgmt_ok, ok, refused_kilnd, status, BrickReaper, Kilnd};
+
+#[test]
+fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state, &["--brick-port-base", "24500"]);
+    let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
+    let spec = format!("127.0.0.1:{}", tmp.path().join("ab").display());
+    let err = fails(&[
+        "volume",
+        "create",
+        "al",
+        &spec,
+        "--allow",
+        "10.0.0.0/33",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("10.0.0.0/33"), "a bad range is refused: {err}");
+    ok(&[
+        "volume",
+        "create",
+        "al",
+        &spec,
+        "--allow",
+        "10.9.9.0/24",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    ok(&["volume", "start", "al", "--server", a, "--state-dir", sd]);
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("Clients allowed from: 10.9.9.0/24"), "{info}");
+    let secret = std::fs::read_to_string(state.join("vols/al/secret")).unwrap();
+    let port = status(a, sd, "al")["bricks"][0]["port"].as_u64().unwrap();
+    let addr = format!("tcp:127.0.0.1:{port}");
+    let connect = || kiln_client::Client::connect_opts(&addr, Some(secret.trim().as_bytes()), None);
+    let e = connect().err().expect("loopback is not in 10.9.9.0/24");
+    assert!(e.to_string().contains("allow-list"), "{e}");
+
+    // Allowing loopback restarts the brick with the new list; now the client gets in.
+    ok(&[
+        "volume",
+        "set",
+        "al",
+        "allow",
+        "10.9.9.0/24,127.0.0.0/8",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let port = status(a, sd, "al")["bricks"][0]["port"].as_u64().unwrap();
+    let addr2 = format!("tcp:127.0.0.1:{port}");
+    let c = kiln_client::Client::connect_opts(&addr2, Some(secret.trim().as_bytes()), None)
+        .expect("allowed now");
+    block_on(c.mkdir("in", 0o755)).unwrap();
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("10.9.9.0/24, 127.0.0.0/8"), "{info}");
+    // `all` clears the list.
+    ok(&[
+        "volume",
+        "set",
+        "al",
+        "allow",
+        "all",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("Clients allowed from: anywhere"), "{info}");
+    assert!(info.contains("Root squash: off"), "{info}");
+
+    // Root squash: the allow-list stays as it is; a client's root becomes nobody on the
+    // brick, while a request without credentials (the process itself, heal) stays root.
+    ok(&[
+        "volume",
+        "set",
+        "al",
+        "root-squash",
+        "on",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let info = ok(&["volume", "info", "al", "--server", a, "--state-dir", sd]);
+    assert!(info.contains("Root squash: on"), "{info}");
+    assert!(info.contains("Clients allowed from: anywhere"), "{info}");
+    let port = status(a, sd, "al")["bricks"][0]["port"].as_u64().unwrap();
+    let vf = kiln_client::Volume::default_volfile(&format!("tcp:127.0.0.1:{port}"));
+    let vol = kiln_client::Volume::from_volfile_with_secret(&vf, Some(secret.trim().as_bytes()))
+        .expect("connect");
+    let root = vol.on_behalf_of(Some(std::sync::Arc::new(kiln_proto::Cred::default())));
+    // A new volume's root is root's, 0755 (kilnd made the brick directory): squashed, a
+    // client's root may not write there, as with NFS. The admin opens it up.
+    let ab = tmp.path().join("ab");
+    let mode = std::fs::metadata(&ab).unwrap().permissions();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+        0o755
+    );
+    block_on(root.mkdir("refused", 0o755)).expect_err("a squashed root in a 0755 root dir");
+    std::fs::set_permissions(&ab, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    block_on(root.mkdir("by-root", 0o755)).expect("mkdir as a client's root");
+    block_on(vol.mkdir("by-process", 0o755)).expect("mkdir without credentials");
+    let owner = |n: &str| {
+        std::os::unix::fs::MetadataExt::uid(
+            &std::fs::metadata(tmp.path().join("ab").join(n)).unwrap(),
+        )
+    };
+    assert_eq!(owner("by-root"), 65534, "a client's root is squashed");
+    assert_eq!(owner("by-process"), 0);
+    let e =
+        block_on(root.mkdir("in/x", 0o755)).expect_err("nobody may not write in root's 0755 dir");
+    assert_eq!(e.raw_os_error(), Some(libc::EACCES));
+    let err = fails(&[
+        "volume",
+        "set",
+        "al",
+        "root-squash",
+        "maybe",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("on or off"), "{err}");
+}
+
+#[test]
+fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state, &["--brick-port-base", "26300"]);
+    let b = format!("127.0.0.1:{}", tmp.path().join("b").display());
+    mgmt_ok(&kd, &state, &["volume", "create", "ov", &b]);
+    let get = |opt: &str| -> Value {
+        let s = mgmt_ok(&kd, &state, &["volume", "get", "ov", opt, "--json"]);
+        serde_json::from_str(&s).unwrap()
+    };
+    let all = get("all");
+    let names: Vec<&str> = all["options"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "allow",
+            "root-squash",
+            "io-timeout",
+            "short-circuit",
+            "shard-block-size"
+        ],
+        "{all}"
+    );
+    assert!(all["version"].as_u64().unwrap() > 0, "{all}");
+    for o in all["options"].as_array().unwrap() {
+        assert_eq!(
+            o["value"], o["default"],
+            "a new volume has the defaults: {o}"
+        );
+    }
+    mgmt_ok(&kd, &state, &["volume", "set", "ov", "io-timeout", "12"]);
+    mgmt_ok(&kd, &state, &["volume", "set", "ov", "root-squash", "on"]);
+    mgmt_ok(
+        &kd,
+        &state,
+        &["volume", "set", "ov", "short-circuit", "off"],
+    );
+    assert_eq!(get("short-circuit")["options"][0]["value"], "off");
+    let io = get("io-timeout");
+    assert_eq!(io["options"][0]["value"], "12", "{io}");
+    assert_eq!(io["options"][0]["restarts_bricks"], false, "{io}");
+    assert!(io["version"].as_u64() > all["version"].as_u64(), "{io}");
+    let text = mgmt_ok(&kd, &state, &["volume", "get", "ov"]);
+    assert!(
+        text.contains("root-squash") && text.contains("how long a client"),
+        "{text}"
+    );
+    // Bad names and values are refused before anything is sent, naming what is allowed.
+    let e = fails(&[
+        "volume",
+        "set",
+        "ov",
+        "io-timeout",
+        "forever",
+        "--server",
+        &kd.addr,
+    ]);
+    assert!(e.contains("seconds, 0 to 86400"), "{e}");
+    let e = fails(&["volume", "get", "ov", "colour", "--server", &kd.addr]);
+    assert!(
+        e.contains("no volume option") && e.contains("io-timeout"),
+        "{e}"
+    );
+    mgmt_ok(&kd, &state, &["volume", "reset", "ov", "io-timeout"]);
+    assert_eq!(get("io-timeout")["options"][0]["value"], "30");
+    assert_eq!(get("root-squash")["options"][0]["value"], "on");
+    mgmt_ok(&kd, &state, &["volume", "reset", "ov", "all"]);
+    assert_eq!(get("root-squash")["options"][0]["value"], "off");
+    assert_eq!(get("short-circuit")["options"][0]["value"], "on");
+
+    // A second kilnd on the same state directory refuses to start, and says which holds it.
+    let err = refused_kilnd(&[
+        "--mgmt".as_ref(),
+        "tcp:127.0.0.1:0".as_ref(),
+        "--state-dir".as_ref(),
+        state.as_os_str(),
+    ]);
+    assert!(
+        err.contains("another kilnd")
+            && err.contains(&format!("pid {}", kd.child.id()))
+            && err.contains("--state-dir"),
+        "{err}"
+    );
+    // A taken management port gets a hint, not only "address in use".
+    let taken = format!("tcp:127.0.0.1:{}", kd.addr.rsplit(':').next().unwrap());
+    let other = tmp.path().join("other");
+    let err = refused_kilnd(&[
+        "--mgmt".as_ref(),
+        taken.as_ref(),
+        "--state-dir".as_ref(),
+        other.as_os_str(),
+    ]);
+    assert!(
+        err.contains("management port") && err.contains("--mgmt"),
+        "{err}"
+    );
+}

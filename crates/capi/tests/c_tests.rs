@@ -46,6 +46,14 @@ fn c_tests_pass_under_asan() {
         "libkiln.so not built in {}",
         lib_dir.display()
     );
+    // Laid out as a package installs it: the linker takes libkiln.so, programs then load the
+    // library by its SONAME, libkiln.so.0.
+    let libs = dir.path().join("lib");
+    std::fs::create_dir(&libs).expect("lib dir");
+    for name in ["libkiln.so", "libkiln.so.0"] {
+        std::os::unix::fs::symlink(lib_dir.join("libkiln.so"), libs.join(name)).expect("link");
+    }
+    let lib_dir = libs;
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = dir.path().join("kiln_test");
     let out = Command::new("cc")
@@ -73,6 +81,17 @@ fn c_tests_pass_under_asan() {
         out.status.success(),
         "compiling the C test failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+
+    let dynamic = Command::new("readelf")
+        .arg("-d")
+        .arg(&exe)
+        .output()
+        .expect("run readelf");
+    let dynamic = String::from_utf8_lossy(&dynamic.stdout);
+    assert!(
+        dynamic.contains("Shared library: [libkiln.so.0]"),
+        "the test program should need libkiln by its SONAME:\n{dynamic}"
     );
 
     let (sock, port) = start_server(dir.path());

@@ -32,6 +32,12 @@ if [ ${#need[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+# The reference parser a test reads /metrics with: the Prometheus project's Python client.
+if ! python3 -c 'import prometheus_client' 2>/dev/null; then
+  echo "== installing prometheus-client (Python)"
+  python3 -m pip install -q 'prometheus-client==0.21.1' 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages 'prometheus-client==0.21.1'
+fi
 [ -e /dev/fuse ] || { echo "test.sh: /dev/fuse is missing; the FUSE tests need it (modprobe fuse)" >&2; exit 1; }
 
 # One clean build per CI run: incremental state would only double the disk it needs.
@@ -53,6 +59,20 @@ elif [ "$(id -u)" != 0 ]; then
 else
   echo "== POSIX conformance (pjdfstest)"
   python3 scripts/conformance.py
+fi
+
+# The Debian package (scripts/package.sh: release build, man pages, completion, cargo-deb),
+# installed, used through systemd and /etc/fstab, and purged in a throwaway root with systemd as
+# its PID 1 (scripts/install-test.sh). KILN_PACKAGE_TEST=0 skips it.
+if [ "${KILN_PACKAGE_TEST:-1}" = 0 ]; then
+  echo "== package test skipped (KILN_PACKAGE_TEST=0)"
+elif [ "$(id -u)" != 0 ]; then
+  echo "== WARNING: package test skipped: it needs root (namespaces, mounts, dpkg)" >&2
+else
+  # The dev build cargo test made, packaged: the same files as the release package without a
+  # second, optimised build of everything (scripts/package.sh makes that one).
+  echo "== package install test"
+  scripts/install-test.sh --profile dev
 fi
 
 # Fuzz every decoder a peer can reach (Kiln frames and fop arguments, NBD options and requests,

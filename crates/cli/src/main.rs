@@ -2,13 +2,14 @@
 
 mod bench;
 mod demo;
+mod generate;
 mod image;
 mod pool;
 mod snapshots;
 mod tls;
 mod volume;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// Kiln: a distributed network file system with an accounted, zero-copy data path.
 #[derive(Parser, Debug)]
@@ -46,6 +47,8 @@ enum Cmd {
     Pool(pool::PoolArgs),
     /// TLS certificates: a CA and identities for bricks and clients.
     Tls(tls::TlsArgs),
+    /// Man pages and shell completions (`kiln generate completions bash`).
+    Generate(generate::GenerateArgs),
     /// Unmount a Kiln FUSE mount.
     Umount {
         /// The mount point.
@@ -63,6 +66,7 @@ fn main() -> std::process::ExitCode {
             | Cmd::Pool(_)
             | Cmd::Umount { .. }
             | Cmd::Image(_)
+            | Cmd::Generate(_)
     ) {
         quiet_on_closed_output();
     }
@@ -88,6 +92,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Tls(a) => tls::main(a),
         Cmd::Peer(a) => pool::peer(a),
         Cmd::Pool(a) => pool::pool(a),
+        Cmd::Generate(a) => generate::main(a, Cli::command()),
         Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
         Cmd::VhostUserBlk(a) => {
             kilnd::init_logging();

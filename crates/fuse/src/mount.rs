@@ -39,8 +39,10 @@ fn block_signals() {
     }
 }
 
+/// Something is mounted on `dir` that a new mount would hide. An automount point (autofs,
+/// from an fstab line with `x-systemd.automount`) is not: it is waiting for this very mount.
 fn is_mountpoint(dir: &Path) -> bool {
-    mounted_at(dir).is_some()
+    mounted_at(dir).is_some_and(|(kind, _)| kind != "autofs")
 }
 
 /// The file system type and source of what is mounted on `dir` now (the topmost mount), from

@@ -1,0 +1,58 @@
+//! `kiln generate`: man pages and shell completions, made from the command line's own clap
+//! definitions so they never drift from `--help`. The package build (scripts/package.sh) runs
+//! it; so can anyone who installs by hand.
+
+use std::path::{Path, PathBuf};
+
+use clap::{CommandFactory, Subcommand};
+
+/// What `kiln generate` writes.
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Subcommand, Debug)]
+enum What {
+    /// Write the man pages into DIR: kiln.1 and one page per subcommand (kiln-volume.1,
+    /// kiln-volume-create.1, ...), and kilnd.8 for the server.
+    Man {
+        /// The directory to write into (created if missing).
+        dir: PathBuf,
+    },
+    /// Print the completion script for SHELL on stdout (bash: save it as
+    /// /usr/share/bash-completion/completions/kiln).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// `kiln generate`; `kiln` is the whole command line's definition.
+pub fn main(args: GenerateArgs, kiln: clap::Command) -> Result<(), String> {
+    match args.what {
+        What::Man { dir } => man(kiln, &dir),
+        What::Completions { shell } => {
+            let mut kiln = kiln;
+            clap_complete::generate(shell, &mut kiln, "kiln", &mut std::io::stdout());
+            Ok(())
+        }
+    }
+}
+
+fn man(kiln: clap::Command, dir: &Path) -> Result<(), String> {
+    let fail = |e: std::io::Error| format!("cannot write man pages into {}: {e}", dir.display());
+    std::fs::create_dir_all(dir).map_err(fail)?;
+    clap_mangen::generate_to(kiln, dir).map_err(fail)?;
+    // The daemon's page is in section 8, where system services are looked for.
+    let kilnd = kilnd::ServeArgs::command().name("kilnd").bin_name("kilnd");
+    clap_mangen::Man::new(kilnd)
+        .section("8")
+        .generate_to(dir)
+        .map_err(fail)?;
+    let n = std::fs::read_dir(dir).map_err(fail)?.count();
+    eprintln!("kiln: {n} man pages in {}", dir.display());
+    Ok(())
+}

@@ -152,6 +152,19 @@ fn every_brick_serves_metrics_and_profile_covers_the_volume() {
         serde_json::from_str(&mgmt_ok(&kd, &state, &["volume", "status", "pv", "--json"])).unwrap();
     let rows = st["volumes"][0]["bricks"].as_array().unwrap().clone();
     assert_eq!(rows.len(), 3, "{st}");
+    // A brick's log lines say which volume and brick they are of, and who a client is.
+    let brick0 = format!("127.0.0.1:{}", rows[0]["port"]);
+    assert!(kiln_client::Client::connect_with_secret(&brick0, Some(b"not the secret")).is_err());
+    let log = state.join("vols/pv/bricks/0.log");
+    let tag = format!("volume=pv index=0 brick={} ", dirs[0].display());
+    common::wait_for(10, "the brick to log the refusal", || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .any(|l| {
+                l.starts_with(&tag) && l.contains("peer=127.0.0.1") && l.contains("authentication")
+            })
+    });
     let table = mgmt_ok(&kd, &state, &["volume", "status", "pv"]);
     assert!(table.contains("Metrics"), "{table}");
     let mut ports = Vec::new();

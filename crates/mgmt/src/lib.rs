@@ -79,7 +79,7 @@ pub use bricks::brick_command;
 pub use def::*;
 pub use manager::{restore_umask, Manager, FIRST_BRICK_PORT, MGMT_SECRET_FILE};
 pub use request::{Request, OPEN_COMMANDS};
-pub use volfiles::{brick_volfile, client_volfile, placeholder_volfile};
+pub use volfiles::{brick_of_point, brick_volfile, client_volfile, placeholder_volfile};
 
 #[cfg(test)]
 mod tests {

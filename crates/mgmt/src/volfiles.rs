@@ -11,7 +11,7 @@ use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
 /// brick's identity: volume id and index) → dispatch → posix (squashing clients' root when
 /// the volume says so).
 pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
-    let mut v = kiln_server::replica_volfile(dir, &format!("{}-brick-{index}", def.name));
+    let mut v = kiln_server::replica_volfile(dir, &format!("{}{BRICK_POINT}{index}", def.name));
     for l in &mut v.layers {
         match &mut l.kind {
             LayerKind::Posix { root_squash, .. } => *root_squash = def.root_squash,
@@ -28,6 +28,15 @@ pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
         }
     }
     v
+}
+
+/// What names a managed brick's io-stats point: `VOLUME-brick-INDEX`.
+const BRICK_POINT: &str = "-brick-";
+
+/// The volume and brick index a managed brick's io-stats point names, if it is one.
+pub fn brick_of_point(point: &str) -> Option<(&str, usize)> {
+    let (volume, index) = point.rsplit_once(BRICK_POINT)?;
+    Some((volume, index.parse().ok()?))
 }
 
 /// The client volfile of a started volume: io-stats `NAME` → shard `NAME-shard` (when the

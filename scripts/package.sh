@@ -69,7 +69,8 @@ for f in kiln kilnd libkiln.so; do
 done
 # Programs linked against libkiln record this name; a library without it cannot be upgraded
 # in place.
-readelf -d "$release/libkiln.so" | grep -q 'SONAME.*\[libkiln\.so\.0\]' \
+# (grep reads all of readelf's output: with -q and pipefail an early exit could fail the pipe.)
+grep -q 'SONAME.*\[libkiln\.so\.0\]' < <(readelf -d "$release/libkiln.so") \
     || die "$release/libkiln.so has no SONAME libkiln.so.0"
 
 # Generated from the binary just built, so they match its --help.

@@ -172,7 +172,15 @@ fn every_brick_serves_metrics_and_profile_covers_the_volume() {
         let port = b["metrics_port"]
             .as_u64()
             .unwrap_or_else(|| panic!("brick without a metrics port: {b}"));
-        assert!(table.contains(&port.to_string()), "{table}");
+        // The table's last column, on the brick's row.
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&format!("Brick {} ", b["brick"].as_str().unwrap())))
+            .unwrap_or_else(|| panic!("no row for {b} in {table}"));
+        assert_eq!(
+            row.split_whitespace().last(),
+            Some(port.to_string().as_str())
+        );
         let text = get(&format!("127.0.0.1:{port}"), "/metrics");
         // The brick's own counters and its io-stats point, named after the volume.
         assert!(text.contains("kiln_brick_connections_total"), "{text}");

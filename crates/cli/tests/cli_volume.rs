@@ -273,6 +273,9 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
         sd
     ])
     .contains("not started"));
+    let e = fails(&["volume", "delete", "vol", "--server", a, "--state-dir", sd]);
+    assert!(e.contains("--yes"), "{e}");
+    assert!(ok(&["volume", "info", "vol", "--server", a, "--state-dir", sd]).contains("vol"));
     ok(&[
         "volume",
         "delete",

@@ -354,6 +354,7 @@ fn open_manager(
 /// on `--mgmt` until killed.
 fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
     use kiln_mgmt as mgmt;
+    let umask = mgmt::current_umask();
     let fail = |e: String| {
         eprintln!("kilnd: {e}");
         std::process::ExitCode::FAILURE
@@ -375,7 +376,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         let volfile = mgmt::placeholder_volfile(&args.state_dir);
         let server = match Server::bind_volfile(&volfile, std::slice::from_ref(&args.mgmt)) {
             Ok(s) => {
-                mgmt::restore_umask();
+                mgmt::restore_umask(umask);
                 let s = s
                     .with_allow_list(args.allow.clone())
                     .with_secret(manager.secret())

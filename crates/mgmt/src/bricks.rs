@@ -245,8 +245,10 @@ impl Manager {
         cmd.args(&self.exe[1..])
             .arg("--volfile")
             .arg(&vf_path)
-            .args(["--listen", &listen, "--metrics"])
-            .arg(SocketAddr::new(ip, 0).to_string())
+            // On loopback, like every Kiln process's /metrics: the endpoint has no
+            // authentication (its profile routes change io-stats intervals), so it is not
+            // offered to the network; a scraper on the host reads it, or relays it.
+            .args(["--listen", &listen, "--metrics", "127.0.0.1:0"])
             .arg("--secret-file")
             .arg(self.secret_path(&def.name));
         if let Some(sock) = self.brick_socket(&def.name, i) {

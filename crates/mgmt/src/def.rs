@@ -22,7 +22,7 @@ pub struct BrickDef {
     /// The brick process, while it runs (a pid on the brick's host).
     #[serde(default)]
     pub pid: Option<u32>,
-    /// The port of the running brick's `/metrics` endpoint, on the brick's address.
+    /// The port of the running brick's `/metrics` endpoint, on the loopback of its host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_port: Option<u16>,
     /// The brick has run in this volume: from now on a directory without the brick's

@@ -77,7 +77,7 @@ mod volfiles;
 
 pub use bricks::brick_command;
 pub use def::*;
-pub use manager::{restore_umask, Manager, FIRST_BRICK_PORT, MGMT_SECRET_FILE};
+pub use manager::{current_umask, restore_umask, Manager, FIRST_BRICK_PORT, MGMT_SECRET_FILE};
 pub use request::{Request, OPEN_COMMANDS};
 pub use volfiles::{brick_of_point, brick_volfile, client_volfile, placeholder_volfile};
 

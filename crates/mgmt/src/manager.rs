@@ -79,12 +79,19 @@ fn lock_state(state: &Path) -> Result<fs::File, String> {
     Ok(f)
 }
 
-/// Gives the management daemon the usual umask (022) back after its placeholder brick opened:
-/// a brick clears the process's umask to store modes exactly as clients ask, but what kilnd
-/// itself makes — state directories, brick logs, new brick directories (a volume's root) —
-/// must not be writable by everyone.
-pub fn restore_umask() {
-    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o022));
+/// The process's umask, unchanged (reading it means setting it: set and set back).
+pub fn current_umask() -> u32 {
+    let m = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o022));
+    rustix::process::umask(m);
+    m.bits()
+}
+
+/// Gives the management daemon its umask (`was`, from [`current_umask`] at start; at least
+/// 022) back after its placeholder brick opened: a brick clears the process's umask to store
+/// modes exactly as clients ask, but what kilnd itself makes — state directories, brick logs,
+/// new brick directories (a volume's root) — must not be writable by everyone.
+pub fn restore_umask(was: u32) {
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(was | 0o022));
 }
 
 impl Manager {

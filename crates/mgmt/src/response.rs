@@ -120,7 +120,7 @@ pub struct BrickStatus {
     pub port: Option<u16>,
     /// Its process on its host.
     pub pid: Option<u32>,
-    /// The port of its `/metrics` endpoint (Prometheus), on the brick's address.
+    /// The port of its `/metrics` endpoint (Prometheus), on the loopback of the brick's host.
     #[serde(default)]
     pub metrics_port: Option<u16>,
     /// Whether it runs and answers now.

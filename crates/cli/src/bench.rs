@@ -82,7 +82,7 @@ pub struct BenchArgs {
     /// File to run against, relative to the volume root.
     #[arg(long, default_value = "kiln-bench.img")]
     pub file: String,
-    /// Print one JSON object instead of the table.
+    /// Print one JSON object instead of the table: {"ok": true, "mb_s", "iops", "lat_us", …}.
     #[arg(long)]
     pub json: bool,
     /// Put io-stats at six points: client top, above protocol-client, and in the brick below
@@ -855,6 +855,7 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
     let rw = format!("{:?}", args.rw).to_lowercase();
     if args.json {
         let v = serde_json::json!({
+            "ok": true,
             "rw": rw, "bs": args.bs, "iodepth": args.iodepth, "numjobs": args.numjobs,
             "replica": args.replica,
             "size": args.size, "transport": transport,

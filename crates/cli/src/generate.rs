@@ -11,6 +11,10 @@ use clap::{CommandFactory, Subcommand};
 pub struct GenerateArgs {
     #[command(subcommand)]
     what: What,
+    /// Print the result as one JSON object: the files written, or the completion script as
+    /// {"ok": true, "shell", "script"}.
+    #[arg(long, global = true)]
+    json: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -33,16 +37,28 @@ enum What {
 /// `kiln generate`; `kiln` is the whole command line's definition.
 pub fn main(args: GenerateArgs, kiln: clap::Command) -> Result<(), String> {
     match args.what {
-        What::Man { dir } => man(kiln, &dir),
+        What::Man { dir } => {
+            let pages = man(kiln, &dir)?;
+            let r = serde_json::json!({ "dir": dir, "pages": pages });
+            crate::out::show(args.json, &r, |_| String::new());
+            if !args.json {
+                eprintln!("kiln: {} man pages in {}", pages.len(), dir.display());
+            }
+        }
         What::Completions { shell } => {
             let mut kiln = kiln;
-            clap_complete::generate(shell, &mut kiln, "kiln", &mut std::io::stdout());
-            Ok(())
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut kiln, "kiln", &mut script);
+            let script = String::from_utf8(script).map_err(|e| e.to_string())?;
+            let r = serde_json::json!({ "shell": shell.to_string(), "script": script });
+            crate::out::show(args.json, &r, |_| script.clone());
         }
     }
+    Ok(())
 }
 
-fn man(kiln: clap::Command, dir: &Path) -> Result<(), String> {
+/// Writes the pages into `dir`; returns their file names, sorted.
+fn man(kiln: clap::Command, dir: &Path) -> Result<Vec<String>, String> {
     let fail = |e: std::io::Error| format!("cannot write man pages into {}: {e}", dir.display());
     std::fs::create_dir_all(dir).map_err(fail)?;
     clap_mangen::generate_to(kiln, dir).map_err(fail)?;
@@ -52,7 +68,10 @@ fn man(kiln: clap::Command, dir: &Path) -> Result<(), String> {
         .section("8")
         .generate_to(dir)
         .map_err(fail)?;
-    let n = std::fs::read_dir(dir).map_err(fail)?.count();
-    eprintln!("kiln: {n} man pages in {}", dir.display());
-    Ok(())
+    let mut pages: Vec<String> = std::fs::read_dir(dir)
+        .map_err(fail)?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    pages.sort();
+    Ok(pages)
 }

@@ -4,6 +4,8 @@
 use std::path::PathBuf;
 
 use kiln_client::{block_on, Fd, Volume};
+
+use crate::out;
 use kiln_nbd::ImageSpec;
 use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
 
@@ -41,6 +43,10 @@ pub struct ImageArgs {
     /// Build the client stack from this volfile (TOML) instead of connecting to SERVER.
     #[arg(long, value_name = "FILE", global = true)]
     volfile: Option<PathBuf>,
+    /// Print the result as one JSON object, {"ok": true, …} (errors as {"ok": false,
+    /// "error": …}).
+    #[arg(long, global = true)]
+    json: bool,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -64,13 +70,11 @@ enum ImageCmd {
         /// The new image's path in the volume.
         newpath: String,
     },
-    /// The image's snapshots: "NAME SIZE" per line.
+    /// The image's snapshots: "NAME SIZE" per line (JSON: {"image", "snapshots": [{"name",
+    /// "size", "path"}, …]}).
     List {
         /// The image.
         image: String,
-        /// One JSON object: {"image", "snapshots": [{"name", "size", "path"}, …]}.
-        #[arg(long)]
-        json: bool,
     },
     /// Remove snapshot IMAGE@NAME (its clones stay).
     Rm {
@@ -83,13 +87,11 @@ enum ImageCmd {
         cmd: DirtyCmd,
     },
     /// Who holds the image's exclusive lock (a writable `kiln nbd` takes it), and for how long
-    /// its lease runs unless renewed.
+    /// its lease runs unless renewed (JSON: {"locked", "holder", "lease_remaining_ms",
+    /// "token"}).
     Lock {
         /// The image.
         image: String,
-        /// One JSON object instead of a line of text.
-        #[arg(long)]
-        json: bool,
     },
 }
 
@@ -102,15 +104,13 @@ enum DirtyCmd {
         /// The record's name (up to 256 bytes; a file keeps up to 8 records).
         name: String,
     },
-    /// The ranges written since record NAME started: "OFFSET LENGTH" per line, in bytes.
+    /// The ranges written since record NAME started: "OFFSET LENGTH" per line, in bytes
+    /// (JSON: {"name", "size", "dirty_bytes", "ranges": [[offset, length], …]}).
     Show {
         /// The image.
         image: String,
         /// The record's name.
         name: String,
-        /// One JSON object: {"name", "size", "dirty_bytes", "ranges": [[offset, length], …]}.
-        #[arg(long)]
-        json: bool,
     },
     /// Stop record NAME and drop it.
     Stop {
@@ -142,7 +142,7 @@ pub fn main(args: ImageArgs) -> Result<(), String> {
         }
     );
     let (vol, fd, size, path) = open(image, args.volfile.as_deref(), write)?;
-    let r = run(&vol, &fd, size, &path, &args.cmd);
+    let r = run(&vol, &fd, size, &path, &args.cmd, args.json);
     let _ = block_on(vol.close(fd));
     r
 }
@@ -181,7 +181,14 @@ fn open(
     Ok((vol, fd, size, spec.path))
 }
 
-fn run(vol: &Volume, fd: &Fd, size: u64, path: &str, cmd: &ImageCmd) -> Result<(), String> {
+fn run(
+    vol: &Volume,
+    fd: &Fd,
+    size: u64,
+    path: &str,
+    cmd: &ImageCmd,
+    json: bool,
+) -> Result<(), String> {
     use crate::snapshots as snaps;
     let dirty_err = |name: &str, e: std::io::Error| match e.raw_os_error() {
         Some(libc::ENOENT) => format!(
@@ -196,51 +203,56 @@ fn run(vol: &Volume, fd: &Fd, size: u64, path: &str, cmd: &ImageCmd) -> Result<(
         _ => format!("dirty record {name:?}: {e}"),
     };
     match cmd {
-        ImageCmd::Snapshot { name, max_wait, .. } => snaps::take(vol, path, name, *max_wait)?,
+        ImageCmd::Snapshot { name, max_wait, .. } => snaps::take(vol, path, name, *max_wait, json)?,
         ImageCmd::Clone { snapshot, newpath } => snaps::clone(
             vol,
             path,
             &snap_name(snapshot),
             newpath.trim_start_matches('/'),
+            json,
         )?,
-        ImageCmd::List { json, .. } => snaps::list(vol, path, *json)?,
-        ImageCmd::Rm { snapshot } => snaps::remove(vol, path, &snap_name(snapshot))?,
+        ImageCmd::List { .. } => snaps::list(vol, path, json)?,
+        ImageCmd::Rm { snapshot } => snaps::remove(vol, path, &snap_name(snapshot), json)?,
         ImageCmd::Dirty { cmd } => match cmd {
             DirtyCmd::Start { name, .. } => {
                 block_on(vol.dirty(fd, DIRTY_START, name, 0, 0)).map_err(|e| dirty_err(name, e))?;
-                println!("dirty record {name:?} started: writes from now on are recorded");
+                let r = serde_json::json!({ "image": path, "record": name, "started": true });
+                out::show(json, &r, |_| {
+                    format!("dirty record {name:?} started: writes from now on are recorded\n")
+                });
             }
             DirtyCmd::Stop { name, .. } => {
                 block_on(vol.dirty(fd, DIRTY_STOP, name, 0, 0)).map_err(|e| dirty_err(name, e))?;
-                println!("dirty record {name:?} stopped");
+                let r = serde_json::json!({ "image": path, "record": name, "stopped": true });
+                out::show(json, &r, |_| format!("dirty record {name:?} stopped\n"));
             }
-            DirtyCmd::Show { name, json, .. } => {
+            DirtyCmd::Show { name, .. } => {
                 let ranges = dirty_ranges(vol, fd, name, size).map_err(|e| dirty_err(name, e))?;
-                print_ranges(name, size, &ranges, *json);
+                print_ranges(name, size, &ranges, json);
             }
         },
-        ImageCmd::Lock { json, .. } => {
+        ImageCmd::Lock { .. } => {
             let s = block_on(vol.lease(fd, LEASE_QUERY, 1000, "kiln image lock"))
                 .map_err(|e| format!("cannot ask for the lock: {e}"))?;
             let held = !s.holder.is_empty();
-            if *json {
-                let v = serde_json::json!({
-                    "locked": held,
-                    "holder": held.then_some(&s.holder),
-                    "lease_remaining_ms": held.then_some(s.remaining_ms),
-                    "token": held.then_some(s.token),
-                });
-                println!("{v}");
-            } else if held {
-                println!(
-                    "locked by {} (lease runs {:.1} s more unless renewed; token {})",
-                    s.holder,
-                    f64::from(s.remaining_ms) / 1000.0,
-                    s.token
-                );
-            } else {
-                println!("not locked");
-            }
+            let r = serde_json::json!({
+                "locked": held,
+                "holder": held.then_some(&s.holder),
+                "lease_remaining_ms": held.then_some(s.remaining_ms),
+                "token": held.then_some(s.token),
+            });
+            out::show(json, &r, |_| {
+                if held {
+                    format!(
+                        "locked by {} (lease runs {:.1} s more unless renewed; token {})\n",
+                        s.holder,
+                        f64::from(s.remaining_ms) / 1000.0,
+                        s.token
+                    )
+                } else {
+                    "not locked\n".into()
+                }
+            });
         }
     }
     Ok(())
@@ -270,17 +282,13 @@ fn dirty_ranges(vol: &Volume, fd: &Fd, name: &str, size: u64) -> std::io::Result
 
 fn print_ranges(name: &str, size: u64, ranges: &[(u64, u64)], json: bool) {
     let bytes: u64 = ranges.iter().map(|r| r.1).sum();
-    if json {
-        let v = serde_json::json!({
-            "name": name,
-            "size": size,
-            "dirty_bytes": bytes,
-            "ranges": ranges,
-        });
-        println!("{v}");
-    } else {
-        for (o, l) in ranges {
-            println!("{o} {l}");
-        }
-    }
+    let r = serde_json::json!({
+        "name": name,
+        "size": size,
+        "dirty_bytes": bytes,
+        "ranges": ranges,
+    });
+    out::show(json, &r, |_| {
+        ranges.iter().map(|(o, l)| format!("{o} {l}\n")).collect()
+    });
 }

@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod generate;
 mod image;
+mod out;
 mod pool;
 mod snapshots;
 mod tls;
@@ -13,7 +14,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 
 /// Kiln: a distributed network file system with an accounted, zero-copy data path.
 #[derive(Parser, Debug)]
-#[command(name = "kiln", version, propagate_version = true)]
+#[command(name = "kiln", version, propagate_version = true, after_help = out::EXIT_STATUS)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -49,16 +50,30 @@ enum Cmd {
     Tls(tls::TlsArgs),
     /// Man pages and shell completions (`kiln generate completions bash`).
     Generate(generate::GenerateArgs),
-    /// Unmount a Kiln FUSE mount.
+    /// Unmount a Kiln FUSE mount (any other file system there is refused).
     Umount {
         /// The mount point.
         mountpoint: std::path::PathBuf,
+        /// Print the result as one JSON object, {"ok": true, "unmounted": DIR}.
+        #[arg(long)]
+        json: bool,
     },
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    if matches!(
+    // With --json, even a usage error is an envelope (help and --version are not errors).
+    let wants_json = std::env::args_os().any(|a| a == "--json");
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if wants_json && e.use_stderr() => {
+            println!("{}", out::failed(e.render().to_string().trim_end()));
+            return std::process::ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
+    // What prints and ends: dies quietly on a closed pipe, and answers --json with the
+    // envelope, errors included.
+    let one_shot = matches!(
         cli.cmd,
         Cmd::Volume(_)
             | Cmd::Tls(_)
@@ -67,12 +82,12 @@ fn main() -> std::process::ExitCode {
             | Cmd::Umount { .. }
             | Cmd::Image(_)
             | Cmd::Generate(_)
-    ) {
+            | Cmd::Bench(_)
+    );
+    if one_shot {
         quiet_on_closed_output();
     }
-    // The management commands answer --json with one envelope, errors included.
-    let json = matches!(cli.cmd, Cmd::Volume(_) | Cmd::Peer(_) | Cmd::Pool(_))
-        && std::env::args_os().any(|a| a == "--json");
+    let json = one_shot && wants_json;
     let r = match cli.cmd {
         Cmd::Server(a) => return kilnd::main(a),
         Cmd::Demo(a) => {
@@ -84,7 +99,7 @@ fn main() -> std::process::ExitCode {
             bench::main(a)
         }
         Cmd::Mount(a) => {
-            kilnd::init_logging();
+            kilnd::init_logging_as(&a.log_tag());
             kiln_fuse::main(a)
         }
         Cmd::Volume(a) => volume::main(a),
@@ -93,13 +108,16 @@ fn main() -> std::process::ExitCode {
         Cmd::Peer(a) => pool::peer(a),
         Cmd::Pool(a) => pool::pool(a),
         Cmd::Generate(a) => generate::main(a, Cli::command()),
-        Cmd::Umount { mountpoint } => kiln_fuse::umount(&mountpoint),
+        Cmd::Umount { mountpoint, json } => kiln_fuse::umount(&mountpoint).map(|()| {
+            let r = serde_json::json!({ "unmounted": mountpoint });
+            out::show(json, &r, |_| String::new());
+        }),
         Cmd::VhostUserBlk(a) => {
-            kilnd::init_logging();
+            kilnd::init_logging_as(&a.log_tag());
             kiln_vhost::main(a)
         }
         Cmd::Nbd(a) => {
-            kilnd::init_logging();
+            kilnd::init_logging_as(&a.log_tag());
             kiln_nbd::main(a)
         }
     };
@@ -107,7 +125,7 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             if json {
-                println!("{}", serde_json::json!({ "ok": false, "error": e }));
+                println!("{}", out::failed(&e));
             }
             eprintln!("kiln: {e}");
             std::process::ExitCode::FAILURE

@@ -5,6 +5,8 @@ use std::time::{Duration, Instant};
 use kiln_client::{block_on, Volume};
 use kiln_proto::ops::{snapshot_name_ok, snapshot_path};
 
+use crate::out;
+
 /// The words for a snapshot fop's error.
 fn explain(what: &str, e: &std::io::Error) -> String {
     match e.raw_os_error() {
@@ -42,7 +44,7 @@ fn check_name(name: &str) -> Result<(), String> {
 }
 
 /// `kiln image snapshot`.
-pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32) -> Result<(), String> {
+pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32, json: bool) -> Result<(), String> {
     check_name(name)?;
     let max = max_wait.clamp(100, kiln_proto::ops::SNAP_TTL_MAX);
     let ((healed, held), took) = patiently("the image's replicas to be current", || {
@@ -50,28 +52,39 @@ pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32) -> Result<(), S
         block_on(vol.snapshot(path, name, max)).map(|h| (h, t.elapsed()))
     })
     .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
-    println!(
-        "snapshot {path}@{name} taken in {:.1} ms (writes held {:.1} ms){}",
-        took.as_secs_f64() * 1e3,
-        held.as_secs_f64() * 1e3,
-        if healed > 0 {
-            format!("; heal makes {healed} bytes written meanwhile alike on every replica")
-        } else {
-            String::new()
-        }
-    );
+    let r = serde_json::json!({
+        "image": path,
+        "snapshot": name,
+        "path": snapshot_path(path, name),
+        "took_ms": took.as_secs_f64() * 1e3,
+        "writes_held_ms": held.as_secs_f64() * 1e3,
+        "healing_bytes": healed,
+    });
+    out::show(json, &r, |_| {
+        format!(
+            "snapshot {path}@{name} taken in {:.1} ms (writes held {:.1} ms){}\n",
+            took.as_secs_f64() * 1e3,
+            held.as_secs_f64() * 1e3,
+            if healed > 0 {
+                format!("; heal makes {healed} bytes written meanwhile alike on every replica")
+            } else {
+                String::new()
+            }
+        )
+    });
     Ok(())
 }
 
 /// `kiln image clone`: waits (up to a minute, saying so) while heal makes the snapshot's
 /// copies alike.
-pub fn clone(vol: &Volume, path: &str, name: &str, to: &str) -> Result<(), String> {
+pub fn clone(vol: &Volume, path: &str, name: &str, to: &str, json: bool) -> Result<(), String> {
     check_name(name)?;
     patiently("heal to make the snapshot's copies alike", || {
         block_on(vol.clone_snapshot(path, name, to))
     })
     .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))?;
-    println!("{to}: a clone of {path}@{name}");
+    let r = serde_json::json!({ "clone": to, "of": format!("{path}@{name}") });
+    out::show(json, &r, |_| format!("{to}: a clone of {path}@{name}\n"));
     Ok(())
 }
 
@@ -120,28 +133,23 @@ fn snapshots(vol: &Volume, path: &str) -> Result<Vec<(String, u64, String)>, Str
 /// `kiln image list`.
 pub fn list(vol: &Volume, path: &str, json: bool) -> Result<(), String> {
     let snaps = snapshots(vol, path)?;
-    if json {
-        let list: Vec<_> = snaps
-            .iter()
-            .map(|(n, s, p)| serde_json::json!({ "name": n, "size": s, "path": p }))
-            .collect();
-        println!(
-            "{}",
-            serde_json::json!({ "image": path, "snapshots": list })
-        );
-    } else {
-        for (n, s, _) in &snaps {
-            println!("{n} {s}");
-        }
-    }
+    let list: Vec<_> = snaps
+        .iter()
+        .map(|(n, s, p)| serde_json::json!({ "name": n, "size": s, "path": p }))
+        .collect();
+    let r = serde_json::json!({ "image": path, "snapshots": list });
+    out::show(json, &r, |_| {
+        snaps.iter().map(|(n, s, _)| format!("{n} {s}\n")).collect()
+    });
     Ok(())
 }
 
 /// `kiln image rm`.
-pub fn remove(vol: &Volume, path: &str, name: &str) -> Result<(), String> {
+pub fn remove(vol: &Volume, path: &str, name: &str, json: bool) -> Result<(), String> {
     check_name(name)?;
     block_on(vol.unlink(&snapshot_path(path, name)))
         .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
-    println!("snapshot {path}@{name} removed");
+    let r = serde_json::json!({ "removed": format!("{path}@{name}") });
+    out::show(json, &r, |_| format!("snapshot {path}@{name} removed\n"));
     Ok(())
 }

@@ -11,6 +11,10 @@ use std::path::PathBuf;
 pub struct TlsArgs {
     #[command(subcommand)]
     cmd: TlsCmd,
+    /// Print the result as one JSON object, {"ok": true, …} (errors as {"ok": false,
+    /// "error": …}).
+    #[arg(long, global = true)]
+    json: bool,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -47,19 +51,26 @@ pub fn main(args: TlsArgs) -> Result<(), String> {
         TlsCmd::Init { dir, name } => {
             kiln_tls::init_ca(&dir, &name)
                 .map_err(|e| format!("cannot create a CA in {}: {e}", dir.display()))?;
-            println!(
-                "created CA {name:?}: {} and {} (keep the key private)",
-                dir.join(kiln_tls::CA_FILE).display(),
-                dir.join(kiln_tls::CA_KEY_FILE).display()
-            );
+            let (cert, key) = (dir.join(kiln_tls::CA_FILE), dir.join(kiln_tls::CA_KEY_FILE));
+            let r = serde_json::json!({ "ca": name, "cert": cert, "key": key });
+            crate::out::show(args.json, &r, |_| {
+                format!(
+                    "created CA {name:?}: {} and {} (keep the key private)\n",
+                    cert.display(),
+                    key.display()
+                )
+            });
         }
         TlsCmd::Issue { ca, out, name, san } => {
             kiln_tls::issue(&ca, &out, &name, &san)
                 .map_err(|e| format!("cannot issue {name:?} into {}: {e}", out.display()))?;
-            println!(
-                "issued {name:?} into {} (ca.pem, cert.pem, key.pem)",
-                out.display()
-            );
+            let r = serde_json::json!({ "identity": name, "dir": out, "san": san });
+            crate::out::show(args.json, &r, |_| {
+                format!(
+                    "issued {name:?} into {} (ca.pem, cert.pem, key.pem)\n",
+                    out.display()
+                )
+            });
         }
     }
     Ok(())

@@ -12,9 +12,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use kiln_mgmt::response::{
-    Changed, Deleted, Envelope, Health, Infos, Names, Statuses, VolfileText,
-};
+use kiln_mgmt::response::{Changed, Deleted, Health, Infos, Names, Statuses, VolfileText};
 use kiln_mgmt::{options, Request, VolState};
 use serde::{de::DeserializeOwned, Serialize};
 
@@ -479,16 +477,7 @@ pub(crate) fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> 
 /// Prints a reply: as the wire's JSON object (its fields beside `"ok": true`) with `--json`,
 /// else as `text` renders it.
 pub(crate) fn show<T: Serialize>(opts: &MgmtOpts, r: &T, text: impl FnOnce(&T) -> String) {
-    if opts.json {
-        let e = Envelope {
-            ok: true,
-            error: None,
-            reply: Some(r),
-        };
-        println!("{}", serde_json::to_string(&e).expect("a reply serialises"));
-    } else {
-        print!("{}", text(r));
-    }
+    crate::out::show(opts.json, r, text);
 }
 
 pub(crate) fn warn(warnings: &[String]) {

@@ -56,6 +56,7 @@ fn bench_json_reports_what_it_measured() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["ok"], true, "the envelope every --json answer has");
     assert_eq!(v["bs"], 8192);
     assert_eq!(v["iodepth"], 8);
     let ios = v["ios"].as_u64().expect("ios");

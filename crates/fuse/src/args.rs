@@ -82,6 +82,25 @@ pub struct MountArgs {
     pub options: Vec<String>,
 }
 
+impl MountArgs {
+    /// What this mount's log lines start with: `volume=V mount=DIR`.
+    pub fn log_tag(&self) -> String {
+        let volume = match &self.volfile {
+            Some(v) => v.file_stem().map(|s| s.to_string_lossy().into_owned()),
+            None => parse_source(&self.source).ok().map(|(_, v)| v),
+        };
+        let dir = match (&self.mountpoint, &self.volfile) {
+            (Some(m), _) => m.display().to_string(),
+            (None, Some(_)) => self.source.clone(),
+            (None, None) => String::new(),
+        };
+        match volume {
+            Some(v) => format!("volume={} mount={dir}", v.trim_start_matches('/')),
+            None => String::new(),
+        }
+    }
+}
+
 /// An on/off command-line value (`--passthrough`, and `kiln bench --short-circuit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Switch {

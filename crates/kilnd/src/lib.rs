@@ -177,15 +177,11 @@ where
 /// What a brick's log lines start with: `volume=NAME brick=DIR`, from its volfile (the top
 /// layer names the volume, or it and the brick's index when kilnd wrote it; the posix layer
 /// names the directory).
-fn brick_tag(args: &ServeArgs) -> String {
-    if let Some(dir) = &args.brick {
+fn brick_tag(brick: Option<&std::path::Path>, vf: Option<&kiln_layer::volfile::Volfile>) -> String {
+    if let Some(dir) = brick {
         return format!("brick={}", dir.display());
     }
-    let Some(vf) = args
-        .volfile
-        .as_ref()
-        .and_then(|f| kiln_layer::volfile::Volfile::load(f).ok())
-    else {
+    let Some(vf) = vf else {
         return String::new();
     };
     let dir = vf.layers.iter().find_map(|l| match &l.kind {
@@ -214,7 +210,13 @@ fn say(line: &str) {
 
 /// Runs a server until killed.
 pub fn main(args: ServeArgs) -> std::process::ExitCode {
-    init_logging_as(&brick_tag(&args));
+    // The volfile is read once: for the log lines' tag, then to build the stack.
+    let loaded = args
+        .volfile
+        .as_ref()
+        .map(|f| kiln_layer::volfile::Volfile::load(f));
+    let vf = loaded.as_ref().and_then(|r| r.as_ref().ok());
+    init_logging_as(&brick_tag(args.brick.as_deref(), vf));
     if args.brick.is_none() && args.volfile.is_none() {
         return main_mgmt(args);
     }
@@ -263,14 +265,12 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
             },
             None => None,
         };
-        let volfile = match (&args.volfile, &args.brick) {
-            (Some(f), _) => match kiln_layer::volfile::Volfile::load(f) {
-                Ok(v) => v,
-                Err(e) => {
-                    eprintln!("kilnd: {e}");
-                    return std::process::ExitCode::FAILURE;
-                }
-            },
+        let volfile = match (loaded, &args.brick) {
+            (Some(Ok(v)), _) => v,
+            (Some(Err(e)), _) => {
+                eprintln!("kilnd: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
             (None, Some(dir)) => kiln_server::default_volfile(dir),
             (None, None) => unreachable!("without --brick or --volfile kilnd manages volumes"),
         };

@@ -70,8 +70,8 @@ impl Manager {
                         }
                     }
                     Err(e) => tracing::warn!(
-                        "volume {}: brick {} did not start: {e}",
-                        def.name,
+                        volume = %def.name,
+                        "brick {} did not start: {e}",
                         def.bricks[i].spec()
                     ),
                 }
@@ -87,12 +87,12 @@ impl Manager {
                     }
                 }) {
                     tracing::warn!(
-                        "volume {}: where its bricks run now is not recorded: {e}",
-                        def.name
+                        volume = %def.name,
+                        "where its bricks run now is not recorded: {e}"
                     );
                 }
             }
-            tracing::info!("volume {}: restored", def.name);
+            tracing::info!(volume = %def.name, "restored");
         }
     }
 
@@ -199,8 +199,8 @@ impl Manager {
             match self.spawn_brick(procs, def, i, ip, port, &log_path) {
                 Ok((pid, metrics)) => {
                     tracing::info!(
-                        "volume {}: brick {} runs as pid {pid} on port {port}",
-                        def.name,
+                        volume = %def.name,
+                        "brick {} runs as pid {pid} on port {port}",
                         b.spec()
                     );
                     return Ok(BrickStarted { port, pid, metrics });

@@ -104,7 +104,7 @@ impl Manager {
         ];
         self.change(Cmd::Batch { ops })
             .map_err(|e| format!("volume {name} not created: {e}"))?;
-        tracing::info!("created volume {name} ({} bricks)", def.bricks.len());
+        tracing::info!(volume = %name, "volume created ({} bricks)", def.bricks.len());
         Ok(Changed {
             volume: VolumeView::from(&def),
             warnings: replica_warning(replica),
@@ -225,7 +225,7 @@ impl Manager {
                 errors.join("; ")
             ));
         }
-        tracing::info!("started volume {name}");
+        tracing::info!(volume = %name, "volume started");
         Ok(Changed {
             volume: VolumeView::from(&def),
             warnings,
@@ -273,7 +273,7 @@ impl Manager {
                 errors.join("; ")
             ));
         }
-        tracing::info!("stopped volume {name}");
+        tracing::info!(volume = %name, "volume stopped");
         Ok(Changed {
             volume: VolumeView::from(&def),
             warnings,
@@ -381,7 +381,7 @@ impl Manager {
         ];
         self.change(Cmd::Batch { ops })
             .map_err(|e| format!("cannot remove volume {name}: {e}"))?;
-        tracing::info!("deleted volume {name} (brick data left in place)");
+        tracing::info!(volume = %name, "volume deleted (brick data left in place)");
         Ok(Deleted {
             volume: name.to_owned(),
             deleted: true,

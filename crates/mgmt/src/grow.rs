@@ -102,7 +102,7 @@ impl Manager {
             }
         }
         tracing::info!(
-            "volume {name}: {} brick(s) added ({} replica set(s) now)",
+            volume = %name, "{} brick(s) added ({} replica set(s) now)",
             grown.bricks.len() - first_new,
             grown.live_sets().len()
         );
@@ -137,7 +137,7 @@ impl Manager {
                 Err(e) => {
                     for &j in &ran {
                         if let Err(e) = self.stop_any(procs, def, j) {
-                            tracing::warn!("volume {}: new brick {j} not stopped: {e}", def.name);
+                            tracing::warn!(volume = %def.name, "new brick {j} not stopped: {e}");
                         }
                     }
                     return Err(format!(
@@ -221,12 +221,12 @@ impl Manager {
             Ok(w) if matches!(w.outcome, Outcome::Done { .. }) => {
                 self.sync_files();
                 tracing::info!(
-                    "volume {name}: every new replica is rebuilt; changes need a majority again"
+                    volume = %name, "every new replica is rebuilt; changes need a majority again"
                 );
             }
             // Changed meanwhile, or no majority: the next round tries again.
             Ok(_) => {}
-            Err(e) => tracing::warn!("volume {name}: cannot record the rebuilt replicas: {e}"),
+            Err(e) => tracing::warn!(volume = %name, "cannot record the rebuilt replicas: {e}"),
         }
     }
 }

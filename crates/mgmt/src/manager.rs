@@ -94,6 +94,46 @@ pub fn restore_umask(was: u32) {
     rustix::process::umask(rustix::fs::Mode::from_raw_mode(was | 0o022));
 }
 
+/// Takes write permission for group and others off what kilnd keeps in `state` (every entry
+/// below it, not following symlinks; the directory itself keeps its mode). Older kilnds ran
+/// with umask 0 (their placeholder brick's) and left their state world-writable — brick volfiles root runs, the
+/// pool's log, the logs — and an upgrade must not keep that. Brick directories elsewhere are
+/// the volume's data and keep their modes.
+fn tighten(state: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut fixed = 0usize;
+    let mut todo = vec![state.to_owned()];
+    while let Some(dir) = todo.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(m) = fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            if m.file_type().is_symlink() {
+                continue;
+            }
+            if m.is_dir() {
+                todo.push(e.path());
+            }
+            let mode = m.permissions().mode() & 0o7777;
+            if mode & 0o022 != 0
+                && fs::set_permissions(e.path(), fs::Permissions::from_mode(mode & !0o022)).is_ok()
+            {
+                fixed += 1;
+            }
+        }
+    }
+    if fixed > 0 {
+        tracing::warn!(
+            "{fixed} entries in {} were writable by group or others (left by an older kilnd): \
+             made writable by their owner only",
+            state.display()
+        );
+    }
+}
+
 impl Manager {
     /// Opens (creating) the state directory, and loads the management secret from
     /// `secret_file`, default `STATE_DIR/mgmt.secret` — a missing file is created with a new
@@ -118,6 +158,7 @@ impl Manager {
                 .map_err(|e| format!("cannot create state directory {}: {e}", d.display()))?;
         }
         let lock = lock_state(state)?;
+        tighten(state);
         let path = secret_file
             .map(Path::to_owned)
             .unwrap_or_else(|| state.join(MGMT_SECRET_FILE));

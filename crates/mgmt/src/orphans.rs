@@ -75,8 +75,8 @@ impl Manager {
                 },
             };
             tracing::warn!(
-                "volume {}: brick {} runs as pid {} but {why}: stopping it",
-                p.volume,
+                volume = %p.volume,
+                "brick {} runs as pid {} but {why}: stopping it",
                 p.index,
                 p.pid
             );

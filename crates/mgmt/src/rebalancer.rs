@@ -116,7 +116,7 @@ fn launch(manager: &Arc<Manager>, def: VolumeDef) {
             );
         });
     if let Err(e) = spawned {
-        tracing::error!("cannot run the rebalance of {volume}: {e}");
+        tracing::error!(volume = %volume, "cannot run the rebalance: {e}");
     }
 }
 
@@ -145,7 +145,7 @@ fn record_end(m: &Manager, name: &str, since: u64, state: &str, error: Option<St
             }
             Ok(_) => continue,
             Err(e) => {
-                tracing::warn!("volume {name}: cannot record the rebalance's end: {e}");
+                tracing::warn!(volume = %name, "cannot record the rebalance's end: {e}");
                 return;
             }
         }

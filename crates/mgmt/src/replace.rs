@@ -76,7 +76,7 @@ impl Manager {
             self.save(&def)?;
         }
         tracing::info!(
-            "volume {name}: brick {old_spec} replaced by {}; it is rebuilt from its replicas",
+            volume = %name, "brick {old_spec} replaced by {}; it is rebuilt from its replicas",
             def.bricks[i].spec()
         );
         Ok(Changed {

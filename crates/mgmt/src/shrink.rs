@@ -64,7 +64,7 @@ impl Manager {
             }
         }
         self.put_def(&def, version)?;
-        tracing::info!("volume {name}: rebalance {action}");
+        tracing::info!(volume = %name, "rebalance {action}");
         Ok(self.rebalance_view(&def).into())
     }
 
@@ -124,7 +124,7 @@ impl Manager {
         if action != "status" {
             self.put_def(&def, version)?;
             tracing::info!(
-                "volume {name}: remove-brick {action} ({} set(s))",
+                volume = %name, "remove-brick {action} ({} set(s))",
                 sets.len()
             );
         }
@@ -183,7 +183,7 @@ impl Manager {
         }
         def.draining.retain(|k| !sets.contains(k));
         self.put_def(&def, version)?;
-        tracing::info!("volume {name}: {} replica set(s) removed", sets.len());
+        tracing::info!(volume = %name, "{} replica set(s) removed", sets.len());
         Ok(self.rebalance_view(&def).into())
     }
 

@@ -152,7 +152,7 @@ impl Manager {
                         )
                     });
                 if let Err(e) = r {
-                    tracing::warn!("volume {name}: cannot write its secret here: {e}");
+                    tracing::warn!(volume = %name, "cannot write its secret here: {e}");
                 }
             }
         }
@@ -211,7 +211,7 @@ impl Manager {
             self.change(Cmd::Batch { ops })?;
             let _ = fs::remove_file(&p);
             n += 1;
-            tracing::info!("volume {name}: moved into the pool's store");
+            tracing::info!(volume = %name, "moved into the pool's store");
         }
         Ok(n)
     }

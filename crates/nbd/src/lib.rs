@@ -124,6 +124,13 @@ pub struct NbdArgs {
     pub secret_file: Option<PathBuf>,
 }
 
+impl NbdArgs {
+    /// What this export's log lines start with: `volume=V image=PATH`.
+    pub fn log_tag(&self) -> String {
+        ImageSpec::log_tag(&self.image, self.volfile.as_deref())
+    }
+}
+
 /// The lock an export takes, from its options.
 fn lock_config(mode: &str, wait: f64, ttl: f64) -> Result<Option<lock::LockConfig>, String> {
     let secs = |v: f64, what: &str, max: f64| {

@@ -78,6 +78,15 @@ impl ImageSpec {
 }
 
 impl ImageSpec {
+    /// What an export's log lines start with: `volume=V image=PATH` (empty when IMAGE does
+    /// not parse: the command then fails with the reason).
+    pub fn log_tag(image: &str, volfile: Option<&std::path::Path>) -> String {
+        match ImageSpec::with_source(image, volfile) {
+            Ok((s, _)) => format!("volume={} image={}", s.volume, s.path),
+            Err(_) => String::new(),
+        }
+    }
+
     /// An image at `path` in the volume a volfile describes (`kiln nbd --volfile`): no server
     /// to name, the volume is named after the file.
     pub fn in_volfile(path: &str, volfile: &std::path::Path) -> Result<ImageSpec, String> {
@@ -141,6 +150,20 @@ fn uri_escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_tags_name_the_volume_and_image() {
+        assert_eq!(
+            ImageSpec::log_tag("127.0.0.1:/vms/a/disk.img", None),
+            "volume=vms image=a/disk.img"
+        );
+        let vf = std::path::Path::new("/etc/kiln/fast.toml");
+        assert_eq!(
+            ImageSpec::log_tag("/x.img", Some(vf)),
+            "volume=fast image=x.img"
+        );
+        assert_eq!(ImageSpec::log_tag("no-volume-here", None), "");
+    }
 
     #[test]
     fn image_specs() {

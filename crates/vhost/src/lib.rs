@@ -67,6 +67,17 @@ pub struct VhostArgs {
     /// The volume's secret file (else `KILN_SECRET_FILE`, else the local state directory's).
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
+    /// Serve Prometheus `/metrics` on this address (port 0 picks one, logged at start; the
+    /// brick learns it, so `kiln volume profile` reaches this export); "off" disables it.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
+    pub metrics: String,
+}
+
+impl VhostArgs {
+    /// What this export's log lines start with: `volume=V image=PATH`.
+    pub fn log_tag(&self) -> String {
+        ImageSpec::log_tag(&self.image, self.volfile.as_deref())
+    }
 }
 
 /// Runs `kiln vhost-user-blk` until SIGINT or SIGTERM.
@@ -75,6 +86,7 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
         kiln_client::mgmt::use_secret_file(p);
     }
     let (spec, src) = ImageSpec::with_source(&args.image, args.volfile.as_deref())?;
+    kiln_client::start_metrics(&args.metrics, "kiln-vhost-user-blk")?;
     // The lock's renewals, and the signals, run on a small runtime of their own.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

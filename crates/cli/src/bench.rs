@@ -841,6 +841,12 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
         run(&args, &addr, pid).map_err(|e| format!("bench against {addr} failed: {e}"))?
     };
     drop(server);
+    report(&args, &addr, &r);
+    Ok(())
+}
+
+/// Prints what a run measured: the table, or one JSON object with `--json`.
+fn report(args: &BenchArgs, addr: &str, r: &BenchResult) {
     let transport = if addr.starts_with("unix:") {
         "unix"
     } else {
@@ -929,5 +935,4 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
             );
         }
     }
-    Ok(())
 }

@@ -239,3 +239,39 @@ impl Manager {
         self.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    fn mode(p: &std::path::Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// State an older kilnd left world-writable loses group and other write; the state
+    /// directory itself, and what a symlink in it points to, keep their modes.
+    #[test]
+    fn tighten_takes_write_off_group_and_others_below_the_state_dir() {
+        let top = tempfile::tempdir().unwrap();
+        let state = top.path().join("state");
+        let outside = top.path().join("brick-root");
+        std::fs::create_dir_all(state.join("vols/v/bricks")).unwrap();
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(state.join("vols/v/bricks/0.toml"), "x").unwrap();
+        std::os::unix::fs::symlink(&outside, state.join("vols/v/link")).unwrap();
+        let set = |p: &std::path::Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        for d in ["", "vols", "vols/v", "vols/v/bricks"] {
+            set(&state.join(d), 0o777);
+        }
+        set(&state.join("vols/v/bricks/0.toml"), 0o666);
+        set(&outside, 0o1777);
+        super::tighten(&state);
+        assert_eq!(mode(&state), 0o777, "the directory itself is the admin's");
+        assert_eq!(mode(&state.join("vols")), 0o755);
+        assert_eq!(mode(&state.join("vols/v/bricks")), 0o755);
+        assert_eq!(mode(&state.join("vols/v/bricks/0.toml")), 0o644);
+        assert_eq!(mode(&outside), 0o1777, "a symlink's target is not followed");
+    }
+}

@@ -11,9 +11,10 @@
 # The steps: dpkg -i before systemd runs (nothing may start), dpkg --purge, boot systemd,
 # dpkg -i again, the files (man pages, completion, libkiln with its SONAME and kiln.pc, a C
 # program built against it), `systemctl enable --now kilnd`, a volume, an /etc/fstab line and
-# `mount -a`, data through the mount and back, kilnd restarted under the mount (the bricks
-# live on), remounts ro and rw, a read-only mount with options, the fstab line as a systemd
-# mount unit, umount, volume stop,
+# `mount -a`, data through the mount and back, kilnd's /metrics on its configured port, an NBD
+# export as a kiln-nbd@ instance read by nbdcopy, logrotate of the bricks' logs, kilnd
+# restarted under the mount (the bricks live on), remounts ro and rw, a read-only mount with
+# options, the fstab line as a systemd mount unit, umount, volume stop,
 # `systemctl disable --now kilnd`, `dpkg --purge kiln`, and then a search of everything the
 # root changed for anything of Kiln's.
 set -euo pipefail
@@ -405,6 +406,44 @@ else
     echo "SKIP  the C program against libkiln: no C compiler (cc) on this machine"
 fi
 
+# kilnd's /metrics on the port /etc/default/kilnd gives it.
+kilnd_metrics() {
+    inside bash -c 'exec 3<>/dev/tcp/127.0.0.1/24070 && printf "GET /metrics HTTP/1.0\r\n\r\n" >&3 && cat <&3' \
+        | grep -q 'kiln_heal_backlog_files'
+}
+must "kilnd's /metrics on 127.0.0.1:24070 (from /etc/default/kilnd)" kilnd_metrics
+pass "kilnd serves /metrics on 127.0.0.1:24070, as /etc/default/kilnd says"
+
+# An NBD export as an instance of the kiln-nbd@ template, read whole by a real NBD client.
+if inside sh -c 'command -v nbdcopy' >/dev/null 2>&1; then
+    must "/etc/kiln/nbd/data.conf" inside sh -c 'mkdir -p /etc/kiln/nbd && echo "KILN_NBD_ARGS=\"127.0.0.1:/v1/data --read-only --listen unix:/run/kiln-nbd/data/nbd.sock\"" >/etc/kiln/nbd/data.conf'
+    must "systemctl start kiln-nbd@data" inside systemctl start kiln-nbd@data
+    nbd_up() { inside test -S /run/kiln-nbd/data/nbd.sock; }
+    wait_for 20 nbd_up || fail "kiln-nbd@data made no socket: $(inside journalctl -u kiln-nbd@data -n 5 --no-pager)"
+    got=$(inside sh -c 'nbdcopy "nbd+unix:///?socket=/run/kiln-nbd/data/nbd.sock" - | sha256sum' | cut -d' ' -f1)
+    [ "$got" = "$sum" ] || fail "nbdcopy through kiln-nbd@data read other data"
+    must "systemctl stop kiln-nbd@data" inside systemctl stop kiln-nbd@data
+    inside test -e /run/kiln-nbd/data && fail "the instance's runtime directory outlived it"
+    must "the test's NBD config" inside rm -r /etc/kiln
+    pass "kiln-nbd@data (/etc/kiln/nbd/data.conf): nbdcopy reads the 8 MiB through it"
+else
+    echo "SKIP  the kiln-nbd@ template: no nbdcopy (libnbd-bin) on this machine"
+fi
+
+# The logs rotate while their writers go on: the brick's log is copied and truncated, and the
+# brick still writes to it.
+if inside sh -c 'command -v logrotate' >/dev/null 2>&1; then
+    blog=/var/lib/kiln/vols/v1/bricks/0.log
+    inside test -s "$blog" || fail "$blog is empty or missing"
+    must "logrotate -f" inside logrotate -f -s /root/logrotate.state /etc/logrotate.d/kiln
+    inside test -s "$blog.1" || fail "logrotate made no $blog.1"
+    must "a write after rotation" inside sh -c 'echo y >/mnt/kiln/rotated && rm /mnt/kiln/rotated'
+    inside rm -f /root/logrotate.state
+    pass "logrotate -f /etc/logrotate.d/kiln: $blog rotated to $blog.1"
+else
+    echo "SKIP  logrotate: not installed on this machine"
+fi
+
 # 7. A restart of kilnd leaves the bricks running (KillMode=process); the mount goes on.
 bricks() { inside pgrep -f -- '--volfile /var/lib/kiln/' | sort | paste -sd' '; }
 before=$(bricks)
@@ -480,7 +519,9 @@ assert_gone() {
         /etc/systemd/system/kilnd.service /etc/systemd/system/multi-user.target.wants/kilnd.service \
         /usr/bin/kiln /usr/sbin/kilnd /sbin/mount.kiln /sbin/mount.fuse.kiln "$lib/libkiln.so.0" \
         /usr/include/kiln.h "$lib/pkgconfig/kiln.pc" /usr/share/man/man1/kiln-volume.1.gz \
-        /usr/share/bash-completion/completions/kiln /var/lib/kiln /var/log/kiln; do
+        /usr/share/bash-completion/completions/kiln /var/lib/kiln /var/log/kiln \
+        /etc/default/kilnd /etc/logrotate.d/kiln /usr/lib/systemd/system/kiln-nbd@.service \
+        /usr/lib/systemd/system/kiln-vhost-user-blk@.service; do
         inside test -e "$f" -o -L "$f" && fail "$f is left after the purge"
     done
     inside pgrep -a kiln >>"$log" 2>&1 && fail "kiln processes are left after the purge"

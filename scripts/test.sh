@@ -15,7 +15,8 @@ for c in rustfmt clippy; do
 done
 
 # Real clients the end-to-end tests drive: the FUSE helpers, qemu-img, nbdinfo and fio; tcpdump
-# watches the pool's traffic for secrets; XFS (reflink) bricks on loop devices for snapshots.
+# watches the pool's traffic for secrets; XFS (reflink) bricks on loop devices for snapshots;
+# logrotate runs the package's rotation in its install test.
 need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 command -v qemu-img >/dev/null 2>&1 || need+=(qemu-utils)
@@ -26,6 +27,7 @@ command -v mkfs.xfs >/dev/null 2>&1 || need+=(xfsprogs)
 command -v losetup >/dev/null 2>&1 || need+=(mount)
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
+command -v logrotate >/dev/null 2>&1 || need+=(logrotate)
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing ${need[*]}"
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo

@@ -181,9 +181,10 @@ fn help_states_the_exit_statuses() {
 }
 
 /// A mount's log lines start with `volume=V mount=DIR`, as a brick's start with its own
-/// tag, so the journal of a host with many mounts can be grepped by volume.
+/// tag, so the journal of a host with many mounts can be grepped by volume; and the kernel's
+/// flags given with -o are on the mount from its first moment (a ro mount is never writable).
 #[test]
-fn a_mounts_log_lines_name_its_volume_and_mount_point() {
+fn a_mounts_log_lines_name_its_volume_and_its_flags_are_set_as_it_mounts() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut server, sock) = brick(dir.path());
     let mnt = dir.path().join("mnt");
@@ -192,7 +193,7 @@ fn a_mounts_log_lines_name_its_volume_and_mount_point() {
     let mut mount = kiln()
         .env_remove("KILN_LOG")
         .env("RUST_LOG", "info")
-        .args(["mount", &format!("unix:{sock}:/vol")])
+        .args(["mount", "-o", "ro,noexec", &format!("unix:{sock}:/vol")])
         .arg(&mnt)
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log).expect("log"))
@@ -203,6 +204,18 @@ fn a_mounts_log_lines_name_its_volume_and_mount_point() {
         .read_line(&mut line)
         .expect("mounted line");
     assert!(line.starts_with("kiln: mounted"), "{line:?}");
+    let canon = mnt.canonicalize().expect("canonical").display().to_string();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    let opts = info
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some(canon.as_str()))
+        .and_then(|l| l.split(' ').nth(5))
+        .expect("the mount is listed")
+        .to_owned();
+    let opts: Vec<&str> = opts.split(',').collect();
+    assert!(opts.contains(&"ro") && opts.contains(&"noexec"), "{opts:?}");
+    let e = std::fs::write(mnt.join("f"), b"x").expect_err("a ro mount took a write");
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
     let out = kiln().arg("umount").arg(&mnt).output().expect("umount");
     assert!(
         out.status.success(),

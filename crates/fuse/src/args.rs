@@ -77,7 +77,8 @@ pub struct MountArgs {
     pub secret_file: Option<PathBuf>,
     /// Mount options, comma-separated. `nonempty`: mount on a directory that is not empty
     /// (what it holds is hidden while the volume is mounted there); without it such a
-    /// directory is refused.
+    /// directory is refused. The kernel's flags ro, rw, nosuid, suid, nodev, dev, noexec,
+    /// exec, noatime, atime, sync, async and dirsync are set as the mount is made.
     #[arg(short = 'o', value_name = "OPTIONS", value_delimiter = ',')]
     pub options: Vec<String>,
 }

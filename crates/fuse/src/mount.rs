@@ -105,6 +105,18 @@ pub fn serve_background(
     mountpoint: &Path,
     threads: usize,
 ) -> Result<fuser::BackgroundSession, String> {
+    serve_background_with(fs, source, mountpoint, threads, Vec::new())
+}
+
+/// [`serve_background`] with more of the kernel's mount flags (`ro`, `nosuid`, … from
+/// [`kernel_flag`]), set as the mount is made.
+pub fn serve_background_with(
+    fs: KilnFs,
+    source: &str,
+    mountpoint: &Path,
+    threads: usize,
+    flags: Vec<fuser::MountOption>,
+) -> Result<fuser::BackgroundSession, String> {
     let mut config = fuser::Config::default();
     config.mount_options = vec![
         fuser::MountOption::FSName(format!("kiln:{source}")),
@@ -115,6 +127,7 @@ pub fn serve_background(
         fuser::MountOption::CUSTOM("subtype=kiln".into()),
         fuser::MountOption::DefaultPermissions,
     ];
+    config.mount_options.extend(flags);
     // Every user may use the mount (the kernel's `allow_other`); fuser itself would otherwise
     // refuse requests from anyone but the mounting user with EACCES. Access is checked by the
     // kernel (default_permissions) and by the bricks, which act as the caller.
@@ -137,6 +150,34 @@ pub fn serve_background(
     session
         .spawn()
         .map_err(|e| format!("cannot start the FUSE session: {e}"))
+}
+
+/// The kernel's mount flags `kiln mount -o` sets as it mounts (the mount is never without
+/// them, as it would be between a mount and a remount).
+pub const KERNEL_FLAGS: [&str; 13] = [
+    "ro", "rw", "nosuid", "suid", "nodev", "dev", "noexec", "exec", "noatime", "atime", "sync",
+    "async", "dirsync",
+];
+
+/// The flag `-o NAME` asks for, if it is one of [`KERNEL_FLAGS`].
+pub fn kernel_flag(name: &str) -> Option<fuser::MountOption> {
+    use fuser::MountOption as M;
+    Some(match name {
+        "ro" => M::RO,
+        "rw" => M::RW,
+        "nosuid" => M::NoSuid,
+        "suid" => M::Suid,
+        "nodev" => M::NoDev,
+        "dev" => M::Dev,
+        "noexec" => M::NoExec,
+        "exec" => M::Exec,
+        "noatime" => M::NoAtime,
+        "atime" => M::Atime,
+        "sync" => M::Sync,
+        "async" => M::Async,
+        "dirsync" => M::DirSync,
+        _ => return None,
+    })
 }
 
 /// What `kiln mount`'s arguments name: the stack's source, a label for the mount and the mount
@@ -178,10 +219,17 @@ pub fn main(args: MountArgs) -> Result<(), String> {
         ));
     }
     let mut nonempty = false;
+    let mut flags = Vec::new();
     for o in &args.options {
-        match o.as_str() {
-            "nonempty" => nonempty = true,
-            other => return Err(format!("unknown mount option {other:?} (known: nonempty)")),
+        match (o.as_str(), kernel_flag(o)) {
+            ("nonempty", _) => nonempty = true,
+            (_, Some(f)) => flags.push(f),
+            (other, None) => {
+                return Err(format!(
+                    "unknown mount option {other:?} (known: nonempty, {})",
+                    KERNEL_FLAGS.join(", ")
+                ))
+            }
         }
     }
     let empty = std::fs::read_dir(&mountpoint)
@@ -206,7 +254,7 @@ pub fn main(args: MountArgs) -> Result<(), String> {
         .with_writeback_cache(args.writeback_cache)
         .with_write_behind(args.write_behind == Switch::On)
         .with_small_file_max(args.small_file_max);
-    let bg = serve_background(fs, &label, &mountpoint, args.threads)?;
+    let bg = serve_background_with(fs, &label, &mountpoint, args.threads, flags)?;
     println!(
         "kiln: mounted {} on {} ({:?} mode)",
         label,

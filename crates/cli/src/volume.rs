@@ -116,8 +116,9 @@ enum VolumeCmd {
     Delete(DestroyArgs),
     /// Definitions: name, type, state, bricks (all volumes without NAME).
     Info(MaybeNameArgs),
-    /// Every brick's port, pid and whether it answers (all volumes without NAME).
-    Status(MaybeNameArgs),
+    /// Every brick's port, pid, metrics port and whether it answers (all volumes without
+    /// NAME); --clients adds the mounts' and exports' /metrics endpoints.
+    Status(StatusArgs),
     /// Names of the volumes the server knows.
     List(MgmtOpts),
     /// Print the client volume graph (TOML) of a started volume, as clients fetch it.
@@ -304,6 +305,20 @@ struct MaybeNameArgs {
     opts: MgmtOpts,
 }
 
+/// `status`.
+#[derive(clap::Args, Debug)]
+struct StatusArgs {
+    /// The volume's name (default: every volume).
+    name: Option<String>,
+    /// Also list the clients of each started volume that serve /metrics (mounts, NBD and
+    /// vhost-user-blk exports), as its bricks know them: one address each, on the client's
+    /// host.
+    #[arg(long)]
+    clients: bool,
+    #[command(flatten)]
+    opts: MgmtOpts,
+}
+
 /// `kiln volume`.
 pub fn main(args: VolumeArgs) -> Result<(), String> {
     match args.cmd {
@@ -361,13 +376,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
             show(&a.opts, &mgmt_call::<Infos>(&a.opts, &req)?, info_text);
             Ok(())
         }
-        VolumeCmd::Status(a) => {
-            let req = Request::Status {
-                name: a.name.clone(),
-            };
-            show(&a.opts, &mgmt_call::<Statuses>(&a.opts, &req)?, status_text);
-            Ok(())
-        }
+        VolumeCmd::Status(a) => status(&a),
         VolumeCmd::List(o) => {
             show(&o, &mgmt_call::<Names>(&o, &Request::List)?, |r| {
                 if r.volumes.is_empty() {
@@ -638,6 +647,56 @@ fn info_text(r: &Infos) -> String {
         let _ = writeln!(out, "\n(pool store version {})", r.version);
     }
     out
+}
+
+/// The status, and with `--clients` the clients' endpoints by volume.
+#[derive(Serialize)]
+struct StatusReply {
+    #[serde(flatten)]
+    statuses: Statuses,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    clients: Option<std::collections::BTreeMap<String, Vec<String>>>,
+}
+
+fn status(a: &StatusArgs) -> Result<(), String> {
+    let req = Request::Status {
+        name: a.name.clone(),
+    };
+    let statuses: Statuses = mgmt_call(&a.opts, &req)?;
+    let clients = a.clients.then(|| {
+        let mut by_volume = std::collections::BTreeMap::new();
+        for v in statuses
+            .volumes
+            .iter()
+            .filter(|v| v.state == VolState::Started)
+        {
+            match profile::client_endpoints(&a.opts, v) {
+                Ok((eps, failed)) => {
+                    for e in failed {
+                        eprintln!("kiln: volume {}: {e}", v.name);
+                    }
+                    by_volume.insert(v.name.clone(), eps);
+                }
+                Err(e) => eprintln!("kiln: volume {}: clients not listed: {e}", v.name),
+            }
+        }
+        by_volume
+    });
+    let r = StatusReply { statuses, clients };
+    show(&a.opts, &r, |r| {
+        let mut out = status_text(&r.statuses);
+        for (name, eps) in r.clients.iter().flatten() {
+            let _ = writeln!(out, "Clients of {name} serving /metrics: {}", eps.len());
+            for e in eps {
+                let _ = writeln!(out, "  http://{e}/metrics");
+            }
+        }
+        if let Some(m) = &r.statuses.metrics {
+            let _ = writeln!(out, "This kilnd serves /metrics at http://{m}/metrics");
+        }
+        out
+    });
+    Ok(())
 }
 
 fn status_text(r: &Statuses) -> String {

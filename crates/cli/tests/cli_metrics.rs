@@ -1,7 +1,8 @@
 //! `/metrics` as a Prometheus server scrapes it, and `kiln volume profile` across a volume:
 //! - a brick whose volume name holds a quote, a backslash and a newline still serves an
 //!   exposition that the reference parser (Python `prometheus_client`) reads back exactly;
-//! - every brick kilnd runs serves `/metrics` on the port `volume status` shows;
+//! - every brick kilnd runs serves `/metrics` on the port `volume status` shows, and
+//!   `volume status --clients` lists the clients' endpoints;
 //! - `kiln volume profile VOL` reports every brick of VOL, `--brick` one of them.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -283,6 +284,24 @@ fn every_brick_serves_metrics_and_profile_covers_the_volume() {
         .expect("the client's endpoint")
         .to_string();
     scrapes.push(get(&ep, "/metrics"));
+    // `volume status --clients` finds this client through the bricks it announced itself to.
+    let st: Value = serde_json::from_str(&mgmt_ok(
+        &kd,
+        &state,
+        &["volume", "status", "pv", "--clients", "--json"],
+    ))
+    .unwrap();
+    let listed = st["clients"]["pv"].as_array().expect("clients of pv");
+    assert!(listed.iter().any(|e| e == ep.as_str()), "{ep} not in {st}");
+    let table = mgmt_ok(&kd, &state, &["volume", "status", "pv", "--clients"]);
+    assert!(table.contains(&format!("  http://{ep}/metrics")), "{table}");
+    // And kilnd's own.
+    let own = kd.metrics.as_deref().unwrap();
+    assert_eq!(st["metrics"], own, "{st}");
+    assert!(
+        table.contains(&format!("kilnd serves /metrics at http://{own}/metrics")),
+        "{table}"
+    );
     drop(v);
     let mut exposed = std::collections::BTreeSet::new();
     for text in &scrapes {

@@ -462,7 +462,11 @@ impl Manager {
                 rebalance: def.rebalance.as_ref().map(|_| self.rebalance_view(def)),
             });
         }
-        Ok(Statuses { volumes: vols }.into())
+        Ok(Statuses {
+            volumes: vols,
+            metrics: kiln_metrics::local_endpoint().map(|a| a.to_string()),
+        }
+        .into())
     }
 
     pub(crate) fn volfile(&self, name: &str) -> Result<Response, String> {

@@ -257,6 +257,9 @@ pub struct VolumeStatus {
 pub struct Statuses {
     /// One entry per volume asked for.
     pub volumes: Vec<VolumeStatus>,
+    /// The answering kilnd's own `/metrics` endpoint (IP:PORT), when it serves one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<String>,
 }
 
 /// `volfile`: the client graph.

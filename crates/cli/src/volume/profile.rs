@@ -114,25 +114,14 @@ fn ask_bricks(p: &ProfileArgs, cmd: u32, secret: Option<&[u8]>) -> Result<Answer
     let mut unreachable = Vec::new();
     let mut endpoints: Vec<String> = Vec::new();
     for (name, addr) in bricks(p)? {
-        let report = Client::connect_with_secret(&addr, secret)
-            .map_err(|e| format!("brick {name}: cannot reach it at {addr}: {e}"))
-            .and_then(|c| {
-                c.profile(cmd)
-                    .map_err(|e| format!("brick {name}: profile request failed: {e}"))
-            });
-        let brick = match report {
+        let brick = match brick_profile(&name, &addr, cmd, secret) {
             Ok(b) => b,
             Err(e) => {
                 unreachable.push(e);
                 continue;
             }
         };
-        // A client connects to every brick and announces the same endpoint to each.
-        for ep in brick["clients"].as_array().into_iter().flatten() {
-            if let Some(ep) = ep.as_str().filter(|ep| !endpoints.iter().any(|e| e == ep)) {
-                endpoints.push(ep.to_owned());
-            }
-        }
+        add_endpoints(&brick, &mut endpoints);
         sources.push((format!("brick {name}"), brick));
     }
     if sources.is_empty() {
@@ -143,6 +132,52 @@ fn ask_bricks(p: &ProfileArgs, cmd: u32, secret: Option<&[u8]>) -> Result<Answer
         ));
     }
     Ok((sources, unreachable, endpoints))
+}
+
+/// Brick `name`'s answer to PROFILE `cmd` at `addr`.
+fn brick_profile(
+    name: &str,
+    addr: &str,
+    cmd: u32,
+    secret: Option<&[u8]>,
+) -> Result<serde_json::Value, String> {
+    Client::connect_with_secret(addr, secret)
+        .map_err(|e| format!("brick {name}: cannot reach it at {addr}: {e}"))
+        .and_then(|c| {
+            c.profile(cmd)
+                .map_err(|e| format!("brick {name}: profile request failed: {e}"))
+        })
+}
+
+/// Adds the metrics endpoints of the clients a brick's profile names to `out`, each once (a
+/// client connects to every brick and announces the same endpoint to each).
+fn add_endpoints(brick: &serde_json::Value, out: &mut Vec<String>) {
+    for ep in brick["clients"].as_array().into_iter().flatten() {
+        if let Some(ep) = ep.as_str().filter(|ep| !out.iter().any(|e| e == ep)) {
+            out.push(ep.to_owned());
+        }
+    }
+}
+
+/// The `/metrics` endpoints of the clients (mounts, NBD and vhost-user-blk exports) of volume
+/// `v`, from its running bricks (reading a profile changes nothing), sorted; and the bricks
+/// that could not be asked.
+pub(crate) fn client_endpoints(
+    opts: &MgmtOpts,
+    v: &kiln_mgmt::response::VolumeStatus,
+) -> Result<(Vec<String>, Vec<String>), String> {
+    let secret = volume_secret(&v.name, None, &opts.state_dir)?;
+    let (mut endpoints, mut failed) = (Vec::new(), Vec::new());
+    for b in v.bricks.iter().filter(|b| b.online) {
+        let Some(port) = b.port else { continue };
+        let addr = format!("tcp:{}:{port}", b.host);
+        match brick_profile(&b.brick, &addr, PROFILE_INFO, secret.as_deref()) {
+            Ok(r) => add_endpoints(&r, &mut endpoints),
+            Err(e) => failed.push(e),
+        }
+    }
+    endpoints.sort();
+    Ok((endpoints, failed))
 }
 
 /// Prints what the sources said: a waterfall, JSON, a confirmation or the tables.

@@ -152,6 +152,7 @@ impl BenchArgs {
             LayerKind::Posix {
                 directory: dir.to_owned(),
                 root_squash: false,
+                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
             },
         ));
         Some(Volfile::linear(layers))

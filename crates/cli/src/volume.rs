@@ -519,30 +519,7 @@ fn reset(a: &GetArgs) -> Result<(), String> {
             .collect(),
         n => vec![options::spec(n).map_err(fail)?.name],
     };
-    let (mut allow, mut root_squash, mut io_timeout, mut short_circuit) = (None, None, None, None);
-    for n in names {
-        let spec = options::spec(n).map_err(fail)?;
-        if let Request::Set {
-            allow: al,
-            root_squash: rs,
-            io_timeout: it,
-            short_circuit: sc,
-            ..
-        } = options::set_request(&a.name, n, spec.default).map_err(fail)?
-        {
-            allow = allow.or(al);
-            root_squash = root_squash.or(rs);
-            io_timeout = io_timeout.or(it);
-            short_circuit = short_circuit.or(sc);
-        }
-    }
-    let req = Request::Set {
-        name: a.name.clone(),
-        allow,
-        root_squash,
-        io_timeout,
-        short_circuit,
-    };
+    let req = options::reset_request(&a.name, &names).map_err(fail)?;
     done(&a.opts, "reset", &a.name, &mgmt_call(&a.opts, &req)?)
 }
 

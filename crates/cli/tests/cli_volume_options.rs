@@ -169,6 +169,7 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
             "root-squash",
             "io-timeout",
             "short-circuit",
+            "flush-behind",
             "shard-block-size"
         ],
         "{all}"
@@ -216,9 +217,35 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     mgmt_ok(&kd, &state, &["volume", "reset", "ov", "io-timeout"]);
     assert_eq!(get("io-timeout")["options"][0]["value"], "30");
     assert_eq!(get("root-squash")["options"][0]["value"], "on");
+    // A brick option reaches the bricks' volfile (and a reset takes it out again).
+    mgmt_ok(&kd, &state, &["volume", "start", "ov"]);
+    let brick_volfile = || std::fs::read_to_string(state.join("vols/ov/bricks/0.toml")).unwrap();
+    assert!(!brick_volfile().contains("flush_behind"), "{}", brick_volfile());
+    mgmt_ok(&kd, &state, &["volume", "set", "ov", "flush-behind", "64M"]);
+    let fb = get("flush-behind");
+    assert_eq!(fb["options"][0]["value"], "64M", "{fb}");
+    assert_eq!(fb["options"][0]["restarts_bricks"], true, "{fb}");
+    assert!(
+        brick_volfile().contains("flush_behind = 67108864"),
+        "{}",
+        brick_volfile()
+    );
+    let e = fails(&[
+        "volume",
+        "set",
+        "ov",
+        "flush-behind",
+        "lots",
+        "--server",
+        &kd.addr,
+    ]);
+    assert!(e.contains("a size"), "{e}");
     mgmt_ok(&kd, &state, &["volume", "reset", "ov", "all"]);
     assert_eq!(get("root-squash")["options"][0]["value"], "off");
     assert_eq!(get("short-circuit")["options"][0]["value"], "on");
+    assert_eq!(get("flush-behind")["options"][0]["value"], "8M");
+    assert!(!brick_volfile().contains("flush_behind"), "{}", brick_volfile());
+    mgmt_ok(&kd, &state, &["volume", "stop", "ov", "--yes"]);
 
     // A second kilnd on the same state directory refuses to start, and says which holds it.
     let err = refused_kilnd(&[

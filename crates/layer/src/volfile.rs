@@ -97,6 +97,14 @@ pub enum LayerKind {
         /// Clients' root runs as nobody (65534) on this brick (like NFS `root_squash`).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         root_squash: bool,
+        /// Flush-behind window in bytes: a file's dirty pages are written back after every
+        /// window written to it, so a snapshot's reflink or an fsync waits for at most about
+        /// two windows (0: left to the kernel).
+        #[serde(
+            default = "default_flush_behind",
+            skip_serializing_if = "is_default_flush_behind"
+        )]
+        flush_behind: u64,
     },
     /// Runs fops that may block for long (fsync, fallocate, discard) on a thread pool and the
     /// rest inline (brick side).
@@ -155,6 +163,14 @@ pub enum LayerKind {
 fn default_errno() -> String {
     "EIO".into()
 }
+fn default_flush_behind() -> u64 {
+    crate::layers::posix::DEFAULT_FLUSH_BEHIND
+}
+
+fn is_default_flush_behind(v: &u64) -> bool {
+    *v == default_flush_behind()
+}
+
 fn one() -> f64 {
     1.0
 }
@@ -282,6 +298,7 @@ pub const TYPES: &[TypeDoc] = &[
         options: &[
             OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" },
             OptionDoc { name: "root_squash", ty: "bool", default: "false", doc: "clients' root acts as nobody (65534)" },
+            OptionDoc { name: "flush_behind", ty: "bytes", default: "8388608", doc: "write a file's dirty pages back after every this many bytes written to it, bounding what a snapshot or fsync waits for; 0 leaves it to the kernel" },
         ],
     },
     TypeDoc {

@@ -76,6 +76,7 @@ impl Manager {
             root_squash: false,
             io_timeout: None,
             short_circuit: None,
+            flush_behind: None,
             draining: Vec::new(),
             rebalance: None,
             sets: Vec::new(),
@@ -290,13 +291,14 @@ impl Manager {
         name: &str,
         allow: Option<&[String]>,
         root_squash: Option<bool>,
-        (io_timeout, short_circuit): (Option<u32>, Option<bool>),
+        (io_timeout, short_circuit, flush_behind): (Option<u32>, Option<bool>, Option<u64>),
     ) -> Result<Response, String> {
         let mut def = self.load(name)?;
         if allow.is_none()
             && root_squash.is_none()
             && io_timeout.is_none()
             && short_circuit.is_none()
+            && flush_behind.is_none()
         {
             return Err(format!("volume {name}: no option given to set"));
         }
@@ -308,7 +310,11 @@ impl Manager {
             def.short_circuit = (!on).then_some(false);
         }
         // Only the bricks' own options need their restart; the I/O timeout is the clients'.
-        let restart = allow.is_some() || root_squash.is_some();
+        let restart = allow.is_some() || root_squash.is_some() || flush_behind.is_some();
+        if let Some(w) = flush_behind {
+            // Stored only when not the default, as short-circuit.
+            def.flush_behind = (w != kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND).then_some(w);
+        }
         if let Some(allow) = allow {
             def.allow = check_allow(allow)?;
         }

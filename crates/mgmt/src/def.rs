@@ -122,6 +122,10 @@ pub struct VolumeDef {
     /// on (`kiln volume set VOL short-circuit off`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub short_circuit: Option<bool>,
+    /// The bricks' flush-behind window in bytes (0: off); `None`: the posix layer's default
+    /// (`kiln volume set VOL flush-behind 0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flush_behind: Option<u64>,
     /// Replica sets on their way out (`remove-brick start`): they take no new files, and the
     /// rebalance moves theirs off.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -99,12 +99,13 @@ impl Manager {
                 root_squash,
                 io_timeout,
                 short_circuit,
+                flush_behind,
             } => self.set(
                 procs,
                 &name,
                 allow.as_deref(),
                 root_squash,
-                (io_timeout, short_circuit),
+                (io_timeout, short_circuit, flush_behind),
             ),
             Request::AddBrick {
                 name,

@@ -137,6 +137,7 @@ mod tests {
             root_squash: false,
             io_timeout: None,
             short_circuit: None,
+            flush_behind: None,
             draining: Vec::new(),
             rebalance: None,
             sets: Vec::new(),

@@ -91,6 +91,23 @@ pub const OPTIONS: &[Spec] = &[
         create_only: false,
     },
     Spec {
+        name: "flush-behind",
+        kind: "a size (e.g. 8M), or 0 for off",
+        default: "8M",
+        restarts_bricks: true,
+        description: "the bricks write a file's dirty pages back after every this many bytes \
+                      written to it, so a snapshot (reflink) or a guest's flush waits for at \
+                      most about twice this; 0 leaves write-back to the kernel (faster bursts, \
+                      waits of seconds under steady writes)",
+        get: |d| {
+            size_text(
+                d.flush_behind
+                    .unwrap_or(kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND),
+            )
+        },
+        create_only: false,
+    },
+    Spec {
         name: "shard-block-size",
         kind: "chosen at create (--shard SIZE): a power of two from 1M to 1T, or off",
         default: "off",
@@ -154,6 +171,7 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
         ));
     }
     let (mut allow, mut root_squash, mut io_timeout, mut short_circuit) = (None, None, None, None);
+    let mut flush_behind = None;
     let on_off = |text: &str| match text {
         "on" => Ok(true),
         "off" => Ok(false),
@@ -173,6 +191,7 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
         }
         "root-squash" => root_squash = Some(on_off(text)?),
         "short-circuit" => short_circuit = Some(on_off(text)?),
+        "flush-behind" => flush_behind = Some(parse_size(text).map_err(|_| bad())?),
         _ => {
             io_timeout = Some(
                 text.parse::<u32>()
@@ -188,6 +207,38 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
         root_squash,
         io_timeout,
         short_circuit,
+        flush_behind,
+    })
+}
+
+/// The one `set` request that gives volume `volume` the defaults of the options `names`.
+pub fn reset_request(volume: &str, names: &[&str]) -> Result<Request, String> {
+    let (mut allow, mut root_squash, mut io_timeout, mut short_circuit) = (None, None, None, None);
+    let mut flush_behind = None;
+    for n in names {
+        if let Request::Set {
+            allow: al,
+            root_squash: rs,
+            io_timeout: it,
+            short_circuit: sc,
+            flush_behind: fb,
+            ..
+        } = set_request(volume, n, spec(n)?.default)?
+        {
+            allow = allow.or(al);
+            root_squash = root_squash.or(rs);
+            io_timeout = io_timeout.or(it);
+            short_circuit = short_circuit.or(sc);
+            flush_behind = flush_behind.or(fb);
+        }
+    }
+    Ok(Request::Set {
+        name: volume.to_owned(),
+        allow,
+        root_squash,
+        io_timeout,
+        short_circuit,
+        flush_behind,
     })
 }
 
@@ -226,12 +277,14 @@ mod tests {
             ("root-squash", "on"),
             ("io-timeout", "7"),
             ("short-circuit", "off"),
+            ("flush-behind", "64M"),
         ] {
             let Request::Set {
                 allow,
                 root_squash,
                 io_timeout,
                 short_circuit,
+                flush_behind,
                 ..
             } = set_request("v", name, text).unwrap()
             else {
@@ -248,6 +301,9 @@ mod tests {
             }
             if let Some(on) = short_circuit {
                 d.short_circuit = Some(on);
+            }
+            if flush_behind.is_some() {
+                d.flush_behind = flush_behind;
             }
             assert_eq!(values(&d, Some(name)).unwrap()[0].value, text);
         }

@@ -64,6 +64,9 @@ pub enum Request {
         /// Whether local clients read straight from the bricks' files; absent: unchanged.
         #[serde(default)]
         short_circuit: Option<bool>,
+        /// The bricks' flush-behind window in bytes (0: off); absent: unchanged.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        flush_behind: Option<u64>,
     },
     /// Append whole replica sets of new, empty bricks to a volume (running them if it is
     /// started): new files land on them at once.

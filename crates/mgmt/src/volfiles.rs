@@ -14,7 +14,16 @@ pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
     let mut v = kiln_server::replica_volfile(dir, &format!("{}{BRICK_POINT}{index}", def.name));
     for l in &mut v.layers {
         match &mut l.kind {
-            LayerKind::Posix { root_squash, .. } => *root_squash = def.root_squash,
+            LayerKind::Posix {
+                root_squash,
+                flush_behind,
+                ..
+            } => {
+                *root_squash = def.root_squash;
+                if let Some(w) = def.flush_behind {
+                    *flush_behind = w;
+                }
+            }
             LayerKind::Marks {
                 identity, adopt, ..
             } => {
@@ -172,6 +181,7 @@ pub fn placeholder_volfile(state_dir: &Path) -> Volfile {
             LayerKind::Posix {
                 directory: state_dir.join("mgmt-root"),
                 root_squash: false,
+                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
             },
         ),
     ])

@@ -225,6 +225,7 @@ pub fn default_volfile(dir: &Path) -> Volfile {
             LayerKind::Posix {
                 directory: dir.to_owned(),
                 root_squash: false,
+                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
             },
         ),
     ])
@@ -249,6 +250,7 @@ pub fn replica_volfile(dir: &Path, name: &str) -> Volfile {
             LayerKind::Posix {
                 directory: dir.to_owned(),
                 root_squash: false,
+                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
             },
         ),
     ])
@@ -260,10 +262,13 @@ pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
         LayerKind::Posix {
             directory,
             root_squash,
+            flush_behind,
         } => {
             let brick = Brick::open(directory)
                 .map_err(|e| format!("cannot open brick directory {}: {e}", directory.display()))?;
-            let posix = posix::Posix::new(&def.name, Arc::new(brick)).root_squash(*root_squash);
+            let posix = posix::Posix::new(&def.name, Arc::new(brick))
+                .root_squash(*root_squash)
+                .flush_behind(*flush_behind);
             Ok(Arc::new(posix) as LayerRef)
         }
         LayerKind::Dispatch {} => Ok(Arc::new(posix::Dispatch::new(&def.name, kids.remove(0)))),

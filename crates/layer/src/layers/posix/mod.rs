@@ -17,6 +17,7 @@ use crate::distribute::{Layout, LAYOUT_XATTR};
 
 use brick::Brick;
 
+mod behind;
 pub mod brick;
 mod cred;
 pub mod trouble;
@@ -30,11 +31,15 @@ pub const STORAGE_CALL: &str = "posix: storage call";
 /// Label stamped after them.
 pub const STORAGE_DONE: &str = "posix: storage done";
 
+pub use behind::DEFAULT_WINDOW as DEFAULT_FLUSH_BEHIND;
+
 /// An open file of the brick.
 struct PosixFd {
     file: Arc<File>,
     /// The path it was opened by, for error reports.
     path: Arc<str>,
+    /// Flush-behind, for a file open for writing.
+    behind: Option<Arc<behind::Behind>>,
 }
 
 /// What a fop works on, for error reports (resolved only when one is made).
@@ -60,6 +65,8 @@ pub struct Posix {
     name: String,
     brick: Arc<Brick>,
     root_squash: bool,
+    /// The flush-behind window in bytes (0: off).
+    flush_behind: u64,
 }
 
 impl Posix {
@@ -69,7 +76,28 @@ impl Posix {
             name: name.into(),
             brick,
             root_squash: false,
+            flush_behind: behind::DEFAULT_WINDOW,
         }
+    }
+
+    /// Writes a file's dirty pages back after every `window` bytes written to it, bounding
+    /// what a reflink or fsync must wait for (see [`behind`]); 0 leaves it to the kernel.
+    pub fn flush_behind(mut self, window: u64) -> Posix {
+        self.flush_behind = window;
+        self
+    }
+
+    /// The open file `f` of `path`, with flush-behind when open for writing.
+    fn posix_fd(&self, f: File, path: &str, flags: u32) -> Fd {
+        let file = Arc::new(f);
+        let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+        let behind = (writes && self.flush_behind > 0)
+            .then(|| behind::Behind::new(file.clone(), self.flush_behind));
+        Fd::new(PosixFd {
+            file,
+            path: path.into(),
+            behind,
+        })
     }
 
     /// With `on`, a request on behalf of root runs as nobody (like NFS `root_squash`); requests
@@ -88,23 +116,28 @@ impl Posix {
         on: On<'_>,
         f: impl FnOnce() -> FopResult<T>,
     ) -> Fut<'a, T> {
+        Box::pin(std::future::ready(self.run(cx, on, f)))
+    }
+
+    /// [`Posix::now`]'s result, not yet a future.
+    fn run<T>(&self, cx: &Ctx, on: On<'_>, f: impl FnOnce() -> FopResult<T>) -> FopResult<T> {
         let squashed;
         let mut caller = cx.cred.as_deref();
         if self.root_squash && caller.is_some_and(|c| c.uid == 0) {
             squashed = cred::nobody();
             caller = Some(&squashed);
         }
-        now_as(cx, caller, on, f)
+        run_as(cx, caller, on, f)
     }
 }
 
 /// Runs storage calls now as `caller`, stamping a traced request around them.
-fn now_as<'a, T: Send + 'a>(
+fn run_as<T>(
     cx: &Ctx,
     caller: Option<&kiln_proto::Cred>,
     on: On<'_>,
     f: impl FnOnce() -> FopResult<T>,
-) -> Fut<'a, T> {
+) -> FopResult<T> {
     let f = || {
         let _as = cred::AsCaller::new(caller)?;
         f()
@@ -121,7 +154,7 @@ fn now_as<'a, T: Send + 'a>(
     if let Err(e) = &r {
         trouble::observe(*e, &on.name());
     }
-    Box::pin(std::future::ready(r))
+    r
 }
 
 fn file(fd: &Fd) -> FopResult<&Arc<File>> {
@@ -204,10 +237,7 @@ impl Layer for Posix {
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         self.now(cx, On::Path(path), || {
             let f = self.brick.open_file(path, flags)?;
-            Ok(Fd::new(PosixFd {
-                file: Arc::new(f),
-                path: path.into(),
-            }))
+            Ok(self.posix_fd(f, path, flags))
         })
     }
 
@@ -220,11 +250,7 @@ impl Layer for Posix {
     ) -> Fut<'a, (Fd, Attr)> {
         self.now(cx, On::Path(path), || {
             let (f, attr) = self.brick.create(path, flags, mode)?;
-            let fd = Fd::new(PosixFd {
-                file: Arc::new(f),
-                path: path.into(),
-            });
-            Ok((fd, attr))
+            Ok((self.posix_fd(f, path, flags), attr))
         })
     }
 
@@ -261,12 +287,23 @@ impl Layer for Posix {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
-        self.now(cx, On::Fd(fd), move || {
+        let r = self.run(cx, On::Fd(fd), move || {
             let f = file(fd)?;
             // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
             let n = unsafe { iov_loop(f, data.iov(), offset, true)? };
             Ok(Written { n, bufs: data })
-        })
+        });
+        let behind = fd.get::<PosixFd>().ok().and_then(|p| p.behind.as_ref());
+        if let (Ok(w), Some(b)) = (&r, behind) {
+            // Two windows ahead of the disk: the write is answered once it caught up.
+            if let Some(wait) = b.wrote(w.n as u64) {
+                return Box::pin(async move {
+                    wait.await;
+                    r
+                });
+            }
+        }
+        Box::pin(std::future::ready(r))
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {

@@ -5,16 +5,24 @@ Setup (needs root): an XFS file system with reflink on a loop device over a spar
 --dir (made and removed here), a managed kilnd (release build) with a replica-3 volume whose
 bricks live on it, an image of --size-gib GiB filled through the mount, and `kiln nbd` on it.
 fio (nbd engine, random 4 KiB writes, 16 in flight, time-based) runs against the export; per
-repetition (--reps, default 3), in an order that alternates:
+repetition (--reps, default 3), in an order that alternates, with the bricks' flush-behind
+at its default (8M) and off (`kiln volume set snap flush-behind 0`), each run from an image
+written whole and at rest (written back to disk), so that every run starts from an image in
+few extents (random writes after a snapshot leave it in tens of thousands, and a reflink's
+time grows with them). The loop device does direct I/O to its backing file, so
+the XFS file system's write-back reaches the disk as on a real device:
 
   snapshot  `kiln image snapshot` while fio runs: the times it reports (in all, with the
-            flush before the barrier; and how long writes were held at the barrier), and
-            fio's write completion-latency p99 over the run
-  quiet     fio alone for the same time: its p99
+            flush before the barrier; and how long writes were held at the barrier), the
+            command's wall time, and fio's IOPS and write completion-latency p99
+  quiet     fio alone for the same time: its IOPS and p99
 
-and once at the end a clone of the last snapshot: bytes of the file system it took (statvfs,
-three replicas). The report gives the medians and the ratio of fio's p99 with a snapshot
-taken during the run to without. A table goes to stderr, one JSON object to stdout.
+Each snapshot is removed after its run (while it shares the image's blocks, every write to
+the image copies a block first, and runs after it would pay for that). Once at the end, a
+snapshot of the image at rest and a clone of it: bytes of the file system it took (statvfs,
+three replicas). The report gives the medians, the snapshot time without flush-behind over
+the time with it, and fio's IOPS with flush-behind over without (what it costs writers). A
+table goes to stderr, one JSON object to stdout.
 
 Usage: bench/snapshot.py [--reps 3] [--size-gib 4] [--runtime 4] [--no-build]
 """
@@ -54,6 +62,12 @@ def fio(uri: str, runtime: int) -> dict:
     return {"iops": job["iops"], "p99_us": job["clat_ns"]["percentile"]["99.000000"] / 1e3}
 
 
+def extents(path: Path) -> int:
+    """How many extents the file has (FIEMAP, by filefrag): what a reflink walks."""
+    out = subprocess.run(["filefrag", path], check=True, capture_output=True, text=True).stdout
+    return int(out.rsplit(": ", 1)[1].split()[0])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -71,67 +85,100 @@ def main() -> int:
     backing = base / "xfs.img"
     with open(backing, "wb") as f:
         f.truncate((3 * a.size_gib + 4) << 30)
-    dev = subprocess.run(["losetup", "-f", "--show", backing], check=True,
+    # Direct I/O from the loop device to its backing file: the XFS file system then writes
+    # to the disk as one on a real device would, not into a second page cache of the host.
+    dev = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", backing], check=True,
                          capture_output=True, text=True).stdout.strip()
     xfs = base / "xfs"
     xfs.mkdir()
-    cl = export = None
+    cl = None
+    export = None
     try:
         subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", dev], check=True)
         subprocess.run(["mount", dev, xfs], check=True)
         cl = Cluster(xfs, PORT, "snap", 3, replica=3)
-        block = os.urandom(1 << 20)
-        with open(cl.mnt / "disk.img", "wb") as f:
-            for _ in range(a.size_gib << 10):
-                f.write(block)
-        # An image at rest: written back to the bricks' disk, as one a VM has run on for a while.
-        subprocess.run(["sync", "-f", xfs / "b0"], check=True)
         image = f"127.0.0.1:{PORT}:/snap/disk.img"
-        export = subprocess.Popen(
-            [KILN, "nbd", image, "--listen", f"unix:{base / 'e.sock'}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cl.env)
-        uri = export.stdout.readline().rsplit(" at ", 1)[1].strip()
-        runs: dict[str, list[dict]] = {"snapshot": [], "quiet": []}
+        block = os.urandom(1 << 20)
+
+        def fresh_image() -> str:
+            """A new image, written whole through the mount and then at rest (written back
+            to the bricks' disk, as one a VM has run on for a while), exported by a new `kiln
+            nbd`; its URI. Every run gets one: random writes after a snapshot leave the
+            image in tens of thousands of extents, and a reflink's time grows with them."""
+            nonlocal export
+            if export:
+                export.send_signal(signal.SIGTERM)
+                export.wait()
+            (cl.mnt / "disk.img").unlink(missing_ok=True)
+            with open(cl.mnt / "disk.img", "wb") as f:
+                for _ in range(a.size_gib << 10):
+                    f.write(block)
+            subprocess.run(["sync"], check=True)
+            export = subprocess.Popen(
+                [KILN, "nbd", image, "--listen", f"unix:{base / 'e.sock'}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cl.env)
+            return export.stdout.readline().rsplit(" at ", 1)[1].strip()
+
+        # Per repetition, in alternating order, with the bricks' flush-behind at its default
+        # (on) and off: fio with a snapshot taken mid-run, and fio alone, each on a fresh image.
+        ways = [(fb, kind) for fb in ("on", "off") for kind in ("snapshot", "quiet")]
+        runs: dict[str, list[dict]] = {f"{fb} {kind}": [] for fb, kind in ways}
         for rep in range(a.reps):
-            order = ["snapshot", "quiet"] if rep % 2 == 0 else ["quiet", "snapshot"]
-            for way in order:
-                if way == "quiet":
-                    runs["quiet"].append(fio(uri, a.runtime))
+            for fb, kind in (ways if rep % 2 == 0 else ways[::-1]):
+                cl.cli("volume", "set", "snap", "flush-behind", "8M" if fb == "on" else "0")
+                uri = fresh_image()
+                if kind == "quiet":
+                    runs[f"{fb} quiet"].append(fio(uri, a.runtime))
                     continue
                 got: dict = {}
                 t = threading.Thread(target=lambda: got.update(fio(uri, a.runtime)))
                 t.start()
                 time.sleep(a.runtime / 2)  # mid-run: the bench's schedule, not a sync point
-                out = subprocess.run([KILN, "image", "snapshot", image, f"s{rep}"], env=cl.env,
+                got["extents"] = extents(xfs / "b0" / "disk.img")
+                name = f"s{rep}{fb}"
+                t0 = time.monotonic()
+                out = subprocess.run([KILN, "image", "snapshot", image, name], env=cl.env,
                                      check=True, capture_output=True, text=True).stdout
+                got["command_ms"] = (time.monotonic() - t0) * 1e3
                 t.join()
                 got["snapshot_ms"] = float(out.split(" taken in ")[1].split(" ms")[0])
                 got["held_ms"] = float(out.split("writes held ")[1].split(" ms")[0])
                 got["made_alike_bytes"] = int(out.split("makes ")[1].split(" ")[0]) \
                     if "makes " in out else 0
-                runs["snapshot"].append(got)
-            c.log(f"rep {rep}: snapshot {runs['snapshot'][-1]}  quiet {runs['quiet'][-1]}")
+                runs[f"{fb} snapshot"].append(got)
+                # Gone before the next run: while a snapshot shares the image's blocks, every
+                # write to the image copies its block first (and its write-back costs more).
+                subprocess.run([KILN, "image", "rm", f"{image}@{name}"], env=cl.env,
+                               check=True, capture_output=True)
+            c.log(f"rep {rep}: " + "  ".join(f"{w}: {runs[w][-1]}" for w in runs))
+        subprocess.run([KILN, "image", "snapshot", image, "last"], env=cl.env, check=True,
+                       capture_output=True)
         before = free(xfs)
-        subprocess.run([KILN, "image", "clone", f"{image}@s{a.reps - 1}", "clone.img"],
+        subprocess.run([KILN, "image", "clone", f"{image}@last", "clone.img"],
                        env=cl.env, check=True, capture_output=True)
         clone_bytes = max(0, before - free(xfs))
         med = lambda w, k: statistics.median(r[k] for r in runs[w])  # noqa: E731
         result = {
             "bench": "snapshot",
             "size_gib": a.size_gib,
-            "snapshot_ms": med("snapshot", "snapshot_ms"),
-            "writes_held_ms": med("snapshot", "held_ms"),
-            "p99_us": {w: med(w, "p99_us") for w in runs},
-            "iops": {w: med(w, "iops") for w in runs},
-            "p99_with_snapshot_vs_quiet": med("snapshot", "p99_us") / med("quiet", "p99_us"),
+            "snapshot_ms": {fb: med(f"{fb} snapshot", "snapshot_ms") for fb in ("on", "off")},
+            "command_ms": {fb: med(f"{fb} snapshot", "command_ms") for fb in ("on", "off")},
+            "writes_held_ms": {fb: med(f"{fb} snapshot", "held_ms") for fb in ("on", "off")},
+            "fio_p99_us": {w: med(w, "p99_us") for w in runs},
+            "fio_iops": {w: med(w, "iops") for w in runs},
+            "snapshot_off_vs_on": med("off snapshot", "snapshot_ms")
+            / med("on snapshot", "snapshot_ms"),
+            "quiet_iops_on_vs_off": med("on quiet", "iops") / med("off quiet", "iops"),
             "clone_bytes_three_replicas": clone_bytes,
             "clone_vs_image": clone_bytes / (a.size_gib << 30),
             "reps": a.reps,
             "runs": runs,
         }
-        c.log(f"snapshot of {a.size_gib} GiB under fio: {result['snapshot_ms']:.1f} ms "
-              f"(median; writes held {result['writes_held_ms']:.1f} ms); fio p99 {result['p99_us']['snapshot']:.0f} us with a snapshot, "
-              f"{result['p99_us']['quiet']:.0f} us without; clone took {clone_bytes} B")
+        c.log(f"snapshot of {a.size_gib} GiB under fio, medians: flush-behind on "
+              f"{result['snapshot_ms']['on']:.1f} ms (writes held "
+              f"{result['writes_held_ms']['on']:.1f} ms), off {result['snapshot_ms']['off']:.1f} ms; "
+              f"fio alone {result['fio_iops']['on quiet']:.0f} IOPS on, "
+              f"{result['fio_iops']['off quiet']:.0f} off; clone took {clone_bytes} B")
         return c.emit(result, a.out)
     finally:
         if export:

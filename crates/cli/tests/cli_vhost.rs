@@ -1,7 +1,10 @@
-//! `kiln vhost-user-blk` under a real QEMU guest (TCG: this machine has no usable KVM): the
-//! guest's fio writes a known pattern and seeded random data through the device and verifies
-//! them, while the volume's only brick is killed and started again; the guest sees no error,
-//! the brick holds the pattern, and the device copied no payload byte.
+//! `kiln vhost-user-blk` under a real QEMU guest (TCG: this machine has no usable KVM), on
+//! four virtqueues: the guest's fio writes a known pattern and seeded random data through the
+//! device and verifies them, while the volume's only brick is killed and started again; the
+//! guest sees no error, the brick holds the pattern, and the device copied no payload byte.
+//! Then the guest reads 1 MiB at a time (one 1 MiB request each at the brick), writes with a
+//! flush after each write, and discards a range it wrote (a hole on the brick); the device's
+//! sampled requests show a waterfall from the guest's kick to the used ring.
 //!
 //! The guest is the machine's guest harness (`shared/vm/guest-fio.sh` beside the repository,
 //! or `KILN_VM_HARNESS`): it builds a kernel and initramfs from Debian's packages, boots them
@@ -70,6 +73,31 @@ rw=read
 bs=1M
 size=32m
 iodepth=4
+
+[flush]
+stonewall
+rw=write
+bs=64k
+offset=160m
+size=4m
+iodepth=1
+fsync=1
+
+[prefill]
+stonewall
+rw=write
+bs=1M
+offset=192m
+size=8m
+iodepth=1
+
+[trim]
+stonewall
+ioengine=psync
+rw=trim
+bs=1M
+offset=192m
+size=8m
 ";
 
 #[test]
@@ -100,6 +128,10 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
     let mut dev = kiln();
     dev.args(["vhost-user-blk", &v.source("/disk.img"), "--secret-file"])
         .arg(&v.secret)
+        .args(["--num-queues", "4", "--trace-every", "8"])
+        // Reads go to the brick, as from a device on another host (on the brick's own host
+        // they would bypass it), so that the brick's counts show them.
+        .env("KILN_SHORT_CIRCUIT", "off")
         .arg("--socket")
         .arg(&sock)
         .env("KILN_LOG", "info")
@@ -133,7 +165,7 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
                     "-chardev",
                     &format!("socket,id=c,path={},reconnect=1", sock.display()),
                     "-device",
-                    "vhost-user-blk-pci,chardev=c,num-queues=2",
+                    "vhost-user-blk-pci,chardev=c,num-queues=4",
                 ])
                 .output()
                 .unwrap()
@@ -182,6 +214,46 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
         "the brick does not hold the guest's pattern"
     );
 
+    // The guest's trim left a hole on the brick where it had written.
+    let f = std::fs::File::open(&brick_file).unwrap();
+    assert!(
+        next_data(&f, 192 * MIB) >= 200 * MIB,
+        "the guest's discard of [192 MiB, 200 MiB) left data on the brick"
+    );
+
+    // A guest read of 1 MiB is one request of 1 MiB at the brick (the brick restarted before
+    // the reads job: its counts are of what came after).
+    let info: Value =
+        serde_json::from_str(&v.mgmt(&["volume", "profile", "vm", "info", "--json"])).unwrap();
+    let reads_of = |size: u64| -> u64 {
+        info["sources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["source"].as_str().unwrap().starts_with("brick "))
+            .flat_map(|s| s["report"]["points"].as_array().unwrap().clone())
+            .flat_map(|p| p["cumulative"]["block_sizes"].as_array().unwrap().clone())
+            .filter(|b| b["size"] == size)
+            .map(|b| b["reads"].as_u64().unwrap())
+            .sum()
+    };
+    assert!(
+        reads_of(MIB) >= 32,
+        "1 MiB reads at the brick: {}",
+        reads_of(MIB)
+    );
+    assert_eq!(
+        (reads_of(MIB / 2), reads_of(MIB / 4)),
+        (0, 0),
+        "1 MiB guest reads were split"
+    );
+    // The device's sampled requests: a waterfall from the guest's kick to the used ring.
+    let trace = v.mgmt(&["volume", "profile", "vm", "trace"]);
+    assert!(
+        trace.contains("vhost: guest kick") && trace.contains("vhost: used ring"),
+        "{trace}"
+    );
+
     // Every read landed in guest memory: the device's client copied nothing.
     drop(dev);
     let summary = std::fs::read_to_string(&log).unwrap();
@@ -191,7 +263,34 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
         .unwrap_or_else(|| panic!("no device summary in:\n{summary}"));
     assert!(last.contains("bytes_copied=0"), "{last}");
     assert!(last.contains("errors=0"), "{last}");
+    let count = |what: &str| -> u64 {
+        let at = last
+            .find(&format!("{what}="))
+            .unwrap_or_else(|| panic!("no {what}: {last}"));
+        last[at + what.len() + 1..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    // fsync=1: a FLUSH after each of the 64 writes of the flush job (the guest's block layer
+    // may fold one into another).
+    assert!(count("flushes") >= 32, "{last}");
+    assert!(count("discards") >= 1, "{last}");
     println!("{last}");
+}
+
+/// Where the next data at or after `at` starts in `f` (its size when only a hole follows).
+fn next_data(f: &std::fs::File, at: u64) -> u64 {
+    use std::os::fd::AsRawFd;
+    // SAFETY: lseek on an open descriptor; no memory is passed.
+    let r = unsafe { libc::lseek(f.as_raw_fd(), at as i64, libc::SEEK_DATA) };
+    if r < 0 {
+        f.metadata().unwrap().len()
+    } else {
+        r as u64
+    }
 }
 
 fn tail(text: &str) -> String {

@@ -220,7 +220,11 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     // A brick option reaches the bricks' volfile (and a reset takes it out again).
     mgmt_ok(&kd, &state, &["volume", "start", "ov"]);
     let brick_volfile = || std::fs::read_to_string(state.join("vols/ov/bricks/0.toml")).unwrap();
-    assert!(!brick_volfile().contains("flush_behind"), "{}", brick_volfile());
+    assert!(
+        !brick_volfile().contains("flush_behind"),
+        "{}",
+        brick_volfile()
+    );
     mgmt_ok(&kd, &state, &["volume", "set", "ov", "flush-behind", "64M"]);
     let fb = get("flush-behind");
     assert_eq!(fb["options"][0]["value"], "64M", "{fb}");
@@ -244,7 +248,11 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     assert_eq!(get("root-squash")["options"][0]["value"], "off");
     assert_eq!(get("short-circuit")["options"][0]["value"], "on");
     assert_eq!(get("flush-behind")["options"][0]["value"], "8M");
-    assert!(!brick_volfile().contains("flush_behind"), "{}", brick_volfile());
+    assert!(
+        !brick_volfile().contains("flush_behind"),
+        "{}",
+        brick_volfile()
+    );
     mgmt_ok(&kd, &state, &["volume", "stop", "ov", "--yes"]);
 
     // A second kilnd on the same state directory refuses to start, and says which holds it.

@@ -27,6 +27,8 @@ use kiln_proto::codec::Wire;
 use kiln_proto::ops::{Changes, DirEntry, Extent, ExtentList, LeaseState};
 use kiln_proto::Cred;
 
+mod raw;
+
 use crate::client::{errno_error, Client};
 use crate::graph::{Gen, Switch};
 use crate::protocol::ProtocolClient;
@@ -401,53 +403,6 @@ impl Volume {
             Ok(w) => (Ok(w.n), w.bufs.into_owned().unwrap_or_default()),
             Err(e) => (Err(errno_error(e)), Vec::new()),
         }
-    }
-
-    /// Reads into raw vectors; `cb` gets the byte count or the errno, on the thread that
-    /// completed the request.
-    ///
-    /// # Safety
-    /// The vectors' memory must stay valid and untouched until `cb` has been called.
-    pub unsafe fn preadv_raw(
-        &self,
-        fd: &Fd,
-        iov: &[RawIov],
-        offset: u64,
-        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
-    ) {
-        let (top, fd, cx) = (self.stack.top.clone(), fd.clone(), self.ctx());
-        // SAFETY: forwarded to the caller.
-        let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
-        exec::spawn(async move {
-            let r = top.read(&cx, &fd, offset, ReadDst::Into(bufs)).await;
-            Volume::finish(&cx);
-            // Only bytes in the caller's memory count: anything else left it unwritten.
-            cb(r.and_then(|o| match o {
-                ReadOut::Into { n, .. } => Ok(n),
-                _ => Err(kiln_proto::errno::EIO),
-            }));
-        });
-    }
-
-    /// Writes from raw vectors; `cb` gets the byte count or the errno.
-    ///
-    /// # Safety
-    /// The vectors' memory must stay valid and unchanged until `cb` has been called.
-    pub unsafe fn pwritev_raw(
-        &self,
-        fd: &Fd,
-        iov: &[RawIov],
-        offset: u64,
-        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
-    ) {
-        let (top, fd, cx) = (self.stack.top.clone(), fd.clone(), self.ctx());
-        // SAFETY: forwarded to the caller.
-        let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
-        exec::spawn(async move {
-            let r = top.write(&cx, &fd, offset, bufs).await;
-            Volume::finish(&cx);
-            cb(r.map(|w| w.n));
-        });
     }
 }
 

@@ -56,8 +56,12 @@ pub struct Stats {
     pub writes: AtomicU64,
     /// Bytes written from guest memory.
     pub write_bytes: AtomicU64,
-    /// Flushes, discards and write-zeroes completed.
-    pub others: AtomicU64,
+    /// Flushes completed.
+    pub flushes: AtomicU64,
+    /// Discards completed.
+    pub discards: AtomicU64,
+    /// Write-zeroes completed.
+    pub zeroes: AtomicU64,
     /// Requests answered with an error status.
     pub errors: AtomicU64,
 }
@@ -82,6 +86,12 @@ struct Inner {
 /// The device (cheap to clone: one per vhost-user connection shares it).
 #[derive(Clone)]
 pub struct Blk(Arc<Inner>);
+
+/// What a sampled request's waterfall shows of the device: the guest's kick (when the queue's
+/// worker woke to it) and the request's completion on the used ring (the guest notified).
+pub const KICK: &str = "vhost: guest kick";
+/// See [`KICK`].
+pub const USED: &str = "vhost: used ring";
 
 thread_local! {
     /// The queue this thread is starting a batch of requests on, and how many of them
@@ -160,6 +170,7 @@ impl Blk {
         };
         let event_idx = self.0.event_idx.load(Relaxed);
         loop {
+            let kick_ns = kiln_layer::trace::now_ns();
             let chains: Vec<_> = {
                 let mut st = vring.get_mut();
                 if event_idx {
@@ -181,7 +192,7 @@ impl Blk {
             for chain in chains {
                 let head = chain.head_index();
                 let descs: Vec<_> = chain.collect();
-                self.start(vring, q, &mem, head, &descs);
+                self.start(vring, q, &mem, (head, kick_ns), &descs);
             }
             if BATCH.with(|b| b.take()).is_some_and(|(_, n)| n > 0) {
                 let mut st = vring.get_mut();
@@ -206,7 +217,7 @@ impl Blk {
         vring: &VringRwLock,
         q: usize,
         mem: &Mem,
-        head: u16,
+        (head, kick_ns): (u16, u64),
         descs: &[virtio_queue::desc::split::Descriptor],
     ) {
         let req = match Request::parse(head, descs, mem) {
@@ -218,13 +229,14 @@ impl Blk {
                 return;
             }
         };
-        let done = Done {
+        let mut done = Done {
             blk: self.clone(),
             vring: vring.clone(),
             q,
             mem: mem.clone(),
             head,
             status: req.status,
+            trace: None,
         };
         let img = &self.0.image;
         let at = req.sector.checked_mul(SECTOR);
@@ -235,14 +247,23 @@ impl Blk {
         match req.kind {
             Kind::Read | Kind::Write if !inside => done.finish(VIRTIO_BLK_S_IOERR, 0),
             Kind::Write if img.read_only => done.finish(VIRTIO_BLK_S_IOERR, 0),
-            Kind::Read | Kind::Write => self.read_write(req, done, at.unwrap_or(0), len),
+            Kind::Read | Kind::Write => {
+                // A sampled request's waterfall starts at the kick and ends on the used ring.
+                let cx = img.vol.ctx();
+                if let Some(t) = &cx.trace {
+                    t.stamp_at(kick_ns, KICK);
+                    t.expect_part();
+                    done.trace = Some(t.clone());
+                }
+                self.read_write(req, done, cx, (at.unwrap_or(0), len))
+            }
             Kind::Flush => {
                 let vol = img.vol.clone();
                 let fd = img.fd.clone();
                 kiln_layer::exec::spawn(async move {
                     let r = vol.fsync(&fd, false).await;
                     if r.is_ok() {
-                        done.blk.0.stats.others.fetch_add(1, Relaxed);
+                        done.blk.0.stats.flushes.fetch_add(1, Relaxed);
                     }
                     done.after(r.is_ok(), 0);
                 });
@@ -270,7 +291,7 @@ impl Blk {
     }
 
     /// A read into, or a write from, the guest's buffers, in place.
-    fn read_write(&self, req: Request, done: Done, at: u64, len: u64) {
+    fn read_write(&self, req: Request, done: Done, cx: kiln_layer::Ctx, (at, len): (u64, u64)) {
         let iov = match req.vectors(&done.mem) {
             Ok(v) => v,
             Err(Malformed(why)) => {
@@ -305,9 +326,9 @@ impl Blk {
         // request's buffers before the device puts it on the used ring, which happens in `cb`.
         unsafe {
             if read {
-                img.vol.preadv_raw(&img.fd, &iov, at, cb)
+                img.vol.preadv_raw_in(cx, &img.fd, &iov, at, cb)
             } else {
-                img.vol.pwritev_raw(&img.fd, &iov, at, cb)
+                img.vol.pwritev_raw_in(cx, &img.fd, &iov, at, cb)
             }
         }
     }
@@ -354,7 +375,9 @@ impl Blk {
                 }
             }
             if ok {
-                done.blk.0.stats.others.fetch_add(1, Relaxed);
+                let st = &done.blk.0.stats;
+                let n = if unmap_ok { &st.discards } else { &st.zeroes };
+                n.fetch_add(1, Relaxed);
             }
             done.after(ok, 0);
         });
@@ -400,6 +423,8 @@ struct Done {
     mem: Mem,
     head: u16,
     status: GuestAddress,
+    /// A sampled request's trace: stamped once the request is on the used ring.
+    trace: Option<Arc<kiln_layer::trace::Trace>>,
 }
 
 impl Done {
@@ -423,6 +448,10 @@ impl Done {
         }
         self.blk
             .used(&self.vring, self.q, self.head, n.saturating_add(1));
+        if let Some(t) = self.trace {
+            t.stamp(USED);
+            t.part_done();
+        }
     }
 }
 

@@ -71,6 +71,11 @@ pub struct VhostArgs {
     /// brick learns it, so `kiln volume profile` reaches this export); "off" disables it.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
     pub metrics: String,
+    /// Sample every Nth read and write for a waterfall (0: none): from the guest's kick
+    /// through the client and the brick to the used ring; `kiln volume profile VOL trace`
+    /// (or GET /traces on the metrics address) shows them.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub trace_every: u64,
 }
 
 impl VhostArgs {
@@ -95,6 +100,7 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
         .build()
         .map_err(|e| format!("cannot start runtime: {e}"))?;
     let vol = Arc::new(Volume::from_source(&src).map_err(|e| format!("cannot reach {src}: {e}"))?);
+    vol.set_trace_every(args.trace_every);
     let image = open(&vol, &spec.path, args.read_only)?;
     let held = match (args.read_only, args.lock.as_str()) {
         (true, _) | (_, "off") => None,
@@ -189,7 +195,9 @@ fn log_summary(blk: &Blk) {
         read_bytes = s.read_bytes.load(Relaxed),
         writes = s.writes.load(Relaxed),
         write_bytes = s.write_bytes.load(Relaxed),
-        others = s.others.load(Relaxed),
+        flushes = s.flushes.load(Relaxed),
+        discards = s.discards.load(Relaxed),
+        zeroes = s.zeroes.load(Relaxed),
         errors = s.errors.load(Relaxed),
         bytes_copied = copied,
         "device summary"

@@ -1,0 +1,89 @@
+//! The callback API on raw vectors: reads land in, and writes are sent from, memory the
+//! caller owns (a guest's RAM for a vhost-user device, a C caller's buffers for libkiln),
+//! completing on the thread that finished the request.
+
+use kiln_layer::{exec, Ctx, Errno, Fd, IoBufs, RawIov, ReadDst, ReadOut};
+
+use super::Volume;
+
+impl Volume {
+    /// Reads into raw vectors; `cb` gets the byte count or the errno, on the thread that
+    /// completed the request.
+    ///
+    /// # Safety
+    /// The vectors' memory must stay valid and untouched until `cb` has been called.
+    pub unsafe fn preadv_raw(
+        &self,
+        fd: &Fd,
+        iov: &[RawIov],
+        offset: u64,
+        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.preadv_raw_in(self.ctx(), fd, iov, offset, cb) }
+    }
+
+    /// [`Volume::preadv_raw`] in the context `cx` (from [`Volume::ctx`]; a caller that stamps
+    /// its own edges on a sampled request's trace, as a vhost-user device does).
+    ///
+    /// # Safety
+    /// As [`Volume::preadv_raw`].
+    pub unsafe fn preadv_raw_in(
+        &self,
+        cx: Ctx,
+        fd: &Fd,
+        iov: &[RawIov],
+        offset: u64,
+        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
+    ) {
+        let (top, fd) = (self.stack.top.clone(), fd.clone());
+        // SAFETY: forwarded to the caller.
+        let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
+        exec::spawn(async move {
+            let r = top.read(&cx, &fd, offset, ReadDst::Into(bufs)).await;
+            Volume::finish(&cx);
+            // Only bytes in the caller's memory count: anything else left it unwritten.
+            cb(r.and_then(|o| match o {
+                ReadOut::Into { n, .. } => Ok(n),
+                _ => Err(kiln_proto::errno::EIO),
+            }));
+        });
+    }
+
+    /// Writes from raw vectors; `cb` gets the byte count or the errno.
+    ///
+    /// # Safety
+    /// The vectors' memory must stay valid and unchanged until `cb` has been called.
+    pub unsafe fn pwritev_raw(
+        &self,
+        fd: &Fd,
+        iov: &[RawIov],
+        offset: u64,
+        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.pwritev_raw_in(self.ctx(), fd, iov, offset, cb) }
+    }
+
+    /// [`Volume::pwritev_raw`] in the context `cx` (see [`Volume::preadv_raw_in`]).
+    ///
+    /// # Safety
+    /// As [`Volume::pwritev_raw`].
+    pub unsafe fn pwritev_raw_in(
+        &self,
+        cx: Ctx,
+        fd: &Fd,
+        iov: &[RawIov],
+        offset: u64,
+        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
+    ) {
+        let (top, fd) = (self.stack.top.clone(), fd.clone());
+        // SAFETY: forwarded to the caller.
+        let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
+        exec::spawn(async move {
+            let r = top.write(&cx, &fd, offset, bufs).await;
+            Volume::finish(&cx);
+            cb(r.map(|w| w.n));
+        });
+    }
+}

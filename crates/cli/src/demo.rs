@@ -18,6 +18,42 @@ pub struct DemoArgs {
     /// Seconds for each of the two short loads.
     #[arg(long, default_value_t = 3.0)]
     pub runtime: f64,
+    /// Print one JSON object at the end instead of the steps as they happen: {"ok": true,
+    /// "steps": {NAME: RESULT, …}, "loads": [{"rw", "bs", "iodepth", "mb_s", "iops",
+    /// "p50_us", "p99_us"}, …], "bytes_copied"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What the demo says: each step as it happens, or (`--json`) all of it at the end.
+struct Out {
+    json: bool,
+    steps: serde_json::Map<String, serde_json::Value>,
+    loads: Vec<serde_json::Value>,
+}
+
+impl Out {
+    /// A step's result line, or its error.
+    fn step(&mut self, name: &str, r: std::io::Result<String>) -> Result<(), String> {
+        match r {
+            Ok(s) => {
+                if self.json {
+                    self.steps.insert(name.to_owned(), s.into());
+                } else {
+                    println!("  {name:<28} {s}");
+                }
+                Ok(())
+            }
+            Err(e) => Err(format!("{name}: {e}")),
+        }
+    }
+
+    /// A line for a person (none with `--json`).
+    fn say(&self, line: &str) {
+        if !self.json {
+            println!("{line}");
+        }
+    }
 }
 
 fn fill(buf: &mut [u8], seed: u64) {
@@ -31,29 +67,24 @@ fn fill(buf: &mut [u8], seed: u64) {
     }
 }
 
-fn step(name: &str, r: std::io::Result<String>) -> Result<(), String> {
-    match r {
-        Ok(s) => {
-            println!("  {name:<28} {s}");
-            Ok(())
-        }
-        Err(e) => Err(format!("{name}: {e}")),
-    }
-}
-
 /// `kiln demo`.
 pub fn main(args: DemoArgs) -> Result<(), String> {
+    let mut out = Out {
+        json: args.json,
+        steps: Default::default(),
+        loads: Vec::new(),
+    };
     let server = ChildServer::start(None, Transport::Tcp, None, |_| None)
         .map_err(|e| format!("cannot start the brick server: {e}"))?;
-    println!(
+    out.say(&format!(
         "kiln demo: brick server pid {} on {}",
         server.pid(),
         server.addr
-    );
+    ));
     // The volume API: a client stack (io-stats → protocol-client) over the brick.
     let c = Volume::connect(&server.addr).map_err(|e| e.to_string())?;
 
-    step(
+    out.step(
         "mkdir demo",
         block_on(c.mkdir("demo", 0o755)).map(|a| format!("mode {:o}", a.mode)),
     )?;
@@ -88,7 +119,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     }
     block_on(c.fsync(&fh, false)).map_err(|e| format!("fsync: {e}"))?;
     let wt = t.elapsed().as_secs_f64();
-    step(
+    out.step(
         "write + fsync",
         Ok(format!(
             "{} MiB at {:.0} MB/s",
@@ -128,7 +159,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         }
     }
     drop(back);
-    step(
+    out.step(
         "read back + verify",
         Ok(format!(
             "{} MiB at {:.0} MB/s, every byte matches",
@@ -138,12 +169,12 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
     )?;
     block_on(c.close(fh)).map_err(|e| e.to_string())?;
 
-    metadata(&c)?;
+    metadata(&c, &mut out)?;
 
     for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {
         let a = bench_args(rw, bs, qd, &args, &server);
         let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
-        step(
+        out.step(
             &format!("{:?} {}k QD{qd}", rw, bs / 1024).to_lowercase(),
             Ok(format!(
                 "{:.0} MB/s, {:.0} IOPS, p50 {:.1} µs, p99 {:.1} µs",
@@ -153,13 +184,17 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
                 r.lat_us(0.99)
             )),
         )?;
+        out.loads.push(serde_json::json!({
+            "rw": format!("{rw:?}").to_lowercase(), "bs": bs, "iodepth": qd,
+            "mb_s": r.mb_s(), "iops": r.iops(), "p50_us": r.lat_us(0.5), "p99_us": r.lat_us(0.99),
+        }));
         if let Some(w) = &r.waterfall {
-            println!(
+            out.say(&format!(
                 "  where a 4k read's time went ({} sampled requests, medians):",
                 w.samples
-            );
+            ));
             for line in w.render().lines() {
-                println!("    {line}");
+                out.say(&format!("    {line}"));
             }
         }
     }
@@ -168,7 +203,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         .iter()
         .map(|k| k.stats().bytes_copied.load(Ordering::Relaxed))
         .sum();
-    step(
+    out.step(
         "bytes copied in user space",
         Ok(format!("{copied} (payload went socket <-> your buffers)")),
     )?;
@@ -176,13 +211,21 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         block_on(c.unlink(p)).map_err(|e| e.to_string())?;
     }
     block_on(c.rmdir("demo")).map_err(|e| e.to_string())?;
-    println!("kiln demo: done; the brick and its data are removed");
+    out.say("kiln demo: done; the brick and its data are removed");
+    if out.json {
+        let r = serde_json::json!({
+            "steps": out.steps,
+            "loads": out.loads,
+            "bytes_copied": copied,
+        });
+        crate::out::show(true, &r, |_| String::new());
+    }
     Ok(())
 }
 
 /// The metadata fops, on the file the data steps wrote.
-fn metadata(c: &Volume) -> Result<(), String> {
-    step(
+fn metadata(c: &Volume, out: &mut Out) -> Result<(), String> {
+    out.step(
         "setxattr/getxattr",
         (|| {
             block_on(c.setxattr("demo/data.bin", "user.kiln.demo", b"fired", 0))?;
@@ -193,7 +236,7 @@ fn metadata(c: &Volume) -> Result<(), String> {
             ))
         })(),
     )?;
-    step(
+    out.step(
         "rename + symlink",
         (|| {
             block_on(c.rename("demo/data.bin", "demo/image.raw", 0))?;
@@ -204,7 +247,7 @@ fn metadata(c: &Volume) -> Result<(), String> {
             ))
         })(),
     )?;
-    step(
+    out.step(
         "readdir demo",
         block_on(c.readdir("demo")).map(|es| {
             es.iter()
@@ -213,7 +256,7 @@ fn metadata(c: &Volume) -> Result<(), String> {
                 .join(", ")
         }),
     )?;
-    step(
+    out.step(
         "statfs",
         block_on(c.statfs("")).map(|s| format!("{} MiB free", (s.bavail * s.frsize) >> 20)),
     )?;

@@ -87,7 +87,8 @@ fn main() -> std::process::ExitCode {
     if one_shot {
         quiet_on_closed_output();
     }
-    let json = one_shot && wants_json;
+    // (The demo runs a brick of its own, which must not be left behind by a closed pipe.)
+    let json = (one_shot || matches!(cli.cmd, Cmd::Demo(_))) && wants_json;
     let r = match cli.cmd {
         Cmd::Server(a) => return kilnd::main(a),
         Cmd::Demo(a) => {

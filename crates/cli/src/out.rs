@@ -16,7 +16,7 @@ Servers, mounts and exports (server, mount, nbd, vhost-user-blk) exit 0 when sto
 SIGTERM or `kiln umount`, 1 when they cannot start or their service fails.
 
 --json is taken by every command that prints a result and ends (volume, peer, pool, image,
-tls, generate, umount, bench); servers, mounts and exports write a log instead.";
+tls, generate, umount, bench, demo); servers, mounts and exports write a log instead.";
 
 /// Prints `r`: with `json`, as `{"ok": true, …}` with `r`'s fields beside `ok` (so `r` must
 /// serialise as an object), else as `text` renders it.

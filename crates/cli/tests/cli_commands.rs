@@ -29,6 +29,28 @@ fn demo_runs_end_to_end_and_verifies_data() {
         copied.contains(" 0 ("),
         "the read path copied payload: {copied}"
     );
+
+    // The same, for a script: one JSON object with the steps' results and the loads.
+    let out = kiln()
+        .args(["demo", "--size", "8m", "--runtime", "0.3", "--json"])
+        .output()
+        .expect("run kiln demo --json");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["bytes_copied"], 0, "{v}");
+    assert!(
+        v["steps"]["read back + verify"]
+            .as_str()
+            .is_some_and(|s| s.contains("every byte matches")),
+        "{v}"
+    );
+    assert_eq!(v["loads"].as_array().map(Vec::len), Some(2), "{v}");
+    assert!(v["loads"][0]["iops"].as_f64() > Some(0.0), "{v}");
 }
 
 #[test]

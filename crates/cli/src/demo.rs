@@ -88,6 +88,65 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         "mkdir demo",
         block_on(c.mkdir("demo", 0o755)).map(|a| format!("mode {:o}", a.mode)),
     )?;
+    data(&c, &args, &mut out)?;
+
+    metadata(&c, &mut out)?;
+
+    for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {
+        let a = bench_args(rw, bs, qd, &args, &server);
+        let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
+        out.step(
+            &format!("{:?} {}k QD{qd}", rw, bs / 1024).to_lowercase(),
+            Ok(format!(
+                "{:.0} MB/s, {:.0} IOPS, p50 {:.1} µs, p99 {:.1} µs",
+                r.mb_s(),
+                r.iops(),
+                r.lat_us(0.5),
+                r.lat_us(0.99)
+            )),
+        )?;
+        out.loads.push(serde_json::json!({
+            "rw": format!("{rw:?}").to_lowercase(), "bs": bs, "iodepth": qd,
+            "mb_s": r.mb_s(), "iops": r.iops(), "p50_us": r.lat_us(0.5), "p99_us": r.lat_us(0.99),
+        }));
+        if let Some(w) = &r.waterfall {
+            out.say(&format!(
+                "  where a 4k read's time went ({} sampled requests, medians):",
+                w.samples
+            ));
+            for line in w.render().lines() {
+                out.say(&format!("    {line}"));
+            }
+        }
+    }
+    let copied: u64 = c
+        .clients()
+        .iter()
+        .map(|k| k.stats().bytes_copied.load(Ordering::Relaxed))
+        .sum();
+    out.step(
+        "bytes copied in user space",
+        Ok(format!("{copied} (payload went socket <-> your buffers)")),
+    )?;
+    for p in ["demo/latest", "demo/image.raw"] {
+        block_on(c.unlink(p)).map_err(|e| e.to_string())?;
+    }
+    block_on(c.rmdir("demo")).map_err(|e| e.to_string())?;
+    out.say("kiln demo: done; the brick and its data are removed");
+    if out.json {
+        let r = serde_json::json!({
+            "steps": out.steps,
+            "loads": out.loads,
+            "bytes_copied": copied,
+        });
+        crate::out::show(true, &r, |_| String::new());
+    }
+    Ok(())
+}
+
+/// Writes `args.size` bytes of generated data to a new file, reads them back in scattered
+/// 4 KiB buffers and checks every byte.
+fn data(c: &Volume, args: &DemoArgs, out: &mut Out) -> Result<(), String> {
     let (fh, _) = block_on(c.create("demo/data.bin", libc::O_RDWR | libc::O_EXCL, 0o644))
         .map_err(|e| e.to_string())?;
 
@@ -168,58 +227,6 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         )),
     )?;
     block_on(c.close(fh)).map_err(|e| e.to_string())?;
-
-    metadata(&c, &mut out)?;
-
-    for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {
-        let a = bench_args(rw, bs, qd, &args, &server);
-        let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
-        out.step(
-            &format!("{:?} {}k QD{qd}", rw, bs / 1024).to_lowercase(),
-            Ok(format!(
-                "{:.0} MB/s, {:.0} IOPS, p50 {:.1} µs, p99 {:.1} µs",
-                r.mb_s(),
-                r.iops(),
-                r.lat_us(0.5),
-                r.lat_us(0.99)
-            )),
-        )?;
-        out.loads.push(serde_json::json!({
-            "rw": format!("{rw:?}").to_lowercase(), "bs": bs, "iodepth": qd,
-            "mb_s": r.mb_s(), "iops": r.iops(), "p50_us": r.lat_us(0.5), "p99_us": r.lat_us(0.99),
-        }));
-        if let Some(w) = &r.waterfall {
-            out.say(&format!(
-                "  where a 4k read's time went ({} sampled requests, medians):",
-                w.samples
-            ));
-            for line in w.render().lines() {
-                out.say(&format!("    {line}"));
-            }
-        }
-    }
-    let copied: u64 = c
-        .clients()
-        .iter()
-        .map(|k| k.stats().bytes_copied.load(Ordering::Relaxed))
-        .sum();
-    out.step(
-        "bytes copied in user space",
-        Ok(format!("{copied} (payload went socket <-> your buffers)")),
-    )?;
-    for p in ["demo/latest", "demo/image.raw"] {
-        block_on(c.unlink(p)).map_err(|e| e.to_string())?;
-    }
-    block_on(c.rmdir("demo")).map_err(|e| e.to_string())?;
-    out.say("kiln demo: done; the brick and its data are removed");
-    if out.json {
-        let r = serde_json::json!({
-            "steps": out.steps,
-            "loads": out.loads,
-            "bytes_copied": copied,
-        });
-        crate::out::show(true, &r, |_| String::new());
-    }
     Ok(())
 }
 

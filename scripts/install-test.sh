@@ -424,8 +424,10 @@ if inside sh -c 'command -v nbdcopy' >/dev/null 2>&1; then
     [ "$got" = "$sum" ] || fail "nbdcopy through kiln-nbd@data read other data"
     must "systemctl stop kiln-nbd@data" inside systemctl stop kiln-nbd@data
     inside test -e /run/kiln-nbd/data && fail "the instance's runtime directory outlived it"
-    must "the test's NBD config" inside rm -r /etc/kiln
-    pass "kiln-nbd@data (/etc/kiln/nbd/data.conf): nbdcopy reads the 8 MiB through it"
+    # Left enabled and running: the package's removal must stop it and its purge unlink it.
+    must "systemctl enable --now kiln-nbd@data" inside systemctl enable --now kiln-nbd@data
+    wait_for 20 nbd_up || fail "kiln-nbd@data made no socket the second time"
+    pass "kiln-nbd@data (/etc/kiln/nbd/data.conf): nbdcopy reads the 8 MiB through it; enabled"
 else
     echo "SKIP  the kiln-nbd@ template: no nbdcopy (libnbd-bin) on this machine"
 fi
@@ -470,7 +472,8 @@ must "a write after remount,rw" inside sh -c 'echo x >/mnt/kiln/yes && rm /mnt/k
 pass "mount -o remount,ro and back to rw (nosuid, nodev kept)"
 
 must "umount" inside umount /mnt/kiln
-no_kiln_mount() { ! inside pgrep -x kiln; }
+# (A kiln-nbd@ instance runs /usr/bin/kiln too: only a mount's process counts here.)
+no_kiln_mount() { ! inside pgrep -f '^/usr/bin/kiln mount '; }
 wait_for 10 no_kiln_mount || fail "the kiln mount process did not exit after umount"
 pass "umount: the mount process exited"
 
@@ -521,7 +524,8 @@ assert_gone() {
         /usr/include/kiln.h "$lib/pkgconfig/kiln.pc" /usr/share/man/man1/kiln-volume.1.gz \
         /usr/share/bash-completion/completions/kiln /var/lib/kiln /var/log/kiln \
         /etc/default/kilnd /etc/logrotate.d/kiln /usr/lib/systemd/system/kiln-nbd@.service \
-        /usr/lib/systemd/system/kiln-vhost-user-blk@.service; do
+        /usr/lib/systemd/system/kiln-vhost-user-blk@.service \
+        /etc/systemd/system/multi-user.target.wants/kiln-nbd@data.service; do
         inside test -e "$f" -o -L "$f" && fail "$f is left after the purge"
     done
     inside pgrep -a kiln >>"$log" 2>&1 && fail "kiln processes are left after the purge"
@@ -548,7 +552,7 @@ pass "dpkg --purge kiln with kilnd enabled and a volume started: all gone"
 # Everything the root changed is in the overlay's upper layer: after taking away what the test
 # itself made, nothing there may be Kiln's (deletions show as whiteouts, character devices).
 must "the test's own files" inside sh -c \
-    'rm -rf /root/kiln.deb /root/data /root/t /root/t.c /srv/kiln /mnt/kiln && echo "# kiln install test" >/etc/fstab'
+    'rm -rf /root/kiln.deb /root/data /root/t /root/t.c /srv/kiln /mnt/kiln /etc/kiln && echo "# kiln install test" >/etc/fstab'
 upper() { nsenter -t "$pid1" -m -- find "$work/ns/upper" "$@"; }
 [ -n "$(upper -path '*/var/lib/dpkg/status')" ] || fail "cannot see the overlay's upper layer"
 left=$(upper ! -type c -iname '*kiln*' -printf '/%P\n')

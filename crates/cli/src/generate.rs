@@ -39,7 +39,7 @@ pub fn main(args: GenerateArgs, kiln: clap::Command) -> Result<(), String> {
     match args.what {
         What::Man { dir } => {
             let pages = man(kiln, &dir)?;
-            let r = serde_json::json!({ "dir": dir, "pages": pages });
+            let r = serde_json::json!({ "dir": dir.display().to_string(), "pages": pages });
             crate::out::show(args.json, &r, |_| String::new());
             if !args.json {
                 eprintln!("kiln: {} man pages in {}", pages.len(), dir.display());

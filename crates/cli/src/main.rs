@@ -82,13 +82,13 @@ fn main() -> std::process::ExitCode {
             | Cmd::Umount { .. }
             | Cmd::Image(_)
             | Cmd::Generate(_)
-            | Cmd::Bench(_)
     );
     if one_shot {
         quiet_on_closed_output();
     }
-    // (The demo runs a brick of its own, which must not be left behind by a closed pipe.)
-    let json = (one_shot || matches!(cli.cmd, Cmd::Demo(_))) && wants_json;
+    // The demo and bench run bricks of their own, which a closed pipe must not leave behind:
+    // they take --json but keep SIGPIPE ignored.
+    let json = (one_shot || matches!(cli.cmd, Cmd::Demo(_) | Cmd::Bench(_))) && wants_json;
     let r = match cli.cmd {
         Cmd::Server(a) => return kilnd::main(a),
         Cmd::Demo(a) => {
@@ -110,7 +110,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Pool(a) => pool::pool(a),
         Cmd::Generate(a) => generate::main(a, Cli::command()),
         Cmd::Umount { mountpoint, json } => kiln_fuse::umount(&mountpoint).map(|()| {
-            let r = serde_json::json!({ "unmounted": mountpoint });
+            let r = serde_json::json!({ "unmounted": mountpoint.display().to_string() });
             out::show(json, &r, |_| String::new());
         }),
         Cmd::VhostUserBlk(a) => {
@@ -125,7 +125,7 @@ fn main() -> std::process::ExitCode {
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            if json {
+            if json && !out::printed() {
                 println!("{}", out::failed(&e));
             }
             eprintln!("kiln: {e}");

@@ -52,7 +52,11 @@ pub fn main(args: TlsArgs) -> Result<(), String> {
             kiln_tls::init_ca(&dir, &name)
                 .map_err(|e| format!("cannot create a CA in {}: {e}", dir.display()))?;
             let (cert, key) = (dir.join(kiln_tls::CA_FILE), dir.join(kiln_tls::CA_KEY_FILE));
-            let r = serde_json::json!({ "ca": name, "cert": cert, "key": key });
+            let r = serde_json::json!({
+                "ca": name,
+                "cert": cert.display().to_string(),
+                "key": key.display().to_string(),
+            });
             crate::out::show(args.json, &r, |_| {
                 format!(
                     "created CA {name:?}: {} and {} (keep the key private)\n",
@@ -64,7 +68,11 @@ pub fn main(args: TlsArgs) -> Result<(), String> {
         TlsCmd::Issue { ca, out, name, san } => {
             kiln_tls::issue(&ca, &out, &name, &san)
                 .map_err(|e| format!("cannot issue {name:?} into {}: {e}", out.display()))?;
-            let r = serde_json::json!({ "identity": name, "dir": out, "san": san });
+            let r = serde_json::json!({
+                "identity": name,
+                "dir": out.display().to_string(),
+                "san": san,
+            });
             crate::out::show(args.json, &r, |_| {
                 format!(
                     "issued {name:?} into {} (ca.pem, cert.pem, key.pem)\n",

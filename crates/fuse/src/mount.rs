@@ -153,31 +153,32 @@ pub fn serve_background_with(
 }
 
 /// The kernel's mount flags `kiln mount -o` sets as it mounts (the mount is never without
-/// them, as it would be between a mount and a remount).
-pub const KERNEL_FLAGS: [&str; 13] = [
-    "ro", "rw", "nosuid", "suid", "nodev", "dev", "noexec", "exec", "noatime", "atime", "sync",
-    "async", "dirsync",
-];
+/// them, as it would be between a mount and a remount), by name.
+pub const KERNEL_FLAGS: [(&str, fuser::MountOption); 13] = {
+    use fuser::MountOption as M;
+    [
+        ("ro", M::RO),
+        ("rw", M::RW),
+        ("nosuid", M::NoSuid),
+        ("suid", M::Suid),
+        ("nodev", M::NoDev),
+        ("dev", M::Dev),
+        ("noexec", M::NoExec),
+        ("exec", M::Exec),
+        ("noatime", M::NoAtime),
+        ("atime", M::Atime),
+        ("sync", M::Sync),
+        ("async", M::Async),
+        ("dirsync", M::DirSync),
+    ]
+};
 
 /// The flag `-o NAME` asks for, if it is one of [`KERNEL_FLAGS`].
 pub fn kernel_flag(name: &str) -> Option<fuser::MountOption> {
-    use fuser::MountOption as M;
-    Some(match name {
-        "ro" => M::RO,
-        "rw" => M::RW,
-        "nosuid" => M::NoSuid,
-        "suid" => M::Suid,
-        "nodev" => M::NoDev,
-        "dev" => M::Dev,
-        "noexec" => M::NoExec,
-        "exec" => M::Exec,
-        "noatime" => M::NoAtime,
-        "atime" => M::Atime,
-        "sync" => M::Sync,
-        "async" => M::Async,
-        "dirsync" => M::DirSync,
-        _ => return None,
-    })
+    KERNEL_FLAGS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, f)| f.clone())
 }
 
 /// What `kiln mount`'s arguments name: the stack's source, a label for the mount and the mount
@@ -225,10 +226,11 @@ pub fn main(args: MountArgs) -> Result<(), String> {
             ("nonempty", _) => nonempty = true,
             (_, Some(f)) => flags.push(f),
             (other, None) => {
+                let names: Vec<&str> = KERNEL_FLAGS.iter().map(|(n, _)| *n).collect();
                 return Err(format!(
                     "unknown mount option {other:?} (known: nonempty, {})",
-                    KERNEL_FLAGS.join(", ")
-                ))
+                    names.join(", ")
+                ));
             }
         }
     }

@@ -408,7 +408,9 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
             m.runs().render(out);
         };
         if let Err(e) = serve_metrics(&args.metrics, &server, Some(Box::new(heal))) {
-            return fail(e);
+            // The volumes matter more than their figures: a taken metrics port (a fixed one,
+            // from /etc/default/kilnd) must not keep the management daemon down.
+            tracing::warn!("{e}; running without /metrics");
         }
         // The port answers at once: the pool's members must reach each other while bricks are
         // restored (which may record their ports in the pool's store). Volume commands wait

@@ -98,8 +98,8 @@ pub enum LayerKind {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         root_squash: bool,
         /// Flush-behind window in bytes: a file's dirty pages are written back after every
-        /// window written to it, so a snapshot's reflink or an fsync waits for at most about
-        /// two windows (0: left to the kernel).
+        /// window written through one open file, so a snapshot's reflink or an fsync waits for
+        /// about three windows per writer at most (0: left to the kernel).
         #[serde(
             default = "default_flush_behind",
             skip_serializing_if = "is_default_flush_behind"
@@ -298,7 +298,7 @@ pub const TYPES: &[TypeDoc] = &[
         options: &[
             OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" },
             OptionDoc { name: "root_squash", ty: "bool", default: "false", doc: "clients' root acts as nobody (65534)" },
-            OptionDoc { name: "flush_behind", ty: "bytes", default: "8388608", doc: "write a file's dirty pages back after every this many bytes written to it, bounding what a snapshot or fsync waits for; 0 leaves it to the kernel" },
+            OptionDoc { name: "flush_behind", ty: "bytes", default: "8388608", doc: "write a file's dirty pages back after every this many bytes written through one open file, bounding what a snapshot or fsync waits for; 0 leaves it to the kernel" },
         ],
     },
     TypeDoc {

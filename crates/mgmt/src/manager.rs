@@ -94,43 +94,80 @@ pub fn restore_umask(was: u32) {
     rustix::process::umask(rustix::fs::Mode::from_raw_mode(was | 0o022));
 }
 
-/// Takes write permission for group and others off what kilnd keeps in `state` (every entry
-/// below it, not following symlinks; the directory itself keeps its mode). Older kilnds ran
-/// with umask 0 (their placeholder brick's) and left their state world-writable — brick volfiles root runs, the
-/// pool's log, the logs — and an upgrade must not keep that. Brick directories elsewhere are
-/// the volume's data and keep their modes.
+/// Takes write permission for group and others off what kilnd keeps in `state`: every entry
+/// below it owned by root (kilnd's own; not following symlinks; the directory itself keeps
+/// its mode). Older kilnds ran with umask 0 (their placeholder brick's) and left their state
+/// world-writable — brick volfiles root runs, the pool's log, the logs — and an upgrade must
+/// not keep that. Brick directories elsewhere are the volume's data and keep their modes.
+///
+/// The walk holds what it looks at open: each directory is read through a descriptor opened
+/// beneath its parent's without following links, and each entry is examined and changed
+/// through one `O_PATH` descriptor (`/proc/self/fd/N`), so an entry swapped for a symlink
+/// meanwhile is never followed out of the tree.
 fn tighten(state: &Path) {
-    use std::os::unix::fs::PermissionsExt;
+    use rustix::fs::{Mode, OFlags};
+    let Ok(top) = rustix::fs::open(
+        state,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return;
+    };
     let mut fixed = 0usize;
-    let mut todo = vec![state.to_owned()];
-    while let Some(dir) = todo.pop() {
-        let Ok(entries) = fs::read_dir(&dir) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let Ok(m) = fs::symlink_metadata(e.path()) else {
-                continue;
-            };
-            if m.file_type().is_symlink() {
-                continue;
-            }
-            if m.is_dir() {
-                todo.push(e.path());
-            }
-            let mode = m.permissions().mode() & 0o7777;
-            if mode & 0o022 != 0
-                && fs::set_permissions(e.path(), fs::Permissions::from_mode(mode & !0o022)).is_ok()
-            {
-                fixed += 1;
-            }
-        }
-    }
+    tighten_below(&top, 0, &mut fixed);
     if fixed > 0 {
         tracing::warn!(
             "{fixed} entries in {} were writable by group or others (left by an older kilnd): \
              made writable by their owner only",
             state.display()
         );
+    }
+}
+
+/// [`tighten`] for the entries of the open directory `dir`, `depth` levels down.
+fn tighten_below(dir: &std::os::fd::OwnedFd, depth: u32, fixed: &mut usize) {
+    use rustix::fs::{FileType, Mode, OFlags};
+    use std::os::fd::AsRawFd;
+    if depth > 32 {
+        return;
+    }
+    let Ok(mut entries) = rustix::fs::Dir::read_from(dir) else {
+        return;
+    };
+    while let Some(Ok(e)) = entries.next() {
+        let name = e.file_name();
+        if name.to_bytes() == b"." || name.to_bytes() == b".." {
+            continue;
+        }
+        let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let Ok(fd) = rustix::fs::openat(dir, name, flags, Mode::empty()) else {
+            continue;
+        };
+        let Ok(st) = rustix::fs::fstat(&fd) else {
+            continue;
+        };
+        let kind = FileType::from_raw_mode(st.st_mode);
+        if kind == FileType::Symlink || st.st_uid != 0 {
+            continue;
+        }
+        let mode = st.st_mode & 0o7777;
+        if mode & 0o022 != 0 {
+            let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+            if rustix::fs::chmod(path.as_str(), Mode::from_raw_mode(mode & !0o022)).is_ok() {
+                *fixed += 1;
+            }
+        }
+        if kind == FileType::Directory {
+            let sub = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+            if let Ok(d) = rustix::fs::openat(dir, name, sub, Mode::empty()) {
+                // The same directory as examined (not one swapped in since).
+                if rustix::fs::fstat(&d)
+                    .is_ok_and(|s| s.st_ino == st.st_ino && s.st_dev == st.st_dev)
+                {
+                    tighten_below(&d, depth + 1, fixed);
+                }
+            }
+        }
     }
 }
 
@@ -267,11 +304,20 @@ mod tests {
         }
         set(&state.join("vols/v/bricks/0.toml"), 0o666);
         set(&outside, 0o1777);
+        // Not kilnd's (a user's file): left as it is.
+        std::fs::write(state.join("vols/v/users"), "x").unwrap();
+        set(&state.join("vols/v/users"), 0o666);
+        std::os::unix::fs::chown(state.join("vols/v/users"), Some(1000), Some(1000)).unwrap();
         super::tighten(&state);
         assert_eq!(mode(&state), 0o777, "the directory itself is the admin's");
         assert_eq!(mode(&state.join("vols")), 0o755);
         assert_eq!(mode(&state.join("vols/v/bricks")), 0o755);
         assert_eq!(mode(&state.join("vols/v/bricks/0.toml")), 0o644);
         assert_eq!(mode(&outside), 0o1777, "a symlink's target is not followed");
+        assert_eq!(
+            mode(&state.join("vols/v/users")),
+            0o666,
+            "only root's entries change"
+        );
     }
 }

@@ -92,13 +92,14 @@ pub const OPTIONS: &[Spec] = &[
     },
     Spec {
         name: "flush-behind",
-        kind: "a size (e.g. 8M), or 0 for off",
+        kind: "a size of at least 1M (e.g. 8M), or 0 for off",
         default: "8M",
         restarts_bricks: true,
         description: "the bricks write a file's dirty pages back after every this many bytes \
-                      written to it, so a snapshot (reflink) or a guest's flush waits for at \
-                      most about twice this; 0 leaves write-back to the kernel (faster bursts, \
-                      waits of seconds under steady writes)",
+                      written through one open file, so a snapshot (reflink) or a guest's \
+                      flush waits for about three times this per writer at most; 0 leaves \
+                      write-back to the kernel (faster bursts, waits of seconds under steady \
+                      writes)",
         get: |d| {
             size_text(
                 d.flush_behind
@@ -191,7 +192,15 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
         }
         "root-squash" => root_squash = Some(on_off(text)?),
         "short-circuit" => short_circuit = Some(on_off(text)?),
-        "flush-behind" => flush_behind = Some(parse_size(text).map_err(|_| bad())?),
+        "flush-behind" => {
+            // A window under 1 MiB would have nearly every write wait for a whole-file
+            // write-back.
+            let w = parse_size(text).map_err(|_| bad())?;
+            if w != 0 && w < 1 << 20 {
+                return Err(format!("{name} takes 0 (off) or at least 1M, not {text:?}"));
+            }
+            flush_behind = Some(w);
+        }
         _ => {
             io_timeout = Some(
                 text.parse::<u32>()
@@ -308,6 +317,8 @@ mod tests {
             assert_eq!(values(&d, Some(name)).unwrap()[0].value, text);
         }
         assert!(set_request("v", "io-timeout", "86401").is_err());
+        assert!(set_request("v", "flush-behind", "4K").is_err());
+        assert!(set_request("v", "flush-behind", "0").is_ok());
         assert!(set_request("v", "root-squash", "yes")
             .unwrap_err()
             .contains("on or off"));

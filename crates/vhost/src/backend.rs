@@ -229,7 +229,7 @@ impl Blk {
                 return;
             }
         };
-        let mut done = Done {
+        let done = Done {
             blk: self.clone(),
             vring: vring.clone(),
             q,
@@ -247,16 +247,7 @@ impl Blk {
         match req.kind {
             Kind::Read | Kind::Write if !inside => done.finish(VIRTIO_BLK_S_IOERR, 0),
             Kind::Write if img.read_only => done.finish(VIRTIO_BLK_S_IOERR, 0),
-            Kind::Read | Kind::Write => {
-                // A sampled request's waterfall starts at the kick and ends on the used ring.
-                let cx = img.vol.ctx();
-                if let Some(t) = &cx.trace {
-                    t.stamp_at(kick_ns, KICK);
-                    t.expect_part();
-                    done.trace = Some(t.clone());
-                }
-                self.read_write(req, done, cx, (at.unwrap_or(0), len))
-            }
+            Kind::Read | Kind::Write => self.read_write(req, done, kick_ns, (at.unwrap_or(0), len)),
             Kind::Flush => {
                 let vol = img.vol.clone();
                 let fd = img.fd.clone();
@@ -291,7 +282,7 @@ impl Blk {
     }
 
     /// A read into, or a write from, the guest's buffers, in place.
-    fn read_write(&self, req: Request, done: Done, cx: kiln_layer::Ctx, (at, len): (u64, u64)) {
+    fn read_write(&self, req: Request, mut done: Done, kick_ns: u64, (at, len): (u64, u64)) {
         let iov = match req.vectors(&done.mem) {
             Ok(v) => v,
             Err(Malformed(why)) => {
@@ -304,6 +295,13 @@ impl Blk {
             return done.finish(VIRTIO_BLK_S_IOERR, 0);
         }
         let img = &self.0.image;
+        // A sampled request's waterfall starts at the kick and ends on the used ring.
+        let cx = img.vol.ctx();
+        if let Some(t) = &cx.trace {
+            t.stamp_at(kick_ns, KICK);
+            t.expect_part();
+            done.trace = Some(t.clone());
+        }
         let read = req.kind == Kind::Read;
         let cb = Box::new(move |r: Result<usize, u32>| {
             let ok = r.is_ok_and(|n| n as u64 == len);

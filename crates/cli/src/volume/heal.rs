@@ -77,19 +77,28 @@ pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result
             None => format!("{new}: waiting for the heal service to start its rebuild"),
         };
         if line != said {
-            println!("{line}");
+            progress(opts.json, &line);
             said = line;
         }
         let still_new = kiln_layer::heal::new_bricks(vol.top())
             .iter()
             .any(|(n, _)| *n == target);
         if !still_new {
-            println!("{new}: rebuilt; a member now");
+            progress(opts.json, &format!("{new}: rebuilt; a member now"));
             vol.shutdown();
             return Ok(());
         }
         // A display interval, not synchronisation.
         std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+/// A line of progress: on stdout for a person, on stderr beside a `--json` result.
+fn progress(json: bool, line: &str) {
+    if json {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
     }
 }
 
@@ -206,8 +215,13 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
             println!("{} {}", r.target_name, rebuild_text(&r));
         }
     }
+    let failed = (!report.errors.is_empty())
+        .then(|| format!("{} file(s) could not be healed", report.errors.len()));
     if a.opts.json {
-        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        match &failed {
+            None => crate::out::show(true, &report, |_| String::new()),
+            Some(e) => crate::out::show_failed(&report, e),
+        }
     } else {
         println!(
             "heal of {}: {} file(s), {} bytes moved in {:.2} s; {} left for later",
@@ -221,14 +235,7 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
             println!("  error: {e}");
         }
     }
-    if report.errors.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{} file(s) could not be healed",
-            report.errors.len()
-        ))
-    }
+    failed.map_or(Ok(()), Err)
 }
 
 /// `heal NAME info`: the files behind, the bricks not asked, new bricks and their rebuilds.
@@ -237,7 +244,7 @@ fn print_info(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String> {
     use kiln_layer::heal;
     let info = block_on(heal::info_from_reachable(vol.top()));
     if a.opts.json {
-        println!("{}", serde_json::to_string(&info).unwrap_or_default());
+        crate::out::show(true, &info, |_| String::new());
         return Ok(());
     }
     let need = &info.needs;

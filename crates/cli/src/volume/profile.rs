@@ -196,10 +196,8 @@ fn report(
         }
         let w = Waterfall::of(&timelines);
         if p.opts.json {
-            println!(
-                "{}",
-                serde_json::json!({ "volume": p.volume, "waterfall": w })
-            );
+            let r = serde_json::json!({ "volume": p.volume, "waterfall": w });
+            crate::out::show(true, &r, |_| String::new());
         } else {
             match w {
                 Some(w) => print!("{}", w.render()),
@@ -216,10 +214,8 @@ fn report(
             .iter()
             .map(|(who, v)| serde_json::json!({ "source": who, "report": v }))
             .collect();
-        println!(
-            "{}",
-            serde_json::json!({ "volume": p.volume, "sources": v })
-        );
+        let r = serde_json::json!({ "volume": p.volume, "sources": v });
+        crate::out::show(true, &r, |_| String::new());
         return report_unreachable(unreachable);
     }
     if p.action == Action::Start {

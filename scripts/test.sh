@@ -78,9 +78,9 @@ else
 fi
 
 # Fuzz every decoder a peer can reach (Kiln frames and fop arguments, NBD options and requests,
-# TLS records) for KILN_FUZZ_SECS seconds per target (default 20; 0 skips). The fuzz targets
+# TLS records) for KILN_FUZZ_SECS seconds per target (default 15; 0 skips). The fuzz targets
 # build with a nightly toolchain; without one this is skipped with a warning, not failed.
-fuzz_secs=${KILN_FUZZ_SECS:-20}
+fuzz_secs=${KILN_FUZZ_SECS:-15}
 [[ $fuzz_secs =~ ^[0-9]+$ ]] || { echo "test.sh: KILN_FUZZ_SECS must be a number of seconds, not $fuzz_secs" >&2; exit 1; }
 if [ "$fuzz_secs" = 0 ]; then
   echo "== fuzzing skipped (KILN_FUZZ_SECS=0)"

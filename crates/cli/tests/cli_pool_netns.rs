@@ -17,7 +17,7 @@
 //! - a member holding bricks cannot be detached; a fourth host joins, is detached and is alone
 //!   again.
 //!
-//! `KILN_RUNS=N` sets the seeded runs (default 20), `KILN_SEED=S` repeats one. Needs root,
+//! `KILN_RUNS=N` sets the seeded runs (default 6), `KILN_SEED=S` repeats one. Needs root,
 //! `ip netns`, fio and tcpdump; skips (saying why) without namespaces.
 
 mod common;
@@ -521,13 +521,13 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
     assert_eq!(h.pool(0)["members"].as_array().unwrap().len(), 3);
 }
 
-/// Seeded runs of "a command, and the leader killed meanwhile": 8 per CI run (each a new seed;
+/// Seeded runs of "a command, and the leader killed meanwhile": 6 per CI run (each a new seed;
 /// a failure prints it), KILN_RUNS=N for a longer soak.
 fn leader_kills(h: &mut Hosts) {
     let runs: u64 = std::env::var("KILN_RUNS")
         .ok()
         .and_then(|r| r.parse().ok())
-        .unwrap_or(8);
+        .unwrap_or(6);
     let base: u64 = std::env::var("KILN_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

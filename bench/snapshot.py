@@ -6,7 +6,7 @@ Setup (needs root): an XFS file system with reflink on a loop device over a spar
 bricks live on it, an image of --size-gib GiB filled through the mount, and `kiln nbd` on it.
 fio (nbd engine, random 4 KiB writes, 16 in flight, time-based) runs against the export; per
 repetition (--reps, default 3), in an order that alternates, with the bricks' flush-behind
-at its default (8M) and off (`kiln volume set snap flush-behind 0`), each run from an image
+on (`kiln volume set snap flush-behind 8M`) and off (0, the default), each run from an image
 written whole and at rest (written back to disk), so that every run starts from an image in
 few extents (random writes after a snapshot leave it in tens of thousands, and a reflink's
 time grows with them). The loop device does direct I/O to its backing file, so
@@ -119,8 +119,9 @@ def main() -> int:
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cl.env)
             return export.stdout.readline().rsplit(" at ", 1)[1].strip()
 
-        # Per repetition, in alternating order, with the bricks' flush-behind at its default
-        # (on) and off: fio with a snapshot taken mid-run, and fio alone, each on a fresh image.
+        # Per repetition, in alternating order, with the bricks' flush-behind on (8M) and off
+        # (the default): fio with a snapshot taken mid-run, and fio alone, each on a fresh
+        # image.
         ways = [(fb, kind) for fb in ("on", "off") for kind in ("snapshot", "quiet")]
         runs: dict[str, list[dict]] = {f"{fb} {kind}": [] for fb, kind in ways}
         for rep in range(a.reps):

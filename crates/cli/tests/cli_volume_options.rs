@@ -247,7 +247,7 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     mgmt_ok(&kd, &state, &["volume", "reset", "ov", "all"]);
     assert_eq!(get("root-squash")["options"][0]["value"], "off");
     assert_eq!(get("short-circuit")["options"][0]["value"], "on");
-    assert_eq!(get("flush-behind")["options"][0]["value"], "8M");
+    assert_eq!(get("flush-behind")["options"][0]["value"], "0");
     assert!(
         !brick_volfile().contains("flush_behind"),
         "{}",

@@ -298,7 +298,7 @@ pub const TYPES: &[TypeDoc] = &[
         options: &[
             OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" },
             OptionDoc { name: "root_squash", ty: "bool", default: "false", doc: "clients' root acts as nobody (65534)" },
-            OptionDoc { name: "flush_behind", ty: "bytes", default: "8388608", doc: "write a file's dirty pages back after every this many bytes written through one open file, bounding what a snapshot or fsync waits for; 0 leaves it to the kernel" },
+            OptionDoc { name: "flush_behind", ty: "bytes", default: "0", doc: "write a file's dirty pages back after every this many bytes written through one open file, bounding what a snapshot or fsync waits for; 0 leaves it to the kernel" },
         ],
     },
     TypeDoc {

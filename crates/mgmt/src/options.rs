@@ -93,13 +93,13 @@ pub const OPTIONS: &[Spec] = &[
     Spec {
         name: "flush-behind",
         kind: "a size of at least 1M (e.g. 8M), or 0 for off",
-        default: "8M",
+        default: "0",
         restarts_bricks: true,
         description: "the bricks write a file's dirty pages back after every this many bytes \
                       written through one open file, so a snapshot (reflink) or a guest's \
-                      flush waits for about three times this per writer at most; 0 leaves \
-                      write-back to the kernel (faster bursts, waits of seconds under steady \
-                      writes)",
+                      flush waits for about three times this per writer at most, for about \
+                      15% of write speed; 0 (the default) leaves write-back to the kernel \
+                      (faster writes, waits of seconds for a snapshot under steady writes)",
         get: |d| {
             size_text(
                 d.flush_behind

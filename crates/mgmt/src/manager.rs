@@ -98,7 +98,8 @@ pub fn restore_umask(was: u32) {
 /// below it owned by root (kilnd's own; not following symlinks; the directory itself keeps
 /// its mode). Older kilnds ran with umask 0 (their placeholder brick's) and left their state
 /// world-writable — brick volfiles root runs, the pool's log, the logs — and an upgrade must
-/// not keep that. Brick directories elsewhere are the volume's data and keep their modes.
+/// not keep that. Bricks (directories holding `.kiln`), here or elsewhere, are the volumes'
+/// data and keep their modes.
 ///
 /// The walk holds what it looks at open: each directory is read through a descriptor opened
 /// beneath its parent's without following links, and each entry is examined and changed
@@ -126,7 +127,7 @@ fn tighten(state: &Path) {
 
 /// [`tighten`] for the entries of the open directory `dir`, `depth` levels down.
 fn tighten_below(dir: &std::os::fd::OwnedFd, depth: u32, fixed: &mut usize) {
-    use rustix::fs::{FileType, Mode, OFlags};
+    use rustix::fs::{AtFlags, FileType, Mode, OFlags};
     use std::os::fd::AsRawFd;
     if depth > 32 {
         return;
@@ -150,6 +151,23 @@ fn tighten_below(dir: &std::os::fd::OwnedFd, depth: u32, fixed: &mut usize) {
         if kind == FileType::Symlink || st.st_uid != 0 {
             continue;
         }
+        // A directory is read through its own descriptor: the same directory as examined
+        // (not one swapped in since), and not a brick (a volume's data, marked by `.kiln`:
+        // the placeholder brick, or a brick an admin put here), whose modes are its users'.
+        let mut below = None;
+        if kind == FileType::Directory {
+            let sub = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+            let Ok(d) = rustix::fs::openat(dir, name, sub, Mode::empty()) else {
+                continue;
+            };
+            let same =
+                rustix::fs::fstat(&d).is_ok_and(|s| s.st_ino == st.st_ino && s.st_dev == st.st_dev);
+            let brick = rustix::fs::statat(&d, ".kiln", AtFlags::SYMLINK_NOFOLLOW).is_ok();
+            if !same || brick {
+                continue;
+            }
+            below = Some(d);
+        }
         let mode = st.st_mode & 0o7777;
         if mode & 0o022 != 0 {
             let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
@@ -157,16 +175,8 @@ fn tighten_below(dir: &std::os::fd::OwnedFd, depth: u32, fixed: &mut usize) {
                 *fixed += 1;
             }
         }
-        if kind == FileType::Directory {
-            let sub = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-            if let Ok(d) = rustix::fs::openat(dir, name, sub, Mode::empty()) {
-                // The same directory as examined (not one swapped in since).
-                if rustix::fs::fstat(&d)
-                    .is_ok_and(|s| s.st_ino == st.st_ino && s.st_dev == st.st_dev)
-                {
-                    tighten_below(&d, depth + 1, fixed);
-                }
-            }
+        if let Some(d) = below {
+            tighten_below(&d, depth + 1, fixed);
         }
     }
 }
@@ -304,6 +314,11 @@ mod tests {
         }
         set(&state.join("vols/v/bricks/0.toml"), 0o666);
         set(&outside, 0o1777);
+        // A brick inside the state directory (marked by .kiln): the volume's data, left alone.
+        std::fs::create_dir_all(state.join("inner-brick/.kiln")).unwrap();
+        std::fs::write(state.join("inner-brick/shared"), "x").unwrap();
+        set(&state.join("inner-brick"), 0o777);
+        set(&state.join("inner-brick/shared"), 0o666);
         // Not kilnd's (a user's file): left as it is.
         std::fs::write(state.join("vols/v/users"), "x").unwrap();
         set(&state.join("vols/v/users"), 0o666);
@@ -318,6 +333,16 @@ mod tests {
             mode(&state.join("vols/v/users")),
             0o666,
             "only root's entries change"
+        );
+        assert_eq!(
+            mode(&state.join("inner-brick")),
+            0o777,
+            "a brick keeps its modes"
+        );
+        assert_eq!(
+            mode(&state.join("inner-brick/shared")),
+            0o666,
+            "and its files theirs"
         );
     }
 }

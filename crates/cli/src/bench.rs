@@ -862,7 +862,6 @@ fn report(args: &BenchArgs, addr: &str, r: &BenchResult) {
     let rw = format!("{:?}", args.rw).to_lowercase();
     if args.json {
         let v = serde_json::json!({
-            "ok": true,
             "rw": rw, "bs": args.bs, "iodepth": args.iodepth, "numjobs": args.numjobs,
             "replica": args.replica,
             "size": args.size, "transport": transport,
@@ -884,7 +883,7 @@ fn report(args: &BenchArgs, addr: &str, r: &BenchResult) {
                 "end_to_end_p99_us": w.total_p99_ns as f64 / 1e3,
             })),
         });
-        println!("{v}");
+        crate::out::show(true, &v, |_| String::new());
     } else {
         let mut o = std::io::stdout().lock();
         let _ = writeln!(

@@ -282,44 +282,23 @@ impl Manager {
         .into())
     }
 
-    /// Changes the options given (the others stay). A started volume's bricks are restarted
-    /// to take a brick option (`allow`, `root-squash`); clients reconnect by themselves. The
-    /// I/O timeout is in the clients' graph: running clients switch to it.
+    /// Changes the options given (the others stay), all or none. A started volume's bricks
+    /// are restarted to take a brick option (see [`crate::options::OPTIONS`]); clients
+    /// reconnect by themselves. The others are in the clients' graph: running clients
+    /// switch to them.
     pub(crate) fn set(
         &self,
         procs: &mut Procs,
         name: &str,
-        allow: Option<&[String]>,
-        root_squash: Option<bool>,
-        (io_timeout, short_circuit, flush_behind): (Option<u32>, Option<bool>, Option<u64>),
+        options: &[(String, String)],
     ) -> Result<Response, String> {
         let mut def = self.load(name)?;
-        if allow.is_none()
-            && root_squash.is_none()
-            && io_timeout.is_none()
-            && short_circuit.is_none()
-            && flush_behind.is_none()
-        {
+        if options.is_empty() {
             return Err(format!("volume {name}: no option given to set"));
         }
-        if let Some(s) = io_timeout {
-            def.io_timeout = Some(s);
-        }
-        if let Some(on) = short_circuit {
-            // Stored only when off: a volume left at the default keeps its clients' graph.
-            def.short_circuit = (!on).then_some(false);
-        }
-        // Only the bricks' own options need their restart; the I/O timeout is the clients'.
-        let restart = allow.is_some() || root_squash.is_some() || flush_behind.is_some();
-        if let Some(w) = flush_behind {
-            // Stored only when not the default, as short-circuit.
-            def.flush_behind = (w != kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND).then_some(w);
-        }
-        if let Some(allow) = allow {
-            def.allow = check_allow(allow)?;
-        }
-        if let Some(on) = root_squash {
-            def.root_squash = on;
+        let mut restart = false;
+        for (option, value) in options {
+            restart |= crate::options::apply(&mut def, option, value)?;
         }
         self.save(&def)?;
         let mut warnings = Vec::new();

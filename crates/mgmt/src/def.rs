@@ -69,10 +69,11 @@ impl BrickDef {
 }
 
 /// Where a volume is in its life.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum VolState {
     /// Defined, never started.
+    #[default]
     Created,
     /// Its bricks should run.
     Started,
@@ -90,8 +91,8 @@ impl VolState {
     }
 }
 
-/// A volume definition.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+/// A volume definition (the default: no bricks, every option at its default).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 pub struct VolumeDef {
     /// The volume's name.
     pub name: String,

@@ -93,20 +93,7 @@ impl Manager {
             } => self.create(&name, replica, &bricks, &allow, shard, force),
             Request::Start { name, force } => self.start(procs, &name, force),
             Request::Stop { name } => self.stop(procs, &name),
-            Request::Set {
-                name,
-                allow,
-                root_squash,
-                io_timeout,
-                short_circuit,
-                flush_behind,
-            } => self.set(
-                procs,
-                &name,
-                allow.as_deref(),
-                root_squash,
-                (io_timeout, short_circuit, flush_behind),
-            ),
+            Request::Set { name, options } => self.set(procs, &name, &options),
             Request::AddBrick {
                 name,
                 replica,

@@ -39,6 +39,9 @@ pub struct Spec {
     pub description: &'static str,
     /// Its value in a definition.
     pub get: fn(&VolumeDef) -> String,
+    /// Stores the value `text` in a definition; `Err(None)`: not one of [`Spec::kind`],
+    /// `Err(Some(why))`: of the kind but refused.
+    pub set: fn(&mut VolumeDef, &str) -> Result<(), Option<String>>,
     /// Chosen at create only: `set` refuses it, `reset all` leaves it.
     pub create_only: bool,
 }
@@ -58,6 +61,19 @@ pub const OPTIONS: &[Spec] = &[
                 d.allow.join(",")
             }
         },
+        set: |d, text| {
+            let ranges: Vec<String> = match text {
+                "all" => Vec::new(),
+                v => v
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|c| !c.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+            };
+            d.allow = crate::commands::check_allow(&ranges).map_err(Some)?;
+            Ok(())
+        },
         create_only: false,
     },
     Spec {
@@ -67,6 +83,10 @@ pub const OPTIONS: &[Spec] = &[
         restarts_bricks: true,
         description: "clients' root acts as nobody on the bricks (like NFS root_squash)",
         get: |d| if d.root_squash { "on" } else { "off" }.into(),
+        set: |d, text| {
+            d.root_squash = on_off(text)?;
+            Ok(())
+        },
         create_only: false,
     },
     Spec {
@@ -77,6 +97,11 @@ pub const OPTIONS: &[Spec] = &[
         description: "how long a client's I/O waits for bricks that are away before it fails \
                       with ENOTCONN (like an NFS hard mount's patience); running clients take it within a second",
         get: |d| d.io_timeout.unwrap_or(30).to_string(),
+        set: |d, text| {
+            let s = text.parse::<u32>().ok().filter(|s| *s <= 86_400);
+            d.io_timeout = Some(s.ok_or(None)?);
+            Ok(())
+        },
         create_only: false,
     },
     Spec {
@@ -88,6 +113,11 @@ pub const OPTIONS: &[Spec] = &[
                       descriptor the brick passes over its Unix socket) while the brick \
                       vouches that nothing changed them; writes always go through the brick",
         get: |d| if d.short_circuit == Some(false) { "off" } else { "on" }.into(),
+        set: |d, text| {
+            // Stored only when off: a volume left at the default keeps its clients' graph.
+            d.short_circuit = (!on_off(text)?).then_some(false);
+            Ok(())
+        },
         create_only: false,
     },
     Spec {
@@ -106,6 +136,17 @@ pub const OPTIONS: &[Spec] = &[
                     .unwrap_or(kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND),
             )
         },
+        set: |d, text| {
+            let w = parse_size(text).map_err(|_| None)?;
+            // A window under 1 MiB would have nearly every write wait for a whole-file
+            // write-back.
+            if w != 0 && w < 1 << 20 {
+                return Err(Some(format!("flush-behind takes 0 (off) or at least 1M, not {text:?}")));
+            }
+            // Stored only when not the default, as short-circuit.
+            d.flush_behind = (w != kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND).then_some(w);
+            Ok(())
+        },
         create_only: false,
     },
     Spec {
@@ -116,6 +157,11 @@ pub const OPTIONS: &[Spec] = &[
         description: "files are stored in pieces of this size striped over the replica sets, \
                       so one big image uses them all; off: each file whole on one set",
         get: |d| d.shard_block.map_or("off".into(), size_text),
+        set: |_, _| Err(Some(
+            "shard-block-size is chosen when the volume is created (kiln volume create \
+             --shard SIZE): the pieces of files already written depend on it"
+                .into(),
+        )),
         create_only: true,
     },
 ];
@@ -161,93 +207,43 @@ pub fn spec(name: &str) -> Result<&'static Spec, String> {
     })
 }
 
-/// The `set` request that gives volume `volume` the option `name` the value `text`.
-pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, String> {
-    let s = spec(name)?;
-    let bad = || format!("{name} takes {}, not {text:?}", s.kind);
-    if s.create_only {
-        return Err(format!(
-            "{name} is chosen when the volume is created (kiln volume create --shard SIZE): \
-             the pieces of files already written depend on it"
-        ));
-    }
-    let (mut allow, mut root_squash, mut io_timeout, mut short_circuit) = (None, None, None, None);
-    let mut flush_behind = None;
-    let on_off = |text: &str| match text {
+/// "on" or "off".
+fn on_off(text: &str) -> Result<bool, Option<String>> {
+    match text {
         "on" => Ok(true),
         "off" => Ok(false),
-        _ => Err(bad()),
-    };
-    match name {
-        "allow" => {
-            allow = Some(match text {
-                "all" => Vec::new(),
-                v => v
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|c| !c.is_empty())
-                    .map(str::to_owned)
-                    .collect(),
-            })
-        }
-        "root-squash" => root_squash = Some(on_off(text)?),
-        "short-circuit" => short_circuit = Some(on_off(text)?),
-        "flush-behind" => {
-            // A window under 1 MiB would have nearly every write wait for a whole-file
-            // write-back.
-            let w = parse_size(text).map_err(|_| bad())?;
-            if w != 0 && w < 1 << 20 {
-                return Err(format!("{name} takes 0 (off) or at least 1M, not {text:?}"));
-            }
-            flush_behind = Some(w);
-        }
-        _ => {
-            io_timeout = Some(
-                text.parse::<u32>()
-                    .ok()
-                    .filter(|s| *s <= 86_400)
-                    .ok_or_else(bad)?,
-            )
-        }
+        _ => Err(None),
     }
+}
+
+/// Gives `def` the option `name` the value `text`; returns whether a started volume's bricks
+/// restart to take it.
+pub fn apply(def: &mut VolumeDef, name: &str, text: &str) -> Result<bool, String> {
+    let s = spec(name)?;
+    (s.set)(def, text)
+        .map_err(|why| why.unwrap_or_else(|| format!("{name} takes {}, not {text:?}", s.kind)))?;
+    Ok(s.restarts_bricks)
+}
+
+/// The `set` request that gives volume `volume` the option `name` the value `text` (checked
+/// here, so a bad value is refused before a server is asked).
+pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, String> {
+    apply(&mut VolumeDef::default(), name, text)?;
     Ok(Request::Set {
         name: volume.to_owned(),
-        allow,
-        root_squash,
-        io_timeout,
-        short_circuit,
-        flush_behind,
+        options: vec![(name.to_owned(), text.to_owned())],
     })
 }
 
 /// The one `set` request that gives volume `volume` the defaults of the options `names`.
 pub fn reset_request(volume: &str, names: &[&str]) -> Result<Request, String> {
-    let (mut allow, mut root_squash, mut io_timeout, mut short_circuit) = (None, None, None, None);
-    let mut flush_behind = None;
-    for n in names {
-        if let Request::Set {
-            allow: al,
-            root_squash: rs,
-            io_timeout: it,
-            short_circuit: sc,
-            flush_behind: fb,
-            ..
-        } = set_request(volume, n, spec(n)?.default)?
-        {
-            allow = allow.or(al);
-            root_squash = root_squash.or(rs);
-            io_timeout = io_timeout.or(it);
-            short_circuit = short_circuit.or(sc);
-            flush_behind = flush_behind.or(fb);
-        }
-    }
+    let options = names
+        .iter()
+        .map(|n| Ok((spec(n)?.name.to_owned(), spec(n)?.default.to_owned())))
+        .collect::<Result<_, String>>()?;
     Ok(Request::Set {
         name: volume.to_owned(),
-        allow,
-        root_squash,
-        io_timeout,
-        short_circuit,
-        flush_behind,
+        options,
     })
 }
 
@@ -288,35 +284,34 @@ mod tests {
             ("short-circuit", "off"),
             ("flush-behind", "64M"),
         ] {
-            let Request::Set {
-                allow,
-                root_squash,
-                io_timeout,
-                short_circuit,
-                flush_behind,
-                ..
-            } = set_request("v", name, text).unwrap()
-            else {
-                panic!("a set request");
-            };
-            if let Some(a) = allow {
-                d.allow = a;
-            }
-            if let Some(r) = root_squash {
-                d.root_squash = r;
-            }
-            if io_timeout.is_some() {
-                d.io_timeout = io_timeout;
-            }
-            if let Some(on) = short_circuit {
-                d.short_circuit = Some(on);
-            }
-            if flush_behind.is_some() {
-                d.flush_behind = flush_behind;
-            }
+            assert!(set_request("v", name, text).is_ok());
+            apply(&mut d, name, text).unwrap();
             assert_eq!(values(&d, Some(name)).unwrap()[0].value, text);
         }
         assert!(set_request("v", "io-timeout", "86401").is_err());
+        assert!(set_request("v", "allow", "10.0.0.0/33")
+            .unwrap_err()
+            .contains("10.0.0.0/33"));
+        let mut reset = d.clone();
+        let Request::Set { options, .. } = reset_request(
+            "v",
+            &[
+                "allow",
+                "root-squash",
+                "io-timeout",
+                "short-circuit",
+                "flush-behind",
+            ],
+        )
+        .unwrap() else {
+            panic!("a set request");
+        };
+        for (n, t) in options {
+            apply(&mut reset, &n, &t).unwrap();
+        }
+        let mut expect = fresh.clone();
+        expect.io_timeout = Some(30);
+        assert_eq!(reset, expect, "reset gives every option its default");
         assert!(set_request("v", "flush-behind", "4K").is_err());
         assert!(set_request("v", "flush-behind", "0").is_ok());
         assert!(set_request("v", "root-squash", "yes")

@@ -48,25 +48,14 @@ pub enum Request {
         /// The volume.
         name: String,
     },
-    /// Change the volume's allow-list (restarting a started volume's bricks).
+    /// Change volume options (restarting a started volume's bricks for their own options).
     Set {
         /// The volume.
         name: String,
-        /// The new allow-list; empty: anyone; absent: unchanged.
+        /// (option, value) pairs as `volume set` takes them, applied in order by
+        /// [`crate::options::apply`]; the others stay.
         #[serde(default)]
-        allow: Option<Vec<String>>,
-        /// Whether clients' root acts as nobody on the bricks; absent: unchanged.
-        #[serde(default)]
-        root_squash: Option<bool>,
-        /// Seconds clients' I/O waits for bricks to come back; absent: unchanged.
-        #[serde(default)]
-        io_timeout: Option<u32>,
-        /// Whether local clients read straight from the bricks' files; absent: unchanged.
-        #[serde(default)]
-        short_circuit: Option<bool>,
-        /// The bricks' flush-behind window in bytes (0: off); absent: unchanged.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        flush_behind: Option<u64>,
+        options: Vec<(String, String)>,
     },
     /// Append whole replica sets of new, empty bricks to a volume (running them if it is
     /// started): new files land on them at once.

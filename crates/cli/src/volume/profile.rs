@@ -42,6 +42,13 @@ enum Action {
     Trace,
 }
 
+/// Where a running brick takes connections; `None` while it is offline.
+fn brick_addr(b: &kiln_mgmt::response::BrickStatus) -> Option<String> {
+    b.port
+        .filter(|_| b.online)
+        .map(|port| format!("tcp:{}:{port}", b.host))
+}
+
 /// The brick servers to ask: (name shown, address).
 fn bricks(p: &ProfileArgs) -> Result<Vec<(String, String)>, String> {
     if let Some(a) = &p.brick_server {
@@ -64,9 +71,9 @@ fn bricks(p: &ProfileArgs) -> Result<Vec<(String, String)>, String> {
         if p.brick.as_ref().is_some_and(|w| *w != b.brick) {
             continue;
         }
-        match (b.online, b.port) {
-            (true, Some(port)) => out.push((b.brick, format!("tcp:{}:{port}", b.host))),
-            _ => eprintln!("kiln: brick {} is offline: not profiled", b.brick),
+        match brick_addr(&b) {
+            Some(addr) => out.push((b.brick, addr)),
+            None => eprintln!("kiln: brick {} is offline: not profiled", b.brick),
         }
     }
     match &p.brick {
@@ -168,9 +175,8 @@ pub(crate) fn client_endpoints(
 ) -> Result<(Vec<String>, Vec<String>), String> {
     let secret = volume_secret(&v.name, None, &opts.state_dir)?;
     let (mut endpoints, mut failed) = (Vec::new(), Vec::new());
-    for b in v.bricks.iter().filter(|b| b.online) {
-        let Some(port) = b.port else { continue };
-        let addr = format!("tcp:{}:{port}", b.host);
+    for b in &v.bricks {
+        let Some(addr) = brick_addr(b) else { continue };
         match brick_profile(&b.brick, &addr, PROFILE_INFO, secret.as_deref()) {
             Ok(r) => add_endpoints(&r, &mut endpoints),
             Err(e) => failed.push(e),

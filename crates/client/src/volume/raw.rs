@@ -6,19 +6,16 @@ use kiln_layer::{exec, Ctx, Errno, Fd, IoBufs, RawIov, ReadDst, ReadOut};
 
 use super::Volume;
 
+/// What a raw read or write calls when it completes: the byte count or the errno.
+pub type RawDone = Box<dyn FnOnce(Result<usize, Errno>) + Send>;
+
 impl Volume {
     /// Reads into raw vectors; `cb` gets the byte count or the errno, on the thread that
     /// completed the request.
     ///
     /// # Safety
     /// The vectors' memory must stay valid and untouched until `cb` has been called.
-    pub unsafe fn preadv_raw(
-        &self,
-        fd: &Fd,
-        iov: &[RawIov],
-        offset: u64,
-        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
-    ) {
+    pub unsafe fn preadv_raw(&self, fd: &Fd, iov: &[RawIov], offset: u64, cb: RawDone) {
         // SAFETY: forwarded to the caller.
         unsafe { self.preadv_raw_in(self.ctx(), fd, iov, offset, cb) }
     }
@@ -28,39 +25,16 @@ impl Volume {
     ///
     /// # Safety
     /// As [`Volume::preadv_raw`].
-    pub unsafe fn preadv_raw_in(
-        &self,
-        cx: Ctx,
-        fd: &Fd,
-        iov: &[RawIov],
-        offset: u64,
-        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
-    ) {
-        let (top, fd) = (self.stack.top.clone(), fd.clone());
+    pub unsafe fn preadv_raw_in(&self, cx: Ctx, fd: &Fd, iov: &[RawIov], offset: u64, cb: RawDone) {
         // SAFETY: forwarded to the caller.
-        let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
-        exec::spawn(async move {
-            let r = top.read(&cx, &fd, offset, ReadDst::Into(bufs)).await;
-            Volume::finish(&cx);
-            // Only bytes in the caller's memory count: anything else left it unwritten.
-            cb(r.and_then(|o| match o {
-                ReadOut::Into { n, .. } => Ok(n),
-                _ => Err(kiln_proto::errno::EIO),
-            }));
-        });
+        unsafe { self.raw_in(cx, fd, iov, offset, false, cb) }
     }
 
     /// Writes from raw vectors; `cb` gets the byte count or the errno.
     ///
     /// # Safety
     /// The vectors' memory must stay valid and unchanged until `cb` has been called.
-    pub unsafe fn pwritev_raw(
-        &self,
-        fd: &Fd,
-        iov: &[RawIov],
-        offset: u64,
-        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
-    ) {
+    pub unsafe fn pwritev_raw(&self, fd: &Fd, iov: &[RawIov], offset: u64, cb: RawDone) {
         // SAFETY: forwarded to the caller.
         unsafe { self.pwritev_raw_in(self.ctx(), fd, iov, offset, cb) }
     }
@@ -75,15 +49,43 @@ impl Volume {
         fd: &Fd,
         iov: &[RawIov],
         offset: u64,
-        cb: Box<dyn FnOnce(Result<usize, Errno>) + Send>,
+        cb: RawDone,
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.raw_in(cx, fd, iov, offset, true, cb) }
+    }
+
+    /// The read (`write` false) or write of [`Volume::preadv_raw_in`] and
+    /// [`Volume::pwritev_raw_in`].
+    ///
+    /// # Safety
+    /// As those.
+    unsafe fn raw_in(
+        &self,
+        cx: Ctx,
+        fd: &Fd,
+        iov: &[RawIov],
+        offset: u64,
+        write: bool,
+        cb: RawDone,
     ) {
         let (top, fd) = (self.stack.top.clone(), fd.clone());
         // SAFETY: forwarded to the caller.
         let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
         exec::spawn(async move {
-            let r = top.write(&cx, &fd, offset, bufs).await;
+            let r = if write {
+                top.write(&cx, &fd, offset, bufs).await.map(|w| w.n)
+            } else {
+                // Only bytes in the caller's memory count: anything else left it unwritten.
+                top.read(&cx, &fd, offset, ReadDst::Into(bufs))
+                    .await
+                    .and_then(|o| match o {
+                        ReadOut::Into { n, .. } => Ok(n),
+                        _ => Err(kiln_proto::errno::EIO),
+                    })
+            };
             Volume::finish(&cx);
-            cb(r.map(|w| w.n));
+            cb(r);
         });
     }
 }

@@ -287,13 +287,15 @@ impl Layer for Posix {
     }
 
     fn write<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, data: IoBufs) -> Fut<'a, Written> {
+        // One lookup of the open file serves the write and flush-behind.
+        let open = fd.get::<PosixFd>();
         let r = self.run(cx, On::Fd(fd), move || {
-            let f = file(fd)?;
+            let f = &open?.file;
             // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
             let n = unsafe { iov_loop(f, data.iov(), offset, true)? };
             Ok(Written { n, bufs: data })
         });
-        let behind = fd.get::<PosixFd>().ok().and_then(|p| p.behind.as_ref());
+        let behind = open.ok().and_then(|p| p.behind.as_ref());
         if let (Ok(w), Some(b)) = (&r, behind) {
             // Two windows ahead of the disk: the write is answered once it caught up.
             if let Some(wait) = b.wrote(w.n as u64) {

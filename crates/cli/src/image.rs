@@ -21,6 +21,12 @@ use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
 /// with reflink=1, Btrfs); elsewhere a snapshot is refused. A snapshot is the hidden read-only
 /// file DIR/.BASE@NAME beside the image; a clone is a new writable image sharing its blocks.
 ///
+/// IMAGE may be a directory: its snapshot is a tree, DIR/.BASE@NAME, of its directories,
+/// files and symlinks (modes and owners kept), every file copied at one instant under
+/// barriers standing on all of them at once — so the files agree as after a crash of the
+/// whole tree (a VM's disks, a database's data and log). Names are the ones found just
+/// before the copies; a clone of a tree is a new tree sharing the snapshot's blocks.
+///
 /// An incremental backup: `kiln image dirty start IMAGE daily` once (after a full copy);
 /// later, `kiln nbd IMAGE --bitmap daily` offers qemu:dirty-bitmap:daily, which
 /// `nbdinfo --map=qemu:dirty-bitmap:daily` and backup tools read to copy only what changed,
@@ -32,6 +38,8 @@ use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
 ///   kiln image snapshot 127.0.0.1:/vms/disk.img before-upgrade
 ///   kiln image clone 127.0.0.1:/vms/disk.img@before-upgrade test/disk.img
 ///   kiln image list 127.0.0.1:/vms/disk.img
+///   kiln image snapshot 127.0.0.1:/vms/vm1 nightly      (a whole directory)
+///   kiln image clone 127.0.0.1:/vms/vm1@nightly vm1-test
 ///   kiln image dirty start 127.0.0.1:/vms/disk.img daily
 ///   kiln image dirty show 127.0.0.1:/vms/disk.img daily --json
 ///   kiln image lock 127.0.0.1:/vms/disk.img
@@ -142,9 +150,36 @@ pub fn main(args: ImageArgs) -> Result<(), String> {
         }
     );
     let (vol, fd, size, path) = open(image, args.volfile.as_deref(), write)?;
-    let r = run(&vol, &fd, size, &path, &args.cmd, args.json);
-    let _ = block_on(vol.close(fd));
+    let r = match &fd {
+        Some(fd) => run(&vol, fd, size, &path, &args.cmd, args.json),
+        None => tree(&vol, &path, &args.cmd, args.json),
+    };
+    if let Some(fd) = fd {
+        let _ = block_on(vol.close(fd));
+    }
     r
+}
+
+/// The commands on a directory: its snapshots as trees.
+fn tree(vol: &Volume, path: &str, cmd: &ImageCmd, json: bool) -> Result<(), String> {
+    use crate::snapshots as snaps;
+    match cmd {
+        ImageCmd::Snapshot { name, max_wait, .. } => {
+            snaps::take_tree(vol, path, name, *max_wait, json)
+        }
+        ImageCmd::Clone { snapshot, newpath } => snaps::clone_tree(
+            vol,
+            path,
+            &snap_name(snapshot),
+            newpath.trim_start_matches('/'),
+            json,
+        ),
+        ImageCmd::List { .. } => snaps::list(vol, path, json),
+        ImageCmd::Rm { snapshot } => snaps::remove(vol, path, &snap_name(snapshot), json),
+        ImageCmd::Dirty { .. } | ImageCmd::Lock { .. } => Err(format!(
+            "{path} is a directory: dirty records and the lock are an image's"
+        )),
+    }
 }
 
 /// IMAGE@NAME as (IMAGE, NAME).
@@ -162,14 +197,17 @@ fn snap_name(s: &str) -> String {
 }
 
 /// Opens the image (for writing with `write`); returns it with its size and path in the
-/// volume.
+/// volume. A directory is not opened (`None`).
 fn open(
     image: &str,
     volfile: Option<&std::path::Path>,
     write: bool,
-) -> Result<(Volume, Fd, u64, String), String> {
+) -> Result<(Volume, Option<Fd>, u64, String), String> {
     let (spec, src) = ImageSpec::with_source(image, volfile)?;
     let vol = Volume::from_source(&src).map_err(|e| format!("cannot reach {src}: {e}"))?;
+    if block_on(vol.lookup(&spec.path)).is_ok_and(|a| a.mode & libc::S_IFMT == libc::S_IFDIR) {
+        return Ok((vol, None, 0, spec.path));
+    }
     let flags = if write { libc::O_RDWR } else { libc::O_RDONLY };
     let fd = block_on(vol.open(&spec.path, flags)).map_err(|e| match e.raw_os_error() {
         Some(libc::ENOENT) => format!("image {} not found", spec.path),
@@ -178,7 +216,7 @@ fn open(
     let size = block_on(vol.fstat(&fd))
         .map_err(|e| format!("cannot stat image {}: {e}", spec.path))?
         .size;
-    Ok((vol, fd, size, spec.path))
+    Ok((vol, Some(fd), size, spec.path))
 }
 
 fn run(

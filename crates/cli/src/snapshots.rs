@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant};
 
+use kiln_client::volume::TreeReport;
 use kiln_client::{block_on, Volume};
 use kiln_proto::ops::{snapshot_name_ok, snapshot_path};
 
@@ -26,6 +27,7 @@ fn explain(what: &str, e: &std::io::Error) -> String {
              info`); try again once heal has run"
         ),
         Some(libc::ETIMEDOUT) => format!("{what}: the barrier lapsed before the copies were taken"),
+        Some(libc::ENOTDIR) => format!("{what}: not a directory tree's snapshot"),
         Some(libc::ENOSYS) => format!(
             "{what}: the bricks take no snapshots (standalone bricks, not a managed volume)"
         ),
@@ -88,6 +90,90 @@ pub fn clone(vol: &Volume, path: &str, name: &str, to: &str, json: bool) -> Resu
     Ok(())
 }
 
+/// What a tree snapshot or clone did, as `take_tree` and `clone_tree` print it.
+fn tree_report(r: &TreeReport, took: Duration, extra: serde_json::Value) -> serde_json::Value {
+    for s in &r.skipped {
+        eprintln!("kiln: left out {s}");
+    }
+    let mut v = serde_json::json!({
+        "files": r.files,
+        "directories": r.dirs,
+        "symlinks": r.symlinks,
+        "skipped": r.skipped,
+        "took_ms": took.as_secs_f64() * 1e3,
+    });
+    if let (Some(v), serde_json::Value::Object(extra)) = (v.as_object_mut(), extra) {
+        v.extend(extra);
+    }
+    v
+}
+
+/// `kiln image snapshot` of a directory.
+pub fn take_tree(
+    vol: &Volume,
+    path: &str,
+    name: &str,
+    max_wait: u32,
+    json: bool,
+) -> Result<(), String> {
+    check_name(name)?;
+    let max = max_wait.clamp(100, kiln_proto::ops::SNAP_TTL_MAX);
+    let t = Instant::now();
+    let r = patiently("the files' replicas to be current", || {
+        block_on(vol.snapshot_tree(path, name, max))
+    })
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
+    let took = t.elapsed();
+    let v = tree_report(
+        &r,
+        took,
+        serde_json::json!({
+            "tree": path,
+            "snapshot": name,
+            "path": snapshot_path(path, name),
+            "writes_held_ms": r.held.as_secs_f64() * 1e3,
+            "healing_bytes": r.healing_bytes,
+        }),
+    );
+    out::show(json, &v, |_| {
+        format!(
+            "snapshot {path}@{name} of {} files, {} directories and {} symlinks taken in \
+             {:.1} ms (writes held {:.1} ms)\n",
+            r.files,
+            r.dirs,
+            r.symlinks,
+            took.as_secs_f64() * 1e3,
+            r.held.as_secs_f64() * 1e3
+        )
+    });
+    Ok(())
+}
+
+/// `kiln image clone` of a directory's snapshot.
+pub fn clone_tree(
+    vol: &Volume,
+    path: &str,
+    name: &str,
+    to: &str,
+    json: bool,
+) -> Result<(), String> {
+    check_name(name)?;
+    let t = Instant::now();
+    let r = patiently("heal to make the snapshot's copies alike", || {
+        block_on(vol.clone_tree(path, name, to))
+    })
+    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))?;
+    let v = tree_report(
+        &r,
+        t.elapsed(),
+        serde_json::json!({ "clone": to, "of": format!("{path}@{name}") }),
+    );
+    out::show(json, &v, |_| {
+        format!("{to}: a clone of {path}@{name} ({} files)\n", r.files)
+    });
+    Ok(())
+}
+
 /// Runs `f` again while it fails with `EAGAIN` (a replica away or behind, heal not done), for
 /// up to a minute, saying once what it waits for.
 fn patiently<T>(what: &str, mut f: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
@@ -147,8 +233,16 @@ pub fn list(vol: &Volume, path: &str, json: bool) -> Result<(), String> {
 /// `kiln image rm`.
 pub fn remove(vol: &Volume, path: &str, name: &str, json: bool) -> Result<(), String> {
     check_name(name)?;
-    block_on(vol.unlink(&snapshot_path(path, name)))
-        .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
+    let snap = snapshot_path(path, name);
+    let tree = block_on(vol.lookup(&snap)).is_ok_and(|a| a.mode & libc::S_IFMT == libc::S_IFDIR);
+    block_on(async {
+        if tree {
+            vol.remove_tree(&snap).await
+        } else {
+            vol.unlink(&snap).await
+        }
+    })
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
     let r = serde_json::json!({ "removed": format!("{path}@{name}") });
     out::show(json, &r, |_| format!("snapshot {path}@{name} removed\n"));
     Ok(())

@@ -259,3 +259,172 @@ fn no_reflink_no_snapshot() {
     }
     println!("refused in {:?}: {e}", start.elapsed());
 }
+
+/// The counter a file of the tree test holds at its start.
+fn counter(p: &Path) -> u64 {
+    let b = std::fs::read(p).unwrap();
+    u64::from_le_bytes(b[..8].try_into().unwrap())
+}
+
+/// A directory tree's snapshot is one instant for all its files: a writer bumps a counter in
+/// file a, then in file b (each write acknowledged before the next), over and over; in the
+/// snapshot, a holds b's count or one more — a cut that took a's copy and b's at different
+/// moments would see a far ahead of b, or b ahead of a. The snapshot keeps the tree's
+/// directories, symlinks, modes and owners; a clone of it is writable at once and separate;
+/// `rm` removes the tree.
+#[test]
+fn a_tree_snapshot_is_one_instant_for_all_its_files() {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping: loop devices need root");
+        return;
+    }
+    if !need("mkfs.xfs") || !need("losetup") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let xfs = match Xfs::make(tmp.path(), 1 << 30) {
+        Ok(x) => x,
+        Err(e) => {
+            println!("skipping: cannot make an XFS file system on a loop device: {e}");
+            return;
+        }
+    };
+    let bricks = xfs.mnt.clone();
+    let v = Vol::with_kilnd_args(
+        &bricks,
+        "tree",
+        3,
+        &["--brick-port-base", "25970", "--heal-interval", "0.2"],
+    );
+    let _reaper = BrickReaper(v.state.clone());
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = v.mount(&mnt);
+    let vm = mnt.join("vm");
+    std::fs::create_dir_all(vm.join("disks/old")).unwrap();
+    std::fs::write(vm.join("a"), 0u64.to_le_bytes()).unwrap();
+    std::fs::write(vm.join("disks/b"), 0u64.to_le_bytes()).unwrap();
+    std::fs::write(vm.join("disks/old/big"), vec![7u8; 8 << 20]).unwrap();
+    std::fs::write(vm.join("vm.conf"), b"memory = 2G\n").unwrap();
+    std::os::unix::fs::symlink("disks/b", vm.join("current")).unwrap();
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    std::fs::set_permissions(vm.join("vm.conf"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    std::os::unix::fs::chown(vm.join("vm.conf"), Some(1234), Some(5678)).unwrap();
+    std::fs::set_permissions(vm.join("disks"), std::fs::Permissions::from_mode(0o750)).unwrap();
+
+    // The writer: a, then b, each acknowledged by the replicas before the next.
+    kiln_client::mgmt::use_secret_file(&v.secret);
+    let src = kiln_client::volume::Source::Server {
+        server: v.kd.addr.clone(),
+        volume: v.name.clone(),
+    };
+    let vol = kiln_client::Volume::from_source(&src).expect("volume");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let writer = {
+        let (stop, count) = (stop.clone(), count.clone());
+        std::thread::spawn(move || {
+            use std::sync::atomic::Ordering::Relaxed;
+            let fa = kiln_client::block_on(vol.open("/vm/a", libc::O_RDWR)).unwrap();
+            let fb = kiln_client::block_on(vol.open("/vm/disks/b", libc::O_RDWR)).unwrap();
+            let mut n = 0u64;
+            while !stop.load(Relaxed) {
+                n += 1;
+                for fd in [&fa, &fb] {
+                    let b = n.to_le_bytes();
+                    vol.pwritev_blocking(fd, &[std::io::IoSlice::new(&b)], 0)
+                        .unwrap();
+                }
+                count.store(n, Relaxed);
+            }
+        })
+    };
+    wait_for(10, "the writer to write", || {
+        count.load(std::sync::atomic::Ordering::Relaxed) > 100
+    });
+    let out = image(&v, &["snapshot", &v.source("/vm"), "t1"]).unwrap();
+    let during = count.load(std::sync::atomic::Ordering::Relaxed);
+    wait_for(10, "the writer to go on after the snapshot", || {
+        count.load(std::sync::atomic::Ordering::Relaxed) > during + 100
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    println!("{}", out.trim());
+    assert!(
+        out.contains("of 4 files, 2 directories and 1 symlinks"),
+        "{out}"
+    );
+
+    // Every replica's copy of the snapshot agrees once heal ran; the cut is one instant.
+    let snap = |i: usize| bricks.join(format!("b{i}/.vm@t1"));
+    wait_for(60, "the snapshot's copies to agree", || {
+        ["a", "disks/b"].iter().all(|f| {
+            let a = std::fs::read(snap(0).join(f)).unwrap();
+            (1..3).all(|i| std::fs::read(snap(i).join(f)).unwrap() == a)
+        })
+    });
+    let (a, b) = (
+        counter(&snap(0).join("a")),
+        counter(&snap(0).join("disks/b")),
+    );
+    println!("snapshot holds a = {a}, b = {b}; the writer was at {during} when it returned");
+    assert!(
+        a > 0 && (a == b || a == b + 1),
+        "a = {a}, b = {b}: not one instant"
+    );
+    let snap_mnt = mnt.join(".vm@t1");
+    assert_eq!(
+        std::fs::read_link(snap_mnt.join("current")).unwrap(),
+        Path::new("disks/b")
+    );
+    let conf = std::fs::metadata(snap_mnt.join("vm.conf")).unwrap();
+    assert_eq!(
+        (conf.mode() & 0o7777, conf.uid(), conf.gid()),
+        (0o640, 1234, 5678)
+    );
+    let disks = std::fs::metadata(snap_mnt.join("disks")).unwrap();
+    assert_eq!(disks.mode() & 0o7777, 0o750);
+    assert_eq!(
+        std::fs::read(snap_mnt.join("disks/old/big")).unwrap(),
+        vec![7u8; 8 << 20]
+    );
+    // No copy of a file was left beside it in the tree.
+    for d in ["", "disks", "disks/old"] {
+        for e in std::fs::read_dir(vm.join(d)).unwrap() {
+            let n = e.unwrap().file_name();
+            assert!(!n.to_string_lossy().contains('@'), "left in vm/{d}: {n:?}");
+        }
+    }
+
+    // A clone: at once, almost free, writable, and separate from the snapshot.
+    let before = xfs.free();
+    let out = image(&v, &["clone", &format!("{}@t1", v.source("/vm")), "vm2"]).unwrap();
+    assert!(out.contains("(4 files)"), "{out}");
+    let used = before.saturating_sub(xfs.free());
+    assert!(used < (1 << 20), "three copies of the clone took {used} B");
+    let vm2 = mnt.join("vm2");
+    assert_eq!(counter(&vm2.join("a")), a);
+    assert_eq!(
+        std::fs::read_link(vm2.join("current")).unwrap(),
+        Path::new("disks/b")
+    );
+    let conf = std::fs::metadata(vm2.join("vm.conf")).unwrap();
+    assert_eq!(
+        (conf.mode() & 0o7777, conf.uid(), conf.gid()),
+        (0o640, 1234, 5678)
+    );
+    std::fs::write(vm2.join("disks/old/big"), b"changed").unwrap();
+    assert_eq!(
+        std::fs::read(snap_mnt.join("disks/old/big")).unwrap(),
+        vec![7u8; 8 << 20]
+    );
+
+    let listed = image(&v, &["list", &v.source("/vm")]).unwrap();
+    assert!(listed.starts_with("t1 "), "{listed}");
+    let e = image(&v, &["snapshot", &v.source("/vm"), "t1"]).unwrap_err();
+    assert!(e.contains("exists already"), "{e}");
+    image(&v, &["rm", &format!("{}@t1", v.source("/vm"))]).unwrap();
+    assert!((0..3).all(|i| !snap(i).exists()), "rm left the tree");
+    drop(m);
+}

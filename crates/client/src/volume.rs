@@ -28,6 +28,9 @@ use kiln_proto::ops::{Changes, DirEntry, Extent, ExtentList, LeaseState};
 use kiln_proto::Cred;
 
 mod raw;
+mod trees;
+
+pub use trees::{is_snapshot_name, TreeReport};
 
 use crate::client::{errno_error, Client};
 use crate::graph::{Gen, Switch};

@@ -1,0 +1,401 @@
+//! Snapshots of a directory tree: every file of the tree copied at one instant.
+//!
+//! A tree snapshot is built from the image snapshot's steps ([`Volume::snapshot`]), run on
+//! all the tree's files at once: each file is first copied with its writers running
+//! (`SNAP_PREPARE`), then a write barrier is raised on every file (`SNAP_FREEZE`), and only
+//! once all of them stand is any copy brought up to its file (`SNAP_TAKE`); then all are
+//! lifted. The moment the last barrier went up is the snapshot's instant: every write that
+//! finished before it is in the copies, none that started after it is. So the files agree
+//! with one another as after a crash of the whole tree at that instant — a database's data and
+//! log, a VM's disks.
+//!
+//! Names are not held: the snapshot has the names the walk found just before the copies. A
+//! file made after the walk is not in it; one removed or renamed before its copy is left out
+//! and reported.
+//!
+//! The copies then move, each by a rename that keeps its blocks where they are, into a
+//! directory tree beside the original, `PARENT/.BASE@NAME` ([`snapshot_path`]): its
+//! directories, regular files and symbolic links with their modes and owners (other kinds of
+//! node are left out and reported). The tree is assembled under a name no snapshot can have
+//! and renamed into place last, so a torn one is never listed. A clone of it is a new tree
+//! whose files share its blocks (`SNAP_COPY`).
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use kiln_layer::exec::join_all;
+use kiln_layer::{Attr, Fd};
+use kiln_proto::ops::{
+    snapshot_name_ok, snapshot_path, SetAttrs, SETATTR_GID, SETATTR_MODE, SETATTR_UID, SNAP_COPY,
+    SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW,
+};
+
+use super::Volume;
+
+/// Files worked on side by side.
+const WIDTH: usize = 64;
+
+/// What a tree snapshot or clone did.
+#[derive(Debug, Default, Clone)]
+pub struct TreeReport {
+    /// Regular files copied.
+    pub files: usize,
+    /// Directories made.
+    pub dirs: usize,
+    /// Symbolic links made.
+    pub symlinks: usize,
+    /// Entries left out, and why.
+    pub skipped: Vec<String>,
+    /// Bytes heal makes alike on the replicas (written while the barriers went up).
+    pub healing_bytes: u64,
+    /// How long writers were held at the barriers.
+    pub held: Duration,
+}
+
+/// True for the name of an image snapshot, or of one being made (`.BASE@NAME`, `.BASE@NAME~`).
+pub fn is_snapshot_name(name: &str) -> bool {
+    name.starts_with('.')
+        && name
+            .rsplit_once('@')
+            .is_some_and(|(_, n)| snapshot_name_ok(n.strip_suffix('~').unwrap_or(n)))
+}
+
+fn join(dir: &str, rel: &str) -> String {
+    format!("{}/{rel}", dir.trim_end_matches('/'))
+}
+
+fn kind(a: &Attr) -> u32 {
+    a.mode & libc::S_IFMT
+}
+
+fn einval(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, what.to_owned())
+}
+
+/// The name a file's copy has while the tree snapshot `name` is made (an image snapshot name
+/// of its own, so it never meets one an operator took).
+fn part_name(name: &str) -> String {
+    format!("{name}.tree")
+}
+
+/// A future of [`each`].
+type Boxed<'a, R> = Pin<Box<dyn Future<Output = R> + 'a>>;
+
+/// Runs `f` on every item, [`WIDTH`] at a time; the results in order.
+async fn each<'a, T: 'a, R: 'a>(items: &'a [T], f: impl Fn(&'a T) -> Boxed<'a, R>) -> Vec<R> {
+    let mut out = Vec::with_capacity(items.len());
+    for chunk in items.chunks(WIDTH) {
+        let done = join_all(chunk.iter().map(|t| Some(f(t))).collect()).await;
+        out.extend(done.into_iter().flatten());
+    }
+    out
+}
+
+/// A file of the tree being snapshotted.
+struct Taken {
+    /// Its path under the tree's root.
+    rel: String,
+    fd: Fd,
+}
+
+impl Volume {
+    /// Every entry under the directory `root` (image snapshots left out), parents before
+    /// their children: (path under `root`, attributes).
+    pub async fn walk(&self, root: &str) -> io::Result<Vec<(String, Attr)>> {
+        self.entries(root, false).await
+    }
+
+    /// [`Volume::walk`], image snapshots included with `snapshots`.
+    async fn entries(&self, root: &str, snapshots: bool) -> io::Result<Vec<(String, Attr)>> {
+        let mut out: Vec<(String, Attr)> = Vec::new();
+        // Depth first from a stack: a directory is listed before anything in it.
+        let mut dirs = vec![String::new()];
+        while let Some(rel) = dirs.pop() {
+            let at = if rel.is_empty() {
+                root.to_owned()
+            } else {
+                join(root, &rel)
+            };
+            for e in self.readdir(&at).await? {
+                if e.name == "." || e.name == ".." || (!snapshots && is_snapshot_name(&e.name)) {
+                    continue;
+                }
+                let r = if rel.is_empty() {
+                    e.name
+                } else {
+                    join(&rel, &e.name)
+                };
+                if kind(&e.attr) == libc::S_IFDIR {
+                    dirs.push(r.clone());
+                }
+                out.push((r, e.attr));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Snapshot `name` of the directory tree at `dir`: its files copied at one instant (see
+    /// the module documentation), as the tree `PARENT/.BASE@NAME`. Writers of any of the
+    /// files wait at most `ttl_ms` at the barriers (the snapshot fails rather than hold them
+    /// longer).
+    pub async fn snapshot_tree(
+        &self,
+        dir: &str,
+        name: &str,
+        ttl_ms: u32,
+    ) -> io::Result<TreeReport> {
+        if !snapshot_name_ok(name) || part_name(name).len() > 64 {
+            return Err(einval(
+                "a tree snapshot's name: 1 to 59 of A-Z a-z 0-9 . _ -",
+            ));
+        }
+        let target = snapshot_path(dir, name);
+        if self.lookup(&target).await.is_ok() {
+            return Err(io::Error::from_raw_os_error(libc::EEXIST));
+        }
+        let root = self.lookup(dir).await?;
+        if kind(&root) != libc::S_IFDIR {
+            return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
+        }
+        let entries = self.walk(dir).await?;
+        let mut report = TreeReport::default();
+        // A barrier holds writers back: the bricks let only a writer raise one.
+        let regular: Vec<&(String, Attr)> = entries
+            .iter()
+            .filter(|(_, a)| kind(a) == libc::S_IFREG)
+            .collect();
+        let opened = each(&regular, |(rel, _)| {
+            Box::pin(async move { self.open(&join(dir, rel), libc::O_RDWR).await })
+        })
+        .await;
+        let mut files = Vec::new();
+        let mut failed = None;
+        for ((rel, _), r) in regular.into_iter().zip(opened) {
+            match r {
+                Ok(fd) => files.push(Taken {
+                    rel: rel.clone(),
+                    fd,
+                }),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    report
+                        .skipped
+                        .push(format!("{rel}: removed during the snapshot"));
+                }
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        let r = match failed {
+            Some(e) => Err(e),
+            None => self.take_all(dir, name, &files, ttl_ms, &mut report).await,
+        };
+        let r = match r {
+            Ok(()) => {
+                self.assemble(dir, name, &root, &entries, &files, &mut report)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        if r.is_err() {
+            let pn = part_name(name);
+            for f in &files {
+                let copy = snapshot_path(&join(dir, &f.rel), &pn);
+                let _ = self.unlink(&copy).await;
+                let _ = self.unlink(&format!("{copy}~")).await;
+            }
+        }
+        for f in files {
+            let _ = self.close(f.fd).await;
+        }
+        r.map(|()| report)
+    }
+
+    /// The barrier steps on every file: prepare all, freeze all, take all, thaw all.
+    async fn take_all(
+        &self,
+        dir: &str,
+        name: &str,
+        files: &[Taken],
+        ttl_ms: u32,
+        report: &mut TreeReport,
+    ) -> io::Result<()> {
+        let pn = part_name(name);
+        let step = |cmd: u32| {
+            let pn = pn.as_str();
+            each(files, move |f| {
+                Box::pin(self.snap(&f.fd, cmd, pn, "", ttl_ms))
+            })
+        };
+        let first_err = |rs: Vec<io::Result<Vec<kiln_proto::ops::Extent>>>| {
+            let mut bytes = 0;
+            for r in rs {
+                bytes += r?.iter().filter(|e| !e.hole).map(|e| e.len).sum::<u64>();
+            }
+            Ok::<u64, io::Error>(bytes)
+        };
+        let r = match first_err(step(SNAP_PREPARE).await) {
+            Ok(_) => {
+                let t = Instant::now();
+                let r = match first_err(step(SNAP_FREEZE).await) {
+                    Ok(_) => first_err(step(SNAP_TAKE).await),
+                    Err(e) => Err(e),
+                };
+                report.held = t.elapsed();
+                r
+            }
+            Err(e) => Err(e),
+        };
+        // Lifts every barrier and forgets prepared copies not taken, whatever happened.
+        let _ = step(SNAP_THAW).await;
+        report.healing_bytes = r?;
+        report.files = files.len();
+        tracing::info!(
+            dir,
+            snapshot = name,
+            files = files.len(),
+            "tree copies taken"
+        );
+        Ok(())
+    }
+
+    /// Moves the taken copies into the snapshot's tree, made beside `dir` under a part name
+    /// and renamed into place last.
+    async fn assemble(
+        &self,
+        dir: &str,
+        name: &str,
+        root: &Attr,
+        entries: &[(String, Attr)],
+        files: &[Taken],
+        report: &mut TreeReport,
+    ) -> io::Result<()> {
+        let target = snapshot_path(dir, name);
+        let part = format!("{target}~");
+        let _ = self.remove_tree(&part).await;
+        self.mkdir(&part, root.mode & 0o7777).await?;
+        let r = async {
+            self.owned(&part, root).await?;
+            let pn = part_name(name);
+            let taken: std::collections::HashSet<&str> =
+                files.iter().map(|f| f.rel.as_str()).collect();
+            for (rel, attr) in entries {
+                let to = join(&part, rel);
+                match kind(attr) {
+                    libc::S_IFDIR => {
+                        self.mkdir(&to, attr.mode & 0o7777).await?;
+                        self.owned(&to, attr).await?;
+                        report.dirs += 1;
+                    }
+                    libc::S_IFREG if taken.contains(rel.as_str()) => {
+                        let copy = snapshot_path(&join(dir, rel), &pn);
+                        self.rename(&copy, &to, libc::RENAME_NOREPLACE).await?;
+                        self.owned(&to, attr).await?;
+                    }
+                    libc::S_IFREG => {}
+                    libc::S_IFLNK => match self.readlink(&join(dir, rel)).await {
+                        Ok(t) => {
+                            self.symlink(&t, &to).await?;
+                            report.symlinks += 1;
+                        }
+                        Err(_) => report
+                            .skipped
+                            .push(format!("{rel}: removed during the snapshot")),
+                    },
+                    _ => report
+                        .skipped
+                        .push(format!("{rel}: not a file, directory or symlink")),
+                }
+            }
+            self.rename(&part, &target, libc::RENAME_NOREPLACE).await
+        }
+        .await;
+        if r.is_err() {
+            let _ = self.remove_tree(&part).await;
+        }
+        r
+    }
+
+    /// Gives `path` the mode and owner in `attr`.
+    async fn owned(&self, path: &str, attr: &Attr) -> io::Result<()> {
+        let attrs = SetAttrs {
+            valid: SETATTR_MODE | SETATTR_UID | SETATTR_GID,
+            mode: attr.mode & 0o7777,
+            uid: attr.uid,
+            gid: attr.gid,
+            ..Default::default()
+        };
+        self.setattr(path, attrs).await.map(|_| ())
+    }
+
+    /// Makes `to` (which must not exist) a writable clone of the tree snapshot `name` of
+    /// `dir`: the same directories, symlinks, modes and owners, files sharing the snapshot's
+    /// blocks until written. `EAGAIN` while heal still makes a file's copies alike; nothing
+    /// is left behind on failure.
+    pub async fn clone_tree(&self, dir: &str, name: &str, to: &str) -> io::Result<TreeReport> {
+        let from = snapshot_path(dir, name);
+        let root = self.lookup(&from).await?;
+        if kind(&root) != libc::S_IFDIR {
+            return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
+        }
+        let entries = self.walk(&from).await?;
+        self.mkdir(to, root.mode & 0o7777).await?;
+        let mut report = TreeReport::default();
+        let r = async {
+            self.owned(to, &root).await?;
+            let mut files = Vec::new();
+            for (rel, attr) in &entries {
+                match kind(attr) {
+                    libc::S_IFDIR => {
+                        self.mkdir(&join(to, rel), attr.mode & 0o7777).await?;
+                        self.owned(&join(to, rel), attr).await?;
+                        report.dirs += 1;
+                    }
+                    libc::S_IFREG => files.push(rel.as_str()),
+                    libc::S_IFLNK => {
+                        let t = self.readlink(&join(&from, rel)).await?;
+                        self.symlink(&t, &join(to, rel)).await?;
+                        report.symlinks += 1;
+                    }
+                    _ => {}
+                }
+            }
+            let (from, to) = (from.as_str(), to);
+            for r in each(&files, |rel| {
+                Box::pin(async move {
+                    let fd = self.open(&join(from, rel), libc::O_RDONLY).await?;
+                    let r = self.snap(&fd, SNAP_COPY, "", &join(to, rel), 0).await;
+                    let _ = self.close(fd).await;
+                    r.map(|_| ())
+                })
+            })
+            .await
+            {
+                r?;
+            }
+            report.files = files.len();
+            Ok::<(), io::Error>(())
+        }
+        .await;
+        if let Err(e) = r {
+            let _ = self.remove_tree(to).await;
+            return Err(e);
+        }
+        tracing::info!(dir, snapshot = name, clone = to, "tree clone made");
+        Ok(report)
+    }
+
+    /// Removes the directory tree at `path`, and everything in it.
+    pub async fn remove_tree(&self, path: &str) -> io::Result<()> {
+        let entries = self.entries(path, true).await?;
+        for (rel, attr) in entries.iter().rev() {
+            let p = join(path, rel);
+            if kind(attr) == libc::S_IFDIR {
+                self.rmdir(&p).await?;
+            } else {
+                self.unlink(&p).await?;
+            }
+        }
+        self.rmdir(path).await
+    }
+}

@@ -5,6 +5,7 @@ usual)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,28 @@ KILN = ROOT / "target" / "release" / "kiln"
 
 def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def xfs_loop(base: Path, size: int):
+    """An XFS file system with reflink, made on a loop device over a sparse file of `size`
+    bytes in `base` and mounted at `base/xfs`; unmounted and detached at the end. The loop
+    device does direct I/O to its backing file: the file system's write-back then reaches
+    the disk as on a real device, not a second page cache of the host."""
+    backing = base / "xfs.img"
+    with open(backing, "wb") as f:
+        f.truncate(size)
+    dev = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", backing], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    xfs = base / "xfs"
+    xfs.mkdir()
+    try:
+        subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", dev], check=True)
+        subprocess.run(["mount", dev, xfs], check=True)
+        yield xfs
+    finally:
+        subprocess.run(["umount", "-l", xfs])
+        subprocess.run(["losetup", "-d", dev])
 
 
 def build(skip: bool) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare as c  # noqa: E402
-from kcluster import KILN, Cluster, build  # noqa: E402
+from kcluster import KILN, Cluster, build, xfs_loop  # noqa: E402
 
 PORT = 24850
 
@@ -82,113 +82,103 @@ def main() -> int:
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    backing = base / "xfs.img"
-    with open(backing, "wb") as f:
-        f.truncate((3 * a.size_gib + 4) << 30)
-    # Direct I/O from the loop device to its backing file: the XFS file system then writes
-    # to the disk as one on a real device would, not into a second page cache of the host.
-    dev = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", backing], check=True,
-                         capture_output=True, text=True).stdout.strip()
-    xfs = base / "xfs"
-    xfs.mkdir()
     cl = None
     export = None
     try:
-        subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", dev], check=True)
-        subprocess.run(["mount", dev, xfs], check=True)
-        cl = Cluster(xfs, PORT, "snap", 3, replica=3)
-        image = f"127.0.0.1:{PORT}:/snap/disk.img"
-        block = os.urandom(1 << 20)
+        with xfs_loop(base, (3 * a.size_gib + 4) << 30) as xfs:
+            try:
+                cl = Cluster(xfs, PORT, "snap", 3, replica=3)
+                image = f"127.0.0.1:{PORT}:/snap/disk.img"
+                block = os.urandom(1 << 20)
 
-        def fresh_image() -> str:
-            """A new image, written whole through the mount and then at rest (written back
-            to the bricks' disk, as one a VM has run on for a while), exported by a new `kiln
-            nbd`; its URI. Every run gets one: random writes after a snapshot leave the
-            image in tens of thousands of extents, and a reflink's time grows with them."""
-            nonlocal export
-            if export:
-                export.send_signal(signal.SIGTERM)
-                export.wait()
-            (cl.mnt / "disk.img").unlink(missing_ok=True)
-            with open(cl.mnt / "disk.img", "wb") as f:
-                for _ in range(a.size_gib << 10):
-                    f.write(block)
-            subprocess.run(["sync"], check=True)
-            export = subprocess.Popen(
-                [KILN, "nbd", image, "--listen", f"unix:{base / 'e.sock'}"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cl.env)
-            return export.stdout.readline().rsplit(" at ", 1)[1].strip()
+                def fresh_image() -> str:
+                    """A new image, written whole through the mount and then at rest (written back
+                    to the bricks' disk, as one a VM has run on for a while), exported by a new `kiln
+                    nbd`; its URI. Every run gets one: random writes after a snapshot leave the
+                    image in tens of thousands of extents, and a reflink's time grows with them."""
+                    nonlocal export
+                    if export:
+                        export.send_signal(signal.SIGTERM)
+                        export.wait()
+                    (cl.mnt / "disk.img").unlink(missing_ok=True)
+                    with open(cl.mnt / "disk.img", "wb") as f:
+                        for _ in range(a.size_gib << 10):
+                            f.write(block)
+                    subprocess.run(["sync"], check=True)
+                    export = subprocess.Popen(
+                        [KILN, "nbd", image, "--listen", f"unix:{base / 'e.sock'}"],
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cl.env)
+                    return export.stdout.readline().rsplit(" at ", 1)[1].strip()
 
-        # Per repetition, in alternating order, with the bricks' flush-behind on (8M) and off
-        # (the default): fio with a snapshot taken mid-run, and fio alone, each on a fresh
-        # image.
-        ways = [(fb, kind) for fb in ("on", "off") for kind in ("snapshot", "quiet")]
-        runs: dict[str, list[dict]] = {f"{fb} {kind}": [] for fb, kind in ways}
-        for rep in range(a.reps):
-            for fb, kind in (ways if rep % 2 == 0 else ways[::-1]):
-                cl.cli("volume", "set", "snap", "flush-behind", "8M" if fb == "on" else "0")
-                uri = fresh_image()
-                if kind == "quiet":
-                    runs[f"{fb} quiet"].append(fio(uri, a.runtime))
-                    continue
-                got: dict = {}
-                t = threading.Thread(target=lambda: got.update(fio(uri, a.runtime)))
-                t.start()
-                time.sleep(a.runtime / 2)  # mid-run: the bench's schedule, not a sync point
-                got["extents"] = extents(xfs / "b0" / "disk.img")
-                name = f"s{rep}{fb}"
-                t0 = time.monotonic()
-                out = subprocess.run([KILN, "image", "snapshot", image, name], env=cl.env,
-                                     check=True, capture_output=True, text=True).stdout
-                got["command_ms"] = (time.monotonic() - t0) * 1e3
-                t.join()
-                got["snapshot_ms"] = float(out.split(" taken in ")[1].split(" ms")[0])
-                got["held_ms"] = float(out.split("writes held ")[1].split(" ms")[0])
-                got["made_alike_bytes"] = int(out.split("makes ")[1].split(" ")[0]) \
-                    if "makes " in out else 0
-                runs[f"{fb} snapshot"].append(got)
-                # Gone before the next run: while a snapshot shares the image's blocks, every
-                # write to the image copies its block first (and its write-back costs more).
-                subprocess.run([KILN, "image", "rm", f"{image}@{name}"], env=cl.env,
-                               check=True, capture_output=True)
-            c.log(f"rep {rep}: " + "  ".join(f"{w}: {runs[w][-1]}" for w in runs))
-        subprocess.run([KILN, "image", "snapshot", image, "last"], env=cl.env, check=True,
-                       capture_output=True)
-        before = free(xfs)
-        subprocess.run([KILN, "image", "clone", f"{image}@last", "clone.img"],
-                       env=cl.env, check=True, capture_output=True)
-        clone_bytes = max(0, before - free(xfs))
-        med = lambda w, k: statistics.median(r[k] for r in runs[w])  # noqa: E731
-        result = {
-            "bench": "snapshot",
-            "size_gib": a.size_gib,
-            "snapshot_ms": {fb: med(f"{fb} snapshot", "snapshot_ms") for fb in ("on", "off")},
-            "command_ms": {fb: med(f"{fb} snapshot", "command_ms") for fb in ("on", "off")},
-            "writes_held_ms": {fb: med(f"{fb} snapshot", "held_ms") for fb in ("on", "off")},
-            "fio_p99_us": {w: med(w, "p99_us") for w in runs},
-            "fio_iops": {w: med(w, "iops") for w in runs},
-            "snapshot_off_vs_on": med("off snapshot", "snapshot_ms")
-            / med("on snapshot", "snapshot_ms"),
-            "quiet_iops_on_vs_off": med("on quiet", "iops") / med("off quiet", "iops"),
-            "clone_bytes_three_replicas": clone_bytes,
-            "clone_vs_image": clone_bytes / (a.size_gib << 30),
-            "reps": a.reps,
-            "runs": runs,
-        }
-        c.log(f"snapshot of {a.size_gib} GiB under fio, medians: flush-behind on "
-              f"{result['snapshot_ms']['on']:.1f} ms (writes held "
-              f"{result['writes_held_ms']['on']:.1f} ms), off {result['snapshot_ms']['off']:.1f} ms; "
-              f"fio alone {result['fio_iops']['on quiet']:.0f} IOPS on, "
-              f"{result['fio_iops']['off quiet']:.0f} off; clone took {clone_bytes} B")
-        return c.emit(result, a.out)
+                # Per repetition, in alternating order, with the bricks' flush-behind on (8M) and off
+                # (the default): fio with a snapshot taken mid-run, and fio alone, each on a fresh
+                # image.
+                ways = [(fb, kind) for fb in ("on", "off") for kind in ("snapshot", "quiet")]
+                runs: dict[str, list[dict]] = {f"{fb} {kind}": [] for fb, kind in ways}
+                for rep in range(a.reps):
+                    for fb, kind in (ways if rep % 2 == 0 else ways[::-1]):
+                        cl.cli("volume", "set", "snap", "flush-behind", "8M" if fb == "on" else "0")
+                        uri = fresh_image()
+                        if kind == "quiet":
+                            runs[f"{fb} quiet"].append(fio(uri, a.runtime))
+                            continue
+                        got: dict = {}
+                        t = threading.Thread(target=lambda: got.update(fio(uri, a.runtime)))
+                        t.start()
+                        time.sleep(a.runtime / 2)  # mid-run: the bench's schedule, not a sync point
+                        got["extents"] = extents(xfs / "b0" / "disk.img")
+                        name = f"s{rep}{fb}"
+                        t0 = time.monotonic()
+                        out = subprocess.run([KILN, "image", "snapshot", image, name], env=cl.env,
+                                             check=True, capture_output=True, text=True).stdout
+                        got["command_ms"] = (time.monotonic() - t0) * 1e3
+                        t.join()
+                        got["snapshot_ms"] = float(out.split(" taken in ")[1].split(" ms")[0])
+                        got["held_ms"] = float(out.split("writes held ")[1].split(" ms")[0])
+                        got["made_alike_bytes"] = int(out.split("makes ")[1].split(" ")[0]) \
+                            if "makes " in out else 0
+                        runs[f"{fb} snapshot"].append(got)
+                        # Gone before the next run: while a snapshot shares the image's blocks, every
+                        # write to the image copies its block first (and its write-back costs more).
+                        subprocess.run([KILN, "image", "rm", f"{image}@{name}"], env=cl.env,
+                                       check=True, capture_output=True)
+                    c.log(f"rep {rep}: " + "  ".join(f"{w}: {runs[w][-1]}" for w in runs))
+                subprocess.run([KILN, "image", "snapshot", image, "last"], env=cl.env, check=True,
+                               capture_output=True)
+                before = free(xfs)
+                subprocess.run([KILN, "image", "clone", f"{image}@last", "clone.img"],
+                               env=cl.env, check=True, capture_output=True)
+                clone_bytes = max(0, before - free(xfs))
+                med = lambda w, k: statistics.median(r[k] for r in runs[w])  # noqa: E731
+                result = {
+                    "bench": "snapshot",
+                    "size_gib": a.size_gib,
+                    "snapshot_ms": {fb: med(f"{fb} snapshot", "snapshot_ms") for fb in ("on", "off")},
+                    "command_ms": {fb: med(f"{fb} snapshot", "command_ms") for fb in ("on", "off")},
+                    "writes_held_ms": {fb: med(f"{fb} snapshot", "held_ms") for fb in ("on", "off")},
+                    "fio_p99_us": {w: med(w, "p99_us") for w in runs},
+                    "fio_iops": {w: med(w, "iops") for w in runs},
+                    "snapshot_off_vs_on": med("off snapshot", "snapshot_ms")
+                    / med("on snapshot", "snapshot_ms"),
+                    "quiet_iops_on_vs_off": med("on quiet", "iops") / med("off quiet", "iops"),
+                    "clone_bytes_three_replicas": clone_bytes,
+                    "clone_vs_image": clone_bytes / (a.size_gib << 30),
+                    "reps": a.reps,
+                    "runs": runs,
+                }
+                c.log(f"snapshot of {a.size_gib} GiB under fio, medians: flush-behind on "
+                      f"{result['snapshot_ms']['on']:.1f} ms (writes held "
+                      f"{result['writes_held_ms']['on']:.1f} ms), off {result['snapshot_ms']['off']:.1f} ms; "
+                      f"fio alone {result['fio_iops']['on quiet']:.0f} IOPS on, "
+                      f"{result['fio_iops']['off quiet']:.0f} off; clone took {clone_bytes} B")
+                return c.emit(result, a.out)
+            finally:
+                if export:
+                    export.send_signal(signal.SIGTERM)
+                    export.wait()
+                if cl:
+                    cl.close()
     finally:
-        if export:
-            export.send_signal(signal.SIGTERM)
-            export.wait()
-        if cl:
-            cl.close()
-        subprocess.run(["umount", "-l", xfs])
-        subprocess.run(["losetup", "-d", dev])
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -101,6 +101,7 @@ fn tree_report(r: &TreeReport, took: Duration, extra: serde_json::Value) -> serd
         "symlinks": r.symlinks,
         "skipped": r.skipped,
         "took_ms": took.as_secs_f64() * 1e3,
+        "steps_ms": r.steps.iter().map(|(s, d)| (s.to_string(), serde_json::json!(d.as_secs_f64() * 1e3))).collect::<serde_json::Map<_, _>>(),
     });
     if let (Some(v), serde_json::Value::Object(extra)) = (v.as_object_mut(), extra) {
         v.extend(extra);

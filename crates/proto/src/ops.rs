@@ -434,7 +434,9 @@ pub const SNAP_PREPARE: u32 = 5;
 pub const SNAP_FREEZE: u32 = 1;
 /// Snap: under the asker's barrier, bring snapshot `name` up to the file (after
 /// `SNAP_PREPARE`: the ranges changed since; else the whole file), by reflink (`EOPNOTSUPP`
-/// where the file system cannot); answers the ranges that waited.
+/// where the file system cannot); answers the ranges that waited. With `to`, the copy is put
+/// there (its directory must exist) with the file's mode and owner, instead of beside the
+/// file: a file of a directory tree's snapshot.
 pub const SNAP_TAKE: u32 = 2;
 /// Snap: lift the asker's barrier.
 pub const SNAP_THAW: u32 = 3;

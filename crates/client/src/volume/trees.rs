@@ -13,12 +13,13 @@
 //! file made after the walk is not in it; one removed or renamed before its copy is left out
 //! and reported.
 //!
-//! The copies then move, each by a rename that keeps its blocks where they are, into a
-//! directory tree beside the original, `PARENT/.BASE@NAME` ([`snapshot_path`]): its
-//! directories, regular files and symbolic links with their modes and owners (other kinds of
-//! node are left out and reported). The tree is assembled under a name no snapshot can have
-//! and renamed into place last, so a torn one is never listed. A clone of it is a new tree
-//! whose files share its blocks (`SNAP_COPY`).
+//! The snapshot is a directory tree beside the original, `PARENT/.BASE@NAME`
+//! ([`snapshot_path`]): its directories, regular files and symbolic links with their modes and
+//! owners (other kinds of node are left out and reported). The directories are made first;
+//! each brick puts a file's copy in its place as it takes it, with the file's mode and owner
+//! at the instant. The tree is built under a name no snapshot can have and renamed into place
+//! last, so a torn one is never listed. A clone of it is a new tree whose files share its
+//! blocks (`SNAP_COPY`).
 
 use std::future::Future;
 use std::io;
@@ -52,6 +53,8 @@ pub struct TreeReport {
     pub healing_bytes: u64,
     /// How long writers were held at the barriers.
     pub held: Duration,
+    /// Where the time went: each step and how long it took.
+    pub steps: Vec<(&'static str, Duration)>,
 }
 
 /// True for the name of an image snapshot, or of one being made (`.BASE@NAME`, `.BASE@NAME~`).
@@ -159,73 +162,129 @@ impl Volume {
         if kind(&root) != libc::S_IFDIR {
             return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
         }
-        let entries = self.walk(dir).await?;
         let mut report = TreeReport::default();
-        // A barrier holds writers back: the bricks let only a writer raise one.
-        let regular: Vec<&(String, Attr)> = entries
-            .iter()
-            .filter(|(_, a)| kind(a) == libc::S_IFREG)
-            .collect();
-        let opened = each(&regular, |(rel, _)| {
-            Box::pin(async move { self.open(&join(dir, rel), libc::O_RDWR).await })
-        })
-        .await;
+        let t = Instant::now();
+        let entries = self.walk(dir).await?;
+        report.steps.push(("walk", t.elapsed()));
+        // Made under a name no snapshot has, renamed into place once whole.
+        let part = format!("{target}~");
+        let _ = self.remove_tree(&part).await;
+        let t = Instant::now();
+        self.dirs(&part, &root, &entries, &mut report).await?;
+        report.steps.push(("directories", t.elapsed()));
         let mut files = Vec::new();
-        let mut failed = None;
-        for ((rel, _), r) in regular.into_iter().zip(opened) {
-            match r {
-                Ok(fd) => files.push(Taken {
-                    rel: rel.clone(),
-                    fd,
-                }),
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                    report
+        let r = async {
+            // A barrier holds writers back: the bricks let only a writer raise one.
+            let regular: Vec<&(String, Attr)> = entries
+                .iter()
+                .filter(|(_, a)| kind(a) == libc::S_IFREG)
+                .collect();
+            let opened = each(&regular, |(rel, _)| {
+                Box::pin(async move { self.open(&join(dir, rel), libc::O_RDWR).await })
+            })
+            .await;
+            let mut failed = None;
+            for ((rel, _), r) in regular.into_iter().zip(opened) {
+                match r {
+                    Ok(fd) => files.push(Taken {
+                        rel: rel.clone(),
+                        fd,
+                    }),
+                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) => report
                         .skipped
-                        .push(format!("{rel}: removed during the snapshot"));
+                        .push(format!("{rel}: removed during the snapshot")),
+                    Err(e) => failed = failed.or(Some(e)),
                 }
-                Err(e) => failed = failed.or(Some(e)),
             }
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            self.take_all(name, &part, &files, ttl_ms, &mut report)
+                .await?;
+            self.links(dir, &part, &entries, &mut report).await?;
+            self.rename(&part, &target, libc::RENAME_NOREPLACE).await
         }
-        let r = match failed {
-            Some(e) => Err(e),
-            None => self.take_all(dir, name, &files, ttl_ms, &mut report).await,
-        };
-        let r = match r {
-            Ok(()) => {
-                self.assemble(dir, name, &root, &entries, &files, &mut report)
-                    .await
-            }
-            Err(e) => Err(e),
-        };
+        .await;
         if r.is_err() {
+            let _ = self.remove_tree(&part).await;
             let pn = part_name(name);
             for f in &files {
-                let copy = snapshot_path(&join(dir, &f.rel), &pn);
-                let _ = self.unlink(&copy).await;
-                let _ = self.unlink(&format!("{copy}~")).await;
+                let _ = self
+                    .unlink(&format!("{}~", snapshot_path(&join(dir, &f.rel), &pn)))
+                    .await;
             }
         }
-        for f in files {
-            let _ = self.close(f.fd).await;
-        }
+        let fds: Vec<Fd> = files.into_iter().map(|f| f.fd).collect();
+        each(&fds, |fd| {
+            Box::pin(async move { self.close(fd.clone()).await })
+        })
+        .await;
         r.map(|()| report)
     }
 
-    /// The barrier steps on every file: prepare all, freeze all, take all, thaw all.
+    /// Makes `part` and the directories of `entries` in it, with their modes and owners.
+    async fn dirs(
+        &self,
+        part: &str,
+        root: &Attr,
+        entries: &[(String, Attr)],
+        report: &mut TreeReport,
+    ) -> io::Result<()> {
+        self.mkdir(part, root.mode & 0o7777).await?;
+        let r = async {
+            self.owned(part, root).await?;
+            // In order: a parent before its children.
+            for (rel, attr) in entries.iter().filter(|(_, a)| kind(a) == libc::S_IFDIR) {
+                let to = join(part, rel);
+                self.mkdir(&to, attr.mode & 0o7777).await?;
+                self.owned(&to, attr).await?;
+                report.dirs += 1;
+            }
+            Ok(())
+        }
+        .await;
+        if r.is_err() {
+            let _ = self.remove_tree(part).await;
+        }
+        r
+    }
+
+    /// The barrier steps on every file: prepare all, freeze all, take all (each copy put in
+    /// its place under `part`), thaw all.
     async fn take_all(
         &self,
-        dir: &str,
         name: &str,
+        part: &str,
         files: &[Taken],
         ttl_ms: u32,
         report: &mut TreeReport,
     ) -> io::Result<()> {
         let pn = part_name(name);
+        let steps = std::cell::RefCell::new(Vec::new());
         let step = |cmd: u32| {
-            let pn = pn.as_str();
-            each(files, move |f| {
-                Box::pin(self.snap(&f.fd, cmd, pn, "", ttl_ms))
-            })
+            let (pn, steps) = (pn.as_str(), &steps);
+            let t = Instant::now();
+            async move {
+                let r = each(files, move |f| {
+                    Box::pin(async move {
+                        let to = if cmd == SNAP_TAKE {
+                            join(part, &f.rel)
+                        } else {
+                            String::new()
+                        };
+                        self.snap(&f.fd, cmd, pn, &to, ttl_ms).await
+                    })
+                })
+                .await;
+                let what = match cmd {
+                    SNAP_PREPARE => "prepare",
+                    SNAP_FREEZE => "freeze",
+                    SNAP_TAKE => "take",
+                    _ => "thaw",
+                };
+                steps.borrow_mut().push((what, t.elapsed()));
+                r
+            }
         };
         let first_err = |rs: Vec<io::Result<Vec<kiln_proto::ops::Extent>>>| {
             let mut bytes = 0;
@@ -248,72 +307,52 @@ impl Volume {
         };
         // Lifts every barrier and forgets prepared copies not taken, whatever happened.
         let _ = step(SNAP_THAW).await;
+        report.steps.extend(steps.into_inner());
         report.healing_bytes = r?;
         report.files = files.len();
-        tracing::info!(
-            dir,
-            snapshot = name,
-            files = files.len(),
-            "tree copies taken"
-        );
+        tracing::info!(part, files = files.len(), "tree copies taken");
         Ok(())
     }
 
-    /// Moves the taken copies into the snapshot's tree, made beside `dir` under a part name
-    /// and renamed into place last.
-    async fn assemble(
+    /// Makes the symlinks of `entries` under `part`, and counts what is left out.
+    async fn links(
         &self,
         dir: &str,
-        name: &str,
-        root: &Attr,
+        part: &str,
         entries: &[(String, Attr)],
-        files: &[Taken],
         report: &mut TreeReport,
     ) -> io::Result<()> {
-        let target = snapshot_path(dir, name);
-        let part = format!("{target}~");
-        let _ = self.remove_tree(&part).await;
-        self.mkdir(&part, root.mode & 0o7777).await?;
-        let r = async {
-            self.owned(&part, root).await?;
-            let pn = part_name(name);
-            let taken: std::collections::HashSet<&str> =
-                files.iter().map(|f| f.rel.as_str()).collect();
-            for (rel, attr) in entries {
-                let to = join(&part, rel);
-                match kind(attr) {
-                    libc::S_IFDIR => {
-                        self.mkdir(&to, attr.mode & 0o7777).await?;
-                        self.owned(&to, attr).await?;
-                        report.dirs += 1;
-                    }
-                    libc::S_IFREG if taken.contains(rel.as_str()) => {
-                        let copy = snapshot_path(&join(dir, rel), &pn);
-                        self.rename(&copy, &to, libc::RENAME_NOREPLACE).await?;
-                        self.owned(&to, attr).await?;
-                    }
-                    libc::S_IFREG => {}
-                    libc::S_IFLNK => match self.readlink(&join(dir, rel)).await {
-                        Ok(t) => {
-                            self.symlink(&t, &to).await?;
-                            report.symlinks += 1;
-                        }
-                        Err(_) => report
-                            .skipped
-                            .push(format!("{rel}: removed during the snapshot")),
-                    },
-                    _ => report
-                        .skipped
-                        .push(format!("{rel}: not a file, directory or symlink")),
+        let links: Vec<&String> = entries
+            .iter()
+            .filter(|(_, a)| kind(a) == libc::S_IFLNK)
+            .map(|(rel, _)| rel)
+            .collect();
+        let done = each(&links, |rel| {
+            Box::pin(async move {
+                match self.readlink(&join(dir, rel)).await {
+                    Ok(t) => self.symlink(&t, &join(part, rel)).await.map(|_| true),
+                    Err(_) => Ok(false),
                 }
-            }
-            self.rename(&part, &target, libc::RENAME_NOREPLACE).await
-        }
+            })
+        })
         .await;
-        if r.is_err() {
-            let _ = self.remove_tree(&part).await;
+        for (r, rel) in done.into_iter().zip(links) {
+            if r? {
+                report.symlinks += 1;
+            } else {
+                report
+                    .skipped
+                    .push(format!("{rel}: removed during the snapshot"));
+            }
         }
-        r
+        for (rel, a) in entries {
+            if ![libc::S_IFDIR, libc::S_IFREG, libc::S_IFLNK].contains(&kind(a)) {
+                report
+                    .skipped
+                    .push(format!("{rel}: not a file, directory or symlink"));
+            }
+        }
+        Ok(())
     }
 
     /// Gives `path` the mode and owner in `attr`.
@@ -339,28 +378,16 @@ impl Volume {
             return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
         }
         let entries = self.walk(&from).await?;
-        self.mkdir(to, root.mode & 0o7777).await?;
         let mut report = TreeReport::default();
+        self.dirs(to, &root, &entries, &mut report).await?;
         let r = async {
-            self.owned(to, &root).await?;
-            let mut files = Vec::new();
-            for (rel, attr) in &entries {
-                match kind(attr) {
-                    libc::S_IFDIR => {
-                        self.mkdir(&join(to, rel), attr.mode & 0o7777).await?;
-                        self.owned(&join(to, rel), attr).await?;
-                        report.dirs += 1;
-                    }
-                    libc::S_IFREG => files.push(rel.as_str()),
-                    libc::S_IFLNK => {
-                        let t = self.readlink(&join(&from, rel)).await?;
-                        self.symlink(&t, &join(to, rel)).await?;
-                        report.symlinks += 1;
-                    }
-                    _ => {}
-                }
-            }
-            let (from, to) = (from.as_str(), to);
+            self.links(&from, to, &entries, &mut report).await?;
+            let files: Vec<&String> = entries
+                .iter()
+                .filter(|(_, a)| kind(a) == libc::S_IFREG)
+                .map(|(rel, _)| rel)
+                .collect();
+            let from = from.as_str();
             for r in each(&files, |rel| {
                 Box::pin(async move {
                     let fd = self.open(&join(from, rel), libc::O_RDONLY).await?;

@@ -146,7 +146,7 @@ impl Marks {
                 self.prepare(cx, f, &req.name).await?;
                 Ok(ExtentList::default())
             }
-            SNAP_TAKE => self.take(cx, f, &req.name).await,
+            SNAP_TAKE => self.take(cx, f, &req.name, &req.to).await,
             SNAP_CLONE => {
                 if req.to.is_empty() {
                     return Err(errno::EINVAL);
@@ -250,8 +250,9 @@ impl Marks {
     /// Under the asker's barrier, brings snapshot `name`'s part file up to the file (after a
     /// prepare, the ranges changed since its copy; else a whole copy) and, the barrier still
     /// standing, renames it into place (never over an existing snapshot). Answers the ranges
-    /// changes waited on.
-    async fn take(&self, cx: &Ctx, f: &MarkFd, name: &str) -> FopResult<ExtentList> {
+    /// changes waited on. With `to`, the copy goes there instead, with the file's mode and
+    /// owner.
+    async fn take(&self, cx: &Ctx, f: &MarkFd, name: &str, to: &str) -> FopResult<ExtentList> {
         if !snapshot_name_ok(name) {
             return Err(errno::EINVAL);
         }
@@ -281,18 +282,25 @@ impl Marks {
                 let _ = self.child().unlink(cx, &part).await;
                 self.reflink(cx, &f.inner, &part, 0o444, None).await
             }
+            // Nothing changed since the first copy (a change of size is recorded as a range
+            // too): it is whole already.
+            Some(changed) if changed.is_empty() => Ok(()),
             Some(changed) => self.catch_up(cx, f, &part, &changed).await,
         };
         // The copy is whole only if no change slipped past a barrier that lapsed meanwhile.
         let r = r.and_then(|()| standing().ok_or(ETIMEDOUT));
         let r = match r {
-            Ok(blocked) => {
+            Ok(blocked) if to.is_empty() => {
                 let to = snapshot_path(&f.path, name);
                 self.child()
                     .rename(cx, &part, &to, libc::RENAME_NOREPLACE)
                     .await
                     .map(|()| (blocked, to))
             }
+            Ok(blocked) => self
+                .take_into(cx, f, &part, to)
+                .await
+                .map(|()| (blocked, to.to_owned())),
             Err(e) => Err(e),
         };
         let (blocked, to) = match r {
@@ -305,6 +313,23 @@ impl Marks {
         tracing::info!(path = f.path, snapshot = to, "snapshot taken");
         let end = blocked.iter().map(|(o, l)| o.saturating_add(l)).max();
         Ok(end.map_or_else(ExtentList::default, |e| blocked.runs(0, e)))
+    }
+
+    /// Gives the copy `part` the file's mode and owner (taken under the barrier: as they were
+    /// at the snapshot's instant) and renames it to `to`.
+    async fn take_into(&self, cx: &Ctx, f: &MarkFd, part: &str, to: &str) -> FopResult<()> {
+        let a = self.child().fstat(cx, &f.inner).await?;
+        let attrs = SetAttrs {
+            valid: SETATTR_MODE | SETATTR_UID | SETATTR_GID,
+            mode: a.mode & 0o7777,
+            uid: a.uid,
+            gid: a.gid,
+            ..Default::default()
+        };
+        self.child().setattr(cx, part, &attrs).await?;
+        self.child()
+            .rename(cx, part, to, libc::RENAME_NOREPLACE)
+            .await
     }
 
     /// Re-copies `changed` (in whole blocks) of the file into the snapshot at `to`, and gives

@@ -102,6 +102,7 @@ impl Replicate {
             SNAP_PREPARE | SNAP_FREEZE | SNAP_TAKE | SNAP_CLONE | SNAP_COPY if !all => {
                 // What some replicas made, the others did not: take it back.
                 let made = match cmd {
+                    SNAP_TAKE if !to.is_empty() => Some(to.to_owned()),
                     SNAP_PREPARE | SNAP_TAKE => Some(snapshot_path(&rfd.path, name)),
                     SNAP_CLONE | SNAP_COPY => Some(to.to_owned()),
                     _ => None,
@@ -124,8 +125,12 @@ impl Replicate {
                         s
                     })
                     .collect();
-                self.make_alike(cx, &snapshot_path(&rfd.path, name), &blocked)
-                    .await
+                let snap = if to.is_empty() {
+                    snapshot_path(&rfd.path, name)
+                } else {
+                    to.to_owned()
+                };
+                self.make_alike(cx, &snap, &blocked).await
             }
             _ => Ok(ExtentList::default()),
         }

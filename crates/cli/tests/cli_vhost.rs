@@ -297,3 +297,98 @@ fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
 }
+
+/// Whether a process of user nobody in group `gid` (and no other) can connect to `sock`.
+fn connects_as_nobody(sock: &Path, gid: u32) -> bool {
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", &format!("--regid={gid}"), "--clear-groups"])
+        .args(["/usr/bin/python3", "-c"])
+        .arg("import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])")
+        .arg(sock)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() || err.contains("PermissionError"),
+        "connect failed otherwise: {err}"
+    );
+    out.status.success()
+}
+
+/// The device's socket is its owner's alone, unless a group is let in: then that group's
+/// members connect (a QEMU that does not run as root), and others still do not.
+#[test]
+fn the_socket_lets_in_its_owner_or_one_group() {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping: needs root (to connect as another user)");
+        return;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        println!("skipping: setpriv is not installed");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let _reaper = BrickReaper(tmp.path().join("state"));
+    let v = Vol::new(tmp.path(), "vs", 1, "26030");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = v.mount(&mnt);
+    std::fs::File::create(mnt.join("disk.img"))
+        .and_then(|f| f.set_len(MIB))
+        .unwrap();
+    drop(m);
+    // Other users reach the socket's directory; only the socket's mode decides.
+    let dir = tmp.path().join("run");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    let serve = |sock: &Path, group: Option<&str>| {
+        let mut c = kiln();
+        c.args(["vhost-user-blk", &v.source("/disk.img"), "--secret-file"])
+            .arg(&v.secret)
+            .args(["--lock", "off", "--socket"])
+            .arg(sock)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        if let Some(g) = group {
+            c.args(["--socket-group", g]);
+        }
+        let mut child = c.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.starts_with("kiln vhost-user-blk: serving"), "{line:?}");
+        Proc(child)
+    };
+
+    let own = dir.join("own.sock");
+    let p = serve(&own, None);
+    let m = std::fs::metadata(&own).unwrap();
+    assert_eq!(m.mode() & 0o777, 0o600);
+    assert!(!connects_as_nobody(&own, 65534), "a stranger connected");
+    drop(p);
+
+    let shared = dir.join("shared.sock");
+    let p = serve(&shared, Some("nogroup"));
+    let m = std::fs::metadata(&shared).unwrap();
+    assert_eq!((m.mode() & 0o777, m.gid()), (0o660, 65534));
+    assert!(connects_as_nobody(&shared, 65534), "the group's member was refused");
+    assert!(!connects_as_nobody(&shared, 1234), "another group's member connected");
+    drop(p);
+
+    let out = kiln()
+        .args(["vhost-user-blk", &v.source("/disk.img"), "--socket"])
+        .arg(dir.join("x.sock"))
+        .args(["--socket-group", "no-such-group-here", "--secret-file"])
+        .arg(&v.secret)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no such group"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -12,6 +12,7 @@ pub mod backend;
 pub mod config;
 pub mod request;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,9 +47,14 @@ pub struct VhostArgs {
     /// The image: SERVER:/VOL/PATH, or with --volfile the PATH.
     #[arg(value_name = "IMAGE")]
     pub image: String,
-    /// The vhost-user socket QEMU connects to (replaced if a stale one is there).
+    /// The vhost-user socket QEMU connects to (replaced if a stale one is there). It is this
+    /// process's user's alone (mode 0600) unless --socket-group is given.
     #[arg(long, value_name = "PATH")]
     pub socket: PathBuf,
+    /// Let this group (a name or a number) connect too: the socket gets it and mode 0660, so
+    /// a QEMU that runs as a member (libvirt's runs in `kvm`, say) is let in; others are not.
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
     /// Build the client stack from this volfile (TOML) instead of connecting to SERVER.
     #[arg(long, value_name = "FILE")]
     pub volfile: Option<PathBuf>,
@@ -119,8 +125,15 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
     let size = image.size;
     let blk = Blk::new(image, args.num_queues);
     let sock = args.socket.to_string_lossy().into_owned();
+    let group = args.socket_group.as_deref().map(group_id).transpose()?;
     let mut listener =
         Listener::new(&sock, true).map_err(|e| format!("cannot listen on {sock}: {e}"))?;
+    // Made under the umask, which lets no one but its owner write (connect) to it: narrowed,
+    // or opened to the group, before anyone is told it is there.
+    let mode = if group.is_some() { 0o660 } else { 0o600 };
+    std::fs::set_permissions(&args.socket, std::fs::Permissions::from_mode(mode))
+        .and_then(|()| std::os::unix::fs::chown(&args.socket, None, group))
+        .map_err(|e| format!("cannot set the owner and mode of {sock}: {e}"))?;
     println!(
         "kiln vhost-user-blk: serving {} ({size} bytes) at {sock}",
         spec.path
@@ -148,6 +161,33 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
         blk.drain();
         log_summary(&blk);
     }
+}
+
+/// The group `name` names (or the number it is).
+fn group_id(name: &str) -> Result<u32, String> {
+    if let Ok(gid) = name.parse::<u32>() {
+        return Ok(gid);
+    }
+    let c = std::ffi::CString::new(name).map_err(|_| format!("no group {name:?}"))?;
+    // SAFETY: `struct group` is plain data (integers and pointers): all zeroes is a valid one.
+    let mut grp: libc::group = unsafe { std::mem::zeroed() };
+    let mut buf = vec![0u8; 16 << 10];
+    let mut found: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: getgrnam_r writes the entry into `grp` and its strings into `buf`, both ours and
+    // alive across the call, and sets `found` to `&grp` or null; only the gid is read after.
+    let r = unsafe {
+        libc::getgrnam_r(
+            c.as_ptr(),
+            &mut grp,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    if r != 0 || found.is_null() {
+        return Err(format!("--socket-group {name}: no such group"));
+    }
+    Ok(grp.gr_gid)
 }
 
 /// Opens the image and checks it is a regular file.

@@ -31,8 +31,10 @@ use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
 /// later, `kiln nbd IMAGE --bitmap daily` offers qemu:dirty-bitmap:daily, which
 /// `nbdinfo --map=qemu:dirty-bitmap:daily` and backup tools read to copy only what changed,
 /// then `kiln image dirty start IMAGE daily` again begins the next interval. The bricks keep
-/// records in memory: after a brick restart a record is unknown, and the backup must copy
-/// everything (`dirty show` fails, the bitmap context reports an error).
+/// records in memory and write them to disk when stopped cleanly (`volume stop`, a restart
+/// of kilnd's service): they outlive that. A brick that dies without a clean stop forgets
+/// them, and when too few replicas know a record the backup must copy everything (`dirty
+/// show` fails, the bitmap context reports an error).
 ///
 /// Examples:
 ///   kiln image snapshot 127.0.0.1:/vms/disk.img before-upgrade
@@ -230,8 +232,8 @@ fn run(
     use crate::snapshots as snaps;
     let dirty_err = |name: &str, e: std::io::Error| match e.raw_os_error() {
         Some(libc::ENOENT) => format!(
-            "no dirty record {name:?} on the image's bricks (never started, stopped, or a \
-             brick restarted since): take a full copy and start it again"
+            "no dirty record {name:?} on the image's bricks (never started, stopped, or \
+             bricks died since): take a full copy and start it again"
         ),
         Some(libc::ENOSPC) => "the image has 8 dirty records already: stop one first".into(),
         Some(libc::EOPNOTSUPP) => "dirty records are not offered for sharded files".into(),

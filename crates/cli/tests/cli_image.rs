@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::managed::{spawn_until, Proc};
-use common::{ip, kiln, mgmt_ok, BrickReaper, Kilnd};
+use common::{ip, kill_brick_pid, kiln, mgmt_ok, BrickReaper, Kilnd};
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
@@ -284,6 +284,7 @@ fn image_lock_and_dirty_records() {
     let _reaper = BrickReaper(img.state.clone());
 
     dirty_records(&img);
+    dirty_records_outlive_a_clean_restart(&img);
     one_writer(&img);
     fenced_when_cut_off(&img, &link);
     let _ = &img.kd;
@@ -325,6 +326,60 @@ fn dirty_records(img: &Image) {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no dirty record"));
     drop(exp);
+}
+
+/// A volume stopped and started again (every brick stopped by SIGTERM) still knows a
+/// record and what it holds; bricks that die without a clean stop know none, and a backup
+/// is told to copy everything.
+fn dirty_records_outlive_a_clean_restart(img: &Image) {
+    img.kiln_ok(&["image", "dirty", "start", &img.src, "kept"]);
+    let (exp, uri) = img.export(None, "k.sock", &[]);
+    let writes = [(2 * MIB, MIB), (20 * MIB, 2 * MIB)];
+    for (at, len) in writes {
+        qemu_io(&uri, &[&format!("write -P 0x3c {at} {len}")]).unwrap();
+    }
+    drop(exp);
+    mgmt_ok(&img.kd, &img.state, &["volume", "stop", "img", "--yes"]);
+    for b in &img.bricks {
+        assert!(
+            b.join(".kiln/dirty.json").exists(),
+            "{} kept nothing",
+            b.display()
+        );
+    }
+    mgmt_ok(&img.kd, &img.state, &["volume", "start", "img"]);
+    let shown: Value =
+        serde_json::from_str(&img.kiln_ok(&["image", "dirty", "show", &img.src, "kept", "--json"]))
+            .unwrap();
+    assert_eq!(shown["ranges"], serde_json::json!(writes), "{shown}");
+    for b in &img.bricks {
+        assert!(
+            !b.join(".kiln/dirty.json").exists(),
+            "{} left its kept records on disk while running",
+            b.display()
+        );
+    }
+
+    let st: Value = serde_json::from_str(&mgmt_ok(
+        &img.kd,
+        &img.state,
+        &["volume", "status", "img", "--json"],
+    ))
+    .unwrap();
+    for b in st["volumes"][0]["bricks"].as_array().unwrap() {
+        kill_brick_pid(b["pid"].as_u64().unwrap() as i32);
+    }
+    mgmt_ok(&img.kd, &img.state, &["volume", "start", "img", "force"]);
+    let out = kiln()
+        .args(["image", "dirty", "show", &img.src, "kept"])
+        .env("KILN_SECRET_FILE", &img.secret)
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a record outlived SIGKILL of every brick"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no dirty record"));
 }
 
 /// While an export holds the lock a second one is refused and other clients' writes too; a

@@ -341,8 +341,11 @@ fn the_socket_lets_in_its_owner_or_one_group() {
     // Other users reach the socket's directory; only the socket's mode decides.
     let dir = tmp.path().join("run");
     std::fs::create_dir(&dir).unwrap();
-    std::fs::set_permissions(tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .unwrap();
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
     let serve = |sock: &Path, group: Option<&str>| {
         let mut c = kiln();
         c.args(["vhost-user-blk", &v.source("/disk.img"), "--secret-file"])
@@ -374,8 +377,14 @@ fn the_socket_lets_in_its_owner_or_one_group() {
     let p = serve(&shared, Some("nogroup"));
     let m = std::fs::metadata(&shared).unwrap();
     assert_eq!((m.mode() & 0o777, m.gid()), (0o660, 65534));
-    assert!(connects_as_nobody(&shared, 65534), "the group's member was refused");
-    assert!(!connects_as_nobody(&shared, 1234), "another group's member connected");
+    assert!(
+        connects_as_nobody(&shared, 65534),
+        "the group's member was refused"
+    );
+    assert!(
+        !connects_as_nobody(&shared, 1234),
+        "another group's member connected"
+    );
     drop(p);
 
     let out = kiln()

@@ -143,6 +143,28 @@ impl Server {
         self.stats.clone()
     }
 
+    /// The brick's stack.
+    pub fn stack(&self) -> LayerRef {
+        self.stack.clone()
+    }
+
+    /// Keeps what the stack's layers keep across a clean stop (the marks layers' dirty
+    /// records, see `kiln_layer::layers::marks`); for a brick that was told to stop.
+    pub fn keep_state(stack: &LayerRef) {
+        let mut f = |l: &dyn kiln_layer::Layer| {
+            if let Some(m) = l
+                .as_any()
+                .and_then(|a| a.downcast_ref::<kiln_layer::layers::marks::Marks>())
+            {
+                if let Err(e) = m.keep_dirty() {
+                    tracing::warn!("dirty records not kept: {e}");
+                }
+            }
+        };
+        f(&**stack);
+        stack.visit(&mut f);
+    }
+
     /// Accepts and serves connections forever.
     pub async fn run(self) {
         let mut tasks = tokio::task::JoinSet::new();

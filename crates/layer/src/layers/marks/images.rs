@@ -239,6 +239,9 @@ impl Marks {
             return Err(errno::EINVAL);
         }
         let mut st = key.state();
+        if st.sealed && req.cmd != DIRTY_GET {
+            return Err(errno::ENOTCONN);
+        }
         let at = st.dirty.iter().position(|(n, _)| *n == req.name);
         match (req.cmd, at) {
             (DIRTY_START, Some(i)) => st.dirty[i].1 = RangeSet::default(),

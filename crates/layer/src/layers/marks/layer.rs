@@ -26,6 +26,10 @@ impl Layer for Marks {
         &self.name
     }
 
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn children(&self) -> &[LayerRef] {
         &self.kids
     }

@@ -179,6 +179,12 @@ impl Marks {
                         wait = Some(wait.map_or(b, |w: std::time::Duration| w.min(b)));
                     }
                 }
+                if record && st.sealed {
+                    // The brick is stopping and kept the file's dirty records: the change
+                    // waits for the end, unrecorded nowhere (its client sends it again to
+                    // the brick's next run).
+                    wait = Some(std::time::Duration::from_secs(3600));
+                }
                 match wait {
                     Some(w) => w,
                     None => {

@@ -80,7 +80,7 @@ impl Marks {
             gens.entry(path.clone()).or_default().insert(t, next_gen);
             next_gen += 1;
         }
-        Ok(Marks {
+        let m = Marks {
             name: name.into(),
             kids: vec![child],
             dir: dir.to_owned(),
@@ -99,7 +99,9 @@ impl Marks {
             joining: false.into(),
             names: Mutex::default(),
             moved: Default::default(),
-        })
+        };
+        m.load_kept();
+        Ok(m)
     }
 
     /// Appends records to the log (creating `.kiln` on first use) and applies them.

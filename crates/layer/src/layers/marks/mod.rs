@@ -63,6 +63,7 @@ use crate::{Fd, FopResult, LayerRef};
 mod control;
 mod identity;
 mod images;
+mod keep;
 mod layer;
 mod locks;
 mod log;
@@ -176,6 +177,9 @@ struct FileState {
     /// A snapshot being taken: its name, the connection taking it, and the ranges changed
     /// since its first copy.
     delta: Option<(String, u64, RangeSet)>,
+    /// The brick is stopping and kept this file's dirty records ([`keep`]): no change of its
+    /// bytes may run unrecorded now.
+    sealed: bool,
 }
 
 #[derive(Default)]

@@ -564,3 +564,64 @@ fn a_name_changed_during_a_migration_fails_its_freeze() {
         assert_eq!(write(&l, &c, &fd, 0, b'b', 10).await, Ok(10));
     });
 }
+
+#[test]
+fn dirty_records_are_kept_across_a_clean_stop_for_the_same_file_only() {
+    use kiln_proto::ops::{DirtyReq, DIRTY_GET, DIRTY_START};
+    let root = tempfile::tempdir().unwrap();
+    let c = cx(1);
+    let get = |l: &Marks, path: &str| {
+        let key = l.key(path);
+        let req = DirtyReq {
+            fh: 0,
+            cmd: DIRTY_GET,
+            name: "n".into(),
+            offset: 0,
+            len: 1 << 20,
+        };
+        Marks::dirty_req(&key, &req).map(|l| {
+            l.runs
+                .0
+                .iter()
+                .scan(0, |at, e| {
+                    let r = (*at, e.len, e.hole);
+                    *at += e.len;
+                    Some(r)
+                })
+                .filter(|r| !r.2)
+                .map(|r| (r.0, r.1))
+                .collect::<Vec<_>>()
+        })
+    };
+    let start = DirtyReq {
+        fh: 0,
+        cmd: DIRTY_START,
+        name: "n".into(),
+        offset: 0,
+        len: 0,
+    };
+    {
+        let l = stack(root.path());
+        run(async {
+            let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+            for f in ["a", "b"] {
+                let (fd, _) = l.create(&c, f, flags, 0o644).await.unwrap();
+                Marks::dirty_req(&l.key(f), &start).unwrap();
+                write(&l, &c, &fd, 8 * K, b'x', 4 * K).await.unwrap();
+                l.release(&c, fd).await.unwrap();
+            }
+        });
+        assert_eq!(l.keep_dirty().unwrap(), 2);
+    }
+    // "b" is replaced while the brick is away: its record is not for the new file.
+    std::fs::remove_file(root.path().join("b")).unwrap();
+    std::fs::write(root.path().join("b"), b"new").unwrap();
+    let l = stack(root.path());
+    assert_eq!(get(&l, "a"), Ok(vec![(8 * K, 4 * K)]));
+    assert_eq!(get(&l, "b"), Err(crate::errno::ENOENT));
+    // Loaded once: a brick that dies now comes back knowing none.
+    assert!(!root.path().join(".kiln/dirty.json").exists());
+    drop(l);
+    let l = stack(root.path());
+    assert_eq!(get(&l, "a"), Err(crate::errno::ENOENT));
+}

@@ -86,6 +86,21 @@ fn qemu_io(uri: &str, cmd: &str) {
     sh(Command::new("qemu-io").args(["-f", "raw", "-c", cmd, uri])).unwrap();
 }
 
+/// An XFS file system of `size` bytes on a loop device in `tmp`, and a replica-3 volume
+/// `name` with its bricks on it (ports from `port`); `None` (saying why) where the machine
+/// lacks XFS, loop devices or one of `tools`.
+fn on_xfs(tmp: &Path, size: u64, name: &str, port: &str, tools: &[&str]) -> Option<(Xfs, Vol)> {
+    if !["mkfs.xfs", "losetup"].iter().chain(tools).all(|t| need(t)) {
+        return None;
+    }
+    let xfs = Xfs::make(tmp, size)
+        .map_err(|e| println!("skipping: cannot make an XFS file system on a loop device: {e}"))
+        .ok()?;
+    let args = ["--brick-port-base", port, "--heal-interval", "0.2"];
+    let v = Vol::with_kilnd_args(&xfs.mnt, name, 3, &args);
+    Some((xfs, v))
+}
+
 #[test]
 fn snapshots_and_clones_on_xfs_bricks() {
     // SAFETY: geteuid(2) takes nothing and cannot fail.
@@ -93,27 +108,12 @@ fn snapshots_and_clones_on_xfs_bricks() {
         println!("skipping: loop devices need root");
         return;
     }
-    if !["mkfs.xfs", "losetup", "qemu-img", "qemu-io", "fio"]
-        .iter()
-        .all(|t| need(t))
-    {
-        return;
-    }
     let tmp = tempfile::tempdir().unwrap();
-    let xfs = match Xfs::make(tmp.path(), 3 << 30) {
-        Ok(x) => x,
-        Err(e) => {
-            println!("skipping: cannot make an XFS file system on a loop device: {e}");
-            return;
-        }
+    let tools = ["qemu-img", "qemu-io", "fio"];
+    let Some((xfs, v)) = on_xfs(tmp.path(), 3 << 30, "snap", "25900", &tools) else {
+        return;
     };
     let bricks = xfs.mnt.clone();
-    let v = Vol::with_kilnd_args(
-        &bricks,
-        "snap",
-        3,
-        &["--brick-port-base", "25900", "--heal-interval", "0.2"],
-    );
     let _reaper = BrickReaper(v.state.clone());
 
     // The image: random data written through an export.
@@ -279,24 +279,11 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
         println!("skipping: loop devices need root");
         return;
     }
-    if !need("mkfs.xfs") || !need("losetup") {
-        return;
-    }
     let tmp = tempfile::tempdir().unwrap();
-    let xfs = match Xfs::make(tmp.path(), 1 << 30) {
-        Ok(x) => x,
-        Err(e) => {
-            println!("skipping: cannot make an XFS file system on a loop device: {e}");
-            return;
-        }
+    let Some((xfs, v)) = on_xfs(tmp.path(), 1 << 30, "tree", "25970", &[]) else {
+        return;
     };
     let bricks = xfs.mnt.clone();
-    let v = Vol::with_kilnd_args(
-        &bricks,
-        "tree",
-        3,
-        &["--brick-port-base", "25970", "--heal-interval", "0.2"],
-    );
     let _reaper = BrickReaper(v.state.clone());
     let mnt = tmp.path().join("mnt");
     std::fs::create_dir(&mnt).unwrap();

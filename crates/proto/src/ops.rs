@@ -473,6 +473,19 @@ pub const PROFILE_START: u32 = 1;
 /// Profile: end the interval.
 pub const PROFILE_STOP: u32 = 2;
 
+impl SetAttrs {
+    /// The change that gives a file `attr`'s permission bits and owner.
+    pub fn mode_and_owner(attr: &Attr) -> SetAttrs {
+        SetAttrs {
+            valid: SETATTR_MODE | SETATTR_UID | SETATTR_GID,
+            mode: attr.mode & 0o7777,
+            uid: attr.uid,
+            gid: attr.gid,
+            ..Default::default()
+        }
+    }
+}
+
 /// Setattr: apply `mode`.
 pub const SETATTR_MODE: u32 = 1 << 0;
 /// Setattr: apply `uid`.

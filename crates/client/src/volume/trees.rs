@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use kiln_layer::exec::join_all;
 use kiln_layer::{Attr, Fd};
 use kiln_proto::ops::{
-    snapshot_name_ok, snapshot_path, SetAttrs, SETATTR_GID, SETATTR_MODE, SETATTR_UID, SNAP_COPY,
-    SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW,
+    snapshot_name_ok, snapshot_path, SetAttrs, SNAP_COPY, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE,
+    SNAP_THAW,
 };
 
 use super::Volume;
@@ -357,14 +357,9 @@ impl Volume {
 
     /// Gives `path` the mode and owner in `attr`.
     async fn owned(&self, path: &str, attr: &Attr) -> io::Result<()> {
-        let attrs = SetAttrs {
-            valid: SETATTR_MODE | SETATTR_UID | SETATTR_GID,
-            mode: attr.mode & 0o7777,
-            uid: attr.uid,
-            gid: attr.gid,
-            ..Default::default()
-        };
-        self.setattr(path, attrs).await.map(|_| ())
+        self.setattr(path, SetAttrs::mode_and_owner(attr))
+            .await
+            .map(|_| ())
     }
 
     /// Makes `to` (which must not exist) a writable clone of the tree snapshot `name` of

@@ -18,9 +18,8 @@
 use std::time::{Duration, Instant};
 
 use kiln_proto::ops::{
-    snapshot_name_ok, snapshot_path, ExtentList, SetAttrs, SnapReq, SETATTR_GID, SETATTR_MODE,
-    SETATTR_UID, SNAP_CLONE, SNAP_COPY, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW,
-    SNAP_TTL_MAX,
+    snapshot_name_ok, snapshot_path, ExtentList, SetAttrs, SnapReq, SNAP_CLONE, SNAP_COPY,
+    SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
 };
 
 use crate::marks::{self as m, RangeSet};
@@ -319,13 +318,7 @@ impl Marks {
     /// at the snapshot's instant) and renames it to `to`.
     async fn take_into(&self, cx: &Ctx, f: &MarkFd, part: &str, to: &str) -> FopResult<()> {
         let a = self.child().fstat(cx, &f.inner).await?;
-        let attrs = SetAttrs {
-            valid: SETATTR_MODE | SETATTR_UID | SETATTR_GID,
-            mode: a.mode & 0o7777,
-            uid: a.uid,
-            gid: a.gid,
-            ..Default::default()
-        };
+        let attrs = SetAttrs::mode_and_owner(&a);
         self.child().setattr(cx, part, &attrs).await?;
         self.child()
             .rename(cx, part, to, libc::RENAME_NOREPLACE)
@@ -405,13 +398,7 @@ impl Marks {
         })();
         let r = match (r, like) {
             (Ok(()), Some(a)) => {
-                let attrs = SetAttrs {
-                    valid: SETATTR_MODE | SETATTR_UID | SETATTR_GID,
-                    mode: a.mode & 0o7777,
-                    uid: a.uid,
-                    gid: a.gid,
-                    ..Default::default()
-                };
+                let attrs = SetAttrs::mode_and_owner(a);
                 self.child().fsetattr(cx, &dst, &attrs).await.map(|_| ())
             }
             (r, _) => r,

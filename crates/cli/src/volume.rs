@@ -41,7 +41,12 @@ enum VolumeCmd {
     /// `trace` prints the waterfall of sampled requests that clients recorded.
     Profile(profile::ProfileArgs),
     /// The layer types a volume graph (volfile) may use, with their options.
-    Layers,
+    Layers {
+        /// Print one JSON object, {"ok": true, "layers": [{"name", "side", "doc", "options":
+        /// [{"name", "type", "default", "doc"}, …]}, …]}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Define a volume: `kiln volume create NAME [replica N] HOST:/DIR...`.
     ///
     /// Bricks are `HOST:/DIR` or `HOST:MGMTPORT:/DIR` (MGMTPORT: the management port of that
@@ -322,8 +327,8 @@ struct StatusArgs {
 /// `kiln volume`.
 pub fn main(args: VolumeArgs) -> Result<(), String> {
     match args.cmd {
-        VolumeCmd::Layers => {
-            print!("{}", layers_text());
+        VolumeCmd::Layers { json } => {
+            crate::out::show(json, &layers_json(), |_| layers_text());
             Ok(())
         }
         VolumeCmd::Profile(p) => profile::profile(&p),
@@ -759,6 +764,25 @@ fn status_text(r: &Statuses) -> String {
         out.push('\n');
     }
     out
+}
+
+fn layers_json() -> serde_json::Value {
+    let layers: Vec<serde_json::Value> = kiln_layer::volfile::TYPES
+        .iter()
+        .map(|t| {
+            let options: Vec<serde_json::Value> = t
+                .options
+                .iter()
+                .map(|o| {
+                    serde_json::json!({
+                        "name": o.name, "type": o.ty, "default": o.default, "doc": o.doc,
+                    })
+                })
+                .collect();
+            serde_json::json!({ "name": t.name, "side": t.side, "doc": t.doc, "options": options })
+        })
+        .collect();
+    serde_json::json!({ "layers": layers })
 }
 
 fn layers_text() -> String {

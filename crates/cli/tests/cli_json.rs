@@ -105,6 +105,23 @@ fn every_one_shot_command_answers_json_in_one_envelope() {
         assert!(pages.contains(&want), "{want} missing from {pages:?}");
         assert!(dir.path().join("man").join(want).exists());
     }
+    // volume layers: every layer type, each with its options.
+    let (code, v) = json(&["volume", "layers", "--json"]);
+    assert_eq!((code, &v["ok"]), (0, &serde_json::json!(true)), "{v}");
+    let posix = v["layers"]
+        .as_array()
+        .expect("layers")
+        .iter()
+        .find(|l| l["name"] == "posix")
+        .expect("the posix layer");
+    assert!(
+        posix["options"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|o| o["name"] == "directory"),
+        "{posix}"
+    );
     let (_, v) = json(&["generate", "completions", "bash", "--json"]);
     assert_eq!(v["shell"], "bash");
     assert!(v["script"].as_str().unwrap().contains("complete -F"), "{v}");

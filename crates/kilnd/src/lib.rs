@@ -299,27 +299,31 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         }
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        let stack = server.stack();
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("kilnd: cannot watch for SIGTERM: {e}");
-                    return std::process::ExitCode::FAILURE;
-                }
-            };
-        tokio::select! {
-            () = server.run() => std::process::ExitCode::SUCCESS,
-            _ = term.recv() => {
-                // Told to stop (kilnd stops its bricks so): what must outlive this run is
-                // written, then the process ends at once, fops in flight unanswered (their
-                // clients send them again to the next run).
-                Server::keep_state(&stack);
-                tracing::info!("stopped by SIGTERM");
-                std::process::exit(0)
-            }
-        }
+        serve_until_term(server).await
     })
+}
+
+/// Serves the brick until SIGTERM (how kilnd stops its bricks); then what must outlive this
+/// run is written and the process ends at once, fops in flight unanswered (their clients
+/// send them again to the next run).
+async fn serve_until_term(server: Server) -> std::process::ExitCode {
+    use tokio::signal::unix::{signal, SignalKind};
+    let stack = server.stack();
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kilnd: cannot watch for SIGTERM: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    tokio::select! {
+        () = server.run() => std::process::ExitCode::SUCCESS,
+        _ = term.recv() => {
+            Server::keep_state(&stack);
+            tracing::info!("stopped by SIGTERM");
+            std::process::exit(0)
+        }
+    }
 }
 
 /// Checks the management daemon's options and opens its manager; with `--tls`, the

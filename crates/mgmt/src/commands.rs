@@ -52,7 +52,7 @@ impl Manager {
         if self.load(name).is_ok() {
             return Err(format!("volume {name} already exists"));
         }
-        let allow = check_allow(allow)?;
+        let allow = crate::options::check_allow(allow)?;
         let (bricks, ips) = self.check_bricks(specs, force)?;
         for (b, ip) in bricks.iter().zip(&ips) {
             if is_local(*ip) {
@@ -479,15 +479,6 @@ impl Manager {
         }
         .into())
     }
-}
-
-/// An `allow` list: address ranges (ADDR/PREFIX), each checked.
-pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
-    for c in allow {
-        c.parse::<kiln_server::access::Cidr>()
-            .map_err(|e| format!("allow {c:?}: {e}"))?;
-    }
-    Ok(allow.to_vec())
 }
 
 /// Where `dir` really is, when its host is this one: symlinks resolved, for the part of it

@@ -71,7 +71,7 @@ pub const OPTIONS: &[Spec] = &[
                     .map(str::to_owned)
                     .collect(),
             };
-            d.allow = crate::commands::check_allow(&ranges).map_err(Some)?;
+            d.allow = check_allow(&ranges).map_err(Some)?;
             Ok(())
         },
         create_only: false,
@@ -205,6 +205,15 @@ pub fn spec(name: &str) -> Result<&'static Spec, String> {
         let names: Vec<&str> = OPTIONS.iter().map(|s| s.name).collect();
         format!("no volume option {name:?} (options: {})", names.join(", "))
     })
+}
+
+/// An `allow` list: address ranges (ADDR/PREFIX), each checked.
+pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
+    for c in allow {
+        c.parse::<kiln_server::access::Cidr>()
+            .map_err(|e| format!("allow {c:?}: {e}"))?;
+    }
+    Ok(allow.to_vec())
 }
 
 /// "on" or "off".

@@ -151,7 +151,14 @@ pub fn main(args: ImageArgs) -> Result<(), String> {
             cmd: DirtyCmd::Start { .. } | DirtyCmd::Stop { .. }
         }
     );
-    let (vol, fd, size, path) = open(image, args.volfile.as_deref(), write)?;
+    // A snapshot of a directory is found by its own path: the directory may be gone.
+    let snapshot = match &args.cmd {
+        ImageCmd::Clone { snapshot, .. } | ImageCmd::Rm { snapshot } => {
+            Some(split_snapshot(snapshot)?.1)
+        }
+        _ => None,
+    };
+    let (vol, fd, size, path) = open(image, args.volfile.as_deref(), write, snapshot)?;
     let r = match &fd {
         Some(fd) => run(&vol, fd, size, &path, &args.cmd, args.json),
         None => tree(&vol, &path, &args.cmd, args.json),
@@ -199,15 +206,22 @@ fn snap_name(s: &str) -> String {
 }
 
 /// Opens the image (for writing with `write`); returns it with its size and path in the
-/// volume. A directory is not opened (`None`).
+/// volume. A directory, or the snapshot `snapshot` of one, is not opened (`None`).
 fn open(
     image: &str,
     volfile: Option<&std::path::Path>,
     write: bool,
+    snapshot: Option<&str>,
 ) -> Result<(Volume, Option<Fd>, u64, String), String> {
     let (spec, src) = ImageSpec::with_source(image, volfile)?;
     let vol = Volume::from_source(&src).map_err(|e| format!("cannot reach {src}: {e}"))?;
-    if block_on(vol.lookup(&spec.path)).is_ok_and(|a| a.mode & libc::S_IFMT == libc::S_IFDIR) {
+    let is_dir =
+        |p: &str| block_on(vol.lookup(p)).is_ok_and(|a| a.mode & libc::S_IFMT == libc::S_IFDIR);
+    let tree_snapshot = |n: &str| {
+        let snap = kiln_proto::ops::snapshot_path(&spec.path, n);
+        is_dir(&snap) || block_on(vol.lookup(&format!("{snap}~"))).is_ok()
+    };
+    if is_dir(&spec.path) || snapshot.is_some_and(tree_snapshot) {
         return Ok((vol, None, 0, spec.path));
     }
     let flags = if write { libc::O_RDWR } else { libc::O_RDONLY };

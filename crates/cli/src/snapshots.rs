@@ -235,10 +235,10 @@ pub fn list(vol: &Volume, path: &str, json: bool) -> Result<(), String> {
 pub fn remove(vol: &Volume, path: &str, name: &str, json: bool) -> Result<(), String> {
     check_name(name)?;
     let snap = snapshot_path(path, name);
-    let tree = block_on(vol.lookup(&snap)).is_ok_and(|a| a.mode & libc::S_IFMT == libc::S_IFDIR);
+    let tree = block_on(vol.lookup(&snap)).map_or(true, |a| a.mode & libc::S_IFMT == libc::S_IFDIR);
     block_on(async {
         if tree {
-            vol.remove_tree(&snap).await
+            vol.remove_tree_snapshot(&snap).await
         } else {
             vol.unlink(&snap).await
         }

@@ -294,11 +294,15 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     std::fs::write(vm.join("disks/b"), 0u64.to_le_bytes()).unwrap();
     std::fs::write(vm.join("disks/old/big"), vec![7u8; 8 << 20]).unwrap();
     std::fs::write(vm.join("vm.conf"), b"memory = 2G\n").unwrap();
+    std::fs::write(vm.join("helper"), b"#!/bin/sh\n").unwrap();
     std::os::unix::fs::symlink("disks/b", vm.join("current")).unwrap();
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     std::fs::set_permissions(vm.join("vm.conf"), std::fs::Permissions::from_mode(0o640)).unwrap();
     std::os::unix::fs::chown(vm.join("vm.conf"), Some(1234), Some(5678)).unwrap();
     std::fs::set_permissions(vm.join("disks"), std::fs::Permissions::from_mode(0o750)).unwrap();
+    // Set-user-ID survives being given its owner (a chown after the chmod would clear it).
+    std::os::unix::fs::chown(vm.join("helper"), Some(1234), Some(5678)).unwrap();
+    std::fs::set_permissions(vm.join("helper"), std::fs::Permissions::from_mode(0o4755)).unwrap();
 
     // The writer: a, then b, each acknowledged by the replicas before the next.
     kiln_client::mgmt::use_secret_file(&v.secret);
@@ -339,7 +343,7 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     writer.join().unwrap();
     println!("{}", out.trim());
     assert!(
-        out.contains("of 4 files, 2 directories and 1 symlinks"),
+        out.contains("of 5 files, 2 directories and 1 symlinks"),
         "{out}"
     );
 
@@ -370,6 +374,8 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
         (conf.mode() & 0o7777, conf.uid(), conf.gid()),
         (0o640, 1234, 5678)
     );
+    let helper = std::fs::metadata(snap_mnt.join("helper")).unwrap();
+    assert_eq!((helper.mode() & 0o7777, helper.uid()), (0o4755, 1234));
     let disks = std::fs::metadata(snap_mnt.join("disks")).unwrap();
     assert_eq!(disks.mode() & 0o7777, 0o750);
     assert_eq!(
@@ -387,7 +393,7 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     // A clone: at once, almost free, writable, and separate from the snapshot.
     let before = xfs.free();
     let out = image(&v, &["clone", &format!("{}@t1", v.source("/vm")), "vm2"]).unwrap();
-    assert!(out.contains("(4 files)"), "{out}");
+    assert!(out.contains("(5 files)"), "{out}");
     let used = before.saturating_sub(xfs.free());
     assert!(used < (1 << 20), "three copies of the clone took {used} B");
     let vm2 = mnt.join("vm2");
@@ -401,6 +407,8 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
         (conf.mode() & 0o7777, conf.uid(), conf.gid()),
         (0o640, 1234, 5678)
     );
+    let helper = std::fs::metadata(vm2.join("helper")).unwrap();
+    assert_eq!(helper.mode() & 0o7777, 0o4755);
     std::fs::write(vm2.join("disks/old/big"), b"changed").unwrap();
     assert_eq!(
         std::fs::read(snap_mnt.join("disks/old/big")).unwrap(),
@@ -411,7 +419,25 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     assert!(listed.starts_with("t1 "), "{listed}");
     let e = image(&v, &["snapshot", &v.source("/vm"), "t1"]).unwrap_err();
     assert!(e.contains("exists already"), "{e}");
+    // The directory gone, its snapshot still clones and goes.
+    std::fs::remove_dir_all(&vm).unwrap();
+    image(&v, &["clone", &format!("{}@t1", v.source("/vm")), "vm3"]).unwrap();
+    assert_eq!(counter(&mnt.join("vm3/a")), a);
     image(&v, &["rm", &format!("{}@t1", v.source("/vm"))]).unwrap();
     assert!((0..3).all(|i| !snap(i).exists()), "rm left the tree");
+    // What an interrupted snapshot left refuses the next one by that name, and rm removes it.
+    std::fs::create_dir(mnt.join(".vm3@t2~")).unwrap();
+    let e = image(&v, &["snapshot", &v.source("/vm3"), "t2"]).unwrap_err();
+    assert!(e.contains("interrupted"), "{e}");
+    assert!(
+        (0..3).all(|i| bricks.join(format!("b{i}/.vm3@t2~")).exists()),
+        "a refused snapshot removed another's part"
+    );
+    image(&v, &["rm", &format!("{}@t2", v.source("/vm3"))]).unwrap();
+    assert!(
+        (0..3).all(|i| !bricks.join(format!("b{i}/.vm3@t2~")).exists()),
+        "rm left an interrupted snapshot's part"
+    );
+    image(&v, &["snapshot", &v.source("/vm3"), "t2"]).unwrap();
     drop(m);
 }

@@ -665,8 +665,10 @@ impl Volume {
         to: &str,
         ttl_ms: u32,
     ) -> io::Result<Vec<Extent>> {
+        // As the bricks take a path: no empty, `.` or leading components.
+        let to = crate::client::wire_path(to);
         let l: io::Result<ExtentList> =
-            fop!(self, cx => self.stack.top.snap(&cx, fd, cmd, name, to, ttl_ms));
+            fop!(self, cx => self.stack.top.snap(&cx, fd, cmd, name, &to, ttl_ms));
         Ok(l?.runs.0)
     }
 

@@ -442,10 +442,7 @@ pub const SNAP_TAKE: u32 = 2;
 pub const SNAP_THAW: u32 = 3;
 /// Snap: make `to` a new file sharing the blocks of snapshot `name` (reflink).
 pub const SNAP_CLONE: u32 = 4;
-/// Snap: make `to` a new file sharing the blocks of the open file itself (reflink), with its
-/// mode and owner; the file may be open read-only (a file of a directory tree's snapshot,
-/// copied into a clone of the tree). `name` is unused.
-pub const SNAP_COPY: u32 = 6;
+
 /// The longest write barrier a brick keeps, in milliseconds.
 pub const SNAP_TTL_MAX: u32 = 30_000;
 

@@ -17,9 +17,12 @@
 //! ([`snapshot_path`]): its directories, regular files and symbolic links with their modes and
 //! owners (other kinds of node are left out and reported). The directories are made first;
 //! each brick puts a file's copy in its place as it takes it, with the file's mode and owner
-//! at the instant. The tree is built under a name no snapshot can have and renamed into place
-//! last, so a torn one is never listed. A clone of it is a new tree whose files share its
-//! blocks (`SNAP_COPY`).
+//! at the instant. The tree is built under a name no snapshot can have (`.BASE@NAME~`, made
+//! exclusively: a second snapshot of the same name at the same time is refused) and renamed
+//! into place last, so a torn one is never listed. A clone of it is made the same way from the
+//! snapshot's files (barriers and all), so its replicas agree even if someone writes into the
+//! snapshot meanwhile: a new tree whose files share the snapshot's blocks. Symbolic links are
+//! made by the caller and keep no owner.
 
 use std::future::Future;
 use std::io;
@@ -29,8 +32,7 @@ use std::time::{Duration, Instant};
 use kiln_layer::exec::join_all;
 use kiln_layer::{Attr, Fd};
 use kiln_proto::ops::{
-    snapshot_name_ok, snapshot_path, SetAttrs, SNAP_COPY, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE,
-    SNAP_THAW,
+    snapshot_name_ok, snapshot_path, SetAttrs, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW,
 };
 
 use super::Volume;
@@ -57,12 +59,13 @@ pub struct TreeReport {
     pub steps: Vec<(&'static str, Duration)>,
 }
 
-/// True for the name of an image snapshot, or of one being made (`.BASE@NAME`, `.BASE@NAME~`).
+/// True for the name of a snapshot, or of one being made or removed (`.BASE@NAME`,
+/// `.BASE@NAME~…`).
 pub fn is_snapshot_name(name: &str) -> bool {
     name.starts_with('.')
         && name
             .rsplit_once('@')
-            .is_some_and(|(_, n)| snapshot_name_ok(n.strip_suffix('~').unwrap_or(n)))
+            .is_some_and(|(_, n)| snapshot_name_ok(n.split('~').next().unwrap_or(n)))
 }
 
 fn join(dir: &str, rel: &str) -> String {
@@ -77,11 +80,15 @@ fn einval(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, what.to_owned())
 }
 
-/// The name a file's copy has while the tree snapshot `name` is made (an image snapshot name
-/// of its own, so it never meets one an operator took).
+/// The name a file's copy has on the brick while the tree snapshot `name` is made (as an
+/// image snapshot's name: an operator's snapshot `NAME.tree` of a file in the tree would
+/// meet it, and the tree snapshot is then refused as existing already).
 fn part_name(name: &str) -> String {
     format!("{name}.tree")
 }
+
+/// The name a file's copy has on the brick while a clone is made from it.
+const CLONE_PART: &str = "kiln-clone";
 
 /// A future of [`each`].
 type Boxed<'a, R> = Pin<Box<dyn Future<Output = R> + 'a>>;
@@ -94,6 +101,13 @@ async fn each<'a, T: 'a, R: 'a>(items: &'a [T], f: impl Fn(&'a T) -> Boxed<'a, R
         out.extend(done.into_iter().flatten());
     }
     out
+}
+
+/// A tree to copy: its directory, that directory's attributes, and everything under it.
+struct Tree<'a> {
+    dir: &'a str,
+    root: &'a Attr,
+    entries: &'a [(String, Attr)],
 }
 
 /// A file of the tree being snapshotted.
@@ -166,21 +180,53 @@ impl Volume {
         let t = Instant::now();
         let entries = self.walk(dir).await?;
         report.steps.push(("walk", t.elapsed()));
-        // Made under a name no snapshot has, renamed into place once whole.
         let part = format!("{target}~");
-        let _ = self.remove_tree(&part).await;
+        let pn = part_name(name);
+        if self.lookup(&part).await.is_ok() {
+            return Err(io::Error::other(format!(
+                "{part} exists: another snapshot {name} of this directory is being taken, or one \
+                 was interrupted (kiln image rm DIR@{name} removes what it left)"
+            )));
+        }
+        let from = Tree {
+            dir,
+            root: &root,
+            entries: &entries,
+        };
+        self.copy_tree(&from, &pn, &part, ttl_ms, &mut report)
+            .await?;
+        if let Err(e) = self.rename(&part, &target, libc::RENAME_NOREPLACE).await {
+            let _ = self.remove_tree(&part).await;
+            return Err(e);
+        }
+        Ok(report)
+    }
+
+    /// Copies the tree `from` to `to` (which must not exist): its directories first, then its
+    /// regular files under barriers standing on all of them at once (internal copy name `pn`;
+    /// see the module documentation), then its symlinks. Nothing is left behind on failure.
+    async fn copy_tree(
+        &self,
+        from: &Tree<'_>,
+        pn: &str,
+        to: &str,
+        ttl_ms: u32,
+        report: &mut TreeReport,
+    ) -> io::Result<()> {
         let t = Instant::now();
-        self.dirs(&part, &root, &entries, &mut report).await?;
+        // Made exclusively: a `to` that exists is someone else's, and stays.
+        self.dirs(to, from.root, from.entries, report).await?;
         report.steps.push(("directories", t.elapsed()));
         let mut files = Vec::new();
         let r = async {
             // A barrier holds writers back: the bricks let only a writer raise one.
-            let regular: Vec<&(String, Attr)> = entries
+            let regular: Vec<&(String, Attr)> = from
+                .entries
                 .iter()
                 .filter(|(_, a)| kind(a) == libc::S_IFREG)
                 .collect();
             let opened = each(&regular, |(rel, _)| {
-                Box::pin(async move { self.open(&join(dir, rel), libc::O_RDWR).await })
+                Box::pin(async move { self.open(&join(from.dir, rel), libc::O_RDWR).await })
             })
             .await;
             let mut failed = None;
@@ -199,19 +245,15 @@ impl Volume {
             if let Some(e) = failed {
                 return Err(e);
             }
-            self.take_all(name, &part, &files, ttl_ms, &mut report)
-                .await?;
-            self.links(dir, &part, &entries, &mut report).await?;
-            self.rename(&part, &target, libc::RENAME_NOREPLACE).await
+            self.take_all(pn, to, &files, ttl_ms, report).await?;
+            self.links(from.dir, to, from.entries, report).await
         }
         .await;
         if r.is_err() {
-            let _ = self.remove_tree(&part).await;
-            let pn = part_name(name);
+            let _ = self.remove_tree(to).await;
             for f in &files {
-                let _ = self
-                    .unlink(&format!("{}~", snapshot_path(&join(dir, &f.rel), &pn)))
-                    .await;
+                let copy = snapshot_path(&join(from.dir, &f.rel), pn);
+                let _ = self.unlink(&format!("{copy}~")).await;
             }
         }
         let fds: Vec<Fd> = files.into_iter().map(|f| f.fd).collect();
@@ -219,7 +261,7 @@ impl Volume {
             Box::pin(async move { self.close(fd.clone()).await })
         })
         .await;
-        r.map(|()| report)
+        r
     }
 
     /// Makes `part` and the directories of `entries` in it, with their modes and owners.
@@ -253,16 +295,15 @@ impl Volume {
     /// its place under `part`), thaw all.
     async fn take_all(
         &self,
-        name: &str,
+        pn: &str,
         part: &str,
         files: &[Taken],
         ttl_ms: u32,
         report: &mut TreeReport,
     ) -> io::Result<()> {
-        let pn = part_name(name);
         let steps = std::cell::RefCell::new(Vec::new());
         let step = |cmd: u32| {
-            let (pn, steps) = (pn.as_str(), &steps);
+            let steps = &steps;
             let t = Instant::now();
             async move {
                 let r = each(files, move |f| {
@@ -305,7 +346,7 @@ impl Volume {
             }
             Err(e) => Err(e),
         };
-        // Lifts every barrier and forgets prepared copies not taken, whatever happened.
+        // Lifts every barrier, whatever happened (the caller removes copies not taken).
         let _ = step(SNAP_THAW).await;
         report.steps.extend(steps.into_inner());
         report.healing_bytes = r?;
@@ -364,47 +405,53 @@ impl Volume {
 
     /// Makes `to` (which must not exist) a writable clone of the tree snapshot `name` of
     /// `dir`: the same directories, symlinks, modes and owners, files sharing the snapshot's
-    /// blocks until written. `EAGAIN` while heal still makes a file's copies alike; nothing
-    /// is left behind on failure.
+    /// blocks until written, taken as a snapshot is (see the module documentation). `EAGAIN`
+    /// while heal still makes a file's copies alike; nothing is left behind on failure.
     pub async fn clone_tree(&self, dir: &str, name: &str, to: &str) -> io::Result<TreeReport> {
-        let from = snapshot_path(dir, name);
-        let root = self.lookup(&from).await?;
+        let snap = snapshot_path(dir, name);
+        let root = self.lookup(&snap).await?;
         if kind(&root) != libc::S_IFDIR {
             return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
         }
-        let entries = self.walk(&from).await?;
+        let entries = self.walk(&snap).await?;
         let mut report = TreeReport::default();
-        self.dirs(to, &root, &entries, &mut report).await?;
-        let r = async {
-            self.links(&from, to, &entries, &mut report).await?;
-            let files: Vec<&String> = entries
-                .iter()
-                .filter(|(_, a)| kind(a) == libc::S_IFREG)
-                .map(|(rel, _)| rel)
-                .collect();
-            let from = from.as_str();
-            for r in each(&files, |rel| {
-                Box::pin(async move {
-                    let fd = self.open(&join(from, rel), libc::O_RDONLY).await?;
-                    let r = self.snap(&fd, SNAP_COPY, "", &join(to, rel), 0).await;
-                    let _ = self.close(fd).await;
-                    r.map(|_| ())
-                })
-            })
-            .await
-            {
-                r?;
-            }
-            report.files = files.len();
-            Ok::<(), io::Error>(())
-        }
-        .await;
-        if let Err(e) = r {
-            let _ = self.remove_tree(to).await;
-            return Err(e);
-        }
+        let from = Tree {
+            dir: &snap,
+            root: &root,
+            entries: &entries,
+        };
+        self.copy_tree(
+            &from,
+            CLONE_PART,
+            to,
+            kiln_proto::ops::SNAP_TTL_MAX,
+            &mut report,
+        )
+        .await?;
         tracing::info!(dir, snapshot = name, clone = to, "tree clone made");
         Ok(report)
+    }
+
+    /// Removes the tree snapshot at `snap` (`PARENT/.BASE@NAME`), and what an interrupted
+    /// snapshot of that name left (`…~`): first renamed out of sight (`…~rm`), so an
+    /// interrupted removal leaves nothing listed or cloned.
+    pub async fn remove_tree_snapshot(&self, snap: &str) -> io::Result<()> {
+        let gone = format!("{snap}~rm");
+        if self.lookup(&gone).await.is_ok() {
+            self.remove_tree(&gone).await?;
+        }
+        let r = match self.rename(snap, &gone, libc::RENAME_NOREPLACE).await {
+            Ok(()) => self.remove_tree(&gone).await,
+            Err(e) => Err(e),
+        };
+        let part = format!("{snap}~");
+        match (self.lookup(&part).await, r) {
+            (Ok(_), Err(e)) if e.raw_os_error() == Some(libc::ENOENT) => {
+                self.remove_tree(&part).await
+            }
+            (Ok(_), Ok(())) => self.remove_tree(&part).await,
+            (_, r) => r,
+        }
     }
 
     /// Removes the directory tree at `path`, and everything in it.

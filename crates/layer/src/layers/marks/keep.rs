@@ -22,6 +22,10 @@ use super::*;
 const KEPT: &str = "dirty.json";
 /// Where they are written first.
 const KEPT_NEW: &str = "dirty.json.new";
+/// The most ranges kept in all (about 40 bytes each as kept: well within what a start reads).
+const MAX_RANGES: usize = 1 << 20;
+/// The longest a stopping brick waits for changes in flight to finish.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// One file's records, as kept.
 #[derive(Serialize, Deserialize)]
@@ -50,9 +54,9 @@ fn id_of(root: &OwnedFd, path: &str) -> Option<(u64, i64, i64)> {
 }
 
 impl Marks {
-    /// Seals every file that has dirty records and writes the records to `.kiln/dirty.json`
-    /// (see the module documentation); returns how many files' records were kept. Called once,
-    /// as the brick stops.
+    /// Seals every file this layer knows (a change of a file's bytes then waits), and writes
+    /// the dirty records to `.kiln/dirty.json` (see the module documentation); returns how many
+    /// files' records were kept. Called once, as the brick stops.
     pub fn keep_dirty(&self) -> std::io::Result<usize> {
         let keys: Vec<(String, Arc<FileKey>)> = self
             .files
@@ -61,21 +65,38 @@ impl Marks {
             .iter()
             .map(|(p, k)| (p.clone(), k.clone()))
             .collect();
+        for (_, key) in &keys {
+            key.state().sealed = true;
+        }
+        // Changes already past the gate finish first: the change time read below must be the
+        // file's last one, or the next start would take the file for changed behind its back.
+        let deadline = std::time::Instant::now() + DRAIN;
         let mut kept = Vec::new();
+        let mut ranges = 0usize;
         for (path, key) in keys {
             let mut st = key.state();
-            st.sealed = true;
+            while st.inflight.iter().any(|w| !w.ns) && std::time::Instant::now() < deadline {
+                drop(st);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                st = key.state();
+            }
             if st.dirty.is_empty() {
                 continue;
             }
             let Some(id) = id_of(&self.root, &path) else {
                 continue;
             };
-            let records = st
-                .dirty
-                .iter()
-                .map(|(n, r)| (n.clone(), r.iter().collect()))
-                .collect();
+            let mut records = Vec::new();
+            for (n, r) in &st.dirty {
+                // Too many ranges to keep (past what a start reads back): unknown next time,
+                // and the backup copies everything.
+                ranges += r.count();
+                if ranges > MAX_RANGES {
+                    tracing::warn!(path, record = n, "dirty record too large to keep");
+                    continue;
+                }
+                records.push((n.clone(), r.iter().collect()));
+            }
             kept.push(Kept { path, id, records });
         }
         let Some(state) = super::log::open_state_dir(&self.root, true)? else {

@@ -224,11 +224,8 @@ impl Layer for Marks {
         ttl_ms: u32,
     ) -> Fut<'a, ExtentList> {
         let f = match usable(fd, cx.owner) {
-            // A barrier holds writers back, a clone of a snapshot writes: a reader may do
-            // neither. A copy of what it reads, it may.
-            Ok(f) if !f.writable && cmd != kiln_proto::ops::SNAP_COPY => {
-                return fail(crate::errno::EBADF)
-            }
+            // A barrier holds writers back, a clone writes: a reader may do neither.
+            Ok(f) if !f.writable => return fail(crate::errno::EBADF),
             Ok(f) if !f.heal => f,
             Ok(_) => return fail(crate::errno::EINVAL),
             Err(e) => return fail(e),

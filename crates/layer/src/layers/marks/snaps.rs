@@ -18,8 +18,8 @@
 use std::time::{Duration, Instant};
 
 use kiln_proto::ops::{
-    snapshot_name_ok, snapshot_path, ExtentList, SetAttrs, SnapReq, SNAP_CLONE, SNAP_COPY,
-    SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
+    snapshot_name_ok, snapshot_path, ExtentList, SetAttrs, SnapReq, SNAP_CLONE, SNAP_FREEZE,
+    SNAP_PREPARE, SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
 };
 
 use crate::marks::{self as m, RangeSet};
@@ -151,15 +151,6 @@ impl Marks {
                     return Err(errno::EINVAL);
                 }
                 self.clone_snapshot(cx, f, &req.name, &req.to).await?;
-                Ok(ExtentList::default())
-            }
-            SNAP_COPY => {
-                if req.to.is_empty() {
-                    return Err(errno::EINVAL);
-                }
-                let attr = self.child().fstat(cx, &f.inner).await?;
-                self.reflink(cx, &f.inner, &req.to, 0o600, Some(&attr))
-                    .await?;
                 Ok(ExtentList::default())
             }
             _ => Err(errno::EINVAL),

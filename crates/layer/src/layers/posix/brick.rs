@@ -507,6 +507,20 @@ fn proc_fd(fd: &OwnedFd) -> String {
 /// Applies the fields `req.valid` selects to the file behind `fd` (an `O_PATH` descriptor or a
 /// real one).
 pub fn apply_setattr(fd: &OwnedFd, req: &SetAttrs) -> FopResult<Attr> {
+    // The owner first: changing it clears the set-user-ID and set-group-ID bits, which the
+    // mode asked for in the same request must survive (a copy given its file's mode and owner).
+    if req.valid & (SETATTR_UID | SETATTR_GID) != 0 {
+        let uid = (req.valid & SETATTR_UID != 0).then(|| rfs::Uid::from_raw(req.uid));
+        let gid = (req.valid & SETATTR_GID != 0).then(|| rfs::Gid::from_raw(req.gid));
+        rfs::chownat(
+            fd,
+            "",
+            uid,
+            gid,
+            AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(err)?;
+    }
     if req.valid & SETATTR_MODE != 0 {
         let mode = Mode::from_raw_mode(req.mode & 0o7777);
         // fchmod refuses an O_PATH descriptor (EBADF); then the inode is reached through
@@ -522,18 +536,6 @@ pub fn apply_setattr(fd: &OwnedFd, req: &SetAttrs) -> FopResult<Attr> {
             }
             rfs::chmod(proc_fd(fd), mode).map_err(err)?;
         }
-    }
-    if req.valid & (SETATTR_UID | SETATTR_GID) != 0 {
-        let uid = (req.valid & SETATTR_UID != 0).then(|| rfs::Uid::from_raw(req.uid));
-        let gid = (req.valid & SETATTR_GID != 0).then(|| rfs::Gid::from_raw(req.gid));
-        rfs::chownat(
-            fd,
-            "",
-            uid,
-            gid,
-            AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
-        )
-        .map_err(err)?;
     }
     if req.valid & SETATTR_SIZE != 0 {
         rfs::ftruncate(fd, req.size).map_err(err)?;

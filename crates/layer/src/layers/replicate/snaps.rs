@@ -17,9 +17,7 @@
 //! has run, reads of the snapshot go to the source (marks keep them away from the others), and
 //! a clone waits (`EAGAIN`), so every clone starts from copies that agree.
 
-use kiln_proto::ops::{
-    snapshot_path, SNAP_CLONE, SNAP_COPY, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW,
-};
+use kiln_proto::ops::{snapshot_path, SNAP_CLONE, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW};
 
 use super::{missing, Miss, RepFd, Replicate};
 use crate::marks::{self as m, RangeSet};
@@ -84,9 +82,6 @@ impl Replicate {
         if cmd == SNAP_CLONE && self.healing(cx, &snapshot_path(&rfd.path, name)).await? {
             return Err(EAGAIN);
         }
-        if cmd == SNAP_COPY && self.healing(cx, &rfd.path).await? {
-            return Err(EAGAIN);
-        }
         let res = self.fan_out(cx, rfd, &op).await;
         let all = res.iter().all(|r| matches!(r, Some(Ok(_))));
         let first_err = || {
@@ -99,12 +94,14 @@ impl Replicate {
         };
         match cmd {
             SNAP_THAW => Ok(ExtentList::default()),
-            SNAP_PREPARE | SNAP_FREEZE | SNAP_TAKE | SNAP_CLONE | SNAP_COPY if !all => {
+            SNAP_PREPARE | SNAP_FREEZE | SNAP_TAKE | SNAP_CLONE if !all => {
                 // What some replicas made, the others did not: take it back.
                 let made = match cmd {
                     SNAP_TAKE if !to.is_empty() => Some(to.to_owned()),
-                    SNAP_PREPARE | SNAP_TAKE => Some(snapshot_path(&rfd.path, name)),
-                    SNAP_CLONE | SNAP_COPY => Some(to.to_owned()),
+                    SNAP_TAKE => Some(snapshot_path(&rfd.path, name)),
+                    // The first copy is made under the part name.
+                    SNAP_PREPARE => Some(format!("{}~", snapshot_path(&rfd.path, name))),
+                    SNAP_CLONE => Some(to.to_owned()),
                     _ => None,
                 };
                 for (i, r) in res.iter().enumerate() {

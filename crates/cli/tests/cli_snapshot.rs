@@ -295,6 +295,8 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     std::fs::write(vm.join("disks/old/big"), vec![7u8; 8 << 20]).unwrap();
     std::fs::write(vm.join("vm.conf"), b"memory = 2G\n").unwrap();
     std::fs::write(vm.join("helper"), b"#!/bin/sh\n").unwrap();
+    // Looks like a snapshot's name, but of nothing here: a file like any other.
+    std::fs::write(vm.join(".user@example.com"), b"mail\n").unwrap();
     std::os::unix::fs::symlink("disks/b", vm.join("current")).unwrap();
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     std::fs::set_permissions(vm.join("vm.conf"), std::fs::Permissions::from_mode(0o640)).unwrap();
@@ -343,7 +345,7 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     writer.join().unwrap();
     println!("{}", out.trim());
     assert!(
-        out.contains("of 5 files, 2 directories and 1 symlinks"),
+        out.contains("of 6 files, 2 directories and 1 symlinks"),
         "{out}"
     );
 
@@ -374,6 +376,10 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
         (conf.mode() & 0o7777, conf.uid(), conf.gid()),
         (0o640, 1234, 5678)
     );
+    assert_eq!(
+        std::fs::read(snap_mnt.join(".user@example.com")).unwrap(),
+        b"mail\n"
+    );
     let helper = std::fs::metadata(snap_mnt.join("helper")).unwrap();
     assert_eq!((helper.mode() & 0o7777, helper.uid()), (0o4755, 1234));
     let disks = std::fs::metadata(snap_mnt.join("disks")).unwrap();
@@ -386,14 +392,17 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     for d in ["", "disks", "disks/old"] {
         for e in std::fs::read_dir(vm.join(d)).unwrap() {
             let n = e.unwrap().file_name();
-            assert!(!n.to_string_lossy().contains('@'), "left in vm/{d}: {n:?}");
+            assert!(
+                !n.to_string_lossy().contains("@t1"),
+                "left in vm/{d}: {n:?}"
+            );
         }
     }
 
     // A clone: at once, almost free, writable, and separate from the snapshot.
     let before = xfs.free();
     let out = image(&v, &["clone", &format!("{}@t1", v.source("/vm")), "vm2"]).unwrap();
-    assert!(out.contains("(5 files)"), "{out}");
+    assert!(out.contains("(6 files)"), "{out}");
     let used = before.saturating_sub(xfs.free());
     assert!(used < (1 << 20), "three copies of the clone took {used} B");
     let vm2 = mnt.join("vm2");

@@ -135,8 +135,22 @@ impl Volume {
             } else {
                 join(root, &rel)
             };
-            for e in self.readdir(&at).await? {
-                if e.name == "." || e.name == ".." || (!snapshots && is_snapshot_name(&e.name)) {
+            let listed = self.readdir(&at).await?;
+            let names: std::collections::HashSet<&str> =
+                listed.iter().map(|e| e.name.as_str()).collect();
+            // A snapshot beside what it is of; a name that only looks like one is walked.
+            let snapshot = |n: &str| {
+                is_snapshot_name(n)
+                    && n[1..]
+                        .rsplit_once('@')
+                        .is_some_and(|(base, _)| names.contains(base))
+            };
+            let keep: Vec<bool> = listed
+                .iter()
+                .map(|e| e.name != "." && e.name != ".." && (snapshots || !snapshot(&e.name)))
+                .collect();
+            for (e, keep) in listed.into_iter().zip(keep) {
+                if !keep {
                     continue;
                 }
                 let r = if rel.is_empty() {

@@ -200,12 +200,18 @@ impl Marks {
         }
     }
 
-    /// The file at `path` was replaced or removed: its dirty records no longer describe it
-    /// (asking one answers `ENOENT`: copy everything).
+    /// The file at `path` (or, for a directory, every file under it) was replaced, removed or
+    /// moved: its dirty records no longer describe what is there (asking one answers
+    /// `ENOENT`: copy everything).
     pub(super) fn forget_dirty(&self, path: &str) {
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(k) = files.get(path) {
-            k.state().dirty.clear();
+        // A directory's name too: a record is kept by path, and a file made later at an old
+        // path must not take over the record of the one that moved away.
+        let under = format!("{}/", path.trim_end_matches('/'));
+        for (p, k) in files.iter() {
+            if p == path || p.starts_with(&under) {
+                k.state().dirty.clear();
+            }
         }
     }
 

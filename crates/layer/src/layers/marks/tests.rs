@@ -625,3 +625,36 @@ fn dirty_records_are_kept_across_a_clean_stop_for_the_same_file_only() {
     let l = stack(root.path());
     assert_eq!(get(&l, "a"), Err(crate::errno::ENOENT));
 }
+
+#[test]
+fn a_directory_renamed_takes_its_files_dirty_records_along_to_nowhere() {
+    use kiln_proto::ops::{DirtyReq, DIRTY_GET, DIRTY_START};
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let c = cx(1);
+    let req = |cmd| DirtyReq {
+        fh: 0,
+        cmd,
+        name: "n".into(),
+        offset: 0,
+        len: 1 << 20,
+    };
+    run(async {
+        l.mkdir(&c, "d", 0o755).await.unwrap();
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        let (fd, _) = l.create(&c, "d/f", flags, 0o644).await.unwrap();
+        Marks::dirty_req(&l.key("d/f"), &req(DIRTY_START)).unwrap();
+        write(&l, &c, &fd, 0, b'x', 4 * K).await.unwrap();
+        l.release(&c, fd).await.unwrap();
+        assert!(Marks::dirty_req(&l.key("d/f"), &req(DIRTY_GET)).is_ok());
+        // The directory moves away and a new file takes the old path: no record is its.
+        l.rename(&c, "d", "e", 0).await.unwrap();
+        l.mkdir(&c, "d", 0o755).await.unwrap();
+        let (fd, _) = l.create(&c, "d/f", flags, 0o644).await.unwrap();
+        l.release(&c, fd).await.unwrap();
+    });
+    assert_eq!(
+        Marks::dirty_req(&l.key("d/f"), &req(DIRTY_GET)).map(|_| ()),
+        Err(crate::errno::ENOENT)
+    );
+}

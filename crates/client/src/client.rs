@@ -386,7 +386,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 op,
-                false,
+                0,
                 &args,
                 &[],
                 Vec::new(),
@@ -474,7 +474,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Profile,
-                false,
+                0,
                 &args,
                 &[],
                 sink,
@@ -627,7 +627,7 @@ impl Client {
         let submitted = unsafe {
             self.conn.submit(
                 Op::Read,
-                false,
+                0,
                 &args,
                 &[],
                 sink,
@@ -665,7 +665,7 @@ impl Client {
         let submitted = unsafe {
             self.conn.submit(
                 Op::Write,
-                false,
+                0,
                 &args,
                 &payload,
                 Vec::new(),
@@ -707,7 +707,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Read,
-                false,
+                0,
                 &args,
                 &[],
                 sink,
@@ -733,7 +733,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Write,
-                false,
+                0,
                 &args,
                 &payload,
                 Vec::new(),
@@ -773,7 +773,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Read,
-                false,
+                0,
                 &args,
                 &[],
                 iov.to_vec(),
@@ -805,7 +805,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Write,
-                false,
+                0,
                 &args,
                 iov,
                 Vec::new(),
@@ -831,7 +831,7 @@ impl Client {
         unsafe {
             self.conn.submit(
                 Op::Fsync,
-                false,
+                0,
                 &args,
                 &[],
                 Vec::new(),

@@ -240,7 +240,8 @@ impl Conn {
 
     /// Sends a request.
     ///
-    /// With `with_cred`, `args` start with the caller's credentials (`FLAG_CRED`). `payload` is
+    /// `flags` say what `args` start with: the caller's credentials (`FLAG_CRED`), then a
+    /// change's stamp (`FLAG_STAMP`). `payload` is
     /// gathered after the arguments; `sink` receives a reply payload (at most its total length). `keep` is held until completion and handed back in it. With `trace`, the
     /// request asks the brick for its stamps and the connection stamps its own stages.
     ///
@@ -253,7 +254,7 @@ impl Conn {
     pub unsafe fn submit(
         self: &Arc<Self>,
         op: Op,
-        with_cred: bool,
+        flags: u32,
         args: &[u8],
         payload: &[RawIov],
         sink: Vec<RawIov>,
@@ -272,8 +273,8 @@ impl Conn {
         }
         let id = self.next_id.fetch_add(1, Relaxed);
         let mut hdr = Header::request(op as u16, id, args.len() as u32, payload_len as u32);
-        if with_cred {
-            hdr = hdr.with_cred();
+        if flags != 0 {
+            hdr = hdr.with_flags(flags);
         }
         if let Some(t) = &trace {
             hdr = hdr.with_trace();

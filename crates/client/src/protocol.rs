@@ -26,6 +26,7 @@ use kiln_layer::{
     ReaddirReply, Written,
 };
 use kiln_proto::codec::{Seq, Wire};
+use kiln_proto::frame::{FLAG_CRED, FLAG_STAMP};
 use kiln_proto::iov::RawIov;
 use kiln_proto::ops::*;
 use kiln_proto::Op;
@@ -92,9 +93,11 @@ pub struct ProtocolClient {
 /// One request, kept whole until it is answered so that it can go again on a new connection.
 struct Request<'a> {
     op: Op,
-    /// Encoded arguments, behind `prefix` bytes of the caller's credentials.
+    /// Encoded arguments, behind `prefix` bytes of the caller's credentials and the change's
+    /// stamp, as `flags` say.
     args: Vec<u8>,
     prefix: usize,
+    flags: u32,
     /// The open file a handle fop names (its number leads the arguments).
     fd: Option<&'a RemoteFd>,
     shape: Shape,
@@ -374,27 +377,38 @@ impl ProtocolClient {
         fd: Option<&'a RemoteFd>,
     ) -> Request<'a> {
         // A caller's identity rides in front of the arguments of the fops the brick runs for
-        // the caller (root's too: a brick may squash it).
-        match cx.cred.as_deref().filter(|_| op.acts_for_caller()) {
-            Some(c) => {
-                let mut a = c.to_wire();
-                let prefix = a.len();
-                a.extend_from_slice(&args);
-                Request {
-                    op,
-                    args: a,
-                    prefix,
-                    fd,
-                    shape: Shape::Plain,
-                }
-            }
-            None => Request {
+        // the caller (root's too: a brick may squash it); a replicated change's stamp after it.
+        let cred = cx.cred.as_deref().filter(|_| op.acts_for_caller());
+        let stamp = cx.change.as_ref().filter(|_| op.changes_bytes());
+        if cred.is_none() && stamp.is_none() {
+            return Request {
                 op,
                 args,
                 prefix: 0,
+                flags: 0,
                 fd,
                 shape: Shape::Plain,
-            },
+            };
+        }
+        let mut a = Vec::with_capacity(64 + args.len());
+        let mut flags = 0;
+        if let Some(c) = cred {
+            a = c.to_wire();
+            flags |= FLAG_CRED;
+        }
+        if let Some(s) = stamp {
+            a.extend_from_slice(&s.to_wire());
+            flags |= FLAG_STAMP;
+        }
+        let prefix = a.len();
+        a.extend_from_slice(&args);
+        Request {
+            op,
+            args: a,
+            prefix,
+            flags,
+            fd,
+            shape: Shape::Plain,
         }
     }
 
@@ -418,7 +432,7 @@ impl ProtocolClient {
         let r = unsafe {
             client.conn.submit(
                 req.op,
-                req.prefix > 0,
+                req.flags,
                 &req.args,
                 &payload,
                 sink,

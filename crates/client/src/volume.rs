@@ -667,9 +667,9 @@ impl Volume {
     ) -> io::Result<Vec<Extent>> {
         // As the bricks take a path: no empty, `.` or leading components.
         let to = crate::client::wire_path(to);
-        let l: io::Result<ExtentList> =
+        let r: io::Result<kiln_layer::SnapReply> =
             fop!(self, cx => self.stack.top.snap(&cx, fd, cmd, name, &to, ttl_ms));
-        Ok(l?.runs.0)
+        Ok(r?.blocked.runs.0)
     }
 
     /// Snapshot `name` of the file at `path`, crash-consistent on every replica: a first

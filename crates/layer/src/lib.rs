@@ -33,6 +33,7 @@ pub use kiln_proto::iov::RawIov;
 pub use kiln_proto::ops::{
     Attr, Extent, ExtentList, LeaseState, ReaddirReply, SetAttrs, StatfsReply,
 };
+pub use kiln_proto::stamp::SnapReply;
 pub use kiln_proto::{errno, Op};
 pub use trace::{Ctx, Trace};
 
@@ -330,7 +331,7 @@ macro_rules! for_each_path_fop {
                 $crate::__wire::SnapReq {
                     fh: &'a $crate::Fd => handle, cmd: u32 => val, name: &'a str => text, to: &'a str => text, ttl_ms: u32 => val
                 },
-                $crate::ExtentList, $crate::ExtentList, (|r| r), (|v| v))
+                $crate::SnapReply, $crate::SnapReply, (|r| r), (|v| v))
             (dirty, Dirty,
                 $crate::__wire::DirtyReq {
                     fh: &'a $crate::Fd => handle, cmd: u32 => val, name: &'a str => text, offset: u64 => val, len: u64 => val
@@ -598,6 +599,7 @@ no_data!(
     (Fd, Attr),
     (),
     ExtentList,
+    SnapReply,
     LeaseState,
     ReaddirReply,
     String,

@@ -153,6 +153,9 @@ pub struct Ctx {
     /// Whose request it is (uid, gid, groups): the posix layer runs its storage calls with
     /// these credentials. None: the process's own (internal work such as heal).
     pub cred: Option<Arc<kiln_proto::Cred>>,
+    /// A replicated change's stamp ([`kiln_proto::stamp::Stamp`]): set by the replicate layer
+    /// on changes of a file's bytes, carried to the bricks, recorded by their marks layer.
+    pub change: Option<kiln_proto::stamp::Stamp>,
 }
 
 impl Ctx {
@@ -161,6 +164,7 @@ impl Ctx {
         trace: None,
         owner: 0,
         cred: None,
+        change: None,
     };
 
     /// A context carrying a new trace.
@@ -169,6 +173,7 @@ impl Ctx {
             trace: Some(Trace::new()),
             owner: 0,
             cred: None,
+            change: None,
         }
     }
 

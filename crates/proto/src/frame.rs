@@ -34,8 +34,11 @@ pub const FLAG_FDS: u32 = 4;
 /// Flag: a reply frame the server sends unasked (request id 0, opcode [`crate::Op::Watch`]),
 /// to a connection that asked for pushes: its arguments are a [`crate::ops::Changes`].
 pub const FLAG_PUSH: u32 = 8;
+/// Flag: on a request, the arguments start (after any credentials) with a
+/// [`crate::stamp::Stamp`]: which change of a replicating writer this is.
+pub const FLAG_STAMP: u32 = 16;
 /// Every flag this version knows.
-pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED | FLAG_FDS | FLAG_PUSH;
+pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED | FLAG_FDS | FLAG_PUSH | FLAG_STAMP;
 
 /// Frame kinds.
 pub const KIND_REQUEST: u8 = 0;
@@ -185,9 +188,14 @@ impl Header {
         self.flags.get() & FLAG_CRED != 0
     }
 
-    /// The same header with [`FLAG_CRED`] set.
-    pub fn with_cred(mut self) -> Header {
-        self.flags = (self.flags.get() | FLAG_CRED).into();
+    /// True when the arguments carry a stamp ([`FLAG_STAMP`]).
+    pub fn has_stamp(&self) -> bool {
+        self.flags.get() & FLAG_STAMP != 0
+    }
+
+    /// The same header with `flags` (of [`FLAG_CRED`], [`FLAG_STAMP`]) set.
+    pub fn with_flags(mut self, flags: u32) -> Header {
+        self.flags = (self.flags.get() | flags).into();
         self
     }
 

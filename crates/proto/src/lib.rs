@@ -13,6 +13,7 @@ pub mod frame;
 pub mod iov;
 pub mod marks;
 pub mod ops;
+pub mod stamp;
 
 pub use addr::Listen;
 pub use codec::{DecodeError, Wire};

@@ -194,6 +194,13 @@ impl Op {
                 | WriteMarked
         )
     }
+
+    /// True for the fops through an open handle that may change a file's bytes or size: the
+    /// ones a replicating client stamps ([`crate::stamp::Stamp`]).
+    pub fn changes_bytes(self) -> bool {
+        use Op::*;
+        matches!(self, Write | WriteMarked | Fallocate | Discard | Fsetattr)
+    }
 }
 
 wire_struct! {
@@ -382,8 +389,7 @@ wire_struct! {
 
     /// Snap request on the file an open handle names: `cmd` is one of the `SNAP_*` values;
     /// `name` the snapshot's; `to` a clone's path; `ttl_ms` how long a barrier lasts unless
-    /// lifted. The reply is an [`ExtentList`] whose data runs are the ranges changes waited on
-    /// while the barrier stood (`SNAP_TAKE`), empty otherwise.
+    /// lifted. The reply is a [`crate::stamp::SnapReply`].
     pub struct SnapReq { pub fh: u64, pub cmd: u32, pub name: String, pub to: String, pub ttl_ms: u32 }
 
     /// Profile request: `cmd` is one of the `PROFILE_*` values. The reply carries no arguments

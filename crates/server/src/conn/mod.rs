@@ -425,6 +425,33 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
     }
 }
 
+/// Splits what a request's flags say its arguments start with — the caller's credentials,
+/// then a change's stamp — from the fop's own arguments, into the context. Credentials count
+/// only for fops run for the caller ([`Op::acts_for_caller`]: replication control and data
+/// fops run as the brick), stamps only for changes of bytes.
+fn prefixed<'a>(
+    hdr: &Header,
+    op: Op,
+    mut cx: Ctx,
+    args: &'a [u8],
+) -> Result<(Ctx, &'a [u8]), kiln_proto::DecodeError> {
+    let mut rest = args;
+    if hdr.has_cred() {
+        let (c, r) = kiln_proto::Cred::split(rest)?;
+        if op.acts_for_caller() {
+            cx = cx.with_cred(Some(Arc::new(c)));
+        }
+        rest = r;
+    }
+    if hdr.has_stamp() {
+        let (s, r) = kiln_proto::stamp::Stamp::split(rest)?;
+        if op.changes_bytes() {
+            cx.change = Some(s);
+        }
+        rest = r;
+    }
+    Ok((cx, rest))
+}
 impl Conn {
     /// True while this connection may take in more requests.
     fn may_read(&self) -> bool {
@@ -694,19 +721,13 @@ impl Conn {
             return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
         }
         let trace = cx.trace.clone();
-        let (cx, args) = if inc.hdr.has_cred() {
-            match kiln_proto::Cred::split(&inc.args) {
-                // Replication control and data fops run as the brick (Op::acts_for_caller).
-                Ok((c, rest)) if op.acts_for_caller() => (cx.with_cred(Some(Arc::new(c))), rest),
-                Ok((_, rest)) => (cx, rest),
-                Err(e) => {
-                    tracing::warn!(op = op.name(), "bad credentials: {e}");
-                    self.bad_frame();
-                    return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
-                }
+        let (cx, args) = match prefixed(&inc.hdr, op, cx, &inc.args) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(op = op.name(), "bad credentials or change stamp: {e}");
+                self.bad_frame();
+                return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
             }
-        } else {
-            (cx, &inc.args[..])
         };
         self.before_change(op, args);
         let changing = self.changes_of(op, args);

@@ -700,7 +700,7 @@ impl Layer for Distribute {
         discard(offset: u64, len: u64) -> ();
         extents(at: u64, len: u64) -> ExtentList;
         lease(cmd: u32, ttl_ms: u32, holder: &'a str) -> LeaseState;
-        snap(cmd: u32, name: &'a str, to: &'a str, ttl_ms: u32) -> ExtentList;
+        snap(cmd: u32, name: &'a str, to: &'a str, ttl_ms: u32) -> crate::SnapReply;
         dirty(cmd: u32, name: &'a str, at: u64, len: u64) -> ExtentList;
     }
 }

@@ -222,7 +222,7 @@ impl Layer for Marks {
         name: &'a str,
         to: &'a str,
         ttl_ms: u32,
-    ) -> Fut<'a, ExtentList> {
+    ) -> Fut<'a, crate::SnapReply> {
         let f = match usable(fd, cx.owner) {
             // A barrier holds writers back, a clone writes: a reader may do neither.
             Ok(f) if !f.writable => return fail(crate::errno::EBADF),

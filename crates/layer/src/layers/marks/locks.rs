@@ -312,7 +312,13 @@ impl Marks {
         Box::pin(async move {
             let id = Marks::enter_fd(&mfd.key, cx.owner, (mfd.id, mfd.owner), start, end).await?;
             let _in = Entered { key: &mfd.key, id };
-            call(&mfd.inner).await
+            let r = call(&mfd.inner).await;
+            if let (Ok(_), Some(s)) = (&r, &cx.change) {
+                // Recorded while still in flight: a barrier raised meanwhile waits for it.
+                let now = Instant::now();
+                mfd.key.state().ran.note(s, start, end, now);
+            }
+            r
         })
     }
 

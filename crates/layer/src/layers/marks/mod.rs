@@ -68,6 +68,7 @@ mod layer;
 mod locks;
 mod log;
 mod migrate;
+mod ran;
 mod recent;
 mod sessions;
 mod snaps;
@@ -180,6 +181,8 @@ struct FileState {
     /// The brick is stopping and kept this file's dirty records ([`keep`]): no change of its
     /// bytes may run unrecorded now.
     sealed: bool,
+    /// The replicated changes run on the file, by writer ([`ran`]).
+    ran: ran::RanLog,
 }
 
 #[derive(Default)]

@@ -5,9 +5,11 @@
 //! it lapses, so a snapshotter that dies cannot lock writers out), every change of the file's
 //! bytes from another connection — heal's writes too — records its range and waits at the gate
 //! ([`Marks::enter_as`]); the freeze is answered once the changes already past the gate have
-//! finished. The ranges that waited are what `SNAP_TAKE` answers: across replicas, only they
-//! can differ (a change that waited here may have run on a replica frozen a moment later), and
-//! the replicate layer makes the copies agree there (see its `snaps`).
+//! finished. `SNAP_TAKE` answers the ranges that waited (such a change may have run on a
+//! replica frozen a moment later) and the stamped changes the copy holds ([`super::ran`]: one
+//! still on its way here may have run on another replica before its barrier); the replicate
+//! layer compares the replicas' answers and makes the copies agree where they differ (see its
+//! `snaps`).
 //!
 //! The copy is a hidden sibling of the file, `DIR/.BASE@NAME` ([`snapshot_path`]), made
 //! read-only (mode 0444) with `FICLONE`: instant, sharing every block until one side is
@@ -18,9 +20,10 @@
 use std::time::{Duration, Instant};
 
 use kiln_proto::ops::{
-    snapshot_name_ok, snapshot_path, ExtentList, SetAttrs, SnapReq, SNAP_CLONE, SNAP_FREEZE,
-    SNAP_PREPARE, SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
+    snapshot_name_ok, snapshot_path, SetAttrs, SnapReq, SNAP_CLONE, SNAP_FREEZE, SNAP_PREPARE,
+    SNAP_TAKE, SNAP_THAW, SNAP_TTL_MAX,
 };
+use kiln_proto::stamp::SnapReply;
 
 use crate::marks::{self as m, RangeSet};
 use crate::{errno, Ctx, Fd, FopResult};
@@ -123,7 +126,7 @@ impl Marks {
         cx: &Ctx,
         f: &MarkFd,
         req: &SnapReq,
-    ) -> FopResult<ExtentList> {
+    ) -> FopResult<SnapReply> {
         let owner = cx.owner;
         match req.cmd {
             SNAP_FREEZE => {
@@ -132,18 +135,18 @@ impl Marks {
                 }
                 let ttl = Duration::from_millis(req.ttl_ms.into());
                 Marks::raise_barrier(&f.key, owner, ttl).await?;
-                Ok(ExtentList::default())
+                Ok(SnapReply::default())
             }
             SNAP_THAW => {
                 let lifted = f.key.state().lift_barrier(owner);
                 if lifted {
                     f.key.changed.notify_waiters();
                 }
-                Ok(ExtentList::default())
+                Ok(SnapReply::default())
             }
             SNAP_PREPARE => {
                 self.prepare(cx, f, &req.name).await?;
-                Ok(ExtentList::default())
+                Ok(SnapReply::default())
             }
             SNAP_TAKE => self.take(cx, f, &req.name, &req.to).await,
             SNAP_CLONE => {
@@ -151,7 +154,7 @@ impl Marks {
                     return Err(errno::EINVAL);
                 }
                 self.clone_snapshot(cx, f, &req.name, &req.to).await?;
-                Ok(ExtentList::default())
+                Ok(SnapReply::default())
             }
             _ => Err(errno::EINVAL),
         }
@@ -240,17 +243,20 @@ impl Marks {
     /// Under the asker's barrier, brings snapshot `name`'s part file up to the file (after a
     /// prepare, the ranges changed since its copy; else a whole copy) and, the barrier still
     /// standing, renames it into place (never over an existing snapshot). Answers the ranges
-    /// changes waited on. With `to`, the copy goes there instead, with the file's mode and
-    /// owner.
-    async fn take(&self, cx: &Ctx, f: &MarkFd, name: &str, to: &str) -> FopResult<ExtentList> {
+    /// changes waited on and the stamped changes the copy holds ([`super::ran`]). With `to`,
+    /// the copy goes there instead, with the file's mode and owner.
+    async fn take(&self, cx: &Ctx, f: &MarkFd, name: &str, to: &str) -> FopResult<SnapReply> {
         if !snapshot_name_ok(name) {
             return Err(errno::EINVAL);
         }
+        // What changes waited, and which stamped ones ran: read under the barrier, the copy
+        // holds just those.
         let standing = || {
             let st = f.key.state();
+            let now = Instant::now();
             match &st.freeze {
-                Some(z) if z.owner == cx.owner && z.expires > Instant::now() => {
-                    Some(z.blocked.clone())
+                Some(z) if z.owner == cx.owner && z.expires > now => {
+                    Some((z.blocked.clone(), st.ran.report(now)))
                 }
                 _ => None,
             }
@@ -293,7 +299,7 @@ impl Marks {
                 .map(|()| (blocked, to.to_owned())),
             Err(e) => Err(e),
         };
-        let (blocked, to) = match r {
+        let ((blocked, (writers, lost)), to) = match r {
             Ok(v) => v,
             Err(e) => {
                 let _ = self.child().unlink(cx, &part).await;
@@ -301,8 +307,11 @@ impl Marks {
             }
         };
         tracing::info!(path = f.path, snapshot = to, "snapshot taken");
-        let end = blocked.iter().map(|(o, l)| o.saturating_add(l)).max();
-        Ok(end.map_or_else(ExtentList::default, |e| blocked.runs(0, e)))
+        Ok(SnapReply {
+            blocked: blocked.extents(),
+            writers,
+            lost,
+        })
     }
 
     /// Gives the copy `part` the file's mode and owner (taken under the barrier: as they were

@@ -228,6 +228,13 @@ impl RangeSet {
         out
     }
 
+    /// The whole set as extents from 0: its ranges as data runs, what lies between as holes
+    /// (nothing for an empty set).
+    pub fn extents(&self) -> kiln_proto::ops::ExtentList {
+        let end = self.iter().map(|(o, l)| o.saturating_add(l)).max();
+        end.map_or_else(Default::default, |e| self.runs(0, e))
+    }
+
     /// `[offset, offset + len)` as consecutive runs: in the set (data) and not (holes), at
     /// most [`EXTENTS_MAX`](kiln_proto::ops::EXTENTS_MAX) of them (the caller asks again
     /// from where they end).

@@ -64,6 +64,7 @@ mod patience;
 mod read;
 mod settle;
 mod snaps;
+mod stamps;
 #[cfg(test)]
 mod tests;
 
@@ -80,6 +81,8 @@ struct FileState {
     /// Replicas that serve no read only because the file is suspect ([`m::ANY`]): all but
     /// its suspect source. Not behind by any mark, so writes ask nothing about them.
     suspect: AtomicU32,
+    /// Stamps this client's changes of the file's bytes ([`stamps`]).
+    stamps: stamps::Stamper,
 }
 
 impl FileState {
@@ -612,6 +615,8 @@ impl Layer for Replicate {
             } else {
                 Vec::new()
             };
+            let (cx, _open) = rfd.state.stamps.begin(cx);
+            let cx = &cx;
             let shared = Shared::new(data);
             let sh = &shared;
             // Where the file is missing the write cannot go: the replicas that take it
@@ -724,7 +729,7 @@ impl Layer for Replicate {
         name: &'a str,
         to: &'a str,
         ttl: u32,
-    ) -> Fut<'a, ExtentList> {
+    ) -> Fut<'a, crate::SnapReply> {
         Box::pin(self.snap_all(cx, try_rep!(fd), cmd, name, to, ttl))
     }
 
@@ -743,6 +748,9 @@ impl Layer for Replicate {
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
         let rfd = try_rep!(fd);
         Box::pin(async move {
+            // Only a size change is a change of bytes.
+            let stamped = (attrs.valid & SETATTR_SIZE != 0).then(|| rfd.state.stamps.begin(cx));
+            let cx = stamped.as_ref().map_or(cx, |s| &s.0);
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, Attr> {
                 let k = k.clone();
                 Box::pin(async move { k.fsetattr(cx, &fd, attrs).await })
@@ -765,6 +773,8 @@ impl Layer for Replicate {
     ) -> Fut<'a, ()> {
         let rfd = try_rep!(fd);
         Box::pin(async move {
+            let (cx, _open) = rfd.state.stamps.begin(cx);
+            let cx = &cx;
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
                 let k = k.clone();
                 Box::pin(async move { k.fallocate(cx, &fd, mode, offset, len).await })
@@ -784,6 +794,8 @@ impl Layer for Replicate {
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
         let rfd = try_rep!(fd);
         Box::pin(async move {
+            let (cx, _open) = rfd.state.stamps.begin(cx);
+            let cx = &cx;
             let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ()> {
                 let k = k.clone();
                 Box::pin(async move { k.discard(cx, &fd, offset, len).await })

@@ -7,27 +7,43 @@
 //! copies again what changed since its first copy (`SNAP_TAKE`) and the barriers are lifted
 //! (`SNAP_THAW`, by the caller, also after a failure; they lapse by themselves too).
 //!
-//! The copies can only differ where changes waited at some replica's barrier: such a change
-//! may have run on a replica frozen a moment later. Each replica answers those ranges. For every
-//! piece of them, a replica on which no change waited there holds every change that finished
-//! anywhere before the barrier — every acknowledged write among them, since a write is
-//! acknowledged only after a quorum ran it — and it becomes the source: the snapshot is marked
-//! on it as missed by the others there, and heal makes them alike (a few ranges, moments). Where
-//! every replica held changes back, none of them ran anywhere, and the copies agree. Until heal
-//! has run, reads of the snapshot go to the source (marks keep them away from the others), and
-//! a clone waits (`EAGAIN`), so every clone starts from copies that agree.
+//! The barriers go up one replica at a time, and a writer sends a change to each replica on a
+//! connection of its own, so one replica's copy may lack a change another's holds, two ways:
+//! - the change waited at this replica's barrier, but ran on a replica frozen a moment later.
+//!   Each replica answers the ranges changes waited on.
+//! - the change ran on another replica before that one's barrier, and was still on its way to
+//!   this one (in a socket, or queued behind other requests) until after this one's barrier
+//!   was lifted: it never waited here. Every change of a file's bytes carries a stamp, the
+//!   same to each replica ([`super::stamps`]); each replica answers the stamped changes its
+//!   copy holds that are not settled everywhere yet, and a change one lists and another has not
+//!   run is lacking there.
+//!
+//! For every piece of those ranges, a replica that lacks nothing there becomes the source (it
+//! holds every change that finished anywhere before the barrier — every acknowledged write
+//! among them, since a write is acknowledged only after every replica ran it or its miss was
+//! marked): the snapshot is marked on it as missed by the others there, and heal makes them
+//! alike (a few ranges, moments). Where every replica lacks something, the first is the
+//! source: the copies then agree on one order the changes could have run in. Until heal has
+//! run, reads of the snapshot go to the source (marks keep them away from the others), and a
+//! clone waits (`EAGAIN`), so every clone starts from copies that agree.
+//!
+//! The snapshot is refused (`EAGAIN`, its copies removed) where the copies cannot be compared
+//! so: a replica forgot stamped changes (far too many in flight), or the image has marks now
+//! (a replica missed a change while the snapshot was taken, a lack no stamp shows).
 
 use kiln_proto::ops::{snapshot_path, SNAP_CLONE, SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW};
+use kiln_proto::stamp::SnapReply;
 
+use super::stamps::lacking;
 use super::{missing, Miss, RepFd, Replicate};
 use crate::marks::{self as m, RangeSet};
-use crate::{errno, Ctx, ExtentList, Fd, FopResult, Fut, LayerRef};
+use crate::{errno, Ctx, Fd, FopResult, Fut, LayerRef};
 
 /// Try again: a replica is away or behind, or a snapshot is still being made alike.
 const EAGAIN: u32 = libc::EAGAIN as u32;
 
-/// For each piece of the ranges some replica held changes back on: the replica to copy it
-/// from (one that held none back there, else the first) and the piece (offset, len).
+/// For each piece of the ranges some replica's copy lacks changes in: the replica to copy it
+/// from (one that lacks none there, else the first) and the piece (offset, len).
 pub(super) fn sources(blocked: &[RangeSet]) -> Vec<(usize, u64, u64)> {
     let mut cuts: Vec<u64> = blocked
         .iter()
@@ -64,8 +80,8 @@ impl Replicate {
         name: &str,
         to: &str,
         ttl_ms: u32,
-    ) -> FopResult<ExtentList> {
-        let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, ExtentList> {
+    ) -> FopResult<SnapReply> {
+        let op = move |k: &LayerRef, fd: Fd| -> Fut<'_, SnapReply> {
             let k = k.clone();
             Box::pin(async move { k.snap(cx, &fd, cmd, name, to, ttl_ms).await })
         };
@@ -93,7 +109,7 @@ impl Replicate {
                 .unwrap_or(errno::ENOTCONN)
         };
         match cmd {
-            SNAP_THAW => Ok(ExtentList::default()),
+            SNAP_THAW => Ok(SnapReply::default()),
             SNAP_PREPARE | SNAP_FREEZE | SNAP_TAKE | SNAP_CLONE if !all => {
                 // What some replicas made, the others did not: take it back.
                 let made = match cmd {
@@ -112,37 +128,41 @@ impl Replicate {
                 Err(first_err())
             }
             SNAP_TAKE => {
-                let blocked: Vec<RangeSet> = res
-                    .into_iter()
-                    .map(|r| {
-                        let mut s = RangeSet::default();
-                        if let Some(Ok(l)) = r {
-                            s.add_runs(0, &l.runs.0);
-                        }
-                        s
-                    })
-                    .collect();
                 let snap = if to.is_empty() {
                     snapshot_path(&rfd.path, name)
                 } else {
                     to.to_owned()
                 };
-                self.make_alike(cx, &snap, &blocked).await
+                let replies: Vec<&SnapReply> = res.iter().flatten().flatten().collect();
+                let refuse = if replies.iter().any(|r| r.lost) {
+                    Some("a replica forgot changes it ran (too many in flight)")
+                } else if self.healing(cx, &rfd.path).await? {
+                    Some("a replica missed a change meanwhile (heal it first)")
+                } else {
+                    None
+                };
+                if let Some(why) = refuse {
+                    tracing::warn!(path = rfd.path, snapshot = snap, "snapshot refused: {why}");
+                    for k in &self.kids {
+                        let _ = k.unlink(cx, &snap).await;
+                    }
+                    return Err(EAGAIN);
+                }
+                let mut held = lacking(&replies);
+                for (h, r) in held.iter_mut().zip(&replies) {
+                    h.add_runs(0, &r.blocked.runs.0);
+                }
+                self.make_alike(cx, &snap, &held).await
             }
-            _ => Ok(ExtentList::default()),
+            _ => Ok(SnapReply::default()),
         }
     }
 
-    /// Marks where the replicas' copies may differ (see the module documentation); answers
-    /// those ranges.
-    async fn make_alike(
-        &self,
-        cx: &Ctx,
-        snap: &str,
-        blocked: &[RangeSet],
-    ) -> FopResult<ExtentList> {
+    /// Marks where the replicas' copies differ (`lacks`: per replica, the ranges its copy
+    /// lacks changes in; see the module documentation); answers those ranges.
+    async fn make_alike(&self, cx: &Ctx, snap: &str, lacks: &[RangeSet]) -> FopResult<SnapReply> {
         let mut all = RangeSet::default();
-        for (from, offset, len) in sources(blocked) {
+        for (from, offset, len) in sources(lacks) {
             let others: Vec<usize> = (0..self.kids.len()).filter(|i| *i != from).collect();
             self.mark(cx, snap, &[from], &others, Miss::bytes(offset, len))
                 .await?;
@@ -155,14 +175,16 @@ impl Replicate {
                 "snapshot copies made alike by heal"
             );
         }
-        let end = all.iter().map(|(o, l)| o.saturating_add(l)).max();
-        Ok(end.map_or_else(ExtentList::default, |e| all.runs(0, e)))
+        Ok(SnapReply {
+            blocked: all.extents(),
+            ..SnapReply::default()
+        })
     }
 
     /// True while any replica holds marks on `path` (heal has not made its copies alike).
     async fn healing(&self, cx: &Ctx, path: &str) -> FopResult<bool> {
-        for k in &self.kids {
-            match k.pending(cx, path, &()).await {
+        for (_, p) in self.pages_of_up(cx, path).await {
+            match p {
                 Ok(p) if !p.targets.0.is_empty() => return Ok(true),
                 Ok(_) | Err(errno::ENOENT) => {}
                 Err(e) => return Err(e),

@@ -153,6 +153,7 @@ fn inner(cx: &Ctx) -> Ctx {
         trace: cx.trace.clone(),
         owner: cx.owner,
         cred: None,
+        change: cx.change.clone(),
     }
 }
 

@@ -343,7 +343,7 @@ impl Layer for Shard {
         name: &'a str,
         to: &'a str,
         ttl_ms: u32,
-    ) -> Fut<'a, ExtentList> {
+    ) -> Fut<'a, crate::SnapReply> {
         if hidden(to) {
             // A clone among the shards would be taken for a piece of another file.
             return fail(EPERM);

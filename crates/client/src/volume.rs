@@ -684,31 +684,16 @@ impl Volume {
         name: &str,
         ttl_ms: u32,
     ) -> io::Result<(u64, std::time::Duration)> {
-        use kiln_proto::ops::{SNAP_FREEZE, SNAP_PREPARE, SNAP_TAKE, SNAP_THAW};
         // A barrier holds writers back: the bricks let only a writer raise one.
         let fd = self.open(path, libc::O_RDWR).await?;
-        let r = async {
-            let t = std::time::Instant::now();
-            let r = match self.snap(&fd, SNAP_PREPARE, name, "", ttl_ms).await {
-                Ok(_) => {
-                    let t = std::time::Instant::now();
-                    let r = match self.snap(&fd, SNAP_FREEZE, name, "", ttl_ms).await {
-                        Ok(_) => self.snap(&fd, SNAP_TAKE, name, "", ttl_ms).await,
-                        Err(e) => Err(e),
-                    };
-                    (r, t.elapsed())
-                }
-                Err(e) => (Err(e), t.elapsed()),
-            };
-            // Lifts the barrier, and forgets a prepared snapshot that was not taken, whatever
-            // happened (the bricks drop what this connection left when it goes, too).
-            let _ = self.snap(&fd, SNAP_THAW, name, "", ttl_ms).await;
-            let (r, held) = r;
-            Ok::<_, io::Error>((r?.iter().filter(|e| !e.hole).map(|e| e.len).sum(), held))
-        }
-        .await;
-        let _ = self.close(fd).await;
-        r
+        let files = [trees::Taken {
+            rel: String::new(),
+            fd,
+        }];
+        let (r, held, _) = self.barrier_copy(name, None, &files, ttl_ms).await;
+        let [f] = files;
+        let _ = self.close(f.fd).await;
+        Ok((r?, held))
     }
 
     /// Makes `to` a clone of snapshot `name` of the file at `path`: a new file sharing the

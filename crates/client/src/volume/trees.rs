@@ -110,11 +110,12 @@ struct Tree<'a> {
     entries: &'a [(String, Attr)],
 }
 
-/// A file of the tree being snapshotted.
-struct Taken {
-    /// Its path under the tree's root.
-    rel: String,
-    fd: Fd,
+/// A file being snapshotted.
+pub(super) struct Taken {
+    /// Its path under the tree's root (a tree's file).
+    pub(super) rel: String,
+    /// The file, open for writing.
+    pub(super) fd: Fd,
 }
 
 impl Volume {
@@ -315,6 +316,26 @@ impl Volume {
         ttl_ms: u32,
         report: &mut TreeReport,
     ) -> io::Result<()> {
+        let (r, held, steps) = self.barrier_copy(pn, Some(part), files, ttl_ms).await;
+        report.held = held;
+        report.steps.extend(steps);
+        report.healing_bytes = r?;
+        report.files = files.len();
+        tracing::info!(part, files = files.len(), "tree copies taken");
+        Ok(())
+    }
+
+    /// Snapshot `name` of every file at one instant: prepare all, freeze all, take all (a
+    /// copy beside its file, or with `part`, at its path under `part`), then thaw all,
+    /// whatever happened (the caller removes copies not taken). Answers the bytes heal makes
+    /// alike, how long writers were held, and each step's time.
+    pub(super) async fn barrier_copy(
+        &self,
+        name: &str,
+        part: Option<&str>,
+        files: &[Taken],
+        ttl_ms: u32,
+    ) -> (io::Result<u64>, Duration, Vec<(&'static str, Duration)>) {
         let steps = std::cell::RefCell::new(Vec::new());
         let step = |cmd: u32| {
             let steps = &steps;
@@ -322,12 +343,11 @@ impl Volume {
             async move {
                 let r = each(files, move |f| {
                     Box::pin(async move {
-                        let to = if cmd == SNAP_TAKE {
-                            join(part, &f.rel)
-                        } else {
-                            String::new()
+                        let to = match part {
+                            Some(p) if cmd == SNAP_TAKE => join(p, &f.rel),
+                            _ => String::new(),
                         };
-                        self.snap(&f.fd, cmd, pn, &to, ttl_ms).await
+                        self.snap(&f.fd, cmd, name, &to, ttl_ms).await
                     })
                 })
                 .await;
@@ -348,6 +368,7 @@ impl Volume {
             }
             Ok::<u64, io::Error>(bytes)
         };
+        let mut held = Duration::ZERO;
         let r = match first_err(step(SNAP_PREPARE).await) {
             Ok(_) => {
                 let t = Instant::now();
@@ -355,18 +376,15 @@ impl Volume {
                     Ok(_) => first_err(step(SNAP_TAKE).await),
                     Err(e) => Err(e),
                 };
-                report.held = t.elapsed();
+                held = t.elapsed();
                 r
             }
             Err(e) => Err(e),
         };
-        // Lifts every barrier, whatever happened (the caller removes copies not taken).
+        // Lifts every barrier, and forgets a prepared snapshot not taken, whatever happened
+        // (the bricks drop what this connection left when it goes, too).
         let _ = step(SNAP_THAW).await;
-        report.steps.extend(steps.into_inner());
-        report.healing_bytes = r?;
-        report.files = files.len();
-        tracing::info!(part, files = files.len(), "tree copies taken");
-        Ok(())
+        (r, held, steps.into_inner())
     }
 
     /// Makes the symlinks of `entries` under `part`, and counts what is left out.

@@ -16,8 +16,8 @@ the XFS file system's write-back reaches the disk as on a real device:
             flush before the barrier; and how long writes were held at the barrier), the
             command's wall time, and fio's IOPS and write completion-latency p99; then, once
             fio is done, the three replicas' copies of the snapshot are compared byte for byte
-            (`cmp`) until they agree (heal makes alike what the snapshot marked): the seconds
-            that took, or the bench fails
+            (`cmp`) until they agree (heal makes alike what the snapshot marked): how many
+            comparisons and seconds (comparisons included) that took, or the bench fails
   quiet     fio alone for the same time: its IOPS and p99
 
 Each snapshot is removed after its run (while it shares the image's blocks, every write to
@@ -65,16 +65,19 @@ def fio(uri: str, runtime: int) -> dict:
     return {"iops": job["iops"], "p99_us": job["clat_ns"]["percentile"]["99.000000"] / 1e3}
 
 
-def agree(copies: list[Path], limit: float = 120.0) -> float:
-    """Seconds until the snapshot's copies on the three replicas are byte for byte the same
-    (heal makes alike what the snapshot marked), counted from the end of the fio run; fails
-    the bench if they still differ after `limit` s."""
+def agree(copies: list[Path], limit: float = 120.0) -> tuple[int, float]:
+    """How many byte-for-byte comparisons (`cmp` of the first copy with the others, reading
+    all of each) it took until the snapshot's copies on the three replicas were the same
+    (heal makes alike what the snapshot marked), and the seconds from the end of the fio run
+    until then, comparisons included; fails the bench if they still differ after `limit` s."""
     t0 = time.monotonic()
+    passes = 0
     while True:
+        passes += 1
         same = all(subprocess.run(["cmp", "-s", copies[0], c]).returncode == 0
                    for c in copies[1:])
         if same:
-            return time.monotonic() - t0
+            return passes, time.monotonic() - t0
         if time.monotonic() - t0 > limit:
             raise SystemExit(f"the snapshot's copies still differ after {limit:.0f} s: {copies}")
         time.sleep(0.5)  # heal's next pass: a poll, not a sync point
@@ -151,7 +154,7 @@ def main() -> int:
                                              check=True, capture_output=True, text=True).stdout
                         got["command_ms"] = (time.monotonic() - t0) * 1e3
                         t.join()
-                        got["copies_agree_after_s"] = agree(
+                        got["compare_passes"], got["copies_agree_after_s"] = agree(
                             [xfs / f"b{i}" / f".disk.img@{name}" for i in range(3)])
                         got["snapshot_ms"] = float(out.split(" taken in ")[1].split(" ms")[0])
                         got["held_ms"] = float(out.split("writes held ")[1].split(" ms")[0])

@@ -390,21 +390,24 @@ impl ProtocolClient {
                 shape: Shape::Plain,
             };
         }
-        let mut a = Vec::with_capacity(64 + args.len());
+        // One buffer: the prefixes encoded into it, the arguments after them.
+        let mut e = kiln_proto::codec::Enc {
+            buf: Vec::with_capacity(64 + args.len()),
+        };
         let mut flags = 0;
         if let Some(c) = cred {
-            a = c.to_wire();
+            c.encode(&mut e);
             flags |= FLAG_CRED;
         }
         if let Some(s) = stamp {
-            a.extend_from_slice(&s.to_wire());
+            s.encode(&mut e);
             flags |= FLAG_STAMP;
         }
-        let prefix = a.len();
-        a.extend_from_slice(&args);
+        let prefix = e.buf.len();
+        e.buf.extend_from_slice(&args);
         Request {
             op,
-            args: a,
+            args: e.buf,
             prefix,
             flags,
             fd,

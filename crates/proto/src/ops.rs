@@ -195,11 +195,14 @@ impl Op {
         )
     }
 
-    /// True for the fops through an open handle that may change a file's bytes or size: the
-    /// ones a replicating client stamps ([`crate::stamp::Stamp`]).
+    /// True for the fops that may change a file's bytes or size: the ones a replicating
+    /// client stamps ([`crate::stamp::Stamp`]).
     pub fn changes_bytes(self) -> bool {
         use Op::*;
-        matches!(self, Write | WriteMarked | Fallocate | Discard | Fsetattr)
+        matches!(
+            self,
+            Write | WriteMarked | Fallocate | Discard | Fsetattr | Setattr
+        )
     }
 }
 

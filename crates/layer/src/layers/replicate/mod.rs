@@ -813,8 +813,21 @@ impl Layer for Replicate {
     }
 
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        self.change_path(cx, path, Miss::setattr(attrs), move |k| {
-            k.setattr(cx, path, attrs)
+        if attrs.valid & SETATTR_SIZE == 0 {
+            return self.change_path(cx, path, Miss::setattr(attrs), move |k| {
+                k.setattr(cx, path, attrs)
+            });
+        }
+        // A size change by name is a change of bytes: stamped as one through a handle is.
+        Box::pin(async move {
+            let state = self.state(path);
+            let (scx, _open) = state.stamps.begin(cx);
+            let scx = &scx;
+            let run = |i: usize| self.kids[i].setattr(scx, path, attrs);
+            let mut res = self.on_quorum(&run).await;
+            self.settle(cx, path, None, &outcomes(&res), Miss::setattr(attrs))
+                .await?;
+            first_ok(&mut res)
         })
     }
 

@@ -46,9 +46,10 @@ crate::wire_struct! {
     }
 
     /// Snap reply. For `SNAP_TAKE`: the ranges changes waited on while the barrier stood (as
-    /// an extent list's data runs), the stamped changes the copy holds (`writers`), and
-    /// `lost`, true when the brick forgot some of those (too many writers or changes in
-    /// flight): the copies can then not be compared. Empty for the other commands.
+    /// an extent list's data runs), the stamped changes the copy holds (`writers`), `lost`,
+    /// true when the brick forgot some of those (too many writers or changes in flight), and
+    /// `marked`, true when it holds marks on the file: with either, the copies cannot be
+    /// compared. Empty for the other commands.
     pub struct SnapReply {
         /// The ranges changes waited on (data runs).
         pub blocked: ExtentList,
@@ -56,6 +57,8 @@ crate::wire_struct! {
         pub writers: Seq<WriterRan>,
         /// The brick forgot some.
         pub lost: bool,
+        /// The brick holds marks on the file: a replica missed a change of it.
+        pub marked: bool,
     }
 }
 

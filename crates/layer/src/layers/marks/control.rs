@@ -14,6 +14,13 @@ use super::locks::span;
 use super::*;
 
 impl Marks {
+    /// True when this brick holds marks on `path` (some replica is behind for it).
+    pub(super) fn has_marks(&self, path: &str) -> bool {
+        let st = self.store();
+        st.records.get(path).is_some_and(|r| !r.is_empty())
+            || st.flags.get(path).is_some_and(|f| !f.is_empty())
+    }
+
     pub(super) fn pending_page(&self, path: &str) -> PendingPage {
         let st = self.store();
         let mut page = PendingPage {

@@ -311,6 +311,7 @@ impl Marks {
             blocked: blocked.extents(),
             writers,
             lost,
+            marked: self.has_marks(&f.path),
         })
     }
 

@@ -136,7 +136,7 @@ impl Replicate {
                 let replies: Vec<&SnapReply> = res.iter().flatten().flatten().collect();
                 let refuse = if replies.iter().any(|r| r.lost) {
                     Some("a replica forgot changes it ran (too many in flight)")
-                } else if self.healing(cx, &rfd.path).await? {
+                } else if replies.iter().any(|r| r.marked) {
                     Some("a replica missed a change meanwhile (heal it first)")
                 } else {
                     None

@@ -6,8 +6,9 @@ mod common;
 use common::{seed, snapshot, Kilnd, Raw, Rng};
 use kiln_client::{block_on, Client};
 use kiln_proto::codec::Wire;
-use kiln_proto::frame::{Header, MAX_PAYLOAD_LEN};
+use kiln_proto::frame::{Header, FLAG_STAMP, MAX_PAYLOAD_LEN};
 use kiln_proto::ops::*;
+use kiln_proto::stamp::Stamp;
 use kiln_proto::{errno, Op};
 
 #[test]
@@ -67,6 +68,31 @@ fn bad_frames_get_errors_and_the_server_survives() {
         errno::EPROTO,
         "payload on a lookup"
     );
+    // A stamp flag without a whole stamp in front of the arguments: refused.
+    let h = Header::request(Op::Discard as u16, 14, 10, 0).with_flags(FLAG_STAMP);
+    raw.send(&[&h.to_bytes()[..], &[0u8; 10]].concat());
+    assert_eq!(
+        raw.reply().expect("reply").0.status.get(),
+        errno::EPROTO,
+        "a truncated stamp"
+    );
+    // A stamp on a fop that changes no bytes is read past and ignored.
+    let mut args = Stamp {
+        writer: 1,
+        seq: 1,
+        done: 1,
+    }
+    .to_wire();
+    args.extend(
+        PathReq {
+            path: "keep".into(),
+        }
+        .to_wire(),
+    );
+    let h = Header::request(Op::Lookup as u16, 15, args.len() as u32, 0).with_flags(FLAG_STAMP);
+    raw.send(&[&h.to_bytes()[..], &args].concat());
+    let (h, _, _) = raw.reply().expect("reply");
+    assert_eq!(h.status.get(), 0, "a stamped lookup");
     let (h, a, _) = raw.call(
         Op::Lookup as u16,
         7,

@@ -452,6 +452,7 @@ fn prefixed<'a>(
     }
     Ok((cx, rest))
 }
+
 impl Conn {
     /// True while this connection may take in more requests.
     fn may_read(&self) -> bool {

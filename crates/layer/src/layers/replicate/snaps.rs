@@ -44,8 +44,8 @@ const EAGAIN: u32 = libc::EAGAIN as u32;
 
 /// For each piece of the ranges some replica's copy lacks changes in: the replica to copy it
 /// from (one that lacks none there, else the first) and the piece (offset, len).
-pub(super) fn sources(blocked: &[RangeSet]) -> Vec<(usize, u64, u64)> {
-    let mut cuts: Vec<u64> = blocked
+pub(super) fn sources(lacks: &[RangeSet]) -> Vec<(usize, u64, u64)> {
+    let mut cuts: Vec<u64> = lacks
         .iter()
         .flat_map(|s| s.iter())
         .flat_map(|(o, l)| [o, if l == m::WHOLE { u64::MAX } else { o + l }])
@@ -56,11 +56,11 @@ pub(super) fn sources(blocked: &[RangeSet]) -> Vec<(usize, u64, u64)> {
     for w in cuts.windows(2) {
         let (a, b) = (w[0], w[1]);
         let len = if b == u64::MAX { m::WHOLE } else { b - a };
-        let held: Vec<bool> = blocked.iter().map(|s| s.overlaps(a, len)).collect();
-        if !held.contains(&true) {
+        let lack: Vec<bool> = lacks.iter().map(|s| s.overlaps(a, len)).collect();
+        if !lack.contains(&true) {
             continue;
         }
-        let from = held.iter().position(|h| !h).unwrap_or(0);
+        let from = lack.iter().position(|h| !h).unwrap_or(0);
         match out.last_mut() {
             Some((f, o, l)) if *f == from && *l != m::WHOLE && *o + *l == a => *l = len,
             _ => out.push((from, a, len)),
@@ -148,11 +148,12 @@ impl Replicate {
                     }
                     return Err(EAGAIN);
                 }
-                let mut held = lacking(&replies);
-                for (h, r) in held.iter_mut().zip(&replies) {
-                    h.add_runs(0, &r.blocked.runs.0);
+                // A replica's copy lacks what waited at its barrier and what it has not run.
+                let mut lacks = lacking(&replies);
+                for (l, r) in lacks.iter_mut().zip(&replies) {
+                    l.add_runs(0, &r.blocked.runs.0);
                 }
-                self.make_alike(cx, &snap, &held).await
+                self.make_alike(cx, &snap, &lacks).await
             }
             _ => Ok(SnapReply::default()),
         }

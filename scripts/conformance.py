@@ -18,7 +18,7 @@ JSON summary line.
 Usage: scripts/conformance.py [--setup NAME]... [--keep] [PATTERN...]
   PATTERN  pjdfstest test-name patterns (e.g. chmod), default all.
 Needs root, /dev/fuse, apt-get and cargo. Installs what is missing: libacl1-dev, acl and
-rsync (apt), pjdfstest (cargo install, into target/tools or KILN_TOOLS_DIR), the suite's
+rsync (apt), pjdfstest (cargo install, into ~/.cache/kiln/tools or KILN_TOOLS_DIR), the suite's
 second dummy user `tests`, and scripts/mount.fuse.kiln as /usr/sbin/mount.fuse.kiln (so that
 `mount -o remount,ro` of a Kiln mount works).
 """
@@ -37,7 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PJDFSTEST_VERSION = "0.2.2"
-TOOLS = Path(os.environ.get("KILN_TOOLS_DIR", ROOT / "target" / "tools"))
+# Pinned tools are built once per machine, outside any checkout (as scripts/package.sh does).
+TOOLS = Path(os.environ.get("KILN_TOOLS_DIR") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln" / "tools")
 PJDFSTEST = TOOLS / "bin" / "pjdfstest"
 EXCLUSIONS = ROOT / "tests" / "conformance" / "exclusions.txt"
 SETUPS = ["general", "vm-image", "replica-3"]

@@ -10,7 +10,8 @@ usage: scripts/package.sh [--no-build] [--profile NAME]
 
 Builds kiln, kilnd and libkiln in release mode, generates the man pages, the bash completion
 and kiln.pc into target/package/, and packages them with cargo-deb (pinned; installed into
-target/tools/ unless that version is on PATH). Prints the .deb's path as its last line.
+~/.cache/kiln/tools or $KILN_TOOLS_DIR unless that version is on PATH). Prints the .deb's path
+as its last line.
 
   --no-build   package the release binaries already in the target directory
   --profile P  package the binaries of cargo profile P instead of release (CI tests the
@@ -35,6 +36,9 @@ die() { echo "package.sh: $*" >&2; exit 1; }
 cd "$(dirname "$0")/.."
 root=$PWD
 cargo_deb_version=3.8.0
+# Pinned tools are built once per machine, outside any checkout (a fresh clone does not build
+# them again); KILN_TOOLS_DIR puts them elsewhere.
+tools=${KILN_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kiln/tools}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 
 # The asset paths name the amd64 multiarch directory and the library's versioned file name.
@@ -47,12 +51,12 @@ grep -q "libkiln.so.$version\"" crates/cli/Cargo.toml \
 cargo_deb=
 if [ "$(cargo-deb --version 2>/dev/null)" = "cargo-deb $cargo_deb_version" ]; then
     cargo_deb=$(command -v cargo-deb)
-elif [ "$("$root/target/tools/bin/cargo-deb" --version 2>/dev/null)" = "cargo-deb $cargo_deb_version" ]; then
-    cargo_deb=$root/target/tools/bin/cargo-deb
+elif [ "$("$tools/bin/cargo-deb" --version 2>/dev/null)" = "cargo-deb $cargo_deb_version" ]; then
+    cargo_deb=$tools/bin/cargo-deb
 else
-    echo "package.sh: installing cargo-deb $cargo_deb_version into target/tools" >&2
-    cargo install cargo-deb --version "=$cargo_deb_version" --locked --root "$root/target/tools" >&2
-    cargo_deb=$root/target/tools/bin/cargo-deb
+    echo "package.sh: installing cargo-deb $cargo_deb_version into $tools" >&2
+    cargo install cargo-deb --version "=$cargo_deb_version" --locked --root "$tools" >&2
+    cargo_deb=$tools/bin/cargo-deb
 fi
 
 target=$(cargo metadata --format-version 1 --no-deps \

@@ -29,14 +29,14 @@ command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 command -v logrotate >/dev/null 2>&1 || need+=(logrotate)
 if [ ${#need[@]} -gt 0 ]; then
-  echo "== installing ${need[*]}"
+  echo "[${SECONDS}s] == installing ${need[*]}"
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 # The reference parser a test reads /metrics with: the Prometheus project's Python client.
 if ! python3 -c 'import prometheus_client' 2>/dev/null; then
-  echo "== installing prometheus-client (Python)"
+  echo "[${SECONDS}s] == installing prometheus-client (Python)"
   python3 -m pip install -q 'prometheus-client==0.21.1' 2>/dev/null \
     || python3 -m pip install -q --break-system-packages 'prometheus-client==0.21.1'
 fi
@@ -45,21 +45,21 @@ fi
 # One clean build per CI run: incremental state would only double the disk it needs.
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 
-echo "== cargo fmt --check"
+echo "[${SECONDS}s] == cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy -D warnings"
+echo "[${SECONDS}s] == cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== cargo test"
+echo "[${SECONDS}s] == cargo test"
 cargo test --workspace --locked
 
 # POSIX conformance: pjdfstest as root inside real mounts (one brick general and vm-image, a
 # replica-3 volume), against tests/conformance/exclusions.txt. KILN_CONFORMANCE=0 skips it.
 if [ "${KILN_CONFORMANCE:-1}" = 0 ]; then
-  echo "== conformance skipped (KILN_CONFORMANCE=0)"
+  echo "[${SECONDS}s] == conformance skipped (KILN_CONFORMANCE=0)"
 elif [ "$(id -u)" != 0 ]; then
-  echo "== WARNING: conformance skipped: it needs root (it tests permissions as several users)" >&2
+  echo "[${SECONDS}s] == WARNING: conformance skipped: it needs root (it tests permissions as several users)" >&2
 else
-  echo "== POSIX conformance (pjdfstest)"
+  echo "[${SECONDS}s] == POSIX conformance (pjdfstest)"
   python3 scripts/conformance.py
 fi
 
@@ -67,26 +67,27 @@ fi
 # installed, used through systemd and /etc/fstab, and purged in a throwaway root with systemd as
 # its PID 1 (scripts/install-test.sh). KILN_PACKAGE_TEST=0 skips it.
 if [ "${KILN_PACKAGE_TEST:-1}" = 0 ]; then
-  echo "== package test skipped (KILN_PACKAGE_TEST=0)"
+  echo "[${SECONDS}s] == package test skipped (KILN_PACKAGE_TEST=0)"
 elif [ "$(id -u)" != 0 ]; then
-  echo "== WARNING: package test skipped: it needs root (namespaces, mounts, dpkg)" >&2
+  echo "[${SECONDS}s] == WARNING: package test skipped: it needs root (namespaces, mounts, dpkg)" >&2
 else
   # The dev build cargo test made, packaged: the same files as the release package without a
   # second, optimised build of everything (scripts/package.sh makes that one).
-  echo "== package install test"
+  echo "[${SECONDS}s] == package install test"
   scripts/install-test.sh --profile dev
 fi
 
 # Fuzz every decoder a peer can reach (Kiln frames and fop arguments, NBD options and requests,
-# TLS records) for KILN_FUZZ_SECS seconds per target (default 15; 0 skips). The fuzz targets
+# TLS records) for KILN_FUZZ_SECS seconds per target (default 10; 0 skips). The fuzz targets
 # build with a nightly toolchain; without one this is skipped with a warning, not failed.
-fuzz_secs=${KILN_FUZZ_SECS:-15}
+fuzz_secs=${KILN_FUZZ_SECS:-10}
 [[ $fuzz_secs =~ ^[0-9]+$ ]] || { echo "test.sh: KILN_FUZZ_SECS must be a number of seconds, not $fuzz_secs" >&2; exit 1; }
 if [ "$fuzz_secs" = 0 ]; then
-  echo "== fuzzing skipped (KILN_FUZZ_SECS=0)"
+  echo "[${SECONDS}s] == fuzzing skipped (KILN_FUZZ_SECS=0)"
 elif ! rustup run nightly rustc --version >/dev/null 2>&1; then
-  echo "== WARNING: fuzzing skipped: no nightly toolchain (rustup toolchain install nightly)" >&2
+  echo "[${SECONDS}s] == WARNING: fuzzing skipped: no nightly toolchain (rustup toolchain install nightly)" >&2
 else
-  echo "== fuzzing every target for ${fuzz_secs}s"
+  echo "[${SECONDS}s] == fuzzing every target for ${fuzz_secs}s"
   KILN_FUZZ_QUIET=1 scripts/fuzz.sh "$fuzz_secs"
 fi
+echo "[${SECONDS}s] == every check passed"

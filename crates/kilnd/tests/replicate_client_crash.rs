@@ -23,7 +23,7 @@ use kiln_layer::marks as m;
 use kiln_layer::Ctx;
 
 mod replica;
-use replica::{index_empty, seeds, volfile, volfile_at, wait_for, Brick, Rng};
+use replica::{index_empty, seeds, volfile, volfile_at, wait_for, Brick, Rng, CI_RUNS};
 
 const FILE: &str = "image.raw";
 const SIZE: u64 = 8 << 20;
@@ -246,8 +246,8 @@ fn crash_run(seed: u64) {
 }
 
 #[test]
-fn replicas_agree_after_the_writing_client_is_killed_twenty_runs() {
-    for (run, seed) in seeds(20).iter().enumerate() {
+fn replicas_agree_after_the_writing_client_is_killed_seeded_runs() {
+    for (run, seed) in seeds(CI_RUNS).iter().enumerate() {
         eprintln!("run {run}: seed {seed}");
         crash_run(*seed);
     }

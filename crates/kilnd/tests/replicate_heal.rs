@@ -20,7 +20,7 @@ use kiln_layer::heal;
 use kiln_layer::Ctx;
 
 mod replica;
-use replica::{index_empty, seeds, volfile, wait_for, Brick, Rng};
+use replica::{index_empty, seeds, volfile, wait_for, Brick, Rng, CI_RUNS};
 
 const FILE: &str = "image.raw";
 const SIZE: u64 = 8 << 20;
@@ -105,7 +105,7 @@ fn kill_run(seed: u64) {
     block_on(vol.fsync(&fd, false)).expect("fsync");
 
     // Heal on connections of its own, as the heal service does. (Heal while the writes go on:
-    // `heal_while_verified_writes_go_on_twenty_runs`.)
+    // `heal_while_verified_writes_go_on_seeded_runs`.)
     let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
     let need = block_on(heal::info(healer.top()));
     assert!(
@@ -144,8 +144,8 @@ fn kill_run(seed: u64) {
 }
 
 #[test]
-fn kill9_one_of_three_during_verified_writes_twenty_runs() {
-    for (run, seed) in seeds(20).iter().enumerate() {
+fn kill9_one_of_three_during_verified_writes_seeded_runs() {
+    for (run, seed) in seeds(CI_RUNS).iter().enumerate() {
         eprintln!("run {run}: seed {seed}");
         kill_run(*seed);
     }
@@ -323,8 +323,8 @@ fn heal_during_writes_run(seed: u64) {
 
 /// Seeds: `KILN_SEED=N` repeats one run; else `runs` seeds from the clock.
 #[test]
-fn heal_while_verified_writes_go_on_twenty_runs() {
-    for (run, seed) in seeds(20).iter().enumerate() {
+fn heal_while_verified_writes_go_on_seeded_runs() {
+    for (run, seed) in seeds(CI_RUNS).iter().enumerate() {
         eprintln!("run {run}: seed {seed}");
         heal_during_writes_run(*seed);
     }

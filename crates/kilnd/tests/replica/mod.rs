@@ -176,6 +176,10 @@ pub fn index_empty(vol: &Volume) -> bool {
     })
 }
 
+/// Seeded runs per soak test in a CI run: each run is a new seed from the clock, so CI covers
+/// new ground every time; `KILN_RUNS=N` soaks longer (`KILN_SEED=N` repeats one failure).
+pub const CI_RUNS: u64 = 10;
+
 /// The seeds of a seeded test's runs: `KILN_SEED=N` repeats one, `KILN_RUNS=N` sets how many
 /// (default `runs`); otherwise from the clock (a failure prints its seed).
 pub fn seeds(runs: u64) -> Vec<u64> {

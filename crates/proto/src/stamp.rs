@@ -47,9 +47,9 @@ crate::wire_struct! {
 
     /// Snap reply. For `SNAP_TAKE`: the ranges changes waited on while the barrier stood (as
     /// an extent list's data runs), the stamped changes the copy holds (`writers`), `lost`,
-    /// true when the brick forgot some of those (too many writers or changes in flight), and
-    /// `marked`, true when it holds marks on the file: with either, the copies cannot be
-    /// compared. Empty for the other commands.
+    /// true when the brick forgot some of those (too many writers or changes in flight) or
+    /// could not list every range that waited, and `marked`, true when it holds marks on the
+    /// file: with either, the copies cannot be compared. Empty for the other commands.
     pub struct SnapReply {
         /// The ranges changes waited on (data runs).
         pub blocked: ExtentList,

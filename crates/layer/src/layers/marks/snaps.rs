@@ -307,10 +307,20 @@ impl Marks {
             }
         };
         tracing::info!(path = f.path, snapshot = to, "snapshot taken");
+        // An extent list holds at most EXTENTS_MAX runs, a data run and the hole before it
+        // for each range: ranges past that would not reach the comparison, so the copy
+        // cannot be vouched for, as when stamps were forgotten.
+        let overflow = !blocked.fits_extents();
+        if overflow {
+            tracing::warn!(
+                path = f.path,
+                "too many ranges waited at the barrier to report"
+            );
+        }
         Ok(SnapReply {
             blocked: blocked.extents(),
             writers,
-            lost,
+            lost: lost || overflow,
             marked: self.has_marks(&f.path),
         })
     }

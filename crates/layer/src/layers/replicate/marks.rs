@@ -235,6 +235,12 @@ impl RangeSet {
         end.map_or_else(Default::default, |e| self.runs(0, e))
     }
 
+    /// True when [`RangeSet::extents`] lists every range of the set (a data run and the hole
+    /// before it each, within an extent list's limit).
+    pub fn fits_extents(&self) -> bool {
+        self.count() * 2 <= kiln_proto::ops::EXTENTS_MAX
+    }
+
     /// `[offset, offset + len)` as consecutive runs: in the set (data) and not (holes), at
     /// most [`EXTENTS_MAX`](kiln_proto::ops::EXTENTS_MAX) of them (the caller asks again
     /// from where they end).
@@ -312,6 +318,21 @@ mod tests {
         assert_eq!(back.add_runs(0, &r), 40);
         assert_eq!(back.inside(0, 40), vec![(10, 5), (30, 10)]);
         assert_eq!(RangeSet::default().runs(5, 7).runs.0.len(), 1);
+    }
+
+    #[test]
+    fn extents_list_every_range_exactly_when_they_fit() {
+        use kiln_proto::ops::EXTENTS_MAX;
+        for n in [EXTENTS_MAX / 2 - 1, EXTENTS_MAX / 2, EXTENTS_MAX / 2 + 1] {
+            let mut set = RangeSet::default();
+            for i in 0..n as u64 {
+                set.add(1 + i * 10, 5);
+            }
+            let mut back = RangeSet::default();
+            back.add_runs(0, &set.extents().runs.0);
+            assert_eq!(set.fits_extents(), back == set, "{n} ranges");
+            assert_eq!(set.fits_extents(), n <= EXTENTS_MAX / 2, "{n} ranges");
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kiln_client::{block_on, Fd, RawIov, Volume};
+use kiln_client::{block_on, Fd, PageBuf, RawIov, Volume};
 use kiln_fuse::Switch;
 use kiln_layer::trace::{TraceLog, Waterfall};
 use kiln_layer::volfile::{LayerKind, Volfile};
@@ -359,53 +359,11 @@ impl BenchResult {
     }
 }
 
-/// A request buffer aligned to a page, as fio's and QEMU's are: the kernel's copies into it
-/// then run at the speed they run for them (a 128 KiB `Vec` starts 16 bytes into its page,
-/// which costs a copy from the page cache about a quarter of its speed here).
-struct PageBuf {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the buffer is plain memory owned by this value alone.
-unsafe impl Send for PageBuf {}
-
-impl PageBuf {
-    fn layout(len: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(len.max(1), 4096).expect("a valid layout")
-    }
-
-    fn new(len: usize, fill: u8) -> PageBuf {
-        // SAFETY: a non-zero-sized layout; the result is checked.
-        let raw = unsafe { std::alloc::alloc(PageBuf::layout(len)) };
-        let ptr = std::ptr::NonNull::new(raw)
-            .unwrap_or_else(|| std::alloc::handle_alloc_error(PageBuf::layout(len)));
-        // SAFETY: `len` bytes were just allocated at `ptr`.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), fill, len) };
-        PageBuf { ptr, len }
-    }
-
-    /// Job `j`'s buffers, one per request in flight.
-    fn slots(args: &BenchArgs, j: usize) -> Vec<Mutex<PageBuf>> {
-        (0..args.iodepth)
-            .map(|i| Mutex::new(PageBuf::new(args.bs as usize, (i + j) as u8)))
-            .collect()
-    }
-
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-impl Drop for PageBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), PageBuf::layout(self.len)) };
-    }
+/// Job `j`'s request buffers, one per request in flight, page-aligned as fio's and QEMU's are.
+fn slots(args: &BenchArgs, j: usize) -> Vec<Mutex<PageBuf>> {
+    (0..args.iodepth)
+        .map(|i| Mutex::new(PageBuf::filled(args.bs as usize, (i + j) as u8)))
+        .collect()
 }
 
 /// Requests whose completion came inside a submission, to be issued by the outer one.
@@ -672,7 +630,7 @@ pub fn run_volfile(
         let vol = Arc::new(job_volume(args, volfile)?);
         vol.set_trace_every(args.trace_every);
         let fd = block_on(vol.open(&args.file, libc::O_RDWR))?;
-        jobs.push((vol, fd, PageBuf::slots(args, j)));
+        jobs.push((vol, fd, slots(args, j)));
     }
     let cpu0 = self_cpu_seconds();
     let srv_cpu = || -> Option<f64> {

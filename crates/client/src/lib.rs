@@ -20,6 +20,7 @@ pub mod client;
 pub mod conn;
 pub mod graph;
 pub mod mgmt;
+pub mod pagebuf;
 pub mod protocol;
 pub mod replay;
 pub mod shortcut;
@@ -30,6 +31,7 @@ pub use conn::{ConnStats, Errno};
 pub use kiln_layer::{Fd, Opened};
 pub use kiln_proto::iov::RawIov;
 pub use kiln_proto::ops::{Attr, DirEntry, Extent, LeaseState, SetAttrs, StatfsReply, Time};
+pub use pagebuf::PageBuf;
 pub use volume::Volume;
 
 use std::future::Future;

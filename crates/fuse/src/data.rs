@@ -43,17 +43,13 @@ impl KilnFs {
         // connection's receive thread), straight from `buf`.
         let done = Box::new(move |r: Result<usize, u32>| {
             match r {
-                Ok(n) => {
-                    // SAFETY: the client wrote `n` bytes of payload into `buf`'s capacity.
-                    unsafe { buf.set_len(n) };
-                    reply.data(&buf);
-                }
+                Ok(n) => reply.data(&buf[..n.min(size)]),
                 Err(e) => reply.error(Errno::from_i32(e as i32)),
             }
             pool.put(buf);
         });
-        // SAFETY: `buf` moves into the callback, so its heap memory lives until the callback
-        // runs; nothing else touches it meanwhile.
+        // SAFETY: `buf` moves into the callback, so its memory (`size` bytes of it described
+        // by `iov`) lives until the callback runs; nothing else touches it meanwhile.
         unsafe { self.vol.preadv_raw(&fd, &iov, offset, done) }
     }
 

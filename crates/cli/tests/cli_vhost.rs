@@ -1,9 +1,11 @@
 //! `kiln vhost-user-blk` under a real QEMU guest (TCG: this machine has no usable KVM), on
 //! four virtqueues: the guest's fio writes a known pattern and seeded random data through the
-//! device and verifies them, while the volume's only brick is killed and started again; the
-//! guest sees no error, the brick holds the pattern, and the device copied no payload byte.
-//! Then the guest reads 1 MiB at a time (one 1 MiB request each at the brick), writes with a
-//! flush after each write, and discards a range it wrote (a hole on the brick); the device's
+//! device and verifies them, while the volume's only brick is killed and started again and,
+//! while the guest's requests wait on the brick, the device itself is stopped and a new one
+//! takes its socket (QEMU reconnects); the guest sees no error, the brick holds the pattern,
+//! and neither device copied a payload byte. Then the guest reads 1 MiB at a time (one 1 MiB
+//! request each at the brick), writes with a flush after each write, discards a range it
+//! wrote and zeroes another (holes on the brick; zeroes read back in the guest); the device's
 //! sampled requests show a waterfall from the guest's kick to the used ring.
 //!
 //! The guest is the machine's guest harness (`shared/vm/guest-fio.sh` beside the repository,
@@ -88,7 +90,7 @@ stonewall
 rw=write
 bs=1M
 offset=192m
-size=8m
+size=16m
 iodepth=1
 
 [trim]
@@ -98,6 +100,24 @@ rw=trim
 bs=1M
 offset=192m
 size=8m
+
+[zeroes]
+stonewall
+ioengine=falloc
+rw=trim
+bs=1M
+offset=200m
+size=8m
+
+[zeroed]
+stonewall
+rw=read
+bs=1M
+offset=200m
+size=8m
+iodepth=1
+verify=pattern
+verify_pattern=0
 ";
 
 #[test]
@@ -124,31 +144,15 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
     drop(m);
 
     let sock = tmp.path().join("v.sock");
-    let log = tmp.path().join("vhost.log");
-    let mut dev = kiln();
-    dev.args(["vhost-user-blk", &v.source("/disk.img"), "--secret-file"])
-        .arg(&v.secret)
-        .args(["--num-queues", "4", "--trace-every", "8"])
-        // Reads go to the brick, as from a device on another host (on the brick's own host
-        // they would bypass it), so that the brick's counts show them.
-        .env("KILN_SHORT_CIRCUIT", "off")
-        .arg("--socket")
-        .arg(&sock)
-        .env("KILN_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap());
-    let mut child = dev.spawn().unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert!(line.starts_with("kiln vhost-user-blk: serving"), "{line:?}");
-    let dev = Proc(child);
+    let first_log = tmp.path().join("vhost-1.log");
+    let mut first = device(&v, &sock, &first_log);
 
     let job = tmp.path().join("job.fio");
     std::fs::write(&job, JOB).unwrap();
     let console = tmp.path().join("console.log");
     let guest = {
-        let (harness, job, console, sock) = (harness.clone(), job.clone(), console.clone(), sock);
+        let (harness, job, console, sock) =
+            (harness.clone(), job.clone(), console.clone(), sock.clone());
         std::thread::spawn(move || {
             Command::new(&harness)
                 .args(["--job"])
@@ -173,7 +177,10 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
     };
 
     // Once the random job writes (the brick file grows past the pattern), the brick goes
-    // away and comes back while the guest's requests wait.
+    // away and comes back while the guest's requests wait. Meanwhile the device is stopped
+    // for a restart: it lets the requests it started complete (once the brick is back) and
+    // starts no more; a new device takes the socket, QEMU reconnects to it (`reconnect=1`)
+    // and the rest of the guest's I/O goes through it.
     let brick_file = tmp.path().join("b0/disk.img");
     wait_for(300, "the guest to write past the pattern", || {
         std::fs::metadata(&brick_file).is_ok_and(|m| m.blocks() * 512 > 40 * MIB)
@@ -181,8 +188,26 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
     kill_brick_pid(v.pid(0));
     // Away for a second (the outage, not a synchronisation).
     std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+    unsafe { libc::kill(first.0.id() as i32, libc::SIGTERM) };
     v.mgmt(&["volume", "start", "vm", "force"]);
     wait_for(30, "the brick to be back", || v.all_online());
+    wait_for(60, "the stopped device to exit", || {
+        matches!(first.0.try_wait(), Ok(Some(_)))
+    });
+    let stopped = summary(&first_log);
+    assert!(first.0.wait().unwrap().success(), "{stopped}");
+    // The guest's requests waiting on the brick were in flight when it stopped, and
+    // completed before it exited.
+    let text = std::fs::read_to_string(&first_log).unwrap();
+    let drained = text
+        .lines()
+        .find(|l| l.contains("stopped: every request started has completed"))
+        .unwrap_or_else(|| panic!("the device did not say it drained:\n{text}"));
+    assert!(count(drained, "in_flight") > 0, "{drained}");
+    println!("{drained}\n{stopped}");
+    let log = tmp.path().join("vhost-2.log");
+    let dev = device(&v, &sock, &log);
 
     let run = guest.join().unwrap();
     let text = String::from_utf8_lossy(&run.stdout);
@@ -214,11 +239,12 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
         "the brick does not hold the guest's pattern"
     );
 
-    // The guest's trim left a hole on the brick where it had written.
+    // The guest's trim and its zeroing (the guest allows the device to unmap) left holes on
+    // the brick where it had written; it read zeroes back.
     let f = std::fs::File::open(&brick_file).unwrap();
     assert!(
-        next_data(&f, 192 * MIB) >= 200 * MIB,
-        "the guest's discard of [192 MiB, 200 MiB) left data on the brick"
+        next_data(&f, 192 * MIB) >= 208 * MIB,
+        "the guest's discard and write-zeroes of [192 MiB, 208 MiB) left data on the brick"
     );
 
     // A guest read of 1 MiB is one request of 1 MiB at the brick (the brick restarted before
@@ -254,31 +280,65 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
         "{trace}"
     );
 
-    // Every read landed in guest memory: the device's client copied nothing.
+    // Every read landed in guest memory: neither device's client copied anything.
     drop(dev);
-    let summary = std::fs::read_to_string(&log).unwrap();
-    let last = summary
-        .lines()
-        .rfind(|l| l.contains("device summary"))
-        .unwrap_or_else(|| panic!("no device summary in:\n{summary}"));
-    assert!(last.contains("bytes_copied=0"), "{last}");
-    assert!(last.contains("errors=0"), "{last}");
-    let count = |what: &str| -> u64 {
-        let at = last
-            .find(&format!("{what}="))
-            .unwrap_or_else(|| panic!("no {what}: {last}"));
-        last[at + what.len() + 1..]
-            .split(|c: char| !c.is_ascii_digit())
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let last = summary(&log);
+    for s in [&stopped, &last] {
+        assert!(s.contains("bytes_copied=0"), "{s}");
+        assert!(s.contains("errors=0"), "{s}");
+    }
     // fsync=1: a FLUSH after each of the 64 writes of the flush job (the guest's block layer
-    // may fold one into another).
-    assert!(count("flushes") >= 32, "{last}");
-    assert!(count("discards") >= 1, "{last}");
+    // may fold one into another), all after the restart.
+    assert!(count(&last, "writes") > 0, "{last}");
+    assert!(count(&last, "flushes") >= 32, "{last}");
+    assert!(count(&last, "discards") >= 1, "{last}");
+    assert!(count(&last, "zeroes") >= 1, "{last}");
     println!("{last}");
+}
+
+/// Starts `kiln vhost-user-blk` for the volume's image on `sock`, logging to `log`, and waits
+/// until it serves.
+fn device(v: &Vol, sock: &Path, log: &Path) -> Proc {
+    let mut dev = kiln();
+    dev.args(["vhost-user-blk", &v.source("/disk.img"), "--secret-file"])
+        .arg(&v.secret)
+        .args(["--num-queues", "4", "--trace-every", "8"])
+        // Reads go to the brick, as from a device on another host (on the brick's own host
+        // they would bypass it), so that the brick's counts show them.
+        .env("KILN_SHORT_CIRCUIT", "off")
+        .arg("--socket")
+        .arg(sock)
+        .env("KILN_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap());
+    let mut child = dev.spawn().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("kiln vhost-user-blk: serving"), "{line:?}");
+    Proc(child)
+}
+
+/// The last "device summary" line of a device's log.
+fn summary(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap();
+    text.lines()
+        .rfind(|l| l.contains("device summary"))
+        .unwrap_or_else(|| panic!("no device summary in:\n{text}"))
+        .to_owned()
+}
+
+/// The number after `what=` in a summary line.
+fn count(line: &str, what: &str) -> u64 {
+    let at = line
+        .find(&format!(" {what}="))
+        .unwrap_or_else(|| panic!("no {what}: {line}"));
+    line[at + what.len() + 2..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// Where the next data at or after `at` starts in `f` (its size when only a hole follows).

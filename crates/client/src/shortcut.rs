@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use kiln_proto::iov::RawIov;
 
 mod copier;
-pub use copier::{copy, LARGE};
+pub use copier::{copy, copy_inline_on_this_thread, LARGE};
 
 /// Reads through the brick after a stale grant before asking again, at first; doubles up to
 /// [`BACKOFF_MAX`].

@@ -13,7 +13,7 @@
 //! disconnect), `stop_vring` waits for that queue's requests to complete first.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
@@ -80,6 +80,8 @@ struct Inner {
     mem: RwLock<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
     event_idx: AtomicBool,
     inflight: Vec<Inflight>,
+    /// Set by [`Blk::stop`]: the queues' workers start nothing more.
+    stopping: AtomicBool,
     stats: Stats,
 }
 
@@ -118,6 +120,7 @@ impl Blk {
             mem: RwLock::new(None),
             event_idx: AtomicBool::new(false),
             inflight: (0..queues).map(|_| Inflight::default()).collect(),
+            stopping: AtomicBool::new(false),
             stats: Stats::default(),
         }))
     }
@@ -139,6 +142,26 @@ impl Blk {
             self.drain_queue(q);
         }
         *self.0.mem.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Stops for a restart: the queues start no more requests, and this waits until those
+    /// started have completed; returns how many were in flight. What the guest made available
+    /// meanwhile stays on its rings, where QEMU hands it to the next backend (it rewinds a
+    /// ring to the last request used when the connection breaks, and every request started
+    /// before that is used by then).
+    pub fn stop(&self) -> u32 {
+        self.0.stopping.store(true, SeqCst);
+        let mut was = 0;
+        for q in 0..self.0.queues {
+            // A worker counts what it pops under this lock, after it looked at `stopping`:
+            // either it saw it set, or its requests are counted here.
+            was += *self.0.inflight[q]
+                .n
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            self.drain_queue(q);
+        }
+        was
     }
 
     /// Waits until queue `q` has no request in flight, saying every 10 s that it waits.
@@ -173,6 +196,15 @@ impl Blk {
             let kick_ns = kiln_layer::trace::now_ns();
             let chains: Vec<_> = {
                 let mut st = vring.get_mut();
+                // Counted before the ring's lock goes (stop_vring and stop wait for them),
+                // and not popped at all once the device stops.
+                let mut n = self.0.inflight[q]
+                    .n
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if self.0.stopping.load(SeqCst) {
+                    return Ok(());
+                }
                 if event_idx {
                     st.disable_notification().map_err(io::Error::other)?;
                 }
@@ -180,11 +212,7 @@ impl Blk {
                 while let Some(c) = st.get_queue_mut().pop_descriptor_chain(mem.clone()) {
                     v.push(c);
                 }
-                // Counted before the ring's lock goes: stop_vring waits for them.
-                *self.0.inflight[q]
-                    .n
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) += v.len() as u32;
+                *n += v.len() as u32;
                 v
             };
             // Started with the ring unlocked: a completion takes its lock.
@@ -519,6 +547,9 @@ impl VhostUserBackend for Blk {
         let vring = vrings
             .get(usize::from(device_event))
             .ok_or_else(|| io::Error::other(format!("no vring {device_event}")))?;
+        // Large reads from the brick's file on this host are copied here, not on the copy
+        // thread, so that they complete within the batch: one notification for all of them.
+        kiln_client::shortcut::copy_inline_on_this_thread();
         // One queue per worker thread: the thread's index is the queue's. An error would
         // end the queue's worker for good (the guest would hang on it): say it, go on.
         if let Err(e) = self.process(vring, thread_id) {

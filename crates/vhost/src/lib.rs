@@ -244,7 +244,10 @@ fn log_summary(blk: &Blk) {
     );
 }
 
-/// On SIGINT or SIGTERM: gives the lock back, removes the socket, logs and exits.
+/// On SIGINT or SIGTERM: lets the requests in flight complete (starting no more), makes what
+/// they wrote durable, gives the lock back, removes the socket, logs and exits. A QEMU that
+/// connected with `reconnect=` keeps its guest running and hands what the guest asked for
+/// meanwhile to the next `kiln vhost-user-blk` on the socket.
 async fn stop_on_signal(blk: Blk, held: Option<Held>, sock: PathBuf) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (
@@ -258,6 +261,20 @@ async fn stop_on_signal(blk: Blk, held: Option<Held>, sock: PathBuf) {
         _ = int.recv() => "SIGINT",
     };
     tracing::info!("{sig}: stopping");
+    let b = blk.clone();
+    let was = tokio::task::spawn_blocking(move || b.stop())
+        .await
+        .unwrap_or(0);
+    let img = blk.image();
+    if !img.read_only {
+        if let Err(e) = img.vol.fsync(&img.fd, false).await {
+            tracing::warn!("cannot make the image's writes durable: {e}");
+        }
+    }
+    tracing::info!(
+        in_flight = was,
+        "stopped: every request started has completed"
+    );
     log_summary(&blk);
     if let Some(h) = held {
         h.release().await;

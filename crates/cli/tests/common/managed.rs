@@ -15,6 +15,10 @@ pub struct Proc(pub Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // Already waited for: its pid may be another process's now.
+        if let Ok(Some(_)) = self.0.try_wait() {
+            return;
+        }
         // SAFETY: kill(2) with a pid and a signal number has no memory effects.
         unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);

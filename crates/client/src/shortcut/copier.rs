@@ -21,9 +21,18 @@ use kiln_layer::IoBufs;
 use super::Grant;
 
 thread_local! {
-    /// True on the copy thread: a copy asked for there (by a completion that reads again,
-    /// perhaps waiting for it) runs inline, never queued behind itself.
-    static ON_COPY_THREAD: Cell<bool> = const { Cell::new(false) };
+    /// True where copies run inline: on the copy thread (a copy asked for there, by a
+    /// completion that reads again and perhaps waits for it, is never queued behind itself)
+    /// and on threads that asked for it ([`copy_inline_on_this_thread`]).
+    static INLINE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Large direct reads asked for on this thread run on it, inline, as small ones do. For a
+/// thread that starts many reads at once and completes them together: a vhost-user queue
+/// worker notifies the guest once for a batch whose reads completed while it started them,
+/// where a hop to the copy thread would complete, and notify, each one alone.
+pub fn copy_inline_on_this_thread() {
+    INLINE.with(|c| c.set(true));
 }
 
 /// Reads at least this long go to the copy thread.
@@ -55,7 +64,7 @@ fn worker() -> Option<&'static Sender<Job>> {
         let spawned = std::thread::Builder::new()
             .name("kiln-copy".into())
             .spawn(move || {
-                ON_COPY_THREAD.with(|c| c.set(true));
+                INLINE.with(|c| c.set(true));
                 for job in rx {
                     // A completion that panics must not take the other copies with it.
                     if catch_unwind(AssertUnwindSafe(job)).is_err() {
@@ -74,8 +83,9 @@ fn worker() -> Option<&'static Sender<Job>> {
     .as_ref()
 }
 
-/// Reads into `bufs` at `offset` through `g` on the copy thread (inline if there is none, or
-/// if this is it); the read's completion runs there too.
+/// Reads into `bufs` at `offset` through `g` on the copy thread (inline if there is none, if
+/// this is it, or if this thread asked for inline copies); the read's completion runs there
+/// too.
 /// The buffers travel with the job, so they outlive the copy even if the future is dropped.
 pub fn copy(g: Arc<Grant>, bufs: IoBufs, offset: u64) -> Copy {
     let shared = Arc::new(Mutex::new(Shared::default()));
@@ -93,7 +103,7 @@ pub fn copy(g: Arc<Grant>, bufs: IoBufs, offset: u64) -> Copy {
             w.wake();
         }
     });
-    match worker().filter(|_| !ON_COPY_THREAD.with(|c| c.get())) {
+    match worker().filter(|_| !INLINE.with(|c| c.get())) {
         Some(tx) => {
             if let Err(SendError(job)) = tx.send(job) {
                 job();
@@ -116,5 +126,54 @@ impl Future for Copy {
                 Poll::Pending
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    use super::super::Table;
+    use super::*;
+
+    fn memfd(bytes: &[u8]) -> OwnedFd {
+        // SAFETY: a NUL-terminated name and no flags; the result is checked before it is owned.
+        let fd = unsafe { libc::memfd_create(c"kiln-copier-test".as_ptr(), 0) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+        f.write_all(bytes).unwrap();
+        f.into()
+    }
+
+    /// A current grant (its slot holds its generation, 0) on a file holding `bytes`.
+    fn grant(bytes: &[u8]) -> Arc<Grant> {
+        let table = Table::map(memfd(&[0u8; 64])).unwrap();
+        Arc::new(Grant::new(memfd(bytes), table, 0, 0, 0))
+    }
+
+    fn read(c: Copy) -> Vec<u8> {
+        let (n, bufs) = kiln_layer::exec::block_on(c);
+        assert_eq!(n, Some(LARGE));
+        bufs.into_owned::<Vec<u8>>().unwrap().remove(0)
+    }
+
+    #[test]
+    fn a_thread_that_asked_has_its_large_reads_copied_before_they_return() {
+        let data: Vec<u8> = (0..LARGE).map(|i| (i % 251) as u8).collect();
+        let g = grant(&data);
+        let want = data.clone();
+        std::thread::spawn(move || {
+            // Another thread's read goes to the copy thread, and arrives whole.
+            let c = copy(g.clone(), IoBufs::owned(vec![vec![0u8; LARGE]]), 0);
+            assert!(read(c) == want);
+            copy_inline_on_this_thread();
+            let c = copy(g, IoBufs::owned(vec![vec![0u8; LARGE]]), 0);
+            assert!(lock(&c.0).out.is_some(), "copied before copy() returned");
+            assert!(read(c) == want);
+        })
+        .join()
+        .unwrap();
     }
 }

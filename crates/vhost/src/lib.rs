@@ -38,9 +38,14 @@ use backend::{Blk, Image};
 ///
 /// Prints "kiln vhost-user-blk: serving PATH (SIZE bytes) at SOCKET" once listening, then
 /// serves one QEMU at a time until SIGINT or SIGTERM; when QEMU goes away it waits for the
-/// next (a QEMU with `reconnect=` comes back by itself, and so does the guest's disk if this
-/// process restarts). A brick that restarts is waited for, as the mount and NBD do, not
-/// reported to the guest. A writable device locks the image as `kiln nbd` does (--lock).
+/// next (a QEMU with `reconnect=` comes back by itself). SIGINT and SIGTERM stop it for a
+/// restart: it starts no more requests, lets those started complete, syncs the image and
+/// exits; a new `kiln vhost-user-blk` on the socket then takes over the running guest (QEMU
+/// hands it what the guest asked for meanwhile). A device killed outright (SIGKILL, a crash)
+/// with requests in flight cannot be taken over that way: that needs QEMU's in-flight
+/// tracking, which the vhost-user crates used here do not offer yet. A brick that restarts
+/// is waited for, as the mount and NBD do, not reported to the guest. A writable device
+/// locks the image as `kiln nbd` does (--lock).
 #[derive(clap::Args, Debug, Clone)]
 #[command(verbatim_doc_comment)]
 pub struct VhostArgs {

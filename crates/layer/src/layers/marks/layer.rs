@@ -381,12 +381,9 @@ impl Layer for Marks {
             let key = self.key(path);
             let id = Marks::enter(&key, cx.owner, attrs.size, u64::MAX).await?;
             let r = self.child().setattr(cx, path, attrs).await;
-            if let (Ok(_), Some(s)) = (&r, &cx.change) {
-                // Recorded while still in flight, as a change through a handle is.
-                let now = std::time::Instant::now();
-                key.state().ran.note(s, attrs.size, u64::MAX, now);
-            }
-            Marks::leave(&key, id);
+            // Recorded while still in flight, as a change through a handle is.
+            let ran = cx.change.as_ref().filter(|_| r.is_ok());
+            Marks::leave_noting(&key, id, ran.map(|s| (s, attrs.size, u64::MAX)));
             drop(key);
             r
         })

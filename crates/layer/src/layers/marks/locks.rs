@@ -3,6 +3,8 @@
 
 use std::time::Instant;
 
+use kiln_proto::stamp::Stamp;
+
 use crate::marks::{self as m};
 use crate::{fail, Ctx, Fd, FopResult, Fut};
 
@@ -49,6 +51,16 @@ pub(super) struct Entered<'a> {
 impl Drop for Entered<'_> {
     fn drop(&mut self) {
         Marks::leave(self.key, self.id);
+    }
+}
+
+impl Entered<'_> {
+    /// Leaves, recording the stamped change `[start, end)` that ran ([`super::ran`]) in the
+    /// same hold of the file's state: a barrier that waits for the change finds it recorded.
+    pub(super) fn leave_noting(self, s: &Stamp, start: u64, end: u64) {
+        Marks::leave_noting(self.key, self.id, Some((s, start, end)));
+        // Left already: the guard's own leave must not run again.
+        std::mem::forget(self);
     }
 }
 
@@ -285,7 +297,15 @@ impl Marks {
     }
 
     pub(super) fn leave(key: &FileKey, id: u64) {
+        Marks::leave_noting(key, id, None);
+    }
+
+    /// [`Marks::leave`], recording first, if given, the stamped change that ran.
+    pub(super) fn leave_noting(key: &FileKey, id: u64, ran: Option<(&Stamp, u64, u64)>) {
         let mut st = key.state();
+        if let Some((s, start, end)) = ran {
+            st.ran.note(s, start, end, Instant::now());
+        }
         let mut heal = false;
         if let Some(i) = st.inflight.iter().position(|w| w.id == id) {
             heal = st.inflight.swap_remove(i).heal;
@@ -311,12 +331,12 @@ impl Marks {
         };
         Box::pin(async move {
             let id = Marks::enter_fd(&mfd.key, cx.owner, (mfd.id, mfd.owner), start, end).await?;
-            let _in = Entered { key: &mfd.key, id };
+            let entered = Entered { key: &mfd.key, id };
             let r = call(&mfd.inner).await;
-            if let (Ok(_), Some(s)) = (&r, &cx.change) {
+            match (&r, &cx.change) {
                 // Recorded while still in flight: a barrier raised meanwhile waits for it.
-                let now = Instant::now();
-                mfd.key.state().ran.note(s, start, end, now);
+                (Ok(_), Some(s)) => entered.leave_noting(s, start, end),
+                _ => drop(entered),
             }
             r
         })

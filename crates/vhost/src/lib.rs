@@ -13,7 +13,7 @@ pub mod config;
 pub mod request;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -265,11 +265,15 @@ async fn stop_on_signal(blk: Blk, held: Option<Held>, sock: PathBuf) {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     };
-    tracing::info!("{sig}: stopping");
+    tracing::info!("{sig}: stopping (once the requests in flight complete; again to exit now)");
     let b = blk.clone();
-    let was = tokio::task::spawn_blocking(move || b.stop())
-        .await
-        .unwrap_or(0);
+    let stopped = tokio::task::spawn_blocking(move || b.stop());
+    // Requests wait on bricks that may not come back soon: a second signal does not wait.
+    let was = tokio::select! {
+        r = stopped => r.unwrap_or(0),
+        _ = term.recv() => now(&sock),
+        _ = int.recv() => now(&sock),
+    };
     let img = blk.image();
     if !img.read_only {
         if let Err(e) = img.vol.fsync(&img.fd, false).await {
@@ -286,4 +290,11 @@ async fn stop_on_signal(blk: Blk, held: Option<Held>, sock: PathBuf) {
     }
     let _ = std::fs::remove_file(&sock);
     std::process::exit(0);
+}
+
+/// A second SIGINT or SIGTERM while stopping: exits at once, requests in flight or not.
+fn now(sock: &Path) -> ! {
+    tracing::warn!("signalled again: exiting without waiting for the requests in flight");
+    let _ = std::fs::remove_file(sock);
+    std::process::exit(1);
 }

@@ -38,7 +38,7 @@ use std::future::Future;
 
 /// `block_on` runs a future to completion on the calling thread (for tools and tests without a
 /// runtime); `spawn` starts one that is polled from then on by whoever wakes it.
-pub use kiln_layer::exec::{block_on, spawn};
+pub use kiln_layer::exec::{block_on, block_on_noting, spawn};
 
 /// Runs several futures concurrently on the calling thread and returns their outputs in order:
 /// the way to keep many requests in flight without an async runtime.

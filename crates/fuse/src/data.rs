@@ -5,7 +5,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use fuser::{Errno, FileHandle, INodeNo, ReplyData, ReplyEmpty, ReplyWrite};
-use kiln_client::{block_on, RawIov};
+use kiln_client::RawIov;
+
+use crate::gate::{self, block_on};
 use kiln_proto::Cred;
 
 use crate::behind::Hold;
@@ -89,14 +91,14 @@ impl KilnFs {
         // What was held goes first (its error is its writer's to hear; this write goes on).
         let _ = self.send_behind(ino.0);
         let bufs = [IoSlice::new(data)];
-        let r = match by {
+        let r = gate::waiting(|| match by {
             // The common case (root, or the writeback cache) takes no view of the stack.
             None => self.vol.pwritev_blocking(&fd, &bufs, offset),
             by => self
                 .vol
                 .on_behalf_of(by)
                 .pwritev_blocking(&fd, &bufs, offset),
-        }
+        })
         .map_err(errno);
         self.files.changed_done();
         self.touched(ino.0);
@@ -118,10 +120,10 @@ impl KilnFs {
             return Ok(());
         };
         let bufs = [IoSlice::new(&h.data)];
-        let r = match &h.by {
+        let r = gate::waiting(|| match &h.by {
             None => self.vol.pwritev_blocking(&h.fd, &bufs, h.offset),
             by => (self.vol.on_behalf_of(by.clone())).pwritev_blocking(&h.fd, &bufs, h.offset),
-        };
+        });
         self.behind.sent(ino);
         self.touched(ino);
         let e = match r {

@@ -6,7 +6,9 @@ use fuser::{
     Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, ReplyDirectory,
     ReplyDirectoryPlus, ReplyOpen, Request,
 };
-use kiln_client::{block_on, DirEntry, Volume};
+use kiln_client::{DirEntry, Volume};
+
+use crate::gate::block_on;
 
 use crate::ahead::{Job, Listing};
 use crate::convert::{errno, kind};

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use fuser::{Errno, FileHandle, ReplyData};
-use kiln_client::{block_on, Fd, Volume};
+use kiln_client::{Fd, Volume};
+
+use crate::gate::block_on;
 
 use crate::convert::errno;
 use crate::KilnFs;

@@ -31,9 +31,11 @@ mod data;
 mod dirs;
 mod files;
 mod fresh;
+mod gate;
 pub mod inodes;
 mod known;
 mod mount;
+mod options;
 mod passthrough;
 mod smalls;
 #[cfg(test)]
@@ -56,7 +58,9 @@ use fuser::{
     ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
     ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
-use kiln_client::{block_on, Attr, DirEntry, Fd, Opened, SetAttrs, Volume};
+use kiln_client::{Attr, DirEntry, Fd, Opened, SetAttrs, Volume};
+
+use crate::gate::block_on;
 use kiln_proto::ops::*;
 
 use crate::bufs::BufPool;
@@ -128,6 +132,8 @@ pub struct KilnFs {
     write_behind: bool,
     /// What the mount answered itself (see [`Counters`]).
     counters: Arc<Counters>,
+    /// Which FUSE threads wait on the kernel (see [`gate`]).
+    gate: Arc<gate::Gate>,
 }
 
 impl KilnFs {
@@ -162,54 +168,13 @@ impl KilnFs {
             behind: behind::Behind::default(),
             write_behind: mode == Mode::General,
             counters: Arc::default(),
+            gate: gate::Gate::new(1),
         })
     }
 
     /// Counts of what this mount does, readable while it serves.
     pub fn counters(&self) -> Arc<Counters> {
         self.counters.clone()
-    }
-
-    /// With `on` false, every read goes through this process even where the kernel could read
-    /// the brick's file itself (passthrough is on by default in vm-image mode).
-    pub fn with_passthrough(self, on: bool) -> KilnFs {
-        if !on {
-            self.pass.off("--passthrough off");
-        }
-        self
-    }
-
-    /// With `on` (general mode), the kernel gathers writes in its page cache and sends them
-    /// later (FUSE writeback caching). It then keeps its own idea of each file's size and
-    /// mtime, so other clients' changes to a file it holds are not seen: for a tree only this
-    /// mount writes. Off, writes go through at once and close-to-open holds (see [`fresh`]).
-    pub fn with_writeback_cache(mut self, on: bool) -> KilnFs {
-        self.writeback = on && self.mode == Mode::General;
-        self.write_behind &= !self.writeback;
-        self
-    }
-
-    /// With `on` (general mode, without the writeback cache), writes that continue a file's
-    /// last one are held and sent together (see [`behind`]).
-    pub fn with_write_behind(mut self, on: bool) -> KilnFs {
-        self.write_behind = on && self.mode == Mode::General && !self.writeback;
-        self
-    }
-
-    /// With `on`, POSIX ACLs are stored on the bricks and enforced by the kernel; without, the
-    /// mount does not support them (see [`xattr`]).
-    pub fn with_acl(mut self, on: bool) -> KilnFs {
-        self.acl = on;
-        self
-    }
-
-    /// Read-only opens (general mode) of files of at most `max` bytes fetch them whole with
-    /// the open (see [`files`]); 0 turns that off.
-    pub fn with_small_file_max(mut self, max: u32) -> KilnFs {
-        if self.mode == Mode::General {
-            self.small_max = max.min(MAX_IO);
-        }
-        self
     }
 
     /// The volume on behalf of the request's caller: name and metadata fops run on the bricks
@@ -431,6 +396,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _g = self.gate.enter();
         let path = match self.child(parent, name) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
@@ -452,6 +418,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _g = self.gate.enter();
         let _ = self.send_behind(ino.0);
         let r = match fh {
             Some(fh) if ino.0 != ROOT && !matches!(self.open_fd(fh), Ok(None)) => {
@@ -503,6 +470,7 @@ impl fuser::Filesystem for KilnFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let _g = self.gate.enter();
         let mut set = SetAttrs::default();
         if let Some(m) = mode {
             set.valid |= SETATTR_MODE;
@@ -565,6 +533,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn readlink(&self, req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _g = self.gate.enter();
         match self
             .path(ino)
             .map(|p| block_on(self.caller(req).readlink(&p)))
@@ -584,6 +553,7 @@ impl fuser::Filesystem for KilnFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        let _g = self.gate.enter();
         let path = match self.child(parent, name) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
@@ -610,6 +580,7 @@ impl fuser::Filesystem for KilnFs {
         rdev: u32,
         reply: ReplyEntry,
     ) {
+        let _g = self.gate.enter();
         let path = match self.child(parent, name) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
@@ -624,10 +595,12 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _g = self.gate.enter();
         self.remove(req, parent, name, false, reply)
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _g = self.gate.enter();
         self.remove(req, parent, name, true, reply)
     }
 
@@ -639,6 +612,7 @@ impl fuser::Filesystem for KilnFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        let _g = self.gate.enter();
         let (path, target) = match (self.child(parent, link_name), target.to_str()) {
             (Ok(p), Some(t)) => (p, t),
             (Err(e), _) => return reply.error(e),
@@ -662,6 +636,7 @@ impl fuser::Filesystem for KilnFs {
         flags: fuser::RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let _g = self.gate.enter();
         let (from, to) = match (self.child(parent, name), self.child(newparent, newname)) {
             (Ok(f), Ok(t)) => (f, t),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
@@ -699,6 +674,7 @@ impl fuser::Filesystem for KilnFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _g = self.gate.enter();
         let (existing, path) = match (self.path(ino), self.child(newparent, newname)) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) => return reply.error(e),
@@ -713,6 +689,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: fuser::OpenFlags, reply: ReplyOpen) {
+        let _g = self.gate.enter();
         let path = match self.path(ino) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
@@ -772,6 +749,7 @@ impl fuser::Filesystem for KilnFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        let _g = self.gate.enter();
         let path = match self.child(parent, name) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
@@ -807,6 +785,7 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
+        let _g = self.gate.enter();
         self.data_read(ino, fh, offset, size, reply)
     }
 
@@ -822,6 +801,7 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyWrite,
     ) {
+        let _g = self.gate.enter();
         let by = if write_flags.contains(fuser::WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             self.callers.cred(req.pid(), req.uid(), req.gid())
         } else {
@@ -838,6 +818,7 @@ impl fuser::Filesystem for KilnFs {
         _lock_owner: fuser::LockOwner,
         reply: ReplyEmpty,
     ) {
+        let _g = self.gate.enter();
         self.data_flush(ino, fh, reply)
     }
 
@@ -851,6 +832,7 @@ impl fuser::Filesystem for KilnFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        let _g = self.gate.enter();
         self.data_release(fh, reply)
     }
 
@@ -862,10 +844,12 @@ impl fuser::Filesystem for KilnFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _g = self.gate.enter();
         self.data_fsync(ino, fh, datasync, reply)
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: fuser::OpenFlags, reply: ReplyOpen) {
+        let _g = self.gate.enter();
         self.dir_open(req, ino, reply)
     }
 
@@ -877,6 +861,7 @@ impl fuser::Filesystem for KilnFs {
         offset: u64,
         reply: ReplyDirectory,
     ) {
+        let _g = self.gate.enter();
         self.dir_read(ino, fh, offset, reply)
     }
 
@@ -888,6 +873,7 @@ impl fuser::Filesystem for KilnFs {
         offset: u64,
         reply: ReplyDirectoryPlus,
     ) {
+        let _g = self.gate.enter();
         self.dir_read_plus(ino, fh, offset, reply)
     }
 
@@ -899,6 +885,7 @@ impl fuser::Filesystem for KilnFs {
         _flags: fuser::OpenFlags,
         reply: ReplyEmpty,
     ) {
+        let _g = self.gate.enter();
         self.dirs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -907,6 +894,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let _g = self.gate.enter();
         match block_on(self.caller(req).statfs("")) {
             Ok(s) => reply.statfs(
                 s.blocks,
@@ -932,22 +920,27 @@ impl fuser::Filesystem for KilnFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        let _g = self.gate.enter();
         self.xattr_set(req, ino, name, value, flags, reply)
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let _g = self.gate.enter();
         self.xattr_get(req, ino, name, size, reply)
     }
 
     fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let _g = self.gate.enter();
         self.xattr_list(req, ino, size, reply)
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _g = self.gate.enter();
         self.xattr_remove(req, ino, name, reply)
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {
+        let _g = self.gate.enter();
         // Permissions are checked by the kernel (default_permissions).
         reply.ok()
     }
@@ -962,6 +955,7 @@ impl fuser::Filesystem for KilnFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        let _g = self.gate.enter();
         let _ = self.send_behind(ino.0);
         self.files.changing(ino.0);
         let r = self.fd(fh).and_then(|f| {

@@ -132,6 +132,8 @@ pub fn serve_background_with(
     // refuse requests from anyone but the mounting user with EACCES. Access is checked by the
     // kernel (default_permissions) and by the bricks, which act as the caller.
     config.acl = fuser::SessionACL::All;
+    let mut fs = fs;
+    fs.gate = crate::gate::Gate::new(threads.max(1));
     config.n_threads = Some(threads.max(1));
     config.clone_fd = true;
     let fresh = fs.fresh.clone();

@@ -18,7 +18,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use fuser::{BackingId, FileHandle, FopenFlags, ReplyOpen};
-use kiln_client::{block_on, Fd, Volume};
+use kiln_client::{Fd, Volume};
+
+use crate::gate::block_on;
 
 /// One inode's backing file, while it is open.
 struct Backed {

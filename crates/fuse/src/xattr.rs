@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::gate::block_on;
 use fuser::{Errno, INodeNo, ReplyEmpty, ReplyXattr, Request};
-use kiln_client::block_on;
 
 use crate::convert::errno;
 use crate::KilnFs;

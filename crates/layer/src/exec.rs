@@ -72,6 +72,12 @@ pub fn spawn(fut: impl Future<Output = ()> + Send + 'static) {
 
 /// Blocks the calling thread until `fut` completes (the blocking API's bridge).
 pub fn block_on<F: Future>(fut: F) -> F::Output {
+    block_on_noting(fut, || {})
+}
+
+/// [`block_on`], calling `parking` once, the first time the thread is about to wait (never
+/// when `fut` completes at its first poll).
+pub fn block_on_noting<F: Future>(fut: F, parking: impl FnOnce()) -> F::Output {
     struct Unpark(std::thread::Thread);
     impl Wake for Unpark {
         fn wake(self: Arc<Self>) {
@@ -81,9 +87,13 @@ pub fn block_on<F: Future>(fut: F) -> F::Output {
     let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
     let mut cx = Context::from_waker(&waker);
     let mut fut = std::pin::pin!(fut);
+    let mut parking = Some(parking);
     loop {
         if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
             return v;
+        }
+        if let Some(f) = parking.take() {
+            f();
         }
         std::thread::park();
     }

@@ -179,7 +179,8 @@ impl KilnFs {
         }
     }
 
-    /// RELEASE: the handle is closed on the brick (after FLUSH, so nothing is held).
+    /// RELEASE: the handle is closed on the brick (after FLUSH, so nothing is held), without
+    /// holding this FUSE thread.
     pub(crate) fn data_release(&self, fh: FileHandle, reply: ReplyEmpty) {
         let Some(files::OpenFile { held, ino, backed }) = self.files.remove(fh.0) else {
             return reply.error(Errno::EBADF);
@@ -197,9 +198,15 @@ impl KilnFs {
         if backed {
             self.pass.released(&self.vol, ino);
         }
-        match block_on(self.vol.close(fd)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        // Answered when the brick has closed it, from the thread that completes the close:
+        // nobody waits for a RELEASE (the kernel sends it after close(2) returned), so no FUSE
+        // thread has to either.
+        let vol = self.vol.clone();
+        kiln_client::spawn(async move {
+            match vol.close(fd).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(e)),
+            }
+        });
     }
 }

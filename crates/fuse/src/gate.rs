@@ -9,11 +9,12 @@
 //!
 //! The threads are there so that requests waiting on a brick (a lookup, a write) do not hold
 //! up the others. So a thread *holds a place* while it waits on the kernel or works on a
-//! request, and gives it up when it is about to wait on a brick ([`block_on`], [`waiting`]);
-//! a thread that gave its place up, or that finds more than [`READERS`] holding when it has
-//! answered, parks (after its answer is sent) until a place is free — unless other threads
-//! wait on bricks (see [`State::parks`]). Up to `--threads` requests still wait on bricks at
-//! once, while a serial workload has two threads waiting on the kernel.
+//! request, and gives it up when it is about to wait on a brick ([`block_on`], [`waiting`]),
+//! waking a parked thread if no other waits on the kernel. A thread that has answered parks
+//! (its answer sent) while another waits on the kernel and [`READERS`] hold places (see
+//! [`State::parks`]). A serial workload then has two threads waiting on the kernel; a burst
+//! (writes in flight, where every holder is at work) still gets up to `--threads` requests
+//! waiting on bricks at once.
 //!
 //! A parked thread also goes back to the kernel after a second, and every parked thread does as
 //! soon as any FUSE thread ends: at unmount they must see the session end too.
@@ -23,8 +24,8 @@ use std::future::Future;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-/// Threads waiting on the kernel (or working without waiting on a brick), at most, in the
-/// steady state.
+/// Threads holding places (waiting on the kernel, or working without waiting on a brick)
+/// past which one that has answered parks.
 pub(crate) const READERS: usize = 2;
 /// A parked thread's longest sleep: it then waits on the kernel anyway.
 const PARKED_MAX: Duration = Duration::from_secs(1);
@@ -38,6 +39,8 @@ pub(crate) struct Gate {
 struct State {
     /// Threads holding a place.
     held: usize,
+    /// Of those, the ones working on a request (the others wait on the kernel).
+    busy: usize,
     /// Threads waiting on a brick (their places given up).
     blocked: usize,
     /// A FUSE thread ended (the session is over): nobody parks from now on.
@@ -45,11 +48,11 @@ struct State {
 }
 
 impl State {
-    /// A thread that has answered its request parks only when enough others hold places and
-    /// none waits on a brick: while some do (writes in flight, a parallel build's lookups),
-    /// requests come in bursts, and every thread waits on the kernel, as without the gate.
+    /// A thread without a place parks while another waits on the kernel for the next request
+    /// and `READERS` hold places: when none waits there (every holder is at work, as in a
+    /// burst of writes), it goes back to the kernel, as without the gate.
     fn parks(&self) -> bool {
-        self.held >= READERS && self.blocked == 0 && !self.ended
+        self.held > self.busy && self.held >= READERS && !self.ended
     }
 }
 
@@ -78,6 +81,7 @@ impl Gate {
         Arc::new(Gate {
             state: Mutex::new(State {
                 held: threads,
+                busy: 0,
                 blocked: 0,
                 ended: false,
             }),
@@ -102,25 +106,22 @@ impl Gate {
                 });
             }
         });
+        self.state().busy += 1;
         Entered(())
     }
 
     /// This thread is about to wait on a brick; `held`: it gives its place up (it may have
     /// done so for an earlier wait of the same request). A parked thread is woken to take it
-    /// when no thread is left waiting on the kernel; waking one while another still waits
-    /// there would cost a context switch for nothing in a serial workload. When another
-    /// thread waits on a brick too, requests come in a burst (writes in flight, a parallel
-    /// build's lookups): then every parked thread goes back to the kernel, and they park again
-    /// only once no thread waits on a brick.
+    /// only when no other thread waits on the kernel: waking one while another waits there
+    /// would cost a context switch for nothing in a serial workload.
     fn blocks(&self, held: bool) {
         let mut s = self.state();
         if held {
             s.held = s.held.saturating_sub(1);
+            s.busy = s.busy.saturating_sub(1);
         }
         s.blocked += 1;
-        if s.blocked == 2 {
-            self.freed.notify_all();
-        } else if s.held == 0 {
+        if s.held == s.busy {
             self.freed.notify_one();
         }
     }
@@ -136,10 +137,8 @@ impl Gate {
     fn settle(&self, holds: bool) {
         let mut s = self.state();
         if holds {
-            if !s.parks() || s.held <= READERS {
-                return; // the common case: straight back to the kernel
-            }
-            s.held -= 1;
+            s.busy = s.busy.saturating_sub(1);
+            s.held -= 1; // taken again below, unless it parks
         }
         while s.parks() {
             let (next, waited) = self
@@ -280,29 +279,35 @@ mod tests {
     }
 
     #[test]
-    fn while_a_thread_waits_on_a_brick_nobody_parks() {
-        // One more than READERS stay after the waiter gives its place up.
-        let gate = Gate::new(READERS + 2);
-        let go = Arc::new((Mutex::new(None), std::sync::atomic::AtomicBool::new(false)));
-        let g = go.clone();
-        let waiter = fuse_thread(&gate, move |gate| {
-            let _e = gate.enter();
-            block_on(until(g));
-        });
-        while gate.state().blocked != 1 {
+    fn while_every_other_holder_is_at_work_nobody_parks() {
+        // One more holder than READERS: one answering would park if another waited on the
+        // kernel.
+        let gate = Gate::new(READERS + 1);
+        // READERS threads work on requests (not waiting on a brick) until told to answer.
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let wait = Arc::new(Mutex::new(wait));
+        let workers: Vec<_> = (0..READERS)
+            .map(|_| {
+                let w = wait.clone();
+                fuse_thread(&gate, move |g| {
+                    let _e = g.enter();
+                    let _ = w.lock().unwrap().recv();
+                })
+            })
+            .collect();
+        while gate.state().busy != READERS {
             std::thread::yield_now();
         }
-        // READERS hold places and one thread waits on a brick: one answering now goes
-        // straight back to the kernel (a burst), where without the waiter it would park.
+        // A burst: nobody waits on the kernel, so one answering goes straight back there.
         let t = std::time::Instant::now();
         fuse_thread(&gate, |g| drop(g.enter())).join().unwrap();
         assert!(t.elapsed() < PARKED_MAX / 2, "it did not park");
-        go.1.store(true, std::sync::atomic::Ordering::Release);
-        if let Some(k) = go.0.lock().unwrap().take() {
-            k.wake();
+        for _ in &workers {
+            go.send(()).unwrap();
         }
-        waiter.join().unwrap();
-        assert_eq!(gate.state().blocked, 0);
+        for w in workers {
+            w.join().unwrap();
+        }
     }
 
     #[test]

@@ -80,8 +80,13 @@ impl SmallFs {
 }
 
 impl Drop for SmallFs {
+    /// Lazily: the brick server may still hold a file there as it shuts down, and a plain
+    /// umount would then fail and leave the tmpfs mounted for good.
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
     }
 }
 

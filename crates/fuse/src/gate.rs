@@ -41,8 +41,6 @@ struct State {
     held: usize,
     /// Of those, the ones working on a request (the others wait on the kernel).
     busy: usize,
-    /// Threads waiting on a brick (their places given up).
-    blocked: usize,
     /// A FUSE thread ended (the session is over): nobody parks from now on.
     ended: bool,
 }
@@ -82,7 +80,6 @@ impl Gate {
             state: Mutex::new(State {
                 held: threads,
                 busy: 0,
-                blocked: 0,
                 ended: false,
             }),
             freed: Condvar::new(),
@@ -115,21 +112,15 @@ impl Gate {
     /// only when no other thread waits on the kernel: waking one while another waits there
     /// would cost a context switch for nothing in a serial workload.
     fn blocks(&self, held: bool) {
-        let mut s = self.state();
-        if held {
-            s.held = s.held.saturating_sub(1);
-            s.busy = s.busy.saturating_sub(1);
+        if !held {
+            return;
         }
-        s.blocked += 1;
+        let mut s = self.state();
+        s.held = s.held.saturating_sub(1);
+        s.busy = s.busy.saturating_sub(1);
         if s.held == s.busy {
             self.freed.notify_one();
         }
-    }
-
-    /// The brick answered what this thread waited on.
-    fn unblocks(&self) {
-        let mut s = self.state();
-        s.blocked = s.blocked.saturating_sub(1);
     }
 
     /// A thread has answered its request; `holds`: whether it holds a place. It goes back to
@@ -174,34 +165,24 @@ impl Drop for Entered {
 /// [`kiln_client::block_on`] on a FUSE thread: if `fut` has to wait, this thread gives its
 /// place up first (see [`Gate::blocks`]), so the kernel's next request need not wait for it.
 pub(crate) fn block_on<F: Future>(fut: F) -> F::Output {
-    let mut gave = None;
-    let out = kiln_client::block_on_noting(fut, || gave = give_up());
-    if let Some(gate) = gave {
-        gate.unblocks();
-    }
-    out
+    kiln_client::block_on_noting(fut, give_up)
 }
 
 /// This FUSE thread is about to wait on a brick and gives its place up, if it still holds
-/// one (see [`Gate::blocks`]); its gate, unless it is not a FUSE thread.
-fn give_up() -> Option<Arc<Gate>> {
+/// one (see [`Gate::blocks`]); nothing on other threads.
+fn give_up() {
     MINE.with(|m| {
-        let mut m = m.borrow_mut();
-        let mine = m.as_mut()?;
-        mine.gate.blocks(std::mem::replace(&mut mine.holds, false));
-        Some(mine.gate.clone())
+        if let Some(mine) = m.borrow_mut().as_mut() {
+            mine.gate.blocks(std::mem::replace(&mut mine.holds, false));
+        }
     })
 }
 
 /// Runs `wait`, which waits on a brick (a blocking write), having given this thread's place
 /// up as [`block_on`] does.
 pub(crate) fn waiting<T>(wait: impl FnOnce() -> T) -> T {
-    let gave = give_up();
-    let out = wait();
-    if let Some(gate) = gave {
-        gate.unblocks();
-    }
-    out
+    give_up();
+    wait()
 }
 
 #[cfg(test)]
@@ -259,10 +240,10 @@ mod tests {
                 block_on(until(g));
             });
             waiters.push((go, t));
-            while gate.state().blocked != READERS - left {
-                std::thread::yield_now();
-            }
             if left > 0 {
+                while gate.state().held != left {
+                    std::thread::yield_now();
+                }
                 assert!(rx.recv_timeout(Duration::from_millis(100)).is_err());
             }
         }

@@ -58,7 +58,14 @@ struct State<T> {
     queue: VecDeque<(String, Job<T>)>,
     queued: HashSet<String>,
     cost: usize,
+    /// The last [`TAKEN_KEPT`] paths taken, oldest first: a walk that reaches them again
+    /// while another thread is using them does not fetch them a second time.
+    taken: VecDeque<String>,
+    taken_set: HashSet<String>,
 }
+
+/// Paths taken that are remembered (a few times the files a walk fetches ahead).
+const TAKEN_KEPT: usize = 64;
 
 impl Listings {
     /// Listings used within `ttl` of their fetch.
@@ -83,6 +90,8 @@ impl<T: Send + 'static> Ahead<T> {
                 queue: VecDeque::new(),
                 queued: HashSet::new(),
                 cost: 0,
+                taken: VecDeque::new(),
+                taken_set: HashSet::new(),
             }),
             busy: AtomicUsize::new(0),
             ttl,
@@ -126,6 +135,14 @@ impl<T: Send + 'static> Ahead<T> {
         let mut s = self.state();
         let (t, cost, at) = s.ready.remove(path)?;
         s.cost -= cost;
+        if s.taken.len() >= TAKEN_KEPT {
+            if let Some(old) = s.taken.pop_front() {
+                s.taken_set.remove(&old);
+            }
+        }
+        if s.taken_set.insert(path.to_owned()) {
+            s.taken.push_back(path.to_owned());
+        }
         let starts = self.next(&mut s);
         self.count(&s);
         drop(s);
@@ -180,7 +197,7 @@ impl<T: Send + 'static> Ahead<T> {
     }
 
     /// Fetches `paths` ahead, in order, as room allows, each with the job `fetch` makes for
-    /// it; paths already held, fetching or queued are skipped (and make no job).
+    /// it; paths already held, fetching, queued or just taken are skipped (and make no job).
     pub fn want(
         self: &Arc<Self>,
         paths: impl IntoIterator<Item = String>,
@@ -196,7 +213,7 @@ impl<T: Send + 'static> Ahead<T> {
                 break;
             }
             let known = s.ready.contains_key(&path) || s.running.contains_key(&path);
-            if known || s.queued.contains(&path) {
+            if known || s.queued.contains(&path) || s.taken_set.contains(&path) {
                 continue;
             }
             let job = fetch(&path);
@@ -294,6 +311,8 @@ mod tests {
         assert!(a.has("x"));
         assert_eq!(a.take("x"), Some(1));
         assert_eq!(a.take("x"), None, "used once");
+        a.want(["x".to_owned()], |_| ready(5));
+        assert_eq!(a.take("x"), None, "and not fetched again at once");
         a.spoil("y");
         assert_eq!(a.take("y"), None, "spoiled");
         a.want(["d/e".to_owned(), "de".to_owned()], |_| ready(4));

@@ -13,8 +13,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use fuser::{Errno, FileHandle, ReplyData};
-use kiln_client::{Fd, Volume};
+use fuser::{Errno, FileHandle, FopenFlags, ReplyData, ReplyOpen};
+use kiln_client::{Fd, Opened, Volume};
 
 use crate::gate::block_on;
 
@@ -216,6 +216,46 @@ impl Whole {
 }
 
 impl KilnFs {
+    /// Answers an open of inode `ino` at `path` with `flags` by `caller`, which the stack
+    /// answered with `opened`: a whole small file is stored in the page cache first when it
+    /// can be (the open then keeps the cache); a handle may be backed by the brick's file
+    /// ([`crate::passthrough`]). `seen` is [`Files::changes`] from before the stack was
+    /// asked; `ff` the open's flags.
+    pub(crate) fn opened(
+        &self,
+        ino: u64,
+        (path, flags): (&str, i32),
+        caller: &Volume,
+        opened: Opened,
+        (seen, ff): (u64, FopenFlags),
+        reply: ReplyOpen,
+    ) {
+        match opened {
+            Opened::Whole(data) => {
+                let sized = self.fresh.opened(ino, Some(data.len() as u64));
+                let ff = match sized && self.store_whole(ino, &data, seen) {
+                    true => ff | FopenFlags::FOPEN_KEEP_CACHE,
+                    false => ff,
+                };
+                let whole = Whole::new(data, caller.clone());
+                let fh = self.files.add_whole(ino, whole, seen);
+                reply.opened(FileHandle(fh), ff)
+            }
+            Opened::Fd(fd) => {
+                if self.mode == crate::Mode::General && !self.writeback {
+                    let _ = self.fresh.opened(ino, None);
+                }
+                // Older whole-file handles must not fill the shared page cache now.
+                self.files.changed(ino);
+                let fh = FileHandle(self.files.add(ino, Held::Fd(fd.clone())));
+                let at = (ino, path, flags, &fd);
+                // Marked before the answer goes: its release may come at once.
+                let backed = || self.files.mark_backed(fh.0);
+                self.pass.open(&self.vol, at, fh, ff, reply, backed);
+            }
+        }
+    }
+
     /// Puts the whole content `data` of inode `ino`, read by an open that began at change
     /// count `seen`, into the kernel's page cache (`FUSE_NOTIFY_STORE`) before the open is
     /// answered, so that the opener's reads need no READ: true if it is there, and the open

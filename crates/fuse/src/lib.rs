@@ -704,38 +704,27 @@ impl fuser::Filesystem for KilnFs {
         };
         let caller = self.caller(req);
         let seen = self.files.changes();
-        let opened = if small {
-            match self.small_ahead(&caller, &path, ino.0) {
-                Some(data) => Ok(Opened::Whole(data)),
-                None => block_on(caller.open_small(&path, flags, self.small_max)),
+        let taken = match small {
+            true => self.small_taken(&path, ino.0),
+            false => None,
+        };
+        let hit = taken.is_some();
+        let opened = match taken {
+            Some(data) => Ok(Opened::Whole(data)),
+            None if small => {
+                // The next files' fetches go out first, to run beside this one's.
+                self.small_next(&caller, &path);
+                block_on(caller.open_small(&path, flags, self.small_max))
             }
-        } else {
-            block_on(caller.open(&path, flags)).map(Opened::Fd)
+            None => block_on(caller.open(&path, flags)).map(Opened::Fd),
         };
         match opened {
-            Ok(Opened::Whole(data)) => {
-                let sized = self.fresh.opened(ino.0, Some(data.len() as u64));
-                let ff = match sized && self.store_whole(ino.0, &data, seen) {
-                    true => ff | FopenFlags::FOPEN_KEEP_CACHE,
-                    false => ff,
-                };
-                let whole = files::Whole::new(data, caller);
-                let fh = self.files.add_whole(ino.0, whole, seen);
-                reply.opened(FileHandle(fh), ff)
-            }
-            Ok(Opened::Fd(fd)) => {
-                if self.mode == Mode::General && !self.writeback {
-                    let _ = self.fresh.opened(ino.0, None);
-                }
-                // Older whole-file handles must not fill the shared page cache now.
-                self.files.changed(ino.0);
-                let fh = FileHandle(self.register_open(ino.0, fd.clone()));
-                let at = (ino.0, path.as_str(), flags, &fd);
-                // Marked before the answer goes: its release may come at once.
-                let backed = || self.files.mark_backed(fh.0);
-                self.pass.open(&self.vol, at, fh, ff, reply, backed);
-            }
+            Ok(o) => self.opened(ino.0, (&path, flags), &caller, o, (seen, ff), reply),
             Err(e) => reply.error(errno(e)),
+        }
+        // Found fetched ahead: the reader was answered before the next fetches go out.
+        if hit {
+            self.small_next(&caller, &path);
         }
     }
 

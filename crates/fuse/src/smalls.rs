@@ -30,10 +30,18 @@ pub(crate) struct Recent {
     dirs: Mutex<HashMap<String, Arc<Entries>>>,
 }
 
-/// An entry a walk may go through: a small regular file (its FUSE inode) or a directory.
+/// An entry a walk may go through: a small regular file (its FUSE inode and listed size) or
+/// a directory.
 enum Step {
-    Small(u64),
+    Small(u64, u64),
     Dir,
+}
+
+/// A small file a walk reaches next: its path, FUSE inode and listed size.
+struct Next {
+    path: String,
+    ino: u64,
+    size: u64,
 }
 
 struct Entries {
@@ -53,9 +61,10 @@ impl KilnFs {
         let list: Vec<(String, Step)> = entries
             .iter()
             .filter_map(|e| match kind(e.attr.mode) {
-                fuser::FileType::RegularFile if e.attr.size <= self.small_max as u64 => {
-                    Some((e.name.clone(), Step::Small(self.fuse_ino(e.attr.ino))))
-                }
+                fuser::FileType::RegularFile if e.attr.size <= self.small_max as u64 => Some((
+                    e.name.clone(),
+                    Step::Small(self.fuse_ino(e.attr.ino), e.attr.size),
+                )),
                 fuser::FileType::Directory => Some((e.name.clone(), Step::Dir)),
                 _ => None,
             })
@@ -63,7 +72,7 @@ impl KilnFs {
         let at = list
             .iter()
             .enumerate()
-            .filter(|(_, (_, s))| matches!(s, Step::Small(_)))
+            .filter(|(_, (_, s))| matches!(s, Step::Small(..)))
             .map(|(i, (n, _))| (n.clone(), i))
             .collect();
         let mut d = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
@@ -73,10 +82,10 @@ impl KilnFs {
         d.insert(dir.to_owned(), Arc::new(Entries { list, at }));
     }
 
-    /// The small files (path, FUSE inode) a depth-first walk reaches after `name` in `dir`,
-    /// at most [`AHEAD`]: the directory's later entries, descending into each subdirectory
-    /// whose listing is known, then back up into the parents' later entries.
-    fn walk_after(&self, dir: &str, name: &str) -> Vec<(String, u64)> {
+    /// The small files a depth-first walk reaches after `name` in `dir`, at most [`AHEAD`]:
+    /// the directory's later entries, descending into each subdirectory whose listing is
+    /// known, then back up into the parents' later entries.
+    fn walk_after(&self, dir: &str, name: &str) -> Vec<Next> {
         let recent = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
         let Some(here) = recent.get(dir) else {
             return Vec::new();
@@ -94,8 +103,12 @@ impl KilnFs {
             };
             *k += 1;
             match step {
-                Step::Small(ino) => {
-                    out.push((join(path, name), *ino));
+                Step::Small(ino, size) => {
+                    out.push(Next {
+                        path: join(path, name),
+                        ino: *ino,
+                        size: *size,
+                    });
                     if out.len() == AHEAD {
                         break;
                     }
@@ -114,10 +127,10 @@ impl KilnFs {
         out
     }
 
-    /// A read-only open of small file `path` (inode `ino`) by `caller`: its content if it
-    /// was fetched ahead; and the small files a walk reaches next are fetched ahead now.
-    pub(crate) fn small_ahead(&self, caller: &Volume, path: &str, ino: u64) -> Option<Vec<u8>> {
-        let got = match self.contents.take(path) {
+    /// A read-only open of small file `path` (inode `ino`): its content, if it was fetched
+    /// ahead.
+    pub(crate) fn small_taken(&self, path: &str, ino: u64) -> Option<Vec<u8>> {
+        match self.contents.take(path) {
             Some((i, data)) if i == ino => {
                 self.counters
                     .fetched_ahead
@@ -125,26 +138,34 @@ impl KilnFs {
                 Some(data)
             }
             _ => None,
-        };
+        }
+    }
+
+    /// Small file `path` was opened read-only by `caller`: the small files a walk reaches
+    /// next are fetched ahead now (those not held or on their way already).
+    pub(crate) fn small_next(&self, caller: &Volume, path: &str) {
         let (dir, name) = split(path);
         let next = self.walk_after(dir, name);
         if next.is_empty() {
-            return got;
+            return;
         }
-        let max = self.small_max;
-        let inos: HashMap<&str, u64> = next.iter().map(|(p, ino)| (p.as_str(), *ino)).collect();
-        let paths = next.iter().map(|(p, _)| p.clone());
+        let max = self.small_max as u64;
+        let by_path: HashMap<&str, &Next> = next.iter().map(|n| (n.path.as_str(), n)).collect();
+        let paths = next.iter().map(|n| n.path.clone());
         self.contents.want(paths, |p| {
-            let ino = inos.get(p).copied().unwrap_or(0);
+            let (ino, size) = by_path.get(p).map_or((0, max), |n| (n.ino, n.size));
+            // Room for the size listed, in whole pages: a file that grew a little still
+            // fits, and one that grew past it comes back as a handle (below).
+            let room = size.max(1).next_multiple_of(4096).min(max) as u32;
             let (vol, at) = (caller.clone(), p.to_owned());
             let job: Job<Content> = Box::new(move || {
                 Box::pin(async move {
-                    match vol.open_small(&at, libc::O_RDONLY, max).await.ok()? {
+                    match vol.open_small(&at, libc::O_RDONLY, room).await.ok()? {
                         Opened::Whole(data) => {
                             let cost = data.len().max(1);
                             Some(((ino, data), cost))
                         }
-                        // Grown past the limit: not fetched ahead after all.
+                        // Grown past the room: not fetched ahead after all.
                         Opened::Fd(fd) => {
                             let _ = vol.close(fd).await;
                             None
@@ -154,6 +175,5 @@ impl KilnFs {
             });
             job
         });
-        got
     }
 }

@@ -584,11 +584,19 @@ pub fn fstat(file: &File) -> FopResult<Attr> {
 }
 
 /// Reads into `buf` at `offset` until it is full or the file ends; returns the bytes read.
+/// A short read ends it: on a brick's local file system that is the file's end (a read
+/// racing an append sees the file as it was), and asking again would only cost a `pread`
+/// that returns nothing — one per small file read whole, which asks a byte past its size.
 pub fn read_full(file: &File, buf: &mut [u8], offset: u64) -> FopResult<usize> {
     let mut done = 0;
     while done < buf.len() {
+        let want = buf.len() - done;
         match file.read_at(&mut buf[done..], offset + done as u64) {
             Ok(0) => break,
+            Ok(n) if n < want => {
+                done += n;
+                break;
+            }
             Ok(n) => done += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e.raw_os_error().unwrap_or(errno::EIO as i32) as u32),

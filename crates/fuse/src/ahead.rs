@@ -29,8 +29,9 @@ use crate::xattr::Seen;
 pub(crate) type Listing = (Vec<DirEntry>, Seen);
 /// Listings fetched ahead, by directory path: 4 at a time, 256 Ki entries held at most.
 pub(crate) type Listings = Ahead<Listing>;
-/// A small file fetched ahead: its FUSE inode and whole content.
-pub(crate) type Content = (u64, Vec<u8>);
+/// A small file fetched ahead: its FUSE inode and whole content, and whether that content was
+/// put into the kernel's page cache when it came ([`crate::files::Stored`]).
+pub(crate) type Content = (u64, Vec<u8>, Option<crate::files::Stored>);
 /// Small files fetched ahead, by path: 8 at a time, 32 MiB held at most.
 pub(crate) type Contents = Ahead<Content>;
 

@@ -30,6 +30,10 @@ pub struct Counters {
     pub stored: AtomicU64,
     /// Small-file opens answered with content fetched ahead (no wait on a brick).
     pub fetched_ahead: AtomicU64,
+    /// Small files put into the page cache as they came, fetched ahead of their open.
+    pub stored_ahead: AtomicU64,
+    /// Of the files stored, those whose open kept the pages stored ahead (not stored again).
+    pub kept_ahead: AtomicU64,
 }
 
 /// What a FUSE file handle holds.
@@ -69,6 +73,33 @@ pub(crate) struct OpenFile {
     pub backed: bool,
 }
 
+/// A small file's content put into the kernel's page cache as it came, fetched ahead of its
+/// open: the changes through this mount, and the opens of the inode's slot, counted when its
+/// fetch began ([`Files::before_fetch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Stored {
+    changes: u64,
+    opens: u64,
+}
+
+/// Slots counting the opens begun, by inode (two inodes may share one: a false alarm only
+/// costs storing the content again at the open).
+const OPEN_SLOTS: usize = 256;
+
+struct Opens(Box<[AtomicU64]>);
+
+impl Default for Opens {
+    fn default() -> Opens {
+        Opens((0..OPEN_SLOTS).map(|_| AtomicU64::new(0)).collect())
+    }
+}
+
+impl Opens {
+    fn of(&self, ino: u64) -> &AtomicU64 {
+        &self.0[ino as usize % OPEN_SLOTS]
+    }
+}
+
 /// Open files by FUSE file handle.
 #[derive(Default)]
 pub(crate) struct Files {
@@ -79,9 +110,33 @@ pub(crate) struct Files {
     /// Bumped as each change through this mount (write, truncate, fallocate) begins and
     /// ends: an open that saw it move may have read the file mid-change.
     changes: AtomicU64,
+    /// Opens begun, by inode slot: content stored ahead of an open is kept only if no open of
+    /// its inode began since its fetch did.
+    opens: Opens,
 }
 
 impl Files {
+    /// An open of inode `ino` begins (any open): its slot's count, this one included.
+    pub fn opening(&self, ino: u64) -> u64 {
+        self.opens.of(ino).fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// What a fetch of inode `ino` ahead of its open notes as it begins.
+    pub fn before_fetch(&self, ino: u64) -> Stored {
+        Stored {
+            changes: self.changes(),
+            opens: self.opens.of(ino).load(Ordering::Acquire),
+        }
+    }
+
+    /// Nothing happened to inode `ino` through this mount since `at`: no change began, no
+    /// open began, none is open.
+    fn quiet(&self, ino: u64, at: Stored) -> bool {
+        self.changes() == at.changes
+            && self.opens.of(ino).load(Ordering::Acquire) == at.opens
+            && !self.open_of(ino)
+    }
+
     fn map(&self) -> MutexGuard<'_, HashMap<u64, OpenFile>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -206,7 +261,11 @@ impl Files {
 impl Whole {
     /// A whole file's content, opened by `caller`.
     pub fn new(mut data: Vec<u8>, caller: Volume) -> Whole {
-        data.shrink_to_fit();
+        // Fetched ahead, the room asked for was the listed size in pages: a page's slack is
+        // not worth a reallocation (and the lock of the allocating thread's arena).
+        if data.capacity() - data.len() > 4096 {
+            data.shrink_to_fit();
+        }
         Whole {
             data,
             stale: AtomicBool::new(false),
@@ -226,14 +285,23 @@ impl KilnFs {
         ino: u64,
         (path, flags): (&str, i32),
         caller: &Volume,
-        opened: Opened,
+        opened: (Opened, u64, Option<Stored>),
         (seen, ff): (u64, FopenFlags),
         reply: ReplyOpen,
     ) {
+        let (opened, opens, stored) = opened;
         match opened {
             Opened::Whole(data) => {
                 let sized = self.fresh.opened(ino, Some(data.len() as u64));
-                let ff = match sized && self.store_whole(ino, &data, seen) {
+                let ahead = sized && self.stored_ahead(ino, opens, stored);
+                let cached = ahead || (sized && self.store_whole(ino, &data, seen));
+                if cached {
+                    self.counters.stored.fetch_add(1, Ordering::Relaxed);
+                }
+                if ahead {
+                    self.counters.kept_ahead.fetch_add(1, Ordering::Relaxed);
+                }
+                let ff = match cached {
                     true => ff | FopenFlags::FOPEN_KEEP_CACHE,
                     false => ff,
                 };
@@ -279,11 +347,24 @@ impl KilnFs {
             return false;
         }
         if self.files.changes() == seen && !self.files.open_of(ino) {
-            self.counters.stored.fetch_add(1, Ordering::Relaxed);
             return true;
         }
         let _ = n.inval_inode(fuser::INodeNo(ino), 0, 0);
         false
+    }
+
+    /// Whether the open counted `opens` ([`Files::opening`]) of inode `ino` may keep the pages
+    /// stored ahead of it (`stored`): it is the only open of the inode's slot since the fetch
+    /// began, and nothing changed or opened the inode through this mount meanwhile.
+    fn stored_ahead(&self, ino: u64, opens: u64, stored: Option<Stored>) -> bool {
+        let Some(at) = stored else {
+            return false;
+        };
+        let only = Stored {
+            changes: at.changes,
+            opens: at.opens + 1,
+        };
+        opens == only.opens && self.files.quiet(ino, only)
     }
 
     /// The stack's handle for a FUSE file handle; a whole file is opened on the brick now.
@@ -367,5 +448,59 @@ impl KilnFs {
         let end = start.saturating_add(size).min(w.data.len());
         reply.data(&w.data[start..end]);
         None
+    }
+}
+
+/// Content of inode `ino` fetched ahead of its open by a fetch that began at `at`: put into the
+/// kernel's page cache now, off the opener's path, if nothing changed or opened the inode
+/// through this mount since (checked again after: else the pages are dropped). The open that
+/// finds it keeps the pages without storing them again ([`KilnFs::opened`]).
+pub(crate) fn store_ahead(
+    (files, fresh, counters): (&Files, &crate::fresh::Fresh, &Counters),
+    ino: u64,
+    data: &[u8],
+    at: Stored,
+) -> Option<Stored> {
+    if data.is_empty() || !files.quiet(ino, at) {
+        return None;
+    }
+    let n = fresh.notifier()?;
+    n.store(fuser::INodeNo(ino), 0, data).ok()?;
+    if files.quiet(ino, at) {
+        counters.stored_ahead.fetch_add(1, Ordering::Relaxed);
+        return Some(at);
+    }
+    let _ = n.inval_inode(fuser::INodeNo(ino), 0, 0);
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_stored_ahead_are_kept_only_while_nothing_touched_the_file() {
+        let f = Files::default();
+        let at = f.before_fetch(7);
+        assert!(f.quiet(7, at), "nothing happened");
+        f.opening(7 + OPEN_SLOTS as u64 + 1);
+        assert!(f.quiet(7, at), "an open of an inode of another slot");
+
+        f.opening(7);
+        assert!(
+            !f.quiet(7, at),
+            "an open of the inode began since the fetch did"
+        );
+
+        let at = f.before_fetch(7);
+        f.changing(9);
+        assert!(!f.quiet(7, at), "a change through the mount began");
+        f.changed_done();
+
+        let at = f.before_fetch(7);
+        let fh = f.add(7, Held::Fd(Fd::new(())));
+        assert!(!f.quiet(7, at), "a handle of the inode is open");
+        f.remove(fh);
+        assert!(f.quiet(7, at));
     }
 }

@@ -99,7 +99,7 @@ pub struct KilnFs {
     /// Recent callers' credentials (name and metadata fops act as the caller on the bricks).
     callers: callers::Callers,
     /// What each FUSE file handle holds.
-    files: files::Files,
+    files: Arc<files::Files>,
     /// Read-only opens of files of at most this size fetch them whole (see [`files`]); 0: never.
     small_max: u32,
     mode: Mode,
@@ -144,7 +144,7 @@ impl KilnFs {
             bufs: Arc::default(),
             vol,
             callers: callers::Callers::default(),
-            files: files::Files::default(),
+            files: Arc::default(),
             small_max: if mode == Mode::General {
                 SMALL_FILE_MAX
             } else {
@@ -703,14 +703,16 @@ impl fuser::Filesystem for KilnFs {
             false => self.fopen_flags(),
         };
         let caller = self.caller(req);
+        let opens = self.files.opening(ino.0);
         let seen = self.files.changes();
         let taken = match small {
             true => self.small_taken(&path, ino.0),
             false => None,
         };
         let hit = taken.is_some();
+        let stored = taken.as_ref().and_then(|t| t.1);
         let opened = match taken {
-            Some(data) => Ok(Opened::Whole(data)),
+            Some((data, _)) => Ok(Opened::Whole(data)),
             None if small => {
                 // The next files' fetches go out first, to run beside this one's.
                 self.small_next(&caller, &path);
@@ -719,7 +721,10 @@ impl fuser::Filesystem for KilnFs {
             None => block_on(caller.open(&path, flags)).map(Opened::Fd),
         };
         match opened {
-            Ok(o) => self.opened(ino.0, (&path, flags), &caller, o, (seen, ff), reply),
+            Ok(o) => {
+                let o = (o, opens, stored);
+                self.opened(ino.0, (&path, flags), &caller, o, (seen, ff), reply)
+            }
             Err(e) => reply.error(errno(e)),
         }
         // Found fetched ahead: the reader was answered before the next fetches go out.
@@ -749,6 +754,8 @@ impl fuser::Filesystem for KilnFs {
         match r {
             Ok((fd, a)) => {
                 let fa = self.fattr(&a);
+                // An existing file may be opened this way: pages stored ahead are not kept.
+                self.files.opening(fa.ino.0);
                 let id = self.register_open(fa.ino.0, fd);
                 self.table().learn(fa.ino.0, &path);
                 reply.created(

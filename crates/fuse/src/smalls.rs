@@ -16,6 +16,7 @@ use kiln_client::{DirEntry, Opened, Volume};
 
 use crate::ahead::{Content, Job};
 use crate::convert::kind;
+use crate::files::{store_ahead, Stored};
 use crate::inodes::{join, split};
 use crate::KilnFs;
 
@@ -129,20 +130,22 @@ impl KilnFs {
 
     /// A read-only open of small file `path` (inode `ino`): its content, if it was fetched
     /// ahead.
-    pub(crate) fn small_taken(&self, path: &str, ino: u64) -> Option<Vec<u8>> {
+    /// With it, whether it was put into the page cache as it came.
+    pub(crate) fn small_taken(&self, path: &str, ino: u64) -> Option<(Vec<u8>, Option<Stored>)> {
         match self.contents.take(path) {
-            Some((i, data)) if i == ino => {
+            Some((i, data, stored)) if i == ino => {
                 self.counters
                     .fetched_ahead
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                Some(data)
+                Some((data, stored))
             }
             _ => None,
         }
     }
 
     /// Small file `path` was opened read-only by `caller`: the small files a walk reaches
-    /// next are fetched ahead now (those not held or on their way already).
+    /// next are fetched ahead now (those not held or on their way already), and each is put
+    /// into the page cache as it comes, off its opener's path ([`store_ahead`]).
     pub(crate) fn small_next(&self, caller: &Volume, path: &str) {
         let (dir, name) = split(path);
         let next = self.walk_after(dir, name);
@@ -158,12 +161,17 @@ impl KilnFs {
             // fits, and one that grew past it comes back as a handle (below).
             let room = size.max(1).next_multiple_of(4096).min(max) as u32;
             let (vol, at) = (caller.clone(), p.to_owned());
+            let (files, fresh) = (self.files.clone(), self.fresh.clone());
+            let counters = self.counters.clone();
             let job: Job<Content> = Box::new(move || {
+                let began = files.before_fetch(ino);
                 Box::pin(async move {
                     match vol.open_small(&at, libc::O_RDONLY, room).await.ok()? {
                         Opened::Whole(data) => {
                             let cost = data.len().max(1);
-                            Some(((ino, data), cost))
+                            let stored =
+                                store_ahead((&files, &fresh, &counters), ino, &data, began);
+                            Some(((ino, data, stored), cost))
                         }
                         // Grown past the room: not fetched ahead after all.
                         Opened::Fd(fd) => {

@@ -253,14 +253,39 @@ fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
         );
         std::thread::yield_now();
     }
+    // Each was put into the page cache as it came (bounded wait: after the brick's reply).
+    while m.counters.stored_ahead.load(Ordering::Relaxed) < 8 {
+        assert!(Instant::now() < end, "not all stored ahead");
+        std::thread::yield_now();
+    }
     let hits = m.counters.fetched_ahead.load(Ordering::Relaxed);
+    let (reads, kept) = (
+        m.counters.reads.load(Ordering::Relaxed),
+        m.counters.kept_ahead.load(Ordering::Relaxed),
+    );
     for f in &files[1..] {
-        std::fs::read(f).unwrap();
+        // As made above: `f{n}` holds 100 + n bytes, of the pattern of its directory's depth.
+        let n: usize = f.file_name().unwrap().to_str().unwrap()[1..]
+            .parse()
+            .unwrap();
+        let depth = f.strip_prefix(m.path("top")).unwrap().components().count() - 1;
+        let want = content(100 + n, depth as u8);
+        same_bytes(&std::fs::read(f).unwrap(), &want, "a file fetched ahead");
     }
     assert_eq!(
         m.counters.fetched_ahead.load(Ordering::Relaxed),
         hits + 8,
         "every later open found its file fetched"
+    );
+    assert_eq!(
+        m.counters.kept_ahead.load(Ordering::Relaxed),
+        kept + 8,
+        "and kept the pages stored ahead"
+    );
+    assert_eq!(
+        m.counters.reads.load(Ordering::Relaxed),
+        reads,
+        "which the reads found: none reached the mount"
     );
     assert_eq!(
         m.stats.calls(Op::Open),

@@ -141,11 +141,23 @@ fn mounted(dir: &std::path::Path) -> bool {
 
 /// Starts `kiln ARGS` and reads the first line it prints (its "listening" or "mounted" line).
 fn spawn_first_line(args: &[&str], last: &std::path::Path) -> (std::process::Child, String) {
+    spawn_first_line_with(args, last, std::process::Stdio::inherit())
+}
+
+/// [`spawn_first_line`], its stderr going to `stderr`, logging at the default level.
+fn spawn_first_line_with(
+    args: &[&str],
+    last: &std::path::Path,
+    stderr: std::process::Stdio,
+) -> (std::process::Child, String) {
     use std::io::{BufRead, BufReader};
     let mut child = kiln()
+        .env_remove("KILN_LOG")
+        .env_remove("RUST_LOG")
         .args(args)
         .arg(last)
         .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .expect("spawn kiln");
     let mut line = String::new();
@@ -172,7 +184,12 @@ fn mount_serves_refuses_a_busy_mountpoint_and_unmounts_on_sigterm() {
         .to_owned();
 
     let src = format!("{addr}:/vol");
-    let (mut mount, line) = spawn_first_line(&["mount", &src, "--mode", "vm-image"], &mnt);
+    // Its log is read after it stops (a few lines: the pipe never fills).
+    let (mut mount, line) = spawn_first_line_with(
+        &["mount", &src, "--mode", "vm-image"],
+        &mnt,
+        std::process::Stdio::piped(),
+    );
     assert!(line.starts_with("kiln: mounted"), "{line:?}");
     assert!(mounted(&mnt));
     std::fs::write(mnt.join("hello"), b"through the mount").expect("write through the mount");
@@ -209,8 +226,21 @@ fn mount_serves_refuses_a_busy_mountpoint_and_unmounts_on_sigterm() {
     let st = mount.wait().expect("mount exits");
     assert!(st.success(), "kiln mount exits cleanly on SIGTERM: {st:?}");
     assert!(!mounted(&mnt), "unmounted after SIGTERM");
+    let mut log = String::new();
+    use std::io::Read;
+    mount
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut log)
+        .expect("mount's log");
     let _ = server.kill();
     let _ = server.wait();
+    assert!(log.contains("unmounting"), "{log}");
+    assert!(
+        !log.contains("WARN") && !log.contains("ERROR"),
+        "a clean stop warns of nothing: {log}"
+    );
 }
 
 /// Runs `kiln ARGS DIR`; its success and stderr.

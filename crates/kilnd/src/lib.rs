@@ -121,8 +121,10 @@ pub struct ServeArgs {
 }
 
 /// Installs the stderr logger: the `KILN_LOG` filter, else `RUST_LOG`, else `info` but
-/// openraft's own lines (which repeat every half second while a pool member is down); plain
-/// text unless stderr is a terminal. Safe to call twice.
+/// openraft's own lines (which repeat every half second while a pool member is down) and the
+/// FUSE crate's warning that unmounting failed as its session ended (a mount unmounts itself
+/// first, so the crate's own attempt finds nothing there); plain text unless stderr is a
+/// terminal. Safe to call twice.
 pub fn init_logging() {
     init_logging_as("");
 }
@@ -135,7 +137,7 @@ pub fn init_logging_as(tag: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("KILN_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| EnvFilter::new("info,openraft=off"));
+        .unwrap_or_else(|_| EnvFilter::new("info,openraft=off,fuser::mnt=error"));
     // Colour only for a person at a terminal: a log file or the journal gets plain text.
     let ansi = std::io::stderr().is_terminal();
     let format = Tagged {

@@ -50,6 +50,8 @@ pub(crate) struct Ahead<T> {
     running_max: usize,
     cost_max: usize,
     queue_max: usize,
+    /// Called each time a fetch is kept, ready to be taken.
+    kept: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 struct State<T> {
@@ -59,10 +61,11 @@ struct State<T> {
     queue: VecDeque<(String, Job<T>)>,
     queued: HashSet<String>,
     cost: usize,
-    /// The last [`TAKEN_KEPT`] paths taken, oldest first: a walk that reaches them again
-    /// while another thread is using them does not fetch them a second time.
+    /// The last [`TAKEN_KEPT`] paths taken, oldest first, and when: a walk that reaches one
+    /// again within the time things are kept (while another thread is using it) does not
+    /// fetch it a second time.
     taken: VecDeque<String>,
-    taken_set: HashSet<String>,
+    taken_at: HashMap<String, Instant>,
 }
 
 /// Paths taken that are remembered (a few times the files a walk fetches ahead).
@@ -80,6 +83,13 @@ impl Contents {
     pub fn contents(ttl: Duration) -> Contents {
         Ahead::new(ttl, 8, 32 << 20)
     }
+
+    /// [`Contents::contents`], calling `kept` each time a fetched file is ready to be used.
+    pub fn contents_noting(ttl: Duration, kept: impl Fn() + Send + Sync + 'static) -> Contents {
+        let mut c = Contents::contents(ttl);
+        c.kept = Some(Box::new(kept));
+        c
+    }
 }
 
 impl<T: Send + 'static> Ahead<T> {
@@ -92,13 +102,14 @@ impl<T: Send + 'static> Ahead<T> {
                 queued: HashSet::new(),
                 cost: 0,
                 taken: VecDeque::new(),
-                taken_set: HashSet::new(),
+                taken_at: HashMap::new(),
             }),
             busy: AtomicUsize::new(0),
             ttl,
             running_max,
             cost_max,
             queue_max: 4096,
+            kept: None,
         }
     }
 
@@ -138,10 +149,10 @@ impl<T: Send + 'static> Ahead<T> {
         s.cost -= cost;
         if s.taken.len() >= TAKEN_KEPT {
             if let Some(old) = s.taken.pop_front() {
-                s.taken_set.remove(&old);
+                s.taken_at.remove(&old);
             }
         }
-        if s.taken_set.insert(path.to_owned()) {
+        if s.taken_at.insert(path.to_owned(), Instant::now()).is_none() {
             s.taken.push_back(path.to_owned());
         }
         let starts = self.next(&mut s);
@@ -214,7 +225,11 @@ impl<T: Send + 'static> Ahead<T> {
                 break;
             }
             let known = s.ready.contains_key(&path) || s.running.contains_key(&path);
-            if known || s.queued.contains(&path) || s.taken_set.contains(&path) {
+            let just_taken = s
+                .taken_at
+                .get(&path)
+                .is_some_and(|t| t.elapsed() < self.ttl);
+            if known || s.queued.contains(&path) || just_taken {
                 continue;
             }
             let job = fetch(&path);
@@ -274,6 +289,9 @@ impl<T: Send + 'static> Ahead<T> {
         if let (Some((t, cost)), false) = (r, spoiled) {
             s.cost += cost;
             s.ready.insert(path, (t, cost, at));
+            if let Some(k) = &self.kept {
+                k();
+            }
         }
         let starts = self.next(&mut s);
         self.count(&s);

@@ -34,6 +34,8 @@ pub struct Counters {
     pub stored_ahead: AtomicU64,
     /// Of the files stored, those whose open kept the pages stored ahead (not stored again).
     pub kept_ahead: AtomicU64,
+    /// Small files fetched ahead and ready for their open (not dropped as spoiled).
+    pub ahead_ready: AtomicU64,
 }
 
 /// What a FUSE file handle holds.
@@ -113,12 +115,53 @@ pub(crate) struct Files {
     /// Opens begun, by inode slot: content stored ahead of an open is kept only if no open of
     /// its inode began since its fetch did.
     opens: Opens,
+    /// Opens in progress, by inode slot, and creates in progress (whose inode is not known
+    /// until the brick answers): nothing is stored ahead while one may be about to hand the
+    /// kernel a handle of the file. (A handle's reads or writes lock the file's pages until
+    /// the brick answers, and the store runs in the thread that receives those answers.)
+    busy: Opens,
+    creating: AtomicU64,
+}
+
+/// An open in progress ([`Files::opening`]): ends when dropped, once its handle is registered.
+pub(crate) struct Opening<'a> {
+    files: &'a Files,
+    ino: u64,
+    /// Its slot's count of opens begun, this one included.
+    pub count: u64,
+}
+
+impl Drop for Opening<'_> {
+    fn drop(&mut self) {
+        self.files.busy.of(self.ino).fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A create in progress ([`Files::creating`]).
+pub(crate) struct Creating<'a>(&'a Files);
+
+impl Drop for Creating<'_> {
+    fn drop(&mut self) {
+        self.0.creating.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Files {
-    /// An open of inode `ino` begins (any open): its slot's count, this one included.
-    pub fn opening(&self, ino: u64) -> u64 {
-        self.opens.of(ino).fetch_add(1, Ordering::AcqRel) + 1
+    /// An open of inode `ino` begins (any open), in progress until the returned guard drops.
+    pub fn opening(&self, ino: u64) -> Opening<'_> {
+        self.busy.of(ino).fetch_add(1, Ordering::AcqRel);
+        let count = self.opens.of(ino).fetch_add(1, Ordering::AcqRel) + 1;
+        Opening {
+            files: self,
+            ino,
+            count,
+        }
+    }
+
+    /// A create begins (it may open an existing file), in progress until the guard drops.
+    pub fn creating(&self) -> Creating<'_> {
+        self.creating.fetch_add(1, Ordering::AcqRel);
+        Creating(self)
     }
 
     /// What a fetch of inode `ino` ahead of its open notes as it begins.
@@ -130,10 +173,13 @@ impl Files {
     }
 
     /// Nothing happened to inode `ino` through this mount since `at`: no change began, no
-    /// open began, none is open.
-    fn quiet(&self, ino: u64, at: Stored) -> bool {
+    /// open began, none is in progress but the caller's own (`own`: 0 or 1), no create is in
+    /// progress, and no handle of it is open.
+    fn quiet(&self, ino: u64, at: Stored, own: u64) -> bool {
         self.changes() == at.changes
             && self.opens.of(ino).load(Ordering::Acquire) == at.opens
+            && self.busy.of(ino).load(Ordering::Acquire) == own
+            && self.creating.load(Ordering::Acquire) == 0
             && !self.open_of(ino)
     }
 
@@ -364,7 +410,7 @@ impl KilnFs {
             changes: at.changes,
             opens: at.opens + 1,
         };
-        opens == only.opens && self.files.quiet(ino, only)
+        opens == only.opens && self.files.quiet(ino, only, 1)
     }
 
     /// The stack's handle for a FUSE file handle; a whole file is opened on the brick now.
@@ -461,12 +507,14 @@ pub(crate) fn store_ahead(
     data: &[u8],
     at: Stored,
 ) -> Option<Stored> {
-    if data.is_empty() || !files.quiet(ino, at) {
+    // Only where the open could keep it: the kernel already has this size (a store could
+    // grow it, never shrink it).
+    if data.is_empty() || !fresh.told_is(ino, data.len() as u64) || !files.quiet(ino, at, 0) {
         return None;
     }
     let n = fresh.notifier()?;
     n.store(fuser::INodeNo(ino), 0, data).ok()?;
-    if files.quiet(ino, at) {
+    if files.quiet(ino, at, 0) {
         counters.stored_ahead.fetch_add(1, Ordering::Relaxed);
         return Some(at);
     }
@@ -482,25 +530,47 @@ mod tests {
     fn pages_stored_ahead_are_kept_only_while_nothing_touched_the_file() {
         let f = Files::default();
         let at = f.before_fetch(7);
-        assert!(f.quiet(7, at), "nothing happened");
-        f.opening(7 + OPEN_SLOTS as u64 + 1);
-        assert!(f.quiet(7, at), "an open of an inode of another slot");
+        assert!(f.quiet(7, at, 0), "nothing happened");
+        drop(f.opening(7 + OPEN_SLOTS as u64 + 1));
+        assert!(f.quiet(7, at, 0), "an open of an inode of another slot");
 
-        f.opening(7);
+        drop(f.opening(7));
         assert!(
-            !f.quiet(7, at),
+            !f.quiet(7, at, 0),
             "an open of the inode began since the fetch did"
         );
 
+        // One begun before the fetch, still in progress.
+        let before = f.opening(7);
+        let at = f.before_fetch(7);
+        assert!(!f.quiet(7, at, 0), "an open of the inode is in progress");
+        drop(before);
+        assert!(f.quiet(7, at, 0));
+        let c = f.creating();
+        assert!(!f.quiet(7, at, 0), "a create is in progress");
+        drop(c);
+
+        // The open that takes the content: its own progress is allowed, another's is not.
+        let mine = f.opening(7);
+        let only = Stored {
+            changes: at.changes,
+            opens: at.opens + 1,
+        };
+        assert_eq!(mine.count, only.opens);
+        assert!(f.quiet(7, only, 1));
+        let other = f.opening(7);
+        assert!(!f.quiet(7, only, 1), "and no other");
+        drop((mine, other));
+
         let at = f.before_fetch(7);
         f.changing(9);
-        assert!(!f.quiet(7, at), "a change through the mount began");
+        assert!(!f.quiet(7, at, 0), "a change through the mount began");
         f.changed_done();
 
         let at = f.before_fetch(7);
         let fh = f.add(7, Held::Fd(Fd::new(())));
-        assert!(!f.quiet(7, at), "a handle of the inode is open");
+        assert!(!f.quiet(7, at, 0), "a handle of the inode is open");
         f.remove(fh);
-        assert!(f.quiet(7, at));
+        assert!(f.quiet(7, at, 0));
     }
 }

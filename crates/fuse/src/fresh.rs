@@ -55,6 +55,12 @@ impl Fresh {
         }
     }
 
+    /// Whether the kernel was last told that inode `ino` is `size` bytes long.
+    pub fn told_is(&self, ino: u64, size: u64) -> bool {
+        let t = self.told.lock().unwrap_or_else(|e| e.into_inner());
+        t.get(&ino).copied() == Some(size)
+    }
+
     /// Inode `ino` is being opened; `size` is its size now, if the open learned it. Unless that
     /// is what the kernel already has (then true), the kernel forgets the inode's attributes.
     pub fn opened(&self, ino: u64, size: Option<u64>) -> bool {

@@ -140,6 +140,8 @@ impl KilnFs {
     /// A file system over the client stack `vol`.
     pub fn new(vol: Arc<Volume>, mode: Mode, attr_timeout: Duration) -> std::io::Result<KilnFs> {
         let root = block_on(vol.lookup(""))?;
+        let counters: Arc<Counters> = Arc::default();
+        let ready = counters.clone();
         Ok(KilnFs {
             bufs: Arc::default(),
             vol,
@@ -161,13 +163,17 @@ impl KilnFs {
             fresh: Arc::default(),
             writeback: false,
             ahead: Arc::new(ahead::Listings::listings(attr_timeout)),
-            contents: Arc::new(ahead::Contents::contents(attr_timeout)),
+            contents: Arc::new(ahead::Contents::contents_noting(attr_timeout, move || {
+                ready
+                    .ahead_ready
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })),
             recent: smalls::Recent::default(),
             root_brick_ino: root.ino,
             known: Arc::new(known::Known::new(attr_timeout)),
             behind: behind::Behind::default(),
             write_behind: mode == Mode::General,
-            counters: Arc::default(),
+            counters,
             gate: gate::Gate::new(1),
         })
     }
@@ -703,7 +709,8 @@ impl fuser::Filesystem for KilnFs {
             false => self.fopen_flags(),
         };
         let caller = self.caller(req);
-        let opens = self.files.opening(ino.0);
+        // In progress until its handle is registered and answered (see `files::Opening`).
+        let opening = self.files.opening(ino.0);
         let seen = self.files.changes();
         let taken = match small {
             true => self.small_taken(&path, ino.0),
@@ -722,11 +729,12 @@ impl fuser::Filesystem for KilnFs {
         };
         match opened {
             Ok(o) => {
-                let o = (o, opens, stored);
+                let o = (o, opening.count, stored);
                 self.opened(ino.0, (&path, flags), &caller, o, (seen, ff), reply)
             }
             Err(e) => reply.error(errno(e)),
         }
+        drop(opening);
         // Found fetched ahead: the reader was answered before the next fetches go out.
         if hit {
             self.small_next(&caller, &path);
@@ -749,13 +757,15 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let flags = self.open_flags(flags) | (flags & libc::O_EXCL);
+        // It may open an existing file: nothing is stored ahead meanwhile.
+        let _creating = self.files.creating();
         let r = block_on(self.caller(req).create(&path, flags, mode & !umask));
         self.named(&path, made(&r, known::Name::Exists));
         match r {
             Ok((fd, a)) => {
                 let fa = self.fattr(&a);
                 // An existing file may be opened this way: pages stored ahead are not kept.
-                self.files.opening(fa.ino.0);
+                let _opening = self.files.opening(fa.ino.0);
                 let id = self.register_open(fa.ino.0, fd);
                 self.table().learn(fa.ino.0, &path);
                 reply.created(

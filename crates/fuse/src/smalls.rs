@@ -163,14 +163,19 @@ impl KilnFs {
             let (vol, at) = (caller.clone(), p.to_owned());
             let (files, fresh) = (self.files.clone(), self.fresh.clone());
             let counters = self.counters.clone();
+            // With the kernel's writeback cache an open never keeps pages stored ahead.
+            let store = !self.writeback;
             let job: Job<Content> = Box::new(move || {
                 let began = files.before_fetch(ino);
                 Box::pin(async move {
                     match vol.open_small(&at, libc::O_RDONLY, room).await.ok()? {
                         Opened::Whole(data) => {
-                            let cost = data.len().max(1);
-                            let stored =
-                                store_ahead((&files, &fresh, &counters), ino, &data, began);
+                            // What it holds: its buffer's room (a page at least).
+                            let cost = data.capacity().max(1);
+                            let stored = match store {
+                                true => store_ahead((&files, &fresh, &counters), ino, &data, began),
+                                false => None,
+                            };
                             Some(((ino, data, stored), cost))
                         }
                         // Grown past the room: not fetched ahead after all.

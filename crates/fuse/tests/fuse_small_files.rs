@@ -253,11 +253,13 @@ fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
         );
         std::thread::yield_now();
     }
-    // Each was put into the page cache as it came (bounded wait: after the brick's reply).
-    while m.counters.stored_ahead.load(Ordering::Relaxed) < 8 {
-        assert!(Instant::now() < end, "not all stored ahead");
+    // Each is ready for its open (bounded wait: after the brick's reply), and was put into the
+    // page cache as it came.
+    while m.counters.ahead_ready.load(Ordering::Relaxed) < 8 {
+        assert!(Instant::now() < end, "not all fetched ahead are ready");
         std::thread::yield_now();
     }
+    assert_eq!(m.counters.stored_ahead.load(Ordering::Relaxed), 8);
     let hits = m.counters.fetched_ahead.load(Ordering::Relaxed);
     let (reads, kept) = (
         m.counters.reads.load(Ordering::Relaxed),

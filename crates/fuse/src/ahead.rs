@@ -2,23 +2,25 @@
 //! content ahead of a reader (see [`Listings`] and [`Contents`]).
 //!
 //! The kernel asks for one thing at a time: an `ls -lR`, `find` or `du` waits for each listing
-//! in turn, and `cat` of a tree for each file's open. So when a listing shows subdirectories
-//! the mount fetches their listings in the background, a few at a time, and when a reader
-//! opens a small file it fetches the next small files of the same directory; the application
-//! finds them waiting when it gets there.
+//! in turn, and `cat` of a tree for each file's open. So the mount fetches the listings of the
+//! subdirectories a walk opens next in the background (see [`crate::walks`]), a few at a
+//! time, and when a reader opens a small file it fetches the next small files the walk
+//! reaches; the application finds them waiting when it gets there.
 //!
 //! What was fetched ahead is used once, by the next `opendir` or `open` of its path, and only
-//! while younger than the attribute timeout. A change to it spoils it: made through this mount
-//! (spoiled when the change is done) or by another client (when the brick's push arrives, see
-//! [`crate::changes`]). A fetch still running when its path is spoiled is thrown away when it
-//! ends; one that ended before is dropped. So nothing fetched ahead shows a file or directory
-//! as it was before a change that completed before it is used.
+//! while younger than the attribute timeout. That `opendir` or `open` waits for a fetch of its
+//! path already running, and takes one still queued off the queue to make it itself. A change
+//! to it spoils it: made through this mount (spoiled when the change is done) or by another
+//! client (when the brick's push arrives, see [`crate::changes`]). A fetch still running when
+//! its path is spoiled is thrown away when it ends; one that ended before is dropped. So
+//! nothing fetched ahead shows a file or directory as it was before a change that completed
+//! before it is used.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kiln_proto::ops::DirEntry;
@@ -42,6 +44,8 @@ pub(crate) type Job<T> =
 /// Things fetched ahead by path, and those being fetched.
 pub(crate) struct Ahead<T> {
     state: Mutex<State<T>>,
+    /// Signalled each time a fetch ends (see [`Ahead::wait`]).
+    ended: Condvar,
     /// Things held plus fetches running or queued: spoiling costs nothing when all are none.
     busy: AtomicUsize,
     ttl: Duration,
@@ -104,6 +108,7 @@ impl<T: Send + 'static> Ahead<T> {
                 taken: VecDeque::new(),
                 taken_at: HashMap::new(),
             }),
+            ended: Condvar::new(),
             busy: AtomicUsize::new(0),
             ttl,
             running_max,
@@ -139,14 +144,18 @@ impl<T: Send + 'static> Ahead<T> {
         s.ready.contains_key(path) || s.running.contains_key(path) || s.queued.contains(path)
     }
 
-    /// What was fetched ahead for `path`, if it is ready and fresh.
+    /// What was fetched ahead for `path`, if it is ready and fresh. A fetch of it still
+    /// queued is dropped: the caller fetches it itself now. (One running is left to end; see
+    /// [`Ahead::fetching`].)
     pub fn take(self: &Arc<Self>, path: &str) -> Option<T> {
         if !self.holds() {
             return None;
         }
         let mut s = self.state();
-        let (t, cost, at) = s.ready.remove(path)?;
-        s.cost -= cost;
+        let found = s.ready.remove(path);
+        if found.is_none() && !s.queued.remove(path) {
+            return None;
+        }
         if s.taken.len() >= TAKEN_KEPT {
             if let Some(old) = s.taken.pop_front() {
                 s.taken_at.remove(&old);
@@ -155,11 +164,63 @@ impl<T: Send + 'static> Ahead<T> {
         if s.taken_at.insert(path.to_owned(), Instant::now()).is_none() {
             s.taken.push_back(path.to_owned());
         }
+        let found = match found {
+            Some((t, cost, at)) => {
+                s.cost -= cost;
+                Some((t, at))
+            }
+            None => {
+                s.queue.retain(|(p, _)| p != path);
+                None
+            }
+        };
         let starts = self.next(&mut s);
         self.count(&s);
         drop(s);
         self.start(starts);
+        let (t, at) = found?;
         (at.elapsed() < self.ttl).then_some(t)
+    }
+
+    /// True while a fetch of `path` runs: its end is worth waiting for ([`Ahead::wait`])
+    /// rather than fetching the same thing a second time.
+    pub fn fetching(&self, path: &str) -> bool {
+        self.holds() && self.state().running.contains_key(path)
+    }
+
+    /// Waits until no fetch of `path` runs, at most `max`; then [`Ahead::take`] finds what
+    /// it fetched, unless it failed or was spoiled.
+    pub fn wait(&self, path: &str, max: Duration) {
+        let end = Instant::now() + max;
+        let mut s = self.state();
+        while s.running.contains_key(path) {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            s = match self.ended.wait_timeout(s, left) {
+                Ok((s, _)) => s,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+
+    /// [`Ahead::take`], but a fetch of `path` running now is waited for first, at most the
+    /// time things are kept (a fetch that took longer could not be used), through `waiting`:
+    /// a FUSE thread gives its place up around the wait.
+    pub fn take_waiting(
+        self: &Arc<Self>,
+        path: &str,
+        waiting: impl FnOnce(&dyn Fn()),
+    ) -> Option<T> {
+        if let Some(t) = self.take(path) {
+            return Some(t);
+        }
+        if !self.fetching(path) {
+            return None;
+        }
+        waiting(&|| self.wait(path, self.ttl));
+        self.take(path)
     }
 
     /// `path` changed: what was fetched of it is dropped, and a fetch of it now running is
@@ -296,6 +357,7 @@ impl<T: Send + 'static> Ahead<T> {
         let starts = self.next(&mut s);
         self.count(&s);
         drop(s);
+        self.ended.notify_all();
         self.start(starts);
     }
 }
@@ -381,8 +443,42 @@ mod tests {
         a.want((0..5).map(|i| format!("f{i}")), |p| {
             ready(p[1..].parse().unwrap())
         });
-        assert_eq!(a.take("f2"), None, "two held, the rest wait");
+        assert_eq!(a.take("f3"), None, "two held, the rest wait");
         assert_eq!(a.take("f0"), Some(0));
         assert_eq!(a.take("f2"), Some(2), "room made: the next one was fetched");
+        assert_eq!(
+            a.take("f4"),
+            Some(4),
+            "f3, taken while queued, was dropped from the queue: f4 came next"
+        );
+        assert!(!a.has("f3"));
+    }
+
+    #[test]
+    fn a_fetch_on_its_way_is_waited_for() {
+        let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
+        let (go, rx) = std::sync::mpsc::channel::<()>();
+        let rx = Mutex::new(Some(rx));
+        let slow: Mutex<Option<Job<u32>>> = Mutex::new(Some(Box::new(move || {
+            let rx = rx.lock().unwrap().take().unwrap();
+            Box::pin(async move {
+                // Ends only once the taker waits for it.
+                let _ = rx.recv();
+                Some((7, 1))
+            })
+        })));
+        let a2 = a.clone();
+        let t = std::thread::spawn(move || {
+            a2.want(["p".to_owned()], |_| slow.lock().unwrap().take().unwrap())
+        });
+        while !a.fetching("p") {
+            std::thread::yield_now();
+        }
+        let got = a.take_waiting("p", |wait| {
+            go.send(()).unwrap();
+            wait()
+        });
+        assert_eq!(got, Some(7));
+        t.join().unwrap();
     }
 }

@@ -6,27 +6,35 @@ use fuser::{
     Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, ReplyDirectory,
     ReplyDirectoryPlus, ReplyOpen, Request,
 };
-use kiln_client::{DirEntry, Volume};
+use kiln_client::Volume;
 
-use crate::gate::block_on;
+use crate::gate::{self, block_on};
 
 use crate::ahead::{Job, Listing};
 use crate::convert::{errno, kind};
-use crate::inodes::join;
+use crate::inodes::{join, split};
 use crate::{DirSnapshot, KilnFs, Mode};
 
 impl KilnFs {
     /// OPENDIR: one listing per open directory, so later pages come from this snapshot and
     /// a listing is stable while entries are created or removed concurrently. The listing
-    /// comes from those fetched ahead when one is ready; its subdirectories' listings are
-    /// fetched ahead in turn (general mode, see [`crate::ahead`]).
+    /// comes from those fetched ahead when one is ready or on its way; the listings a walk
+    /// reaches next are fetched ahead in turn (general mode, see [`crate::ahead`] and
+    /// [`crate::walks`]).
     pub(crate) fn dir_open(&self, req: &Request, ino: INodeNo, reply: ReplyOpen) {
         let path = match self.path(ino) {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
         let caller = self.caller(req);
-        let (entries, seen) = match self.ahead.take(&path) {
+        let general = self.mode == Mode::General;
+        // Where a walk is: the subdirectories it opens next are fetched ahead (below).
+        let (up, name) = split(&path);
+        let siblings = match general && !path.is_empty() {
+            true => self.walks.opened(up, name),
+            false => Vec::new(),
+        };
+        let (entries, seen) = match self.ahead.take_waiting(&path, |w| gate::waiting(w)) {
             Some(listing) => listing,
             None => {
                 let seen = self.no_xattrs.seen(self.ttl);
@@ -36,8 +44,16 @@ impl KilnFs {
                 }
             }
         };
-        if self.mode == Mode::General {
-            self.listings_ahead(&caller, &path, &entries);
+        if general {
+            let subdirs = entries
+                .iter()
+                .filter(|e| kind(e.attr.mode) == FileType::Directory)
+                .map(|e| e.name.clone())
+                .collect();
+            // A depth-first walk goes into this directory's first subdirectories before
+            // this one's next siblings.
+            let first = self.walks.listed(&path, subdirs);
+            self.listings_ahead(&caller, first.into_iter().chain(siblings));
             self.note_files(&path, &entries);
         }
         let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
@@ -143,12 +159,8 @@ impl KilnFs {
         reply.ok()
     }
 
-    /// Fetches the listings of `path`'s subdirectories (in `entries`) ahead.
-    fn listings_ahead(&self, caller: &Volume, path: &str, entries: &[DirEntry]) {
-        let dirs = entries
-            .iter()
-            .filter(|e| kind(e.attr.mode) == FileType::Directory)
-            .map(|e| join(path, &e.name));
+    /// Fetches the listings of directories `dirs` ahead.
+    fn listings_ahead(&self, caller: &Volume, dirs: impl IntoIterator<Item = String>) {
         self.ahead.want(dirs, |dir| {
             let (vol, seen, dir) = (
                 caller.clone(),

@@ -40,6 +40,7 @@ mod passthrough;
 mod smalls;
 #[cfg(test)]
 mod tests;
+mod walks;
 mod xattr;
 
 pub use args::*;
@@ -123,6 +124,8 @@ pub struct KilnFs {
     contents: Arc<ahead::Contents>,
     /// The small regular files of recent listings, for [`smalls`].
     recent: smalls::Recent,
+    /// The subdirectories of recent listings, and the order walks take (see [`walks`]).
+    walks: walks::Walks,
     /// The volume root's brick inode (FUSE's is [`ROOT`]).
     root_brick_ino: u64,
     /// Directories whose every name this mount knows (see [`known`]).
@@ -169,6 +172,7 @@ impl KilnFs {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             })),
             recent: smalls::Recent::default(),
+            walks: walks::Walks::default(),
             root_brick_ino: root.ino,
             known: Arc::new(known::Known::new(attr_timeout)),
             behind: behind::Behind::default(),

@@ -128,11 +128,14 @@ impl KilnFs {
         out
     }
 
-    /// A read-only open of small file `path` (inode `ino`): its content, if it was fetched
-    /// ahead.
-    /// With it, whether it was put into the page cache as it came.
+    /// A read-only open of small file `path` (inode `ino`): its content if it was fetched
+    /// ahead (waiting for a fetch of it on its way), and whether that content was put into
+    /// the page cache as it came.
     pub(crate) fn small_taken(&self, path: &str, ino: u64) -> Option<(Vec<u8>, Option<Stored>)> {
-        match self.contents.take(path) {
+        match self
+            .contents
+            .take_waiting(path, |w| crate::gate::waiting(w))
+        {
             Some((i, data, stored)) if i == ino => {
                 self.counters
                     .fetched_ahead

@@ -44,3 +44,35 @@ fn the_names_of_a_big_listing_need_no_lookups_after_it() {
         "every name and its attributes came with the listing, the last pages' too"
     );
 }
+
+/// A walk by name (`ls -R`, `rsync`) through subdirectories the brick lists in another order
+/// finds each one fetched ahead or on its way: every directory is listed on the brick once.
+/// Fetching all of a directory's subdirectories in listing order as soon as it was opened
+/// listed many twice: a walk that got to one still queued or running fetched it itself.
+#[test]
+fn a_walk_by_name_lists_each_directory_once() {
+    let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    let top = m.brick().join("top");
+    for d in 0..40 {
+        let dir = top.join(format!("d{d:02}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in 0..200 {
+            std::fs::write(dir.join(format!("f{f:03}")), b"").unwrap();
+        }
+    }
+    let before = m.stats.calls(Op::Readdir);
+    let mut subdirs: Vec<_> = std::fs::read_dir(m.path("top"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    subdirs.sort();
+    for d in &subdirs {
+        let n = std::fs::read_dir(m.path("top").join(d)).unwrap().count();
+        assert_eq!(n, 200);
+    }
+    assert_eq!(
+        m.stats.calls(Op::Readdir) - before,
+        41,
+        "the top directory and each of its 40 subdirectories listed once"
+    );
+}

@@ -46,12 +46,12 @@ pub unsafe extern "C" fn kiln_read_file(
     };
     let peek = len.min(kiln_proto::MAX_PAYLOAD_LEN as usize) as u32;
     match block_on(c.open_small(path, libc::O_RDONLY, peek)) {
-        Ok(Opened::Whole(data)) if data.len() <= out.len() => {
+        Ok(Opened::Whole(data, _)) if data.len() <= out.len() => {
             out[..data.len()].copy_from_slice(&data);
             data.len() as i64
         }
         // The stack answered with more than was asked for: what fits, and the whole size.
-        Ok(Opened::Whole(data)) => {
+        Ok(Opened::Whole(data, _)) => {
             let n = out.len();
             out.copy_from_slice(&data[..n]);
             data.len() as i64

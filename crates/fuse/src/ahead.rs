@@ -31,9 +31,18 @@ use crate::xattr::Seen;
 pub(crate) type Listing = (Vec<DirEntry>, Seen);
 /// Listings fetched ahead, by directory path: 4 at a time, 256 Ki entries held at most.
 pub(crate) type Listings = Ahead<Listing>;
-/// A small file fetched ahead: its FUSE inode and whole content, and whether that content was
-/// put into the kernel's page cache when it came ([`crate::files::Stored`]).
-pub(crate) type Content = (u64, Vec<u8>, Option<crate::files::Stored>);
+/// A small file fetched ahead.
+pub(crate) struct Content {
+    /// Its FUSE inode, as listed when the fetch began.
+    pub ino: u64,
+    /// All of it.
+    pub data: Vec<u8>,
+    /// Whether it was put into the kernel's page cache as it came.
+    pub stored: Option<crate::files::Stored>,
+    /// Its attributes as it was read, where the brick gave them: a lookup of its path is
+    /// answered from them ([`Ahead::peek`]).
+    pub attr: Option<kiln_proto::ops::Attr>,
+}
 /// Small files fetched ahead, by path: 8 at a time, 32 MiB held at most.
 pub(crate) type Contents = Ahead<Content>;
 
@@ -180,6 +189,29 @@ impl<T: Send + 'static> Ahead<T> {
         self.start(starts);
         let (t, at) = found?;
         (at.elapsed() < self.ttl).then_some(t)
+    }
+
+    /// `f` of what was fetched ahead for `path`, if it is ready and fresh, leaving it there.
+    pub fn peek<R>(&self, path: &str, f: impl FnOnce(&T) -> R) -> Option<R> {
+        if !self.holds() {
+            return None;
+        }
+        let s = self.state();
+        let (t, _, at) = s.ready.get(path)?;
+        (at.elapsed() < self.ttl).then(|| f(t))
+    }
+
+    /// True when `path` is held, being fetched, waiting to be, or was just taken: a
+    /// [`Ahead::want`] of it would do nothing.
+    pub fn knows(&self, path: &str) -> bool {
+        if !self.holds() {
+            return false;
+        }
+        let s = self.state();
+        s.ready.contains_key(path)
+            || s.running.contains_key(path)
+            || s.queued.contains(path)
+            || s.taken_at.get(path).is_some_and(|t| t.elapsed() < self.ttl)
     }
 
     /// True while a fetch of `path` runs: its end is worth waiting for ([`Ahead::wait`])

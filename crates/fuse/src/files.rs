@@ -36,6 +36,8 @@ pub struct Counters {
     pub kept_ahead: AtomicU64,
     /// Small files fetched ahead and ready for their open (not dropped as spoiled).
     pub ahead_ready: AtomicU64,
+    /// Lookups answered with the attributes of a small file fetched ahead (no brick asked).
+    pub looked_up_ahead: AtomicU64,
 }
 
 /// What a FUSE file handle holds.
@@ -337,7 +339,7 @@ impl KilnFs {
     ) {
         let (opened, opens, stored) = opened;
         match opened {
-            Opened::Whole(data) => {
+            Opened::Whole(data, _) => {
                 let sized = self.fresh.opened(ino, Some(data.len() as u64));
                 let ahead = sized && self.stored_ahead(ino, opens, stored);
                 let cached = ahead || (sized && self.store_whole(ino, &data, seen));

@@ -417,6 +417,9 @@ impl fuser::Filesystem for KilnFs {
         {
             return reply.error(Errno::ENOENT);
         }
+        if let Some(a) = self.small_attr(&path) {
+            return self.entry(&path, &a, reply);
+        }
         match block_on(self.caller(req).lookup(&path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
@@ -721,9 +724,9 @@ impl fuser::Filesystem for KilnFs {
             false => None,
         };
         let hit = taken.is_some();
-        let stored = taken.as_ref().and_then(|t| t.1);
+        let stored = taken.as_ref().and_then(|t| t.stored);
         let opened = match taken {
-            Some((data, _)) => Ok(Opened::Whole(data)),
+            Some(c) => Ok(Opened::Whole(c.data, c.attr)),
             None if small => {
                 // The next files' fetches go out first, to run beside this one's.
                 self.small_next(&caller, &path);

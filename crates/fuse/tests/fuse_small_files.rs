@@ -295,3 +295,49 @@ fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
         "and asked the brick nothing"
     );
 }
+
+/// A name the kernel forgot (its entry timed out, or memory was reclaimed) is looked up again
+/// when a reader opens it. When the file was fetched ahead, its attributes came with it, and
+/// the lookup asks the brick nothing.
+#[test]
+fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
+    let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    let dir = m.brick().join("d");
+    std::fs::create_dir(&dir).unwrap();
+    for f in 0..5 {
+        std::fs::write(dir.join(format!("f{f}")), content(200 + f, 3)).unwrap();
+    }
+    // Held open: the directory's own entry stays while the kernel drops its files'.
+    let _held = std::fs::File::open(m.path("d")).unwrap();
+    let mut files = Vec::new();
+    walk(&m.path("d"), &mut files);
+    std::fs::read(&files[0]).unwrap();
+    let end = Instant::now() + Duration::from_secs(10);
+    while m.counters.ahead_ready.load(Ordering::Relaxed) < 4 {
+        assert!(Instant::now() < end, "not all fetched ahead are ready");
+        std::thread::yield_now();
+    }
+    // The kernel forgets the names the listing told it of.
+    std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+    let lookups = m.stats.calls(Op::Lookup);
+    let ahead = m.counters.looked_up_ahead.load(Ordering::Relaxed);
+    let n: usize = files[1].file_name().unwrap().to_str().unwrap()[1..]
+        .parse()
+        .unwrap();
+    assert_eq!(std::fs::metadata(&files[1]).unwrap().len(), 200 + n as u64);
+    assert_eq!(
+        m.counters.looked_up_ahead.load(Ordering::Relaxed),
+        ahead + 1,
+        "the kernel looked the name up, and was answered from the fetch"
+    );
+    assert_eq!(
+        m.stats.calls(Op::Lookup),
+        lookups,
+        "the brick was asked nothing"
+    );
+    same_bytes(
+        &std::fs::read(&files[1]).unwrap(),
+        &content(200 + n, 3),
+        "the file fetched ahead",
+    );
+}

@@ -557,8 +557,9 @@ impl FopOutput for ReadOut {
 pub enum Opened {
     /// The file is open.
     Fd(Fd),
-    /// The file's content as of the open, all of it; no handle to release.
-    Whole(Vec<u8>),
+    /// The file's content as of the open, all of it, and its attributes when the brick gave
+    /// them; no handle to release.
+    Whole(Vec<u8>, Option<Attr>),
 }
 
 impl Opened {
@@ -575,7 +576,7 @@ impl FopOutput for Opened {
     fn data_bytes(&self) -> usize {
         match self {
             Opened::Fd(_) => 0,
-            Opened::Whole(v) => v.len(),
+            Opened::Whole(v, _) => v.len(),
         }
     }
 }

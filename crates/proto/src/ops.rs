@@ -287,6 +287,9 @@ wire_struct! {
     pub struct OpenReq { pub path: String, pub flags: u32, pub peek: u32 }
     /// Open reply: the handle, or 0 when the payload is the whole file (see [`OpenReq`]).
     pub struct OpenReply { pub fh: u64 }
+    /// Open reply to a request with [`OPEN_ATTR`] whose payload is the whole file: `fh` 0 and
+    /// the file's attributes as it was read.
+    pub struct OpenWholeReply { pub fh: u64, pub attr: Attr }
     /// Create request.
     pub struct CreateReq { pub path: String, pub flags: u32, pub mode: u32 }
     /// Create reply.
@@ -412,6 +415,11 @@ wire_struct! {
 
 /// [`HelloReply::flags`]: the brick is new to its volume (see `kiln_layer::marks`).
 pub const HELLO_NEW_BRICK: u32 = 1;
+
+/// [`OpenReq::flags`] bit (no Linux `O_*` flag uses it): a reply carrying the whole file
+/// is an [`OpenWholeReply`], with its attributes. A brick that does not know the bit drops it
+/// with the flags it does not pass on, and answers an [`OpenReply`].
+pub const OPEN_ATTR: u32 = 1 << 31;
 
 /// The most runs an [`ExtentList`] carries (a brick stops there; the caller asks again).
 pub const EXTENTS_MAX: usize = 1024;

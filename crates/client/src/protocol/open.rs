@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use kiln_layer::{errno, fail, Ctx, Fd, Fut, Layer, Opened};
 use kiln_proto::codec::Wire;
-use kiln_proto::ops::{OpenReply, OpenReq};
+use kiln_proto::ops::{OpenReply, OpenReq, OpenWholeReply, OPEN_ATTR};
 use kiln_proto::Op;
 
 use super::{check_len, path, ProtocolClient, RemoteFd, Shape};
@@ -62,7 +62,7 @@ impl ProtocolClient {
         }
         let req = OpenReq {
             path: try_fut!(path(p)),
-            flags,
+            flags: flags | OPEN_ATTR,
             peek: max,
         };
         let gen = self.gen();
@@ -77,21 +77,29 @@ impl ProtocolClient {
         Box::pin(async move {
             let mut c = f.await?;
             let got = c.result?;
-            let reply = OpenReply::from_wire(&got.args).map_err(|e| {
-                tracing::warn!("bad OPEN reply arguments: {e}");
-                errno::EPROTO
-            })?;
-            if reply.fh != 0 {
+            // With the attributes, or (a brick that does not know `OPEN_ATTR`) without.
+            let (fh, attr) = match OpenWholeReply::from_wire(&got.args) {
+                Ok(r) => (r.fh, Some(r.attr)),
+                Err(_) => match OpenReply::from_wire(&got.args) {
+                    Ok(r) => (r.fh, None),
+                    Err(e) => {
+                        tracing::warn!("bad OPEN reply arguments: {e}");
+                        return Err(errno::EPROTO);
+                    }
+                },
+            };
+            if fh != 0 {
                 return Ok(Opened::Fd(self.handle(
                     cx,
                     Op::Open,
                     &req.path,
                     flags,
-                    reply.fh,
+                    fh,
                     gen,
                 )));
             }
-            Ok(Opened::Whole(super::landed(c.keep.take(), got.payload_len)))
+            let data = super::landed(c.keep.take(), got.payload_len);
+            Ok(Opened::Whole(data, attr))
         })
     }
 }

@@ -109,10 +109,13 @@ impl Conn {
     }
 
     /// OPEN; with `peek`, a small file's whole content instead of a handle (see [`OpenReq`]):
-    /// open, fstat, one read and close on the brick, one reply. Where the file is not small,
-    /// or reading it fails, the reply is the handle, as for a plain OPEN.
+    /// open, fstat, one read and close on the brick, one reply, which carries the attributes
+    /// too when asked ([`OPEN_ATTR`]). Where the file is not small, or reading it fails, the
+    /// reply is the handle, as for a plain OPEN.
     fn open(&self, stack: LayerRef, args: &[u8], cx: Ctx) -> Result<Step, Fail> {
-        let req = OpenReq::from_wire(args)?;
+        let mut req = OpenReq::from_wire(args)?;
+        let with_attr = req.flags & OPEN_ATTR != 0;
+        req.flags &= !OPEN_ATTR;
         let peek = req.peek.min(kiln_proto::MAX_PAYLOAD_LEN);
         let read_only = req.flags & libc::O_ACCMODE as u32 == libc::O_RDONLY as u32;
         let stats = self.stats.clone();
@@ -121,7 +124,7 @@ impl Conn {
             if peek == 0 || !read_only {
                 return Ok(Done::Open(fd));
             }
-            let Some(body) = whole(&stack, &cx, &fd, peek).await else {
+            let Some((body, attr)) = whole(&stack, &cx, &fd, peek).await else {
                 return Ok(Done::Open(fd));
             };
             if let Err(e) = stack.release(&cx, fd).await {
@@ -129,7 +132,11 @@ impl Conn {
                 tracing::warn!(path = req.path, "closing a file read whole failed: {e}");
             }
             stats.add_read(body.len());
-            Ok(Done::Reply(OpenReply { fh: 0 }.to_wire(), body))
+            let args = match with_attr {
+                true => OpenWholeReply { fh: 0, attr }.to_wire(),
+                false => OpenReply { fh: 0 }.to_wire(),
+            };
+            Ok(Done::Reply(args, body))
         })))
     }
 
@@ -412,9 +419,10 @@ macro_rules! path_fn {
 }
 kiln_layer::for_each_path_fop!(path_fn);
 
-/// The whole of open regular file `fd` if it holds at most `max` bytes; None if it is larger,
-/// not a regular file, grew while being read, or could not be read.
-async fn whole(stack: &LayerRef, cx: &Ctx, fd: &kiln_layer::Fd, max: u32) -> Option<Body> {
+/// The whole of open regular file `fd` if it holds at most `max` bytes, and its attributes
+/// before the read; None if it is larger, not a regular file, grew while being read, or could
+/// not be read.
+async fn whole(stack: &LayerRef, cx: &Ctx, fd: &kiln_layer::Fd, max: u32) -> Option<(Body, Attr)> {
     let a = stack.fstat(cx, fd).await.ok()?;
     if a.mode & libc::S_IFMT != libc::S_IFREG || a.size > max as u64 {
         return None;
@@ -426,5 +434,5 @@ async fn whole(stack: &LayerRef, cx: &Ctx, fd: &kiln_layer::Fd, max: u32) -> Opt
         ReadOut::File { file, offset, len } => Body::File { file, offset, len },
         ReadOut::Into { .. } => return None,
     };
-    (body.len() as u64 <= a.size).then_some(body)
+    (body.len() as u64 <= a.size).then_some((body, a))
 }

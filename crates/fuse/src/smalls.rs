@@ -5,9 +5,10 @@
 //! ahead is kept as [`crate::ahead`] says (used once, within the attribute timeout, spoiled by
 //! any change), and within 32 MiB.
 //!
-//! "Next" is the order of a depth-first walk in listing order (what `find`, `tar`, `cp -r` and
-//! `rsync` do): the directory's later entries, and at a subdirectory, the subdirectory's own
-//! entries first (when its listing has been fetched) before the rest of the directory.
+//! "Next" is the order of a depth-first walk in listing order (what `find`, `tar` and `cp -r`
+//! do): the directory's later entries, at a subdirectory the subdirectory's own entries first
+//! (when its listing has been fetched) before the rest of the directory, and at the end of the
+//! directory its parent's later entries.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -25,6 +26,9 @@ use crate::KilnFs;
 const AHEAD: usize = 16;
 /// Directories whose entries are remembered (all are forgotten past this).
 const DIRS_MAX: usize = 4096;
+/// Entries a walk looks at, at most, to find the next [`AHEAD`] small files (an open's cost
+/// stays bounded in directories of big files or empty subdirectories).
+const WALK_STEPS: usize = 1024;
 
 /// The entries of recent listings, by directory path, in listing order.
 #[derive(Default)]
@@ -49,7 +53,7 @@ struct Next {
 struct Entries {
     /// Name and what it is; other entries (big files, links, …) are left out.
     list: Vec<(String, Step)>,
-    /// Where each small file is in `list`.
+    /// Where each entry is in `list`.
     at: HashMap<String, usize>,
 }
 
@@ -74,7 +78,6 @@ impl KilnFs {
         let at = list
             .iter()
             .enumerate()
-            .filter(|(_, (_, s))| matches!(s, Step::Small(..)))
             .map(|(i, (n, _))| (n.clone(), i))
             .collect();
         let mut d = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
@@ -86,7 +89,7 @@ impl KilnFs {
 
     /// The small files a depth-first walk reaches after `name` in `dir`, at most [`AHEAD`]:
     /// the directory's later entries, descending into each subdirectory whose listing is
-    /// known, then back up into the parents' later entries.
+    /// known, then back up into the parents' later entries (where their listings are known).
     fn walk_after(&self, dir: &str, name: &str) -> Vec<Next> {
         let recent = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
         let Some(here) = recent.get(dir) else {
@@ -97,8 +100,28 @@ impl KilnFs {
         };
         // Directories being walked and the next entry of each; the innermost last.
         let mut stack = vec![(dir.to_owned(), here.clone(), i + 1)];
+        // The outermost of them: once it is done, the walk goes on in its parent.
+        let mut outer = dir.to_owned();
         let mut out = Vec::new();
-        while let Some((path, entries, k)) = stack.last_mut() {
+        for _ in 0..WALK_STEPS {
+            let Some((path, entries, k)) = stack.last_mut() else {
+                // A tree of many small directories (`/usr/share/doc`): without this, the
+                // first file of each was never fetched ahead.
+                if outer.is_empty() {
+                    break;
+                }
+                let (parent, me) = split(&outer);
+                let Some((up, k)) = recent
+                    .get(parent)
+                    .and_then(|up| Some((up.clone(), *up.at.get(me)?)))
+                else {
+                    break;
+                };
+                let parent = parent.to_owned();
+                stack.push((parent.clone(), up, k + 1));
+                outer = parent;
+                continue;
+            };
             let Some((name, step)) = entries.list.get(*k) else {
                 stack.pop(); // this directory is done: back to its parent's next entry
                 continue;

@@ -341,3 +341,50 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
         "the file fetched ahead",
     );
 }
+
+/// A walk through many small directories (`/usr/share/doc`: a few files each) goes on from
+/// the last file of one directory into the next directory of its parent: the first file of
+/// each is fetched ahead too, not only the files after it in its own directory.
+#[test]
+fn a_walk_goes_on_into_the_next_directory_of_the_parent() {
+    let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
+    let top = m.brick().join("top");
+    for d in ["a", "b", "c"] {
+        std::fs::create_dir_all(top.join(d)).unwrap();
+        for f in 0..2 {
+            std::fs::write(top.join(d).join(format!("f{f}")), content(300 + f, 5)).unwrap();
+        }
+    }
+    let mut files = Vec::new();
+    walk(&m.path("top"), &mut files);
+    assert_eq!(files.len(), 6);
+
+    let opens = m.stats.calls(Op::Open);
+    std::fs::read(&files[0]).unwrap();
+    // The five files after it, in its directory and in the two after it, were fetched ahead
+    // (bounded wait: the fetches run in the background).
+    let end = Instant::now() + Duration::from_secs(10);
+    while m.counters.ahead_ready.load(Ordering::Relaxed) < 5 {
+        assert!(
+            Instant::now() < end,
+            "{} of the 5 next files fetched ahead",
+            m.counters.ahead_ready.load(Ordering::Relaxed)
+        );
+        std::thread::yield_now();
+    }
+    for f in &files[1..] {
+        let n: usize = f.file_name().unwrap().to_str().unwrap()[1..]
+            .parse()
+            .unwrap();
+        same_bytes(
+            &std::fs::read(f).unwrap(),
+            &content(300 + n, 5),
+            "fetched ahead",
+        );
+    }
+    assert_eq!(
+        m.stats.calls(Op::Open),
+        opens + 6,
+        "every open after the first found its file fetched ahead"
+    );
+}

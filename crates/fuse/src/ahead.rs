@@ -69,8 +69,9 @@ pub(crate) struct Ahead<T> {
 
 struct State<T> {
     ready: HashMap<String, (T, usize, Instant)>,
-    /// Paths fetching now; those spoiled meanwhile are thrown away when they end.
-    running: HashMap<String, bool>,
+    /// Paths fetching now: whether spoiled meanwhile (then thrown away when they end), and
+    /// since when.
+    running: HashMap<String, (bool, Instant)>,
     queue: VecDeque<(String, Job<T>)>,
     queued: HashSet<String>,
     cost: usize,
@@ -191,14 +192,19 @@ impl<T: Send + 'static> Ahead<T> {
         (at.elapsed() < self.ttl).then_some(t)
     }
 
-    /// `f` of what was fetched ahead for `path`, if it is ready and fresh, leaving it there.
-    pub fn peek<R>(&self, path: &str, f: impl FnOnce(&T) -> R) -> Option<R> {
+    /// `f` of what was fetched ahead for `path`, if it is ready and fresh, leaving it there;
+    /// and how much longer it stays fresh.
+    pub fn peek<R>(&self, path: &str, f: impl FnOnce(&T) -> R) -> Option<(R, Duration)> {
         if !self.holds() {
             return None;
         }
         let s = self.state();
         let (t, _, at) = s.ready.get(path)?;
-        (at.elapsed() < self.ttl).then(|| f(t))
+        let left = self
+            .ttl
+            .checked_sub(at.elapsed())
+            .filter(|l| !l.is_zero())?;
+        Some((f(t), left))
     }
 
     /// True when `path` is held, being fetched, waiting to be, or was just taken: a
@@ -220,13 +226,12 @@ impl<T: Send + 'static> Ahead<T> {
         self.holds() && self.state().running.contains_key(path)
     }
 
-    /// Waits until no fetch of `path` runs, at most `max`; then [`Ahead::take`] finds what
-    /// it fetched, unless it failed or was spoiled.
+    /// Waits until no fetch of `path` runs, at most until `max` after it began; then
+    /// [`Ahead::take`] finds what it fetched, unless it failed or was spoiled.
     pub fn wait(&self, path: &str, max: Duration) {
-        let end = Instant::now() + max;
         let mut s = self.state();
-        while s.running.contains_key(path) {
-            let left = end.saturating_duration_since(Instant::now());
+        while let Some(&(_, since)) = s.running.get(path) {
+            let left = (since + max).saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
             }
@@ -237,9 +242,9 @@ impl<T: Send + 'static> Ahead<T> {
         }
     }
 
-    /// [`Ahead::take`], but a fetch of `path` running now is waited for first, at most the
-    /// time things are kept (a fetch that took longer could not be used), through `waiting`:
-    /// a FUSE thread gives its place up around the wait.
+    /// [`Ahead::take`], but a fetch of `path` running now is waited for first, at most until
+    /// the time things are kept has passed since it began (what it fetched could not be used
+    /// after that), through `waiting`: a FUSE thread gives its place up around the wait.
     pub fn take_waiting(
         self: &Arc<Self>,
         path: &str,
@@ -265,7 +270,7 @@ impl<T: Send + 'static> Ahead<T> {
         if let Some((_, cost, _)) = s.ready.remove(path) {
             s.cost -= cost;
         }
-        if let Some(spoiled) = s.running.get_mut(path) {
+        if let Some((spoiled, _)) = s.running.get_mut(path) {
             *spoiled = true;
         }
         self.count(&s);
@@ -288,7 +293,7 @@ impl<T: Send + 'static> Ahead<T> {
         s.running
             .iter_mut()
             .filter(|(p, _)| hit(p))
-            .for_each(|(_, v)| *v = true);
+            .for_each(|(_, v)| v.0 = true);
         self.count(&s);
     }
 
@@ -297,7 +302,7 @@ impl<T: Send + 'static> Ahead<T> {
         let mut s = self.state();
         s.ready.clear();
         s.cost = 0;
-        s.running.values_mut().for_each(|v| *v = true);
+        s.running.values_mut().for_each(|v| v.0 = true);
         self.count(&s);
     }
 
@@ -356,7 +361,7 @@ impl<T: Send + 'static> Ahead<T> {
                 break;
             };
             s.queued.remove(&path);
-            s.running.insert(path.clone(), false);
+            s.running.insert(path.clone(), (false, Instant::now()));
             out.push((path, job));
         }
         out
@@ -378,7 +383,7 @@ impl<T: Send + 'static> Ahead<T> {
     /// fetches start.
     fn finish(self: &Arc<Self>, path: String, r: Option<(T, usize)>, at: Instant) {
         let mut s = self.state();
-        let spoiled = s.running.remove(&path).unwrap_or(true);
+        let spoiled = s.running.remove(&path).is_none_or(|(spoiled, _)| spoiled);
         if let (Some((t, cost)), false) = (r, spoiled) {
             s.cost += cost;
             s.ready.insert(path, (t, cost, at));
@@ -442,28 +447,36 @@ mod tests {
         assert!(!a.holds());
     }
 
-    #[test]
-    fn a_fetch_spoiled_while_running_is_thrown_away() {
-        let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
+    /// Starts a fetch of `path` on another thread (its `want` runs the job's first poll) that
+    /// ends with `v` once the returned sender is sent to; returns when it is running.
+    fn slow_fetch(
+        a: &Arc<Ahead<u32>>,
+        path: &str,
+        v: u32,
+    ) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+        let (go, rx) = std::sync::mpsc::channel::<()>();
         let rx = Mutex::new(Some(rx));
         let slow: Mutex<Option<Job<u32>>> = Mutex::new(Some(Box::new(move || {
             let rx = rx.lock().unwrap().take().unwrap();
             Box::pin(async move {
-                // Completed by the test thread below, after the spoil.
                 let _ = rx.recv();
-                Some((7, 1))
+                Some((v, 1))
             })
         })));
-        let a2 = a.clone();
-        let t = std::thread::spawn(move || {
-            a2.want(["p".to_owned()], |_| slow.lock().unwrap().take().unwrap())
-        });
-        while !a.has("p") {
+        let (a2, p) = (a.clone(), path.to_owned());
+        let t = std::thread::spawn(move || a2.want([p], |_| slow.lock().unwrap().take().unwrap()));
+        while !a.fetching(path) {
             std::thread::yield_now();
         }
+        (go, t)
+    }
+
+    #[test]
+    fn a_fetch_spoiled_while_running_is_thrown_away() {
+        let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
+        let (go, t) = slow_fetch(&a, "p", 7);
         a.spoil("p");
-        tx.send(()).unwrap();
+        go.send(()).unwrap();
         t.join().unwrap();
         assert_eq!(a.take("p"), None);
     }
@@ -489,23 +502,8 @@ mod tests {
     #[test]
     fn a_fetch_on_its_way_is_waited_for() {
         let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
-        let (go, rx) = std::sync::mpsc::channel::<()>();
-        let rx = Mutex::new(Some(rx));
-        let slow: Mutex<Option<Job<u32>>> = Mutex::new(Some(Box::new(move || {
-            let rx = rx.lock().unwrap().take().unwrap();
-            Box::pin(async move {
-                // Ends only once the taker waits for it.
-                let _ = rx.recv();
-                Some((7, 1))
-            })
-        })));
-        let a2 = a.clone();
-        let t = std::thread::spawn(move || {
-            a2.want(["p".to_owned()], |_| slow.lock().unwrap().take().unwrap())
-        });
-        while !a.fetching("p") {
-            std::thread::yield_now();
-        }
+        // The fetch ends only once the taker waits for it.
+        let (go, t) = slow_fetch(&a, "p", 7);
         let got = a.take_waiting("p", |wait| {
             go.send(()).unwrap();
             wait()

@@ -289,11 +289,16 @@ impl KilnFs {
 
     /// Replies with an entry for `path` and counts the kernel's new lookup.
     fn entry(&self, path: &str, a: &Attr, reply: ReplyEntry) {
+        self.entry_for(path, a, &self.ttl, reply)
+    }
+
+    /// [`KilnFs::entry`], for the kernel to keep `ttl`.
+    fn entry_for(&self, path: &str, a: &Attr, ttl: &Duration, reply: ReplyEntry) {
         let fa = self.fattr(a);
         self.table().learn(fa.ino.0, path);
         // A new name for this inode number (perhaps a new file): nothing known of it.
         self.no_xattrs.drop_entry(fa.ino.0);
-        reply.entry(&self.ttl, &fa, Generation(0));
+        reply.entry(ttl, &fa, Generation(0));
     }
 
     fn open_flags(&self, flags: i32) -> i32 {
@@ -417,8 +422,9 @@ impl fuser::Filesystem for KilnFs {
         {
             return reply.error(Errno::ENOENT);
         }
-        if let Some(a) = self.small_attr(&path) {
-            return self.entry(&path, &a, reply);
+        if let Some((a, left)) = self.small_attr(&path) {
+            // Kept by the kernel no longer than the fetch may be used.
+            return self.entry_for(&path, &a, &left, reply);
         }
         match block_on(self.caller(req).lookup(&path)) {
             Ok(a) => self.entry(&path, &a, reply),

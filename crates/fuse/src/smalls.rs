@@ -13,13 +13,14 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kiln_client::{DirEntry, Opened, Volume};
 
 use crate::ahead::{Content, Job};
 use crate::convert::kind;
 use crate::files::store_ahead;
-use crate::inodes::{join, split};
+use crate::inodes::{fuse_ino, join, split};
 use crate::KilnFs;
 
 /// Files fetched ahead per open, at most.
@@ -166,11 +167,14 @@ impl KilnFs {
 
     /// A lookup of `path`: its attributes, if they came with its content fetched ahead and
     /// that is fresh (the kernel forgets a name it was told of after the attribute timeout,
-    /// so a reader that follows a listing by more than that looks every name up again).
-    pub(crate) fn small_attr(&self, path: &str) -> Option<kiln_client::Attr> {
-        let a = self.contents.peek(path, |c| c.attr.clone())??;
+    /// so a reader that follows a listing by more than that looks every name up again), and
+    /// for how much longer they may be used. Not for a file with other names: a change
+    /// through one of those would not spoil what was fetched by this one.
+    pub(crate) fn small_attr(&self, path: &str) -> Option<(kiln_client::Attr, Duration)> {
+        let (a, left) = self.contents.peek(path, |c| c.attr.clone())?;
+        let a = a.filter(|a| a.nlink <= 1)?;
         self.counters.looked_up_ahead.fetch_add(1, Relaxed);
-        Some(a)
+        Some((a, left))
     }
 
     /// Small file `path` was opened read-only by `caller`: the small files a walk reaches
@@ -208,6 +212,7 @@ impl KilnFs {
             let counters = self.counters.clone();
             // With the kernel's writeback cache an open never keeps pages stored ahead.
             let store = !self.writeback;
+            let root = self.root_brick_ino;
             let job: Job<Content> = Box::new(move || {
                 let began = files.before_fetch(ino);
                 Box::pin(async move {
@@ -215,7 +220,9 @@ impl KilnFs {
                         Opened::Whole(data, attr) => {
                             // What it holds: its buffer's room (a page at least).
                             let cost = data.capacity().max(1);
-                            let stored = match store {
+                            // Not into the pages of the inode listed if the name is another's now.
+                            let same = attr.as_ref().is_none_or(|a| fuse_ino(root, a.ino) == ino);
+                            let stored = match store && same {
                                 true => store_ahead((&files, &fresh, &counters), ino, &data, began),
                                 false => None,
                             };

@@ -87,7 +87,7 @@ impl Walks {
             let last = old.last.map(|i| old.names[i as usize].as_str());
             new.last = last.and_then(|n| new.rank(n)).map(|r| new.sorted[r]);
         }
-        if dirs.len() >= DIRS_MAX {
+        if dirs.len() >= DIRS_MAX && !dirs.contains_key(dir) {
             dirs.clear();
         }
         dirs.insert(dir.to_owned(), new);

@@ -8,7 +8,7 @@
 mod common;
 
 use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -298,7 +298,8 @@ fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
 
 /// A name the kernel forgot (its entry timed out, or memory was reclaimed) is looked up again
 /// when a reader opens it. When the file was fetched ahead, its attributes came with it, and
-/// the lookup asks the brick nothing.
+/// the lookup asks the brick nothing — unless the file has other names, through which a
+/// change would not have spoiled what was fetched.
 #[test]
 fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
@@ -307,6 +308,7 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
     for f in 0..5 {
         std::fs::write(dir.join(format!("f{f}")), content(200 + f, 3)).unwrap();
     }
+    std::fs::hard_link(dir.join("f4"), m.brick().join("f4-too")).unwrap();
     // Held open: the directory's own entry stays while the kernel drops its files'.
     let _held = std::fs::File::open(m.path("d")).unwrap();
     let mut files = Vec::new();
@@ -321,10 +323,14 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
     std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
     let lookups = m.stats.calls(Op::Lookup);
     let ahead = m.counters.looked_up_ahead.load(Ordering::Relaxed);
-    let n: usize = files[1].file_name().unwrap().to_str().unwrap()[1..]
-        .parse()
-        .unwrap();
-    assert_eq!(std::fs::metadata(&files[1]).unwrap().len(), 200 + n as u64);
+    let size = |f: &std::path::Path| {
+        let n: usize = f.file_name().unwrap().to_str().unwrap()[1..]
+            .parse()
+            .unwrap();
+        200 + n
+    };
+    let plain = files[1..].iter().find(|f| !f.ends_with("f4")).unwrap();
+    assert_eq!(std::fs::metadata(plain).unwrap().len(), size(plain) as u64);
     assert_eq!(
         m.counters.looked_up_ahead.load(Ordering::Relaxed),
         ahead + 1,
@@ -336,10 +342,21 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
         "the brick was asked nothing"
     );
     same_bytes(
-        &std::fs::read(&files[1]).unwrap(),
-        &content(200 + n, 3),
+        &std::fs::read(plain).unwrap(),
+        &content(size(plain), 3),
         "the file fetched ahead",
     );
+
+    let linked = files.iter().find(|f| f.ends_with("f4")).unwrap();
+    if linked != &files[0] {
+        assert_eq!(std::fs::metadata(linked).unwrap().nlink(), 2);
+        assert_eq!(
+            m.counters.looked_up_ahead.load(Ordering::Relaxed),
+            ahead + 1,
+            "a file with two names is looked up on the brick"
+        );
+        assert_eq!(m.stats.calls(Op::Lookup), lookups + 1);
+    }
 }
 
 /// A walk through many small directories (`/usr/share/doc`: a few files each) goes on from

@@ -434,5 +434,13 @@ async fn whole(stack: &LayerRef, cx: &Ctx, fd: &kiln_layer::Fd, max: u32) -> Opt
         ReadOut::File { file, offset, len } => Body::File { file, offset, len },
         ReadOut::Into { .. } => return None,
     };
-    (body.len() as u64 <= a.size).then_some((body, a))
+    if body.len() as u64 > a.size {
+        return None;
+    }
+    // Shrunk while being read: the attributes tell the size of what is sent.
+    let a = Attr {
+        size: body.len() as u64,
+        ..a
+    };
+    Some((body, a))
 }

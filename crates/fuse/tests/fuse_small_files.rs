@@ -208,6 +208,23 @@ fn a_small_file_open_elsewhere_in_the_mount_is_not_stored() {
     same(m.path("f"), &new, "and after its close");
 }
 
+/// Waits (bounded) until `n` files fetched ahead are ready for their opens: the fetches run
+/// in the background.
+fn ahead_ready(m: &Mounted, n: u64) {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ready = m.counters.ahead_ready.load(Ordering::Relaxed);
+        if ready >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "{ready} of {n} fetched ahead are ready"
+        );
+        std::thread::yield_now();
+    }
+}
+
 /// The files of `dir` in a depth-first walk in listing order, as `find` makes it: each
 /// directory listed whole when the walk reaches it, a subdirectory's files at its place.
 fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
@@ -255,10 +272,7 @@ fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
     }
     // Each is ready for its open (bounded wait: after the brick's reply), and was put into the
     // page cache as it came.
-    while m.counters.ahead_ready.load(Ordering::Relaxed) < 8 {
-        assert!(Instant::now() < end, "not all fetched ahead are ready");
-        std::thread::yield_now();
-    }
+    ahead_ready(&m, 8);
     assert_eq!(m.counters.stored_ahead.load(Ordering::Relaxed), 8);
     let hits = m.counters.fetched_ahead.load(Ordering::Relaxed);
     let (reads, kept) = (
@@ -314,11 +328,7 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
     let mut files = Vec::new();
     walk(&m.path("d"), &mut files);
     std::fs::read(&files[0]).unwrap();
-    let end = Instant::now() + Duration::from_secs(10);
-    while m.counters.ahead_ready.load(Ordering::Relaxed) < 4 {
-        assert!(Instant::now() < end, "not all fetched ahead are ready");
-        std::thread::yield_now();
-    }
+    ahead_ready(&m, 4);
     // The kernel forgets the names the listing told it of.
     std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
     let lookups = m.stats.calls(Op::Lookup);
@@ -380,15 +390,7 @@ fn a_walk_goes_on_into_the_next_directory_of_the_parent() {
     std::fs::read(&files[0]).unwrap();
     // The five files after it, in its directory and in the two after it, were fetched ahead
     // (bounded wait: the fetches run in the background).
-    let end = Instant::now() + Duration::from_secs(10);
-    while m.counters.ahead_ready.load(Ordering::Relaxed) < 5 {
-        assert!(
-            Instant::now() < end,
-            "{} of the 5 next files fetched ahead",
-            m.counters.ahead_ready.load(Ordering::Relaxed)
-        );
-        std::thread::yield_now();
-    }
+    ahead_ready(&m, 5);
     for f in &files[1..] {
         let n: usize = f.file_name().unwrap().to_str().unwrap()[1..]
             .parse()

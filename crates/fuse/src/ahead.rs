@@ -82,6 +82,16 @@ struct State<T> {
     taken_at: HashMap<String, Instant>,
 }
 
+impl<T> State<T> {
+    /// True when `path` is held, being fetched, waiting to be, or was taken within `ttl`.
+    fn knows(&self, path: &str, ttl: Duration) -> bool {
+        self.ready.contains_key(path)
+            || self.running.contains_key(path)
+            || self.queued.contains(path)
+            || self.taken_at.get(path).is_some_and(|t| t.elapsed() < ttl)
+    }
+}
+
 /// Paths taken that are remembered (a few times the files a walk fetches ahead).
 const TAKEN_KEPT: usize = 64;
 
@@ -213,11 +223,7 @@ impl<T: Send + 'static> Ahead<T> {
         if !self.holds() {
             return false;
         }
-        let s = self.state();
-        s.ready.contains_key(path)
-            || s.running.contains_key(path)
-            || s.queued.contains(path)
-            || s.taken_at.get(path).is_some_and(|t| t.elapsed() < self.ttl)
+        self.state().knows(path, self.ttl)
     }
 
     /// True while a fetch of `path` runs: its end is worth waiting for ([`Ahead::wait`])
@@ -306,33 +312,30 @@ impl<T: Send + 'static> Ahead<T> {
         self.count(&s);
     }
 
-    /// Fetches `paths` ahead, in order, as room allows, each with the job `fetch` makes for
-    /// it; paths already held, fetching, queued or just taken are skipped (and make no job).
-    pub fn want(
+    /// Fetches `wanted` (paths, or things that name one) ahead, in order, as room allows, each
+    /// with the job `fetch` makes for it; paths already held, fetching, queued or just taken
+    /// are skipped (and make no job).
+    pub fn want<W: AsRef<str>>(
         self: &Arc<Self>,
-        paths: impl IntoIterator<Item = String>,
-        fetch: impl Fn(&str) -> Job<T>,
+        wanted: impl IntoIterator<Item = W>,
+        fetch: impl Fn(&W) -> Job<T>,
     ) {
         if self.ttl.is_zero() {
             // Nothing fetched could be used (`--attr-timeout 0`).
             return;
         }
         let mut s = self.state();
-        for path in paths {
+        for w in wanted {
             if s.queue.len() >= self.queue_max {
                 break;
             }
-            let known = s.ready.contains_key(&path) || s.running.contains_key(&path);
-            let just_taken = s
-                .taken_at
-                .get(&path)
-                .is_some_and(|t| t.elapsed() < self.ttl);
-            if known || s.queued.contains(&path) || just_taken {
+            let path = w.as_ref();
+            if s.knows(path, self.ttl) {
                 continue;
             }
-            let job = fetch(&path);
-            s.queued.insert(path.clone());
-            s.queue.push_back((path, job));
+            let job = fetch(&w);
+            s.queued.insert(path.to_owned());
+            s.queue.push_back((path.to_owned(), job));
         }
         let starts = self.next(&mut s);
         self.count(&s);

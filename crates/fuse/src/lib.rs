@@ -35,6 +35,7 @@ mod gate;
 pub mod inodes;
 mod known;
 mod mount;
+mod opens;
 mod options;
 mod passthrough;
 mod smalls;
@@ -55,11 +56,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
-    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    Errno, FileAttr, FileHandle, Generation, INodeNo, InitFlags, KernelConfig, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
-use kiln_client::{Attr, DirEntry, Fd, Opened, SetAttrs, Volume};
+use kiln_client::{Attr, DirEntry, Fd, SetAttrs, Volume};
 
 use crate::gate::block_on;
 use kiln_proto::ops::*;
@@ -301,26 +302,6 @@ impl KilnFs {
         reply.entry(ttl, &fa, Generation(0));
     }
 
-    fn open_flags(&self, flags: i32) -> i32 {
-        // O_DIRECT is the kernel's business on this side (no page cache here); passed to the
-        // brick it would demand aligned buffers there.
-        let mut f = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT);
-        if self.writeback {
-            // With writeback caching the kernel may read pages of a write-only file and does
-            // O_APPEND itself.
-            if f & libc::O_ACCMODE == libc::O_WRONLY {
-                f = (f & !libc::O_ACCMODE) | libc::O_RDWR;
-            }
-            f &= !libc::O_APPEND;
-        }
-        f
-    }
-
-    /// Gives file `ino`, open as `fd`, a FUSE file handle.
-    fn register_open(&self, ino: u64, fd: Fd) -> u64 {
-        self.files.add(ino, files::Held::Fd(fd))
-    }
-
     /// A handle of some open file of inode `ino`: `fstat` on an open file whose names are all
     /// gone reaches us without a handle (the kernel asks by inode).
     fn any_open(&self, ino: u64) -> Option<Fd> {
@@ -346,13 +327,6 @@ impl KilnFs {
                 reply.ok()
             }
             Err(e) => reply.error(errno(e)),
-        }
-    }
-
-    fn fopen_flags(&self) -> FopenFlags {
-        match self.mode {
-            Mode::VmImage => FopenFlags::FOPEN_DIRECT_IO,
-            Mode::General => FopenFlags::empty(),
         }
     }
 }
@@ -709,49 +683,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: fuser::OpenFlags, reply: ReplyOpen) {
         let _g = self.gate.enter();
-        let path = match self.path(ino) {
-            Ok(p) => p,
-            Err(e) => return reply.error(e),
-        };
-        let _ = self.send_behind(ino.0);
-        let flags = self.open_flags(flags.0);
-        let small = self.small_max > 0 && flags & (libc::O_ACCMODE | libc::O_TRUNC) == 0;
-        // A read-only handle holds no writes: its close needs no FLUSH.
-        let ff = match flags & libc::O_ACCMODE == libc::O_RDONLY {
-            true => self.fopen_flags() | FopenFlags::FOPEN_NOFLUSH,
-            false => self.fopen_flags(),
-        };
-        let caller = self.caller(req);
-        // In progress until its handle is registered and answered (see `files::Opening`).
-        let opening = self.files.opening(ino.0);
-        let seen = self.files.changes();
-        let taken = match small {
-            true => self.small_taken(&path, ino.0),
-            false => None,
-        };
-        let hit = taken.is_some();
-        let stored = taken.as_ref().and_then(|t| t.stored);
-        let opened = match taken {
-            Some(c) => Ok(Opened::Whole(c.data, c.attr)),
-            None if small => {
-                // The next files' fetches go out first, to run beside this one's.
-                self.small_next(&caller, &path);
-                block_on(caller.open_small(&path, flags, self.small_max))
-            }
-            None => block_on(caller.open(&path, flags)).map(Opened::Fd),
-        };
-        match opened {
-            Ok(o) => {
-                let o = (o, opening.count, stored);
-                self.opened(ino.0, (&path, flags), &caller, o, (seen, ff), reply)
-            }
-            Err(e) => reply.error(errno(e)),
-        }
-        drop(opening);
-        // Found fetched ahead: the reader was answered before the next fetches go out.
-        if hit {
-            self.small_next(&caller, &path);
-        }
+        self.open_file(req, ino, flags.0, reply)
     }
 
     fn create(
@@ -765,32 +697,7 @@ impl fuser::Filesystem for KilnFs {
         reply: ReplyCreate,
     ) {
         let _g = self.gate.enter();
-        let path = match self.child(parent, name) {
-            Ok(p) => p,
-            Err(e) => return reply.error(e),
-        };
-        let flags = self.open_flags(flags) | (flags & libc::O_EXCL);
-        // It may open an existing file: nothing is stored ahead meanwhile.
-        let _creating = self.files.creating();
-        let r = block_on(self.caller(req).create(&path, flags, mode & !umask));
-        self.named(&path, made(&r, known::Name::Exists));
-        match r {
-            Ok((fd, a)) => {
-                let fa = self.fattr(&a);
-                // An existing file may be opened this way: pages stored ahead are not kept.
-                let _opening = self.files.opening(fa.ino.0);
-                let id = self.register_open(fa.ino.0, fd);
-                self.table().learn(fa.ino.0, &path);
-                reply.created(
-                    &self.ttl,
-                    &fa,
-                    Generation(0),
-                    FileHandle(id),
-                    self.fopen_flags(),
-                )
-            }
-            Err(e) => reply.error(errno(e)),
-        }
+        self.create_file(req, (parent, name), mode & !umask, flags, reply)
     }
 
     fn read(

@@ -51,6 +51,12 @@ struct Next {
     size: u64,
 }
 
+impl AsRef<str> for Next {
+    fn as_ref(&self) -> &str {
+        &self.path
+    }
+}
+
 struct Entries {
     /// Name and what it is; other entries (big files, links, …) are left out.
     list: Vec<(String, Step)>,
@@ -88,10 +94,10 @@ impl KilnFs {
         d.insert(dir.to_owned(), Arc::new(Entries { list, at }));
     }
 
-    /// The small files a depth-first walk reaches after `name` in `dir`, at most [`AHEAD`]:
-    /// the directory's later entries, descending into each subdirectory whose listing is
-    /// known, then back up into the parents' later entries (where their listings are known).
-    fn walk_after(&self, dir: &str, name: &str) -> Vec<Next> {
+    /// The small files a depth-first walk reaches after `name` in `dir`, at most `max`: the
+    /// directory's later entries, descending into each subdirectory whose listing is known,
+    /// then back up into the parents' later entries (where their listings are known).
+    fn walk_after(&self, dir: &str, name: &str, max: usize) -> Vec<Next> {
         let recent = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
         let Some(here) = recent.get(dir) else {
             return Vec::new();
@@ -135,7 +141,7 @@ impl KilnFs {
                         ino: *ino,
                         size: *size,
                     });
-                    if out.len() == AHEAD {
+                    if out.len() == max {
                         break;
                     }
                 }
@@ -186,28 +192,26 @@ impl KilnFs {
     /// in one read, rather than one request (and a wake-up on each side) per open.
     pub(crate) fn small_next(&self, caller: &Volume, path: &str) {
         let (dir, name) = split(path);
-        let next = self.walk_after(dir, name);
-        if next.is_empty() {
+        // Most opens find the file half a window ahead known: only that far is walked first.
+        let Some(half) = self.walk_after(dir, name, AHEAD / 2).pop() else {
             return;
-        }
-        let half = next.get(AHEAD / 2 - 1).unwrap_or(&next[next.len() - 1]);
+        };
         if self.contents.knows(&half.path) {
             return;
         }
+        let next = self.walk_after(dir, name, AHEAD);
         caller.batch(|| self.fetch_ahead(caller, &next));
     }
 
     /// Fetches the small files `next` ahead ([`KilnFs::small_next`]).
     fn fetch_ahead(&self, caller: &Volume, next: &[Next]) {
         let max = self.small_max as u64;
-        let by_path: HashMap<&str, &Next> = next.iter().map(|n| (n.path.as_str(), n)).collect();
-        let paths = next.iter().map(|n| n.path.clone());
-        self.contents.want(paths, |p| {
-            let (ino, size) = by_path.get(p).map_or((0, max), |n| (n.ino, n.size));
+        self.contents.want(next, |n| {
+            let (ino, size) = (n.ino, n.size);
             // Room for the size listed, in whole pages: a file that grew a little still
             // fits, and one that grew past it comes back as a handle (below).
             let room = size.max(1).next_multiple_of(4096).min(max) as u32;
-            let (vol, at) = (caller.clone(), p.to_owned());
+            let (vol, at) = (caller.clone(), n.path.clone());
             let (files, fresh) = (self.files.clone(), self.fresh.clone());
             let counters = self.counters.clone();
             // With the kernel's writeback cache an open never keeps pages stored ahead.

@@ -36,10 +36,15 @@ use kiln_proto::iov::{IovCursor, RawIov, IOV_MAX};
 use kiln_proto::{errno, Op};
 
 mod completion;
+mod inreply;
 mod metrics;
+mod splice;
 
 use completion::deliver;
 pub use completion::{Callback, Completion, Done, Lost, Refused, ReplyData, Slot};
+use inreply::{gather, scatter, InReply};
+use kiln_layer::SpliceOut;
+use splice::{Moved, Pipe};
 
 pub use metrics::render_metrics;
 
@@ -60,10 +65,29 @@ pub struct ConnStats {
     pub payload_bytes_in: AtomicU64,
     /// Payload bytes copied in user space by the client. The read path leaves it at zero.
     pub bytes_copied: AtomicU64,
+    /// Payload bytes moved from the socket on to a descriptor, never in user memory (see
+    /// [`Sink`]).
+    pub bytes_spliced: AtomicU64,
+}
+
+/// Where a reply's payload goes: into the request's memory, or on to a descriptor when `out`
+/// says so and the connection can (plain TCP; see [`SpliceOut`]), into the memory otherwise.
+pub struct Sink {
+    /// The request's memory for the payload.
+    pub iov: Vec<RawIov>,
+    /// The payload's other way out.
+    pub out: Option<Arc<SpliceOut>>,
+}
+
+impl From<Vec<RawIov>> for Sink {
+    fn from(iov: Vec<RawIov>) -> Sink {
+        Sink { iov, out: None }
+    }
 }
 
 struct Pending {
     sink: Vec<RawIov>,
+    out: Option<Arc<SpliceOut>>,
     done: Done,
     keep: Option<Box<dyn Any + Send>>,
     /// A sampled request's trace: stamped when its frame leaves and its reply arrives, and
@@ -257,11 +281,12 @@ impl Conn {
         flags: u32,
         args: &[u8],
         payload: &[RawIov],
-        sink: Vec<RawIov>,
+        sink: impl Into<Sink>,
         keep: Option<Box<dyn Any + Send>>,
         done: Done,
         trace: Option<Arc<Trace>>,
     ) -> Result<u64, Refused> {
+        let Sink { iov: sink, out } = sink.into();
         let payload_len: usize = payload.iter().map(|v| v.len).sum();
         if args.len() > kiln_proto::MAX_ARGS_LEN as usize
             || payload_len > kiln_proto::MAX_PAYLOAD_LEN as usize
@@ -302,6 +327,7 @@ impl Conn {
                 id,
                 Pending {
                     sink,
+                    out,
                     done,
                     keep,
                     trace,
@@ -490,6 +516,9 @@ impl Conn {
         // Stream bytes that a speculative receive put in the wrong place, to be received first.
         let mut carry: Vec<u8> = Vec::new();
         let mut carry_at = 0usize;
+        // Replies moved on to a descriptor go through this pipe (see `splice`).
+        let mut pipe: Option<Pipe> = None;
+        let can_splice = tls.is_none() && !self.unix;
         loop {
             // Frames queued by callbacks: send them once no reply is ready — known when the
             // last receive came up short, or when a non-blocking one would block.
@@ -499,6 +528,9 @@ impl Conn {
                     self.wait_in_or_out()?;
                 }
                 deferred = !lock(&self.sendq).is_empty();
+            }
+            if can_splice && carry.is_empty() && self.splice_current(fd, cur, &mut pipe)? {
+                continue;
             }
             iov.clear();
             let whole = match cur.as_mut() {
@@ -515,15 +547,7 @@ impl Conn {
             // payload into its sink in the same call as the header (one system call, not two).
             let mut speculating = None;
             if cur.is_none() && hdr_got == 0 && carry.is_empty() {
-                let t = lock(&self.table);
-                // No trace frame may be on its way either: it would land in the sink.
-                let alone = t.pending.len() == 1 && t.traces.is_empty();
-                if let (true, Some((&id, p))) = (alone, t.pending.iter().next()) {
-                    if !p.sink.is_empty() {
-                        iov.extend(p.sink.iter().take(IOV_MAX - 1));
-                        speculating = Some(id);
-                    }
-                }
+                speculating = self.speculate(&mut iov);
             }
             if !carry.is_empty() {
                 let n = scatter(&carry[carry_at..], &iov);
@@ -574,6 +598,89 @@ impl Conn {
             }
             self.account(left, cur, &mut hdr_got, &next_hdr)?;
         }
+    }
+
+    /// With one request in flight and no trace frame on its way (it would land in the sink),
+    /// its reply is the only one that can come: appends its sink to `iov` and returns its id.
+    fn speculate(&self, iov: &mut Vec<RawIov>) -> Option<u64> {
+        let t = lock(&self.table);
+        if t.pending.len() != 1 || !t.traces.is_empty() {
+            return None;
+        }
+        let (&id, p) = t.pending.iter().next()?;
+        if p.sink.is_empty() || p.out.is_some() {
+            return None;
+        }
+        iov.extend(p.sink.iter().take(IOV_MAX - 1));
+        Some(id)
+    }
+
+    /// The current reply's payload, when it may go on to a descriptor: moved (see
+    /// [`Conn::splice`]), the reply completed if that was all of it. True when it was tried.
+    fn splice_current(
+        &self,
+        fd: i32,
+        cur: &mut Option<InReply>,
+        pipe: &mut Option<Pipe>,
+    ) -> io::Result<bool> {
+        let Some(r) = cur.as_mut().filter(|r| r.splice) else {
+            return Ok(false);
+        };
+        r.splice = false;
+        let Some(moved) = self.splice(fd, r, pipe)? else {
+            return Ok(false);
+        };
+        let out = r.advance(moved);
+        debug_assert_eq!(out, 0, "a payload moved is the reply's");
+        if r.is_complete() {
+            let r = cur.take().expect("current reply");
+            self.complete(r);
+        }
+        Ok(true)
+    }
+
+    /// Moves the payload of reply `r`, none of which is received yet, on to its descriptor
+    /// (see [`Sink`]); returns how many of its bytes are dealt with (all of them, or those that
+    /// came back into its memory), or nothing when it was not tried.
+    fn splice(
+        &self,
+        fd: i32,
+        r: &mut InReply,
+        pipe: &mut Option<Pipe>,
+    ) -> io::Result<Option<usize>> {
+        let Some(out) = r.pending.as_ref().and_then(|p| p.out.clone()) else {
+            return Ok(None);
+        };
+        if pipe.is_none() {
+            match Pipe::new() {
+                Ok(p) => *pipe = Some(p),
+                Err(e) => {
+                    tracing::debug!("no pipe for replies: {e}");
+                    return Ok(None);
+                }
+            }
+        }
+        let p = pipe.as_ref().expect("made above");
+        if !p.fits(r.payload_len) {
+            return Ok(None);
+        }
+        let sink = r.sink.pending(usize::MAX);
+        Ok(Some(
+            match p.move_payload(fd, r.payload_len, &out, sink)? {
+                Moved::Out => {
+                    out.set_sent();
+                    self.stats
+                        .bytes_spliced
+                        .fetch_add(r.payload_len as u64, Relaxed);
+                    r.payload_len
+                }
+                Moved::Back(n) => n,
+                Moved::Lost => {
+                    r.status = errno::EIO;
+                    r.payload_len
+                }
+            },
+        ))
     }
 
     /// One `recvmsg` into `iov`; on a Unix socket with room for descriptors, which are queued
@@ -747,6 +854,7 @@ impl Conn {
                 discard_got: 0,
                 pending: None,
                 fds: Vec::new(),
+                splice: false,
             });
         }
         let pending = lock(&self.table).pending.remove(&id);
@@ -802,6 +910,11 @@ impl Conn {
             payload_len,
             discard,
             discard_got: 0,
+            splice: hdr.status.get() == 0
+                && hdr.args_len.get() == 0
+                && discard == 0
+                && payload_len > 0
+                && pending.as_ref().is_some_and(|p| p.out.is_some()),
             pending,
             fds,
         })
@@ -880,112 +993,4 @@ fn poll_fd(fd: i32, events: i16) -> io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Copies `len` bytes starting `skip` bytes into the memory `iov` describes onto `out`.
-fn gather(iov: &[RawIov], mut skip: usize, mut len: usize, out: &mut Vec<u8>) {
-    for v in iov {
-        if len == 0 {
-            break;
-        }
-        if skip >= v.len {
-            skip -= v.len;
-            continue;
-        }
-        let take = (v.len - skip).min(len);
-        // SAFETY: the vectors were just filled by a receive and stay valid (the request's sink
-        // is kept alive until its completion, which has not run).
-        out.extend_from_slice(unsafe {
-            std::slice::from_raw_parts((v.base + skip) as *const u8, take)
-        });
-        skip = 0;
-        len -= take;
-    }
-}
-
-/// Copies as much of `src` as fits into the memory `iov` describes; returns how much.
-fn scatter(src: &[u8], iov: &[RawIov]) -> usize {
-    let mut done = 0;
-    for v in iov {
-        let take = v.len.min(src.len() - done);
-        // SAFETY: the vectors point at buffers the receive loop may write (see `receive`).
-        unsafe {
-            std::ptr::copy_nonoverlapping(src[done..].as_ptr(), v.base as *mut u8, take);
-        }
-        done += take;
-        if done == src.len() {
-            break;
-        }
-    }
-    done
-}
-
-/// A reply being received.
-struct InReply {
-    id: u64,
-    /// A trace frame (the brick's stamps for a completed request), not a reply.
-    trace_frame: bool,
-    /// A push frame (with `trace_frame` set too: no request of its own).
-    push: bool,
-    /// For a trace frame: the trace its stamps belong to, if still wanted.
-    trace: Option<Arc<Trace>>,
-    status: u32,
-    args: Vec<u8>,
-    args_got: usize,
-    /// The request's sink, limited to the payload length.
-    sink: IovCursor,
-    payload_len: usize,
-    /// Payload bytes beyond the sink's room: read into scratch and dropped.
-    discard: usize,
-    discard_got: usize,
-    pending: Option<Pending>,
-    /// Descriptors that came with it.
-    fds: Vec<OwnedFd>,
-}
-
-impl InReply {
-    fn discard_left(&self) -> usize {
-        self.discard - self.discard_got
-    }
-
-    fn is_complete(&self) -> bool {
-        self.args_got == self.args.len() && self.sink.is_done() && self.discard_left() == 0
-    }
-
-    /// Appends vectors for the rest of this reply; returns true when they cover all of it, so
-    /// that the next header may be read in the same call.
-    fn vectors(&mut self, iov: &mut Vec<RawIov>, scratch: &mut [u8]) -> bool {
-        if self.args_got < self.args.len() {
-            iov.push(RawIov {
-                base: self.args[self.args_got..].as_mut_ptr() as usize,
-                len: self.args.len() - self.args_got,
-            });
-        }
-        let room = IOV_MAX - 2 - iov.len();
-        let sink = self.sink.pending(room);
-        iov.extend_from_slice(sink);
-        let sink_all = sink.iter().map(|v| v.len).sum::<usize>() == self.sink.remaining();
-        if !sink_all {
-            return false;
-        }
-        let d = self.discard_left().min(scratch.len());
-        if d > 0 {
-            iov.push(RawIov {
-                base: scratch.as_mut_ptr() as usize,
-                len: d,
-            });
-        }
-        d == self.discard_left()
-    }
-
-    /// Accounts received bytes; returns those that belong to the next header.
-    fn advance(&mut self, mut n: usize) -> usize {
-        let a = n.min(self.args.len() - self.args_got);
-        self.args_got += a;
-        n -= a;
-        n -= self.sink.advance(n);
-        let d = n.min(self.discard_left());
-        self.discard_got += d;
-        n - d
-    }
 }

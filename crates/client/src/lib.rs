@@ -28,7 +28,7 @@ pub mod volume;
 
 pub use client::{errno_error, wire_path, Client, Fh};
 pub use conn::{ConnStats, Errno};
-pub use kiln_layer::{Fd, Opened};
+pub use kiln_layer::{Fd, Opened, SpliceOut};
 pub use kiln_proto::iov::RawIov;
 pub use kiln_proto::ops::{Attr, DirEntry, Extent, LeaseState, SetAttrs, StatfsReply, Time};
 pub use pagebuf::PageBuf;

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use kiln_layer::timer::Signal;
 use kiln_layer::{
     errno, fail, Attr, Ctx, Fd, FopResult, Fut, IoBufs, Layer, Opened, ReadDst, ReadOut,
-    ReaddirReply, Written,
+    ReaddirReply, SpliceOut, Written,
 };
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::frame::{FLAG_CRED, FLAG_STAMP};
@@ -32,7 +32,7 @@ use kiln_proto::ops::*;
 use kiln_proto::Op;
 
 use crate::client::{wire_path, Client, SlotWait};
-use crate::conn::{Completion, Done, Lost, Refused, ReplyData, Slot};
+use crate::conn::{Completion, Done, Lost, Refused, ReplyData, Sink, Slot};
 use crate::replay::{self, Replay};
 use crate::shortcut::{HandleGrant, Shortcut};
 
@@ -101,6 +101,8 @@ struct Request<'a> {
     /// The open file a handle fop names (its number leads the arguments).
     fd: Option<&'a RemoteFd>,
     shape: Shape,
+    /// A read's other way out (see [`kiln_layer::SpliceOut`]).
+    out: Option<Arc<SpliceOut>>,
 }
 
 /// Where a request's payload comes from and its reply's payload goes: both are found again
@@ -388,6 +390,7 @@ impl ProtocolClient {
                 flags: 0,
                 fd,
                 shape: Shape::Plain,
+                out: None,
             };
         }
         // One buffer: the prefixes encoded into it, the arguments after them.
@@ -412,6 +415,7 @@ impl ProtocolClient {
             flags,
             fd,
             shape: Shape::Plain,
+            out: None,
         }
     }
 
@@ -438,7 +442,10 @@ impl ProtocolClient {
                 req.flags,
                 &req.args,
                 &payload,
-                sink,
+                Sink {
+                    iov: sink,
+                    out: req.out.clone(),
+                },
                 keep,
                 Done::Slot(slot.clone()),
                 cx.trace.clone(),
@@ -651,6 +658,7 @@ impl ProtocolClient {
         let mut req = self.request(cx, Op::Read, args, Some(rfd));
         match dst {
             ReadDst::Into(bufs) => {
+                req.out = bufs.splice_out().cloned();
                 let (iov, keep) = bufs.into_parts();
                 req.shape = Shape::ReadInto;
                 let f = self.send(cx, req, Some(Box::new((iov, keep))));

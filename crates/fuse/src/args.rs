@@ -46,6 +46,11 @@ pub struct MountArgs {
     /// Linux 6.9): on, or off to send every read through this process.
     #[arg(long, value_enum, default_value = "on")]
     pub passthrough: Switch,
+    /// Reads of 32 KiB or more from a brick over TCP go from its socket to the kernel by
+    /// splice, never into this process's memory (one copy fewer; FUSE requests are then read
+    /// from one shared device descriptor): on, or off to receive every read here first.
+    #[arg(long, value_enum, default_value = "on")]
+    pub splice: Switch,
     /// In general mode, a read-only open of a file of at most this many bytes fetches the
     /// whole file with the open, in one round trip to the brick, and later reads of that
     /// handle need none (close-to-open: the file as it was when opened). 0 turns it off.

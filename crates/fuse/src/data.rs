@@ -12,14 +12,14 @@ use kiln_proto::Cred;
 
 use crate::behind::Hold;
 use crate::convert::errno;
-use crate::{files, KilnFs, MAX_IO};
+use crate::{files, splice, KilnFs, MAX_IO};
 
 impl KilnFs {
     /// READ: from a whole file read with its open, or from the brick, answered from the
     /// thread that completes it.
     pub(crate) fn data_read(
         &self,
-        ino: INodeNo,
+        (unique, ino): (u64, INodeNo),
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -40,11 +40,18 @@ impl KilnFs {
             base: buf.as_mut_ptr() as usize,
             len: size,
         }];
-        let pool = self.bufs.clone();
+        let (pool, counters) = (self.bufs.clone(), self.counters.clone());
+        let out = self.splice_out(unique, size);
+        let went = out.clone();
         // The reply goes to the kernel from the thread that completed the read (the
-        // connection's receive thread), straight from `buf`.
+        // connection's receive thread), straight from `buf` — or it went already, from the
+        // socket by splice, and `buf` holds nothing.
         let done = Box::new(move |r: Result<usize, u32>| {
             match r {
+                _ if went.is_some_and(|o| o.was_sent()) => {
+                    counters.spliced.fetch_add(1, Ordering::Relaxed);
+                    splice::answered(reply)
+                }
                 Ok(n) => reply.data(&buf[..n.min(size)]),
                 Err(e) => reply.error(Errno::from_i32(e as i32)),
             }
@@ -52,7 +59,12 @@ impl KilnFs {
         });
         // SAFETY: `buf` moves into the callback, so its memory (`size` bytes of it described
         // by `iov`) lives until the callback runs; nothing else touches it meanwhile.
-        unsafe { self.vol.preadv_raw(&fd, &iov, offset, done) }
+        unsafe {
+            match out {
+                Some(out) => self.vol.preadv_raw_to(&fd, &iov, offset, out, done),
+                None => self.vol.preadv_raw(&fd, &iov, offset, done),
+            }
+        }
     }
 
     /// WRITE: held behind when it continues the file's last write (general mode, not

@@ -38,6 +38,8 @@ pub struct Counters {
     pub ahead_ready: AtomicU64,
     /// Lookups answered with the attributes of a small file fetched ahead (no brick asked).
     pub looked_up_ahead: AtomicU64,
+    /// READs answered by splice from a brick's socket (see `splice`).
+    pub spliced: AtomicU64,
 }
 
 /// What a FUSE file handle holds.

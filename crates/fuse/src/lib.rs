@@ -39,6 +39,7 @@ mod opens;
 mod options;
 mod passthrough;
 mod smalls;
+mod splice;
 #[cfg(test)]
 mod tests;
 mod walks;
@@ -138,6 +139,8 @@ pub struct KilnFs {
     counters: Arc<Counters>,
     /// Which FUSE threads wait on the kernel (see [`gate`]).
     gate: Arc<gate::Gate>,
+    /// Reads answered from the brick's socket by splice (see [`splice`]).
+    splice: Arc<splice::Splice>,
 }
 
 impl KilnFs {
@@ -180,6 +183,7 @@ impl KilnFs {
             write_behind: mode == Mode::General,
             counters,
             gate: gate::Gate::new(1),
+            splice: Arc::default(),
         })
     }
 
@@ -702,7 +706,7 @@ impl fuser::Filesystem for KilnFs {
 
     fn read(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -712,7 +716,7 @@ impl fuser::Filesystem for KilnFs {
         reply: ReplyData,
     ) {
         let _g = self.gate.enter();
-        self.data_read(ino, fh, offset, size, reply)
+        self.data_read((req.unique().0, ino), fh, offset, size, reply)
     }
 
     fn write(

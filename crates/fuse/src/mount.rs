@@ -135,11 +135,17 @@ pub fn serve_background_with(
     let mut fs = fs;
     fs.gate = crate::gate::Gate::new(threads.max(1));
     config.n_threads = Some(threads.max(1));
-    config.clone_fd = true;
+    // Splice answers replies on the descriptor their requests were read from: one for all.
+    config.clone_fd = !fs.splice.is_on();
     let fresh = fs.fresh.clone();
     let watch = (fs.mode == Mode::General).then(|| (fs.vol.clone(), fs.caches()));
+    let splice = fs.splice_handle();
     let session = fuser::Session::new(fs, mountpoint, &config)
         .map_err(|e| format!("cannot mount on {}: {e}", mountpoint.display()))?;
+    if let Some(s) = splice {
+        use std::os::fd::AsFd;
+        s.set_device(session.as_fd());
+    }
     fresh.set_notifier(session.notifier());
     if let Some((vol, caches)) = watch {
         if let Err(e) = changes::watch(&vol, caches) {
@@ -254,6 +260,7 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     let fs = KilnFs::new(Arc::new(vol), args.mode, ttl)
         .map_err(|e| format!("cannot read the root of {label}: {e}"))?
         .with_passthrough(args.passthrough == Switch::On)
+        .with_splice(args.splice == Switch::On)
         .with_acl(args.acl)
         .with_writeback_cache(args.writeback_cache)
         .with_write_behind(args.write_behind == Switch::On)

@@ -12,6 +12,15 @@ impl KilnFs {
         self
     }
 
+    /// With `on` false, every read is received into this process's memory and written to the
+    /// kernel from there, even over TCP where it could go by splice (see [`crate::splice`]).
+    pub fn with_splice(mut self, on: bool) -> KilnFs {
+        if !on {
+            self.splice = std::sync::Arc::new(crate::splice::Splice::off());
+        }
+        self
+    }
+
     /// With `on` (general mode), the kernel gathers writes in its page cache and sends them
     /// later (FUSE writeback caching). It then keeps its own idea of each file's size and
     /// mtime, so other clients' changes to a file it holds are not seen: for a tree only this

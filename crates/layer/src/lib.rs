@@ -79,6 +79,48 @@ impl std::fmt::Debug for Fd {
 pub struct IoBufs {
     iov: Vec<RawIov>,
     keep: Option<Box<dyn Any + Send>>,
+    /// For a read: where its payload may go instead (see [`SpliceOut`]).
+    out: Option<Arc<SpliceOut>>,
+}
+
+/// A read's other way out: its payload may go from the brick's socket straight on to a file
+/// descriptor — a FUSE mount's device — behind a header made for its length, through a pipe
+/// (`splice`), instead of landing in the read's memory and being written from there: one copy
+/// fewer. Only the bottom layer's connection can do that, and only while nothing above it
+/// needs the bytes, so the layers that pass a read's memory through unchanged carry this with
+/// it and the others drop it; whoever made the read then finds out from
+/// [`SpliceOut::was_sent`] whether the payload went out (and its memory holds nothing) or
+/// landed in the memory as usual.
+pub struct SpliceOut {
+    /// Where the payload goes: the descriptor stays open while this lives.
+    pub fd: Arc<std::os::fd::OwnedFd>,
+    /// The bytes that go in front of a payload of the given length.
+    pub head: Box<dyn Fn(usize) -> Vec<u8> + Send + Sync>,
+    sent: std::sync::atomic::AtomicBool,
+}
+
+impl SpliceOut {
+    /// A way out to `fd`, each payload behind `head(len)`.
+    pub fn new(
+        fd: Arc<std::os::fd::OwnedFd>,
+        head: impl Fn(usize) -> Vec<u8> + Send + Sync + 'static,
+    ) -> SpliceOut {
+        SpliceOut {
+            fd,
+            head: Box::new(head),
+            sent: Default::default(),
+        }
+    }
+
+    /// The payload went out to the descriptor, behind its head (set by the connection).
+    pub fn set_sent(&self) {
+        self.sent.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// True once the payload went out to the descriptor: the read's memory holds none of it.
+    pub fn was_sent(&self) -> bool {
+        self.sent.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 impl IoBufs {
@@ -98,6 +140,7 @@ impl IoBufs {
         IoBufs {
             iov,
             keep: Some(Box::new(bufs)),
+            out: None,
         }
     }
 
@@ -108,7 +151,11 @@ impl IoBufs {
     /// resolved, or — if the future is dropped — its completion delivered), and, for a read, must
     /// not be read or written by anyone else meanwhile.
     pub unsafe fn raw(iov: Vec<RawIov>) -> IoBufs {
-        IoBufs { iov, keep: None }
+        IoBufs {
+            iov,
+            keep: None,
+            out: None,
+        }
     }
 
     /// The vectors.
@@ -137,7 +184,22 @@ impl IoBufs {
     /// # Safety
     /// `iov` must point into memory owned by `keep` (or satisfy [`IoBufs::raw`]).
     pub unsafe fn from_parts(iov: Vec<RawIov>, keep: Option<Box<dyn Any + Send>>) -> IoBufs {
-        IoBufs { iov, keep }
+        IoBufs {
+            iov,
+            keep,
+            out: None,
+        }
+    }
+
+    /// These buffers, whose payload may go out through `out` instead (a read's).
+    pub fn with_splice_out(mut self, out: Arc<SpliceOut>) -> IoBufs {
+        self.out = Some(out);
+        self
+    }
+
+    /// Where a read's payload may go instead of these buffers ([`SpliceOut`]).
+    pub fn splice_out(&self) -> Option<&Arc<SpliceOut>> {
+        self.out.as_ref()
     }
 
     /// The owned buffers given to [`IoBufs::owned`], if they were of type `B`.

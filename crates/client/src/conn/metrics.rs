@@ -12,7 +12,7 @@ pub fn render_metrics(out: &mut kiln_layer::metrics::Scrape) {
     let sum = |f: fn(&ConnStats) -> &AtomicU64| -> u64 {
         conns.iter().map(|c| f(&c.stats).load(Relaxed)).sum()
     };
-    let rows: [(&str, &str, u64); 6] = [
+    let rows: [(&str, &str, u64); 7] = [
         (
             "kiln_client_requests",
             "Requests submitted to bricks.",
@@ -42,6 +42,11 @@ pub fn render_metrics(out: &mut kiln_layer::metrics::Scrape) {
             "kiln_client_copied_bytes",
             "Payload bytes copied in user space (0 on the read path).",
             sum(|s| &s.bytes_copied),
+        ),
+        (
+            "kiln_client_spliced_bytes",
+            "Payload bytes moved from brick sockets on to a FUSE device by splice.",
+            sum(|s| &s.bytes_spliced),
         ),
     ];
     out.gauge("kiln_client_connections", "Brick connections open.")

@@ -2,7 +2,9 @@
 //! caller owns (a guest's RAM for a vhost-user device, a C caller's buffers for libkiln),
 //! completing on the thread that finished the request.
 
-use kiln_layer::{exec, Ctx, Errno, Fd, IoBufs, RawIov, ReadDst, ReadOut};
+use std::sync::Arc;
+
+use kiln_layer::{exec, Ctx, Errno, Fd, IoBufs, RawIov, ReadDst, ReadOut, SpliceOut};
 
 use super::Volume;
 
@@ -18,6 +20,24 @@ impl Volume {
     pub unsafe fn preadv_raw(&self, fd: &Fd, iov: &[RawIov], offset: u64, cb: RawDone) {
         // SAFETY: forwarded to the caller.
         unsafe { self.preadv_raw_in(self.ctx(), fd, iov, offset, cb) }
+    }
+
+    /// [`Volume::preadv_raw`], whose payload may go out through `out` instead of into the
+    /// vectors (see [`SpliceOut`]; `out.was_sent()` tells which, once `cb` is called).
+    ///
+    /// # Safety
+    /// As [`Volume::preadv_raw`].
+    pub unsafe fn preadv_raw_to(
+        &self,
+        fd: &Fd,
+        iov: &[RawIov],
+        offset: u64,
+        out: Arc<SpliceOut>,
+        cb: RawDone,
+    ) {
+        // SAFETY: forwarded to the caller.
+        let bufs = unsafe { IoBufs::raw(iov.to_vec()) }.with_splice_out(out);
+        self.io_in(self.ctx(), fd, bufs, offset, false, cb)
     }
 
     /// [`Volume::preadv_raw`] in the context `cx` (from [`Volume::ctx`]; a caller that stamps
@@ -69,9 +89,14 @@ impl Volume {
         write: bool,
         cb: RawDone,
     ) {
-        let (top, fd) = (self.stack.top.clone(), fd.clone());
         // SAFETY: forwarded to the caller.
         let bufs = unsafe { IoBufs::raw(iov.to_vec()) };
+        self.io_in(cx, fd, bufs, offset, write, cb)
+    }
+
+    /// The read (`write` false) into or write from `bufs`, completing through `cb`.
+    fn io_in(&self, cx: Ctx, fd: &Fd, bufs: IoBufs, offset: u64, write: bool, cb: RawDone) {
+        let (top, fd) = (self.stack.top.clone(), fd.clone());
         exec::spawn(async move {
             let r = if write {
                 top.write(&cx, &fd, offset, bufs).await.map(|w| w.n)

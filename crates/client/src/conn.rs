@@ -44,7 +44,7 @@ use completion::deliver;
 pub use completion::{Callback, Completion, Done, Lost, Refused, ReplyData, Slot};
 use inreply::{gather, scatter, InReply};
 use kiln_layer::SpliceOut;
-use splice::{Moved, Pipe};
+use splice::Pipe;
 
 pub use metrics::render_metrics;
 
@@ -613,74 +613,6 @@ impl Conn {
         }
         iov.extend(p.sink.iter().take(IOV_MAX - 1));
         Some(id)
-    }
-
-    /// The current reply's payload, when it may go on to a descriptor: moved (see
-    /// [`Conn::splice`]), the reply completed if that was all of it. True when it was tried.
-    fn splice_current(
-        &self,
-        fd: i32,
-        cur: &mut Option<InReply>,
-        pipe: &mut Option<Pipe>,
-    ) -> io::Result<bool> {
-        let Some(r) = cur.as_mut().filter(|r| r.splice) else {
-            return Ok(false);
-        };
-        r.splice = false;
-        let Some(moved) = self.splice(fd, r, pipe)? else {
-            return Ok(false);
-        };
-        let out = r.advance(moved);
-        debug_assert_eq!(out, 0, "a payload moved is the reply's");
-        if r.is_complete() {
-            let r = cur.take().expect("current reply");
-            self.complete(r);
-        }
-        Ok(true)
-    }
-
-    /// Moves the payload of reply `r`, none of which is received yet, on to its descriptor
-    /// (see [`Sink`]); returns how many of its bytes are dealt with (all of them, or those that
-    /// came back into its memory), or nothing when it was not tried.
-    fn splice(
-        &self,
-        fd: i32,
-        r: &mut InReply,
-        pipe: &mut Option<Pipe>,
-    ) -> io::Result<Option<usize>> {
-        let Some(out) = r.pending.as_ref().and_then(|p| p.out.clone()) else {
-            return Ok(None);
-        };
-        if pipe.is_none() {
-            match Pipe::new() {
-                Ok(p) => *pipe = Some(p),
-                Err(e) => {
-                    tracing::debug!("no pipe for replies: {e}");
-                    return Ok(None);
-                }
-            }
-        }
-        let p = pipe.as_ref().expect("made above");
-        if !p.fits(r.payload_len) {
-            return Ok(None);
-        }
-        let sink = r.sink.pending(usize::MAX);
-        Ok(Some(
-            match p.move_payload(fd, r.payload_len, &out, sink)? {
-                Moved::Out => {
-                    out.set_sent();
-                    self.stats
-                        .bytes_spliced
-                        .fetch_add(r.payload_len as u64, Relaxed);
-                    r.payload_len
-                }
-                Moved::Back(n) => n,
-                Moved::Lost => {
-                    r.status = errno::EIO;
-                    r.payload_len
-                }
-            },
-        ))
     }
 
     /// One `recvmsg` into `iov`; on a Unix socket with room for descriptors, which are queued

@@ -164,6 +164,41 @@ fn reads_over_tcp_are_spliced_and_give_the_files_bytes() {
 }
 
 #[test]
+fn spliced_reads_beside_short_reads_stay_in_step() {
+    // A short answer (10 bytes at the end) received into a read's memory together with the
+    // start of the next reply, a spliced one: that reply is received the ordinary way.
+    let m = TcpMount::new(Mode::VmImage, true);
+    let data = Arc::new(content(LEN, 5));
+    std::fs::write(m.brick("image.raw"), &*data).expect("write on the brick");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let short = {
+        let (data, path, stop) = (data.clone(), m.path("image.raw"), stop.clone());
+        std::thread::spawn(move || {
+            let f = std::fs::File::open(path).expect("open");
+            let mut n = 0;
+            while !stop.load(Relaxed) || n < 200 {
+                let got = read_at(&f, (LEN - 10) as u64, 4096);
+                same_bytes(&got, &data[LEN - 10..], "the last 10 bytes");
+                n += 1;
+            }
+        })
+    };
+    let f = std::fs::File::open(m.path("image.raw")).expect("open");
+    for i in 0..300usize {
+        let off = (i * 4096 * 7) % (LEN - (128 << 10));
+        let got = read_at(&f, off as u64, 128 << 10);
+        same_bytes(
+            &got,
+            &data[off..off + (128 << 10)],
+            &format!("128 KiB at {off}"),
+        );
+    }
+    stop.store(true, Relaxed);
+    short.join().expect("short reader");
+    assert!(m.spliced() > 0);
+}
+
+#[test]
 fn page_cache_reads_over_tcp_are_spliced_too() {
     let m = TcpMount::new(Mode::General, true);
     let data = content(LEN, 13);

@@ -79,11 +79,14 @@ pub struct Retry {
     spill: Vec<kiln_proto::iov::RawIov>,
     n: usize,
     shared: Option<Shared>,
+    /// A read's other way out, given to every try.
+    out: Option<Arc<crate::SpliceOut>>,
 }
 
 impl Retry {
     /// Takes the caller's memory.
     pub fn new(data: IoBufs) -> Retry {
+        let out = data.splice_out().cloned();
         let (iov, keep) = data.into_parts();
         let none = kiln_proto::iov::RawIov { base: 0, len: 0 };
         let mut r = Retry {
@@ -92,6 +95,7 @@ impl Retry {
             spill: Vec::new(),
             n: iov.len(),
             shared: None,
+            out,
         };
         match keep {
             None => {
@@ -112,6 +116,14 @@ impl Retry {
 
     /// The memory for the next try.
     pub fn take(&mut self) -> IoBufs {
+        let b = self.take_memory();
+        match &self.out {
+            Some(o) => b.with_splice_out(o.clone()),
+            None => b,
+        }
+    }
+
+    fn take_memory(&mut self) -> IoBufs {
         if let Some(f) = self.first.take() {
             return f;
         }

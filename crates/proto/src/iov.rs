@@ -60,7 +60,7 @@ impl IovCursor {
 
     /// The vectors not yet done, at most `max` of them.
     pub fn pending(&self, max: usize) -> &[RawIov] {
-        let end = self.iovs.len().min(self.first + max);
+        let end = self.iovs.len().min(self.first.saturating_add(max));
         &self.iovs[self.first..end]
     }
 

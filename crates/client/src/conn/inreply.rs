@@ -112,6 +112,8 @@ impl InReply {
         let a = n.min(self.args.len() - self.args_got);
         self.args_got += a;
         n -= a;
+        // Part of the payload received the ordinary way: the rest follows it.
+        self.splice &= n == 0;
         n -= self.sink.advance(n);
         let d = n.min(self.discard_left());
         self.discard_got += d;

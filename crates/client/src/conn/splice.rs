@@ -13,8 +13,89 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use std::sync::atomic::Ordering::Relaxed;
+
 use kiln_layer::SpliceOut;
+use kiln_proto::errno;
 use kiln_proto::iov::RawIov;
+
+use super::{Conn, InReply};
+
+impl Conn {
+    /// The current reply's payload, when it may go on to a descriptor: moved (see
+    /// [`Conn::splice`]), the reply completed if that was all of it. True when it was tried.
+    pub(super) fn splice_current(
+        &self,
+        fd: i32,
+        cur: &mut Option<InReply>,
+        pipe: &mut Option<Pipe>,
+    ) -> io::Result<bool> {
+        // Only a payload none of which was received yet (not one begun from a carry).
+        let Some(r) = cur
+            .as_mut()
+            .filter(|r| r.splice && r.sink.remaining() == r.payload_len)
+        else {
+            return Ok(false);
+        };
+        r.splice = false;
+        let Some(moved) = self.splice(fd, r, pipe)? else {
+            return Ok(false);
+        };
+        if r.advance(moved) != 0 {
+            tracing::warn!("a spliced payload overran its reply");
+            return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
+        }
+        if r.is_complete() {
+            let r = cur.take().expect("current reply");
+            self.complete(r);
+        }
+        Ok(true)
+    }
+
+    /// Moves the payload of reply `r`, none of which is received yet, on to its descriptor
+    /// (see [`Sink`]); returns how many of its bytes are dealt with (all of them, or those that
+    /// came back into its memory), or nothing when it was not tried.
+    fn splice(
+        &self,
+        fd: i32,
+        r: &mut InReply,
+        pipe: &mut Option<Pipe>,
+    ) -> io::Result<Option<usize>> {
+        let Some(out) = r.pending.as_ref().and_then(|p| p.out.clone()) else {
+            return Ok(None);
+        };
+        if pipe.is_none() {
+            match Pipe::new() {
+                Ok(p) => *pipe = Some(p),
+                Err(e) => {
+                    tracing::debug!("no pipe for replies: {e}");
+                    return Ok(None);
+                }
+            }
+        }
+        let p = pipe.as_ref().expect("made above");
+        if !p.fits(r.payload_len) {
+            return Ok(None);
+        }
+        let sink = r.sink.pending(usize::MAX);
+        Ok(Some(
+            match p.move_payload(fd, r.payload_len, &out, sink)? {
+                Moved::Out => {
+                    out.set_sent();
+                    self.stats
+                        .bytes_spliced
+                        .fetch_add(r.payload_len as u64, Relaxed);
+                    r.payload_len
+                }
+                Moved::Back(n) => n,
+                Moved::Lost => {
+                    r.status = errno::EIO;
+                    r.payload_len
+                }
+            },
+        ))
+    }
+}
 
 /// A pipe owned by one connection's receive thread, empty between replies.
 pub(super) struct Pipe {
@@ -29,13 +110,14 @@ pub(super) struct Pipe {
 const PIPE_SIZE: i32 = 4 << 20;
 
 /// How a reply's payload went.
-pub(super) enum Moved {
+enum Moved {
     /// Out to the descriptor, behind its head.
     Out,
     /// Its first so many bytes are in the request's memory; the rest is still in the socket.
     Back(usize),
     /// Taken by the descriptor and dropped: it knows no such request (one cut short, or a
-    /// descriptor other than the one the request came from). The request fails.
+    /// descriptor other than the one the request came from), or it took the bytes from the
+    /// pipe and then refused them. The request fails.
     Lost,
 }
 
@@ -69,7 +151,7 @@ impl Pipe {
     }
 
     /// True when a payload of `n` bytes may be tried.
-    pub(super) fn fits(&self, n: usize) -> bool {
+    fn fits(&self, n: usize) -> bool {
         n > 0 && n <= self.room
     }
 
@@ -77,7 +159,7 @@ impl Pipe {
     /// or as much of it as came into `sink` (the request's memory, at least `n` bytes) when
     /// that could not be done ([`Moved::Back`]). An error is the socket's: the connection
     /// is dead.
-    pub(super) fn move_payload(
+    fn move_payload(
         &self,
         sock: i32,
         n: usize,
@@ -158,8 +240,13 @@ impl Pipe {
             tracing::debug!("the descriptor knows no such request: {e}");
             return Ok(Moved::Lost);
         }
-        // Refused whole (the pipe still holds it): answered the ordinary way.
         tracing::debug!(r, "splice to the descriptor: {e}");
+        if self.held() != len {
+            // Taken from the pipe and then refused: gone, as a refused write would be.
+            self.drain();
+            return Ok(Moved::Lost);
+        }
+        // Refused whole (the pipe still holds it): answered the ordinary way.
         Ok(Moved::Back(self.back(head.len(), n, sink)?))
     }
 
@@ -190,6 +277,16 @@ impl Pipe {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         Ok(n)
+    }
+
+    /// Bytes in the pipe.
+    fn held(&self) -> usize {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int.
+        match unsafe { libc::ioctl(self.r.as_raw_fd(), libc::FIONREAD, &mut n) } {
+            0 => n.max(0) as usize,
+            _ => 0,
+        }
     }
 
     /// Empties the pipe (what is in it belongs to no reply any more).

@@ -25,6 +25,7 @@ IOPS, latency (p50/p99/mean, us), CPU seconds and MB per CPU-second, and these
 ratios of medians:
 
   fuse_seqread_vs_gluster     Kiln FUSE seqread MB/s / GlusterFS FUSE       >= 2
+                              (>= 2.5 with --kiln-transport tcp)
   fuse_seqread_cpu_vs_gluster Kiln FUSE seqread MB/CPU-s / GlusterFS FUSE   (info)
   preadv256_p50_vs_gluster    GlusterFS preadv256 p50 / Kiln FUSE p50       >= 2
   preadv256_mean_vs_gluster   GlusterFS preadv256 mean / Kiln FUSE mean     (info)
@@ -497,7 +498,7 @@ def summarize(runs: list[dict]) -> dict:
     return med
 
 
-def ratios(med: dict) -> list[dict]:
+def ratios(med: dict, seq_target: float = 2.0) -> list[dict]:
     def g(job, system, key):
         return med.get(job, {}).get(system, {}).get(key)
 
@@ -509,7 +510,7 @@ def ratios(med: dict) -> list[dict]:
 
     rows = [
         ("fuse_seqread_vs_gluster", "Kiln FUSE seqread MB/s / GlusterFS FUSE",
-         div(g(SEQREAD, "kiln_fuse", "mb_s"), g(SEQREAD, "gluster_fuse", "mb_s")), ">=", 2.0),
+         div(g(SEQREAD, "kiln_fuse", "mb_s"), g(SEQREAD, "gluster_fuse", "mb_s")), ">=", seq_target),
         ("fuse_seqread_cpu_vs_gluster", "Kiln FUSE seqread MB/CPU-s / GlusterFS FUSE",
          div(g(SEQREAD, "kiln_fuse", "mb_per_cpu_s"), g(SEQREAD, "gluster_fuse", "mb_per_cpu_s")),
          None, None),
@@ -633,7 +634,8 @@ def main(argv: list[str]) -> int:
         bench.cleanup()
 
     med = summarize(bench.runs)
-    rats = ratios(med)
+    # Over TCP the mount's reads go by splice, one copy: the bar is higher (issue 22).
+    rats = ratios(med, 2.5 if args.kiln_transport == "tcp" else 2.0)
     print_table(med, rats, args)
     result = {
         "started": started,

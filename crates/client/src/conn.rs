@@ -68,6 +68,8 @@ pub struct ConnStats {
     /// Payload bytes moved from the socket on to a descriptor, never in user memory (see
     /// [`Sink`]).
     pub bytes_spliced: AtomicU64,
+    /// Replies whose splice was tried and that came back the ordinary way, or failed.
+    pub splice_fallbacks: AtomicU64,
 }
 
 /// Where a reply's payload goes: into the request's memory, or on to a descriptor when `out`

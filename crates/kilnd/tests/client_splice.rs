@@ -116,6 +116,17 @@ fn over_tcp_the_payload_goes_out_behind_its_head() {
     }
 }
 
+/// This process's connections' count of splices that fell back.
+fn fallbacks() -> u64 {
+    let mut s = kiln_layer::metrics::Scrape::default();
+    kiln_client::conn::render_metrics(&mut s);
+    let text = s.encode();
+    text.lines()
+        .find_map(|l| l.strip_prefix("kiln_client_splice_fallbacks_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .expect("the counter") as u64
+}
+
 #[test]
 fn where_the_descriptor_refuses_the_payload_lands_in_memory() {
     let k = Kilnd::start();
@@ -124,11 +135,16 @@ fn where_the_descriptor_refuses_the_payload_lands_in_memory() {
     // Read-only: splicing into it fails, after the payload is in the pipe.
     let ro: OwnedFd = std::fs::File::open(k.brick.join("f")).expect("open").into();
     let ro = Arc::new(ro);
-    for addr in [&k.tcp, &k.unix] {
-        let vol = Volume::connect(addr).expect("connect");
+    // Both kept open to the end: the count sums the connections alive.
+    let vols: Vec<(&String, Volume)> = [&k.tcp, &k.unix]
+        .into_iter()
+        .map(|a| (a, Volume::connect(a).expect("connect")))
+        .collect();
+    for (addr, vol) in &vols {
+        let before = fallbacks();
         let fd = block_on(vol.open("f", libc::O_RDONLY)).expect("open");
         let offsets: Vec<u64> = (0..12).map(|i| i * 150_000).collect();
-        for (i, (sent, buf)) in reads(&vol, &fd, &ro, &offsets, 96 << 10)
+        for (i, (sent, buf)) in reads(vol, &fd, &ro, &offsets, 96 << 10)
             .into_iter()
             .enumerate()
         {
@@ -138,6 +154,11 @@ fn where_the_descriptor_refuses_the_payload_lands_in_memory() {
                 buf == data[off..off + (96 << 10)],
                 "{addr}: the read at {off} landed in memory"
             );
+        }
+        let tried = fallbacks() - before;
+        match addr.starts_with("tcp:") {
+            true => assert!(tried >= 12, "over TCP each read tried splice ({tried} did)"),
+            false => assert_eq!(tried, 0, "never over a Unix socket"),
         }
     }
 }

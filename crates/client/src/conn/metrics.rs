@@ -12,7 +12,7 @@ pub fn render_metrics(out: &mut kiln_layer::metrics::Scrape) {
     let sum = |f: fn(&ConnStats) -> &AtomicU64| -> u64 {
         conns.iter().map(|c| f(&c.stats).load(Relaxed)).sum()
     };
-    let rows: [(&str, &str, u64); 7] = [
+    let rows: [(&str, &str, u64); 8] = [
         (
             "kiln_client_requests",
             "Requests submitted to bricks.",
@@ -47,6 +47,11 @@ pub fn render_metrics(out: &mut kiln_layer::metrics::Scrape) {
             "kiln_client_spliced_bytes",
             "Payload bytes moved from brick sockets on to a FUSE device by splice.",
             sum(|s| &s.bytes_spliced),
+        ),
+        (
+            "kiln_client_splice_fallbacks",
+            "Replies whose splice was tried and that were received the ordinary way, or failed.",
+            sum(|s| &s.splice_fallbacks),
         ),
     ];
     out.gauge("kiln_client_connections", "Brick connections open.")

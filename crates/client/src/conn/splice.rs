@@ -87,8 +87,12 @@ impl Conn {
                         .fetch_add(r.payload_len as u64, Relaxed);
                     r.payload_len
                 }
-                Moved::Back(n) => n,
+                Moved::Back(n) => {
+                    self.stats.splice_fallbacks.fetch_add(1, Relaxed);
+                    n
+                }
                 Moved::Lost => {
+                    self.stats.splice_fallbacks.fetch_add(1, Relaxed);
                     r.status = errno::EIO;
                     r.payload_len
                 }

@@ -9,24 +9,35 @@ use kiln_proto::iov::{IovCursor, RawIov, IOV_MAX};
 
 use super::Pending;
 
-/// Copies `len` bytes starting `skip` bytes into the memory `iov` describes onto `out`.
-pub(super) fn gather(iov: &[RawIov], mut skip: usize, mut len: usize, out: &mut Vec<u8>) {
-    for v in iov {
+/// The pieces (address, length) of `len` bytes of the memory `iov` describes, from `skip`
+/// bytes in.
+pub(super) fn window(
+    iov: &[RawIov],
+    mut skip: usize,
+    mut len: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
+    iov.iter().filter_map(move |v| {
         if len == 0 {
-            break;
+            return None;
         }
         if skip >= v.len {
             skip -= v.len;
-            continue;
+            return None;
         }
         let take = (v.len - skip).min(len);
-        // SAFETY: the vectors were just filled by a receive and stay valid (the request's sink
-        // is kept alive until its completion, which has not run).
-        out.extend_from_slice(unsafe {
-            std::slice::from_raw_parts((v.base + skip) as *const u8, take)
-        });
+        let at = v.base + skip;
         skip = 0;
         len -= take;
+        Some((at, take))
+    })
+}
+
+/// Copies `len` bytes starting `skip` bytes into the memory `iov` describes onto `out`.
+pub(super) fn gather(iov: &[RawIov], skip: usize, len: usize, out: &mut Vec<u8>) {
+    for (at, take) in window(iov, skip, len) {
+        // SAFETY: the vectors were just filled by a receive and stay valid (the request's sink
+        // is kept alive until its completion, which has not run).
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(at as *const u8, take) });
     }
 }
 

@@ -302,25 +302,13 @@ impl Pipe {
 }
 
 /// `len` bytes of the memory `sink` describes, from `skip` bytes in, as `iovec`s.
-fn vectors(sink: &[RawIov], mut skip: usize, mut len: usize) -> Vec<libc::iovec> {
-    let mut out = Vec::new();
-    for v in sink {
-        if len == 0 {
-            break;
-        }
-        if skip >= v.len {
-            skip -= v.len;
-            continue;
-        }
-        let take = (v.len - skip).min(len);
-        out.push(libc::iovec {
-            iov_base: (v.base + skip) as *mut libc::c_void,
+fn vectors(sink: &[RawIov], skip: usize, len: usize) -> Vec<libc::iovec> {
+    super::inreply::window(sink, skip, len)
+        .map(|(at, take)| libc::iovec {
+            iov_base: at as *mut libc::c_void,
             iov_len: take,
-        });
-        skip = 0;
-        len -= take;
-    }
-    out
+        })
+        .collect()
 }
 
 /// True when the pipe's write end has room.

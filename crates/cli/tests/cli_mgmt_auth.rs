@@ -435,13 +435,14 @@ fn an_unauthenticated_client_gets_no_volume_secret() {
     let mut raw = Raw::connect(a);
     let h = raw.hello();
     let nonce = [7u8; 32];
-    let proof = kiln_server::auth::mac(
+    let proof = kiln_proto::auth::mac(
         b"not the secret",
-        &kiln_proto::auth::client_transcript(&h.nonce, &nonce),
+        &kiln_proto::auth::client_transcript(&h.nonce, &nonce, ""),
     );
     let req = AuthReq {
         client_nonce: nonce.to_vec(),
         proof,
+        identity: String::new(),
     };
     assert_eq!(
         raw.send(Op::Auth, &req.to_wire()).unwrap().0,

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use kiln_layer::timer::within;
 
+use kiln_proto::auth::{ClientHalf, Key};
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::iov::RawIov;
 use kiln_proto::ops::*;
@@ -272,33 +273,23 @@ impl Client {
     }
 
     async fn authenticate(&self, addr: &str, secret: &[u8], server_nonce: &[u8]) -> io::Result<()> {
-        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
-        let mut client_nonce = vec![0u8; NONCE_LEN];
-        rustix::rand::getrandom(&mut client_nonce, rustix::rand::GetRandomFlags::empty())?;
-        let proof = hmac_sha256(secret, &client_transcript(server_nonce, &client_nonce));
-        let reply: AuthReply = self
-            .call(
-                Op::Auth,
-                &AuthReq {
-                    client_nonce: client_nonce.clone(),
-                    proof,
-                },
-            )
-            .await
-            .map_err(|e| {
-                if e.raw_os_error() == Some(errno::EACCES as i32) {
-                    io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!("{addr} refused this client: wrong secret"),
-                    )
-                } else {
-                    io::Error::new(e.kind(), format!("authentication with {addr} failed: {e}"))
-                }
-            })?;
-        let expected = hmac_sha256(secret, &server_transcript(server_nonce, &client_nonce));
-        // Not secret-dependent timing worth hiding: the client only learns whether the server
-        // knows the secret, which it is about to act on anyway.
-        if reply.proof != expected {
+        let key = Key::from_file_text(secret);
+        let (half, req) = ClientHalf::answer(&key, server_nonce)?;
+        let reply: AuthReply = self.call(Op::Auth, &req).await.map_err(|e| {
+            if e.raw_os_error() == Some(errno::EACCES as i32) {
+                let who = match key.identity.as_str() {
+                    "" => "wrong secret".to_owned(),
+                    n => format!("wrong key for identity {n}, or no such identity"),
+                };
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("{addr} refused this client: {who}"),
+                )
+            } else {
+                io::Error::new(e.kind(), format!("authentication with {addr} failed: {e}"))
+            }
+        })?;
+        if !half.server_proved(&reply.proof) {
             self.conn.shutdown();
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
@@ -843,14 +834,6 @@ impl Client {
         .map(|_| ())
         .map_err(|r| r.errno)
     }
-}
-
-fn hmac_sha256(key: &[u8], msg: &[u8]) -> Vec<u8> {
-    use hmac::Mac;
-    let mut m =
-        hmac::Hmac::<sha2::Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-    m.update(msg);
-    m.finalize().into_bytes().to_vec()
 }
 
 fn write_count(r: ReplyData) -> Result<usize, Errno> {

@@ -15,16 +15,15 @@
 //! volfile holds brick addresses, no secret, so mounting works from any host, as in GlusterFS.
 //! The bricks of a volume require the volume's own secret, which [`secret_file`] finds.
 
-use std::io::{self, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kiln_layer::volfile::Volfile;
-use kiln_proto::codec::Wire;
-use kiln_proto::frame::{Header, HEADER_LEN};
-use kiln_proto::ops::MgmtReq;
-use kiln_proto::Op;
+pub use kiln_proto::auth::Key;
+
+mod conn;
+pub use conn::{MgmtConn, MgmtError, Proof, CONNECT_TIMEOUT};
 
 /// The management port a kilnd listens on by default.
 pub const DEFAULT_MGMT_PORT: u16 = 24007;
@@ -72,191 +71,49 @@ pub fn call_with_secret(
     req: &serde_json::Value,
     secret: Option<&[u8]>,
 ) -> io::Result<serde_json::Value> {
-    let mut c = MgmtConn::connect(addr)?;
-    if let Some(secret) = secret {
-        c.authenticate(secret)?;
-    }
-    c.call(req)
+    let key = secret.map(Key::shared);
+    call_with_key(addr, req, key.as_ref())
 }
 
-/// One blocking connection to a management port.
-struct MgmtConn<'a> {
-    addr: &'a str,
-    sock: kiln_tls::Blocking,
-    next_id: u64,
+/// [`call`] proving `key` (a named identity's, or the shared secret), when the kilnd asks for
+/// one.
+pub fn call_with_key(
+    addr: &str,
+    req: &serde_json::Value,
+    key: Option<&Key>,
+) -> io::Result<serde_json::Value> {
+    // Starting a volume may take a while (bricks on several hosts); two minutes bound a hang.
+    let mut c = MgmtConn::connect_env(addr, Duration::from_secs(120))?;
+    if let Some(key) = key {
+        c.authenticate(key, Proof::IfAsked)
+            .map_err(|e| cli_error(addr, e))?;
+    }
+    c.request(req).map_err(|e| cli_error(addr, e))
 }
 
-impl<'a> MgmtConn<'a> {
-    fn connect(addr: &'a str) -> io::Result<MgmtConn<'a>> {
-        let hostport = addr.strip_prefix("tcp:").unwrap_or(addr);
-        let sa = hostport
-            .to_socket_addrs()
-            .map_err(|e| io::Error::new(e.kind(), format!("bad management address {addr}: {e}")))?
-            .next()
-            .ok_or_else(|| {
-                io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address"))
-            })?;
-        let ctx = |e: io::Error| io::Error::new(e.kind(), format!("kilnd at {addr}: {e}"));
-        let sock = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(ctx)?;
-        // Starting a volume may take a while (bricks on several hosts); two minutes bound a
-        // hang.
-        sock.set_read_timeout(Some(Duration::from_secs(120)))
-            .map_err(ctx)?;
-        // A kilnd started with --tls takes TLS clients only: KILN_TLS_DIR names our identity.
-        let tls = kiln_tls::client_config_from_env()?;
-        let sock = kiln_tls::Blocking::connect(sock, tls, hostport).map_err(ctx)?;
-        Ok(MgmtConn {
-            addr,
-            sock,
-            next_id: 1,
-        })
+/// A management error as the command line reports it.
+fn cli_error(addr: &str, e: MgmtError) -> io::Error {
+    match e {
+        MgmtError::Status(s) if s == libc::ENOSYS => io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "{addr} does not manage volumes (a brick server? point --server at a kilnd \
+                 started without --brick)"
+            ),
+        ),
+        MgmtError::Status(s) => {
+            let e = io::Error::from_raw_os_error(s);
+            io::Error::new(e.kind(), format!("kilnd at {addr}: {e}"))
+        }
+        MgmtError::Refused {
+            message,
+            auth_required: true,
+        } => io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("kilnd at {addr}: {message}"),
+        ),
+        e => e.into(),
     }
-
-    fn ctx(&self, e: io::Error) -> io::Error {
-        io::Error::new(e.kind(), format!("kilnd at {}: {e}", self.addr))
-    }
-
-    /// Sends one request frame; returns the reply's status, arguments and payload.
-    fn exchange(&mut self, op: Op, args: &[u8]) -> io::Result<(u32, Vec<u8>, Vec<u8>)> {
-        if args.len() > kiln_proto::MAX_ARGS_LEN as usize {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "management request above 64 KiB",
-            ));
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        let mut frame = Header::request(op as u16, id, args.len() as u32, 0)
-            .to_bytes()
-            .to_vec();
-        frame.extend_from_slice(args);
-        self.sock.write_all(&frame).map_err(|e| self.ctx(e))?;
-        let mut h = [0u8; HEADER_LEN];
-        self.sock.read_exact(&mut h).map_err(|e| self.ctx(e))?;
-        let h = Header::parse(&h).map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("kilnd at {}: {e}", self.addr),
-            )
-        })?;
-        if h.status.get() == libc::EPROTONOSUPPORT as u32 {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!(
-                    "kilnd at {} requires TLS: set {} to a directory with an identity from its \
-                     CA (ca.pem, cert.pem, key.pem: kiln tls issue)",
-                    self.addr,
-                    kiln_tls::ENV_DIR
-                ),
-            ));
-        }
-        let alen = h.args_len.get() as usize;
-        let mut rest = vec![0u8; alen + h.payload_len.get() as usize];
-        self.sock.read_exact(&mut rest).map_err(|e| self.ctx(e))?;
-        let payload = rest.split_off(alen);
-        Ok((h.status.get(), rest, payload))
-    }
-
-    /// HELLO, then, when the kilnd asks for it, proves `secret` and checks the kilnd's proof.
-    fn authenticate(&mut self, secret: &[u8]) -> io::Result<()> {
-        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
-        use kiln_proto::ops::{AuthReply, AuthReq, HelloReply, HelloReq};
-        let addr = self.addr;
-        let bad = |what: &str, e: kiln_proto::DecodeError| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("kilnd at {addr}: bad {what} reply: {e}"),
-            )
-        };
-        let hello = HelloReq {
-            version: kiln_proto::frame::VERSION as u32,
-            client: "kiln-mgmt".into(),
-            metrics: String::new(),
-        };
-        let (status, args, _) = self.exchange(Op::Hello, &hello.to_wire())?;
-        if status != 0 {
-            return Err(self.ctx(io::Error::from_raw_os_error(status as i32)));
-        }
-        let hello = HelloReply::from_wire(&args).map_err(|e| bad("HELLO", e))?;
-        if !hello.auth_required {
-            // A kilnd without a secret (older, or a brick): nothing to prove.
-            return Ok(());
-        }
-        let mut nonce = vec![0u8; NONCE_LEN];
-        rustix::rand::getrandom(&mut nonce, rustix::rand::GetRandomFlags::empty())?;
-        let req = AuthReq {
-            proof: hmac_sha256(secret, &client_transcript(&hello.nonce, &nonce)),
-            client_nonce: nonce.clone(),
-        };
-        let (status, args, _) = self.exchange(Op::Auth, &req.to_wire())?;
-        if status == libc::EACCES as u32 {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!("kilnd at {addr} refused the management secret: wrong secret"),
-            ));
-        }
-        if status != 0 {
-            return Err(self.ctx(io::Error::from_raw_os_error(status as i32)));
-        }
-        let reply = AuthReply::from_wire(&args).map_err(|e| bad("AUTH", e))?;
-        if reply.proof != hmac_sha256(secret, &server_transcript(&hello.nonce, &nonce)) {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!("kilnd at {addr} could not prove it holds the management secret"),
-            ));
-        }
-        Ok(())
-    }
-
-    fn call(&mut self, req: &serde_json::Value) -> io::Result<serde_json::Value> {
-        let addr = self.addr;
-        let args = MgmtReq {
-            json: req.to_string().into_bytes(),
-        }
-        .to_wire();
-        let (status, _, payload) = self.exchange(Op::Mgmt, &args)?;
-        match status {
-            0 => {}
-            e if e == libc::ENOSYS as u32 => {
-                return Err(io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    format!(
-                        "{addr} does not manage volumes (a brick server? point --server at a \
-                         kilnd started without --brick)"
-                    ),
-                ))
-            }
-            e => return Err(self.ctx(io::Error::from_raw_os_error(e as i32))),
-        }
-        let v: serde_json::Value = serde_json::from_slice(&payload).map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("kilnd at {addr}: bad reply: {e}"),
-            )
-        })?;
-        if v["ok"] == true {
-            return Ok(v);
-        }
-        let msg = v["error"]
-            .as_str()
-            .unwrap_or("the server refused without saying why");
-        if v["auth_required"] == true {
-            Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!("kilnd at {addr}: {msg}"),
-            ))
-        } else {
-            Err(io::Error::other(msg.to_owned()))
-        }
-    }
-}
-
-fn hmac_sha256(key: &[u8], msg: &[u8]) -> Vec<u8> {
-    use hmac::Mac;
-    let mut m =
-        hmac::Hmac::<sha2::Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-    m.update(msg);
-    m.finalize().into_bytes().to_vec()
 }
 
 /// A volume's client graph as a kilnd hands it out.

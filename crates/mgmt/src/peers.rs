@@ -3,17 +3,17 @@
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::def::{check_index, check_name, is_local, VolumeDef};
-use crate::files::random;
 use crate::manager::{Manager, Procs, MGMT_SECRET_FILE};
 use crate::pool::{CallError, Channel, Link};
 use crate::request::Request;
 use crate::response::{Ack, BrickStarted, BrickStopped, Response};
+use kiln_client::mgmt::{Key, MgmtConn, MgmtError, Proof};
 use serde::de::DeserializeOwned;
 
 /// Connect timeout for probes of bricks and calls to other kilnds.
@@ -35,11 +35,11 @@ pub(crate) fn call_peer<R: DeserializeOwned>(
     s.call(req)
 }
 
-/// An authenticated connection to another kilnd's management port.
+/// An authenticated connection to another kilnd's management port: the one management
+/// connection ([`MgmtConn`]), where the other kilnd must prove the management secret too.
 pub(crate) struct PeerConn {
     addr: SocketAddr,
-    sock: kiln_tls::Blocking,
-    next_id: u64,
+    conn: MgmtConn,
 }
 
 impl PeerConn {
@@ -51,121 +51,41 @@ impl PeerConn {
         secret: &[u8],
         tls: Option<&Arc<kiln_tls::ClientConfig>>,
     ) -> Result<PeerConn, String> {
-        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
-        use kiln_proto::codec::Wire;
-        use kiln_proto::ops::{AuthReply, AuthReq, HelloReply, HelloReq};
-        let sock = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
-            .map_err(|e| format!("cannot reach kilnd at {addr}: {e}"))?;
-        let _ = sock.set_read_timeout(Some(PEER_CALL_TIMEOUT));
-        let _ = sock.set_write_timeout(Some(PEER_CALL_TIMEOUT));
         // With --tls, kilnds speak TLS to each other with their own identities (mutual).
-        let sock = kiln_tls::Blocking::connect(sock, tls.cloned(), &addr.to_string())
-            .map_err(|e| format!("kilnd at {addr}: {e}"))?;
-        let mut c = PeerConn {
-            addr,
-            sock,
-            next_id: 1,
-        };
-        let hello = HelloReq {
-            version: kiln_proto::frame::VERSION as u32,
-            client: format!("kilnd {} (peer)", env!("CARGO_PKG_VERSION")),
-            metrics: String::new(),
-        };
-        let (status, args, _) = c.exchange(kiln_proto::Op::Hello, &hello.to_wire())?;
-        if status != 0 {
-            return Err(format!(
-                "kilnd at {addr} refused the handshake: {}",
-                io::Error::from_raw_os_error(status as i32)
-            ));
-        }
-        let hello = HelloReply::from_wire(&args)
-            .map_err(|e| format!("kilnd at {addr}: bad HELLO reply: {e}"))?;
-        if !hello.auth_required {
-            return Err(format!(
-                "kilnd at {addr} does not ask for the management secret (a kilnd from before \
-                 management authentication?): not sending it volume commands"
-            ));
-        }
-        let mut nonce = [0u8; NONCE_LEN];
-        random(&mut nonce)?;
-        let req = AuthReq {
-            client_nonce: nonce.to_vec(),
-            proof: kiln_server::auth::mac(secret, &client_transcript(&hello.nonce, &nonce)),
-        };
-        let (status, args, _) = c.exchange(kiln_proto::Op::Auth, &req.to_wire())?;
-        if status == libc::EACCES as u32 {
-            return Err(format!(
-                "kilnd at {addr} refused this host's management secret: every kilnd of a \
-                 cluster needs the same one (copy STATE_DIR/{MGMT_SECRET_FILE} from one host \
-                 to the others, or start them all with --mgmt-secret-file naming a copy)"
-            ));
-        }
-        if status != 0 {
-            return Err(format!(
-                "kilnd at {addr}: authentication failed: {}",
-                io::Error::from_raw_os_error(status as i32)
-            ));
-        }
-        let reply = AuthReply::from_wire(&args)
-            .map_err(|e| format!("kilnd at {addr}: bad AUTH reply: {e}"))?;
-        if !kiln_server::auth::verify(
-            secret,
-            &server_transcript(&hello.nonce, &nonce),
-            &reply.proof,
-        ) {
-            return Err(format!(
-                "kilnd at {addr} could not prove it holds the management secret: not sending \
-                 it volume commands"
-            ));
-        }
-        Ok(c)
+        let mut conn = MgmtConn::connect(
+            &addr.to_string(),
+            tls.cloned(),
+            CONNECT_TIMEOUT,
+            PEER_CALL_TIMEOUT,
+        )
+        .map_err(|e| e.to_string())?;
+        conn.authenticate(&Key::shared(secret), Proof::Required)
+            .map_err(|e| match e {
+                MgmtError::Denied(m) if m.contains("refused") => format!(
+                    "kilnd at {addr} refused this host's management secret: every kilnd of a \
+                     cluster needs the same one (copy STATE_DIR/{MGMT_SECRET_FILE} from one \
+                     host to the others, or start them all with --mgmt-secret-file naming a \
+                     copy)"
+                ),
+                MgmtError::Status(s) => format!(
+                    "kilnd at {addr} refused the handshake: {}",
+                    io::Error::from_raw_os_error(s)
+                ),
+                e => e.to_string(),
+            })?;
+        Ok(PeerConn { addr, conn })
     }
 
     /// How long a call may wait for its reply.
-    pub(crate) fn set_timeout(&mut self, t: std::time::Duration) {
-        let t = Some(t.max(std::time::Duration::from_millis(1)));
-        let _ = self.sock.tcp().set_read_timeout(t);
-        let _ = self.sock.tcp().set_write_timeout(t);
+    pub(crate) fn set_timeout(&mut self, t: Duration) {
+        self.conn.set_timeout(t);
     }
 
     /// This end's address: how the peer sees us.
     pub(crate) fn local_ip(&self) -> Result<IpAddr, String> {
-        self.sock
-            .tcp()
-            .local_addr()
-            .map(|a| a.ip())
+        self.conn
+            .local_ip()
             .map_err(|e| format!("{}: {e}", self.addr))
-    }
-
-    /// Sends one request frame and reads its reply: status, arguments, payload.
-    pub(crate) fn exchange(
-        &mut self,
-        op: kiln_proto::Op,
-        args: &[u8],
-    ) -> Result<(u32, Vec<u8>, Vec<u8>), String> {
-        use kiln_proto::frame::{Header, HEADER_LEN};
-        let addr = self.addr;
-        let err = |e: io::Error| format!("kilnd at {addr}: {e}");
-        let id = self.next_id;
-        self.next_id += 1;
-        let hdr = Header::request(op as u16, id, args.len() as u32, 0);
-        let mut frame = hdr.to_bytes().to_vec();
-        frame.extend_from_slice(args);
-        self.sock.write_all(&frame).map_err(err)?;
-        let mut h = [0u8; HEADER_LEN];
-        self.sock.read_exact(&mut h).map_err(err)?;
-        let h = Header::parse(&h).map_err(|e| format!("kilnd at {addr}: {e}"))?;
-        if h.status.get() == libc::EPROTONOSUPPORT as u32 {
-            return Err(format!(
-                "kilnd at {addr} requires TLS: start this kilnd with --tls too (an identity \
-                 from the same CA)"
-            ));
-        }
-        let alen = h.args_len.get() as usize;
-        let mut rest = vec![0u8; alen + h.payload_len.get() as usize];
-        self.sock.read_exact(&mut rest).map_err(err)?;
-        let payload = rest.split_off(alen);
-        Ok((h.status.get(), rest, payload))
     }
 
     pub(crate) fn call<R: DeserializeOwned>(
@@ -184,31 +104,17 @@ impl Channel for PeerConn {
         req: &serde_json::Value,
         timeout: Option<Duration>,
     ) -> Result<serde_json::Value, CallError> {
-        use kiln_proto::codec::Wire;
         self.set_timeout(timeout.unwrap_or(PEER_CALL_TIMEOUT));
-        let args = kiln_proto::ops::MgmtReq {
-            json: serde_json::to_vec(req).expect("a request serialises"),
-        }
-        .to_wire();
-        let (status, _, payload) = self
-            .exchange(kiln_proto::Op::Mgmt, &args)
-            .map_err(CallError::Broken)?;
         let addr = self.addr;
-        if status != 0 {
-            let e = io::Error::from_raw_os_error(status as i32);
-            return Err(CallError::Refused(format!(
-                "kilnd at {addr} refused the request: {e}"
-            )));
-        }
-        let v: serde_json::Value = serde_json::from_slice(&payload)
-            .map_err(|e| CallError::Broken(format!("{addr}: bad reply: {e}")))?;
-        if v["ok"] != true {
+        self.conn.request(req).map_err(|e| match e {
+            MgmtError::Broken(e) => CallError::Broken(e.to_string()),
+            MgmtError::Status(s) => CallError::Refused(format!(
+                "kilnd at {addr} refused the request: {}",
+                io::Error::from_raw_os_error(s)
+            )),
             // The other kilnd's own sentence.
-            return Err(CallError::Refused(
-                v["error"].as_str().unwrap_or("refused").to_owned(),
-            ));
-        }
-        Ok(v)
+            e => CallError::Refused(e.to_string()),
+        })
     }
 
     fn local_ip(&self) -> Result<IpAddr, String> {

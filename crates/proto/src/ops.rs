@@ -241,8 +241,9 @@ wire_struct! {
         /// that a reader may trust, until a full rebuild makes it a member.
         pub flags: u32,
     }
-    /// Auth request: the client's nonce and its proof.
-    pub struct AuthReq { pub client_nonce: Vec<u8>, pub proof: Vec<u8> }
+    /// Auth request: the client's nonce, its proof, and the identity whose key it proves
+    /// (empty: the compatibility identity, a shared secret).
+    pub struct AuthReq { pub client_nonce: Vec<u8>, pub proof: Vec<u8>, pub identity: String }
     /// Auth reply: the server's proof, so the client knows the server holds the secret too.
     pub struct AuthReply { pub proof: Vec<u8> }
 

@@ -1,27 +1,9 @@
-//! The server's half of the shared-secret handshake (see `kiln_proto::auth`), and secret files.
+//! Secret files: read, or made with a fresh random secret (the handshake itself is
+//! `kiln_proto::auth`).
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-
-type HmacSha256 = Hmac<Sha256>;
-
-/// HMAC-SHA256 of `msg` keyed with `secret`.
-pub fn mac(secret: &[u8], msg: &[u8]) -> Vec<u8> {
-    let mut m = HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any length");
-    m.update(msg);
-    m.finalize().into_bytes().to_vec()
-}
-
-/// Checks `proof` against `msg` in constant time.
-pub fn verify(secret: &[u8], msg: &[u8], proof: &[u8]) -> bool {
-    let mut m = HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any length");
-    m.update(msg);
-    m.verify_slice(proof).is_ok()
-}
 
 /// Reads a secret file (its text, without surrounding white space). When the file does not
 /// exist, creates it with a new random secret (64 hex digits, mode 0600) and says so.

@@ -255,14 +255,7 @@ impl Conn {
                 Body::None,
             ));
         };
-        use kiln_proto::auth::{client_transcript, server_transcript, NONCE_LEN};
-        let ok = self.hello_done
-            && req.client_nonce.len() == NONCE_LEN
-            && crate::auth::verify(
-                &secret,
-                &client_transcript(&self.nonce, &req.client_nonce),
-                &req.proof,
-            );
+        let ok = self.hello_done && kiln_proto::auth::client_proved(&secret, &self.nonce, &req);
         if !ok {
             tracing::warn!(peer = %self.peer, "a client failed authentication; closing");
             self.stats
@@ -273,7 +266,7 @@ impl Conn {
         }
         self.authed = true;
         self.admit()?;
-        let proof = crate::auth::mac(&secret, &server_transcript(&self.nonce, &req.client_nonce));
+        let proof = kiln_proto::auth::server_proof(&secret, &self.nonce, &req);
         Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
     }
 

@@ -1,5 +1,6 @@
 //! `kiln`: the one Kiln command line.
 
+mod auth;
 mod bench;
 mod demo;
 mod generate;
@@ -44,6 +45,9 @@ enum Cmd {
     /// The trusted storage pool: add (probe), remove (detach) and list the kilnds that share
     /// volume definitions.
     Peer(pool::PeerArgs),
+    /// Identities: each client its own key, with what it may do (volumes, read-only, a
+    /// subtree, whose credentials), checked by the bricks on every request.
+    Auth(auth::AuthArgs),
     /// The pool's members as a table: `kiln pool list`.
     Pool(pool::PoolArgs),
     /// TLS certificates: a CA and identities for bricks and clients.
@@ -79,6 +83,7 @@ fn main() -> std::process::ExitCode {
             | Cmd::Tls(_)
             | Cmd::Peer(_)
             | Cmd::Pool(_)
+            | Cmd::Auth(_)
             | Cmd::Umount { .. }
             | Cmd::Image(_)
             | Cmd::Generate(_)
@@ -108,6 +113,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Tls(a) => tls::main(a),
         Cmd::Peer(a) => pool::peer(a),
         Cmd::Pool(a) => pool::pool(a),
+        Cmd::Auth(a) => auth::main(a),
         Cmd::Generate(a) => generate::main(a, Cli::command()),
         Cmd::Umount { mountpoint, json } => kiln_fuse::umount(&mountpoint).map(|()| {
             let r = serde_json::json!({ "unmounted": mountpoint.display().to_string() });

@@ -462,6 +462,7 @@ pub(crate) fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> 
     // `peer probe`, `pool list`; `volume start`.
     let what = match req.cmd() {
         c if c.starts_with("peer-") || c.starts_with("pool-") => c.replacen('-', " ", 1),
+        "auth" => "auth".to_owned(),
         c => format!("volume {c}"),
     };
     let json = &req.to_json();

@@ -20,7 +20,7 @@ use kiln_proto::Op;
 use serde_json::{json, Value};
 
 mod common;
-use common::{fails, fails_env, ok, run, BrickReaper, Kilnd};
+use common::{fails, fails_env, ok, run, status, BrickReaper, Kilnd};
 
 fn mode(p: &Path) -> u32 {
     use std::os::unix::fs::PermissionsExt;
@@ -459,4 +459,193 @@ fn an_unauthenticated_client_gets_no_volume_secret() {
     assert_eq!(st["volumes"][0]["bricks"][0]["online"], true, "{st}");
     let log = kd.wait_log(&["refused", "\"peer-sync\"", "127.0.0.1:"]);
     assert!(log.contains("\"brick-start\""), "{log}");
+}
+
+/// `kiln auth`: identities made, listed, changed, rotated and removed through a management
+/// kilnd reach its bricks; each client is held to its capabilities there, and a removed
+/// identity's connections close within a second while the others go on.
+#[test]
+fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
+    use kiln_client::{block_on, Client};
+    use std::io::{IoSlice, IoSliceMut};
+    use std::time::Instant;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    let kd = Kilnd::start(&state, &["--brick-port-base", "26700"]);
+    let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
+    let brick = tmp.path().join("b1");
+    let bspec = format!("127.0.0.1:{}", brick.display());
+    let m = |args: &[&str]| {
+        let mut v = args.to_vec();
+        v.extend(["--server", a, "--state-dir", sd]);
+        ok(&v)
+    };
+    m(&["volume", "create", "tv", &bspec]);
+    m(&["volume", "start", "tv"]);
+    let (k1, k2) = (tmp.path().join("t1.key"), tmp.path().join("t2.key"));
+    let (k1s, k2s) = (k1.to_str().unwrap(), k2.to_str().unwrap());
+    m(&[
+        "auth",
+        "add",
+        "t1",
+        "--volume",
+        "tv",
+        "--subtree",
+        "/t1",
+        "--as",
+        "1001:1001",
+        "--key-file",
+        k1s,
+    ]);
+    m(&[
+        "auth",
+        "add",
+        "t2",
+        "--volume",
+        "tv",
+        "--subtree",
+        "/t2",
+        "--read-only",
+        "--as",
+        "1002:1002",
+        "--key-file",
+        k2s,
+    ]);
+    assert_eq!(mode(&k1), 0o600, "key files are private");
+    for (d, id) in [("t1", 1001), ("t2", 1002)] {
+        std::fs::create_dir(brick.join(d)).unwrap();
+        std::os::unix::fs::chown(brick.join(d), Some(id), Some(id)).unwrap();
+    }
+    std::fs::write(brick.join("t2/data"), b"two").unwrap();
+
+    // The list shows capabilities, never keys; a name is taken once; bad input is refused.
+    let list: Value = serde_json::from_str(&m(&["auth", "list", "--json"])).unwrap();
+    let ids = list["identities"].as_array().unwrap();
+    assert_eq!(ids.len(), 2, "{list}");
+    assert!(ids.iter().all(|i| i.get("key").is_none()), "{list}");
+    assert_eq!(ids[1]["caps"]["read_only"], true, "{list}");
+    let err = fails(&[
+        "auth",
+        "add",
+        "t1",
+        "--volume",
+        "tv",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("exists"), "{err}");
+    let err = fails(&[
+        "auth",
+        "add",
+        "kilnd",
+        "--volume",
+        "tv",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("kilnd's own"), "{err}");
+    let err = fails(&[
+        "auth",
+        "add",
+        "t3",
+        "--volume",
+        "tv",
+        "--subtree",
+        "/a/../b",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    assert!(err.contains("bad subtree"), "{err}");
+
+    let port = status(a, sd, "tv")["bricks"][0]["port"].as_u64().unwrap();
+    let baddr = format!("tcp:127.0.0.1:{port}");
+    let key = |p: &Path| read_secret(p);
+    let t1 = Client::connect_with_secret(&baddr, Some(&key(&k1))).expect("t1 at the brick");
+    let t2 = Client::connect_with_secret(&baddr, Some(&key(&k2))).expect("t2 at the brick");
+    let (fh1, attr) = block_on(t1.create("t1/img", libc::O_RDWR, 0o600)).expect("t1 creates");
+    assert_eq!((attr.uid, attr.gid), (1001, 1001), "runs as its user");
+    assert_eq!(
+        t1.pwritev_blocking(fh1, &[IoSlice::new(b"one")], 0)
+            .unwrap(),
+        3
+    );
+    let e = block_on(t1.open("t2/data", libc::O_RDONLY)).unwrap_err();
+    assert_eq!(
+        e.raw_os_error(),
+        Some(libc::EACCES),
+        "t1 outside its subtree"
+    );
+    let fh2 = block_on(t2.open("t2/data", libc::O_RDONLY)).expect("t2 reads");
+    let e = block_on(t2.create("t2/new", libc::O_RDWR, 0o644)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "t2 is read-only");
+
+    // Capabilities change live: t2 may write now, with its next request.
+    m(&[
+        "auth",
+        "caps",
+        "t2",
+        "--volume",
+        "tv",
+        "--subtree",
+        "/t2",
+        "--as",
+        "1002:1002",
+    ]);
+    let t0 = Instant::now();
+    while block_on(t2.create("t2/new", libc::O_RDWR, 0o644)).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "new capabilities not applied"
+        );
+        std::thread::yield_now();
+    }
+
+    // Removed: t1's handle fails within a second and it cannot come back; t2 goes on.
+    let t0 = Instant::now();
+    m(&["auth", "rm", "t1"]);
+    loop {
+        if t1
+            .pwritev_blocking(fh1, &[IoSlice::new(b"late")], 0)
+            .is_err()
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "t1 still writes a second after rm"
+        );
+        std::thread::yield_now();
+    }
+    assert!(Client::connect_with_secret(&baddr, Some(&key(&k1))).is_err());
+    let mut buf = [0u8; 8];
+    let n = t2
+        .preadv_blocking(fh2, &mut [IoSliceMut::new(&mut buf)], 0)
+        .unwrap();
+    assert_eq!(&buf[..n], b"two", "t2's I/O goes on");
+    assert_eq!(std::fs::read(brick.join("t1/img")).unwrap(), b"one");
+
+    // Rotated: the old key is refused, the new one works.
+    m(&["auth", "rotate", "t2", "--key-file", k2s]);
+    let new_key = key(&k2);
+    let t0 = Instant::now();
+    let t2b = loop {
+        match Client::connect_with_secret(&baddr, Some(&new_key)) {
+            Ok(c) => break c,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(2), "{e}"),
+        }
+    };
+    block_on(t2b.lookup("t2/data")).unwrap();
+    assert!(
+        t2.preadv_blocking(fh2, &mut [IoSliceMut::new(&mut buf)], 0)
+            .is_err(),
+        "old key's connection closed"
+    );
 }

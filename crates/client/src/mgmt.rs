@@ -71,7 +71,7 @@ pub fn call_with_secret(
     req: &serde_json::Value,
     secret: Option<&[u8]>,
 ) -> io::Result<serde_json::Value> {
-    let key = secret.map(Key::shared);
+    let key = secret.map(Key::from_file_text);
     call_with_key(addr, req, key.as_ref())
 }
 

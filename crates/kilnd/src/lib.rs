@@ -70,6 +70,13 @@ pub struct ServeArgs {
     /// Clients read it from the file named by KILN_SECRET_FILE.
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
+    /// Brick mode: clients may also prove the key of a named identity listed in this file
+    /// (JSON: `{"volume": NAME, "identities": [{"name", "key", "caps"}]}`, as kilnd writes
+    /// it for its bricks from `kiln auth`), each held to its capabilities on every request.
+    /// SIGHUP reads it again: connections of a removed identity, or of one whose key
+    /// changed, are closed.
+    #[arg(long, value_name = "PATH", conflicts_with = "mgmt_secret_file")]
+    pub identities: Option<PathBuf>,
     /// Require TLS with mutual certificates on TCP addresses: DIR holds ca.pem (the CA that
     /// issued the clients' certificates), cert.pem and key.pem (this brick's identity); make
     /// them with `kiln tls init` and `kiln tls issue`. Plaintext TCP clients are refused with a
@@ -257,6 +264,16 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
             },
             None => None,
         };
+        let identities = match &args.identities {
+            Some(p) => match kiln_server::identity::Identities::from_file(p) {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    eprintln!("kilnd: --identities: {e}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            },
+            None => None,
+        };
         let tls = match &args.tls {
             Some(dir) => match kiln_tls::server_config(dir) {
                 Ok(c) => Some(c),
@@ -282,6 +299,9 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
                 if let Some(secret) = secret {
                     s = s.with_secret(secret);
                 }
+                if let Some(ids) = &identities {
+                    s = s.with_identities(ids.clone());
+                }
                 if let Some(tls) = tls {
                     s = s.with_tls(tls);
                 }
@@ -301,25 +321,46 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
         }
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        serve_until_term(server).await
+        serve_until_term(server, identities).await
     })
 }
 
 /// Serves the brick until SIGTERM (how kilnd stops its bricks); then what must outlive this
 /// run is written and the process ends at once, fops in flight unanswered (their clients
 /// send them again to the next run).
-async fn serve_until_term(server: Server) -> std::process::ExitCode {
+/// SIGHUP reads the identities file again.
+async fn serve_until_term(
+    server: Server,
+    identities: Option<Arc<kiln_server::identity::Identities>>,
+) -> std::process::ExitCode {
     use tokio::signal::unix::{signal, SignalKind};
     let stack = server.stack();
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("kilnd: cannot watch for SIGTERM: {e}");
+    let (mut term, mut hup) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) {
+        (Ok(t), Ok(h)) => (t, h),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("kilnd: cannot watch for SIGTERM and SIGHUP: {e}");
             return std::process::ExitCode::FAILURE;
+        }
+    };
+    let reload = async {
+        loop {
+            hup.recv().await;
+            match &identities {
+                Some(ids) => {
+                    if let Err(e) = ids.reload() {
+                        tracing::warn!("SIGHUP: identities not reloaded, the old ones stay: {e}");
+                    }
+                }
+                None => tracing::info!("SIGHUP: no identities file to read again"),
+            }
         }
     };
     tokio::select! {
         () = server.run() => std::process::ExitCode::SUCCESS,
+        () = reload => std::process::ExitCode::SUCCESS,
         _ = term.recv() => {
             Server::keep_state(&stack);
             tracing::info!("stopped by SIGTERM");
@@ -404,6 +445,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
                 let s = s
                     .with_allow_list(args.allow.clone())
                     .with_secret(manager.secret())
+                    .with_identities(manager.identities())
                     .with_mgmt(manager.handler());
                 match mgmt_tls.take() {
                     Some(c) => s.with_tls(c),

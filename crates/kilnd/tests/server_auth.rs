@@ -211,3 +211,267 @@ fn a_server_that_cannot_prove_the_secret_is_not_trusted() {
         .expect("an impostor is refused");
     assert!(e.to_string().contains("could not prove"), "{e}");
 }
+
+/// Named identities on a brick (`kilnd --identities FILE`): each proves its own key and is held
+/// to its capabilities on every fop, whatever its client sends.
+mod identities {
+    use super::*;
+    use kiln_client::Fh;
+    use std::io::IoSlice;
+    use std::os::unix::fs::MetadataExt;
+    use std::time::{Duration, Instant};
+
+    const T1: &str = "t1 1111111111111111111111111111111111111111111111111111111111111111";
+    const T2: &str = "t2 2222222222222222222222222222222222222222222222222222222222222222";
+    const ADMIN: &str = "ops 3333333333333333333333333333333333333333333333333333333333333333";
+
+    use std::os::unix::fs::PermissionsExt;
+
+    fn ident(key_line: &str, caps: serde_json::Value) -> serde_json::Value {
+        let (name, key) = key_line.split_once(' ').unwrap();
+        serde_json::json!({ "name": name, "key": key, "caps": caps })
+    }
+
+    fn table(with_t1: bool, t1_key: &str) -> String {
+        let mut ids = vec![
+            ident(
+                T2,
+                serde_json::json!({ "volumes": ["v"], "read_only": true, "subtree": "t2",
+                                    "users": { "as": { "uid": 1234, "gid": 1234 } } }),
+            ),
+            ident(
+                ADMIN,
+                serde_json::json!({ "volumes": ["*"], "root": true, "devices": true }),
+            ),
+            // Another volume's identity: never admitted here.
+            ident(
+                "other 4444444444444444444444444444444444444444444444444444444444444444",
+                serde_json::json!({ "volumes": ["elsewhere"], "root": true }),
+            ),
+        ];
+        if with_t1 {
+            ids.push(ident(
+                t1_key,
+                serde_json::json!({ "volumes": ["v"], "subtree": "t1", "users": "as-caller" }),
+            ));
+        }
+        serde_json::json!({ "volume": "v", "identities": ids }).to_string()
+    }
+
+    struct Brick {
+        child: std::process::Child,
+        addr: String,
+        brick: std::path::PathBuf,
+        ids: std::path::PathBuf,
+        log: std::path::PathBuf,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Drop for Brick {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    impl Brick {
+        fn start() -> Brick {
+            let dir = tempfile::tempdir().unwrap();
+            let brick = dir.path().join("brick");
+            for d in ["t1", "t2"] {
+                std::fs::create_dir_all(brick.join(d)).unwrap();
+            }
+            std::fs::write(brick.join("t2/data"), b"tenant two").unwrap();
+            // t1's directory is open to its users (nobody among them); t2's is 1234's.
+            std::fs::set_permissions(brick.join("t1"), std::fs::Permissions::from_mode(0o777))
+                .unwrap();
+            std::os::unix::fs::chown(brick.join("t2"), Some(1234), Some(1234)).unwrap();
+            std::os::unix::fs::chown(brick.join("t2/data"), Some(1234), Some(1234)).unwrap();
+            std::fs::write(brick.join("rootfile"), b"root only").unwrap();
+            std::fs::set_permissions(
+                brick.join("rootfile"),
+                std::fs::Permissions::from_mode(0o600),
+            )
+            .unwrap();
+            let ids = dir.path().join("ids.json");
+            std::fs::write(&ids, table(true, T1)).unwrap();
+            let log = dir.path().join("kilnd.log");
+            let (child, addr) = common::spawn_tcp_kilnd(
+                &brick,
+                &["--identities".as_ref(), ids.as_os_str()],
+                Some(&log),
+            );
+            Brick {
+                child,
+                addr: format!("tcp:{addr}"),
+                brick,
+                ids,
+                log,
+                _dir: dir,
+            }
+        }
+
+        /// Waits (bounded) until kilnd has read the table `n` times.
+        fn wait_loads(&self, n: usize) {
+            let t0 = Instant::now();
+            loop {
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                if log.matches("identities: ").count() >= n {
+                    return;
+                }
+                assert!(t0.elapsed() < Duration::from_secs(10), "{log}");
+                std::thread::yield_now();
+            }
+        }
+
+        fn client(&self, key: &str) -> std::io::Result<Client> {
+            Client::connect_with_secret(&self.addr, Some(key.as_bytes()))
+        }
+
+        /// Writes the table anew and tells kilnd to read it.
+        fn reload(&self, text: String) {
+            let tmp = self.ids.with_extension("new");
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &self.ids).unwrap();
+            let pid = rustix::process::Pid::from_raw(self.child.id() as i32).unwrap();
+            rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
+        }
+    }
+
+    fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
+        r.expect_err("refused").raw_os_error().unwrap_or(-1)
+    }
+
+    #[test]
+    fn each_identity_is_held_to_its_capabilities() {
+        let b = Brick::start();
+        let t1 = b.client(T1).expect("t1 proves its key");
+        let t2 = b.client(T2).expect("t2 proves its key");
+
+        // t1: inside its subtree it works, as nobody (no credentials sent, no root held).
+        let (fh, attr) = block_on(t1.create("t1/f", libc::O_RDWR, 0o644)).expect("t1 creates");
+        assert_eq!(
+            (attr.uid, attr.gid),
+            (65534, 65534),
+            "runs as nobody, not root"
+        );
+        block_on(t1.close(fh)).unwrap();
+        // On the way to its subtree: attributes only; elsewhere: nothing.
+        block_on(t1.lookup("")).expect("the root's attributes");
+        block_on(t1.lookup("t1")).expect("its subtree's attributes");
+        assert_eq!(
+            errno_of(block_on(t1.readdir(""))),
+            libc::EACCES,
+            "root listing"
+        );
+        assert_eq!(errno_of(block_on(t1.lookup("t2/data"))), libc::EACCES);
+        assert_eq!(
+            errno_of(block_on(t1.open("t2/data", libc::O_RDONLY))),
+            libc::EACCES
+        );
+        assert_eq!(
+            errno_of(block_on(t1.open("rootfile", libc::O_RDONLY))),
+            libc::EACCES
+        );
+        assert_eq!(
+            errno_of(block_on(t1.rename("t1/f", "t2/stolen", 0))),
+            libc::EACCES,
+            "a rename out of the subtree"
+        );
+        assert_eq!(errno_of(block_on(t1.link("t2/data", "t1/l"))), libc::EACCES);
+        // A device node: nobody may not make one.
+        assert_eq!(
+            errno_of(block_on(t1.mknod(
+                "t1/loop",
+                libc::S_IFBLK | 0o600,
+                libc::makedev(7, 0)
+            ))),
+            libc::EPERM
+        );
+        assert!(!b.brick.join("t1/loop").exists());
+
+        // t2: read-only, as 1234:1234, confined to t2.
+        let fh = block_on(t2.open("t2/data", libc::O_RDONLY)).expect("t2 reads its data");
+        let mut buf = vec![0u8; 64];
+        let n = t2
+            .preadv_blocking(fh, &mut [std::io::IoSliceMut::new(&mut buf)], 0)
+            .unwrap();
+        assert_eq!(&buf[..n], b"tenant two");
+        let w = t2.pwritev_blocking(fh, &[IoSlice::new(b"x")], 0);
+        assert!(w.is_err(), "a read-only handle does not write");
+        assert_eq!(
+            errno_of(block_on(t2.open("t2/data", libc::O_RDWR))),
+            libc::EROFS
+        );
+        assert_eq!(
+            errno_of(block_on(t2.create("t2/new", libc::O_RDWR, 0o644))),
+            libc::EROFS
+        );
+        assert_eq!(errno_of(block_on(t2.unlink("t2/data"))), libc::EROFS);
+        assert_eq!(errno_of(block_on(t2.lookup("t1/f"))), libc::EACCES);
+        assert_eq!(
+            std::fs::read(b.brick.join("t2/data")).unwrap(),
+            b"tenant two"
+        );
+
+        // Unknown identities, other volumes' identities and wrong keys are refused.
+        for key in [
+            "nobody-here 1111111111111111111111111111111111111111111111111111111111111111",
+            "other 4444444444444444444444444444444444444444444444444444444444444444",
+            "t1 1111111111111111111111111111111111111111111111111111111111111112",
+            "1111111111111111111111111111111111111111111111111111111111111111",
+        ] {
+            let e = b.client(key).err().expect("refused");
+            assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{key}: {e}");
+        }
+
+        // An identity that holds root, as-caller: the brick's own credentials without any.
+        let admin = b.client(ADMIN).expect("ops");
+        let (fh, attr) = block_on(admin.create("made-by-ops", libc::O_RDWR, 0o600)).unwrap();
+        assert_eq!(attr.uid, 0);
+        block_on(admin.close(fh)).unwrap();
+        assert_eq!(
+            std::fs::metadata(b.brick.join("t1/f")).unwrap().uid(),
+            65534
+        );
+        drop(admin);
+
+        // Removing t1: its open handle fails and it cannot come back, within a second; t2
+        // goes on.
+        let (fh1, _) = block_on(t1.create("t1/g", libc::O_RDWR, 0o644)).unwrap();
+        let t0 = Instant::now();
+        b.reload(table(false, T1));
+        let gone = loop {
+            if t1
+                .pwritev_blocking(fh1, &[IoSlice::new(b"late")], 0)
+                .is_err()
+            {
+                break t0.elapsed();
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "t1 still writes after removal"
+            );
+            std::thread::yield_now();
+        };
+        assert!(gone < Duration::from_secs(1), "closed after {gone:?}");
+        assert!(b.client(T1).is_err(), "a removed identity cannot reconnect");
+        let n = t2
+            .preadv_blocking(fh, &mut [std::io::IoSliceMut::new(&mut buf)], 0)
+            .unwrap();
+        assert_eq!(&buf[..n], b"tenant two", "t2's handle still reads");
+
+        // Rotating t1's key: the old key is refused, the new one works.
+        let rotated = "t1 5555555555555555555555555555555555555555555555555555555555555555";
+        b.reload(table(true, rotated));
+        b.wait_loads(3);
+        let t1b = b
+            .client(rotated)
+            .expect("the new key works once the table is read");
+        assert!(b.client(T1).is_err(), "the old key is refused");
+        block_on(t1b.lookup("t1/f")).expect("t1 is back with its new key");
+        let _: Fh = fh;
+        let log = std::fs::read_to_string(&b.log).unwrap();
+        assert!(log.contains("closing: the identity was removed"), "{log}");
+    }
+}

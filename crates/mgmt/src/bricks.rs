@@ -229,6 +229,8 @@ impl Manager {
     ) -> Result<(u32, Option<u16>), (String, bool)> {
         let vf_path = self.brick_volfile_path(&def.name, i);
         let fail = |e: String| (e, false);
+        // The brick reads who may connect, besides the volume's secret, at its start.
+        self.write_identities(&def.name).map_err(fail)?;
         // Appended to: what a brick logged before a restart is what one looks for after it.
         let log = fs::OpenOptions::new()
             .create(true)
@@ -250,7 +252,9 @@ impl Manager {
             // offered to the network; a scraper on the host reads it, or relays it.
             .args(["--listen", &listen, "--metrics", "127.0.0.1:0"])
             .arg("--secret-file")
-            .arg(self.secret_path(&def.name));
+            .arg(self.secret_path(&def.name))
+            .arg("--identities")
+            .arg(self.vol_dir(&def.name).join("identities.json"));
         if let Some(sock) = self.brick_socket(&def.name, i) {
             // Clients on this host reach the brick here: no TCP stack on the way (a third
             // less CPU per byte for replica-3 writes on one host, bench/replicate.py).

@@ -114,6 +114,7 @@ impl Manager {
                 rate_mib,
             } => self.remove_brick(procs, &name, &bricks, &action, rate_mib),
             Request::Delete { name } => self.delete(&name),
+            Request::Auth { op, name, caps } => self.auth(op, name.as_deref(), caps),
             Request::Info { name } => self.info(name.as_deref()),
             Request::List => self.list(),
             Request::Status { name } => self.status(procs, name.as_deref()),

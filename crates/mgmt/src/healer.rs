@@ -118,8 +118,8 @@ fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Clien
 
 fn connect(manager: &Manager, def: &VolumeDef) -> Result<kiln_client::Volume, String> {
     let volfile = manager.client_volfile_here(def)?;
-    let secret = manager.read_secret(&def.name)?;
-    kiln_client::Volume::from_volfile_with_secret(&volfile, Some(secret.as_bytes()))
+    let key = manager.service_key(&def.name);
+    kiln_client::Volume::from_volfile_with_secret(&volfile, Some(key.as_bytes()))
         .map_err(|e| format!("heal service cannot reach the bricks of {}: {e}", def.name))
 }
 

@@ -60,6 +60,7 @@ mod files;
 mod grow;
 pub mod healer;
 pub mod healing;
+pub mod identities;
 mod manager;
 mod members;
 pub mod options;

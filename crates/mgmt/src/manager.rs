@@ -38,6 +38,8 @@ pub struct Manager {
     /// The management secret: clients and other kilnds prove it, and this kilnd proves it to
     /// other kilnds.
     pub(crate) secret: Arc<[u8]>,
+    /// The named identities the management port admits (see `crate::identities`).
+    pub(crate) ids: Arc<kiln_server::identity::Identities>,
     /// The heal service's state (see `crate::healer`).
     pub(crate) healer: Healer,
     /// The rebalances this kilnd runs (see `crate::rebalancer`).
@@ -235,6 +237,7 @@ impl Manager {
             mgmt_port: Mutex::new(DEFAULT_MGMT_PORT),
             procs: Mutex::default(),
             secret: secret.into(),
+            ids: Arc::default(),
             healer: Healer::default(),
             runs: Default::default(),
             first_brick_port: Mutex::new(FIRST_BRICK_PORT),

@@ -139,6 +139,21 @@ fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// Sends `sig` to the live bricks of `volume` run from `state` (SIGHUP: read the identities
+/// file again).
+pub(crate) fn signal_bricks(state: &Path, volume: &str, sig: rustix::process::Signal) {
+    for p in brick_procs(state)
+        .into_iter()
+        .filter(|p| p.volume == volume)
+    {
+        if let Some(pid) = rustix::process::Pid::from_raw(p.pid as i32) {
+            if let Err(e) = rustix::process::kill_process(pid, sig) {
+                tracing::warn!(volume, pid = p.pid, "cannot signal brick: {e}");
+            }
+        }
+    }
+}
+
 /// The live processes whose command line names a brick volfile of `state`
 /// (`STATE/vols/NAME/bricks/N.toml`).
 fn brick_procs(state: &Path) -> Vec<BrickProc> {

@@ -155,8 +155,8 @@ fn record_end(m: &Manager, name: &str, since: u64, state: &str, error: Option<St
 /// Scans, then moves (see the module documentation).
 fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
     let volfile = m.client_volfile_here(def)?;
-    let secret = m.read_secret(&def.name)?;
-    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, Some(secret.as_bytes()))
+    let key = m.service_key(&def.name);
+    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, Some(key.as_bytes()))
         .map_err(|e| format!("cannot reach the bricks of {}: {e}", def.name))?;
     let Some(layer) = distribute::find(vol.top()) else {
         return Ok(());
@@ -304,8 +304,8 @@ fn sets_of(def: &VolumeDef, d: &Distribute) -> Vec<SetMoves> {
 /// for.
 pub(crate) fn left_on_draining(m: &Manager, def: &VolumeDef) -> Result<u64, String> {
     let volfile = m.client_volfile_here(def)?;
-    let secret = m.read_secret(&def.name)?;
-    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, Some(secret.as_bytes()))
+    let key = m.service_key(&def.name);
+    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, Some(key.as_bytes()))
         .map_err(|e| format!("cannot reach the bricks of {}: {e}", def.name))?;
     let Some(layer) = distribute::find(vol.top()) else {
         return Ok(0);

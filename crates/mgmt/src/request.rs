@@ -15,6 +15,17 @@ pub const OPEN_COMMANDS: &[&str] = &["volfile"];
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]
 pub enum Request {
+    /// Manage named identities: their keys and capabilities.
+    Auth {
+        /// What to do.
+        op: crate::identities::AuthOp,
+        /// The identity (all but `list`).
+        #[serde(default)]
+        name: Option<String>,
+        /// Its capabilities (`add`, `caps`).
+        #[serde(default)]
+        caps: Option<kiln_server::identity::Caps>,
+    },
     /// Define a volume: `bricks` are `HOST:/DIR` or `HOST:PORT:/DIR`, in replica-set order.
     Create {
         /// The volume's name.
@@ -198,6 +209,7 @@ impl Request {
             Request::Start { .. } => "start",
             Request::Stop { .. } => "stop",
             Request::Set { .. } => "set",
+            Request::Auth { .. } => "auth",
             Request::AddBrick { .. } => "add-brick",
             Request::ReplaceBrick { .. } => "replace-brick",
             Request::Rebalance { .. } => "rebalance",

@@ -372,6 +372,28 @@ pub enum Response {
     PeerDetached(PeerDetached),
     /// See [`RebalanceView`].
     Rebalance(RebalanceView),
+    /// See [`IdentityList`].
+    Identities(IdentityList),
+}
+
+/// `auth`: identities and their capabilities; keys only where the command made or asked
+/// for one (`add`, `get`, `rotate`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct IdentityList {
+    /// The identities, by name.
+    pub identities: Vec<IdentityView>,
+}
+
+/// One identity in [`IdentityList`].
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct IdentityView {
+    /// Its name.
+    pub name: String,
+    /// Its key file's line (`NAME HEX`), where asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// What it may do.
+    pub caps: kiln_server::identity::Caps,
 }
 
 macro_rules! response_from {
@@ -399,6 +421,7 @@ response_from!(
     PoolView => Pool,
     PeerDetached => PeerDetached,
     RebalanceView => Rebalance,
+    IdentityList => Identities,
 );
 
 /// A reply on the wire: the reply's own fields beside `"ok"`, or the error.

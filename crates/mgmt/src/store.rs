@@ -156,6 +156,7 @@ impl Manager {
                 }
             }
         }
+        self.sync_identities(secrets.keys().filter(|n| check_name(n).is_ok()).cloned());
         let dirs = fs::read_dir(self.state.join("vols"))
             .into_iter()
             .flatten()

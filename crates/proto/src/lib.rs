@@ -40,6 +40,10 @@ pub mod errno {
     pub const EACCES: u32 = 13;
     /// Invalid argument.
     pub const EINVAL: u32 = 22;
+    /// Too many open files (a connection's handle limit).
+    pub const EMFILE: u32 = 24;
+    /// Read-only (an identity that may not change anything).
+    pub const EROFS: u32 = 30;
     /// Result too large for the caller's buffer.
     pub const ERANGE: u32 = 34;
     /// No such attribute.

@@ -11,8 +11,11 @@ use std::sync::Arc;
 pub struct Caller {
     /// The peer's address (`IP:PORT`, or `unix`), for logs.
     pub peer: String,
-    /// True when the connection proved the server's secret, or the server has none.
+    /// True when the connection proved the management secret or the key of an identity that
+    /// holds the admin capability, or the server has no keys.
     pub authenticated: bool,
+    /// The identity it proved (empty: the management secret, or none).
+    pub identity: String,
 }
 
 /// What the connection code calls with a MGMT request's JSON; returns the reply's JSON.

@@ -7,6 +7,7 @@ pub mod conn;
 pub mod control;
 pub mod door;
 pub mod grants;
+pub mod identity;
 pub mod limits;
 pub mod stats;
 pub mod watch;
@@ -35,6 +36,8 @@ pub struct Server {
     limits: Limits,
     allow: Vec<access::Cidr>,
     secret: Option<Arc<[u8]>>,
+    identities: Option<Arc<identity::Identities>>,
+    compat: identity::Caps,
     mgmt: Option<control::Handler>,
     tls: Option<Arc<kiln_tls::ServerConfig>>,
     tcp: Vec<TcpListener>,
@@ -81,6 +84,8 @@ impl Server {
             limits: Limits::default(),
             allow: Vec::new(),
             secret: None,
+            identities: None,
+            compat: compat_caps(volfile),
             mgmt: None,
             tls: None,
             tcp,
@@ -114,6 +119,13 @@ impl Server {
     /// Clients must prove this secret (challenge-response) before any fop but HELLO.
     pub fn with_secret(mut self, secret: Vec<u8>) -> Server {
         self.secret = Some(secret.into());
+        self
+    }
+
+    /// Clients may also prove the keys of these named identities, each with its own
+    /// capabilities (see [`identity`]).
+    pub fn with_identities(mut self, ids: Arc<identity::Identities>) -> Server {
+        self.identities = Some(ids);
         self
     }
 
@@ -175,6 +187,8 @@ impl Server {
                 clients: self.clients.clone(),
                 limits: self.limits,
                 secret: self.secret.clone(),
+                identities: self.identities.clone(),
+                compat: Arc::new(self.compat.clone()),
                 mgmt: self.mgmt.clone(),
                 grants: Default::default(),
                 watchers: Default::default(),
@@ -234,6 +248,28 @@ impl Server {
             });
         }
         while tasks.join_next().await.is_some() {}
+    }
+}
+
+/// What the compatibility identity (the shared secret, or no key at all) may do on a brick
+/// served with `volfile`: everything, as root, unless the volume squashes root — then a
+/// request without credentials, or as uid 0 or gid 0, runs as nobody, and no device nodes.
+fn compat_caps(volfile: &Volfile) -> identity::Caps {
+    let squash = volfile.layers.iter().any(|l| {
+        matches!(
+            l.kind,
+            LayerKind::Posix {
+                root_squash: true,
+                ..
+            }
+        )
+    });
+    identity::Caps {
+        volumes: vec!["*".into()],
+        root: !squash,
+        devices: !squash,
+        admin: true,
+        ..identity::Caps::default()
     }
 }
 

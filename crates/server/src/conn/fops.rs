@@ -197,79 +197,6 @@ impl Conn {
         })))
     }
 
-    /// HELLO: the client's name and metrics endpoint; the server's limits and, with a secret,
-    /// the nonce AUTH must prove it over.
-    fn hello(&mut self, args: &[u8]) -> Result<Step, Fail> {
-        let req = HelloReq::from_wire(args)?;
-        tracing::debug!(client = %req.client, version = req.version, "hello");
-        if !req.metrics.is_empty() {
-            self.clients
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(self.conn_id, req.metrics);
-        }
-        if self.secret.is_some() {
-            fill_random(&mut self.nonce)?;
-        }
-        self.hello_done = true;
-        if self.secret.is_none() {
-            // Without a secret, HELLO is the whole handshake.
-            self.admit()?;
-        }
-        let r = HelloReply {
-            version: kiln_proto::frame::VERSION as u32,
-            server: format!("kilnd {}", env!("CARGO_PKG_VERSION")),
-            max_payload: kiln_proto::MAX_PAYLOAD_LEN,
-            auth_required: self.secret.is_some(),
-            nonce: if self.secret.is_some() {
-                self.nonce.to_vec()
-            } else {
-                Vec::new()
-            },
-            flags: if self.stack.joining() {
-                kiln_proto::ops::HELLO_NEW_BRICK
-            } else {
-                0
-            },
-        };
-        Ok(Step::Now(r.to_wire(), Body::None))
-    }
-
-    /// The handshake is done: the connection takes a client's place, or is refused (EBUSY,
-    /// then closed) when the server serves `max_connections` clients.
-    fn admit(&mut self) -> Result<(), Fail> {
-        if self.ticket.promote(&self.peer) {
-            return Ok(());
-        }
-        self.closing = true;
-        Err(Fail::Errno(errno::EBUSY))
-    }
-
-    /// AUTH: checks the client's proof of the secret and proves it back.
-    fn auth(&mut self, args: &[u8]) -> Result<Step, Fail> {
-        let req = AuthReq::from_wire(args)?;
-        let Some(secret) = self.secret.clone() else {
-            // Nothing to prove to a server without a secret.
-            return Ok(Step::Now(
-                AuthReply { proof: Vec::new() }.to_wire(),
-                Body::None,
-            ));
-        };
-        let ok = self.hello_done && kiln_proto::auth::client_proved(&secret, &self.nonce, &req);
-        if !ok {
-            tracing::warn!(peer = %self.peer, "a client failed authentication; closing");
-            self.stats
-                .refused
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.closing = true;
-            return Err(Fail::Errno(errno::EACCES));
-        }
-        self.authed = true;
-        self.admit()?;
-        let proof = kiln_proto::auth::server_proof(&secret, &self.nonce, &req);
-        Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
-    }
-
     /// PROFILE: this process's io-stats as JSON, with the clients that reported endpoints.
     fn profile(&mut self, args: &[u8]) -> Result<Step, Fail> {
         let req = ProfileReq::from_wire(args)?;
@@ -305,7 +232,8 @@ impl Conn {
         };
         let caller = crate::control::Caller {
             peer: self.peer.clone(),
-            authenticated: self.secret.is_none() || self.authed,
+            authenticated: self.who.authed && self.caps.admin,
+            identity: self.identity_name().to_owned(),
         };
         Ok(Step::Stack(Box::pin(async move {
             let json = tokio::task::spawn_blocking(move || handler.handle(&req.json, &caller))

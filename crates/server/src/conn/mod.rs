@@ -34,7 +34,9 @@ use kiln_layer::Errno;
 
 pub use kiln_layer::layers::posix::SENDFILE_MIN;
 
+mod caps;
 mod fops;
+mod handshake;
 mod pushes;
 
 use crate::watch::pushed;
@@ -235,14 +237,14 @@ struct Conn {
     conn_id: u64,
     limits: Limits,
     peer: String,
-    /// The shared secret clients must prove, if the server has one.
-    secret: Option<Arc<[u8]>>,
+    /// What the client must prove, and what it proved.
+    who: handshake::Who,
+    /// What the connection may do (the compatibility identity's until AUTH says otherwise).
+    caps: Arc<crate::identity::Caps>,
+    /// `caps` restrict nothing: requests are not checked against them.
+    unrestricted: bool,
     /// Answers MGMT requests, on a kilnd that manages volumes.
     mgmt: Option<crate::control::Handler>,
-    /// The nonce sent in HELLO (all zero before HELLO).
-    nonce: [u8; kiln_proto::auth::NONCE_LEN],
-    hello_done: bool,
-    authed: bool,
     /// Close once the queued replies are out (a refused client).
     closing: bool,
     /// Requests dispatched whose replies have not been fully sent.
@@ -339,8 +341,12 @@ pub struct Served {
     pub clients: ClientBook,
     /// Per-connection limits.
     pub limits: Limits,
-    /// The secret clients must prove, if any.
+    /// The compatibility identity's key clients may prove (a shared secret), if any.
     pub secret: Option<Arc<[u8]>>,
+    /// The named identities clients may prove, if the server admits any.
+    pub identities: Option<Arc<crate::identity::Identities>>,
+    /// The compatibility identity's capabilities (a server's without keys too).
+    pub compat: Arc<crate::identity::Caps>,
     /// The management handler, on a kilnd that manages volumes.
     pub mgmt: Option<crate::control::Handler>,
     /// Local clients' short-circuit grants, brick-wide.
@@ -352,15 +358,16 @@ pub struct Served {
 /// Serves one connection, holding `ticket` (its place at the door), until the peer closes it
 /// or breaks the protocol.
 pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer: String) {
+    let who = handshake::Who::new(&served);
     let Served {
         stack,
         stats,
         clients,
         limits,
-        secret,
         mgmt,
         grants,
         watchers,
+        ..
     } = served;
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let (recv, send) = match sock {
@@ -389,11 +396,10 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
         conn_id: NEXT_CONN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         limits,
         peer: peer.clone(),
-        secret,
+        caps: who.compat.clone(),
+        unrestricted: caps::unrestricted(&who.compat),
+        who,
         mgmt,
-        nonce: [0; kiln_proto::auth::NONCE_LEN],
-        hello_done: false,
-        authed: false,
         closing: false,
         inflight: 0,
         small_run: 0,
@@ -484,6 +490,7 @@ impl Conn {
         tokio::pin!(idle_timer);
         loop {
             let watch = self.watch.clone();
+            let mut reloads = self.who.reloads.take();
             let reading = self.may_read();
             let writing = self.has_output();
             let quiet = idle_on && self.inflight == 0 && self.out.is_empty();
@@ -512,6 +519,14 @@ impl Conn {
                 }
                 g = wfd.writable(), if writing => g?.retain_ready(),
                 () = pushed(watch.as_deref()) => {}
+                () = handshake::reloaded(reloads.as_mut()) => {
+                    if !self.identity_still_good() {
+                        return Ok(());
+                    }
+                }
+            }
+            if self.who.reloads.is_none() {
+                self.who.reloads = reloads;
             }
             self.queue_pushes();
             while let Ok(f) = done_rx.try_recv() {
@@ -711,7 +726,7 @@ impl Conn {
         self.stats.count(op);
         // MGMT passes on a management server: its handler decides per command (control::Caller).
         let open = matches!(op, Op::Hello | Op::Auth) || (op == Op::Mgmt && self.mgmt.is_some());
-        if self.secret.is_some() && !self.authed && !open {
+        if self.who.required() && !self.who.authed && !open {
             tracing::warn!(peer = %self.peer, op = op.name(), "request before authentication; closing");
             self.closing = true;
             return self.push(OutReply::new(opcode, id, Err(errno::EACCES)));
@@ -722,7 +737,7 @@ impl Conn {
             return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
         }
         let trace = cx.trace.clone();
-        let (cx, args) = match prefixed(&inc.hdr, op, cx, &inc.args) {
+        let (mut cx, args) = match prefixed(&inc.hdr, op, cx, &inc.args) {
             Ok(v) => v,
             Err(e) => {
                 tracing::warn!(op = op.name(), "bad credentials or change stamp: {e}");
@@ -730,6 +745,9 @@ impl Conn {
                 return self.push(OutReply::new(opcode, id, Err(errno::EPROTO)));
             }
         };
+        if let Err(e) = self.apply_caps(op, args, &mut cx) {
+            return self.push(OutReply::new(opcode, id, Err(e)));
+        }
         self.before_change(op, args);
         let changing = self.changes_of(op, args);
         match self.fop(op, args, inc.payload, cx) {

@@ -87,7 +87,8 @@ fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
     assert!(info.contains("Root squash: off"), "{info}");
 
     // Root squash: the allow-list stays as it is; a client's root becomes nobody on the
-    // brick, while a request without credentials (the process itself, heal) stays root.
+    // brick, and so does a request without credentials from a client that holds only the
+    // volume's secret (kilnd's own heal speaks for its internal identity, which holds root).
     ok(&[
         "volume",
         "set",
@@ -120,12 +121,51 @@ fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
     block_on(root.mkdir("by-root", 0o755)).expect("mkdir as a client's root");
     block_on(vol.mkdir("by-process", 0o755)).expect("mkdir without credentials");
     let owner = |n: &str| {
-        std::os::unix::fs::MetadataExt::uid(
-            &std::fs::metadata(tmp.path().join("ab").join(n)).unwrap(),
+        let m = std::fs::metadata(tmp.path().join("ab").join(n)).unwrap();
+        (
+            std::os::unix::fs::MetadataExt::uid(&m),
+            std::os::unix::fs::MetadataExt::gid(&m),
         )
     };
-    assert_eq!(owner("by-root"), 65534, "a client's root is squashed");
-    assert_eq!(owner("by-process"), 0);
+    assert_eq!(
+        owner("by-root"),
+        (65534, 65534),
+        "a client's root is squashed"
+    );
+    assert_eq!(
+        owner("by-process"),
+        (65534, 65534),
+        "no credentials: nobody, not root"
+    );
+    // Group 0 is root's too: a user in group 0 gets nobody's group instead.
+    let user_in_root_group = vol.on_behalf_of(Some(std::sync::Arc::new(kiln_proto::Cred {
+        uid: 1000,
+        gid: 0,
+        groups: vec![0],
+    })));
+    block_on(user_in_root_group.mkdir("by-1000", 0o755)).expect("mkdir as uid 1000, gid 0");
+    assert_eq!(owner("by-1000"), (1000, 65534), "gid 0 is squashed");
+    // Root's private file: neither a squashed root nor a raw client without credentials
+    // reads it; heal opens are kilnd's own.
+    std::fs::write(ab.join("root-only"), b"secret").unwrap();
+    std::fs::set_permissions(
+        ab.join("root-only"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let raw = kiln_client::Client::connect_with_secret(
+        &format!("tcp:127.0.0.1:{port}"),
+        Some(secret.trim().as_bytes()),
+    )
+    .unwrap();
+    let e = block_on(raw.open("root-only", libc::O_RDONLY)).expect_err("no credentials, no root");
+    assert_eq!(e.raw_os_error(), Some(libc::EACCES));
+    let e = block_on(raw.create("ab-setuid", libc::O_RDWR, 0o4755)).map(|(_, a)| a.uid);
+    assert_eq!(
+        e.unwrap(),
+        65534,
+        "a file it makes is nobody's, never a set-ID root file"
+    );
     let e =
         block_on(root.mkdir("in/x", 0o755)).expect_err("nobody may not write in root's 0755 dir");
     assert_eq!(e.raw_os_error(), Some(libc::EACCES));

@@ -116,6 +116,10 @@ pub struct ServeArgs {
     /// it (bounds memory per client together with an 8 MiB cap on queued reply bytes).
     #[arg(long, default_value_t = kiln_server::Limits::default().max_inflight)]
     pub max_inflight: usize,
+    /// Handles (open files) one client connection may hold; one more open fails with EMFILE
+    /// for that client alone.
+    #[arg(long, default_value_t = kiln_server::Limits::default().max_handles)]
+    pub max_handles: usize,
     /// Seconds after which a connection with nothing in flight that sends nothing is closed;
     /// 0 (the default) never closes a live one (TCP keepalive still ends the connection of a
     /// client whose host vanished, within about 30 s).
@@ -252,37 +256,15 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
                 args.handshake_timeout.clamp(0.1, 3600.0),
             ),
             max_inflight: args.max_inflight.max(1),
+            max_handles: args.max_handles.max(1),
             idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout.max(0.0)),
         };
-        let secret = match &args.secret_file {
-            Some(p) => match kiln_server::auth::load_or_create(p) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    eprintln!("kilnd: {e}");
-                    return std::process::ExitCode::FAILURE;
-                }
-            },
-            None => None,
-        };
-        let identities = match &args.identities {
-            Some(p) => match kiln_server::identity::Identities::from_file(p) {
-                Ok(t) => Some(Arc::new(t)),
-                Err(e) => {
-                    eprintln!("kilnd: --identities: {e}");
-                    return std::process::ExitCode::FAILURE;
-                }
-            },
-            None => None,
-        };
-        let tls = match &args.tls {
-            Some(dir) => match kiln_tls::server_config(dir) {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    eprintln!("kilnd: --tls {}: {e}", dir.display());
-                    return std::process::ExitCode::FAILURE;
-                }
-            },
-            None => None,
+        let (secret, identities, tls) = match brick_access(&args) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("kilnd: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
         };
         let volfile = match (loaded, &args.brick) {
             (Some(Ok(v)), _) => v,
@@ -328,6 +310,41 @@ pub fn main(args: ServeArgs) -> std::process::ExitCode {
 /// Serves the brick until SIGTERM (how kilnd stops its bricks); then what must outlive this
 /// run is written and the process ends at once, fops in flight unanswered (their clients
 /// send them again to the next run).
+/// Who a brick admits: its shared secret (`--secret-file`, made when missing), its named
+/// identities (`--identities`), and its TLS configuration (`--tls`).
+#[allow(clippy::type_complexity)]
+fn brick_access(
+    args: &ServeArgs,
+) -> Result<
+    (
+        Option<Vec<u8>>,
+        Option<Arc<kiln_server::identity::Identities>>,
+        Option<Arc<kiln_tls::ServerConfig>>,
+    ),
+    String,
+> {
+    let secret = args
+        .secret_file
+        .as_deref()
+        .map(kiln_server::auth::load_or_create)
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let identities = args
+        .identities
+        .as_deref()
+        .map(|p| kiln_server::identity::Identities::from_file(p).map(Arc::new))
+        .transpose()
+        .map_err(|e| format!("--identities: {e}"))?;
+    let tls = args
+        .tls
+        .as_deref()
+        .map(|dir| {
+            kiln_tls::server_config(dir).map_err(|e| format!("--tls {}: {e}", dir.display()))
+        })
+        .transpose()?;
+    Ok((secret, identities, tls))
+}
+
 /// SIGHUP reads the identities file again.
 async fn serve_until_term(
     server: Server,

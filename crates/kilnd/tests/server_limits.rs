@@ -212,3 +212,68 @@ fn a_client_that_never_reads_replies_cannot_grow_server_memory() {
     drop(flood);
     assert!(block_on(good.statfs("/")).is_ok());
 }
+
+/// One client cannot hold every descriptor of the brick: past its handle limit its opens fail
+/// with EMFILE, and another client still opens files.
+#[test]
+fn a_client_past_its_handle_limit_gets_emfile_and_others_are_served() {
+    let k = Limited::start(&["--max-handles", "64"]);
+    std::fs::write(k._dir.path().join("f"), b"x").unwrap();
+    let addr = format!("tcp:{}", k.addr);
+    let greedy = Client::connect(&addr).expect("connect");
+    let mut held = Vec::new();
+    let err = loop {
+        match block_on(greedy.open("f", libc::O_RDONLY)) {
+            Ok(fh) => held.push(fh),
+            Err(e) => break e,
+        }
+        assert!(held.len() <= 64, "opened past the limit");
+    };
+    assert_eq!(held.len(), 64);
+    assert_eq!(err.raw_os_error(), Some(libc::EMFILE), "{err}");
+    let other = Client::connect(&addr).expect("another client connects");
+    block_on(other.open("f", libc::O_RDONLY)).expect("and opens");
+    // A handle given back makes room again.
+    block_on(greedy.close(held.pop().unwrap())).unwrap();
+    block_on(greedy.open("f", libc::O_RDONLY)).expect("room again");
+}
+
+/// Before it proves a key a connection cannot make the server hold a large frame: one above
+/// 4 KiB ends the connection, and a stranger's HELLO registers no metrics endpoint.
+#[test]
+fn strangers_send_small_frames_and_register_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("s");
+    let k = Limited::start(&["--secret-file", secret.to_str().unwrap()]);
+    let mut s = std::net::TcpStream::connect(&k.addr).unwrap();
+    let big = vec![0u8; 64 * 1024];
+    let frame = Raw::request(Op::Lookup as u16, 1, &big, &[]);
+    // The header alone says 64 KiB of arguments follow: the server answers EPROTO and closes
+    // without waiting for them (read to the end, bounded).
+    s.write_all(&frame[..kiln_proto::HEADER_LEN]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = Vec::new();
+    let r = s.read_to_end(&mut got);
+    assert!(
+        r.is_ok(),
+        "a 64 KiB frame before authentication keeps the connection: {r:?}"
+    );
+    let h = kiln_proto::Header::parse(got[..kiln_proto::HEADER_LEN].try_into().unwrap()).unwrap();
+    assert_eq!(h.status.get(), libc::EPROTO as u32);
+    // HELLO with a metrics endpoint, then nothing: the brick's profile lists no client.
+    let mut s = std::net::TcpStream::connect(&k.addr).unwrap();
+    let hello = kiln_proto::ops::HelloReq {
+        version: kiln_proto::frame::VERSION as u32,
+        client: "stranger".into(),
+        metrics: "10.66.66.66:8080".into(),
+    };
+    s.write_all(&Raw::request(Op::Hello as u16, 1, &hello.to_wire(), &[]))
+        .unwrap();
+    let mut h = [0u8; kiln_proto::HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let key = std::fs::read(&secret).unwrap();
+    let c = Client::connect_with_secret(&format!("tcp:{}", k.addr), Some(key.trim_ascii()))
+        .expect("a client with the secret");
+    let profile = c.profile(kiln_proto::ops::PROFILE_INFO).unwrap();
+    assert_eq!(profile["clients"], serde_json::json!([]), "{profile}");
+}

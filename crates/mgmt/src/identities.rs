@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::manager::Manager;
 use crate::pool::Cmd;
+pub use crate::request::AuthOp;
 use crate::response::{IdentityList, IdentityView, Response};
 use crate::store::{hex, random, write_atomic};
 
@@ -30,22 +31,28 @@ struct Stored {
     caps: Caps,
 }
 
-/// What the `auth` command does.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-#[serde(rename_all = "kebab-case")]
-pub enum AuthOp {
-    /// Make a new identity with a new key and the capabilities given.
-    Add,
-    /// Every identity and its capabilities (no keys).
-    List,
-    /// One identity with its key.
-    Get,
-    /// Replace an identity's capabilities.
-    Caps,
-    /// Give an identity a new key (its connections with the old one are closed).
-    Rotate,
-    /// Remove an identity (its connections are closed).
-    Rm,
+fn view(name: &str, s: &Stored, key: bool) -> IdentityView {
+    IdentityView {
+        name: name.to_owned(),
+        key: key.then(|| format!("{name} {}", s.key)),
+        caps: s.caps.clone(),
+    }
+}
+
+fn new_key() -> Result<String, String> {
+    let mut raw = [0u8; 32];
+    random(&mut raw)?;
+    Ok(hex(&raw))
+}
+
+/// Capabilities as a command gives them: present, consistent, naming a volume.
+fn checked(c: Option<Caps>) -> Result<Caps, String> {
+    let c = c.ok_or("give the identity's capabilities")?;
+    c.check()?;
+    if c.volumes.is_empty() {
+        return Err("name the volumes the identity may use (or *)".into());
+    }
+    Ok(c)
 }
 
 impl Manager {
@@ -85,100 +92,60 @@ impl Manager {
         name: Option<&str>,
         caps: Option<Caps>,
     ) -> Result<Response, String> {
-        let pool = self.pool()?;
-        let need_name = || -> Result<&str, String> {
-            let n = name.ok_or("name the identity")?;
-            kiln_proto::auth::check_identity(n)?;
-            if n == INTERNAL {
-                return Err(format!(
-                    "{INTERNAL} is kilnd's own identity: choose another name"
-                ));
-            }
-            Ok(n)
-        };
-        let view = |name: &str, s: &Stored, key: bool| IdentityView {
-            name: name.to_owned(),
-            key: key.then(|| format!("{name} {}", s.key)),
-            caps: s.caps.clone(),
-        };
-        let existing = |n: &str| -> Result<(Stored, u64), String> {
-            let (v, _) = pool.get(&format!("{AUTH}{n}"));
-            let v = v.ok_or_else(|| format!("no identity {n}"))?;
-            let s = serde_json::from_value(v.value)
-                .map_err(|e| format!("identity {n}: bad record in the pool's store: {e}"))?;
-            Ok((s, v.version))
-        };
-        let new_key = || -> Result<String, String> {
-            let mut raw = [0u8; 32];
-            random(&mut raw)?;
-            Ok(hex(&raw))
-        };
-        let checked = |c: Option<Caps>| -> Result<Caps, String> {
-            let c = c.ok_or("give the identity's capabilities")?;
-            c.check()?;
-            if c.volumes.is_empty() {
-                return Err("name the volumes the identity may use (or *)".into());
-            }
-            Ok(c)
-        };
-        let put = |n: &str, s: &Stored, expect: u64| {
-            self.change(Cmd::Put {
-                key: format!("{AUTH}{n}"),
-                value: serde_json::to_value(s).expect("an identity serialises"),
-                expect: Some(expect),
-            })
-        };
         let one = |v: IdentityView| -> Response {
             IdentityList {
                 identities: vec![v],
             }
             .into()
         };
-        match op {
-            AuthOp::List => Ok(IdentityList {
+        if op == AuthOp::List {
+            return Ok(IdentityList {
                 identities: self
                     .stored()
                     .iter()
                     .map(|(n, s)| view(n, s, false))
                     .collect(),
             }
-            .into()),
-            AuthOp::Get => {
-                let n = need_name()?;
-                Ok(one(view(n, &existing(n)?.0, true)))
-            }
+            .into());
+        }
+        let n = name.ok_or("name the identity")?;
+        kiln_proto::auth::check_identity(n)?;
+        if n == INTERNAL || n.starts_with("vol.") {
+            return Err(format!(
+                "{n} is a name kilnd keeps for its own identities: choose another"
+            ));
+        }
+        match op {
+            AuthOp::List => unreachable!("answered above"),
+            AuthOp::Get => Ok(one(view(n, &self.existing(n)?.0, true))),
             AuthOp::Add => {
-                let n = need_name()?;
-                if existing(n).is_ok() {
+                if self.existing(n).is_ok() {
                     return Err(format!("identity {n} exists: `kiln auth caps` changes it"));
                 }
                 let s = Stored {
                     key: new_key()?,
                     caps: checked(caps)?,
                 };
-                put(n, &s, 0)?;
+                self.put(n, &s, 0)?;
                 tracing::info!(identity = n, "identity added");
                 Ok(one(view(n, &s, true)))
             }
             AuthOp::Caps => {
-                let n = need_name()?;
-                let (mut s, version) = existing(n)?;
+                let (mut s, version) = self.existing(n)?;
                 s.caps = checked(caps)?;
-                put(n, &s, version)?;
+                self.put(n, &s, version)?;
                 tracing::info!(identity = n, "identity's capabilities changed");
                 Ok(one(view(n, &s, false)))
             }
             AuthOp::Rotate => {
-                let n = need_name()?;
-                let (mut s, version) = existing(n)?;
+                let (mut s, version) = self.existing(n)?;
                 s.key = new_key()?;
-                put(n, &s, version)?;
+                self.put(n, &s, version)?;
                 tracing::info!(identity = n, "identity's key rotated");
                 Ok(one(view(n, &s, true)))
             }
             AuthOp::Rm => {
-                let n = need_name()?;
-                let (s, version) = existing(n)?;
+                let (s, version) = self.existing(n)?;
                 self.change(Cmd::Delete {
                     key: format!("{AUTH}{n}"),
                     expect: Some(version),
@@ -187,6 +154,24 @@ impl Manager {
                 Ok(one(view(n, &s, false)))
             }
         }
+    }
+
+    /// Identity `n` as the store holds it, and the version to change it at.
+    fn existing(&self, n: &str) -> Result<(Stored, u64), String> {
+        let (v, _) = self.pool()?.get(&format!("{AUTH}{n}"));
+        let v = v.ok_or_else(|| format!("no identity {n}"))?;
+        let s = serde_json::from_value(v.value)
+            .map_err(|e| format!("identity {n}: bad record in the pool's store: {e}"))?;
+        Ok((s, v.version))
+    }
+
+    /// Stores identity `n` if the store still has it at `expect` (0: not at all).
+    fn put(&self, n: &str, s: &Stored, expect: u64) -> Result<(), String> {
+        self.change(Cmd::Put {
+            key: format!("{AUTH}{n}"),
+            value: serde_json::to_value(s).expect("an identity serialises"),
+            expect: Some(expect),
+        })
     }
 
     /// The identities file of `volume`'s bricks: kilnd's own, and every stored identity that

@@ -18,7 +18,7 @@ pub enum Request {
     /// Manage named identities: their keys and capabilities.
     Auth {
         /// What to do.
-        op: crate::identities::AuthOp,
+        op: AuthOp,
         /// The identity (all but `list`).
         #[serde(default)]
         name: Option<String>,
@@ -259,6 +259,24 @@ impl Request {
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(self).expect("a request serialises")
     }
+}
+
+/// What the `auth` command does.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum AuthOp {
+    /// Make a new identity with a new key and the capabilities given.
+    Add,
+    /// Every identity and its capabilities (no keys).
+    List,
+    /// One identity with its key.
+    Get,
+    /// Replace an identity's capabilities.
+    Caps,
+    /// Give an identity a new key (its connections with the old one are closed).
+    Rotate,
+    /// Remove an identity (its connections are closed).
+    Rm,
 }
 
 #[cfg(test)]

@@ -21,7 +21,14 @@ pub struct Limits {
     /// never closes one. Off by default: clients do not reconnect by themselves yet, so a
     /// mount left alone would break; `max_connections` bounds what idle clients can hold.
     pub idle_timeout: std::time::Duration,
+    /// Handles one connection may hold open; one more open fails with `EMFILE` for that
+    /// client alone (the brick's own descriptors are shared by every client).
+    pub max_handles: usize,
 }
+
+/// The largest frame (arguments and payload) a connection may send before it has proved a
+/// key: HELLO and AUTH are a few dozen bytes, so a stranger cannot make the server hold more.
+pub const MAX_STRANGER_FRAME: usize = 4096;
 
 impl Default for Limits {
     fn default() -> Limits {
@@ -32,6 +39,7 @@ impl Default for Limits {
             handshake_timeout: std::time::Duration::from_secs(5),
             max_inflight: 1024,
             idle_timeout: std::time::Duration::ZERO,
+            max_handles: 4096,
         }
     }
 }

@@ -232,7 +232,7 @@ impl Conn {
         };
         let caller = crate::control::Caller {
             peer: self.peer.clone(),
-            authenticated: self.who.authed && self.caps.admin,
+            authenticated: (self.who.authed || !self.who.required()) && self.caps.admin,
             identity: self.identity_name().to_owned(),
         };
         Ok(Step::Stack(Box::pin(async move {

@@ -22,7 +22,6 @@ use std::task::{Context, Poll};
 use kiln_layer::{Ctx, Fd, LayerRef, Trace};
 use kiln_proto::codec::Wire;
 use kiln_proto::frame::{Header, HEADER_LEN, KIND_REQUEST};
-use kiln_proto::iov::RawIov;
 use kiln_proto::ops::*;
 use kiln_proto::{errno, Op};
 use tokio::io::unix::AsyncFd;
@@ -37,9 +36,11 @@ pub use kiln_layer::layers::posix::SENDFILE_MIN;
 mod caps;
 mod fops;
 mod handshake;
+mod incoming;
 mod pushes;
 
 use crate::watch::pushed;
+use incoming::{fill_random, raw, recv_into, Incoming};
 mod grant;
 mod send;
 
@@ -188,15 +189,6 @@ enum Received {
     Closed,
     /// The stream is broken (a bad header): why.
     Broken(String),
-}
-
-/// A frame whose header has been read and whose arguments and payload are being received.
-struct Incoming {
-    hdr: Header,
-    args: Vec<u8>,
-    args_got: usize,
-    payload: Vec<u8>,
-    payload_len: usize,
 }
 
 /// A fop's outcome before it becomes a reply: open and create hand back a handle that the
@@ -660,6 +652,16 @@ impl Conn {
             Ok(_) => return Err("a reply frame sent to the server".into()),
             Err(e) => return Err(e.to_string()),
         };
+        let size = hdr.args_len.get() as usize + hdr.payload_len.get() as usize;
+        if self.who.required() && !self.who.authed && size > crate::limits::MAX_STRANGER_FRAME {
+            self.stats
+                .refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(format!(
+                "a {size}-byte frame before authentication (at most {})",
+                crate::limits::MAX_STRANGER_FRAME
+            ));
+        }
         let inc = Incoming::new(hdr);
         if inc.is_complete() {
             self.dispatch(inc);
@@ -803,23 +805,23 @@ impl Conn {
     /// Queues the reply of a fop that went through the stack.
     fn finish(&mut self, f: Finished) {
         let opened = self.changes_done(f.id);
-        let result = f.result.map(|done| match done {
-            Done::Reply(args, body) => (args, body),
-            Done::Open(fd) => (
+        let result = f.result.and_then(|done| match done {
+            Done::Reply(args, body) => Ok((args, body)),
+            Done::Open(fd) => Ok((
                 OpenReply {
-                    fh: self.new_handle(fd, opened.clone()),
+                    fh: self.new_handle(fd, opened.clone())?,
                 }
                 .to_wire(),
                 Body::None,
-            ),
-            Done::Create(fd, attr) => (
+            )),
+            Done::Create(fd, attr) => Ok((
                 CreateReply {
-                    fh: self.new_handle(fd, opened.clone()),
+                    fh: self.new_handle(fd, opened.clone())?,
                     attr,
                 }
                 .to_wire(),
                 Body::None,
-            ),
+            )),
         });
         self.push_traced(OutReply::traced(f.op, f.id, result, f.trace.as_deref()));
     }
@@ -841,14 +843,24 @@ impl Conn {
             .ok_or(Fail::Errno(errno::EBADF))
     }
 
-    fn new_handle(&mut self, fd: Fd, path: Option<String>) -> u64 {
+    /// Numbers an opened file for the client, or, past the connection's handle limit, closes
+    /// it again and fails the open with `EMFILE`.
+    fn new_handle(&mut self, fd: Fd, path: Option<String>) -> Result<u64, Errno> {
+        if self.handles.len() >= self.limits.max_handles {
+            tracing::warn!(peer = %self.peer, limit = self.limits.max_handles, "an open past the connection's handle limit: EMFILE");
+            let stack = self.stack.clone();
+            kiln_layer::exec::spawn(async move {
+                let _ = stack.release(&Ctx::NONE, fd).await;
+            });
+            return Err(errno::EMFILE);
+        }
         let fh = self.next_fh;
         self.next_fh += 1;
         self.handles.insert(fh, fd);
         if let Some(p) = path {
             self.handle_paths.insert(fh, p);
         }
-        fh
+        Ok(fh)
     }
 }
 
@@ -867,99 +879,5 @@ impl From<Errno> for Fail {
 impl From<kiln_proto::DecodeError> for Fail {
     fn from(e: kiln_proto::DecodeError) -> Fail {
         Fail::Decode(e)
-    }
-}
-
-impl Incoming {
-    fn new(hdr: Header) -> Incoming {
-        let payload_len = hdr.payload_len.get() as usize;
-        Incoming {
-            args: vec![0u8; hdr.args_len.get() as usize],
-            args_got: 0,
-            payload: Vec::with_capacity(payload_len),
-            payload_len,
-            hdr,
-        }
-    }
-
-    fn is_complete(&self) -> bool {
-        self.args_got == self.args.len() && self.payload.len() == self.payload_len
-    }
-
-    /// Takes this frame's bytes from the front of `src` (arguments, then payload); returns the
-    /// bytes used and how many of them were payload (copied).
-    fn fill_from(&mut self, src: &[u8]) -> (usize, usize) {
-        let a = src.len().min(self.args.len() - self.args_got);
-        self.args[self.args_got..self.args_got + a].copy_from_slice(&src[..a]);
-        self.args_got += a;
-        let p = (src.len() - a).min(self.payload_len - self.payload.len());
-        self.payload.extend_from_slice(&src[a..a + p]);
-        (a + p, p)
-    }
-
-    /// Accounts `n` received bytes to args then payload; returns what is left over (bytes that
-    /// belong to the next header).
-    fn advance(&mut self, mut n: usize) -> usize {
-        let a = n.min(self.args.len() - self.args_got);
-        self.args_got += a;
-        n -= a;
-        let p = n.min(self.payload_len - self.payload.len());
-        // SAFETY: `recv_into` pointed the kernel at the spare capacity starting at `len`, and the
-        // kernel reported `p` of those bytes written, so they are initialised.
-        unsafe { self.payload.set_len(self.payload.len() + p) };
-        n - p
-    }
-}
-
-/// Fills `buf` from the kernel's random source.
-fn fill_random(buf: &mut [u8]) -> Result<(), Errno> {
-    rustix::rand::getrandom(buf, rustix::rand::GetRandomFlags::empty())
-        .map(|_| ())
-        .map_err(|e| e.raw_os_error() as u32)
-}
-
-fn raw(b: &[u8]) -> RawIov {
-    RawIov {
-        base: b.as_ptr() as usize,
-        len: b.len(),
-    }
-}
-
-/// `readv` into the current frame's remaining arguments and payload, then the next header, then
-/// (at a frame boundary) the stage. Returns the bytes received and the bytes asked for.
-fn recv_into(
-    sock: i32,
-    cur: Option<&mut Incoming>,
-    next_hdr: &mut [u8],
-    stage: Option<&mut [u8]>,
-) -> io::Result<(usize, usize)> {
-    let mut iov = [RawIov { base: 0, len: 0 }; 4];
-    let mut n = 0;
-    if let Some(inc) = cur {
-        if inc.args_got < inc.args.len() {
-            iov[n] = raw(&inc.args[inc.args_got..]);
-            n += 1;
-        }
-        let spare = inc.payload_len - inc.payload.len();
-        if spare > 0 {
-            let base = inc.payload.spare_capacity_mut().as_mut_ptr() as usize;
-            iov[n] = RawIov { base, len: spare };
-            n += 1;
-        }
-    }
-    iov[n] = raw(next_hdr);
-    n += 1;
-    if let Some(stage) = stage {
-        iov[n] = raw(stage);
-        n += 1;
-    }
-    // SAFETY: every vector points at memory this connection owns and does not otherwise touch
-    // during the call (argument buffer, payload spare capacity, header buffer, stage); `RawIov` has the
-    // layout of `struct iovec`.
-    let r = unsafe { libc::readv(sock, iov.as_ptr().cast(), n as i32) };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok((r as usize, iov[..n].iter().map(|v| v.len).sum()))
     }
 }

@@ -8,7 +8,7 @@
 //!
 //! A resolution first refuses every symlink (`RESOLVE_NO_SYMLINKS`); only a path that meets
 //! one is resolved again following it, and then checked not to lead into `.kiln` (see
-//! [`super::reach`]). Files are opened for I/O only after an `O_PATH` resolution showed a
+//! the `reach` module). Files are opened for I/O only after an `O_PATH` resolution showed a
 //! regular file or a directory.
 
 use std::fs::File;
@@ -23,9 +23,7 @@ use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
 
 pub use crate::{Errno, FopResult};
 
-/// The directory inside a brick that holds Kiln's own records (the marks layer's log):
-/// clients cannot name it.
-pub const STATE_DIR: &str = ".kiln";
+pub use super::reach::STATE_DIR;
 
 fn err(e: rustix::io::Errno) -> Errno {
     e.raw_os_error() as u32
@@ -229,7 +227,7 @@ impl Brick {
 
     /// Opens `path` for I/O with `flags` (no `O_CREAT`): resolved to an `O_PATH` descriptor
     /// first (following a final symlink unless `O_NOFOLLOW`), then opened through it only if
-    /// it is a regular file or a directory (see [`super::reach`]).
+    /// it is a regular file or a directory (see the `reach` module).
     fn open_node(&self, path: &str, flags: OFlags) -> FopResult<OwnedFd> {
         let how = OFlags::PATH | (flags & (OFlags::NOFOLLOW | OFlags::DIRECTORY));
         let node = self.open_beneath(path, how, 0)?;

@@ -21,6 +21,8 @@ mod behind;
 pub mod brick;
 mod cred;
 mod reach;
+#[cfg(test)]
+mod tests;
 pub mod trouble;
 
 /// Reads at or above this size are handed up as a file region, sent with `sendfile`; smaller

@@ -238,3 +238,59 @@ fn the_state_dir_is_unreachable_through_symlinks() {
         .expect("create through a -> dir");
     assert_eq!(b.readlink("kk").unwrap(), ".kiln");
 }
+
+/// What one open and one lookup cost, against the single `openat2` a client open and the
+/// `openat2` + `statat` a lookup took before special files and `.kiln` were checked:
+/// `cargo test -p kiln-layer --release --lib posix::tests::cost -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn cost() {
+    use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
+    use std::time::Instant;
+    const N: u32 = 50_000;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("a/b/c")).unwrap();
+    std::fs::write(d.join("a/b/c/f"), b"x").unwrap();
+    symlink("a/b", d.join("l")).unwrap();
+    let b = Brick::open(d).unwrap();
+    let root = rfs::open(d, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap();
+    let how = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS;
+    let time = |what: &str, f: &mut dyn FnMut()| {
+        for _ in 0..1000 {
+            f();
+        }
+        let t = Instant::now();
+        for _ in 0..N {
+            f();
+        }
+        let ns = t.elapsed().as_nanos() / N as u128;
+        eprintln!("{what:<40} {ns:>6} ns");
+    };
+    let cl = OFlags::CLOEXEC | OFlags::NOCTTY;
+    time("open, one openat2 (before)", &mut || {
+        drop(rfs::openat2(&root, "a/b/c/f", OFlags::RDONLY | cl, Mode::empty(), how).unwrap());
+    });
+    time("open_file (now)", &mut || {
+        drop(b.open_file("a/b/c/f", 0).unwrap());
+    });
+    time("open_file through a symlink (now)", &mut || {
+        drop(b.open_file("l/c/f", 0).unwrap());
+    });
+    time("lookup, openat2 + statat (before)", &mut || {
+        let p = rfs::openat2(
+            &root,
+            "a/b/c",
+            OFlags::PATH | OFlags::DIRECTORY,
+            Mode::empty(),
+            how,
+        );
+        rfs::statat(p.unwrap(), "f", AtFlags::SYMLINK_NOFOLLOW).unwrap();
+    });
+    time("lookup (now)", &mut || {
+        b.lookup("a/b/c/f").unwrap();
+    });
+    time("lookup through a symlink (now)", &mut || {
+        b.lookup("l/c/f").unwrap();
+    });
+}

@@ -143,8 +143,8 @@ impl Brick {
         Ok(Brick { root, root_id })
     }
 
-    /// Resolves `path` beneath the root and opens it with `flags` (`O_PATH` but for
-    /// directories and fresh files: see [`Brick::open_node`]). A path that meets no symlink is
+    /// Resolves `path` beneath the root and opens it with `flags` (`O_PATH`, or a directory
+    /// read for a listing; files are opened by [`Brick::open_node`]). A path that meets no symlink is
     /// resolved once; one that does is resolved again following them and refused (`EACCES`,
     /// logged) if it ends in `.kiln` or beneath it.
     fn open_beneath(&self, path: &str, flags: OFlags, mode: u32) -> FopResult<OwnedFd> {

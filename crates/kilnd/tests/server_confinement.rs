@@ -139,3 +139,248 @@ fn dotdot_absolute_and_symlink_escapes_are_refused() {
         "something outside the brick changed"
     );
 }
+
+/// Runs `f` on its own thread and fails the test if it has not returned within `secs` seconds
+/// (a fop that blocks the brick fails the test instead of hanging it).
+fn bounded<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(f()));
+    rx.recv_timeout(std::time::Duration::from_secs(secs))
+        .unwrap_or_else(|_| panic!("{what}: no answer within {secs} s (the brick blocked?)"))
+}
+
+fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>, what: &str) -> u32 {
+    match r {
+        Ok(v) => panic!("{what}: expected a refusal, got {v:?}"),
+        Err(e) => e.raw_os_error().unwrap_or(0) as u32,
+    }
+}
+
+fn root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn a_user_may_not_make_device_nodes() {
+    let k = Kilnd::start();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&k.brick, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let vol = kiln_client::Volume::connect(&k.tcp).expect("connect");
+    let as_user = |uid: u32| {
+        vol.on_behalf_of(Some(std::sync::Arc::new(kiln_proto::Cred {
+            uid,
+            gid: uid,
+            groups: Vec::new(),
+        })))
+    };
+    let dev = rustix::fs::makedev(7, 0);
+    // The kernel refuses a user anyway; a caller whose credentials say root (no root squash)
+    // is refused by the brick unless its identity grants devices.
+    for uid in [1000, 0] {
+        for (name, kind) in [("blk", libc::S_IFBLK), ("chr", libc::S_IFCHR)] {
+            let r = block_on(as_user(uid).mknod(name, kind | 0o666, dev));
+            assert_eq!(errno_of(r, name), errno::EPERM, "{name} as {uid}");
+            assert!(!k.brick.join(name).exists(), "{name} was made as {uid}");
+        }
+    }
+    let user = as_user(1000);
+    // A FIFO, a socket and a regular file need nothing.
+    for (name, kind) in [
+        ("fifo", libc::S_IFIFO),
+        ("sock", libc::S_IFSOCK),
+        ("reg", libc::S_IFREG),
+    ] {
+        let a = block_on(user.mknod(name, kind | 0o644, 0)).expect(name);
+        assert_eq!(a.mode & libc::S_IFMT, kind, "{name}");
+        assert_eq!(a.uid, 1000, "{name}");
+    }
+}
+
+#[test]
+fn special_files_are_listed_but_never_opened() {
+    if !root() {
+        eprintln!("skipped: making device nodes in the brick needs root");
+        return;
+    }
+    let k = Kilnd::start();
+    use rustix::fs::{mknodat, FileType, Mode, CWD};
+    let mode = Mode::from_raw_mode(0o666);
+    mknodat(CWD, k.brick.join("fifo"), FileType::Fifo, mode, 0).expect("mkfifo");
+    mknodat(CWD, k.brick.join("sock"), FileType::Socket, mode, 0).expect("socket node");
+    let null = rustix::fs::makedev(1, 3);
+    mknodat(
+        CWD,
+        k.brick.join("null"),
+        FileType::CharacterDevice,
+        mode,
+        null,
+    )
+    .expect("mknod");
+    std::os::unix::fs::symlink("fifo", k.brick.join("to-fifo")).expect("symlink");
+
+    let c = Client::connect(&k.tcp).expect("connect");
+    let listed: Vec<_> = block_on(c.readdir(""))
+        .expect("readdir")
+        .into_iter()
+        .map(|e| (e.name, e.attr.mode & libc::S_IFMT))
+        .collect();
+    for (name, kind) in [
+        ("fifo", libc::S_IFIFO),
+        ("sock", libc::S_IFSOCK),
+        ("null", libc::S_IFCHR),
+    ] {
+        assert!(listed.contains(&(name.into(), kind)), "{name}: {listed:?}");
+        let a = block_on(c.lookup(name)).expect("lookup");
+        assert_eq!(a.mode & libc::S_IFMT, kind, "{name}");
+    }
+    let vol = kiln_client::Volume::connect(&k.tcp).expect("connect");
+    let vol = std::sync::Arc::new(vol);
+    for name in ["fifo", "sock", "null", "to-fifo"] {
+        for flags in [libc::O_RDONLY, libc::O_WRONLY, libc::O_RDWR] {
+            let addr = k.tcp.clone();
+            let what = format!("open {name} {flags:#o}");
+            let r = bounded(5, &what, move || {
+                let c = Client::connect(&addr).expect("connect");
+                block_on(c.open(name, flags))
+            });
+            assert_eq!(errno_of(r, &what), libc::ENXIO as u32, "{what}");
+            let v = vol.clone();
+            let r = bounded(5, &what, move || {
+                block_on(v.create(name, flags | libc::O_CREAT, 0o644))
+            });
+            assert_eq!(errno_of(r, &what), libc::ENXIO as u32, "create {what}");
+        }
+        // The whole-file open of small files (what fetch-ahead uses) is refused the same way.
+        let v = vol.clone();
+        let r = bounded(5, name, move || {
+            block_on(v.open_small(name, libc::O_RDONLY, 64 * 1024)).map(|_| ())
+        });
+        assert_eq!(errno_of(r, name), libc::ENXIO as u32, "open_small {name}");
+    }
+    // Their attributes still change without opening them.
+    let a = block_on(vol.setattr(
+        "fifo",
+        SetAttrs {
+            valid: SETATTR_MODE,
+            mode: 0o600,
+            ..SetAttrs::default()
+        },
+    ))
+    .expect("chmod of a FIFO");
+    assert_eq!(a.mode & 0o7777, 0o600);
+}
+
+#[test]
+fn a_fifo_open_does_not_stall_other_clients() {
+    let mut k = Kilnd::start();
+    let c = Client::connect(&k.tcp).expect("connect");
+    block_on(c.mknod("fifo", libc::S_IFIFO | 0o666, 0)).expect("mkfifo through the brick");
+    // Opened for reading, a FIFO without a writer would never let the open return.
+    let addr = k.tcp.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let c = Client::connect(&addr).expect("connect");
+        let _ = tx.send(block_on(c.open("fifo", libc::O_RDONLY)));
+    });
+    // Meanwhile another client's I/O goes on.
+    let addr = k.tcp.clone();
+    bounded(10, "another client's I/O", move || {
+        let c = Client::connect(&addr).expect("connect");
+        let (fh, _) = block_on(c.create("other", libc::O_RDWR, 0o644)).expect("create");
+        block_on(c.pwritev(fh, vec![b"still served".to_vec()], 0))
+            .0
+            .expect("write");
+        let (n, bufs) = block_on(c.preadv(fh, vec![vec![0u8; 64]], 0));
+        assert_eq!(&bufs[0][..n.expect("read")], b"still served");
+        block_on(c.close(fh)).expect("close");
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("the FIFO open answered");
+    assert_eq!(errno_of(r, "open fifo"), libc::ENXIO as u32);
+    assert!(k.alive());
+}
+
+#[test]
+fn the_bricks_state_dir_is_unreachable_through_symlinks() {
+    let k = Kilnd::start();
+    let state = k.brick.join(".kiln");
+    std::fs::create_dir(&state).expect(".kiln");
+    std::fs::write(state.join("identity"), b"brick identity").expect("identity");
+    std::fs::create_dir(k.brick.join("dir")).expect("dir");
+    std::fs::write(k.brick.join("dir/file"), b"shared").expect("file");
+    let before = snapshot(&state);
+
+    let c = Client::connect(&k.tcp).expect("connect");
+    block_on(c.symlink(".kiln", "kk")).expect("the symlink itself may be made");
+    block_on(c.symlink(".", "here")).expect("symlink");
+    block_on(c.symlink("dir", "a")).expect("symlink");
+    let wr = libc::O_RDWR;
+    let acc = errno::EACCES;
+    let refused = |r: std::io::Result<_>, what: &str| assert_eq!(errno_of(r, what), acc, "{what}");
+    refused(block_on(c.lookup("kk/identity")).map(|_| ()), "lookup");
+    refused(
+        block_on(c.lookup("here/.kiln")).map(|_| ()),
+        "lookup via here",
+    );
+    refused(
+        block_on(c.open("kk/identity", libc::O_RDONLY)).map(|_| ()),
+        "open",
+    );
+    refused(
+        block_on(c.open("kk", libc::O_RDONLY | libc::O_DIRECTORY)).map(|_| ()),
+        "open the dir",
+    );
+    refused(block_on(c.readdir("kk")).map(|_| ()), "readdir");
+    refused(
+        block_on(c.create("kk/new", wr, 0o644)).map(|_| ()),
+        "create",
+    );
+    refused(
+        block_on(c.create("kk/identity", wr | libc::O_TRUNC, 0o644)).map(|_| ()),
+        "create over",
+    );
+    refused(
+        block_on(c.create("here/.kiln/new", wr, 0o644)).map(|_| ()),
+        "create via here",
+    );
+    refused(block_on(c.mkdir("kk/d", 0o755)).map(|_| ()), "mkdir");
+    refused(
+        block_on(c.rename("kk/identity", "stolen", 0)),
+        "rename from",
+    );
+    refused(
+        block_on(c.rename("dir/file", "kk/identity", 0)),
+        "rename to",
+    );
+    refused(
+        block_on(c.link("kk/identity", "hard")).map(|_| ()),
+        "link from",
+    );
+    refused(
+        block_on(c.link("dir/file", "kk/planted")).map(|_| ()),
+        "link to",
+    );
+    refused(block_on(c.unlink("kk/identity")), "unlink");
+    refused(block_on(c.symlink("x", "kk/l")).map(|_| ()), "symlink in");
+    refused(
+        block_on(c.setxattr("kk/identity", "user.x", b"1", 0)),
+        "setxattr",
+    );
+    for root in ["", "here"] {
+        let names: Vec<String> = block_on(c.readdir(root))
+            .expect("readdir")
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert!(!names.iter().any(|n| n == ".kiln"), "{root:?}: {names:?}");
+    }
+    assert_eq!(snapshot(&state), before, ".kiln changed");
+    // A symlink to a normal directory still works.
+    let fh = block_on(c.open("a/file", libc::O_RDONLY)).expect("open through a -> dir");
+    let (n, bufs) = block_on(c.preadv(fh, vec![vec![0u8; 64]], 0));
+    assert_eq!(&bufs[0][..n.expect("read")], b"shared");
+    block_on(c.close(fh)).expect("close");
+    assert_eq!(block_on(c.readlink("kk")).expect("readlink"), ".kiln");
+}

@@ -156,6 +156,9 @@ pub struct Ctx {
     /// A replicated change's stamp ([`kiln_proto::stamp::Stamp`]): set by the replicate layer
     /// on changes of a file's bytes, carried to the bricks, recorded by their marks layer.
     pub change: Option<kiln_proto::stamp::Stamp>,
+    /// The caller may make character and block device nodes (a capability of its identity);
+    /// without it the posix layer refuses a device MKNOD that carries credentials.
+    pub devices: bool,
 }
 
 impl Ctx {
@@ -165,6 +168,7 @@ impl Ctx {
         owner: 0,
         cred: None,
         change: None,
+        devices: false,
     };
 
     /// A context carrying a new trace.
@@ -174,6 +178,7 @@ impl Ctx {
             owner: 0,
             cred: None,
             change: None,
+            devices: false,
         }
     }
 
@@ -185,6 +190,11 @@ impl Ctx {
     /// The same context on behalf of `cred` (None: the process's own credentials).
     pub fn with_cred(self, cred: Option<Arc<kiln_proto::Cred>>) -> Ctx {
         Ctx { cred, ..self }
+    }
+
+    /// The same context with (or without) the capability to make device nodes.
+    pub fn with_devices(self, devices: bool) -> Ctx {
+        Ctx { devices, ..self }
     }
 
     /// Stamps `label` if the request is sampled. The label is built only then.

@@ -5,6 +5,11 @@
 //! that climb out are refused by the kernel. Fops that act on a name (unlink, mkdir, rename, …)
 //! resolve the parent directory that way and then use the `*at` call on the final component, which
 //! is never followed. Errors are Linux errno values, ready for the wire.
+//!
+//! A resolution first refuses every symlink (`RESOLVE_NO_SYMLINKS`); only a path that meets
+//! one is resolved again following it, and then checked not to lead into `.kiln` (see
+//! the `reach` module). Files are opened for I/O only after an `O_PATH` resolution showed a
+//! regular file or a directory.
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -18,9 +23,7 @@ use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
 
 pub use crate::{Errno, FopResult};
 
-/// The directory inside a brick that holds Kiln's own records (the marks layer's log):
-/// clients cannot name it.
-pub const STATE_DIR: &str = ".kiln";
+pub use super::reach::STATE_DIR;
 
 fn err(e: rustix::io::Errno) -> Errno {
     e.raw_os_error() as u32
@@ -30,9 +33,21 @@ fn err(e: rustix::io::Errno) -> Errno {
 #[derive(Debug)]
 pub struct Brick {
     root: OwnedFd,
+    /// The root's `(st_dev, st_ino)`: a parent resolved through a symlink may be the root,
+    /// whose `.kiln` is then refused by name.
+    root_id: (u64, u64),
 }
 
 const RESOLVE: ResolveFlags = ResolveFlags::BENEATH.union(ResolveFlags::NO_MAGICLINKS);
+/// The first try: no symlink at all, so nothing can lead into `.kiln` (see [`Brick::resolve`]).
+const RESOLVE_PLAIN: ResolveFlags = RESOLVE.union(ResolveFlags::NO_SYMLINKS);
+
+/// `(st_dev, st_ino)` of a stat.
+// `stat` field types differ between architectures; the casts are identities only on some.
+#[allow(clippy::unnecessary_cast)]
+fn id_of(st: &rfs::Stat) -> (u64, u64) {
+    (st.st_dev as u64, st.st_ino as u64)
+}
 
 /// Open flags a client may ask for; everything else is dropped.
 const ALLOWED_OPEN_FLAGS: u32 = (libc::O_ACCMODE
@@ -124,15 +139,42 @@ impl Brick {
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
-        Ok(Brick { root })
+        let root_id = id_of(&rfs::fstat(&root)?);
+        Ok(Brick { root, root_id })
     }
 
-    /// Resolves `path` beneath the root and opens it with `flags`. A path longer than one
+    /// Resolves `path` beneath the root and opens it with `flags` (`O_PATH`, or a directory
+    /// read for a listing; files are opened by [`Brick::open_node`]). A path that meets no symlink is
+    /// resolved once; one that does is resolved again following them and refused (`EACCES`,
+    /// logged) if it ends in `.kiln` or beneath it.
+    fn open_beneath(&self, path: &str, flags: OFlags, mode: u32) -> FopResult<OwnedFd> {
+        let path = check_path(path)?;
+        match self.resolve(path, flags, mode, RESOLVE_PLAIN) {
+            Err(e) if e == libc::ELOOP as u32 => {}
+            r => return r,
+        }
+        let fd = self.resolve(path, flags, mode, RESOLVE)?;
+        if super::reach::in_state_dir(&self.root, &fd)? {
+            tracing::warn!(
+                path,
+                "refused a path that leads into the brick's {STATE_DIR}"
+            );
+            return Err(errno::EACCES);
+        }
+        Ok(fd)
+    }
+
+    /// Resolves `path` (checked) beneath the root with `how`. A path longer than one
     /// system call takes (a deep tree) is resolved in pieces, each beneath the directory the
     /// previous one reached, so confinement holds (a symlink may then not climb above the
     /// directory its piece started from).
-    fn open_beneath(&self, path: &str, flags: OFlags, mode: u32) -> FopResult<OwnedFd> {
-        let path = check_path(path)?;
+    fn resolve(
+        &self,
+        path: &str,
+        flags: OFlags,
+        mode: u32,
+        how: ResolveFlags,
+    ) -> FopResult<OwnedFd> {
         let confined = |e: rustix::io::Errno| {
             if e == rustix::io::Errno::XDEV {
                 tracing::warn!(path, "refused a path that resolves outside the brick");
@@ -148,7 +190,7 @@ impl Brick {
             let cut = rest[..RESOLVE_MAX].rfind('/').ok_or(errno::ENAMETOOLONG)?;
             let at = dir.as_ref().unwrap_or(&self.root);
             let step = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
-            let next = rfs::openat2(at, &rest[..cut], step, Mode::empty(), RESOLVE);
+            let next = rfs::openat2(at, &rest[..cut], step, Mode::empty(), how);
             dir = Some(next.map_err(confined)?);
             rest = &rest[cut + 1..];
         }
@@ -160,14 +202,38 @@ impl Brick {
         };
         let at = dir.as_ref().unwrap_or(&self.root);
         let mode = Mode::from_raw_mode(mode & 0o7777);
-        rfs::openat2(at, rest, flags | extra, mode, RESOLVE).map_err(confined)
+        rfs::openat2(at, rest, flags | extra, mode, how).map_err(confined)
     }
 
-    /// The parent directory of `path` (as an `O_PATH` descriptor) and its final name.
+    /// True if `dir` is the brick root.
+    fn is_root(&self, dir: &OwnedFd) -> FopResult<bool> {
+        Ok(id_of(&rfs::fstat(dir).map_err(err)?) == self.root_id)
+    }
+
+    /// The parent directory of `path` (as an `O_PATH` descriptor) and its final name; never
+    /// the root's `.kiln` (a parent reached through a symlink may be the root).
     fn parent<'p>(&self, path: &'p str) -> FopResult<(OwnedFd, &'p str)> {
         let (dir, name) = split(path)?;
         let fd = self.open_beneath(dir, OFlags::PATH | OFlags::DIRECTORY, 0)?;
+        if name == STATE_DIR && self.is_root(&fd)? {
+            tracing::warn!(
+                path,
+                "refused a path that leads into the brick's {STATE_DIR}"
+            );
+            return Err(errno::EACCES);
+        }
         Ok((fd, name))
+    }
+
+    /// Opens `path` for I/O with `flags` (no `O_CREAT`): resolved to an `O_PATH` descriptor
+    /// first (following a final symlink unless `O_NOFOLLOW`), then opened through it only if
+    /// it is a regular file or a directory (see the `reach` module).
+    fn open_node(&self, path: &str, flags: OFlags) -> FopResult<OwnedFd> {
+        let how = OFlags::PATH | (flags & (OFlags::NOFOLLOW | OFlags::DIRECTORY));
+        let node = self.open_beneath(path, how, 0)?;
+        let st = rfs::fstat(&node).map_err(err)?;
+        super::reach::openable(&st, path)?;
+        super::reach::reopen(&node, flags)
     }
 
     /// Attributes of `path`, not following a final symlink.
@@ -184,15 +250,32 @@ impl Brick {
     /// Opens `path`; `O_CREAT` is honoured only through [`Brick::create`].
     pub fn open_file(&self, path: &str, flags: u32) -> FopResult<File> {
         let flags = flags & ALLOWED_OPEN_FLAGS & !((libc::O_CREAT | libc::O_EXCL) as u32);
-        let fd = self.open_beneath(path, OFlags::from_bits_retain(flags), 0)?;
+        let fd = self.open_node(path, OFlags::from_bits_retain(flags))?;
         Ok(File::from(fd))
     }
 
-    /// Creates (or, without `O_EXCL`, opens) `path`.
+    /// Creates (or, without `O_EXCL`, opens) `path`. A new file is made exclusively in the
+    /// resolved parent (a new file is a regular file); an existing one is opened as
+    /// [`Brick::open_file`] opens it. A final component that is a dangling symlink is not
+    /// followed to create its target (`ENOENT`): a client's kernel resolves symlinks itself.
     pub fn create(&self, path: &str, flags: u32, mode: u32) -> FopResult<(File, Attr)> {
-        split(path)?;
-        let flags = (flags & ALLOWED_OPEN_FLAGS) | libc::O_CREAT as u32;
-        let fd = self.open_beneath(path, OFlags::from_bits_retain(flags), mode)?;
+        let flags = OFlags::from_bits_retain(flags & ALLOWED_OPEN_FLAGS) - OFlags::CREATE;
+        let (dir, name) = self.parent(path)?;
+        let fresh = flags | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC | OFlags::NOCTTY;
+        let mode = Mode::from_raw_mode(mode & 0o7777);
+        // An existing name removed between the two tries is made afresh; a few rounds at most.
+        let mut tries = 3;
+        let fd = loop {
+            match rfs::openat(&dir, name, fresh, mode) {
+                Ok(fd) => break fd,
+                Err(rustix::io::Errno::EXIST) if !flags.contains(OFlags::EXCL) => {}
+                Err(e) => return Err(err(e)),
+            }
+            match self.open_node(path, flags) {
+                Err(e) if e == errno::ENOENT && tries > 1 => tries -= 1,
+                r => break r?,
+            }
+        };
         let st = rfs::fstat(&fd).map_err(err)?;
         Ok((File::from(fd), attr_of(&st)))
     }
@@ -202,12 +285,10 @@ impl Brick {
         // The inode `path` names, never what a final symlink points to: a client's kernel
         // follows symlinks itself before asking, and lchown or utimensat(AT_SYMLINK_NOFOLLOW)
         // must change the link (a dangling one too).
+        // A size is set through a descriptor open for writing: only a regular file gets one
+        // (ENXIO for special files, never opened; EISDIR, ELOOP as before).
         let fd = if attrs.valid & SETATTR_SIZE != 0 {
-            self.open_beneath(
-                path,
-                OFlags::WRONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW,
-                0,
-            )?
+            self.open_node(path, OFlags::WRONLY | OFlags::NOFOLLOW)?
         } else {
             self.open_beneath(path, OFlags::PATH | OFlags::NOFOLLOW, 0)?
         };
@@ -258,7 +339,8 @@ impl Brick {
             if name == b"." || name == b".." {
                 continue;
             }
-            if path.is_empty() && name == STATE_DIR.as_bytes() {
+            // The root's `.kiln` is not listed, however the root was reached.
+            if name == STATE_DIR.as_bytes() && self.is_root(&fd)? {
                 continue;
             }
             if index < offset {

@@ -20,6 +20,9 @@ use brick::Brick;
 mod behind;
 pub mod brick;
 mod cred;
+mod reach;
+#[cfg(test)]
+mod tests;
 pub mod trouble;
 
 /// Reads at or above this size are handed up as a file region, sent with `sendfile`; smaller
@@ -350,6 +353,16 @@ impl Layer for Posix {
     }
 
     fn mknod<'a>(&'a self, cx: &'a Ctx, path: &'a str, mode: u32, rdev: u64) -> Fut<'a, Attr> {
+        // A device node gives whoever may open it the host's device: only the brick's own work
+        // (no credentials: heal recreating one) or a caller with the capability makes one.
+        let kind = mode & libc::S_IFMT;
+        if (kind == libc::S_IFCHR || kind == libc::S_IFBLK) && cx.cred.is_some() && !cx.devices {
+            tracing::warn!(
+                path,
+                "refused to make a device node: the caller may not make devices"
+            );
+            return fail(errno::EPERM);
+        }
         self.now(cx, On::Path(path), || self.brick.mknod(path, mode, rdev))
     }
 

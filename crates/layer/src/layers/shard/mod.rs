@@ -154,6 +154,7 @@ fn inner(cx: &Ctx) -> Ctx {
         owner: cx.owner,
         cred: None,
         change: cx.change.clone(),
+        devices: cx.devices,
     }
 }
 

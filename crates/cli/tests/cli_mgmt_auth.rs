@@ -549,7 +549,7 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
         "--state-dir",
         sd,
     ]);
-    assert!(err.contains("kilnd's own"), "{err}");
+    assert!(err.contains("kilnd keeps for its own"), "{err}");
     let err = fails(&[
         "auth",
         "add",

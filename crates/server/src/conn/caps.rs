@@ -25,10 +25,15 @@ impl Conn {
     /// off): maps the caller's credentials into `cx`, and refuses what the identity may not
     /// do, with the errno the caller gets.
     pub(super) fn apply_caps(&self, op: Op, args: &[u8], cx: &mut Ctx) -> Result<(), Errno> {
+        let caps = &*self.caps;
+        cx.devices = caps.devices;
         if self.unrestricted {
             return Ok(());
         }
-        let caps = &*self.caps;
+        if op == Op::Mknod && !caps.devices && makes_device(args) {
+            // Also when it runs as the brick's own (an identity with root, no credentials).
+            return Err(self.refused(op, "device nodes need the devices capability", errno::EPERM));
+        }
         if op.acts_for_caller() {
             cx.cred = caps.map_cred(cx.cred.as_deref()).map(Arc::new);
         }
@@ -61,6 +66,14 @@ impl Conn {
         tracing::info!(peer = %self.peer, identity = self.identity_name(), op = op.name(), "refused: {why}");
         e
     }
+}
+
+/// True for a MKNOD of a character or block device.
+fn makes_device(args: &[u8]) -> bool {
+    MknodReq::from_wire(args).is_ok_and(|r| {
+        let t = r.mode & libc::S_IFMT;
+        t == libc::S_IFCHR || t == libc::S_IFBLK
+    })
 }
 
 /// True for requests that change a file, a name, an attribute or the brick's records of

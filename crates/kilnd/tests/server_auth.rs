@@ -379,6 +379,23 @@ mod identities {
             "a rename out of the subtree"
         );
         assert_eq!(errno_of(block_on(t1.link("t2/data", "t1/l"))), libc::EACCES);
+        // Symlinks inside the subtree that point out of it lead nowhere; ones that stay in
+        // it work.
+        block_on(t1.symlink("../t2/data", "t1/esc")).expect("a symlink is only a name");
+        block_on(t1.symlink("../t2", "t1/dir")).unwrap();
+        block_on(t1.symlink("f", "t1/same")).unwrap();
+        assert_eq!(
+            errno_of(block_on(t1.open("t1/esc", libc::O_RDONLY))),
+            libc::EACCES
+        );
+        assert_eq!(
+            errno_of(block_on(t1.open("t1/dir/data", libc::O_RDONLY))),
+            libc::EACCES
+        );
+        assert_eq!(errno_of(block_on(t1.lookup("t1/dir/data"))), libc::EACCES);
+        assert_eq!(errno_of(block_on(t1.readdir("t1/dir"))), libc::EACCES);
+        let fh = block_on(t1.open("t1/same", libc::O_RDONLY)).expect("a symlink within");
+        block_on(t1.close(fh)).unwrap();
         // A device node: nobody may not make one.
         assert_eq!(
             errno_of(block_on(t1.mknod(

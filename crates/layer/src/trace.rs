@@ -159,6 +159,9 @@ pub struct Ctx {
     /// The caller may make character and block device nodes (a capability of its identity);
     /// without it the posix layer refuses a device MKNOD that carries credentials.
     pub devices: bool,
+    /// The subtree (relative to the brick root) the caller's identity is confined to: a path
+    /// that reaches outside it through a symlink is refused where the posix layer resolves it.
+    pub subtree: Option<Arc<str>>,
 }
 
 impl Ctx {
@@ -169,6 +172,7 @@ impl Ctx {
         cred: None,
         change: None,
         devices: false,
+        subtree: None,
     };
 
     /// A context carrying a new trace.
@@ -179,6 +183,7 @@ impl Ctx {
             cred: None,
             change: None,
             devices: false,
+            subtree: None,
         }
     }
 

@@ -46,6 +46,7 @@ impl Conn {
         if caps.subtree.is_empty() {
             return Ok(());
         }
+        cx.subtree = self.subtree.clone();
         let mut outside = false;
         let each = |p: &str| match caps.place(p) {
             Place::Inside => {}

@@ -116,6 +116,7 @@ impl Conn {
 
     pub(super) fn set_caps(&mut self, caps: Arc<Caps>) {
         self.unrestricted = caps::unrestricted(&caps);
+        self.subtree = (!caps.subtree.is_empty()).then(|| Arc::from(caps.subtree.as_str()));
         self.caps = caps;
     }
 

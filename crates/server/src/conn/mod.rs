@@ -235,6 +235,8 @@ struct Conn {
     caps: Arc<crate::identity::Caps>,
     /// `caps` restrict nothing: requests are not checked against them.
     unrestricted: bool,
+    /// `caps`' subtree, shared by the requests that carry it to the posix layer.
+    subtree: Option<Arc<str>>,
     /// Answers MGMT requests, on a kilnd that manages volumes.
     mgmt: Option<crate::control::Handler>,
     /// Close once the queued replies are out (a refused client).
@@ -390,6 +392,7 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
         peer: peer.clone(),
         caps: who.compat.clone(),
         unrestricted: caps::unrestricted(&who.compat),
+        subtree: None,
         who,
         mgmt,
         closing: false,

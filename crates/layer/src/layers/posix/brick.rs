@@ -161,6 +161,13 @@ impl Brick {
             );
             return Err(errno::EACCES);
         }
+        if super::reach::outside_subtree(&self.root, &fd)? {
+            tracing::warn!(
+                path,
+                "refused a path that leads out of the caller's subtree"
+            );
+            return Err(errno::EACCES);
+        }
         Ok(fd)
     }
 

@@ -143,6 +143,7 @@ fn run_as<T>(
 ) -> FopResult<T> {
     let f = || {
         let _as = cred::AsCaller::new(caller)?;
+        let _in = reach::Confined::new(cx.subtree.clone());
         f()
     };
     let r = match &cx.trace {

@@ -82,18 +82,59 @@ pub(super) fn reopen(node: &OwnedFd, flags: OFlags) -> FopResult<OwnedFd> {
 /// something beneath it, by the paths the kernel reports for both descriptors (one mount
 /// namespace, one view). Only resolutions that met a symlink ask, so the fast path pays nothing.
 pub(super) fn in_state_dir(root: &OwnedFd, fd: &OwnedFd) -> FopResult<bool> {
+    beneath(root, fd, STATE_DIR)
+}
+
+/// True if `fd` is the root's `rel` (a relative path) or something beneath it.
+fn beneath(root: &OwnedFd, fd: &OwnedFd, rel: &str) -> FopResult<bool> {
     let fds = proc_fds()?;
     let at = |fd: &OwnedFd| {
         rfs::readlinkat(fds, DecInt::from_fd(fd), Vec::new())
             .map(|p| p.into_bytes())
             .map_err(err)
     };
-    let mut state = at(root)?;
-    if !state.ends_with(b"/") {
-        state.push(b'/');
+    let mut want = at(root)?;
+    if !want.ends_with(b"/") {
+        want.push(b'/');
     }
-    state.extend_from_slice(STATE_DIR.as_bytes());
+    want.extend_from_slice(rel.as_bytes());
     let p = at(fd)?;
-    Ok(p.strip_prefix(&state[..])
+    Ok(p.strip_prefix(&want[..])
         .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/")))
+}
+
+thread_local! {
+    /// The subtree this thread's storage calls are confined to (see [`Confined`]).
+    static SUBTREE: std::cell::RefCell<Option<std::sync::Arc<str>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Confines this thread's resolutions to a subtree of the brick until dropped: a path that
+/// meets a symlink must end inside it (one that meets none was checked by name already).
+pub(super) struct Confined {
+    was: Option<std::sync::Arc<str>>,
+}
+
+impl Confined {
+    pub(super) fn new(subtree: Option<std::sync::Arc<str>>) -> Confined {
+        Confined {
+            was: SUBTREE.with(|s| s.replace(subtree)),
+        }
+    }
+}
+
+impl Drop for Confined {
+    fn drop(&mut self) {
+        let was = self.was.take();
+        SUBTREE.with(|s| *s.borrow_mut() = was);
+    }
+}
+
+/// True if this thread is confined to a subtree and `fd` (resolved through symlinks) ended
+/// outside it.
+pub(super) fn outside_subtree(root: &OwnedFd, fd: &OwnedFd) -> FopResult<bool> {
+    match SUBTREE.with(|s| s.borrow().clone()) {
+        Some(sub) if !sub.is_empty() => Ok(!beneath(root, fd, &sub)?),
+        _ => Ok(false),
+    }
 }

@@ -155,6 +155,7 @@ fn inner(cx: &Ctx) -> Ctx {
         cred: None,
         change: cx.change.clone(),
         devices: cx.devices,
+        subtree: None,
     }
 }
 

@@ -186,13 +186,24 @@ fn kiln_volume_needs_the_management_secret() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    // A client volfile needs no secret (what `kiln mount HOST:/VOL` fetches), and has none.
+    // A client volfile (what `kiln mount HOST:/VOL` fetches) is handed to a client that proves
+    // the volume's secret (or an identity allowed on it), not to one without; it holds no
+    // secret.
     let vol_secret = std::fs::read_to_string(state.join("vols/vol/secret")).unwrap();
-    let vf = ok(&["volume", "volfile", "vol", "--server", a, "--state-dir", nw]);
+    let err = fails(&["volume", "volfile", "vol", "--server", a, "--state-dir", nw]);
+    assert!(
+        err.contains("no such volume, or this client may not use it"),
+        "{err}"
+    );
+    let vf = ok(&["volume", "volfile", "vol", "--server", a, "--state-dir", sd]);
     assert!(vf.contains("protocol-client"), "{vf}");
     assert!(!vf.contains(vol_secret.trim()) && !vf.contains(std::str::from_utf8(&secret).unwrap()));
-    let v = mgmt::fetch_volfile(a, "vol").unwrap();
+    let key = mgmt::Key::from_file_text(vol_secret.trim().as_bytes());
+    let v = mgmt::fetch_volfile_with(a, "vol", Some(&key)).unwrap();
     assert_eq!(v.layers.len(), 2);
+    let wrong = mgmt::Key::from_file_text("ab".repeat(32).as_bytes());
+    assert!(mgmt::fetch_volfile_with(a, "vol", Some(&wrong)).is_err());
+    assert!(mgmt::fetch_volfile_with(a, "vol", None).is_err());
 
     // Stop and delete with the secret; without it the volume stays started.
     assert!(fails(&[
@@ -409,12 +420,25 @@ fn an_unauthenticated_client_gets_no_volume_secret() {
                 "{v}"
             );
         }
-        // The one open command: the client graph, brick addresses and no secret.
+        // Not even the client graph: a volume that exists and one that does not get the same
+        // answer, with no address in it.
         let reply = raw.mgmt(&json!({ "cmd": "volfile", "name": "vol" }));
-        assert!(!contains(&reply, &vol_secret) && !contains(&reply, &secret));
+        let none = raw.mgmt(&json!({ "cmd": "volfile", "name": "nothing" }));
         let v: Value = serde_json::from_slice(&reply).unwrap();
-        assert_eq!(v["ok"], true, "{v}");
-        assert!(v["volfile"].as_str().unwrap().contains("tcp:127.0.0.1:"));
+        let n: Value = serde_json::from_slice(&none).unwrap();
+        assert_eq!(v["ok"], false, "{v}");
+        assert!(!contains(&reply, b"127.0.0.1"), "{v}");
+        assert_eq!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .replace("volume vol:", "volume X:"),
+            n["error"]
+                .as_str()
+                .unwrap()
+                .replace("volume nothing:", "volume X:"),
+            "an existing volume and a missing one look alike"
+        );
         // Any other fop (here a profile report, then a lookup) ends the connection.
         let (status, _, _) = raw
             .send(
@@ -613,7 +637,7 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
     m(&["auth", "rm", "t1"]);
     loop {
         if t1
-            .pwritev_blocking(fh1, &[IoSlice::new(b"late")], 0)
+            .pwritev_blocking(fh1, &[IoSlice::new(b"one")], 0)
             .is_err()
         {
             break;
@@ -648,4 +672,153 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
             .is_err(),
         "old key's connection closed"
     );
+}
+
+/// Two tenants of one volume, each confined to its subtree, through a FUSE mount and
+/// `kiln nbd`: each reaches only its own files, the read-only one writes nothing, neither makes
+/// devices, root files or anything in `.kiln`; removing one fails its mount's I/O while the
+/// other's goes on.
+#[test]
+fn two_tenants_through_a_mount_and_nbd() {
+    use common::managed::Vol;
+    use std::os::unix::fs::MetadataExt;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let vol = Vol::new(tmp.path(), "tt", 1, "26900");
+    let _reaper = BrickReaper(vol.state.clone());
+    let (k1, k2) = (tmp.path().join("t1.key"), tmp.path().join("t2.key"));
+    let (k1s, k2s) = (k1.to_str().unwrap(), k2.to_str().unwrap());
+    vol.mgmt(&[
+        "auth",
+        "add",
+        "t1",
+        "--volume",
+        "tt",
+        "--subtree",
+        "/t1",
+        "--as",
+        "1001:1001",
+        "--key-file",
+        k1s,
+    ]);
+    vol.mgmt(&[
+        "auth",
+        "add",
+        "t2",
+        "--volume",
+        "tt",
+        "--subtree",
+        "/t2",
+        "--read-only",
+        "--as",
+        "1002:1002",
+        "--key-file",
+        k2s,
+    ]);
+    let brick = tmp.path().join("b0");
+    for (d, id) in [("t1", 1001), ("t2", 1002)] {
+        std::fs::create_dir(brick.join(d)).unwrap();
+        std::os::unix::fs::chown(brick.join(d), Some(id), Some(id)).unwrap();
+    }
+    std::fs::write(brick.join("t2/data"), b"two").unwrap();
+    std::fs::write(brick.join("t1/disk.img"), vec![7u8; 1 << 20]).unwrap();
+    std::os::unix::fs::chown(brick.join("t1/disk.img"), Some(1001), Some(1001)).unwrap();
+
+    let (m1, m2) = (tmp.path().join("m1"), tmp.path().join("m2"));
+    std::fs::create_dir(&m1).unwrap();
+    std::fs::create_dir(&m2).unwrap();
+    let mount1 = vol.mount_as(&m1, &k1);
+    let _mount2 = vol.mount_as(&m2, &k2);
+    let kind = |r: std::io::Result<()>| r.unwrap_err().raw_os_error();
+
+    // t1: its subtree, as its user, whoever asks on the client (the test runs as root).
+    std::fs::write(m1.join("t1/new"), b"mine").expect("t1 writes in /t1");
+    assert_eq!(std::fs::metadata(brick.join("t1/new")).unwrap().uid(), 1001);
+    assert_eq!(
+        kind(std::fs::read_dir(&m1).map(|_| ())),
+        Some(libc::EACCES),
+        "the root"
+    );
+    assert_eq!(
+        kind(std::fs::read(m1.join("t2/data")).map(|_| ())),
+        Some(libc::EACCES)
+    );
+    assert!(std::fs::metadata(m1.join(".kiln")).is_err());
+    let dev =
+        std::ffi::CString::new(m1.join("t1/null").into_os_string().into_encoded_bytes()).unwrap();
+    // SAFETY: a plain system call on a NUL-terminated path.
+    let r = unsafe { libc::mknod(dev.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+    assert_eq!(
+        (r, std::io::Error::last_os_error().raw_os_error()),
+        (-1, Some(libc::EPERM))
+    );
+    assert!(!brick.join("t1/null").exists());
+    // A set-ID file is its own user's, never root's.
+    std::fs::write(m1.join("t1/suid"), b"#!").unwrap();
+    std::fs::set_permissions(
+        m1.join("t1/suid"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o4755),
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::metadata(brick.join("t1/suid")).unwrap().uid(),
+        1001
+    );
+
+    // t2: reads its data, writes nothing.
+    assert_eq!(std::fs::read(m2.join("t2/data")).unwrap(), b"two");
+    assert_eq!(
+        kind(std::fs::write(m2.join("t2/x"), b"x")),
+        Some(libc::EROFS)
+    );
+    assert_eq!(
+        kind(std::fs::read(m2.join("t1/new")).map(|_| ())),
+        Some(libc::EACCES)
+    );
+
+    // kiln nbd: t1 exports its image; t2 cannot export it.
+    let s1 = tmp.path().join("t1.nbd");
+    let (nbd1, line) =
+        common::managed::spawn_until(vol.nbd_cmd("/t1/disk.img", &s1, &k1), "kiln nbd: exporting");
+    let uri = line.rsplit(" at ").next().unwrap().to_owned();
+    let info = std::process::Command::new("nbdinfo")
+        .args(["--size", &uri])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&info.stdout).trim(),
+        "1048576",
+        "nbdinfo {uri}: {}",
+        String::from_utf8_lossy(&info.stderr)
+    );
+    drop(nbd1);
+    let out = vol
+        .nbd_cmd("/t1/disk.img", &tmp.path().join("t2.nbd"), &k2)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "t2 exported t1's image");
+
+    // Removing t1: its mount's I/O fails within a second; t2's goes on.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(m1.join("t1/new"))
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    vol.mgmt(&["auth", "rm", "t1"]);
+    loop {
+        use std::os::unix::fs::FileExt;
+        if f.write_at(b"mine", 0).is_err() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "t1's mount still writes after rm"
+        );
+    }
+    assert_eq!(std::fs::read(m2.join("t2/data")).unwrap(), b"two");
+    assert_eq!(std::fs::read(brick.join("t1/new")).unwrap(), b"mine");
+    drop(f);
+    drop(mount1);
 }

@@ -513,6 +513,10 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
     rolling_restart(&mut h, tmp.path());
     println!("rolling restart and growth took {:?}", t0.elapsed());
 
+    let t0 = Instant::now();
+    identities_across_the_pool(&h, tmp.path());
+    println!("identities across the pool took {:?}", t0.elapsed());
+
     // A member holding bricks is not detached; one without is, and forgets the pool.
     let out = h.kiln_at(0, &["peer", "detach", &h.ip(2)]);
     let err = String::from_utf8_lossy(&out.stderr);
@@ -536,6 +540,96 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
         h.pool(3)["members"][0]["role"] == "alone"
     });
     assert_eq!(h.pool(0)["members"].as_array().unwrap().len(), 3);
+}
+
+/// A key added at one member works at the bricks on every host; removed at another, it is
+/// refused by all of them within a second.
+fn identities_across_the_pool(h: &Hosts, tmp: &Path) {
+    let key = tmp.join("hv.key");
+    h.ok(
+        1,
+        &[
+            "auth",
+            "add",
+            "hv",
+            "--volume",
+            "pv",
+            "--root",
+            "--key-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    let st = h.ok(0, &["volume", "status", "pv"]);
+    let bricks: Vec<String> = st["volumes"][0]["bricks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| format!("tcp:{}:{}", b["host"].as_str().unwrap(), b["port"]))
+        .collect();
+    assert!(bricks.len() >= 3, "{st}");
+    // One read through the brick at `addr`, from host 0's network, proving the key.
+    let read_at = |addr: &str| {
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &h.ns(0),
+                env!("CARGO_BIN_EXE_kiln"),
+                "bench",
+            ])
+            .args([
+                "--connect",
+                addr,
+                "--rw",
+                "read",
+                "--bs",
+                "4k",
+                "--size",
+                "4k",
+            ])
+            .args(["--runtime", "0.05", "--file", "hv-probe", "--json"])
+            .env("KILN_SECRET_FILE", &key)
+            .env("KILN_TLS_DIR", h.client_tls())
+            .output()
+            .expect("run kiln bench")
+    };
+    for b in &bricks {
+        let out = read_at(b);
+        assert!(
+            out.status.success(),
+            "hv's key at {b}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    h.ok(2, &["auth", "rm", "hv"]);
+    // Each brick asked over and over, all at once, until it refuses.
+    let t0 = Instant::now();
+    let took = std::thread::scope(|sc| {
+        let each: Vec<_> = bricks
+            .iter()
+            .map(|b| {
+                let read_at = &read_at;
+                sc.spawn(move || loop {
+                    let out = read_at(b);
+                    if !out.status.success() {
+                        let err = String::from_utf8_lossy(&out.stderr);
+                        assert!(err.contains("refused"), "{b}: {err}");
+                        return t0.elapsed();
+                    }
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(5),
+                        "{b} still takes hv's key"
+                    );
+                })
+            })
+            .collect();
+        each.into_iter().map(|t| t.join().unwrap()).max().unwrap()
+    });
+    assert!(
+        took < Duration::from_secs(1),
+        "hv refused everywhere only after {took:?}"
+    );
+    println!("a removed key was refused by every brick within {took:?}");
 }
 
 /// Seeded runs of "a command, and the leader killed meanwhile": 4 per CI run (each a new seed;

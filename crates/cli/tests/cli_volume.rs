@@ -106,7 +106,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     );
 
     // The volfile: io-stats → replicate → three protocol-clients on the bricks' ports.
-    let vf = mgmt::fetch_volfile(a, "vol").unwrap();
+    let vf = fetch_with_secret(a, &state, "vol");
     let kinds: Vec<&str> = vf.layers.iter().map(|l| l.kind.type_name()).collect();
     assert_eq!(
         kinds,
@@ -658,7 +658,7 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
     create.extend(["--server", a, "--state-dir", sd]);
     ok(&create);
     ok(&["volume", "start", "hv", "--server", a, "--state-dir", sd]);
-    let vf = mgmt::fetch_volfile(a, "hv").unwrap();
+    let vf = fetch_with_secret(a, &state, "hv");
     // Read from the state directory itself: another test sets KILN_SECRET_FILE meanwhile.
     let secret = std::fs::read_to_string(state.join("vols/hv/secret"))
         .unwrap()
@@ -762,4 +762,15 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
     }
     let table = ok(&["volume", "status", "hv", "--server", a, "--state-dir", sd]);
     assert!(table.contains("Heal"), "{table}");
+}
+
+/// The client graph of `vol`, fetched proving the volume's secret from `state`.
+fn fetch_with_secret(
+    addr: &str,
+    state: &std::path::Path,
+    vol: &str,
+) -> kiln_layer::volfile::Volfile {
+    let secret = std::fs::read_to_string(state.join("vols").join(vol).join("secret")).unwrap();
+    let key = mgmt::Key::from_file_text(secret.trim().as_bytes());
+    mgmt::fetch_volfile_with(addr, vol, Some(&key)).unwrap()
 }

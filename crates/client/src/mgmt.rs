@@ -129,16 +129,41 @@ pub struct Graph {
 }
 
 /// Fetches the client volume graph of `volume` from the kilnd at `server` (any member of the
-/// pool).
+/// pool), proving the key [`secret_file`] finds for the volume (a named identity's, or the
+/// volume's own secret).
 ///
-/// Needs no secret (the one command a kilnd answers without one), and sends none: the request
-/// is a single MGMT frame, so a brick that requires its secret refuses it (`PermissionDenied`)
-/// and one without a management handler says `Unsupported`.
+/// A kilnd hands a volume's graph only to an identity that may use the volume (or an admin);
+/// to anyone else it says the same as for a volume that does not exist. A brick that requires
+/// its secret refuses the request (`PermissionDenied`) and one without a management handler
+/// says `Unsupported`.
 pub fn fetch_graph(server: &str, volume: &str) -> io::Result<Graph> {
-    let r = call_with_secret(
+    let key = match secret_file(volume, None) {
+        Some(p) => Some(Key::from_file_text(&read_secret(&p)?)),
+        None => None,
+    };
+    fetch_graph_with(server, volume, key.as_ref())
+}
+
+/// The identity a client's key speaks for at a management port: a named identity as it is;
+/// a volume's shared secret as that volume's (`vol.NAME`), which the pool's members admit for
+/// fetching its graph.
+pub fn volume_key(volume: &str, key: &Key) -> Key {
+    match key.identity.as_str() {
+        "" => Key {
+            identity: format!("vol.{volume}"),
+            secret: key.secret.clone(),
+        },
+        _ => key.clone(),
+    }
+}
+
+/// [`fetch_graph`] proving `key` (as [`volume_key`] names it), or none.
+pub fn fetch_graph_with(server: &str, volume: &str, key: Option<&Key>) -> io::Result<Graph> {
+    let key = key.map(|k| volume_key(volume, k));
+    let r = call_with_key(
         server,
         &serde_json::json!({ "cmd": "volfile", "name": volume }),
-        None,
+        key.as_ref(),
     )?;
     let text = r["volfile"].as_str().ok_or_else(|| {
         io::Error::new(
@@ -166,6 +191,11 @@ pub fn fetch_graph(server: &str, volume: &str) -> io::Result<Graph> {
 /// [`fetch_graph`]'s volfile alone.
 pub fn fetch_volfile(server: &str, volume: &str) -> io::Result<Volfile> {
     fetch_graph(server, volume).map(|g| g.volfile)
+}
+
+/// [`fetch_graph_with`]'s volfile alone.
+pub fn fetch_volfile_with(server: &str, volume: &str, key: Option<&Key>) -> io::Result<Volfile> {
+    fetch_graph_with(server, volume, key).map(|g| g.volfile)
 }
 
 /// Splits `HOST:/VOL` or `HOST:PORT:/VOL` into the management address (`tcp:HOST:PORT`,

@@ -70,6 +70,9 @@ struct Link {
     closed: AtomicBool,
     /// Notified after every reconnect attempt, whatever its outcome.
     attempts: Signal,
+    /// The last attempt was refused for its key (removed, rotated): fops waiting for a new
+    /// connection fail at once instead of waiting out their patience.
+    denied: AtomicBool,
     /// A thread asks a new brick, once a second, whether it has become a member.
     watching: AtomicBool,
     /// Handles that pinned their file: pinned again after a reconnect.
@@ -214,6 +217,7 @@ impl ProtocolClient {
                 reconnecting: AtomicBool::new(false),
                 closed: AtomicBool::new(false),
                 attempts: Signal::default(),
+                denied: AtomicBool::new(false),
                 watching: AtomicBool::new(false),
                 pins: Mutex::new(Vec::new()),
                 push: Mutex::new(None),
@@ -338,6 +342,9 @@ impl ProtocolClient {
             let moved = self.link.attempts.changed(seen, until).await;
             if self.gen() != gen {
                 return true;
+            }
+            if self.link.denied.load(Ordering::Acquire) {
+                return false;
             }
             if !moved || Instant::now() >= deadline {
                 return false;
@@ -712,11 +719,18 @@ fn reconnect_loop(weak: Weak<Link>, name: String, shortcut: Arc<Shortcut>) {
                 }
                 local::adopt(repinned, &c, gen);
                 watch::rewatch(&link, &name, &c);
+                link.denied.store(false, Ordering::Release);
                 link.reconnecting.store(false, Ordering::Release);
                 link.attempts.notify();
                 return;
             }
-            Err(e) => tracing::debug!(layer = name, "reconnect failed: {e}"),
+            Err(e) => {
+                let denied = e.kind() == std::io::ErrorKind::PermissionDenied;
+                if denied && !link.denied.swap(true, Ordering::AcqRel) {
+                    tracing::warn!(layer = name, "the brick refuses this client now: {e}");
+                }
+                tracing::debug!(layer = name, "reconnect failed: {e}");
+            }
         }
         link.attempts.notify();
         drop((link, old));

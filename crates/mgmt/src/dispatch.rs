@@ -30,6 +30,17 @@ impl Manager {
                 // Authentication is checked on the command's name before anything else of the
                 // request is looked at.
                 let cmd = v["cmd"].as_str().unwrap_or_default();
+                if cmd == "volfile" && !caller.authenticated {
+                    let name = v["name"].as_str().unwrap_or_default();
+                    if !self.may_fetch(caller, name) {
+                        tracing::info!(peer = %caller.peer, identity = caller.identity, "mgmt: refused the graph of {name:?}");
+                        return Envelope::encode(Err(format!(
+                            "volume {name}: no such volume, or this client may not use it (a \
+                             client proves the key of an identity allowed on it: \
+                             --secret-file)"
+                        )));
+                    }
+                }
                 if !caller.authenticated && !OPEN_COMMANDS.contains(&cmd) {
                     tracing::warn!(
                         peer = %caller.peer,
@@ -56,6 +67,16 @@ impl Manager {
             tracing::info!("mgmt: {e}");
         }
         Envelope::encode(out)
+    }
+
+    /// True when `caller` proved the key of an identity that may use `volume` (the volume's
+    /// own secret is its identity `vol.NAME` here).
+    fn may_fetch(&self, caller: &Caller, volume: &str) -> bool {
+        !caller.identity.is_empty()
+            && self
+                .ids
+                .get(&caller.identity)
+                .is_some_and(|i| i.caps.has_volume(volume))
     }
 
     /// Runs one request of an authenticated caller (or an open command).

@@ -221,20 +221,28 @@ impl Manager {
 
     /// After a change of the store: every volume's identities file here, bricks told of a
     /// new one (SIGHUP), and the management port's own table.
-    pub(crate) fn sync_identities(&self, volumes: impl Iterator<Item = String>) {
+    pub(crate) fn sync_identities(&self, volumes: impl Iterator<Item = (String, String)>) {
         let stored = self.stored();
-        self.ids.set(
-            "",
-            stored
-                .iter()
-                .map(|(n, s)| Identity {
-                    name: n.clone(),
-                    key: s.key.clone(),
-                    caps: s.caps.clone(),
-                })
-                .collect(),
-        );
-        for v in volumes {
+        let mut ids: Vec<Identity> = stored
+            .iter()
+            .map(|(n, s)| Identity {
+                name: n.clone(),
+                key: s.key.clone(),
+                caps: s.caps.clone(),
+            })
+            .collect();
+        let volumes: Vec<(String, String)> = volumes.collect();
+        // A volume's shared secret, here, only fetches that volume's graph.
+        ids.extend(volumes.iter().map(|(v, secret)| Identity {
+            name: format!("vol.{v}"),
+            key: secret.clone(),
+            caps: Caps {
+                volumes: vec![v.clone()],
+                ..Caps::default()
+            },
+        }));
+        self.ids.set("", ids);
+        for (v, _) in volumes {
             match self.write_identities(&v) {
                 Ok(true) => {
                     crate::orphans::signal_bricks(&self.state, &v, rustix::process::Signal::HUP)

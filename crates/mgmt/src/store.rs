@@ -156,7 +156,12 @@ impl Manager {
                 }
             }
         }
-        self.sync_identities(secrets.keys().filter(|n| check_name(n).is_ok()).cloned());
+        self.sync_identities(
+            secrets
+                .iter()
+                .filter(|(n, _)| check_name(n).is_ok())
+                .map(|(n, s)| (n.clone(), s.clone())),
+        );
         let dirs = fs::read_dir(self.state.join("vols"))
             .into_iter()
             .flatten()

@@ -35,9 +35,12 @@ pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result
     };
     // Whether the brick is still new: what the client graph's replicate layers say (they ask a
     // new brick once a second whether it has become a member).
-    let volfile = kiln_client::mgmt::fetch_volfile(&opts.server, name)
-        .map_err(|e| format!("cannot fetch the graph of {name}: {e}"))?;
     let secret = volume_secret(name, None, &opts.state_dir)?;
+    let key = secret
+        .as_deref()
+        .map(kiln_client::mgmt::Key::from_file_text);
+    let volfile = kiln_client::mgmt::fetch_volfile_with(&opts.server, name, key.as_ref())
+        .map_err(|e| format!("cannot fetch the graph of {name}: {e}"))?;
     let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
         .map_err(|e| format!("cannot reach the bricks of {name}: {e}"))?;
     let mut said = String::new();
@@ -172,9 +175,12 @@ fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String>
 pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
     use kiln_layer::exec::block_on;
     use kiln_layer::heal;
-    let volfile = kiln_client::mgmt::fetch_volfile(&a.opts.server, &a.name)
-        .map_err(|e| format!("cannot fetch the graph of {}: {e}", a.name))?;
     let secret = volume_secret(&a.name, a.secret_file.as_deref(), &a.opts.state_dir)?;
+    let key = secret
+        .as_deref()
+        .map(kiln_client::mgmt::Key::from_file_text);
+    let volfile = kiln_client::mgmt::fetch_volfile_with(&a.opts.server, &a.name, key.as_ref())
+        .map_err(|e| format!("cannot fetch the graph of {}: {e}", a.name))?;
     let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
         .map_err(|e| format!("cannot reach the bricks of {}: {e}", a.name))?;
     if heal::replicate_layers(vol.top()).is_empty() {

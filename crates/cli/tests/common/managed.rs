@@ -166,6 +166,15 @@ impl Vol {
 
     /// Mounts with `env` added (a log file: `KILN_TEST_STDERR`).
     pub fn mount_env(&self, mnt: &Path, env: &[(&str, &str)]) -> Proc {
+        self.mount_with(mnt, &self.secret, env)
+    }
+
+    /// Mounts proving `key` (an identity's key file) instead of the volume's secret.
+    pub fn mount_as(&self, mnt: &Path, key: &Path) -> Proc {
+        self.mount_with(mnt, key, &[("KILN_LOG", "warn")])
+    }
+
+    fn mount_with(&self, mnt: &Path, key: &Path, env: &[(&str, &str)]) -> Proc {
         let mut c = kiln();
         c.args([
             "mount",
@@ -174,7 +183,7 @@ impl Vol {
             "vm-image",
             "--secret-file",
         ])
-        .arg(&self.secret)
+        .arg(key)
         .arg(mnt);
         with_env(&mut c, env);
         spawn_until(c, "kiln: mounted").0
@@ -187,15 +196,23 @@ impl Vol {
 
     /// Exports `image` with `env` added (see [`Vol::mount_env`]).
     pub fn nbd_env(&self, image: &str, sock: &Path, env: &[(&str, &str)]) -> (Proc, String) {
-        let mut c = kiln();
-        c.args(["nbd", &self.source(image), "--secret-file"])
-            .arg(&self.secret)
-            .arg("--listen")
-            .arg(format!("unix:{}", sock.display()));
+        let mut c = self.nbd_cmd(image, sock, &self.secret);
         with_env(&mut c, env);
         let (p, line) = spawn_until(c, "kiln nbd: exporting");
         let uri = line.rsplit(" at ").next().expect("the URI").to_owned();
         (p, uri)
+    }
+}
+
+impl Vol {
+    /// The `kiln nbd` command that exports `image` at `sock`, proving `key`.
+    pub fn nbd_cmd(&self, image: &str, sock: &Path, key: &Path) -> Command {
+        let mut c = kiln();
+        c.args(["nbd", &self.source(image), "--secret-file"])
+            .arg(key)
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()));
+        c
     }
 }
 

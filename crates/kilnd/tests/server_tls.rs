@@ -286,3 +286,48 @@ fn certificates_the_ca_did_not_issue_are_refused() {
     block_on(c.mkdir("ok", 0o755)).expect("mkdir");
     assert!(b.brick.join("ok").is_dir());
 }
+
+/// Over TLS a certificate's name can be the identity: a brick that admits an identity of that
+/// name holds the client to its capabilities without a key; a certificate whose name is no
+/// identity still needs one.
+#[test]
+fn a_certificate_names_its_identity() {
+    let pki = Pki::new();
+    kiln_tls::issue(&pki.path("ca"), &pki.path("reader"), "reader", &[]).expect("reader");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (brick, ids) = (dir.path().join("brick"), dir.path().join("ids.json"));
+    std::fs::create_dir(&brick).unwrap();
+    std::fs::write(brick.join("f"), b"data").unwrap();
+    std::fs::write(
+        &ids,
+        serde_json::json!({ "volume": "v", "identities": [{
+            "name": "reader",
+            "key": "0123456789abcdef0123456789abcdef",
+            "caps": { "volumes": ["v"], "read_only": true, "users": { "as": { "uid": 1234, "gid": 1234 } } }
+        }]})
+        .to_string(),
+    )
+    .unwrap();
+    let (mut child, addr) = common::spawn_tcp_kilnd(
+        &brick,
+        &[
+            std::ffi::OsStr::new("--tls"),
+            pki.path("brick").as_os_str(),
+            std::ffi::OsStr::new("--identities"),
+            ids.as_os_str(),
+        ],
+        None,
+    );
+    let addr = format!("tcp:{addr}");
+    let c = Client::connect_opts(&addr, None, Some(pki.client("reader"))).expect("no key needed");
+    let fh = block_on(c.open("f", libc::O_RDONLY)).expect("reads");
+    block_on(c.close(fh)).unwrap();
+    let e = block_on(c.create("g", libc::O_RDWR, 0o644)).expect_err("read-only");
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS));
+    let e = Client::connect_opts(&addr, None, Some(pki.client("client")))
+        .err()
+        .expect("a certificate that names no identity needs a key");
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    let _ = child.kill();
+    let _ = child.wait();
+}

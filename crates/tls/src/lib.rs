@@ -169,20 +169,34 @@ pub fn server_name(host_port: &str) -> io::Result<ServerName<'static>> {
 fn establish(
     tcp: &mut TcpStream,
     mut conn: rustls::Connection,
-) -> io::Result<(record::Cipher, record::Cipher)> {
+) -> io::Result<(record::Cipher, record::Cipher, Option<String>)> {
     tcp.set_nonblocking(false)?;
     tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     tcp.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
     if let Err(e) = handshake(&mut conn, tcp) {
         return Err(io::Error::new(e.kind(), handshake_error(e)));
     }
+    let peer = conn
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(|c| common_name(c.as_ref()));
     let secrets = conn.dangerous_extract_secrets().map_err(bad)?;
     tcp.set_read_timeout(None)?;
     tcp.set_write_timeout(None)?;
     Ok((
         record::Cipher::new(secrets.tx)?,
         record::Cipher::new(secrets.rx)?,
+        peer,
     ))
+}
+
+/// The common name of a DER certificate (what `kiln tls issue NAME` puts there), if it has
+/// exactly one.
+fn common_name(der: &[u8]) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let mut names = cert.subject().iter_common_name();
+    let first = names.next()?.as_str().ok()?.to_owned();
+    names.next().is_none().then_some(first)
 }
 
 /// A Unix socket pair with room for bursts; the first end is the helper thread's.
@@ -205,13 +219,15 @@ pub struct SplitServer {
     pub send: OwnedFd,
     /// Seals the replies.
     pub writer: RecordWriter,
+    /// The common name of the client's certificate (which its CA vouched for).
+    pub peer_name: Option<String>,
 }
 
 /// Runs the server side of a handshake on `tcp` (blocking, at most 10 s), checking the
 /// client's certificate, and returns the connection (see [`SplitServer`]).
 pub fn accept_split(mut tcp: TcpStream, config: Arc<ServerConfig>) -> io::Result<SplitServer> {
     let conn = rustls::ServerConnection::new(config).map_err(bad)?;
-    let (tx, rx) = establish(&mut tcp, conn.into())?;
+    let (tx, rx, peer_name) = establish(&mut tcp, conn.into())?;
     let (mine, theirs) = pair()?;
     let net = tcp.try_clone()?;
     std::thread::Builder::new()
@@ -221,6 +237,7 @@ pub fn accept_split(mut tcp: TcpStream, config: Arc<ServerConfig>) -> io::Result
         recv: theirs.into(),
         send: tcp.into(),
         writer: RecordWriter::new(tx),
+        peer_name,
     })
 }
 
@@ -244,7 +261,7 @@ pub fn connect_split(
     name: ServerName<'static>,
 ) -> io::Result<Split> {
     let conn = rustls::ClientConnection::new(config, name).map_err(bad)?;
-    let (tx, rx) = establish(&mut tcp, conn.into())?;
+    let (tx, rx, _) = establish(&mut tcp, conn.into())?;
     let (mine, theirs) = pair()?;
     let net = tcp.try_clone()?;
     std::thread::Builder::new()

@@ -27,6 +27,9 @@ pub(super) struct Who {
     /// The named identity AUTH proved, and the reloads of the table it came from.
     pub(super) identity: Option<Arc<Identity>>,
     pub(super) reloads: Option<tokio::sync::watch::Receiver<u64>>,
+    /// Over TLS: the common name of the client's certificate, which the CA vouched for; an
+    /// identity of that name is the connection's without a key.
+    pub(super) certificate: Option<String>,
 }
 
 impl Who {
@@ -41,6 +44,7 @@ impl Who {
             metrics: String::new(),
             identity: None,
             reloads: None,
+            certificate: None,
         }
     }
 
@@ -63,13 +67,20 @@ impl Conn {
         tracing::debug!(client = %req.client, version = req.version, "hello");
         // Kept until the handshake is done: a stranger registers nothing.
         self.who.metrics = req.metrics;
-        let required = self.who.required();
+        let by_certificate = self.certified();
+        let required = self.who.required() && by_certificate.is_none();
         if required {
             fill_random(&mut self.who.nonce)?;
         }
         self.who.hello_done = true;
+        if let Some(i) = by_certificate {
+            tracing::info!(peer = %self.peer, identity = i.name, "authenticated by its certificate");
+            self.who.reloads = self.who.identities.as_ref().map(|t| t.watch());
+            self.who.identity = Some(i);
+        }
         if !required {
-            // Without a key, HELLO is the whole handshake.
+            // Without a key (or with a certificate that names an identity), HELLO is the
+            // whole handshake.
             self.who.authed = true;
             self.admit()?;
         }
@@ -90,6 +101,12 @@ impl Conn {
             },
         };
         Ok(Step::Now(r.to_wire(), Body::None))
+    }
+
+    /// The identity the client's TLS certificate names, if the server admits one of that name.
+    fn certified(&self) -> Option<Arc<Identity>> {
+        let name = self.who.certificate.as_deref()?;
+        self.who.identities.as_ref()?.get(name)
     }
 
     /// The handshake is done: the connection takes a client's place (or is refused, EBUSY,

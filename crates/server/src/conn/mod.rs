@@ -352,7 +352,7 @@ pub struct Served {
 /// Serves one connection, holding `ticket` (its place at the door), until the peer closes it
 /// or breaks the protocol.
 pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer: String) {
-    let who = handshake::Who::new(&served);
+    let mut who = handshake::Who::new(&served);
     let Served {
         stack,
         stats,
@@ -366,7 +366,10 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
     static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let (recv, send) = match sock {
         Sock::Plain(s) => (s, None),
-        Sock::Tls(t) => (t.recv, Some((t.send, t.writer))),
+        Sock::Tls(t) => {
+            who.certificate = t.peer_name;
+            (t.recv, Some((t.send, t.writer)))
+        }
     };
     // Grants go only to Unix-socket peers: on this host, and able to take descriptors.
     let local = send.is_none()

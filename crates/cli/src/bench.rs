@@ -63,8 +63,8 @@ pub struct BenchArgs {
     /// Parallel jobs, each with its own connection.
     #[arg(long, default_value_t = 1)]
     pub numjobs: usize,
-    /// Seconds to run the timed phase.
-    #[arg(long, default_value_t = 10.0)]
+    /// Seconds to run the timed phase (at most a day).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub runtime: f64,
     /// Transport to the server this command starts.
     #[arg(long, value_enum, default_value = "tcp")]

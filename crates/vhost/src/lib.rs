@@ -72,8 +72,8 @@ pub struct VhostArgs {
     /// Lock the image for this device alone: auto, exclusive or off (see `kiln nbd --help`).
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "exclusive", "off"])]
     pub lock: String,
-    /// Wait up to SECS at start for another holder's lock on the image to go.
-    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    /// Wait up to SECS (at most a day) at start for another holder's lock on the image to go.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub lock_wait: f64,
     /// The volume's secret file (else `KILN_SECRET_FILE`, else the local state directory's).
     #[arg(long, value_name = "PATH")]

@@ -113,10 +113,10 @@ impl Manager {
         .into())
     }
 
-    /// Parses `specs` and refuses a brick given twice, bricks that nest, and a brick that
-    /// overlaps a brick of another volume — compared where they really are on this host (a
-    /// symlink resolved) — and, unless `force`, a system directory; returns the bricks and
-    /// their hosts' addresses.
+    /// Parses `specs` and refuses a brick given twice, bricks that nest, a brick that overlaps
+    /// a brick of another volume or this kilnd's state directory — compared where they really
+    /// are on this host (a symlink resolved), even with `force` — and, unless `force`, a
+    /// system or home directory; returns the bricks and their hosts' addresses.
     pub(crate) fn check_bricks(
         &self,
         specs: &[String],
@@ -129,12 +129,18 @@ impl Manager {
             let b = parse_brick(s)?;
             let ip = b.ip().map_err(|e| format!("brick {s}: {e}"))?;
             let r = real_dir(&b.dir, ip);
-            if !force && is_system_dir(&r) {
-                return Err(format!(
-                    "brick {s}: {} is a system directory, not a place for a brick (add \
-                     `force` to use it anyway)",
-                    r.display()
-                ));
+            if is_local(ip) {
+                check_not_state(s, &r, &self.state)?;
+            }
+            if !force {
+                if let Some(what) = system_dir_kind(&r) {
+                    return Err(format!(
+                        "brick {s}: {} is {what}, not a place for a brick: clients could \
+                         read and change what the system keeps there (add `force` to use it \
+                         anyway)",
+                        r.display()
+                    ));
+                }
             }
             ips.push(ip);
             bricks.push(b);
@@ -167,7 +173,9 @@ impl Manager {
                 for ((b, ip), bd) in bricks.iter().zip(&ips).zip(&real) {
                     if *ip == oip && (bd.starts_with(&od) || od.starts_with(bd)) {
                         return Err(format!(
-                            "brick {} overlaps brick {} of volume {}",
+                            "brick {} overlaps brick {} of volume {}: the clients of each \
+                             could read and change the other's files (refused even with \
+                             `force`)",
                             b.spec(),
                             ob.spec(),
                             other.name
@@ -487,6 +495,11 @@ fn real_dir(dir: &Path, ip: IpAddr) -> PathBuf {
     if !is_local(ip) {
         return dir.to_owned();
     }
+    real_path(dir)
+}
+
+/// Where `dir` of this host really is: symlinks resolved for its longest existing prefix.
+pub(crate) fn real_path(dir: &Path) -> PathBuf {
     let mut rest = Vec::new();
     let mut at = dir;
     loop {
@@ -503,18 +516,57 @@ fn real_dir(dir: &Path, ip: IpAddr) -> PathBuf {
     }
 }
 
-/// True for the host's own directories, where a brick would mix volume data with the
-/// system's (or be the whole file system): `/`, `/etc`, `/usr` and the like, and anything
-/// under those that only the system uses.
-fn is_system_dir(dir: &Path) -> bool {
+/// Refuses brick `spec`, really at `dir` on this host, when it is inside kilnd's state
+/// directory `state` or contains it: the brick's clients would read `mgmt.secret` and every
+/// volume's secret through it. `force` does not override this.
+pub(crate) fn check_not_state(spec: &str, dir: &Path, state: &Path) -> Result<(), String> {
+    let state = real_path(state);
+    if dir.starts_with(&state) || state.starts_with(dir) {
+        let how = if dir.starts_with(&state) {
+            "is inside"
+        } else {
+            "contains"
+        };
+        return Err(format!(
+            "brick {spec}: {} {how} kilnd's state directory {}, which holds the pool's \
+             secrets: its clients could read them (refused even with `force`)",
+            dir.display(),
+            state.display()
+        ));
+    }
+    Ok(())
+}
+
+/// What `dir` is when it is one of the host's own directories, where a brick would mix
+/// volume data with the system's or a user's (or be the whole file system): `/`, `/etc`,
+/// `/usr` and the like and anything under those that only the system uses, `/var/lib`,
+/// `/root`, `/home` and each home directory in it.
+fn system_dir_kind(dir: &Path) -> Option<&'static str> {
     const TOP: &[&str] = &[
-        "/", "/home", "/mnt", "/media", "/opt", "/root", "/run", "/srv", "/tmp", "/var",
+        "/",
+        "/home",
+        "/mnt",
+        "/media",
+        "/opt",
+        "/srv",
+        "/tmp",
+        "/var",
+        "/var/cache",
+        "/var/lib",
+        "/var/log",
+        "/var/mail",
+        "/var/spool",
+        "/var/tmp",
     ];
     const TREES: &[&str] = &[
-        "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys",
-        "/usr",
+        "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run",
+        "/sbin", "/sys", "/usr",
     ];
-    TOP.iter().any(|t| dir == Path::new(t)) || TREES.iter().any(|t| dir.starts_with(t))
+    if dir == Path::new("/root") || dir.parent() == Some(Path::new("/home")) {
+        return Some("a home directory");
+    }
+    (TOP.iter().any(|t| dir == Path::new(t)) || TREES.iter().any(|t| dir.starts_with(t)))
+        .then_some("a system directory")
 }
 
 /// What a new volume of `replica` copies warns of: replica 2 is prone to split-brain.

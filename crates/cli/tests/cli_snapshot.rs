@@ -450,3 +450,70 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     image(&v, &["snapshot", &v.source("/vm3"), "t2"]).unwrap();
     drop(m);
 }
+
+/// A connection that raises a snapshot barrier on an image again and again cannot hold
+/// another client's write behind it for longer than a brick's longest hold (2 s): its renewals
+/// are refused with `ETIMEDOUT` past that, and the write goes through. (Before, each renewal
+/// moved the barrier's end, and the write waited as long as the loop ran.)
+#[test]
+fn a_barrier_renewed_in_a_loop_holds_another_clients_write_for_two_seconds_at_most() {
+    use kiln_client::block_on;
+    use kiln_proto::ops::SNAP_FREEZE;
+    let tmp = tempfile::tempdir().unwrap();
+    let v = Vol::new(tmp.path(), "bar", 1, "26800");
+    let _reaper = BrickReaper(v.state.clone());
+    kiln_client::mgmt::use_secret_file(&v.secret);
+    let src = kiln_client::volume::Source::Server {
+        server: v.kd.addr.clone(),
+        volume: "bar".into(),
+    };
+    let writer = kiln_client::Volume::from_source(&src).expect("the writer's client");
+    let (fd, _) = block_on(writer.create("disk.img", libc::O_RDWR, 0o644)).unwrap();
+    let block = [7u8; 4096];
+    writer
+        .pwritev_blocking(&fd, &[std::io::IoSlice::new(&block)], 0)
+        .unwrap();
+
+    // Another client (its own connection) freezes the image every 100 ms with a 1 s time to
+    // live, for 6 s, ignoring refusals.
+    let (frozen_tx, frozen_rx) = std::sync::mpsc::channel();
+    let src2 = src.clone();
+    let renewer = std::thread::spawn(move || {
+        let vol = kiln_client::Volume::from_source(&src2).expect("the renewer's client");
+        let fd = block_on(vol.open("disk.img", libc::O_RDWR)).unwrap();
+        let end = Instant::now() + Duration::from_secs(6);
+        let mut refusals = Vec::new();
+        let mut first = true;
+        while Instant::now() < end {
+            match block_on(vol.snap(&fd, SNAP_FREEZE, "", "", 1000)) {
+                Ok(_) if first => {
+                    first = false;
+                    frozen_tx.send(()).unwrap();
+                }
+                Ok(_) => {}
+                Err(e) => refusals.push(e.raw_os_error()),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        refusals
+    });
+    frozen_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the first barrier");
+    let t = Instant::now();
+    writer
+        .pwritev_blocking(&fd, &[std::io::IoSlice::new(&block)], 0)
+        .unwrap();
+    let held = t.elapsed();
+    let refusals = renewer.join().unwrap();
+    assert!(
+        held < Duration::from_millis(3000),
+        "the write waited {held:?} behind a renewed barrier"
+    );
+    assert!(
+        refusals.contains(&Some(libc::ETIMEDOUT)),
+        "renewals past the longest hold are refused: {refusals:?}"
+    );
+    println!("the write waited {held:?}; refusals: {}", refusals.len());
+    block_on(writer.close(fd)).unwrap();
+}

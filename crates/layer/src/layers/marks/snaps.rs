@@ -11,6 +11,13 @@
 //! layer compares the replicas' answers and makes the copies agree where they differ (see its
 //! `snaps`).
 //!
+//! A connection's barrier holds writers for [`HOLD_MAX`] at most (or its first time to live,
+//! if longer), however often it is raised again meanwhile: a renewal cannot push it past
+//! that, and one asked later is refused with `ETIMEDOUT`. The same connection's next barrier
+//! after one that lapsed or was refused counts as a renewal for [`HOLD_MAX`] more, so a
+//! client freezing in a loop leaves writers at least as long as it held them; one lifted by
+//! `SNAP_THAW` starts afresh.
+//!
 //! The copy is a hidden sibling of the file, `DIR/.BASE@NAME` ([`snapshot_path`]), made
 //! read-only (mode 0444) with `FICLONE`: instant, sharing every block until one side is
 //! written. A file system without reflink (ext4, tmpfs) refuses with `EOPNOTSUPP`; no slow
@@ -31,6 +38,16 @@ use crate::{errno, Ctx, Fd, FopResult};
 use super::images::EBUSY;
 use super::locks::{len_of, Locker};
 use super::{FileKey, FileState, MarkFd, Marks, ETIMEDOUT};
+
+/// The longest a connection's barrier holds writers when renewed (see the module's text).
+pub const HOLD_MAX: Duration = Duration::from_secs(2);
+
+/// What a connection's barriers on a file may still hold.
+pub(super) struct Hold {
+    owner: u64,
+    /// No barrier of this hold stands past this.
+    limit: Instant,
+}
 
 /// A write barrier on a file.
 pub(super) struct Freeze {
@@ -138,7 +155,14 @@ impl Marks {
                 Ok(SnapReply::default())
             }
             SNAP_THAW => {
-                let lifted = f.key.state().lift_barrier(owner);
+                let lifted = {
+                    let mut st = f.key.state();
+                    // Lifted by its owner: its next barrier is a new one.
+                    if st.hold.as_ref().is_some_and(|h| h.owner == owner) {
+                        st.hold = None;
+                    }
+                    st.lift_barrier(owner)
+                };
                 if lifted {
                     f.key.changed.notify_waiters();
                 }
@@ -172,10 +196,36 @@ impl Marks {
             {
                 return Err(EBUSY);
             }
+            // A renewal, or a barrier raised again soon after one that lapsed, belongs to the
+            // same hold: it cannot stand past the hold's limit.
+            let limit = match &st.hold {
+                Some(h) if h.owner == owner && now < h.limit + HOLD_MAX => h.limit,
+                _ => {
+                    let limit = now + ttl.max(HOLD_MAX);
+                    st.hold = Some(Hold { owner, limit });
+                    limit
+                }
+            };
+            if now >= limit {
+                if st.lift_barrier(owner) {
+                    key.changed.notify_waiters();
+                }
+                tracing::warn!(
+                    "snapshot barrier refused: connection {owner} held writers for its longest \
+                     ({} ms) already",
+                    HOLD_MAX.as_millis()
+                );
+                return Err(ETIMEDOUT);
+            }
+            // A renewal keeps the ranges that waited so far: the snapshot must hear of them.
+            let blocked = match st.freeze.take() {
+                Some(z) if z.owner == owner && z.expires > now => z.blocked,
+                _ => RangeSet::default(),
+            };
             st.freeze = Some(Freeze {
                 owner,
-                expires: now + ttl,
-                blocked: RangeSet::default(),
+                expires: (now + ttl).min(limit),
+                blocked,
             });
         }
         loop {

@@ -797,7 +797,14 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
         run_volfile(&args, &args.short_circuit(replica_volfile(&addrs)), pids)
             .map_err(|e| format!("bench over replica {} failed: {e}", args.replica))?
     } else {
-        run(&args, &addr, pid).map_err(|e| format!("bench against {addr} failed: {e}"))?
+        run(&args, &addr, pid).map_err(|e| match e.raw_os_error() {
+            // Only a kilnd without a brick (its management port) answers a fop so.
+            Some(libc::ENOSYS) => format!(
+                "bench against {addr} failed: it is a management port, not a brick (give \
+                 --connect a brick's address: `kiln volume status VOL` lists their ports)"
+            ),
+            _ => format!("bench against {addr} failed: {e}"),
+        })?
     };
     drop(server);
     report(&args, &addr, &r);

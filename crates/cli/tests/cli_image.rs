@@ -548,6 +548,31 @@ fn commands_pointed_at_the_wrong_kind_of_port_fail_fast_saying_what_they_reached
         let err = fails_fast(&a, &[("KILN_SECRET_FILE", &v.secret)]);
         assert!(err.contains("volume nope does not exist"), "{a:?}: {err}");
     }
+    // The other clients of an image, and the load generator, at the management port.
+    let sock = tmp.path().join("x.sock");
+    let sock = format!("unix:{}", sock.display());
+    let err = fails_fast(
+        &[
+            "vhost-user-blk",
+            "--volfile",
+            vf,
+            "x.img",
+            "--socket",
+            &sock,
+        ],
+        &[("KILN_SECRET_FILE", &mgmt_secret)],
+    );
+    assert!(err.contains("management port, not a brick"), "{err}");
+    let err = fails_fast(
+        &["nbd", "--volfile", vf, "x.img", "--listen", &sock],
+        &[("KILN_SECRET_FILE", &mgmt_secret)],
+    );
+    assert!(err.contains("x.img"), "{err}");
+    let err = fails_fast(
+        &["bench", "--connect", &mgmt, "--runtime", "1"],
+        &[("KILN_SECRET_FILE", &mgmt_secret)],
+    );
+    assert!(err.contains("management port, not a brick"), "{err}");
     // Volume commands at a brick: with the brick's own secret the brick says it manages no
     // volumes; with the management secret it refuses the secret. Either at once.
     let sd = v.state.to_str().unwrap();

@@ -204,6 +204,11 @@ fn open(vol: &Arc<Volume>, path: &str, read_only: bool) -> Result<Image, String>
     };
     let fd = kiln_client::block_on(vol.open(path, flags)).map_err(|e| match e.raw_os_error() {
         Some(libc::ENOENT) => format!("image {path} not found"),
+        // Only a kilnd without a brick (its management port) answers a fop so.
+        Some(libc::ENOSYS) => format!(
+            "cannot open image {path}: the volume's server is a management port, not a brick \
+             (a volfile names bricks; SERVER:/VOL/PATH may name either)"
+        ),
         _ => format!("cannot open image {path}: {e}"),
     })?;
     let attr = kiln_client::block_on(vol.fstat(&fd))

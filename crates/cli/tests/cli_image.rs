@@ -549,8 +549,8 @@ fn commands_pointed_at_the_wrong_kind_of_port_fail_fast_saying_what_they_reached
         assert!(err.contains("volume nope does not exist"), "{a:?}: {err}");
     }
     // The other clients of an image, and the load generator, at the management port.
-    let sock = tmp.path().join("x.sock");
-    let sock = format!("unix:{}", sock.display());
+    let vhost_sock = tmp.path().join("x.vhost");
+    let sock = format!("unix:{}", tmp.path().join("x.sock").display());
     let err = fails_fast(
         &[
             "vhost-user-blk",
@@ -558,7 +558,7 @@ fn commands_pointed_at_the_wrong_kind_of_port_fail_fast_saying_what_they_reached
             vf,
             "x.img",
             "--socket",
-            &sock,
+            vhost_sock.to_str().unwrap(),
         ],
         &[("KILN_SECRET_FILE", &mgmt_secret)],
     );

@@ -451,10 +451,11 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     drop(m);
 }
 
-/// A connection that raises a snapshot barrier on an image again and again cannot hold
-/// another client's write behind it for longer than a brick's longest hold (2 s): its renewals
-/// are refused with `ETIMEDOUT` past that, and the write goes through. (Before, each renewal
-/// moved the barrier's end, and the write waited as long as the loop ran.)
+/// Connections that raise a snapshot barrier on an image again and again cannot hold another
+/// client's write behind it for longer than a brick's longest hold (2 s): renewals are refused
+/// with `ETIMEDOUT` past that (another connection's barrier with `EBUSY`), and the write goes
+/// through. (Before, each renewal moved the barrier's end, and the write waited as long as the
+/// loop ran.)
 #[test]
 fn a_barrier_renewed_in_a_loop_holds_another_clients_write_for_two_seconds_at_most() {
     use kiln_client::block_on;
@@ -474,29 +475,30 @@ fn a_barrier_renewed_in_a_loop_holds_another_clients_write_for_two_seconds_at_mo
         .pwritev_blocking(&fd, &[std::io::IoSlice::new(&block)], 0)
         .unwrap();
 
-    // Another client (its own connection) freezes the image every 100 ms with a 1 s time to
-    // live, for 6 s, ignoring refusals.
+    // Two more connections (one client taking turns with two would do the same) freeze the
+    // image every 100 ms each with a 1 s time to live, for 6 s, ignoring refusals.
     let (frozen_tx, frozen_rx) = std::sync::mpsc::channel();
-    let src2 = src.clone();
-    let renewer = std::thread::spawn(move || {
-        let vol = kiln_client::Volume::from_source(&src2).expect("the renewer's client");
-        let fd = block_on(vol.open("disk.img", libc::O_RDWR)).unwrap();
-        let end = Instant::now() + Duration::from_secs(6);
-        let mut refusals = Vec::new();
-        let mut first = true;
-        while Instant::now() < end {
-            match block_on(vol.snap(&fd, SNAP_FREEZE, "", "", 1000)) {
-                Ok(_) if first => {
-                    first = false;
-                    frozen_tx.send(()).unwrap();
+    let renewers: Vec<_> = (0..2)
+        .map(|_| {
+            let (src, frozen_tx) = (src.clone(), frozen_tx.clone());
+            std::thread::spawn(move || {
+                let vol = kiln_client::Volume::from_source(&src).expect("a renewer's client");
+                let fd = block_on(vol.open("disk.img", libc::O_RDWR)).unwrap();
+                let end = Instant::now() + Duration::from_secs(6);
+                let mut refusals = Vec::new();
+                while Instant::now() < end {
+                    match block_on(vol.snap(&fd, SNAP_FREEZE, "", "", 1000)) {
+                        Ok(_) => {
+                            let _ = frozen_tx.send(());
+                        }
+                        Err(e) => refusals.push(e.raw_os_error()),
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
                 }
-                Ok(_) => {}
-                Err(e) => refusals.push(e.raw_os_error()),
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        refusals
-    });
+                refusals
+            })
+        })
+        .collect();
     frozen_rx
         .recv_timeout(Duration::from_secs(10))
         .expect("the first barrier");
@@ -505,10 +507,13 @@ fn a_barrier_renewed_in_a_loop_holds_another_clients_write_for_two_seconds_at_mo
         .pwritev_blocking(&fd, &[std::io::IoSlice::new(&block)], 0)
         .unwrap();
     let held = t.elapsed();
-    let refusals = renewer.join().unwrap();
+    let refusals: Vec<Option<i32>> = renewers
+        .into_iter()
+        .flat_map(|r| r.join().unwrap())
+        .collect();
     assert!(
         held < Duration::from_millis(3000),
-        "the write waited {held:?} behind a renewed barrier"
+        "the write waited {held:?} behind renewed barriers"
     );
     assert!(
         refusals.contains(&Some(libc::ETIMEDOUT)),

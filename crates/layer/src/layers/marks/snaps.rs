@@ -13,10 +13,10 @@
 //!
 //! A connection's barrier holds writers for [`HOLD_MAX`] at most (or its first time to live,
 //! if longer), however often it is raised again meanwhile: a renewal cannot push it past
-//! that, and one asked later is refused with `ETIMEDOUT`. The same connection's next barrier
-//! after one that lapsed or was refused counts as a renewal for [`HOLD_MAX`] more, so a
-//! client freezing in a loop leaves writers at least as long as it held them; one lifted by
-//! `SNAP_THAW` starts afresh.
+//! that, and one asked later is refused with `ETIMEDOUT`. For [`HOLD_MAX`] after that limit
+//! (when the barrier lapsed instead of being lifted) the writers have the file: the same
+//! connection's barrier is refused with `ETIMEDOUT`, another's with `EBUSY`. A barrier lifted
+//! by `SNAP_THAW` ends its hold; the next one starts afresh.
 //!
 //! The copy is a hidden sibling of the file, `DIR/.BASE@NAME` ([`snapshot_path`]), made with
 //! `FICLONE`: instant, sharing every block until one side is written. It is made private
@@ -216,9 +216,16 @@ impl Marks {
                 return Err(EBUSY);
             }
             // A renewal, or a barrier raised again soon after one that lapsed, belongs to the
-            // same hold: it cannot stand past the hold's limit.
+            // same hold: it cannot stand past the hold's limit. After that limit the writers
+            // have the file for a while, whichever connection asks (a client with several
+            // connections cannot take turns holding them).
             let limit = match &st.hold {
-                Some(h) if h.owner == owner && now < h.limit + HOLD_MAX => h.limit,
+                Some(h) if now < h.limit + HOLD_MAX => {
+                    if h.owner != owner && now >= h.limit {
+                        return Err(EBUSY);
+                    }
+                    h.limit
+                }
                 _ => {
                     let limit = now + ttl.max(HOLD_MAX);
                     st.hold = Some(Hold { owner, limit });

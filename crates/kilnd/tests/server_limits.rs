@@ -1,6 +1,6 @@
 //! Limits: a client cap, a handshake deadline and strangers counted apart from clients, an idle
 //! timeout, and a client that floods requests without reading replies — the server's memory
-//! stays bounded and other clients are served.
+//! stays bounded and other clients are served; timeouts out of range are refused at start.
 
 mod common;
 

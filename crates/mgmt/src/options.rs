@@ -173,8 +173,7 @@ pub fn size_text(bytes: u64) -> String {
 /// A size written as `volume create --shard` takes it: bytes, or a number with K, M, G or T
 /// (powers of 1024).
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text;
-    let (num, shift) = match t.char_indices().last() {
+    let (num, shift) = match text.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
             let shift = match c.to_ascii_uppercase() {
                 'K' => 10,
@@ -183,9 +182,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
                 'T' => 40,
                 _ => return Err(format!("{text:?}: unknown unit {c:?} (want K, M, G or T)")),
             };
-            (&t[..i], shift)
+            (&text[..i], shift)
         }
-        _ => (t, 0),
+        _ => (text, 0),
     };
     digits(num)
         .then(|| num.parse::<u64>().ok())

@@ -63,8 +63,8 @@ pub struct BenchArgs {
     /// Parallel jobs, each with its own connection.
     #[arg(long, default_value_t = 1)]
     pub numjobs: usize,
-    /// Seconds to run the timed phase.
-    #[arg(long, default_value_t = 10.0)]
+    /// Seconds to run the timed phase (at most a day).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub runtime: f64,
     /// Transport to the server this command starts.
     #[arg(long, value_enum, default_value = "tcp")]
@@ -797,7 +797,14 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
         run_volfile(&args, &args.short_circuit(replica_volfile(&addrs)), pids)
             .map_err(|e| format!("bench over replica {} failed: {e}", args.replica))?
     } else {
-        run(&args, &addr, pid).map_err(|e| format!("bench against {addr} failed: {e}"))?
+        run(&args, &addr, pid).map_err(|e| match e.raw_os_error() {
+            // Only a kilnd without a brick (its management port) answers a fop so.
+            Some(libc::ENOSYS) => format!(
+                "bench against {addr} failed: it is a management port, not a brick (give \
+                 --connect a brick's address: `kiln volume status VOL` lists their ports)"
+            ),
+            _ => format!("bench against {addr} failed: {e}"),
+        })?
     };
     drop(server);
     report(&args, &addr, &r);

@@ -15,8 +15,8 @@ pub struct DemoArgs {
     /// Bytes of data to write and read back (e.g. 256m).
     #[arg(long, default_value = "256m", value_parser = bench::parse_size)]
     pub size: u64,
-    /// Seconds for each of the two short loads.
-    #[arg(long, default_value_t = 3.0)]
+    /// Seconds for each of the two short loads (at most a day).
+    #[arg(long, value_name = "SECS", default_value_t = 3.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub runtime: f64,
     /// Print one JSON object at the end instead of the steps as they happen: {"ok": true,
     /// "steps": {NAME: RESULT, …}, "loads": [{"rw", "bs", "iodepth", "mb_s", "iops",

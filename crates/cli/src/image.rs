@@ -227,6 +227,12 @@ fn open(
     let flags = if write { libc::O_RDWR } else { libc::O_RDONLY };
     let fd = block_on(vol.open(&spec.path, flags)).map_err(|e| match e.raw_os_error() {
         Some(libc::ENOENT) => format!("image {} not found", spec.path),
+        // Only a kilnd without a brick (its management port) answers a fop so.
+        Some(libc::ENOSYS) => format!(
+            "{src} reached a management port, not a brick: image commands take a brick's \
+             address in a volfile (remote = \"tcp:HOST:BRICKPORT\"), or SERVER:/VOL/PATH where \
+             SERVER is the managing kilnd or a brick"
+        ),
         _ => format!("cannot open image {}: {e}", spec.path),
     })?;
     let size = block_on(vol.fstat(&fd))

@@ -26,7 +26,10 @@ fn explain(what: &str, e: &std::io::Error) -> String {
             "{what}: a replica of the image is away or behind (see `kiln volume heal VOL \
              info`); try again once heal has run"
         ),
-        Some(libc::ETIMEDOUT) => format!("{what}: the barrier lapsed before the copies were taken"),
+        Some(libc::ETIMEDOUT) => format!(
+            "{what}: the barrier lapsed before the copies were taken, or was renewed past the \
+             longest a brick holds writers for one snapshot"
+        ),
         Some(libc::ENOTDIR) => format!("{what}: not a directory tree's snapshot"),
         Some(libc::ENOSYS) => format!(
             "{what}: the bricks take no snapshots (standalone bricks, not a managed volume)"

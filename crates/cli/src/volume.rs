@@ -229,7 +229,8 @@ struct SetArgs {
     /// all` shows each with its type, default and whether bricks restart to take it.
     #[arg(value_parser = clap::builder::PossibleValuesParser::new(options::OPTIONS.iter().map(|s| s.name)))]
     option: String,
-    /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`;
+    /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`
+    /// (the only value that takes clients from anywhere; an empty range such as `,,,` is refused);
     /// for `root-squash`, `on` or `off`; for `io-timeout`, 0 to 86400 seconds. A started
     /// volume's bricks restart to take `allow` or `root-squash`; running clients switch to a
     /// new `io-timeout` within a second.

@@ -358,3 +358,85 @@ fn logs_honour_rust_log_and_have_no_colour_in_a_file() {
     let quiet = run(None);
     assert!(!quiet.contains("DEBUG"), "debug lines by default:\n{quiet}");
 }
+
+/// Runs `kiln ARGS` and expects a usage error (exit 2) saying the seconds are wrong; a process
+/// still running after 10 s took the value (it is killed and the test fails).
+fn refuses_seconds(args: &[&str]) {
+    let mut child = kiln()
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kiln {args:?} took the value and ran");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(2), "kiln {args:?}: {status} {err}");
+    assert!(
+        err.contains("is not a number of seconds"),
+        "{args:?}: {err}"
+    );
+}
+
+#[test]
+fn durations_that_are_not_finite_bounded_seconds_are_usage_errors_not_panics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let brick = tmp.path().join("brick");
+    std::fs::create_dir(&brick).unwrap();
+    let (b, st) = (brick.to_str().unwrap(), tmp.path().join("state"));
+    let st = st.to_str().unwrap();
+    let brick_args = [
+        "server",
+        "--metrics",
+        "off",
+        "--brick",
+        b,
+        "--listen",
+        "tcp:127.0.0.1:0",
+    ];
+    let mgmt_args = [
+        "server",
+        "--metrics",
+        "off",
+        "--mgmt",
+        "tcp:127.0.0.1:0",
+        "--state-dir",
+        st,
+    ];
+    for bad in ["NaN", "inf", "1e20", "1e309", "-1"] {
+        // `--opt=-1`: as a separate word, -1 would read as an option.
+        let o = |opt: &str| format!("{opt}={bad}");
+        for opt in ["--idle-timeout", "--handshake-timeout"] {
+            let o = o(opt);
+            let mut a = brick_args.to_vec();
+            a.push(&o);
+            refuses_seconds(&a);
+        }
+        let heal = o("--heal-interval");
+        let mut a = mgmt_args.to_vec();
+        a.push(&heal);
+        refuses_seconds(&a);
+        let mnt = tmp.path().to_str().unwrap();
+        refuses_seconds(&["mount", "127.0.0.1:/v", mnt, &o("--attr-timeout")]);
+        refuses_seconds(&["nbd", "tcp:127.0.0.1:1:/x.img", &o("--lock-wait")]);
+        refuses_seconds(&["nbd", "tcp:127.0.0.1:1:/x.img", &o("--lock-ttl")]);
+        refuses_seconds(&[
+            "vhost-user-blk",
+            "tcp:127.0.0.1:1:/x.img",
+            &o("--lock-wait"),
+        ]);
+        refuses_seconds(&["bench", "--connect", "tcp:127.0.0.1:1", &o("--runtime")]);
+        refuses_seconds(&["demo", &o("--runtime")]);
+    }
+}

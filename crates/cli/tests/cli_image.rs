@@ -470,3 +470,128 @@ fn fenced_when_cut_off(img: &Image, link: &Link) {
     drop(b);
     drop(a);
 }
+
+/// Runs `kiln ARGS` with `env`; it must fail within 5 s (else it is killed and the test
+/// fails); returns its stderr.
+fn fails_fast(args: &[&str], env: &[(&str, &Path)]) -> String {
+    let mut c = kiln();
+    c.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let started = Instant::now();
+    let mut child = c.spawn().expect("spawn kiln");
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if started.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kiln {args:?} did not return within 5 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "kiln {args:?} succeeded");
+    err
+}
+
+#[test]
+fn commands_pointed_at_the_wrong_kind_of_port_fail_fast_saying_what_they_reached() {
+    let tmp = tempfile::tempdir().unwrap();
+    let v = common::managed::Vol::new(tmp.path(), "wk", 1, "26760");
+    let _reaper = BrickReaper(v.state.clone());
+    let mgmt = v.kd.addr.clone();
+    let brick = format!(
+        "tcp:127.0.0.1:{}",
+        v.status()["bricks"][0]["port"].as_u64().unwrap()
+    );
+    let mgmt_secret = v.state.join("mgmt.secret");
+    // Image commands at a management port, the management port given as a volfile's brick.
+    let volfile = tmp.path().join("m.toml");
+    std::fs::write(
+        &volfile,
+        format!(
+            "[[layer]]\nname = \"m\"\ntype = \"io-stats\"\nsubvolumes = [\"m-client-0\"]\n\n\
+             [[layer]]\nname = \"m-client-0\"\ntype = \"protocol-client\"\nremote = \"{mgmt}\"\n"
+        ),
+    )
+    .unwrap();
+    let vf = volfile.to_str().unwrap();
+    let spec = format!("{mgmt}:/nope/x.img");
+    let image_cmds: [&[&str]; 4] = [
+        &["list", "x.img"],
+        &["lock", "x.img"],
+        &["snapshot", "x.img", "s1"],
+        &["clone", "x.img@s1", "y.img"],
+    ];
+    for cmd in image_cmds {
+        let mut a = vec!["image", "--volfile", vf];
+        a.extend(cmd);
+        let err = fails_fast(&a, &[("KILN_SECRET_FILE", &mgmt_secret)]);
+        assert!(
+            err.contains("management port, not a brick") && err.contains(vf),
+            "{a:?}: {err}"
+        );
+        let err = fails_fast(&a, &[("KILN_SECRET_FILE", &v.secret)]);
+        assert!(
+            err.contains(&mgmt) && err.contains("secret"),
+            "{a:?}: {err}"
+        );
+        // SERVER:/VOL/PATH at the management port asks it for the volume.
+        let mut a = vec!["image", cmd[0]];
+        let first = cmd[1].replace("x.img", &spec);
+        a.push(&first);
+        a.extend(&cmd[2..]);
+        let err = fails_fast(&a, &[("KILN_SECRET_FILE", &v.secret)]);
+        assert!(err.contains("volume nope does not exist"), "{a:?}: {err}");
+    }
+    // The other clients of an image, and the load generator, at the management port.
+    let vhost_sock = tmp.path().join("x.vhost");
+    let sock = format!("unix:{}", tmp.path().join("x.sock").display());
+    let err = fails_fast(
+        &[
+            "vhost-user-blk",
+            "--volfile",
+            vf,
+            "x.img",
+            "--socket",
+            vhost_sock.to_str().unwrap(),
+        ],
+        &[("KILN_SECRET_FILE", &mgmt_secret)],
+    );
+    assert!(err.contains("management port, not a brick"), "{err}");
+    let err = fails_fast(
+        &["nbd", "--volfile", vf, "x.img", "--listen", &sock],
+        &[("KILN_SECRET_FILE", &mgmt_secret)],
+    );
+    assert!(err.contains("x.img"), "{err}");
+    let err = fails_fast(
+        &["bench", "--connect", &mgmt, "--runtime", "1"],
+        &[("KILN_SECRET_FILE", &mgmt_secret)],
+    );
+    assert!(err.contains("management port, not a brick"), "{err}");
+    // Volume commands at a brick: with the brick's own secret the brick says it manages no
+    // volumes; with the management secret it refuses the secret. Either at once.
+    let sd = v.state.to_str().unwrap();
+    let vs = v.secret.to_str().unwrap();
+    for cmd in [
+        &["volume", "info"][..],
+        &["volume", "status", "wk"],
+        &["volume", "list"],
+    ] {
+        let mut a = cmd.to_vec();
+        a.extend(["--server", &brick, "--mgmt-secret-file", vs]);
+        let err = fails_fast(&a, &[]);
+        assert!(
+            err.contains("does not manage volumes") && err.contains(&brick),
+            "{a:?}: {err}"
+        );
+        let mut a = cmd.to_vec();
+        a.extend(["--server", &brick, "--state-dir", sd]);
+        let err = fails_fast(&a, &[]);
+        assert!(err.contains(&brick), "{a:?}: {err}");
+    }
+}

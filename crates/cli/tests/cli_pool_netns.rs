@@ -448,6 +448,18 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
     // A host not in the pool cannot hold a brick.
     let out = h.kiln_at(0, &["volume", "create", "x", &format!("{}:/x", h.ip(3))]);
     assert!(!out.status.success());
+    // A brick in another host's state directory: the member that takes the definition cannot
+    // see that directory, so the brick's own host refuses to run it (its clients would read
+    // the pool's secrets), and the volume stays unstarted.
+    let leak = format!("{}:{}", h.ip(1), h.state(1).join("vols/leak").display());
+    h.ok(0, &["volume", "create", "leak", &leak]);
+    let out = h.kiln_at(0, &["volume", "start", "leak"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("kilnd's state directory"),
+        "{err}"
+    );
+    h.ok(0, &["volume", "delete", "leak", "--yes"]);
 
     // A replica-3 volume across the hosts, created on one member and started on another.
     let bricks: Vec<String> = (0..3)

@@ -450,3 +450,200 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
     image(&v, &["snapshot", &v.source("/vm3"), "t2"]).unwrap();
     drop(m);
 }
+
+/// Connections that raise a snapshot barrier on an image again and again cannot hold another
+/// client's write behind it for longer than a brick's longest hold (2 s): renewals are refused
+/// with `ETIMEDOUT` past that (another connection's barrier with `EBUSY`), and the write goes
+/// through. (Before, each renewal moved the barrier's end, and the write waited as long as the
+/// loop ran.)
+#[test]
+fn a_barrier_renewed_in_a_loop_holds_another_clients_write_for_two_seconds_at_most() {
+    use kiln_client::block_on;
+    use kiln_proto::ops::SNAP_FREEZE;
+    let tmp = tempfile::tempdir().unwrap();
+    let v = Vol::new(tmp.path(), "bar", 1, "26800");
+    let _reaper = BrickReaper(v.state.clone());
+    kiln_client::mgmt::use_secret_file(&v.secret);
+    let src = kiln_client::volume::Source::Server {
+        server: v.kd.addr.clone(),
+        volume: "bar".into(),
+    };
+    let writer = kiln_client::Volume::from_source(&src).expect("the writer's client");
+    let (fd, _) = block_on(writer.create("disk.img", libc::O_RDWR, 0o644)).unwrap();
+    let block = [7u8; 4096];
+    writer
+        .pwritev_blocking(&fd, &[std::io::IoSlice::new(&block)], 0)
+        .unwrap();
+
+    // Two more connections (one client taking turns with two would do the same) freeze the
+    // image every 100 ms each with a 1 s time to live, for 6 s, ignoring refusals.
+    let (frozen_tx, frozen_rx) = std::sync::mpsc::channel();
+    let renewers: Vec<_> = (0..2)
+        .map(|_| {
+            let (src, frozen_tx) = (src.clone(), frozen_tx.clone());
+            std::thread::spawn(move || {
+                let vol = kiln_client::Volume::from_source(&src).expect("a renewer's client");
+                let fd = block_on(vol.open("disk.img", libc::O_RDWR)).unwrap();
+                let end = Instant::now() + Duration::from_secs(6);
+                let mut refusals = Vec::new();
+                while Instant::now() < end {
+                    match block_on(vol.snap(&fd, SNAP_FREEZE, "", "", 1000)) {
+                        Ok(_) => {
+                            let _ = frozen_tx.send(());
+                        }
+                        Err(e) => refusals.push(e.raw_os_error()),
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                refusals
+            })
+        })
+        .collect();
+    frozen_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the first barrier");
+    let t = Instant::now();
+    writer
+        .pwritev_blocking(&fd, &[std::io::IoSlice::new(&block)], 0)
+        .unwrap();
+    let held = t.elapsed();
+    let refusals: Vec<Option<i32>> = renewers
+        .into_iter()
+        .flat_map(|r| r.join().unwrap())
+        .collect();
+    assert!(
+        held < Duration::from_millis(3000),
+        "the write waited {held:?} behind renewed barriers"
+    );
+    assert!(
+        refusals.contains(&Some(libc::ETIMEDOUT)),
+        "renewals past the longest hold are refused: {refusals:?}"
+    );
+    println!("the write waited {held:?}; refusals: {}", refusals.len());
+    block_on(writer.close(fd)).unwrap();
+}
+
+/// A POSIX ACL as `system.posix_acl_access` holds it: version 2, then (tag, perm, id) entries.
+fn acl(entries: &[(u16, u16, u32)]) -> Vec<u8> {
+    let mut b = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in entries {
+        b.extend(tag.to_le_bytes());
+        b.extend(perm.to_le_bytes());
+        b.extend(id.to_le_bytes());
+    }
+    b
+}
+
+/// The ACL of brick file `p`, if it has one.
+fn acl_of(p: &Path) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; 4096];
+    rustix::fs::getxattr(p, "system.posix_acl_access", &mut buf[..])
+        .ok()
+        .map(|n| buf[..n].to_vec())
+}
+
+/// A snapshot is as private as its image: a 0600 image of uid 1234 gets a snapshot of uid
+/// 1234 with no group or other permission (and no write permission), on every replica, and
+/// a clone of it likewise; an image's POSIX ACL goes with it (write permission taken out in
+/// the snapshot). Before, snapshots were root's, mode 0444: anyone read a private image
+/// through its snapshot.
+#[test]
+fn snapshots_and_clones_carry_the_images_owner_mode_and_acl() {
+    use kiln_client::block_on;
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping: loop devices need root");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((xfs, v)) = on_xfs(tmp.path(), 512 * MIB, "perm", "26850", &[]) else {
+        return;
+    };
+    let _reaper = BrickReaper(v.state.clone());
+    kiln_client::mgmt::use_secret_file(&v.secret);
+    let vol = kiln_client::Volume::from_source(&kiln_client::volume::Source::Server {
+        server: v.kd.addr.clone(),
+        volume: "perm".into(),
+    })
+    .expect("a client");
+    // user 4321 may read acl.img (mask r--); others nothing.
+    let (user_obj, user, group_obj, mask, other) = (0x01, 0x02, 0x04, 0x10, 0x20);
+    let granted = acl(&[
+        (user_obj, 6, u32::MAX),
+        (user, 6, 4321),
+        (group_obj, 0, u32::MAX),
+        (mask, 6, u32::MAX),
+        (other, 0, u32::MAX),
+    ]);
+    for name in ["priv.img", "acl.img"] {
+        let (fd, _) = block_on(vol.create(name, libc::O_RDWR, 0o600)).unwrap();
+        vol.pwritev_blocking(&fd, &[std::io::IoSlice::new(&[9u8; 4096])], 0)
+            .unwrap();
+        let owner = kiln_client::SetAttrs {
+            valid: kiln_proto::ops::SETATTR_UID
+                | kiln_proto::ops::SETATTR_GID
+                | kiln_proto::ops::SETATTR_MODE,
+            uid: 1234,
+            gid: 1234,
+            mode: 0o600,
+            ..Default::default()
+        };
+        block_on(vol.fsetattr(&fd, owner)).unwrap();
+        block_on(vol.close(fd)).unwrap();
+    }
+    block_on(vol.setxattr("acl.img", "system.posix_acl_access", &granted, 0)).unwrap();
+    // A directory tree: its directory's ACLs (access and default) and its file's go with it.
+    block_on(vol.mkdir("d", 0o700)).unwrap();
+    let (fd, _) = block_on(vol.create("d/f", libc::O_RDWR, 0o600)).unwrap();
+    block_on(vol.close(fd)).unwrap();
+    for (path, name) in [
+        ("d", "system.posix_acl_access"),
+        ("d", "system.posix_acl_default"),
+        ("d/f", "system.posix_acl_access"),
+    ] {
+        block_on(vol.setxattr(path, name, &granted, 0)).unwrap();
+    }
+    image(&v, &["snapshot", &v.source("/d"), "s1"]).unwrap();
+    for name in ["priv", "acl"] {
+        image(&v, &["snapshot", &v.source(&format!("/{name}.img")), "s1"]).unwrap();
+        let snap = format!("{}@s1", v.source(&format!("/{name}.img")));
+        image(&v, &["clone", &snap, &format!("/{name}-clone.img")]).unwrap();
+    }
+    use std::os::unix::fs::MetadataExt;
+    for i in 0..3 {
+        let b = xfs.mnt.join(format!("b{i}"));
+        for (file, mode) in [
+            (".priv.img@s1", 0o400),
+            ("priv-clone.img", 0o600),
+            (".acl.img@s1", 0o440),
+            ("acl-clone.img", 0o660),
+        ] {
+            let m = std::fs::metadata(b.join(file)).unwrap();
+            assert_eq!(
+                (m.uid(), m.gid(), m.mode() & 0o7777),
+                (1234, 1234, mode),
+                "brick {i}: {file}"
+            );
+        }
+        assert_eq!(acl_of(&b.join(".priv.img@s1")), None, "brick {i}");
+        assert_eq!(acl_of(&b.join("acl-clone.img")).as_ref(), Some(&granted));
+        let read_only = acl(&[
+            (user_obj, 4, u32::MAX),
+            (user, 4, 4321),
+            (group_obj, 0, u32::MAX),
+            (mask, 4, u32::MAX),
+            (other, 0, u32::MAX),
+        ]);
+        assert_eq!(acl_of(&b.join(".acl.img@s1")), Some(read_only), "brick {i}");
+        let tree = b.join(".d@s1");
+        assert_eq!(acl_of(&tree).as_ref(), Some(&granted), "brick {i}");
+        assert_eq!(
+            acl_of(&tree.join("f")).as_ref(),
+            Some(&granted),
+            "brick {i}"
+        );
+        let mut buf = vec![0u8; 4096];
+        let n = rustix::fs::getxattr(&tree, "system.posix_acl_default", &mut buf[..]).unwrap();
+        assert_eq!(&buf[..n], &granted[..], "brick {i}");
+    }
+}

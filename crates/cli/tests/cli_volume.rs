@@ -296,6 +296,91 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
 }
 
 #[test]
+fn bricks_in_the_state_dir_in_other_bricks_or_in_system_and_home_dirs_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    // Bricks of this test are never started: no ports are taken.
+    let kd = Kilnd::start(&state, &["--brick-port-base", "26700"]);
+    let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
+    let create = |name: &str, brick: &str, force: bool| {
+        let mut args = vec!["volume", "create", name, brick];
+        if force {
+            args.push("force");
+        }
+        args.extend(["--server", a, "--state-dir", sd]);
+        args.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let refused = |name: &str, brick: &str, force: bool, want: &str| {
+        let args = create(name, brick, force);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let err = fails(&args);
+        assert!(
+            err.contains(want),
+            "{brick} (force {force}): want {want:?} in {err}"
+        );
+        err
+    };
+    let at = |p: &std::path::Path| format!("127.0.0.1:{}", p.display());
+    // kilnd's state directory, inside it, around it, and through a symlink: never, not even
+    // with `force` (its clients would read mgmt.secret and every volume's secret).
+    let link = tmp.path().join("to-state");
+    std::os::unix::fs::symlink(&state, &link).unwrap();
+    for force in [false, true] {
+        for (dir, how) in [
+            (state.clone(), "is inside"),
+            (state.join("vols"), "is inside"),
+            (tmp.path().to_owned(), "contains"),
+            (link.clone(), "is inside"),
+            (link.join("new/brick"), "is inside"),
+        ] {
+            let err = refused("s", &at(&dir), force, "kilnd's state directory");
+            assert!(
+                err.contains(how) && err.contains("even with `force`"),
+                "{err}"
+            );
+        }
+    }
+    // System and home directories, unless `force`.
+    for (dir, what) in [
+        ("/var/lib", "a system directory"),
+        ("/var", "a system directory"),
+        ("/srv", "a system directory"),
+        ("/mnt", "a system directory"),
+        ("/home", "a system directory"),
+        ("/run/kiln-brick", "a system directory"),
+        ("/root", "a home directory"),
+        ("/home/someone", "a home directory"),
+    ] {
+        let err = refused("s", &format!("127.0.0.1:{dir}"), false, what);
+        assert!(err.contains("add `force`"), "{err}");
+    }
+    // Another volume's brick, inside it or around it: never, not even with `force`.
+    let b1 = tmp.path().join("b1");
+    let args = create("one", &at(&b1), false);
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    for dir in [b1.clone(), b1.join("inner")] {
+        let err = refused("two", &at(&dir), true, "overlaps brick");
+        assert!(err.contains("even with `force`"), "{err}");
+    }
+    // `force` takes a system directory; a plain directory needs nothing.
+    let args = create("sys", "127.0.0.1:/var/lib", true);
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    ok(&[
+        "volume",
+        "delete",
+        "sys",
+        "--yes",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    let args = create("two", &at(&tmp.path().join("b2")), false);
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+#[test]
 fn bad_volume_definitions_are_refused_with_reasons() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
@@ -375,7 +460,8 @@ fn bad_volume_definitions_are_refused_with_reasons() {
         sd,
     ]);
     assert!(err.contains("overlaps"), "{err}");
-    // `force` takes a system directory past that check (this one then overlaps "one").
+    // `force` takes a system directory past that check (this one then holds kilnd's state
+    // directory, which `force` does not override).
     let err = fails(&[
         "volume",
         "create",
@@ -387,7 +473,10 @@ fn bad_volume_definitions_are_refused_with_reasons() {
         "--state-dir",
         sd,
     ]);
-    assert!(err.contains("overlaps") && !err.contains("system"), "{err}");
+    assert!(
+        err.contains("state directory") && !err.contains("system"),
+        "{err}"
+    );
     let err = fails(&[
         "volume",
         "create",

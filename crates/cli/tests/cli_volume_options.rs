@@ -254,6 +254,57 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
         e.contains("no volume option") && e.contains("io-timeout"),
         "{e}"
     );
+    let sd = state.to_str().unwrap();
+    // Values are parsed strictly: an allow-list of empty items is not "allow everyone", and
+    // the list set before stays.
+    mgmt_ok(
+        &kd,
+        &state,
+        &["volume", "set", "ov", "allow", "10.1.0.0/16"],
+    );
+    for bad in [",,,", " ", "", "10.0.0.0/8,", ",10.0.0.0/8", "all,"] {
+        let e = fails(&[
+            "volume",
+            "set",
+            "ov",
+            "allow",
+            bad,
+            "--server",
+            &kd.addr,
+            "--state-dir",
+            sd,
+        ]);
+        assert!(e.contains("allow") && e.contains("`all`"), "{bad:?}: {e}");
+        assert_eq!(
+            get("allow")["options"][0]["value"],
+            "10.1.0.0/16",
+            "{bad:?}"
+        );
+    }
+    for (opt, bad) in [
+        ("io-timeout", "+5"),
+        ("io-timeout", " 5"),
+        ("io-timeout", ""),
+        ("flush-behind", " 8M"),
+        ("flush-behind", "+8M"),
+        ("root-squash", "On"),
+        ("short-circuit", ""),
+    ] {
+        let e = fails(&[
+            "volume",
+            "set",
+            "ov",
+            opt,
+            bad,
+            "--server",
+            &kd.addr,
+            "--state-dir",
+            sd,
+        ]);
+        assert!(e.contains(opt), "{opt} {bad:?}: {e}");
+    }
+    mgmt_ok(&kd, &state, &["volume", "reset", "ov", "allow"]);
+    assert_eq!(get("allow")["options"][0]["value"], "all");
     mgmt_ok(&kd, &state, &["volume", "reset", "ov", "io-timeout"]);
     assert_eq!(get("io-timeout")["options"][0]["value"], "30");
     assert_eq!(get("root-squash")["options"][0]["value"], "on");

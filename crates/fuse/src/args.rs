@@ -38,8 +38,8 @@ pub struct MountArgs {
     /// Accepted for compatibility and ignored: the stack has one connection per brick.
     #[arg(long, default_value_t = 1, hide = true)]
     pub connections: usize,
-    /// Attribute and entry cache timeout in general mode, in seconds.
-    #[arg(long, default_value_t = 1.0)]
+    /// Attribute and entry cache timeout in general mode, in seconds (at most a day).
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub attr_timeout: f64,
     /// In vm-image mode, files opened read-only on a brick of this host (without replicas) are
     /// read by the kernel straight from the brick's file (FUSE passthrough; needs root and

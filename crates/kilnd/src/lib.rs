@@ -57,8 +57,8 @@ pub struct ServeArgs {
     pub brick_port_base: u16,
     /// Management mode: seconds between rounds of the heal service, which heals the pool's
     /// replicated volumes by itself while this kilnd is the pool's leader (0: off; `kiln
-    /// volume heal` still works).
-    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    /// volume heal` still works). At most a day.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub heal_interval: f64,
     /// Management mode: the management secret that `kiln volume` and other kilnds must prove
     /// (default STATE_DIR/mgmt.secret; a missing file is created, mode 0600). Every kilnd of a
@@ -109,8 +109,9 @@ pub struct ServeArgs {
     /// The same from one address.
     #[arg(long, default_value_t = kiln_server::Limits::default().max_strangers_per_address)]
     pub max_strangers_per_address: usize,
-    /// Seconds a new connection has to finish the handshake before it is closed.
-    #[arg(long, default_value_t = 5.0)]
+    /// Seconds a new connection has to finish the handshake before it is closed (0.1 to 3600;
+    /// a value outside is taken as the nearer bound).
+    #[arg(long, value_name = "SECS", default_value_t = 5.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub handshake_timeout: f64,
     /// Requests one connection may have waiting for replies before the server stops reading
     /// it (bounds memory per client together with an 8 MiB cap on queued reply bytes).
@@ -122,8 +123,8 @@ pub struct ServeArgs {
     pub max_handles: usize,
     /// Seconds after which a connection with nothing in flight that sends nothing is closed;
     /// 0 (the default) never closes a live one (TCP keepalive still ends the connection of a
-    /// client whose host vanished, within about 30 s).
-    #[arg(long, default_value_t = 0.0)]
+    /// client whose host vanished, within about 30 s). At most a year.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0, value_parser = kiln_proto::seconds::up_to_a_year)]
     pub idle_timeout: f64,
     /// Threads for the network and fop runtime; 1 runs everything on one thread (slow fops
     /// such as fsync still go to a blocking pool).

@@ -1,6 +1,6 @@
 //! Limits: a client cap, a handshake deadline and strangers counted apart from clients, an idle
 //! timeout, and a client that floods requests without reading replies — the server's memory
-//! stays bounded and other clients are served.
+//! stays bounded and other clients are served; timeouts out of range are refused at start.
 
 mod common;
 
@@ -155,6 +155,57 @@ fn idle_connections_are_closed_and_busy_ones_are_not() {
             "a busy connection was closed"
         );
         std::thread::sleep(Duration::from_millis(100)); // pacing, not synchronisation
+    }
+}
+
+/// A timeout that is not a finite number of seconds in range is a usage error (exit 2, with a
+/// message) of the `kilnd` binary itself, not a panic (exit 101) when it builds its limits.
+#[test]
+fn timeouts_out_of_range_are_usage_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let brick = dir.path().to_str().unwrap();
+    for arg in [
+        "--idle-timeout=1e20",
+        "--idle-timeout=-1",
+        "--handshake-timeout=NaN",
+        "--handshake-timeout=inf",
+        "--heal-interval=1e309",
+    ] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kilnd"))
+            .args([
+                "--brick",
+                brick,
+                "--listen",
+                "tcp:127.0.0.1:0",
+                "--metrics",
+                "off",
+            ])
+            .arg(arg)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn kilnd");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(s) = child.try_wait().expect("wait") {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("kilnd {arg} took the value and ran");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert_eq!(status.code(), Some(2), "{arg}: {err}");
+        assert!(err.contains("is not a number of seconds"), "{arg}: {err}");
     }
 }
 

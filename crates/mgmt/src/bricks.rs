@@ -161,6 +161,9 @@ impl Manager {
                 return Ok(r);
             }
         }
+        // Checked again here, on the brick's own host: the kilnd that took the definition
+        // cannot see this host's state directory or symlinks.
+        crate::def::check_not_state(&b.spec(), &crate::def::real_path(&b.dir), &self.state)?;
         fs::create_dir_all(&b.dir)
             .map_err(|e| format!("cannot create brick directory {}: {e}", b.dir.display()))?;
         let vf = brick_volfile(def, i, &b.dir);

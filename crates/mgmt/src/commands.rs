@@ -6,7 +6,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use crate::bricks::port_answers;
-use crate::def::{check_name, is_local, parse_brick, BrickDef, VolState, VolumeDef};
+use crate::def::{
+    check_name, check_not_state, is_local, parse_brick, real_path, BrickDef, VolState, VolumeDef,
+};
 use crate::manager::{Manager, Procs};
 use crate::pool::Cmd;
 use crate::request::Request;
@@ -113,10 +115,10 @@ impl Manager {
         .into())
     }
 
-    /// Parses `specs` and refuses a brick given twice, bricks that nest, and a brick that
-    /// overlaps a brick of another volume — compared where they really are on this host (a
-    /// symlink resolved) — and, unless `force`, a system directory; returns the bricks and
-    /// their hosts' addresses.
+    /// Parses `specs` and refuses a brick given twice, bricks that nest, a brick that overlaps
+    /// a brick of another volume or this kilnd's state directory — compared where they really
+    /// are on this host (a symlink resolved), even with `force` — and, unless `force`, a
+    /// system or home directory; returns the bricks and their hosts' addresses.
     pub(crate) fn check_bricks(
         &self,
         specs: &[String],
@@ -129,12 +131,18 @@ impl Manager {
             let b = parse_brick(s)?;
             let ip = b.ip().map_err(|e| format!("brick {s}: {e}"))?;
             let r = real_dir(&b.dir, ip);
-            if !force && is_system_dir(&r) {
-                return Err(format!(
-                    "brick {s}: {} is a system directory, not a place for a brick (add \
-                     `force` to use it anyway)",
-                    r.display()
-                ));
+            if is_local(ip) {
+                check_not_state(s, &r, &self.state)?;
+            }
+            if !force {
+                if let Some(what) = system_dir_kind(&r) {
+                    return Err(format!(
+                        "brick {s}: {} is {what}, not a place for a brick: clients could \
+                         read and change what the system keeps there (add `force` to use it \
+                         anyway)",
+                        r.display()
+                    ));
+                }
             }
             ips.push(ip);
             bricks.push(b);
@@ -167,7 +175,9 @@ impl Manager {
                 for ((b, ip), bd) in bricks.iter().zip(&ips).zip(&real) {
                     if *ip == oip && (bd.starts_with(&od) || od.starts_with(bd)) {
                         return Err(format!(
-                            "brick {} overlaps brick {} of volume {}",
+                            "brick {} overlaps brick {} of volume {}: the clients of each \
+                             could read and change the other's files (refused even with \
+                             `force`)",
                             b.spec(),
                             ob.spec(),
                             other.name
@@ -487,34 +497,39 @@ fn real_dir(dir: &Path, ip: IpAddr) -> PathBuf {
     if !is_local(ip) {
         return dir.to_owned();
     }
-    let mut rest = Vec::new();
-    let mut at = dir;
-    loop {
-        if let Ok(real) = fs::canonicalize(at) {
-            return rest.iter().rev().fold(real, |p, n| p.join(n));
-        }
-        match (at.parent(), at.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_owned());
-                at = parent;
-            }
-            _ => return dir.to_owned(),
-        }
-    }
+    real_path(dir)
 }
 
-/// True for the host's own directories, where a brick would mix volume data with the
-/// system's (or be the whole file system): `/`, `/etc`, `/usr` and the like, and anything
-/// under those that only the system uses.
-fn is_system_dir(dir: &Path) -> bool {
+/// What `dir` is when it is one of the host's own directories, where a brick would mix
+/// volume data with the system's or a user's (or be the whole file system): `/`, `/etc`,
+/// `/usr` and the like and anything under those that only the system uses, `/var/lib`,
+/// `/root`, `/home` and each home directory in it.
+fn system_dir_kind(dir: &Path) -> Option<&'static str> {
     const TOP: &[&str] = &[
-        "/", "/home", "/mnt", "/media", "/opt", "/root", "/run", "/srv", "/tmp", "/var",
+        "/",
+        "/home",
+        "/mnt",
+        "/media",
+        "/opt",
+        "/srv",
+        "/tmp",
+        "/var",
+        "/var/cache",
+        "/var/lib",
+        "/var/log",
+        "/var/mail",
+        "/var/spool",
+        "/var/tmp",
     ];
     const TREES: &[&str] = &[
-        "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys",
-        "/usr",
+        "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run",
+        "/sbin", "/sys", "/usr",
     ];
-    TOP.iter().any(|t| dir == Path::new(t)) || TREES.iter().any(|t| dir.starts_with(t))
+    if dir == Path::new("/root") || dir.parent() == Some(Path::new("/home")) {
+        return Some("a home directory");
+    }
+    (TOP.iter().any(|t| dir == Path::new(t)) || TREES.iter().any(|t| dir.starts_with(t)))
+        .then_some("a system directory")
 }
 
 /// What a new volume of `replica` copies warns of: replica 2 is prone to split-brain.

@@ -298,3 +298,42 @@ pub(crate) fn check_index(index: usize, def: &VolumeDef) -> Result<usize, String
         ))
     }
 }
+
+/// Where `dir` of this host really is: symlinks resolved for its longest existing prefix.
+pub(crate) fn real_path(dir: &Path) -> PathBuf {
+    let mut rest = Vec::new();
+    let mut at = dir;
+    loop {
+        if let Ok(real) = std::fs::canonicalize(at) {
+            return rest.iter().rev().fold(real, |p, n| p.join(n));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                at = parent;
+            }
+            _ => return dir.to_owned(),
+        }
+    }
+}
+
+/// Refuses brick `spec`, really at `dir` on this host, when it is inside kilnd's state
+/// directory `state` or contains it: the brick's clients would read `mgmt.secret` and every
+/// volume's secret through it. `force` does not override this.
+pub(crate) fn check_not_state(spec: &str, dir: &Path, state: &Path) -> Result<(), String> {
+    let state = real_path(state);
+    if dir.starts_with(&state) || state.starts_with(dir) {
+        let how = if dir.starts_with(&state) {
+            "is inside"
+        } else {
+            "contains"
+        };
+        return Err(format!(
+            "brick {spec}: {} {how} kilnd's state directory {}, which holds the pool's \
+             secrets: its clients could read them (refused even with `force`)",
+            dir.display(),
+            state.display()
+        ));
+    }
+    Ok(())
+}

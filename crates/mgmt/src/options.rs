@@ -50,7 +50,7 @@ pub struct Spec {
 pub const OPTIONS: &[Spec] = &[
     Spec {
         name: "allow",
-        kind: "address ranges (ADDR/PREFIX,…) or all",
+        kind: "address ranges (ADDR/PREFIX,…), or all to take clients from anywhere",
         default: "all",
         restarts_bricks: true,
         description: "the clients the bricks take connections from; others are refused and logged",
@@ -62,16 +62,7 @@ pub const OPTIONS: &[Spec] = &[
             }
         },
         set: |d, text| {
-            let ranges: Vec<String> = match text {
-                "all" => Vec::new(),
-                v => v
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|c| !c.is_empty())
-                    .map(str::to_owned)
-                    .collect(),
-            };
-            d.allow = check_allow(&ranges).map_err(Some)?;
+            d.allow = parse_allow(text).map_err(Some)?;
             Ok(())
         },
         create_only: false,
@@ -98,7 +89,10 @@ pub const OPTIONS: &[Spec] = &[
                       with ENOTCONN (like an NFS hard mount's patience); running clients take it within a second",
         get: |d| d.io_timeout.unwrap_or(30).to_string(),
         set: |d, text| {
-            let s = text.parse::<u32>().ok().filter(|s| *s <= 86_400);
+            let s = digits(text)
+                .then(|| text.parse::<u32>().ok())
+                .flatten()
+                .filter(|s| *s <= 86_400);
             d.io_timeout = Some(s.ok_or(None)?);
             Ok(())
         },
@@ -179,8 +173,7 @@ pub fn size_text(bytes: u64) -> String {
 /// A size written as `volume create --shard` takes it: bytes, or a number with K, M, G or T
 /// (powers of 1024).
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let (num, shift) = match t.char_indices().last() {
+    let (num, shift) = match text.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
             let shift = match c.to_ascii_uppercase() {
                 'K' => 10,
@@ -189,12 +182,13 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
                 'T' => 40,
                 _ => return Err(format!("{text:?}: unknown unit {c:?} (want K, M, G or T)")),
             };
-            (&t[..i], shift)
+            (&text[..i], shift)
         }
-        _ => (t, 0),
+        _ => (text, 0),
     };
-    num.parse::<u64>()
-        .ok()
+    digits(num)
+        .then(|| num.parse::<u64>().ok())
+        .flatten()
         .and_then(|n| n.checked_mul(1 << shift))
         .ok_or_else(|| format!("{text:?} is not a size (e.g. 64M)"))
 }
@@ -207,9 +201,38 @@ pub fn spec(name: &str) -> Result<&'static Spec, String> {
     })
 }
 
+/// True when `text` is one or more ASCII digits and nothing else (`str::parse` would take a
+/// leading `+` too).
+fn digits(text: &str) -> bool {
+    !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The value of `allow`: exactly `all` (an empty list: clients from anywhere), or address
+/// ranges separated by commas, spaces around each allowed. An empty item (`,,,`, a trailing
+/// comma, a value of spaces) is refused: it must never read as "allow everyone".
+pub(crate) fn parse_allow(text: &str) -> Result<Vec<String>, String> {
+    if text == "all" {
+        return Ok(Vec::new());
+    }
+    let ranges: Vec<String> = text.split(',').map(|c| c.trim().to_owned()).collect();
+    if ranges.iter().any(String::is_empty) {
+        return Err(format!(
+            "allow {text:?} has an empty address range: give ranges separated by single \
+             commas (10.0.0.0/24,192.168.1.7), or `all` to take clients from anywhere"
+        ));
+    }
+    check_allow(&ranges)
+}
+
 /// An `allow` list: address ranges (ADDR/PREFIX), each checked.
 pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
     for c in allow {
+        // The address parser takes a prefix of "+8"; a range is written without signs.
+        if c.contains('+') {
+            return Err(format!(
+                "allow {c:?}: not an address range (want e.g. 10.0.0.0/8)"
+            ));
+        }
         c.parse::<kiln_server::access::Cidr>()
             .map_err(|e| format!("allow {c:?}: {e}"))?;
     }
@@ -298,6 +321,33 @@ mod tests {
             assert_eq!(values(&d, Some(name)).unwrap()[0].value, text);
         }
         assert!(set_request("v", "io-timeout", "86401").is_err());
+        for bad in [
+            "",
+            ",,,",
+            " ",
+            "10.0.0.0/8,",
+            ",10.0.0.0/8",
+            "10.0.0.0/8,,127.0.0.1",
+            "all,",
+        ] {
+            let e = set_request("v", "allow", bad).unwrap_err();
+            assert!(e.contains("allow"), "{bad:?}: {e}");
+        }
+        assert!(set_request("v", "allow", "10.0.0.0/+8").is_err());
+        assert_eq!(
+            parse_allow("10.0.0.0/8, 127.0.0.1/32"),
+            Ok(vec!["10.0.0.0/8".into(), "127.0.0.1/32".into()])
+        );
+        for bad in ["", " 7", "7 ", "+7", "-1", "7.5", "0x10"] {
+            assert!(set_request("v", "io-timeout", bad).is_err(), "{bad:?}");
+        }
+        for bad in ["", " 8M", "8M ", "+8M", "8 M", "on", "ON"] {
+            assert!(set_request("v", "flush-behind", bad).is_err(), "{bad:?}");
+        }
+        for bad in ["", "On", " on", "1", "true", "yes"] {
+            assert!(set_request("v", "root-squash", bad).is_err(), "{bad:?}");
+            assert!(set_request("v", "short-circuit", bad).is_err(), "{bad:?}");
+        }
         assert!(set_request("v", "allow", "10.0.0.0/33")
             .unwrap_err()
             .contains("10.0.0.0/33"));

@@ -97,12 +97,13 @@ pub struct NbdArgs {
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "exclusive", "off"])]
     pub lock: String,
     /// Wait up to SECS at start for another export's lock on the image to go (a live
-    /// migration's destination), instead of failing at once.
-    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    /// migration's destination), instead of failing at once. At most a day.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub lock_wait: f64,
     /// How long the lock outlives this export if it is cut off from the bricks without
-    /// exiting (it renews every third of this): the time another export must wait then.
-    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    /// exiting (it renews every third of this): the time another export must wait then
+    /// (0.3 to 300).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = |s: &str| kiln_proto::seconds::parse_seconds_up_to(s, 300.0))]
     pub lock_ttl: f64,
     /// Offer the bricks' dirty record NAME (started with `kiln image dirty start`) as the
     /// metadata context qemu:dirty-bitmap:NAME: the ranges written since it started, for

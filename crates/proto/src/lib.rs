@@ -13,6 +13,7 @@ pub mod frame;
 pub mod iov;
 pub mod marks;
 pub mod ops;
+pub mod seconds;
 pub mod stamp;
 
 pub use addr::Listen;

@@ -72,8 +72,8 @@ pub struct VhostArgs {
     /// Lock the image for this device alone: auto, exclusive or off (see `kiln nbd --help`).
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "exclusive", "off"])]
     pub lock: String,
-    /// Wait up to SECS at start for another holder's lock on the image to go.
-    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    /// Wait up to SECS (at most a day) at start for another holder's lock on the image to go.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0, value_parser = kiln_proto::seconds::up_to_a_day)]
     pub lock_wait: f64,
     /// The volume's secret file (else `KILN_SECRET_FILE`, else the local state directory's).
     #[arg(long, value_name = "PATH")]
@@ -204,6 +204,11 @@ fn open(vol: &Arc<Volume>, path: &str, read_only: bool) -> Result<Image, String>
     };
     let fd = kiln_client::block_on(vol.open(path, flags)).map_err(|e| match e.raw_os_error() {
         Some(libc::ENOENT) => format!("image {path} not found"),
+        // Only a kilnd without a brick (its management port) answers a fop so.
+        Some(libc::ENOSYS) => format!(
+            "cannot open image {path}: the volume's server is a management port, not a brick \
+             (a volfile names bricks; SERVER:/VOL/PATH may name either)"
+        ),
         _ => format!("cannot open image {path}: {e}"),
     })?;
     let attr = kiln_client::block_on(vol.fstat(&fd))

@@ -11,7 +11,11 @@ pub(super) struct CreateArgs {
     /// The volume's name: letters, digits, '_' and '-'.
     name: String,
     /// `replica N` (optional), then the bricks: HOST:/DIR or HOST:MGMTPORT:/DIR, then
-    /// `force` (optional) to accept bricks in system directories (`/`, `/etc`, `/usr`, ...).
+    /// `force` (optional) to accept bricks in system or home directories (`/`, `/etc`, `/usr`,
+    /// `/var/lib`, `/root`, `/home/USER`, ...). A brick inside kilnd's state directory or
+    /// around it, or inside or around another volume's brick, is refused even with `force`
+    /// (its clients could read the pool's secrets or the other volume's files). Symlinks are
+    /// resolved first.
     #[arg(required = true, value_name = "[replica N] HOST:/DIR... [force]")]
     args: Vec<String>,
     /// Do not ask: create a replica 2 volume (prone to split-brain) without confirming.

@@ -230,7 +230,7 @@ impl Volume {
     ) -> io::Result<()> {
         let t = Instant::now();
         // Made exclusively: a `to` that exists is someone else's, and stays.
-        self.dirs(to, from.root, from.entries, report).await?;
+        self.dirs(to, from, report).await?;
         report.steps.push(("directories", t.elapsed()));
         let mut files = Vec::new();
         let r = async {
@@ -279,22 +279,17 @@ impl Volume {
         r
     }
 
-    /// Makes `part` and the directories of `entries` in it, with their modes and owners.
-    async fn dirs(
-        &self,
-        part: &str,
-        root: &Attr,
-        entries: &[(String, Attr)],
-        report: &mut TreeReport,
-    ) -> io::Result<()> {
+    /// Makes `part` and the directories of `from` in it, with their modes, owners and ACLs.
+    async fn dirs(&self, part: &str, from: &Tree<'_>, report: &mut TreeReport) -> io::Result<()> {
+        let (root, entries) = (from.root, from.entries);
         self.mkdir(part, root.mode & 0o7777).await?;
         let r = async {
-            self.owned(part, root).await?;
+            self.owned(from.dir, part, root).await?;
             // In order: a parent before its children.
             for (rel, attr) in entries.iter().filter(|(_, a)| kind(a) == libc::S_IFDIR) {
                 let to = join(part, rel);
                 self.mkdir(&to, attr.mode & 0o7777).await?;
-                self.owned(&to, attr).await?;
+                self.owned(&join(from.dir, rel), &to, attr).await?;
                 report.dirs += 1;
             }
             Ok(())
@@ -428,11 +423,19 @@ impl Volume {
         Ok(())
     }
 
-    /// Gives `path` the mode and owner in `attr`.
-    async fn owned(&self, path: &str, attr: &Attr) -> io::Result<()> {
-        self.setattr(path, SetAttrs::mode_and_owner(attr))
-            .await
-            .map(|_| ())
+    /// Gives directory `path` the mode and owner in `attr` and the POSIX ACLs (access and
+    /// default) of directory `src`, so a copy is never more open than what it copies.
+    async fn owned(&self, src: &str, path: &str, attr: &Attr) -> io::Result<()> {
+        self.setattr(path, SetAttrs::mode_and_owner(attr)).await?;
+        for name in ["system.posix_acl_access", "system.posix_acl_default"] {
+            match self.getxattr(src, name).await {
+                Ok(acl) => self.setxattr(path, name, &acl, 0).await?,
+                // None (or a file system without ACLs): the mode says it all.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::EOPNOTSUPP)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Makes `to` (which must not exist) a writable clone of the tree snapshot `name` of

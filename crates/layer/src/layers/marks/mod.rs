@@ -175,6 +175,9 @@ struct FileState {
     dirty: Vec<(String, RangeSet)>,
     /// A snapshot's write barrier, if one stands ([`snaps`]).
     freeze: Option<snaps::Freeze>,
+    /// How long the connection that raised the last barrier may hold writers, however often
+    /// it renews it ([`snaps`]).
+    hold: Option<snaps::Hold>,
     /// A snapshot being taken: its name, the connection taking it, and the ranges changed
     /// since its first copy.
     delta: Option<(String, u64, RangeSet)>,

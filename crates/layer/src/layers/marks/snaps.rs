@@ -11,11 +11,21 @@
 //! layer compares the replicas' answers and makes the copies agree where they differ (see its
 //! `snaps`).
 //!
-//! The copy is a hidden sibling of the file, `DIR/.BASE@NAME` ([`snapshot_path`]), made
-//! read-only (mode 0444) with `FICLONE`: instant, sharing every block until one side is
-//! written. A file system without reflink (ext4, tmpfs) refuses with `EOPNOTSUPP`; no slow
-//! copy is made behind the caller's back. A clone is a new file made the same way from a
-//! snapshot, with the image's mode and owner.
+//! A connection's barrier holds writers for [`HOLD_MAX`] at most (or its first time to live,
+//! if longer), however often it is raised again meanwhile: a renewal cannot push it past
+//! that, and one asked later is refused with `ETIMEDOUT`. For [`HOLD_MAX`] after that limit
+//! (when the barrier lapsed instead of being lifted) the writers have the file: the same
+//! connection's barrier is refused with `ETIMEDOUT`, another's with `EBUSY`. A barrier lifted
+//! by `SNAP_THAW` ends its hold; the next one starts afresh.
+//!
+//! The copy is a hidden sibling of the file, `DIR/.BASE@NAME` ([`snapshot_path`]), made with
+//! `FICLONE`: instant, sharing every block until one side is written. It is made private
+//! (mode 0600) and, before it takes its name, given the file's owner, group, mode without
+//! write permission and POSIX ACL (`system.posix_acl_access`, write permission taken out):
+//! whoever could not read the image cannot read its snapshot. A file system without reflink
+//! (ext4, tmpfs) refuses with `EOPNOTSUPP`; no slow copy is made behind the caller's back. A
+//! clone is a new file made the same way from a snapshot, with the image's owner, group, mode
+//! and ACL; a tree snapshot's copy likewise.
 
 use std::time::{Duration, Instant};
 
@@ -31,6 +41,32 @@ use crate::{errno, Ctx, Fd, FopResult};
 use super::images::EBUSY;
 use super::locks::{len_of, Locker};
 use super::{FileKey, FileState, MarkFd, Marks, ETIMEDOUT};
+
+/// The longest a connection's barrier holds writers when renewed (see the module's text).
+pub const HOLD_MAX: Duration = Duration::from_secs(2);
+
+/// What a connection's barriers on a file may still hold.
+pub(super) struct Hold {
+    owner: u64,
+    /// No barrier of this hold stands past this.
+    limit: Instant,
+}
+
+/// The extended attribute that holds a file's POSIX ACL.
+const ACL_XATTR: &str = "system.posix_acl_access";
+
+/// A POSIX ACL (as `system.posix_acl_access` holds it: a 4-byte version, then 8-byte entries
+/// of tag, permissions and id) with the write permission taken out of every entry.
+fn acl_read_only(mut acl: Vec<u8>) -> FopResult<Vec<u8>> {
+    if acl.len() < 4 || !(acl.len() - 4).is_multiple_of(8) {
+        return Err(errno::EIO);
+    }
+    for e in acl[4..].chunks_exact_mut(8) {
+        let perm = u16::from_le_bytes([e[2], e[3]]) & !0o2;
+        e[2..4].copy_from_slice(&perm.to_le_bytes());
+    }
+    Ok(acl)
+}
 
 /// A write barrier on a file.
 pub(super) struct Freeze {
@@ -138,7 +174,14 @@ impl Marks {
                 Ok(SnapReply::default())
             }
             SNAP_THAW => {
-                let lifted = f.key.state().lift_barrier(owner);
+                let lifted = {
+                    let mut st = f.key.state();
+                    // Lifted by its owner: its next barrier is a new one.
+                    if st.hold.as_ref().is_some_and(|h| h.owner == owner) {
+                        st.hold = None;
+                    }
+                    st.lift_barrier(owner)
+                };
                 if lifted {
                     f.key.changed.notify_waiters();
                 }
@@ -172,10 +215,43 @@ impl Marks {
             {
                 return Err(EBUSY);
             }
+            // A renewal, or a barrier raised again soon after one that lapsed, belongs to the
+            // same hold: it cannot stand past the hold's limit. After that limit the writers
+            // have the file for a while, whichever connection asks (a client with several
+            // connections cannot take turns holding them).
+            let limit = match &st.hold {
+                Some(h) if now < h.limit + HOLD_MAX => {
+                    if h.owner != owner && now >= h.limit {
+                        return Err(EBUSY);
+                    }
+                    h.limit
+                }
+                _ => {
+                    let limit = now + ttl.max(HOLD_MAX);
+                    st.hold = Some(Hold { owner, limit });
+                    limit
+                }
+            };
+            if now >= limit {
+                if st.lift_barrier(owner) {
+                    key.changed.notify_waiters();
+                }
+                tracing::warn!(
+                    "snapshot barrier refused: connection {owner} held writers for its longest \
+                     ({} ms) already",
+                    HOLD_MAX.as_millis()
+                );
+                return Err(ETIMEDOUT);
+            }
+            // A renewal keeps the ranges that waited so far: the snapshot must hear of them.
+            let blocked = match st.freeze.take() {
+                Some(z) if z.owner == owner && z.expires > now => z.blocked,
+                _ => RangeSet::default(),
+            };
             st.freeze = Some(Freeze {
                 owner,
-                expires: now + ttl,
-                blocked: RangeSet::default(),
+                expires: (now + ttl).min(limit),
+                blocked,
             });
         }
         loop {
@@ -233,7 +309,7 @@ impl Marks {
         let part = part_path(&f.path, name);
         // A part left by a snapshot whose taker died is nobody's now.
         let _ = self.child().unlink(cx, &part).await;
-        let made = self.reflink(cx, &f.inner, &part, 0o444, None).await;
+        let made = self.reflink(cx, &f.inner, &part).await;
         if made.is_err() {
             f.key.state().delta = None;
         }
@@ -276,7 +352,7 @@ impl Marks {
         let r = match delta {
             None => {
                 let _ = self.child().unlink(cx, &part).await;
-                self.reflink(cx, &f.inner, &part, 0o444, None).await
+                self.reflink(cx, &f.inner, &part).await
             }
             // Nothing changed since the first copy (a change of size is recorded as a range
             // too): it is whole already.
@@ -288,13 +364,12 @@ impl Marks {
         let r = match r {
             Ok(blocked) if to.is_empty() => {
                 let to = snapshot_path(&f.path, name);
-                self.child()
-                    .rename(cx, &part, &to, libc::RENAME_NOREPLACE)
+                self.take_into(cx, f, &part, &to, true)
                     .await
                     .map(|()| (blocked, to))
             }
             Ok(blocked) => self
-                .take_into(cx, f, &part, to)
+                .take_into(cx, f, &part, to, false)
                 .await
                 .map(|()| (blocked, to.to_owned())),
             Err(e) => Err(e),
@@ -325,15 +400,48 @@ impl Marks {
         })
     }
 
-    /// Gives the copy `part` the file's mode and owner (taken under the barrier: as they were
-    /// at the snapshot's instant) and renames it to `to`.
-    async fn take_into(&self, cx: &Ctx, f: &MarkFd, part: &str, to: &str) -> FopResult<()> {
+    /// Gives the copy `part` the file's access (taken under the barrier: as it was at the
+    /// snapshot's instant; with `read_only`, without write permission) and renames it to `to`.
+    async fn take_into(
+        &self,
+        cx: &Ctx,
+        f: &MarkFd,
+        part: &str,
+        to: &str,
+        read_only: bool,
+    ) -> FopResult<()> {
         let a = self.child().fstat(cx, &f.inner).await?;
-        let attrs = SetAttrs::mode_and_owner(&a);
-        self.child().setattr(cx, part, &attrs).await?;
+        self.carry_access(cx, &f.path, &a, part, read_only).await?;
         self.child()
             .rename(cx, part, to, libc::RENAME_NOREPLACE)
             .await
+    }
+
+    /// Gives `to` the owner, group and mode `a` of the file at `from`, and its POSIX ACL;
+    /// with `read_only`, the mode and the ACL lose their write permission (never gain any
+    /// read permission).
+    async fn carry_access(
+        &self,
+        cx: &Ctx,
+        from: &str,
+        a: &crate::Attr,
+        to: &str,
+        read_only: bool,
+    ) -> FopResult<()> {
+        let mut attrs = SetAttrs::mode_and_owner(a);
+        if read_only {
+            attrs.mode &= !0o222;
+        }
+        self.child().setattr(cx, to, &attrs).await?;
+        match self.child().getxattr(cx, from, ACL_XATTR).await {
+            Ok(acl) => {
+                let acl = if read_only { acl_read_only(acl)? } else { acl };
+                self.child().setxattr(cx, to, ACL_XATTR, &acl, 0).await
+            }
+            // No ACL (or a file system without them): the mode says it all.
+            Err(e) if e == errno::ENODATA || e == errno::EOPNOTSUPP => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Re-copies `changed` (in whole blocks) of the file into the snapshot at `to`, and gives
@@ -382,38 +490,30 @@ impl Marks {
             .child()
             .open(cx, &snapshot_path(&f.path, name), libc::O_RDONLY as u32)
             .await?;
-        let r = self.reflink(cx, &snap, to, 0o600, Some(&attr)).await;
+        let mut r = self.reflink(cx, &snap, to).await;
         let _ = self.child().release(cx, snap).await;
+        if r.is_ok() {
+            r = self.carry_access(cx, &f.path, &attr, to, false).await;
+            if r.is_err() {
+                let _ = self.child().unlink(cx, to).await;
+            }
+        }
         if r.is_ok() {
             tracing::info!(path = f.path, snapshot = name, clone = to, "clone made");
         }
         r
     }
 
-    /// Creates `to` (it must not exist) sharing every block of `src`; with `like`, gives it
-    /// that mode and owner. Nothing is left behind on failure.
-    async fn reflink(
-        &self,
-        cx: &Ctx,
-        src: &Fd,
-        to: &str,
-        mode: u32,
-        like: Option<&crate::Attr>,
-    ) -> FopResult<()> {
+    /// Creates `to` (it must not exist, and is made private: mode 0600) sharing every block
+    /// of `src`. Nothing is left behind on failure.
+    async fn reflink(&self, cx: &Ctx, src: &Fd, to: &str) -> FopResult<()> {
         let flags = (libc::O_WRONLY | libc::O_EXCL | libc::O_CREAT) as u32;
-        let (dst, _) = self.child().create(cx, to, flags, mode).await?;
+        let (dst, _) = self.child().create(cx, to, flags, 0o600).await?;
         let r = (|| {
             let from = self.child().backing(cx, src)?;
             let into = self.child().backing(cx, &dst)?;
             rustix::fs::ioctl_ficlone(into, from).map_err(reflink_errno)
         })();
-        let r = match (r, like) {
-            (Ok(()), Some(a)) => {
-                let attrs = SetAttrs::mode_and_owner(a);
-                self.child().fsetattr(cx, &dst, &attrs).await.map(|_| ())
-            }
-            (r, _) => r,
-        };
         let _ = self.child().release(cx, dst).await;
         if r.is_err() {
             let _ = self.child().unlink(cx, to).await;

@@ -37,6 +37,8 @@ use crate::replay::{self, Replay};
 use crate::shortcut::{HandleGrant, Shortcut};
 
 mod local;
+mod reconnect;
+use reconnect::reconnect_loop;
 
 /// How long a fop waits for its brick to come back by default (an NFS hard mount's patience).
 pub const DEFAULT_PATIENCE: Duration = Duration::from_secs(30);
@@ -695,48 +697,6 @@ impl ProtocolClient {
     fn unit<'a>(&'a self, cx: &'a Ctx, op: Op, req: &impl Wire) -> Fut<'a, ()> {
         let f = self.send(cx, self.request(cx, op, req.to_wire(), None), None);
         Box::pin(async move { f.await?.result.map(|_| ()) })
-    }
-}
-
-/// The reconnect thread's loop: tries until it connects (backing off from 20 ms to 1 s) or the
-/// layer is gone, and tells waiters after every attempt.
-fn reconnect_loop(weak: Weak<Link>, name: String, shortcut: Arc<Shortcut>) {
-    let mut wait = Duration::from_millis(20);
-    loop {
-        let Some(link) = weak.upgrade() else { return };
-        let old = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
-        match old.reconnect() {
-            Ok(c) => {
-                let c = Arc::new(c);
-                let gen = link.cur.read().unwrap_or_else(|e| e.into_inner()).1 + 1;
-                // Pinned handles are pinned again before anyone can use the connection.
-                let repinned = local::repin(&link, &name, &c, gen, &shortcut);
-                {
-                    let mut g = link.cur.write().unwrap_or_else(|e| e.into_inner());
-                    g.1 = gen;
-                    g.0 = c.clone();
-                    tracing::info!(layer = name, gen, "reconnected to {}", old.server());
-                }
-                local::adopt(repinned, &c, gen);
-                watch::rewatch(&link, &name, &c);
-                link.denied.store(false, Ordering::Release);
-                link.reconnecting.store(false, Ordering::Release);
-                link.attempts.notify();
-                return;
-            }
-            Err(e) => {
-                let denied = e.kind() == std::io::ErrorKind::PermissionDenied;
-                if denied && !link.denied.swap(true, Ordering::AcqRel) {
-                    tracing::warn!(layer = name, "the brick refuses this client now: {e}");
-                }
-                tracing::debug!(layer = name, "reconnect failed: {e}");
-            }
-        }
-        link.attempts.notify();
-        drop((link, old));
-        // Back-off of a background retry loop, not synchronisation.
-        std::thread::sleep(wait);
-        wait = (wait * 2).min(Duration::from_secs(1));
     }
 }
 

@@ -546,7 +546,10 @@ fn commands_pointed_at_the_wrong_kind_of_port_fail_fast_saying_what_they_reached
         a.push(&first);
         a.extend(&cmd[2..]);
         let err = fails_fast(&a, &[("KILN_SECRET_FILE", &v.secret)]);
-        assert!(err.contains("volume nope does not exist"), "{a:?}: {err}");
+        assert!(
+            err.contains("volume nope: no such volume, or this client may not use it"),
+            "{a:?}: {err}"
+        );
     }
     // The other clients of an image, and the load generator, at the management port.
     let vhost_sock = tmp.path().join("x.vhost");

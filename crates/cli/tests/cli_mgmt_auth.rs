@@ -501,6 +501,11 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
     let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
     let brick = tmp.path().join("b1");
     let bspec = format!("127.0.0.1:{}", brick.display());
+    let with_server = |args: &[&'static str]| {
+        let mut v: Vec<&str> = args.to_vec();
+        v.extend(["--server", a, "--state-dir", sd]);
+        v
+    };
     let m = |args: &[&str]| {
         let mut v = args.to_vec();
         v.extend(["--server", a, "--state-dir", sd]);
@@ -550,44 +555,28 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
     assert_eq!(ids.len(), 2, "{list}");
     assert!(ids.iter().all(|i| i.get("key").is_none()), "{list}");
     assert_eq!(ids[1]["caps"]["read_only"], true, "{list}");
-    let err = fails(&[
-        "auth",
-        "add",
-        "t1",
-        "--volume",
-        "tv",
-        "--server",
-        a,
-        "--state-dir",
-        sd,
-    ]);
-    assert!(err.contains("exists"), "{err}");
-    let err = fails(&[
-        "auth",
-        "add",
-        "kilnd",
-        "--volume",
-        "tv",
-        "--server",
-        a,
-        "--state-dir",
-        sd,
-    ]);
-    assert!(err.contains("kilnd keeps for its own"), "{err}");
-    let err = fails(&[
-        "auth",
-        "add",
-        "t3",
-        "--volume",
-        "tv",
-        "--subtree",
-        "/a/../b",
-        "--server",
-        a,
-        "--state-dir",
-        sd,
-    ]);
-    assert!(err.contains("bad subtree"), "{err}");
+    for (args, says) in [
+        (&["auth", "add", "t1", "--volume", "tv"][..], "exists"),
+        (
+            &["auth", "add", "kilnd", "--volume", "tv"][..],
+            "kilnd keeps for its own",
+        ),
+        (
+            &[
+                "auth",
+                "add",
+                "t3",
+                "--volume",
+                "tv",
+                "--subtree",
+                "/a/../b",
+            ][..],
+            "bad subtree",
+        ),
+    ] {
+        let err = fails(&with_server(args));
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
 
     let port = status(a, sd, "tv")["bricks"][0]["port"].as_u64().unwrap();
     let baddr = format!("tcp:127.0.0.1:{port}");

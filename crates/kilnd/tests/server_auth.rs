@@ -224,6 +224,7 @@ mod identities {
     const T1: &str = "t1 1111111111111111111111111111111111111111111111111111111111111111";
     const T2: &str = "t2 2222222222222222222222222222222222222222222222222222222222222222";
     const ADMIN: &str = "ops 3333333333333333333333333333333333333333333333333333333333333333";
+    const NODEV: &str = "nodev 6666666666666666666666666666666666666666666666666666666666666666";
 
     use std::os::unix::fs::PermissionsExt;
 
@@ -243,6 +244,8 @@ mod identities {
                 ADMIN,
                 serde_json::json!({ "volumes": ["*"], "root": true, "devices": true }),
             ),
+            // Root, but no devices.
+            ident(NODEV, serde_json::json!({ "volumes": ["v"], "root": true })),
             // Another volume's identity: never admitted here.
             ident(
                 "other 4444444444444444444444444444444444444444444444444444444444444444",
@@ -441,6 +444,22 @@ mod identities {
             let e = b.client(key).err().expect("refused");
             assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{key}: {e}");
         }
+
+        // Root without the devices capability: no device node, with or without credentials.
+        let nodev = b.client(NODEV).expect("nodev");
+        let dev = libc::makedev(1, 3);
+        let r = block_on(nodev.mknod("n", libc::S_IFCHR | 0o600, dev));
+        assert_eq!(errno_of(r), libc::EPERM);
+        let root_cred = kiln_client::Volume::from_volfile_with_secret(
+            &kiln_client::Volume::default_volfile(&b.addr),
+            Some(NODEV.as_bytes()),
+        )
+        .unwrap()
+        .on_behalf_of(Some(std::sync::Arc::new(kiln_proto::Cred::default())));
+        let r = block_on(root_cred.mknod("n", libc::S_IFCHR | 0o600, dev));
+        assert_eq!(errno_of(r), libc::EPERM, "root credentials without devices");
+        assert!(!b.brick.join("n").exists());
+        block_on(nodev.mknod("fifo", libc::S_IFIFO | 0o600, 0)).expect("a FIFO needs nothing");
 
         // An identity that holds root, as-caller: the brick's own credentials without any.
         let admin = b.client(ADMIN).expect("ops");

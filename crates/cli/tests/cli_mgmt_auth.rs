@@ -600,6 +600,50 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
     let e = block_on(t2.create("t2/new", libc::O_RDWR, 0o644)).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EROFS), "t2 is read-only");
 
+    // An identity with the admin capability runs management commands with its own key; one
+    // without it does not, and neither is the management secret.
+    let ko = tmp.path().join("ops.key");
+    m(&[
+        "auth",
+        "add",
+        "ops",
+        "--volume",
+        "*",
+        "--admin",
+        "--key-file",
+        ko.to_str().unwrap(),
+    ]);
+    let empty = tmp.path().join("no-state");
+    std::fs::create_dir(&empty).unwrap();
+    let as_key = |key: &Path| {
+        run(
+            &[
+                "volume",
+                "list",
+                "--server",
+                a,
+                "--state-dir",
+                empty.to_str().unwrap(),
+                "--mgmt-secret-file",
+                key.to_str().unwrap(),
+            ],
+            &[],
+        )
+    };
+    let out = as_key(&ko);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "tv");
+    let out = as_key(&k2);
+    assert!(
+        !out.status.success(),
+        "a key without admin ran a management command"
+    );
+    m(&["auth", "rm", "ops"]);
+
     // Capabilities change live: t2 may write now, with its next request.
     m(&[
         "auth",

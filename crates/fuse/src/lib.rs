@@ -196,8 +196,7 @@ impl KilnFs {
     /// with the caller's uid, gid and groups. Data fops on open files use `self.vol`: access
     /// was checked when the file was opened.
     fn caller(&self, req: &Request) -> Volume {
-        self.vol
-            .on_behalf_of(self.callers.cred(req.pid(), req.uid(), req.gid()))
+        self.asking(req).0
     }
 
     /// What other clients' changes, pushed by the bricks, make stale (see [`changes`]).
@@ -400,11 +399,12 @@ impl fuser::Filesystem for KilnFs {
         {
             return reply.error(Errno::ENOENT);
         }
-        if let Some((a, left)) = self.small_attr(&path) {
+        let (caller, who) = self.asking(req);
+        if let Some((a, left)) = self.small_attr(&path, &who) {
             // Kept by the kernel no longer than the fetch may be used.
             return self.entry_for(&path, &a, &left, reply);
         }
-        match block_on(self.caller(req).lookup(&path)) {
+        match block_on(caller.lookup(&path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -733,7 +733,7 @@ impl fuser::Filesystem for KilnFs {
     ) {
         let _g = self.gate.enter();
         let by = if write_flags.contains(fuser::WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            self.callers.cred(req.pid(), req.uid(), req.gid())
+            Some(self.callers.cred(req.pid(), req.uid(), req.gid()))
         } else {
             None
         };

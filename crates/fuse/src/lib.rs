@@ -125,7 +125,7 @@ pub struct KilnFs {
     /// Small files' content fetched ahead of a reader (see [`ahead`] and [`smalls`]).
     contents: Arc<ahead::Contents>,
     /// The small regular files of recent listings, for [`smalls`].
-    recent: smalls::Recent,
+    recent: Arc<smalls::Recent>,
     /// The subdirectories of recent listings, and the order walks take (see [`walks`]).
     walks: walks::Walks,
     /// The volume root's brick inode (FUSE's is [`ROOT`]).
@@ -175,7 +175,7 @@ impl KilnFs {
                     .ahead_ready
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             })),
-            recent: smalls::Recent::default(),
+            recent: Arc::default(),
             walks: walks::Walks::default(),
             root_brick_ino: root.ino,
             known: Arc::new(known::Known::new(attr_timeout)),
@@ -208,6 +208,7 @@ impl KilnFs {
             ahead: self.ahead.clone(),
             contents: self.contents.clone(),
             known: self.known.clone(),
+            recent: self.recent.clone(),
         }
     }
 
@@ -230,6 +231,7 @@ impl KilnFs {
         let (parent, name) = inodes::split(path);
         self.ahead.spoil(parent);
         self.contents.spoil(path);
+        self.recent.forget(parent);
         self.known.named(parent, name, made);
     }
 
@@ -652,6 +654,7 @@ impl fuser::Filesystem for KilnFs {
         for p in [&from, &to] {
             self.ahead.spoil_tree(p);
             self.contents.spoil_tree(p);
+            self.recent.forget_tree(p);
             self.known.forget_tree(p);
         }
         match r {

@@ -58,6 +58,30 @@ impl AsRef<str> for Next {
     }
 }
 
+impl Recent {
+    /// Directory `dir`'s entries changed (another client's change pushed, or one through this
+    /// mount): what its listing said is forgotten, so no walk fetches ahead an entry as what
+    /// it was — a regular file now replaced by a FIFO or a directory, say.
+    pub(crate) fn forget(&self, dir: &str) {
+        let mut d = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        if !d.is_empty() {
+            d.remove(dir);
+        }
+    }
+
+    /// `path` was renamed, replaced or removed: its listing and those below it are forgotten.
+    pub(crate) fn forget_tree(&self, path: &str) {
+        let below = format!("{path}/");
+        let mut d = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        d.retain(|p, _| p != path && !p.starts_with(&below));
+    }
+
+    /// Anything may have changed: every listing is forgotten.
+    pub(crate) fn forget_all(&self) {
+        self.dirs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
 struct Entries {
     /// Name and what it is; other entries (big files, links, …) are left out.
     list: Vec<(String, Step)>,

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use kiln_proto::ops::DirEntry;
 use kiln_proto::Cred;
 
+use crate::callers::same_caller;
 use crate::xattr::Seen;
 
 /// A directory listing fetched ahead, and what it may tell of extended attributes.
@@ -56,11 +57,6 @@ pub(crate) type Job<T> =
 
 /// The caller a fetch was made for: what it brought is theirs only.
 pub(crate) type Who = Arc<Cred>;
-
-/// True when `a` and `b` are the same caller to a brick: same uid, gid and groups.
-pub(crate) fn same_caller(a: &Cred, b: &Cred) -> bool {
-    std::ptr::eq(a, b) || a == b
-}
 
 /// Things fetched ahead by path, and those being fetched.
 pub(crate) struct Ahead<T> {

@@ -67,6 +67,12 @@ impl Callers {
     }
 }
 
+/// True when `a` and `b` are the same caller to a brick: same uid, gid and groups (what one
+/// was answered, the other may not be).
+pub(crate) fn same_caller(a: &Cred, b: &Cred) -> bool {
+    std::ptr::eq(a, b) || a == b
+}
+
 impl KilnFs {
     /// The request's caller: the volume on their behalf (name and metadata fops run on the
     /// bricks with their uid, gid and groups), and their credentials — what the mount answers

@@ -395,13 +395,11 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        if self
-            .known
-            .absent(ahead::parent(&path), name.to_str().unwrap_or_default())
-        {
+        let (caller, who) = self.asking(req);
+        let name = name.to_str().unwrap_or_default();
+        if self.known.absent(ahead::parent(&path), name, &who) {
             return reply.error(Errno::ENOENT);
         }
-        let (caller, who) = self.asking(req);
         if let Some((a, left)) = self.small_attr(&path, &who) {
             // Kept by the kernel no longer than the fetch may be used.
             return self.entry_for(&path, &a, &left, reply);
@@ -558,10 +556,11 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let epoch = self.known.epoch();
-        let r = block_on(self.caller(req).mkdir(&path, mode & !umask));
+        let (caller, who) = self.asking(req);
+        let r = block_on(caller.mkdir(&path, mode & !umask));
         self.named(&path, made(&r, known::Name::Exists));
         if r.is_ok() {
-            self.known.made_dir(&path, epoch);
+            self.known.made_dir(&path, epoch, &who);
         }
         match r {
             Ok(a) => self.entry(&path, &a, reply),

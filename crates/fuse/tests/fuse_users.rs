@@ -456,3 +456,33 @@ fn squashing_brick(tmp: &Path, brick: &Path) -> std::path::PathBuf {
     }
     sock
 }
+
+/// A directory A made through the mount is known empty to the mount, which answers A's
+/// lookups of names not there itself; B, whom an ACL on the brick bars from it, is answered
+/// by the brick: refused, not told what is absent.
+#[test]
+fn names_known_absent_are_told_only_to_the_maker() {
+    let m = Mounted::new(Mode::General);
+    std::fs::set_permissions(m.dir.path(), PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(m.brick(), PermissionsExt::from_mode(0o755)).unwrap();
+    let shared = m.brick().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, PermissionsExt::from_mode(0o777)).unwrap();
+    let mnt = m.mnt().display().to_string();
+    ok(A, A, &[], &format!("mkdir -m 0755 {mnt}/shared/made"));
+    deny_on_brick(&m.brick().join("shared/made"), B);
+    refused(
+        A,
+        A,
+        &[],
+        &format!("stat {mnt}/shared/made/none"),
+        "No such file",
+    );
+    refused(
+        B,
+        B,
+        &[],
+        &format!("stat {mnt}/shared/made/none"),
+        "Permission denied",
+    );
+}

@@ -37,7 +37,7 @@ impl KilnFs {
         let (entries, seen) = match self.ahead.take_waiting(&path, &who, |w| gate::waiting(w)) {
             Some(listing) => listing,
             None => {
-                let seen = self.no_xattrs.seen(self.ttl);
+                let seen = self.no_xattrs.seen(self.ttl, &who);
                 match block_on(caller.readdir(&path)) {
                     Ok(entries) => (entries, seen),
                     Err(e) => return reply.error(errno(e)),
@@ -168,7 +168,7 @@ impl KilnFs {
         self.ahead.want(dirs, who, |dir| {
             let (vol, seen, dir) = (
                 caller.clone(),
-                self.no_xattrs.seen(self.ttl),
+                self.no_xattrs.seen(self.ttl, who),
                 dir.to_owned(),
             );
             let job: Job<Listing> = Box::new(move || {

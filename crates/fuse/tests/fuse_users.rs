@@ -419,6 +419,26 @@ fn squashed_root_gets_nothing_fetched_ahead_for_a_user() {
     refused_each(&mnt_s, "own", 0);
     ok(A, A, &[], &format!("ls {mnt_s}/top >/dev/null"));
     refused_listing(&mnt_s, "top/locked", 0);
+    // A's `ls -l` lists own/ with readdirplus: its files have no extended attributes. Root
+    // (this process) may not read A's 0600 file's: the brick says so, not "none".
+    ok(A, A, &[], &format!("ls -l {mnt_s}/own >/dev/null"));
+    let f = std::ffi::CString::new(format!("{mnt_s}/own/f0")).unwrap();
+    let mut buf = [0u8; 64];
+    // SAFETY: a valid NUL-terminated path and name, and a buffer of the length given.
+    let r = unsafe {
+        libc::getxattr(
+            f.as_ptr(),
+            c"user.x".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    let e = std::io::Error::last_os_error();
+    assert_eq!(
+        (r, e.raw_os_error()),
+        (-1, Some(libc::EACCES)),
+        "root's getxattr: {e}"
+    );
     drop(session);
 }
 

@@ -7,8 +7,11 @@
 //! time, and when a reader opens a small file it fetches the next small files the walk
 //! reaches; the application finds them waiting when it gets there.
 //!
-//! What was fetched ahead is used once, by the next `opendir` or `open` of its path, and only
-//! while younger than the attribute timeout. That `opendir` or `open` waits for a fetch of its
+//! What was fetched ahead is used once, by the next `opendir` or `open` of its path by the same
+//! caller it was fetched for (same uid, gid and supplementary groups: the brick checked access
+//! for that caller only, so another — root on a volume that squashes root, a user an ACL on
+//! the brick refuses — is sent to the brick), and only while younger than the attribute
+//! timeout. That `opendir` or `open` waits for a fetch of its
 //! path already running, and takes one still queued off the queue to make it itself. A change
 //! to it spoils it: made through this mount (spoiled when the change is done) or by another
 //! client (when the brick's push arrives, see [`crate::changes`]). A fetch still running when
@@ -16,7 +19,7 @@
 //! nothing fetched ahead shows a file or directory as it was before a change that completed
 //! before it is used.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,7 +27,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kiln_proto::ops::DirEntry;
+use kiln_proto::Cred;
 
+use crate::callers::same_caller;
 use crate::xattr::Seen;
 
 /// A directory listing fetched ahead, and what it may tell of extended attributes.
@@ -50,6 +55,9 @@ pub(crate) type Contents = Ahead<Content>;
 pub(crate) type Job<T> =
     Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = Option<(T, usize)>> + Send>> + Send>;
 
+/// The caller a fetch was made for: what it brought is theirs only.
+pub(crate) type Who = Arc<Cred>;
+
 /// Things fetched ahead by path, and those being fetched.
 pub(crate) struct Ahead<T> {
     state: Mutex<State<T>>,
@@ -68,12 +76,13 @@ pub(crate) struct Ahead<T> {
 }
 
 struct State<T> {
-    ready: HashMap<String, (T, usize, Instant)>,
-    /// Paths fetching now: whether spoiled meanwhile (then thrown away when they end), and
-    /// since when.
-    running: HashMap<String, (bool, Instant)>,
-    queue: VecDeque<(String, Job<T>)>,
-    queued: HashSet<String>,
+    ready: HashMap<String, (T, usize, Instant, Who)>,
+    /// Paths fetching now: whether spoiled meanwhile (then thrown away when they end), since
+    /// when, and for whom.
+    running: HashMap<String, (bool, Instant, Who)>,
+    queue: VecDeque<(String, Job<T>, Who)>,
+    /// Paths queued, and for whom.
+    queued: HashMap<String, Who>,
     cost: usize,
     /// The last [`TAKEN_KEPT`] paths taken, oldest first, and when: a walk that reaches one
     /// again within the time things are kept (while another thread is using it) does not
@@ -87,7 +96,7 @@ impl<T> State<T> {
     fn knows(&self, path: &str, ttl: Duration) -> bool {
         self.ready.contains_key(path)
             || self.running.contains_key(path)
-            || self.queued.contains(path)
+            || self.queued.contains_key(path)
             || self.taken_at.get(path).is_some_and(|t| t.elapsed() < ttl)
     }
 }
@@ -123,7 +132,7 @@ impl<T: Send + 'static> Ahead<T> {
                 ready: HashMap::new(),
                 running: HashMap::new(),
                 queue: VecDeque::new(),
-                queued: HashSet::new(),
+                queued: HashMap::new(),
                 cost: 0,
                 taken: VecDeque::new(),
                 taken_at: HashMap::new(),
@@ -161,20 +170,29 @@ impl<T: Send + 'static> Ahead<T> {
             return false;
         }
         let s = self.state();
-        s.ready.contains_key(path) || s.running.contains_key(path) || s.queued.contains(path)
+        s.ready.contains_key(path) || s.running.contains_key(path) || s.queued.contains_key(path)
     }
 
-    /// What was fetched ahead for `path`, if it is ready and fresh. A fetch of it still
-    /// queued is dropped: the caller fetches it itself now. (One running is left to end; see
-    /// [`Ahead::fetching`].)
-    pub fn take(self: &Arc<Self>, path: &str) -> Option<T> {
+    /// What was fetched ahead for `path` for caller `who`, if it is ready and fresh. A fetch
+    /// of it for `who` still queued is dropped: the caller fetches it itself now. (One running
+    /// is left to end; see [`Ahead::fetching`].) What was fetched for another caller stays
+    /// theirs: `who` gets nothing.
+    pub fn take(self: &Arc<Self>, path: &str, who: &Cred) -> Option<T> {
         if !self.holds() {
             return None;
         }
         let mut s = self.state();
-        let found = s.ready.remove(path);
-        if found.is_none() && !s.queued.remove(path) {
-            return None;
+        let mine = |w: &Who| same_caller(w, who);
+        let found = match s.ready.get(path) {
+            Some((.., w)) if !mine(w) => return None,
+            Some(_) => s.ready.remove(path),
+            None => None,
+        };
+        if found.is_none() {
+            match s.queued.get(path) {
+                Some(w) if mine(w) => s.queued.remove(path),
+                _ => return None,
+            };
         }
         if s.taken.len() >= TAKEN_KEPT {
             if let Some(old) = s.taken.pop_front() {
@@ -185,12 +203,12 @@ impl<T: Send + 'static> Ahead<T> {
             s.taken.push_back(path.to_owned());
         }
         let found = match found {
-            Some((t, cost, at)) => {
+            Some((t, cost, at, _)) => {
                 s.cost -= cost;
                 Some((t, at))
             }
             None => {
-                s.queue.retain(|(p, _)| p != path);
+                s.queue.retain(|(p, ..)| p != path);
                 None
             }
         };
@@ -202,14 +220,22 @@ impl<T: Send + 'static> Ahead<T> {
         (at.elapsed() < self.ttl).then_some(t)
     }
 
-    /// `f` of what was fetched ahead for `path`, if it is ready and fresh, leaving it there;
-    /// and how much longer it stays fresh.
-    pub fn peek<R>(&self, path: &str, f: impl FnOnce(&T) -> R) -> Option<(R, Duration)> {
+    /// `f` of what was fetched ahead for `path` for caller `who`, if it is ready and fresh,
+    /// leaving it there; and how much longer it stays fresh.
+    pub fn peek<R>(
+        &self,
+        path: &str,
+        who: &Cred,
+        f: impl FnOnce(&T) -> R,
+    ) -> Option<(R, Duration)> {
         if !self.holds() {
             return None;
         }
         let s = self.state();
-        let (t, _, at) = s.ready.get(path)?;
+        let (t, _, at, w) = s.ready.get(path)?;
+        if !same_caller(w, who) {
+            return None;
+        }
         let left = self
             .ttl
             .checked_sub(at.elapsed())
@@ -226,17 +252,17 @@ impl<T: Send + 'static> Ahead<T> {
         self.state().knows(path, self.ttl)
     }
 
-    /// True while a fetch of `path` runs: its end is worth waiting for ([`Ahead::wait`])
-    /// rather than fetching the same thing a second time.
-    pub fn fetching(&self, path: &str) -> bool {
-        self.holds() && self.state().running.contains_key(path)
+    /// True while a fetch of `path` for `who` runs: its end is worth waiting for
+    /// ([`Ahead::wait`]) rather than fetching the same thing a second time.
+    pub fn fetching(&self, path: &str, who: &Cred) -> bool {
+        self.holds() && (self.state().running.get(path)).is_some_and(|(.., w)| same_caller(w, who))
     }
 
     /// Waits until no fetch of `path` runs, at most until `max` after it began; then
     /// [`Ahead::take`] finds what it fetched, unless it failed or was spoiled.
     pub fn wait(&self, path: &str, max: Duration) {
         let mut s = self.state();
-        while let Some(&(_, since)) = s.running.get(path) {
+        while let Some(&(_, since, _)) = s.running.get(path) {
             let left = (since + max).saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
@@ -254,16 +280,17 @@ impl<T: Send + 'static> Ahead<T> {
     pub fn take_waiting(
         self: &Arc<Self>,
         path: &str,
+        who: &Cred,
         waiting: impl FnOnce(&dyn Fn()),
     ) -> Option<T> {
-        if let Some(t) = self.take(path) {
+        if let Some(t) = self.take(path, who) {
             return Some(t);
         }
-        if !self.fetching(path) {
+        if !self.fetching(path, who) {
             return None;
         }
         waiting(&|| self.wait(path, self.ttl));
-        self.take(path)
+        self.take(path, who)
     }
 
     /// `path` changed: what was fetched of it is dropped, and a fetch of it now running is
@@ -273,10 +300,10 @@ impl<T: Send + 'static> Ahead<T> {
             return;
         }
         let mut s = self.state();
-        if let Some((_, cost, _)) = s.ready.remove(path) {
+        if let Some((_, cost, ..)) = s.ready.remove(path) {
             s.cost -= cost;
         }
-        if let Some((spoiled, _)) = s.running.get_mut(path) {
+        if let Some((spoiled, ..)) = s.running.get_mut(path) {
             *spoiled = true;
         }
         self.count(&s);
@@ -292,7 +319,7 @@ impl<T: Send + 'static> Ahead<T> {
         let mut s = self.state();
         let gone: Vec<String> = s.ready.keys().filter(|p| hit(p)).cloned().collect();
         for p in gone {
-            if let Some((_, cost, _)) = s.ready.remove(&p) {
+            if let Some((_, cost, ..)) = s.ready.remove(&p) {
                 s.cost -= cost;
             }
         }
@@ -312,12 +339,13 @@ impl<T: Send + 'static> Ahead<T> {
         self.count(&s);
     }
 
-    /// Fetches `wanted` (paths, or things that name one) ahead, in order, as room allows, each
-    /// with the job `fetch` makes for it; paths already held, fetching, queued or just taken
-    /// are skipped (and make no job).
+    /// Fetches `wanted` (paths, or things that name one) ahead for caller `who`, in order, as
+    /// room allows, each with the job `fetch` makes for it (which must fetch as `who`); paths
+    /// already held, fetching, queued or just taken are skipped (and make no job).
     pub fn want<W: AsRef<str>>(
         self: &Arc<Self>,
         wanted: impl IntoIterator<Item = W>,
+        who: &Who,
         fetch: impl Fn(&W) -> Job<T>,
     ) {
         if self.ttl.is_zero() {
@@ -334,8 +362,8 @@ impl<T: Send + 'static> Ahead<T> {
                 continue;
             }
             let job = fetch(&w);
-            s.queued.insert(path.to_owned());
-            s.queue.push_back((path.to_owned(), job));
+            s.queued.insert(path.to_owned(), who.clone());
+            s.queue.push_back((path.to_owned(), job, who.clone()));
         }
         let starts = self.next(&mut s);
         self.count(&s);
@@ -349,7 +377,7 @@ impl<T: Send + 'static> Ahead<T> {
             // Full: what is too old to be used goes (never-used fetches would pin the room).
             let ttl = self.ttl;
             let mut freed = 0;
-            s.ready.retain(|_, (_, cost, at)| {
+            s.ready.retain(|_, (_, cost, at, _)| {
                 let keep = at.elapsed() < ttl;
                 if !keep {
                     freed += *cost;
@@ -360,11 +388,11 @@ impl<T: Send + 'static> Ahead<T> {
         }
         let mut out = Vec::new();
         while s.running.len() < self.running_max && s.cost < self.cost_max {
-            let Some((path, job)) = s.queue.pop_front() else {
+            let Some((path, job, who)) = s.queue.pop_front() else {
                 break;
             };
             s.queued.remove(&path);
-            s.running.insert(path.clone(), (false, Instant::now()));
+            s.running.insert(path.clone(), (false, Instant::now(), who));
             out.push((path, job));
         }
         out
@@ -386,10 +414,13 @@ impl<T: Send + 'static> Ahead<T> {
     /// fetches start.
     fn finish(self: &Arc<Self>, path: String, r: Option<(T, usize)>, at: Instant) {
         let mut s = self.state();
-        let spoiled = s.running.remove(&path).is_none_or(|(spoiled, _)| spoiled);
-        if let (Some((t, cost)), false) = (r, spoiled) {
+        let (spoiled, who) = match s.running.remove(&path) {
+            Some((spoiled, _, who)) => (spoiled, Some(who)),
+            None => (true, None),
+        };
+        if let (Some((t, cost)), false, Some(who)) = (r, spoiled, who) {
             s.cost += cost;
-            s.ready.insert(path, (t, cost, at));
+            s.ready.insert(path, (t, cost, at, who));
             if let Some(k) = &self.kept {
                 k();
             }
@@ -418,6 +449,35 @@ mod tests {
         assert_eq!(parent(""), "");
     }
 
+    /// The caller everything here is fetched for.
+    fn who() -> Who {
+        Arc::new(Cred {
+            uid: 1001,
+            gid: 1001,
+            groups: vec![4242],
+        })
+    }
+
+    #[test]
+    fn fetched_for_one_caller_is_not_anothers() {
+        let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
+        a.want(["x".to_owned(), "y".to_owned()], &who(), |_| ready(1));
+        let root = Cred::default();
+        let other_groups = Cred {
+            groups: vec![],
+            ..(*who()).clone()
+        };
+        assert_eq!(
+            a.take("x", &root),
+            None,
+            "root is not the caller it was for"
+        );
+        assert_eq!(a.take("x", &other_groups), None, "nor are other groups");
+        assert!(a.peek("x", &root, |_| ()).is_none());
+        assert_eq!(a.take("x", &who()), Some(1), "still there for its caller");
+        assert!(a.peek("y", &who(), |_| ()).is_some());
+    }
+
     /// A job that completes at once with `v`.
     fn ready(v: u32) -> Job<u32> {
         Box::new(move || Box::pin(async move { Some((v, 1)) }))
@@ -426,27 +486,27 @@ mod tests {
     #[test]
     fn fetched_once_and_spoiled_by_a_change() {
         let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
-        a.want(["x".to_owned(), "y".to_owned()], |p| {
+        a.want(["x".to_owned(), "y".to_owned()], &who(), |p| {
             ready(if p == "x" { 1 } else { 2 })
         });
         assert!(a.has("x"));
-        assert_eq!(a.take("x"), Some(1));
-        assert_eq!(a.take("x"), None, "used once");
-        a.want(["x".to_owned()], |_| ready(5));
-        assert_eq!(a.take("x"), None, "and not fetched again at once");
+        assert_eq!(a.take("x", &who()), Some(1));
+        assert_eq!(a.take("x", &who()), None, "used once");
+        a.want(["x".to_owned()], &who(), |_| ready(5));
+        assert_eq!(a.take("x", &who()), None, "and not fetched again at once");
         a.spoil("y");
-        assert_eq!(a.take("y"), None, "spoiled");
-        a.want(["d/e".to_owned(), "de".to_owned()], |_| ready(4));
+        assert_eq!(a.take("y", &who()), None, "spoiled");
+        a.want(["d/e".to_owned(), "de".to_owned()], &who(), |_| ready(4));
         a.spoil_tree("d");
-        assert_eq!(a.take("d/e"), None, "below a renamed directory");
+        assert_eq!(a.take("d/e", &who()), None, "below a renamed directory");
         assert_eq!(
-            a.take("de"),
+            a.take("de", &who()),
             Some(4),
             "a sibling whose name starts the same"
         );
-        a.want(["z".to_owned()], |_| ready(3));
+        a.want(["z".to_owned()], &who(), |_| ready(3));
         a.spoil_all();
-        assert_eq!(a.take("z"), None);
+        assert_eq!(a.take("z", &who()), None);
         assert!(!a.holds());
     }
 
@@ -467,8 +527,10 @@ mod tests {
             })
         })));
         let (a2, p) = (a.clone(), path.to_owned());
-        let t = std::thread::spawn(move || a2.want([p], |_| slow.lock().unwrap().take().unwrap()));
-        while !a.fetching(path) {
+        let t = std::thread::spawn(move || {
+            a2.want([p], &who(), |_| slow.lock().unwrap().take().unwrap())
+        });
+        while !a.fetching(path, &who()) {
             std::thread::yield_now();
         }
         (go, t)
@@ -481,21 +543,25 @@ mod tests {
         a.spoil("p");
         go.send(()).unwrap();
         t.join().unwrap();
-        assert_eq!(a.take("p"), None);
+        assert_eq!(a.take("p", &who()), None);
     }
 
     #[test]
     fn nothing_starts_past_the_cost_held() {
         // One at a time: the cost of a fetch is known when it ends.
         let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 1, 2));
-        a.want((0..5).map(|i| format!("f{i}")), |p| {
+        a.want((0..5).map(|i| format!("f{i}")), &who(), |p| {
             ready(p[1..].parse().unwrap())
         });
-        assert_eq!(a.take("f3"), None, "two held, the rest wait");
-        assert_eq!(a.take("f0"), Some(0));
-        assert_eq!(a.take("f2"), Some(2), "room made: the next one was fetched");
+        assert_eq!(a.take("f3", &who()), None, "two held, the rest wait");
+        assert_eq!(a.take("f0", &who()), Some(0));
         assert_eq!(
-            a.take("f4"),
+            a.take("f2", &who()),
+            Some(2),
+            "room made: the next one was fetched"
+        );
+        assert_eq!(
+            a.take("f4", &who()),
             Some(4),
             "f3, taken while queued, was dropped from the queue: f4 came next"
         );
@@ -507,7 +573,7 @@ mod tests {
         let a = Arc::new(Ahead::<u32>::new(Duration::from_secs(60), 2, 10));
         // The fetch ends only once the taker waits for it.
         let (go, t) = slow_fetch(&a, "p", 7);
-        let got = a.take_waiting("p", |wait| {
+        let got = a.take_waiting("p", &who(), |wait| {
             go.send(()).unwrap();
             wait()
         });

@@ -10,7 +10,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use fuser::Request;
+use kiln_client::Volume;
 use kiln_proto::Cred;
+
+use crate::KilnFs;
 
 /// How long a process's supplementary groups are trusted before `/proc` is read again.
 pub const GROUPS_TTL: Duration = Duration::from_secs(1);
@@ -30,24 +34,24 @@ impl Callers {
     /// The credentials of a request from `pid` as `uid`/`gid`. Root's are sent too (a brick
     /// may squash root), without supplementary groups: root needs none to pass a check, and
     /// a squashed root has none.
-    pub fn cred(&self, pid: u32, uid: u32, gid: u32) -> Option<Arc<Cred>> {
+    pub fn cred(&self, pid: u32, uid: u32, gid: u32) -> Arc<Cred> {
         if uid == 0 {
             static ROOT: std::sync::OnceLock<Arc<Cred>> = std::sync::OnceLock::new();
             if gid == 0 {
-                return Some(ROOT.get_or_init(|| Arc::new(Cred::default())).clone());
+                return ROOT.get_or_init(|| Arc::new(Cred::default())).clone();
             }
-            return Some(Arc::new(Cred {
+            return Arc::new(Cred {
                 uid,
                 gid,
                 groups: Vec::new(),
-            }));
+            });
         }
         let key = (pid, uid, gid);
         let now = Instant::now();
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((at, c)) = seen.get(&key) {
             if now.duration_since(*at) < GROUPS_TTL {
-                return Some(c.clone());
+                return c.clone();
             }
         }
         let c = Arc::new(Cred {
@@ -59,7 +63,24 @@ impl Callers {
             seen.clear();
         }
         seen.insert(key, (now, c.clone()));
-        Some(c)
+        c
+    }
+}
+
+/// True when `a` and `b` are the same caller to a brick: same uid, gid and groups (what one
+/// was answered, the other may not be).
+pub(crate) fn same_caller(a: &Cred, b: &Cred) -> bool {
+    std::ptr::eq(a, b) || a == b
+}
+
+impl KilnFs {
+    /// The request's caller: the volume on their behalf (name and metadata fops run on the
+    /// bricks with their uid, gid and groups), and their credentials — what the mount answers
+    /// from what it fetched ahead must have been fetched with the same ones.
+    pub(crate) fn asking(&self, req: &Request) -> (Volume, Arc<Cred>) {
+        let who = self.callers.cred(req.pid(), req.uid(), req.gid());
+        let vol = self.vol.on_behalf_of(Some(who.clone()));
+        (vol, who)
     }
 }
 
@@ -94,19 +115,12 @@ mod tests {
         assert_eq!(parse_groups("Name:\tx\n"), None);
         let me = std::process::id();
         let callers = Callers::default();
-        assert_eq!(
-            *callers.cred(me, 0, 0).unwrap(),
-            Cred::default(),
-            "root, no groups"
-        );
-        let c = callers.cred(me, 1000, 100).expect("a user's credentials");
+        assert_eq!(*callers.cred(me, 0, 0), Cred::default(), "root, no groups");
+        let c = callers.cred(me, 1000, 100);
         assert_eq!((c.uid, c.gid), (1000, 100));
         // Within the TTL the same process gets the same credentials without reading /proc.
-        assert!(Arc::ptr_eq(&c, &callers.cred(me, 1000, 100).unwrap()));
+        assert!(Arc::ptr_eq(&c, &callers.cred(me, 1000, 100)));
         // A process that is gone: primary group only.
-        assert_eq!(
-            callers.cred(u32::MAX, 5, 6).unwrap().groups,
-            Vec::<u32>::new()
-        );
+        assert_eq!(callers.cred(u32::MAX, 5, 6).groups, Vec::<u32>::new());
     }
 }

@@ -10,7 +10,7 @@ use kiln_client::Volume;
 
 use crate::gate::{self, block_on};
 
-use crate::ahead::{Job, Listing};
+use crate::ahead::{Job, Listing, Who};
 use crate::convert::{errno, kind};
 use crate::inodes::{join, split};
 use crate::{DirSnapshot, KilnFs, Mode};
@@ -26,7 +26,7 @@ impl KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        let caller = self.caller(req);
+        let (caller, who) = self.asking(req);
         let general = self.mode == Mode::General;
         // Where a walk is: the subdirectories it opens next are fetched ahead (below).
         let (up, name) = split(&path);
@@ -34,10 +34,10 @@ impl KilnFs {
             true => self.walks.opened(up, name),
             false => Vec::new(),
         };
-        let (entries, seen) = match self.ahead.take_waiting(&path, |w| gate::waiting(w)) {
+        let (entries, seen) = match self.ahead.take_waiting(&path, &who, |w| gate::waiting(w)) {
             Some(listing) => listing,
             None => {
-                let seen = self.no_xattrs.seen(self.ttl);
+                let seen = self.no_xattrs.seen(self.ttl, &who);
                 match block_on(caller.readdir(&path)) {
                     Ok(entries) => (entries, seen),
                     Err(e) => return reply.error(errno(e)),
@@ -53,7 +53,7 @@ impl KilnFs {
             // A depth-first walk goes into this directory's first subdirectories before
             // this one's next siblings.
             let first = self.walks.listed(&path, subdirs);
-            self.listings_ahead(&caller, first.into_iter().chain(siblings));
+            self.listings_ahead((&caller, &who), first.into_iter().chain(siblings));
             self.note_files(&path, &entries);
         }
         let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
@@ -159,12 +159,16 @@ impl KilnFs {
         reply.ok()
     }
 
-    /// Fetches the listings of directories `dirs` ahead.
-    fn listings_ahead(&self, caller: &Volume, dirs: impl IntoIterator<Item = String>) {
-        self.ahead.want(dirs, |dir| {
+    /// Fetches the listings of directories `dirs` ahead for `caller` (credentials `who`).
+    fn listings_ahead(
+        &self,
+        (caller, who): (&Volume, &Who),
+        dirs: impl IntoIterator<Item = String>,
+    ) {
+        self.ahead.want(dirs, who, |dir| {
             let (vol, seen, dir) = (
                 caller.clone(),
-                self.no_xattrs.seen(self.ttl),
+                self.no_xattrs.seen(self.ttl, who),
                 dir.to_owned(),
             );
             let job: Job<Listing> = Box::new(move || {

@@ -1,5 +1,6 @@
 //! Directories whose every name this mount knows: a lookup of any other name there is
-//! answered "no such file" without asking a brick.
+//! answered "no such file" without asking a brick — for the caller who made the directory
+//! only (another may not be allowed to search it: the brick answers them).
 //!
 //! Creating a file asks the kernel to look its name up first, and in a directory this mount
 //! just made (an untar, a build, a checkout) the brick always says there is none: a round
@@ -11,10 +12,13 @@
 //! cannot cover).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kiln_proto::Cred;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+
+use crate::callers::same_caller;
 
 /// The longest name a brick takes (Linux's `NAME_MAX`).
 const NAME_MAX: usize = 255;
@@ -37,6 +41,8 @@ pub(crate) struct Known {
 struct Dir {
     names: HashSet<String>,
     since: Instant,
+    /// Who made it: the only caller answered from what is known of it.
+    who: Arc<Cred>,
 }
 
 /// What a change through this mount did to a name.
@@ -73,15 +79,17 @@ impl Known {
         }
     }
 
-    /// True when `name` is surely not in directory `dir` (a name the brick would refuse, too
-    /// long for it, is left for the brick to refuse).
-    pub fn absent(&self, dir: &str, name: &str) -> bool {
+    /// True when `name` is surely not in directory `dir`, and `who` may be told so (they made
+    /// it). A name the brick would refuse, too long for it, is left for the brick to refuse.
+    pub fn absent(&self, dir: &str, name: &str, who: &Cred) -> bool {
         if !self.pushed.load(Ordering::Acquire) || name.len() > NAME_MAX {
             return false;
         }
         let mut d = self.dirs();
         match d.get(dir) {
-            Some(k) if k.since.elapsed() < self.ttl => !k.names.contains(name),
+            Some(k) if k.since.elapsed() < self.ttl => {
+                same_caller(&k.who, who) && !k.names.contains(name)
+            }
             Some(_) => {
                 d.remove(dir);
                 false
@@ -95,9 +103,9 @@ impl Known {
         self.epoch.load(Ordering::Acquire)
     }
 
-    /// Directory `dir` was just made through this mount (`epoch` read before): empty, unless
-    /// a push forgot something meanwhile.
-    pub fn made_dir(&self, dir: &str, epoch: u64) {
+    /// Directory `dir` was just made through this mount by `who` (`epoch` read before):
+    /// empty, unless a push forgot something meanwhile.
+    pub fn made_dir(&self, dir: &str, epoch: u64, who: &Arc<Cred>) {
         if !self.pushed.load(Ordering::Acquire) {
             return;
         }
@@ -111,6 +119,7 @@ impl Known {
         let k = Dir {
             names: HashSet::default(),
             since: Instant::now(),
+            who: who.clone(),
         };
         d.insert(dir.to_owned(), k);
     }
@@ -169,38 +178,70 @@ impl Known {
 mod tests {
     use super::*;
 
+    /// The caller making the directories.
+    fn me() -> Arc<Cred> {
+        Arc::new(Cred {
+            uid: 1001,
+            gid: 1001,
+            groups: vec![],
+        })
+    }
+
+    #[test]
+    fn only_the_maker_is_told_a_name_is_absent() {
+        let k = Known::new(Duration::from_secs(60));
+        k.pushes(true);
+        k.made_dir("d", k.epoch(), &me());
+        assert!(k.absent("d", "x", &me()));
+        assert!(!k.absent("d", "x", &Cred::default()), "root asks the brick");
+        let other = Cred {
+            uid: 1002,
+            ..(*me()).clone()
+        };
+        assert!(!k.absent("d", "x", &other), "so does another user");
+    }
+
     #[test]
     fn a_made_directory_is_known_until_something_else_happens() {
         let k = Known::new(Duration::from_secs(60));
-        k.made_dir("d", k.epoch());
-        assert!(!k.absent("d", "x"), "nothing is known without pushes");
-        k.pushes(true);
-        k.made_dir("d", k.epoch());
-        assert!(k.absent("d", "x"));
+        k.made_dir("d", k.epoch(), &me());
         assert!(
-            !k.absent("d", &"n".repeat(256)),
+            !k.absent("d", "x", &me()),
+            "nothing is known without pushes"
+        );
+        k.pushes(true);
+        k.made_dir("d", k.epoch(), &me());
+        assert!(k.absent("d", "x", &me()));
+        assert!(
+            !k.absent("d", &"n".repeat(256), &me()),
             "ENAMETOOLONG is the brick's to say"
         );
         k.named("d", "x", Name::Exists);
-        assert!(!k.absent("d", "x"));
+        assert!(!k.absent("d", "x", &me()));
         k.named("d", "x", Name::Gone);
-        assert!(k.absent("d", "x"));
+        assert!(k.absent("d", "x", &me()));
         k.named("d", "y", Name::Unknown);
-        assert!(!k.absent("d", "z"), "forgotten after a failed change");
-        k.made_dir("e", k.epoch());
+        assert!(
+            !k.absent("d", "z", &me()),
+            "forgotten after a failed change"
+        );
+        k.made_dir("e", k.epoch(), &me());
         k.forget("e");
         let before = k.epoch();
         k.forget("elsewhere");
-        k.made_dir("h", before);
-        assert!(!k.absent("h", "z"), "a push came while it was made");
-        assert!(!k.absent("e", "z"));
-        k.made_dir("f", k.epoch());
+        k.made_dir("h", before, &me());
+        assert!(!k.absent("h", "z", &me()), "a push came while it was made");
+        assert!(!k.absent("e", "z", &me()));
+        k.made_dir("f", k.epoch(), &me());
         k.pushes(false);
         k.pushes(true);
-        assert!(!k.absent("f", "z"), "forgotten when pushes stop");
+        assert!(!k.absent("f", "z", &me()), "forgotten when pushes stop");
         let short = Known::new(Duration::ZERO);
         short.pushes(true);
-        short.made_dir("g", short.epoch());
-        assert!(!short.absent("g", "z"), "kept no longer than the timeout");
+        short.made_dir("g", short.epoch(), &me());
+        assert!(
+            !short.absent("g", "z", &me()),
+            "kept no longer than the timeout"
+        );
     }
 }

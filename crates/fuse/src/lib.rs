@@ -125,7 +125,7 @@ pub struct KilnFs {
     /// Small files' content fetched ahead of a reader (see [`ahead`] and [`smalls`]).
     contents: Arc<ahead::Contents>,
     /// The small regular files of recent listings, for [`smalls`].
-    recent: smalls::Recent,
+    recent: Arc<smalls::Recent>,
     /// The subdirectories of recent listings, and the order walks take (see [`walks`]).
     walks: walks::Walks,
     /// The volume root's brick inode (FUSE's is [`ROOT`]).
@@ -175,7 +175,7 @@ impl KilnFs {
                     .ahead_ready
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             })),
-            recent: smalls::Recent::default(),
+            recent: Arc::default(),
             walks: walks::Walks::default(),
             root_brick_ino: root.ino,
             known: Arc::new(known::Known::new(attr_timeout)),
@@ -196,8 +196,7 @@ impl KilnFs {
     /// with the caller's uid, gid and groups. Data fops on open files use `self.vol`: access
     /// was checked when the file was opened.
     fn caller(&self, req: &Request) -> Volume {
-        self.vol
-            .on_behalf_of(self.callers.cred(req.pid(), req.uid(), req.gid()))
+        self.asking(req).0
     }
 
     /// What other clients' changes, pushed by the bricks, make stale (see [`changes`]).
@@ -209,6 +208,7 @@ impl KilnFs {
             ahead: self.ahead.clone(),
             contents: self.contents.clone(),
             known: self.known.clone(),
+            recent: self.recent.clone(),
         }
     }
 
@@ -231,6 +231,7 @@ impl KilnFs {
         let (parent, name) = inodes::split(path);
         self.ahead.spoil(parent);
         self.contents.spoil(path);
+        self.recent.forget(parent);
         self.known.named(parent, name, made);
     }
 
@@ -394,17 +395,16 @@ impl fuser::Filesystem for KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        if self
-            .known
-            .absent(ahead::parent(&path), name.to_str().unwrap_or_default())
-        {
+        let (caller, who) = self.asking(req);
+        let name = name.to_str().unwrap_or_default();
+        if self.known.absent(ahead::parent(&path), name, &who) {
             return reply.error(Errno::ENOENT);
         }
-        if let Some((a, left)) = self.small_attr(&path) {
+        if let Some((a, left)) = self.small_attr(&path, &who) {
             // Kept by the kernel no longer than the fetch may be used.
             return self.entry_for(&path, &a, &left, reply);
         }
-        match block_on(self.caller(req).lookup(&path)) {
+        match block_on(caller.lookup(&path)) {
             Ok(a) => self.entry(&path, &a, reply),
             Err(e) => reply.error(errno(e)),
         }
@@ -556,10 +556,11 @@ impl fuser::Filesystem for KilnFs {
             Err(e) => return reply.error(e),
         };
         let epoch = self.known.epoch();
-        let r = block_on(self.caller(req).mkdir(&path, mode & !umask));
+        let (caller, who) = self.asking(req);
+        let r = block_on(caller.mkdir(&path, mode & !umask));
         self.named(&path, made(&r, known::Name::Exists));
         if r.is_ok() {
-            self.known.made_dir(&path, epoch);
+            self.known.made_dir(&path, epoch, &who);
         }
         match r {
             Ok(a) => self.entry(&path, &a, reply),
@@ -652,6 +653,7 @@ impl fuser::Filesystem for KilnFs {
         for p in [&from, &to] {
             self.ahead.spoil_tree(p);
             self.contents.spoil_tree(p);
+            self.recent.forget_tree(p);
             self.known.forget_tree(p);
         }
         match r {
@@ -733,7 +735,7 @@ impl fuser::Filesystem for KilnFs {
     ) {
         let _g = self.gate.enter();
         let by = if write_flags.contains(fuser::WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            self.callers.cred(req.pid(), req.uid(), req.gid())
+            Some(self.callers.cred(req.pid(), req.uid(), req.gid()))
         } else {
             None
         };

@@ -54,12 +54,12 @@ impl KilnFs {
             true => self.fopen_flags() | FopenFlags::FOPEN_NOFLUSH,
             false => self.fopen_flags(),
         };
-        let caller = self.caller(req);
+        let (caller, who) = self.asking(req);
         // In progress until its handle is registered and answered (see `files::Opening`).
         let opening = self.files.opening(ino.0);
         let seen = self.files.changes();
         let taken = match small {
-            true => self.small_taken(&path, ino.0),
+            true => self.small_taken(&path, ino.0, &who),
             false => None,
         };
         let hit = taken.is_some();
@@ -68,7 +68,7 @@ impl KilnFs {
             Some(c) => Ok(Opened::Whole(c.data, c.attr)),
             None if small => {
                 // The next files' fetches go out first, to run beside this one's.
-                self.small_next(&caller, &path);
+                self.small_next((&caller, &who), &path);
                 block_on(caller.open_small(&path, flags, self.small_max))
             }
             None => block_on(caller.open(&path, flags)).map(Opened::Fd),
@@ -83,7 +83,7 @@ impl KilnFs {
         drop(opening);
         // Found fetched ahead: the reader was answered before the next fetches go out.
         if hit {
-            self.small_next(&caller, &path);
+            self.small_next((&caller, &who), &path);
         }
     }
 

@@ -17,11 +17,12 @@ use std::time::Duration;
 
 use kiln_client::{DirEntry, Opened, Volume};
 
-use crate::ahead::{Content, Job};
+use crate::ahead::{Content, Job, Who};
 use crate::convert::kind;
 use crate::files::store_ahead;
 use crate::inodes::{fuse_ino, join, split};
 use crate::KilnFs;
+use kiln_proto::Cred;
 
 /// Files fetched ahead per open, at most.
 const AHEAD: usize = 16;
@@ -54,6 +55,30 @@ struct Next {
 impl AsRef<str> for Next {
     fn as_ref(&self) -> &str {
         &self.path
+    }
+}
+
+impl Recent {
+    /// Directory `dir`'s entries changed (another client's change pushed, or one through this
+    /// mount): what its listing said is forgotten, so no walk fetches ahead an entry as what
+    /// it was — a regular file now replaced by a FIFO or a directory, say.
+    pub(crate) fn forget(&self, dir: &str) {
+        let mut d = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        if !d.is_empty() {
+            d.remove(dir);
+        }
+    }
+
+    /// `path` was renamed, replaced or removed: its listing and those below it are forgotten.
+    pub(crate) fn forget_tree(&self, path: &str) {
+        let below = format!("{path}/");
+        let mut d = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        d.retain(|p, _| p != path && !p.starts_with(&below));
+    }
+
+    /// Anything may have changed: every listing is forgotten.
+    pub(crate) fn forget_all(&self) {
+        self.dirs.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
 
@@ -159,13 +184,14 @@ impl KilnFs {
         out
     }
 
-    /// A read-only open of small file `path` (inode `ino`): its content if it was fetched
-    /// ahead (waiting for a fetch of it on its way), and whether that content was put into
-    /// the page cache as it came.
-    pub(crate) fn small_taken(&self, path: &str, ino: u64) -> Option<Content> {
+    /// A read-only open of small file `path` (inode `ino`) by `who`: its content if it was
+    /// fetched ahead for `who` (waiting for a fetch of it on its way), and whether that content
+    /// was put into the page cache as it came. Content fetched for another caller is not
+    /// theirs to have: their open goes to the brick, which checks it as them.
+    pub(crate) fn small_taken(&self, path: &str, ino: u64, who: &Cred) -> Option<Content> {
         let c = self
             .contents
-            .take_waiting(path, |w| crate::gate::waiting(w))
+            .take_waiting(path, who, |w| crate::gate::waiting(w))
             .filter(|c| c.ino == ino)?;
         self.counters.fetched_ahead.fetch_add(1, Relaxed);
         Some(c)
@@ -175,22 +201,27 @@ impl KilnFs {
     /// that is fresh (the kernel forgets a name it was told of after the attribute timeout,
     /// so a reader that follows a listing by more than that looks every name up again), and
     /// for how much longer they may be used. Not for a file with other names: a change
-    /// through one of those would not spoil what was fetched by this one.
-    pub(crate) fn small_attr(&self, path: &str) -> Option<(kiln_client::Attr, Duration)> {
-        let (a, left) = self.contents.peek(path, |c| c.attr.clone())?;
+    /// through one of those would not spoil what was fetched by this one. Only for the caller
+    /// `who` it was fetched for (another may not be allowed to look it up).
+    pub(crate) fn small_attr(
+        &self,
+        path: &str,
+        who: &Cred,
+    ) -> Option<(kiln_client::Attr, Duration)> {
+        let (a, left) = self.contents.peek(path, who, |c| c.attr.clone())?;
         let a = a.filter(|a| a.nlink <= 1)?;
         self.counters.looked_up_ahead.fetch_add(1, Relaxed);
         Some((a, left))
     }
 
     /// Small file `path` was opened read-only by `caller`: the small files a walk reaches
-    /// next are fetched ahead now (those not held or on their way already), and each is put
+    /// next are fetched ahead for them now (those not held or on their way already), and each is put
     /// into the page cache as it comes, off its opener's path ([`store_ahead`]).
     ///
     /// Fetches go out in bursts: only once the file half a window ahead is not held or on its
     /// way, so that about half a window's requests leave in one `sendmsg` and reach the brick
     /// in one read, rather than one request (and a wake-up on each side) per open.
-    pub(crate) fn small_next(&self, caller: &Volume, path: &str) {
+    pub(crate) fn small_next(&self, (caller, who): (&Volume, &Who), path: &str) {
         let (dir, name) = split(path);
         // Most opens find the file half a window ahead known: only that far is walked first.
         let Some(half) = self.walk_after(dir, name, AHEAD / 2).pop() else {
@@ -200,13 +231,14 @@ impl KilnFs {
             return;
         }
         let next = self.walk_after(dir, name, AHEAD);
-        caller.batch(|| self.fetch_ahead(caller, &next));
+        caller.batch(|| self.fetch_ahead((caller, who), &next));
     }
 
-    /// Fetches the small files `next` ahead ([`KilnFs::small_next`]).
-    fn fetch_ahead(&self, caller: &Volume, next: &[Next]) {
+    /// Fetches the small files `next` ahead for `caller` ([`KilnFs::small_next`]): theirs
+    /// only, as `who`.
+    fn fetch_ahead(&self, (caller, who): (&Volume, &Who), next: &[Next]) {
         let max = self.small_max as u64;
-        self.contents.want(next, |n| {
+        self.contents.want(next, who, |n| {
             let (ino, size) = (n.ino, n.size);
             // Room for the size listed, in whole pages: a file that grew a little still
             // fits, and one that grew past it comes back as a handle (below).

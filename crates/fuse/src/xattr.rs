@@ -14,7 +14,8 @@
 //! - An entry that `readdirplus` listed, and whose brick said it has no extended attributes a
 //!   client may see: `getxattr` answers `ENODATA` and `listxattr` an empty list without asking,
 //!   until the attribute timeout counted from when the listing was fetched — the bound the
-//!   kernel keeps attributes for. A set or remove through this mount forgets that at once (and
+//!   kernel keeps attributes for — and only to the caller the listing was fetched for (the
+//!   brick may refuse another the file's attributes: it answers them). A set or remove through this mount forgets that at once (and
 //!   a listing fetched before it cannot bring it back); another client's is seen after the
 //!   timeout at the latest. Directories are always asked (their copies on several bricks may
 //!   differ), and so are replicated volumes' files (replicate lists one replica).
@@ -22,42 +23,49 @@
 use rustc_hash::FxHashMap as HashMap;
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+use kiln_proto::Cred;
 
 use crate::gate::block_on;
 use fuser::{Errno, INodeNo, ReplyEmpty, ReplyXattr, Request};
 
+use crate::callers::same_caller;
 use crate::convert::errno;
 use crate::KilnFs;
 
-/// Inodes known to have no extended attributes a client may see, and until when; and a count
-/// of this mount's xattr changes, so that a listing fetched before one cannot undo it.
+/// Inodes known to have no extended attributes a client may see, until when, and to whom
+/// (the caller whose listing said so); and a count of this mount's xattr changes, so that a
+/// listing fetched before one cannot undo it.
 #[derive(Default)]
 pub(crate) struct NoXattrs {
-    until: Mutex<HashMap<u64, Instant>>,
+    until: Mutex<HashMap<u64, (Instant, Arc<Cred>)>>,
     changes: AtomicU64,
 }
 
-/// Taken before a listing is fetched: until when what it says holds, and the changes count.
+/// Taken before a listing is fetched: until when what it says holds, the changes count, and
+/// whom it is fetched for.
 pub(crate) struct Seen {
     until: Instant,
     changes: u64,
+    who: Arc<Cred>,
 }
 
 impl NoXattrs {
     /// Entries remembered at most; the table is emptied when it grows past this.
     const KEEP: usize = 1 << 20;
 
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Instant>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Instant, Arc<Cred>)>> {
         self.until.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Call before fetching a listing whose entries are then trusted for `ttl`.
-    pub(crate) fn seen(&self, ttl: std::time::Duration) -> Seen {
+    /// Call before fetching a listing for `who` whose entries are then trusted for `ttl`.
+    pub(crate) fn seen(&self, ttl: std::time::Duration, who: &Arc<Cred>) -> Seen {
         Seen {
             until: Instant::now() + ttl,
             changes: self.changes.load(Ordering::Acquire),
+            who: who.clone(),
         }
     }
 
@@ -74,15 +82,16 @@ impl NoXattrs {
                 if m.len() >= Self::KEEP {
                     m.clear();
                 }
-                m.insert(ino, seen.until);
+                m.insert(ino, (seen.until, seen.who.clone()));
             }
         }
     }
 
-    fn none(&self, ino: u64) -> bool {
+    /// True when `ino` is known to have no extended attributes, and `who` may be told so.
+    fn none(&self, ino: u64, who: &Cred) -> bool {
         let mut m = self.map();
         match m.get(&ino) {
-            Some(until) if Instant::now() < *until => true,
+            Some((until, by)) if Instant::now() < *until => same_caller(by, who),
             Some(_) => {
                 m.remove(&ino);
                 false
@@ -181,10 +190,11 @@ impl KilnFs {
         if !self.supported(name) {
             return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
         }
-        if self.no_xattrs.none(ino.0) {
+        let (caller, who) = self.asking(req);
+        if self.no_xattrs.none(ino.0, &who) {
             return reply.error(Errno::from_i32(libc::ENODATA));
         }
-        match block_on(self.caller(req).getxattr(&path, name)) {
+        match block_on(caller.getxattr(&path, name)) {
             Ok(v) => sized(reply, &v, size),
             Err(e) => reply.error(errno(e)),
         }
@@ -195,10 +205,11 @@ impl KilnFs {
             Ok(p) => p,
             Err(e) => return reply.error(e),
         };
-        if self.no_xattrs.none(ino.0) {
+        let (caller, who) = self.asking(req);
+        if self.no_xattrs.none(ino.0, &who) {
             return sized(reply, &[], size);
         }
-        match block_on(self.caller(req).listxattr(&path)) {
+        match block_on(caller.listxattr(&path)) {
             Ok(names) => {
                 let mut buf = Vec::new();
                 for n in names.iter().filter(|n| self.supported(n)) {

@@ -278,3 +278,56 @@ fn small_files_fetched_ahead_never_hide_a_change() {
     write_and_close(&b.path("d/f5"), b"mine5");
     assert_eq!(std::fs::read(b.path("d/f5")).unwrap(), b"mine5");
 }
+
+#[test]
+fn a_fifo_renamed_over_a_listed_small_file_is_not_fetched_ahead() {
+    let ttl = Duration::from_secs(60);
+    let a = Mounted::with_options(Mode::General, true, ttl);
+    let b = a.second(ttl);
+    std::fs::create_dir(a.path("d")).unwrap();
+    for i in 0..6 {
+        write_and_close(&a.path(&format!("d/f{i}")), format!("old{i}").as_bytes());
+    }
+    write_and_close(&a.path("marker"), b"m");
+    assert_ne!(mode(&b.path("marker")), 0o600);
+    // B lists d: its small files are what a walk from the first would fetch ahead.
+    let listed: Vec<String> = std::fs::read_dir(b.path("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let (first, last) = (&listed[0], &listed[listed.len() - 1]);
+    // A renames a FIFO over each file between the first and last B listed.
+    for (i, name) in listed[1..listed.len() - 1].iter().enumerate() {
+        let fifo = a.path(&format!("fifo{i}"));
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo");
+        std::fs::rename(&fifo, a.path(&format!("d/{name}"))).unwrap();
+    }
+    chmod_seen(&a.path("marker"), &b.path("marker"));
+    // B reads the first and the last file: the brick opens those two and no FIFO (the pushes
+    // made B forget the listing, so nothing is fetched ahead as the files they were).
+    let opens = a.stats.calls(kiln_proto::Op::Open);
+    let fetched = b
+        .counters
+        .fetched_ahead
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(std::fs::read(b.path(&format!("d/{first}")))
+        .unwrap()
+        .starts_with(b"old"));
+    assert!(std::fs::read(b.path(&format!("d/{last}")))
+        .unwrap()
+        .starts_with(b"old"));
+    assert_eq!(
+        a.stats.calls(kiln_proto::Op::Open) - opens,
+        2,
+        "opens on the brick"
+    );
+    assert_eq!(
+        b.counters
+            .fetched_ahead
+            .load(std::sync::atomic::Ordering::Relaxed),
+        fetched,
+        "nothing fetched ahead from the listing the FIFOs changed"
+    );
+}

@@ -95,9 +95,11 @@ impl Mounted {
         let vol = Volume::connect(&format!("unix:{}", sock.display())).expect("connect");
         let fs = kiln_fuse::KilnFs::new(Arc::new(vol), Mode::General, attr_timeout)
             .expect("the volume's root");
+        let counters = fs.counters();
         let session = kiln_fuse::serve_background(fs, "test2:/vol", &dir, 4).expect("mount");
         Second {
             dir,
+            counters,
             session: Some(session),
         }
     }
@@ -165,6 +167,8 @@ pub fn exists(p: &Path) -> bool {
 /// A second mount of a [`Mounted`]'s brick.
 pub struct Second {
     pub dir: PathBuf,
+    /// The second mount's own counts.
+    pub counters: Arc<kiln_fuse::Counters>,
     session: Option<fuser::BackgroundSession>,
 }
 

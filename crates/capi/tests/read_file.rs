@@ -60,3 +60,54 @@ fn a_small_file_is_one_open_on_the_brick() {
     // SAFETY: `k` is live and not used again.
     assert_eq!(unsafe { kiln_fini(k) }, 0);
 }
+
+/// libkiln speaks for the identity its key file names (`KILN_SECRET_FILE`, `NAME SECRET`), and
+/// the brick holds it to that identity's subtree and user.
+#[test]
+fn libkiln_reaches_only_its_identitys_subtree() {
+    use kiln_server::identity::{Caps, Identities, Identity, Users};
+    let dir = tempfile::tempdir().unwrap();
+    let brick = dir.path().join("brick");
+    for d in ["t1", "t2"] {
+        std::fs::create_dir_all(brick.join(d)).unwrap();
+    }
+    std::os::unix::fs::chown(brick.join("t1"), Some(1001), Some(1001)).unwrap();
+    std::fs::write(brick.join("t1/mine"), b"t1's").unwrap();
+    std::fs::write(brick.join("t2/theirs"), b"t2's").unwrap();
+    let sock = dir.path().join("kilnd.sock");
+    let ids = std::sync::Arc::new(Identities::new());
+    ids.set(
+        "vol",
+        vec![Identity {
+            name: "t1".into(),
+            key: "feedfacefeedface".into(),
+            caps: Caps {
+                volumes: vec!["vol".into()],
+                subtree: "t1".into(),
+                users: Users::As {
+                    uid: 1001,
+                    gid: 1001,
+                },
+                ..Caps::default()
+            },
+        }],
+    );
+    let ids2 = ids.clone();
+    kiln_server::spawn_background_with(&brick, &[Listen::Unix(sock.clone())], move |s| {
+        s.with_identities(ids2)
+    })
+    .unwrap();
+    let key = dir.path().join("t1.key");
+    std::fs::write(&key, "t1 feedfacefeedface\n").unwrap();
+    // SAFETY (edition 2021: safe fn): no other test of this binary reads it meanwhile in a
+    // way that matters (the other one's brick asks for no key).
+    std::env::set_var("KILN_SECRET_FILE", &key);
+    let k = common::connect(&sock);
+    let mut buf = vec![0u8; 64];
+    assert_eq!(read_file(k, "/t1/mine", &mut buf), 4);
+    assert_eq!(&buf[..4], b"t1's");
+    assert_eq!(read_file(k, "/t2/theirs", &mut buf), -(libc::EACCES as i64));
+    assert!(read_file(k, "/../t2/theirs", &mut buf) < 0);
+    // SAFETY: `k` is live and not used again.
+    unsafe { kiln_fini(k) };
+}

@@ -415,6 +415,15 @@ fn clear_stale_socket(p: &Path) -> std::io::Result<()> {
 /// Binds `listen` for the brick at `dir` and serves it from a background thread (a 2-thread
 /// runtime) for the rest of the process's life. Returns once the addresses are bound.
 pub fn spawn_background(dir: &Path, listen: &[Listen]) -> std::io::Result<Background> {
+    spawn_background_with(dir, listen, |s| s)
+}
+
+/// [`spawn_background`], the server configured by `configure` first (a secret, identities).
+pub fn spawn_background_with(
+    dir: &Path,
+    listen: &[Listen],
+    configure: impl FnOnce(Server) -> Server + Send + 'static,
+) -> std::io::Result<Background> {
     let (tx, rx) = std::sync::mpsc::channel();
     let (dir, listen) = (dir.to_owned(), listen.to_vec());
     std::thread::Builder::new()
@@ -432,7 +441,7 @@ pub fn spawn_background(dir: &Path, listen: &[Listen]) -> std::io::Result<Backgr
                 }
             };
             rt.block_on(async move {
-                match Server::bind(&dir, &listen) {
+                match Server::bind(&dir, &listen).map(configure) {
                     Ok(server) => {
                         let _ = tx.send(Ok(Background {
                             addrs: server.local_addrs(),

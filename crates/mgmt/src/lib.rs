@@ -32,12 +32,13 @@
 //!
 //! **Authentication.** The management port requires the management secret (`mgmt.secret`
 //! above, created at first start; the same HMAC challenge-response as bricks, see
-//! `kiln_proto::auth`) for every command but one: `volfile`, the client graph of a started
-//! volume, stays open to unauthenticated connections as in GlusterFS, so that `kiln mount
+//! `kiln_proto::auth`), or the key of an identity with the admin capability (see
+//! [`identities`]), for every command but one: `volfile`, the client graph of a started
+//! volume, is handed to a connection that proved the volume's own secret (identity
+//! `vol.NAME` here) or the key of an identity allowed on the volume, so that `kiln mount
 //! HOST:/VOL` works on a client host without handing it the key to create and delete
-//! volumes. What `volfile` returns is layer names and brick addresses (`tcp:IP:PORT`) — the
-//! same things a port scan finds — and never a secret; the bricks themselves still require
-//! the volume's own secret. Everything else — `create`, `start`, `stop`, `delete`, `info`,
+//! volumes; to anyone else it answers as for a volume that does not exist. What `volfile`
+//! returns is layer names and brick addresses, never a secret. Everything else — `create`, `start`, `stop`, `delete`, `info`,
 //! `list`, `status` and the kilnd-to-kilnd commands (`peer-sync` and `brick-start`, which
 //! carry volume secrets, `brick-stop`, and the pool's `raft`, `pool-write`, `pool-join`,
 //! `pool-leave`) — is refused, and the

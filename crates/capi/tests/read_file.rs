@@ -99,10 +99,12 @@ fn libkiln_reaches_only_its_identitys_subtree() {
     .unwrap();
     let key = dir.path().join("t1.key");
     std::fs::write(&key, "t1 feedfacefeedface\n").unwrap();
-    // SAFETY (edition 2021: safe fn): no other test of this binary reads it meanwhile in a
-    // way that matters (the other one's brick asks for no key).
+    // Set only while connecting (edition 2021: a safe fn): the other test of this binary may
+    // read it meanwhile, harmlessly (its brick asks for no key), but never after this test
+    // removed the file.
     std::env::set_var("KILN_SECRET_FILE", &key);
     let k = common::connect(&sock);
+    std::env::remove_var("KILN_SECRET_FILE");
     let mut buf = vec![0u8; 64];
     assert_eq!(read_file(k, "/t1/mine", &mut buf), 4);
     assert_eq!(&buf[..4], b"t1's");

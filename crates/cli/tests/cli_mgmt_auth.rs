@@ -515,33 +515,9 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
     m(&["volume", "start", "tv"]);
     let (k1, k2) = (tmp.path().join("t1.key"), tmp.path().join("t2.key"));
     let (k1s, k2s) = (k1.to_str().unwrap(), k2.to_str().unwrap());
-    m(&[
-        "auth",
-        "add",
-        "t1",
-        "--volume",
-        "tv",
-        "--subtree",
-        "/t1",
-        "--as",
-        "1001:1001",
-        "--key-file",
-        k1s,
-    ]);
-    m(&[
-        "auth",
-        "add",
-        "t2",
-        "--volume",
-        "tv",
-        "--subtree",
-        "/t2",
-        "--read-only",
-        "--as",
-        "1002:1002",
-        "--key-file",
-        k2s,
-    ]);
+    for args in tenants("tv", k1s, k2s) {
+        m(&args);
+    }
     assert_eq!(mode(&k1), 0o600, "key files are private");
     for (d, id) in [("t1", 1001), ("t2", 1002)] {
         std::fs::create_dir(brick.join(d)).unwrap();
@@ -721,33 +697,9 @@ fn two_tenants_through_a_mount_and_nbd() {
     let _reaper = BrickReaper(vol.state.clone());
     let (k1, k2) = (tmp.path().join("t1.key"), tmp.path().join("t2.key"));
     let (k1s, k2s) = (k1.to_str().unwrap(), k2.to_str().unwrap());
-    vol.mgmt(&[
-        "auth",
-        "add",
-        "t1",
-        "--volume",
-        "tt",
-        "--subtree",
-        "/t1",
-        "--as",
-        "1001:1001",
-        "--key-file",
-        k1s,
-    ]);
-    vol.mgmt(&[
-        "auth",
-        "add",
-        "t2",
-        "--volume",
-        "tt",
-        "--subtree",
-        "/t2",
-        "--read-only",
-        "--as",
-        "1002:1002",
-        "--key-file",
-        k2s,
-    ]);
+    for args in tenants("tt", k1s, k2s) {
+        vol.mgmt(&args);
+    }
     let brick = tmp.path().join("b0");
     for (d, id) in [("t1", 1001), ("t2", 1002)] {
         std::fs::create_dir(brick.join(d)).unwrap();
@@ -854,4 +806,31 @@ fn two_tenants_through_a_mount_and_nbd() {
     assert_eq!(std::fs::read(brick.join("t1/new")).unwrap(), b"mine");
     drop(f);
     drop(mount1);
+}
+
+/// `kiln auth add` of two tenants of `vol`: t1 read-write in /t1 as 1001, t2 read-only in /t2
+/// as 1002, their keys written to `k1` and `k2`.
+fn tenants<'a>(vol: &'a str, k1: &'a str, k2: &'a str) -> [Vec<&'a str>; 2] {
+    [
+        vec!["auth", "add", "t1", "--volume", vol, "--subtree", "/t1"],
+        vec![
+            "auth",
+            "add",
+            "t2",
+            "--volume",
+            vol,
+            "--subtree",
+            "/t2",
+            "--read-only",
+        ],
+    ]
+    .map(|mut a| {
+        let (id, key) = if a[2] == "t1" {
+            ("1001:1001", k1)
+        } else {
+            ("1002:1002", k2)
+        };
+        a.extend(["--as", id, "--key-file", key]);
+        a
+    })
 }

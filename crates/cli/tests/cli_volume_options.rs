@@ -6,7 +6,7 @@ use kiln_client::block_on;
 use serde_json::Value;
 
 mod common;
-use common::{fails, mgmt_ok, ok, refused_kilnd, status, BrickReaper, Kilnd};
+use common::{fails, mgmt_ok, ok, refused_kilnd, status, wait_for, BrickReaper, Kilnd};
 
 #[test]
 fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
@@ -371,5 +371,112 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
     assert!(
         err.contains("management port") && err.contains("--mgmt"),
         "{err}"
+    );
+}
+
+/// On a volume that squashes root, a client holding only the volume's secret acts as nobody,
+/// so heal (whose opens write past clients' locks, as root) cannot run on that secret:
+/// `kiln volume heal` on a pool host speaks for kilnd's internal identity instead, and heals.
+#[test]
+fn a_cli_heal_on_a_root_squashing_volume_heals_as_kilnd() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _reaper = BrickReaper(state.clone());
+    // The service waits a day between rounds: only the command heals here.
+    let kd = Kilnd::start(
+        &state,
+        &["--heal-interval", "86400", "--brick-port-base", "24650"],
+    );
+    let (a, sd) = (kd.addr.as_str(), state.to_str().unwrap());
+    let dirs: Vec<std::path::PathBuf> = (0..3).map(|i| tmp.path().join(format!("q{i}"))).collect();
+    let mut create = vec!["volume", "create", "sq", "replica", "3"];
+    let specs: Vec<String> = dirs
+        .iter()
+        .map(|d| format!("127.0.0.1:{}", d.display()))
+        .collect();
+    create.extend(specs.iter().map(String::as_str));
+    create.extend(["--server", a, "--state-dir", sd]);
+    ok(&create);
+    ok(&[
+        "volume",
+        "set",
+        "sq",
+        "root-squash",
+        "on",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    ok(&["volume", "start", "sq", "--server", a, "--state-dir", sd]);
+    for d in &dirs {
+        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    }
+    let secret = std::fs::read_to_string(state.join("vols/sq/secret")).unwrap();
+    let key = kiln_client::mgmt::Key::from_file_text(secret.trim().as_bytes());
+    let vf = kiln_client::mgmt::fetch_volfile_with(a, "sq", Some(&key)).unwrap();
+    let v =
+        kiln_client::Volume::from_volfile_with_secret(&vf, Some(secret.trim().as_bytes())).unwrap();
+    let (fd, attr) = block_on(v.create("/img", libc::O_RDWR, 0o644)).unwrap();
+    assert_eq!(attr.uid, 65534, "the volume's secret acts as nobody here");
+    assert_eq!(
+        block_on(v.pwritev(&fd, vec![vec![1u8; 1 << 20]], 0))
+            .0
+            .unwrap(),
+        1 << 20
+    );
+    let online = |st: &Value| -> Vec<bool> {
+        st["volumes"][0]["bricks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["online"] == true)
+            .collect()
+    };
+    let st = |_: ()| {
+        let s = ok(&[
+            "volume",
+            "status",
+            "sq",
+            "--json",
+            "--server",
+            a,
+            "--state-dir",
+            sd,
+        ]);
+        serde_json::from_str::<Value>(&s).unwrap()
+    };
+    let pid = status(a, sd, "sq")["bricks"][2]["pid"].as_u64().unwrap();
+    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    wait_for(10, "the killed brick to show down", || {
+        online(&st(())) == [true, true, false]
+    });
+    for k in 0..16u64 {
+        let (n, _) = block_on(v.pwritev(&fd, vec![vec![k as u8 | 2; 4096]], k * 65_536));
+        assert_eq!(n.unwrap(), 4096, "write {k} with a brick down");
+    }
+    ok(&[
+        "volume",
+        "start",
+        "sq",
+        "force",
+        "--server",
+        a,
+        "--state-dir",
+        sd,
+    ]);
+    wait_for(10, "the brick to come back", || {
+        online(&st(())) == [true, true, true]
+    });
+    let out = ok(&["volume", "heal", "sq", "--server", a, "--state-dir", sd]);
+    assert!(!out.contains("could not be healed"), "{out}");
+    let copies: Vec<Vec<u8>> = dirs
+        .iter()
+        .map(|d| std::fs::read(d.join("img")).unwrap())
+        .collect();
+    assert!(
+        copies[0] == copies[1] && copies[1] == copies[2],
+        "healed copies differ: {out}"
     );
 }

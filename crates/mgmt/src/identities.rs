@@ -55,14 +55,20 @@ fn checked(c: Option<Caps>) -> Result<Caps, String> {
     Ok(c)
 }
 
+/// The key line (`kilnd HEX`) of kilnd's own services on `volume`'s bricks, derived from the
+/// pool's management secret: whoever holds that (a pool member's root) can heal as kilnd does.
+pub fn service_key(mgmt_secret: &[u8], volume: &str) -> String {
+    let label = format!("kiln internal identity of volume {volume}");
+    format!(
+        "{INTERNAL} {}",
+        hex(&kiln_proto::auth::mac(mgmt_secret, label.as_bytes()))
+    )
+}
+
 impl Manager {
     /// The key line (`kilnd HEX`) of kilnd's own services on `volume`'s bricks.
     pub(crate) fn service_key(&self, volume: &str) -> String {
-        let label = format!("kiln internal identity of volume {volume}");
-        format!(
-            "{INTERNAL} {}",
-            hex(&kiln_proto::auth::mac(&self.secret, label.as_bytes()))
-        )
+        service_key(&self.secret, volume)
     }
 
     /// The identities the management port admits (those with the admin capability may run

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use kiln_mgmt::response::{Infos, Statuses};
 use kiln_mgmt::Request;
 
-use super::{mgmt_call, volume_secret, MgmtOpts};
+use super::{mgmt_call, volume_secret, MgmtOpts, MgmtSecret};
 
 #[derive(clap::Args, Debug)]
 pub(super) struct HealArgs {
@@ -181,7 +181,17 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
         .map(kiln_client::mgmt::Key::from_file_text);
     let volfile = kiln_client::mgmt::fetch_volfile_with(&a.opts.server, &a.name, key.as_ref())
         .map_err(|e| format!("cannot fetch the graph of {}: {e}", a.name))?;
-    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
+    // Heal opens are kilnd's own: with the management secret at hand (root on a pool host),
+    // the bricks are reached as kilnd's internal identity, which a volume that squashes root
+    // does not refuse them to.
+    let service = match (&a.secret_file, a.opts.secret()) {
+        (None, Ok(MgmtSecret::From(_, s))) => {
+            Some(kiln_mgmt::identities::service_key(&s, &a.name).into_bytes())
+        }
+        _ => None,
+    };
+    let bricks_key = service.as_deref().or(secret.as_deref());
+    let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, bricks_key)
         .map_err(|e| format!("cannot reach the bricks of {}: {e}", a.name))?;
     if heal::replicate_layers(vol.top()).is_empty() {
         return Err(format!("{} is not replicated: nothing to heal", a.name));

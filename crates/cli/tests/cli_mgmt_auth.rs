@@ -681,6 +681,26 @@ fn identities_reach_the_bricks_and_hold_clients_to_their_capabilities() {
             .is_err(),
         "old key's connection closed"
     );
+
+    // With the shared secret off, only identities reach the bricks and the graph: the volume's
+    // secret is refused at both, t2's new key still works.
+    let vol_secret = read_secret(&state.join("vols/tv/secret"));
+    m(&["volume", "set", "tv", "shared-secret", "off"]);
+    let port = status(a, sd, "tv")["bricks"][0]["port"].as_u64().unwrap();
+    let baddr = format!("tcp:127.0.0.1:{port}");
+    let e = Client::connect_with_secret(&baddr, Some(&vol_secret))
+        .err()
+        .expect("refused");
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    let shared = mgmt::Key::from_file_text(&vol_secret);
+    assert!(mgmt::fetch_volfile_with(a, "tv", Some(&shared)).is_err());
+    let t2c = Client::connect_with_secret(&baddr, Some(&new_key)).expect("t2 after the restart");
+    block_on(t2c.lookup("t2/data")).unwrap();
+    assert!(mgmt::fetch_volfile_with(a, "tv", Some(&mgmt::Key::from_file_text(&new_key))).is_ok());
+    m(&["volume", "set", "tv", "shared-secret", "on"]);
+    let port = status(a, sd, "tv")["bricks"][0]["port"].as_u64().unwrap();
+    let baddr = format!("tcp:127.0.0.1:{port}");
+    Client::connect_with_secret(&baddr, Some(&vol_secret)).expect("the shared secret again");
 }
 
 /// Two tenants of one volume, each confined to its subtree, through a FUSE mount and

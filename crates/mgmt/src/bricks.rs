@@ -254,10 +254,11 @@ impl Manager {
             // authentication (its profile routes change io-stats intervals), so it is not
             // offered to the network; a scraper on the host reads it, or relays it.
             .args(["--listen", &listen, "--metrics", "127.0.0.1:0"])
-            .arg("--secret-file")
-            .arg(self.secret_path(&def.name))
             .arg("--identities")
             .arg(self.vol_dir(&def.name).join("identities.json"));
+        if def.shared_secret != Some(false) {
+            cmd.arg("--secret-file").arg(self.secret_path(&def.name));
+        }
         if let Some(sock) = self.brick_socket(&def.name, i) {
             // Clients on this host reach the brick here: no TCP stack on the way (a third
             // less CPU per byte for replica-3 writes on one host, bench/replicate.py).

@@ -123,6 +123,10 @@ pub struct VolumeDef {
     /// on (`kiln volume set VOL short-circuit off`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub short_circuit: Option<bool>,
+    /// Clients may prove the volume's shared secret (the compatibility identity); `None`: on
+    /// (`kiln volume set VOL shared-secret off`: only named identities and kilnd's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_secret: Option<bool>,
     /// The bricks' flush-behind window in bytes (0: off); `None`: the posix layer's default
     /// (`kiln volume set VOL flush-behind 0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

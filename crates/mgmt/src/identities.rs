@@ -227,7 +227,7 @@ impl Manager {
 
     /// After a change of the store: every volume's identities file here, bricks told of a
     /// new one (SIGHUP), and the management port's own table.
-    pub(crate) fn sync_identities(&self, volumes: impl Iterator<Item = (String, String)>) {
+    pub(crate) fn sync_identities(&self, volumes: impl Iterator<Item = (String, Option<String>)>) {
         let stored = self.stored();
         let mut ids: Vec<Identity> = stored
             .iter()
@@ -237,15 +237,17 @@ impl Manager {
                 caps: s.caps.clone(),
             })
             .collect();
-        let volumes: Vec<(String, String)> = volumes.collect();
-        // A volume's shared secret, here, only fetches that volume's graph.
-        ids.extend(volumes.iter().map(|(v, secret)| Identity {
-            name: format!("vol.{v}"),
-            key: secret.clone(),
-            caps: Caps {
-                volumes: vec![v.clone()],
-                ..Caps::default()
-            },
+        let volumes: Vec<(String, Option<String>)> = volumes.collect();
+        // A volume's shared secret (where it is on), here, only fetches that volume's graph.
+        ids.extend(volumes.iter().filter_map(|(v, secret)| {
+            Some(Identity {
+                name: format!("vol.{v}"),
+                key: secret.clone()?,
+                caps: Caps {
+                    volumes: vec![v.clone()],
+                    ..Caps::default()
+                },
+            })
         }));
         self.ids.set("", ids);
         for (v, _) in volumes {

@@ -139,6 +139,7 @@ mod tests {
             root_squash: false,
             io_timeout: None,
             short_circuit: None,
+            shared_secret: None,
             flush_behind: None,
             draining: Vec::new(),
             rebalance: None,

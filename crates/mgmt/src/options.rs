@@ -144,6 +144,21 @@ pub const OPTIONS: &[Spec] = &[
         create_only: false,
     },
     Spec {
+        name: "shared-secret",
+        kind: "on or off",
+        default: "on",
+        restarts_bricks: true,
+        description: "clients may prove the volume's shared secret (the compatibility \
+                      identity); off: only identities made with `kiln auth` and kilnd's own",
+        get: |d| if d.shared_secret == Some(false) { "off" } else { "on" }.into(),
+        set: |d, text| {
+            // Stored only when off, as short-circuit.
+            d.shared_secret = (!on_off(text)?).then_some(false);
+            Ok(())
+        },
+        create_only: false,
+    },
+    Spec {
         name: "shard-block-size",
         kind: "chosen at create (--shard SIZE): a power of two from 1M to 1T, or off",
         default: "off",

@@ -156,11 +156,18 @@ impl Manager {
                 }
             }
         }
+        // A volume whose shared secret is off is fetched only by named identities.
+        let off: std::collections::BTreeSet<String> = self
+            .load_all()
+            .into_iter()
+            .filter(|d| d.shared_secret == Some(false))
+            .map(|d| d.name)
+            .collect();
         self.sync_identities(
             secrets
                 .iter()
                 .filter(|(n, _)| check_name(n).is_ok())
-                .map(|(n, s)| (n.clone(), s.clone())),
+                .map(|(n, s)| (n.clone(), (!off.contains(n)).then(|| s.clone()))),
         );
         let dirs = fs::read_dir(self.state.join("vols"))
             .into_iter()

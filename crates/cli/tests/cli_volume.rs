@@ -11,16 +11,7 @@ use kiln_layer::volfile::LayerKind;
 use serde_json::Value;
 
 mod common;
-use common::{fails, kiln, ok, refused_kilnd, run, status, wait_for, BrickReaper, Kilnd};
-
-fn online(st: &Value) -> Vec<bool> {
-    st["bricks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["online"] == true)
-        .collect()
-}
+use common::{fails, kiln, ok, online, refused_kilnd, run, status, wait_for, BrickReaper, Kilnd};
 
 fn pid_alive(pid: u64) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))

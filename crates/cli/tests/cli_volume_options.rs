@@ -6,7 +6,7 @@ use kiln_client::block_on;
 use serde_json::Value;
 
 mod common;
-use common::{fails, mgmt_ok, ok, refused_kilnd, status, wait_for, BrickReaper, Kilnd};
+use common::{fails, mgmt_ok, ok, online, refused_kilnd, status, wait_for, BrickReaper, Kilnd};
 
 #[test]
 fn a_volume_allow_list_refuses_other_addresses_and_can_be_changed() {
@@ -426,32 +426,11 @@ fn a_cli_heal_on_a_root_squashing_volume_heals_as_kilnd() {
             .unwrap(),
         1 << 20
     );
-    let online = |st: &Value| -> Vec<bool> {
-        st["volumes"][0]["bricks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| b["online"] == true)
-            .collect()
-    };
-    let st = |_: ()| {
-        let s = ok(&[
-            "volume",
-            "status",
-            "sq",
-            "--json",
-            "--server",
-            a,
-            "--state-dir",
-            sd,
-        ]);
-        serde_json::from_str::<Value>(&s).unwrap()
-    };
     let pid = status(a, sd, "sq")["bricks"][2]["pid"].as_u64().unwrap();
     // SAFETY: kill(2) with a pid and a signal number has no memory effects.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     wait_for(10, "the killed brick to show down", || {
-        online(&st(())) == [true, true, false]
+        online(&status(a, sd, "sq")) == [true, true, false]
     });
     for k in 0..16u64 {
         let (n, _) = block_on(v.pwritev(&fd, vec![vec![k as u8 | 2; 4096]], k * 65_536));
@@ -468,7 +447,7 @@ fn a_cli_heal_on_a_root_squashing_volume_heals_as_kilnd() {
         sd,
     ]);
     wait_for(10, "the brick to come back", || {
-        online(&st(())) == [true, true, true]
+        online(&status(a, sd, "sq")) == [true, true, true]
     });
     let out = ok(&["volume", "heal", "sq", "--server", a, "--state-dir", sd]);
     assert!(!out.contains("could not be healed"), "{out}");

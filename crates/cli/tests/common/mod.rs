@@ -281,6 +281,16 @@ pub fn status(addr: &str, sd: &str, vol: &str) -> serde_json::Value {
     v["volumes"][0].clone()
 }
 
+/// Which bricks a volume's status (as [`status`] returns it) says are online, in order.
+pub fn online(st: &serde_json::Value) -> Vec<bool> {
+    st["bricks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["online"] == true)
+        .collect()
+}
+
 /// `kiln server --metrics off ARGS` that must refuse to start; its stderr.
 pub fn refused_kilnd(args: &[&std::ffi::OsStr]) -> String {
     let out = kiln()

@@ -126,8 +126,9 @@ pub struct ServeArgs {
     /// client whose host vanished, within about 30 s). At most a year.
     #[arg(long, value_name = "SECS", default_value_t = 0.0, value_parser = kiln_proto::seconds::up_to_a_year)]
     pub idle_timeout: f64,
-    /// Threads for the network and fop runtime; 1 runs everything on one thread (slow fops
-    /// such as fsync still go to a blocking pool).
+    /// Threads for accepting connections and the brick's own timers; each client connection
+    /// is served on a thread of its own, its fops inline (slow ones such as fsync go to a
+    /// blocking pool).
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
 }

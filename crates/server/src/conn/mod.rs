@@ -6,9 +6,12 @@
 //! in-memory parts of consecutive replies are gathered into one `sendmsg`, and a large READ's
 //! file data follows its header with `sendfile`, never passing through user space.
 //!
-//! Fast fops run inline on the connection's task (page-cache reads and writes, metadata); fops
-//! that may block for long (fsync, fallocate) run on the blocking pool and their replies join the
-//! queue when done, so replies leave in completion order, not request order.
+//! Each connection runs on a thread of its own (see [`crate::spawn_serve`]). Fast fops run
+//! inline on it (page-cache reads and writes, metadata): no hop to another thread, and a storage
+//! call that blocks — a slow disk, a hung file system under the brick — holds up only the
+//! connection that asked. Fops that may block for long (fsync, fallocate) run on the blocking
+//! pool and their replies join the queue when done, so replies leave in completion order, not
+//! request order.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -349,10 +352,16 @@ pub struct Served {
     pub watchers: Arc<crate::watch::Watchers>,
 }
 
-/// Serves one connection, holding `ticket` (its place at the door), until the peer closes it
-/// or breaks the protocol.
-pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer: String) {
-    let mut who = handshake::Who::new(&served);
+/// Serves one connection from `from` (None: a Unix socket), holding `ticket` (its place at
+/// the door), until the peer closes it or breaks the protocol.
+pub async fn serve(
+    sock: Sock,
+    served: Served,
+    ticket: crate::door::Ticket,
+    from: crate::door::Address,
+    peer: String,
+) {
+    let mut who = handshake::Who::new(&served, from);
     let Served {
         stack,
         stats,
@@ -427,6 +436,10 @@ pub async fn serve(sock: Sock, served: Served, ticket: crate::door::Ticket, peer
         // The receiving thread holds the TCP socket too: this ends its read, and the connection.
         let _ = rustix::net::shutdown(w.get_ref(), rustix::net::Shutdown::Both);
     }
+    // Fops still running (waiting for a lock, on the blocking pool) finish before the
+    // connection's runtime goes: each holds a sender, so the channel ends with the last.
+    drop(conn);
+    while done_rx.recv().await.is_some() {}
 }
 
 /// Splits what a request's flags say its arguments start with — the caller's credentials,

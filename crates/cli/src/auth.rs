@@ -52,6 +52,11 @@ struct CapsOpts {
     /// It may run management commands (`kiln volume`, `kiln auth`, …) with its key.
     #[arg(long)]
     admin: bool,
+    /// It may connect only from this network (CIDR, e.g. 10.1.0.0/16 or 10.1.2.3; repeat for
+    /// more): its key is refused anywhere else. Unix-socket clients are on the brick's host
+    /// and always admitted.
+    #[arg(long = "from", value_name = "CIDR")]
+    from: Vec<String>,
 }
 
 impl CapsOpts {
@@ -68,6 +73,7 @@ impl CapsOpts {
             root: self.root,
             devices: self.devices,
             admin: self.admin,
+            from: self.from,
         };
         caps.check()?;
         Ok(caps)
@@ -152,6 +158,9 @@ fn describe(c: &Caps) -> String {
             s += " ";
             s += what;
         }
+    }
+    if !c.from.is_empty() {
+        s += &format!(" from {}", c.from.join(","));
     }
     s
 }

@@ -87,7 +87,11 @@ struct Image {
     kd: Kilnd,
     state: PathBuf,
     bricks: Vec<PathBuf>,
+    /// The key of this host's clients (a pool member's).
     secret: PathBuf,
+    /// The key of the host in the namespace (a client host: the pool hosts' key is refused
+    /// there).
+    host_key: PathBuf,
     /// `SERVER:/VOL/disk.img`.
     src: String,
     tmp: PathBuf,
@@ -112,8 +116,12 @@ impl Image {
             }
             None => kiln(),
         };
+        let key = match ns {
+            Some(_) => &self.host_key,
+            None => &self.secret,
+        };
         c.args(["nbd", &self.src, "--secret-file"])
-            .arg(&self.secret)
+            .arg(key)
             .arg("--listen")
             .arg(format!("unix:{}", self.tmp.join(sock).display()))
             .args(args)
@@ -240,6 +248,22 @@ fn setup(tmp: &Path, link: &Link) -> Image {
     mgmt_ok(&kd, &state, &args);
     mgmt_ok(&kd, &state, &["volume", "start", "img"]);
     let secret = state.join("vols/img/secret");
+    let host_key = tmp.join("hv.key");
+    let hk = host_key.to_str().unwrap();
+    mgmt_ok(
+        &kd,
+        &state,
+        &[
+            "auth",
+            "add",
+            "hv",
+            "--volume",
+            "img",
+            "--root",
+            "--key-file",
+            hk,
+        ],
+    );
     let src = format!("{}:/img/disk.img", kd.addr.trim_start_matches("tcp:"));
     // The image, through a client of the volume: 64 MiB, sparse.
     kiln_client::mgmt::use_secret_file(&secret);
@@ -257,6 +281,7 @@ fn setup(tmp: &Path, link: &Link) -> Image {
         state,
         bricks,
         secret,
+        host_key,
         src,
         tmp: tmp.to_owned(),
     }
@@ -509,6 +534,9 @@ fn commands_pointed_at_the_wrong_kind_of_port_fail_fast_saying_what_they_reached
         v.status()["bricks"][0]["port"].as_u64().unwrap()
     );
     let mgmt_secret = v.state.join("mgmt.secret");
+    // A key the management port refuses.
+    let wrong = tmp.path().join("wrong.key");
+    std::fs::write(&wrong, "0123456789abcdef\n").unwrap();
     // Image commands at a management port, the management port given as a volfile's brick.
     let volfile = tmp.path().join("m.toml");
     std::fs::write(
@@ -535,7 +563,7 @@ fn commands_pointed_at_the_wrong_kind_of_port_fail_fast_saying_what_they_reached
             err.contains("management port, not a brick") && err.contains(vf),
             "{a:?}: {err}"
         );
-        let err = fails_fast(&a, &[("KILN_SECRET_FILE", &v.secret)]);
+        let err = fails_fast(&a, &[("KILN_SECRET_FILE", &wrong)]);
         assert!(
             err.contains(&mgmt) && err.contains("secret"),
             "{a:?}: {err}"

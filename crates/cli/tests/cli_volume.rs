@@ -50,8 +50,11 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     let secret = state.join("vols/vol/secret");
     let mode =
         std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&secret).unwrap().permissions());
-    assert_eq!(mode & 0o777, 0o600, "the secret is private");
-    assert_eq!(std::fs::read_to_string(&secret).unwrap().trim().len(), 64);
+    assert_eq!(mode & 0o777, 0o600, "the key is private");
+    // This host's clients prove the pool hosts' identity for the volume.
+    let key = std::fs::read_to_string(&secret).unwrap();
+    let (name, hex) = key.trim().split_once(' ').expect("NAME KEY");
+    assert_eq!((name, hex.len()), ("local.vol", 64), "{key}");
 
     // Not started: no volfile yet, status says so.
     assert!(

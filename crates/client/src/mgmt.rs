@@ -231,8 +231,10 @@ pub fn parse_volume_spec(spec: &str) -> io::Result<(String, String)> {
     Ok((format!("tcp:{host}:{port}"), vol.to_owned()))
 }
 
-/// The secret file of `volume`'s bricks: `explicit` (a `--secret-file` option), else
-/// `KILN_SECRET_FILE`, else the local kilnd's `/var/lib/kiln/vols/VOL/secret` when readable.
+/// The key file a client of `volume`'s bricks proves: `explicit` (a `--secret-file` option),
+/// else `KILN_SECRET_FILE`, else the local kilnd's `/var/lib/kiln/vols/VOL/secret` when
+/// readable (on a pool host: the pool hosts' own identity for the volume, or its shared secret
+/// where that is on).
 pub fn secret_file(volume: &str, explicit: Option<&Path>) -> Option<PathBuf> {
     secret_file_in(volume, explicit, Path::new(DEFAULT_STATE_DIR))
 }

@@ -233,7 +233,7 @@ impl Manager {
         let vf_path = self.brick_volfile_path(&def.name, i);
         let fail = |e: String| (e, false);
         // The brick reads who may connect, besides the volume's secret, at its start.
-        self.write_identities(&def.name).map_err(fail)?;
+        self.write_identities(def).map_err(fail)?;
         // Appended to: what a brick logged before a restart is what one looks for after it.
         let log = fs::OpenOptions::new()
             .create(true)

@@ -78,7 +78,8 @@ impl Manager {
             root_squash: false,
             io_timeout: None,
             short_circuit: None,
-            shared_secret: None,
+            // New volumes admit named identities only (see `kiln auth`).
+            shared_secret: Some(false),
             flush_behind: None,
             draining: Vec::new(),
             rebalance: None,

@@ -123,8 +123,9 @@ pub struct VolumeDef {
     /// on (`kiln volume set VOL short-circuit off`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub short_circuit: Option<bool>,
-    /// Clients may prove the volume's shared secret (the compatibility identity); `None`: on
-    /// (`kiln volume set VOL shared-secret off`: only named identities and kilnd's own).
+    /// Clients may prove the volume's shared secret (the compatibility identity). New volumes
+    /// are made with it off (only named identities, the pool hosts' `local.VOL` and kilnd's
+    /// own); `None`, a volume made before identities existed: on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_secret: Option<bool>,
     /// The bricks' flush-behind window in bytes (0: off); `None`: the posix layer's default

@@ -7,12 +7,19 @@
 //! kilnd's own services (heal, rebalance) speak for the internal identity `kilnd`: root on
 //! the volume's bricks, with a key every member derives from the management secret
 //! ([`Manager::service_key`]), so it is never stored or sent.
+//!
+//! Clients on the pool's own hosts (a mount on a brick host, `kiln nbd` beside kilnd) speak
+//! for `local.VOLUME`: as-caller, root squashed as the volume says, admitted only from the
+//! members' addresses and loopback. Its key is derived the same way and written for them to
+//! `vols/VOLUME/secret` (where the volume's shared secret is on, that file holds the shared
+//! secret instead), so a pool host needs no key of its own and the key is no use elsewhere.
 
 use std::collections::BTreeMap;
 
 use kiln_server::identity::{Caps, Identities, IdentitiesFile, Identity};
 use serde::{Deserialize, Serialize};
 
+use crate::def::VolumeDef;
 use crate::manager::Manager;
 use crate::pool::Cmd;
 pub use crate::request::AuthOp;
@@ -21,6 +28,9 @@ use crate::store::{hex, random, write_atomic};
 
 /// The name kilnd's own services authenticate as.
 pub const INTERNAL: &str = "kilnd";
+
+/// The prefix of the identity of clients on the pool's own hosts (`local.VOLUME`).
+pub const LOCAL: &str = "local.";
 
 const AUTH: &str = "auth/";
 
@@ -65,10 +75,61 @@ pub fn service_key(mgmt_secret: &[u8], volume: &str) -> String {
     )
 }
 
+/// The key line (`local.VOLUME HEX`) of clients of `volume` on the pool's hosts, derived from
+/// the management secret like [`service_key`].
+pub fn local_key(mgmt_secret: &[u8], volume: &str) -> String {
+    let label = format!("kiln local client identity of volume {volume}");
+    format!(
+        "{LOCAL}{volume} {}",
+        hex(&kiln_proto::auth::mac(mgmt_secret, label.as_bytes()))
+    )
+}
+
+/// What the clients of `def` on the pool's hosts may do: the volume, as their callers (root
+/// squashed, and no device nodes, when the volume squashes root), from `from` only.
+fn local_caps(def: &VolumeDef, from: Vec<String>) -> Caps {
+    Caps {
+        volumes: vec![def.name.clone()],
+        root: !def.root_squash,
+        devices: !def.root_squash,
+        from,
+        ..Caps::default()
+    }
+}
+
+/// An identity from a key line (`NAME HEX`).
+fn derived(line: String, caps: Caps) -> Identity {
+    let (name, key) = line.split_once(' ').unwrap_or_default();
+    Identity {
+        name: name.to_owned(),
+        key: key.to_owned(),
+        caps,
+    }
+}
+
 impl Manager {
     /// The key line (`kilnd HEX`) of kilnd's own services on `volume`'s bricks.
     pub(crate) fn service_key(&self, volume: &str) -> String {
         service_key(&self.secret, volume)
+    }
+
+    /// The key line (`local.VOLUME HEX`) of `volume`'s clients on the pool's hosts.
+    pub(crate) fn local_key(&self, volume: &str) -> String {
+        local_key(&self.secret, volume)
+    }
+
+    /// Where the pool's hosts connect from: every member's address, and loopback.
+    fn pool_networks(&self) -> Vec<String> {
+        let mut nets: std::collections::BTreeSet<String> =
+            ["127.0.0.0/8".to_owned(), "::1".to_owned()].into();
+        if let Ok(pool) = self.pool() {
+            for m in pool.view(false).members {
+                if let Ok(a) = m.addr.parse::<std::net::SocketAddr>() {
+                    nets.insert(a.ip().to_string());
+                }
+            }
+        }
+        nets.into_iter().collect()
     }
 
     /// The identities the management port admits (those with the admin capability may run
@@ -116,7 +177,7 @@ impl Manager {
         }
         let n = name.ok_or("name the identity")?;
         kiln_proto::auth::check_identity(n)?;
-        if n == INTERNAL || n.starts_with("vol.") {
+        if n == INTERNAL || n.starts_with("vol.") || n.starts_with(LOCAL) {
             return Err(format!(
                 "{n} is a name kilnd keeps for its own identities: choose another"
             ));
@@ -180,23 +241,23 @@ impl Manager {
         })
     }
 
-    /// The identities file of `volume`'s bricks: kilnd's own, and every stored identity that
-    /// may use the volume.
-    pub(crate) fn identities_file(&self, volume: &str) -> IdentitiesFile {
-        let mut identities = vec![Identity {
-            name: INTERNAL.into(),
-            key: self
-                .service_key(volume)
-                .split_once(' ')
-                .map(|(_, k)| k.to_owned())
-                .unwrap_or_default(),
-            caps: Caps {
-                volumes: vec![volume.to_owned()],
-                root: true,
-                devices: true,
-                ..Caps::default()
-            },
-        }];
+    /// The identities file of `def`'s bricks: kilnd's own, its local clients', and every
+    /// stored identity that may use the volume.
+    pub(crate) fn identities_file(&self, def: &VolumeDef) -> IdentitiesFile {
+        let volume = def.name.as_str();
+        let own = Caps {
+            volumes: vec![volume.to_owned()],
+            root: true,
+            devices: true,
+            ..Caps::default()
+        };
+        let mut identities = vec![
+            derived(self.service_key(volume), own),
+            derived(
+                self.local_key(volume),
+                local_caps(def, self.pool_networks()),
+            ),
+        ];
         identities.extend(
             self.stored()
                 .into_iter()
@@ -213,11 +274,11 @@ impl Manager {
         }
     }
 
-    /// Writes `volume`'s identities file when it differs from the store; true when it did.
-    pub(crate) fn write_identities(&self, volume: &str) -> Result<bool, String> {
+    /// Writes `def`'s identities file when it differs from the store; true when it did.
+    pub(crate) fn write_identities(&self, def: &VolumeDef) -> Result<bool, String> {
         let text =
-            serde_json::to_vec_pretty(&self.identities_file(volume)).expect("identities serialise");
-        let dir = self.vol_dir(volume);
+            serde_json::to_vec_pretty(&self.identities_file(def)).expect("identities serialise");
+        let dir = self.vol_dir(&def.name);
         if std::fs::read(dir.join("identities.json")).is_ok_and(|t| t == text) {
             return Ok(false);
         }
@@ -226,8 +287,9 @@ impl Manager {
     }
 
     /// After a change of the store: every volume's identities file here, bricks told of a
-    /// new one (SIGHUP), and the management port's own table.
-    pub(crate) fn sync_identities(&self, volumes: impl Iterator<Item = (String, Option<String>)>) {
+    /// new one (SIGHUP), and the management port's own table. `secrets` holds each volume's
+    /// shared secret where it is on.
+    pub(crate) fn sync_identities(&self, defs: &[VolumeDef], secrets: &BTreeMap<String, String>) {
         let stored = self.stored();
         let mut ids: Vec<Identity> = stored
             .iter()
@@ -237,26 +299,40 @@ impl Manager {
                 caps: s.caps.clone(),
             })
             .collect();
-        let volumes: Vec<(String, Option<String>)> = volumes.collect();
-        // A volume's shared secret (where it is on), here, only fetches that volume's graph.
-        ids.extend(volumes.iter().filter_map(|(v, secret)| {
-            Some(Identity {
-                name: format!("vol.{v}"),
-                key: secret.clone()?,
-                caps: Caps {
-                    volumes: vec![v.clone()],
-                    ..Caps::default()
+        let from = self.pool_networks();
+        for def in defs {
+            let v = &def.name;
+            // Here, a volume's shared secret (where it is on) and its local clients' key only
+            // fetch that volume's graph.
+            let fetch = Caps {
+                volumes: vec![v.clone()],
+                ..Caps::default()
+            };
+            if let Some(secret) = secrets.get(v) {
+                ids.push(Identity {
+                    name: format!("vol.{v}"),
+                    key: secret.clone(),
+                    caps: fetch.clone(),
+                });
+            }
+            ids.push(derived(
+                self.local_key(v),
+                Caps {
+                    from: from.clone(),
+                    ..fetch
                 },
-            })
-        }));
+            ));
+        }
         self.ids.set("", ids);
-        for (v, _) in volumes {
-            match self.write_identities(&v) {
-                Ok(true) => {
-                    crate::orphans::signal_bricks(&self.state, &v, rustix::process::Signal::HUP)
-                }
+        for def in defs {
+            match self.write_identities(def) {
+                Ok(true) => crate::orphans::signal_bricks(
+                    &self.state,
+                    &def.name,
+                    rustix::process::Signal::HUP,
+                ),
                 Ok(false) => {}
-                Err(e) => tracing::warn!(volume = %v, "identities not written: {e}"),
+                Err(e) => tracing::warn!(volume = %def.name, "identities not written: {e}"),
             }
         }
     }

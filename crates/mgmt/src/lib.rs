@@ -139,7 +139,7 @@ mod tests {
             root_squash: false,
             io_timeout: None,
             short_circuit: None,
-            shared_secret: None,
+            shared_secret: Some(false),
             flush_behind: None,
             draining: Vec::new(),
             rebalance: None,

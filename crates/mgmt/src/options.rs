@@ -146,14 +146,14 @@ pub const OPTIONS: &[Spec] = &[
     Spec {
         name: "shared-secret",
         kind: "on or off",
-        default: "on",
+        default: "off",
         restarts_bricks: true,
         description: "clients may prove the volume's shared secret (the compatibility \
-                      identity); off: only identities made with `kiln auth` and kilnd's own",
+                      identity; on for volumes made before identities); off: only identities \
+                      made with `kiln auth`, clients on the pool's hosts and kilnd's own",
         get: |d| if d.shared_secret == Some(false) { "off" } else { "on" }.into(),
         set: |d, text| {
-            // Stored only when off, as short-circuit.
-            d.shared_secret = (!on_off(text)?).then_some(false);
+            d.shared_secret = Some(on_off(text)?);
             Ok(())
         },
         create_only: false,

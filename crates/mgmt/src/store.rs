@@ -119,10 +119,12 @@ impl Manager {
         }
     }
 
-    /// Makes this host's files a view of the pool's store: each volume's directory and its
-    /// secret (mode 0600; bricks and root's `kiln volume` read it there), and no directory for
-    /// a volume the store no longer holds. Called after each change this kilnd makes or
-    /// applies.
+    /// Makes this host's files a view of the pool's store: each volume's directory and the
+    /// key this host's clients of it prove, `secret` (mode 0600; `kiln mount`, `kiln nbd` and
+    /// root's `kiln volume` read it there): the volume's shared secret where that is on, else
+    /// the pool's local identity for the volume ([`crate::identities::LOCAL`]); and no
+    /// directory for a volume the store no longer holds. Called after each change this kilnd
+    /// makes or applies.
     pub fn sync_files(&self) {
         // The apply hook and a command's own change may both call this: one at a time (they
         // would race on the same temporary files).
@@ -134,41 +136,43 @@ impl Manager {
             .0
             .into_iter()
             .filter_map(|(k, v)| Some((k[SECRET.len()..].to_owned(), v.value.as_str()?.to_owned())))
+            .filter(|(name, _)| check_name(name).is_ok())
             .collect();
-        for (name, secret) in &secrets {
-            if check_name(name).is_err() {
-                continue;
-            }
+        let defs: Vec<VolumeDef> = self
+            .load_all()
+            .into_iter()
+            .filter(|d| secrets.contains_key(&d.name))
+            .collect();
+        // Shared secrets that are on, by volume.
+        let on: std::collections::BTreeMap<String, String> = defs
+            .iter()
+            .filter(|d| d.shared_secret != Some(false))
+            .map(|d| (d.name.clone(), secrets[&d.name].clone()))
+            .collect();
+        for def in &defs {
+            let name = &def.name;
+            let key = match on.get(name) {
+                Some(secret) => secret.clone(),
+                None => self.local_key(name),
+            };
             let have = fs::read_to_string(self.secret_path(name)).unwrap_or_default();
-            if have.trim() != secret {
+            if have.trim() != key {
                 let r = fs::create_dir_all(self.vol_dir(name).join("bricks"))
                     .map_err(|e| e.to_string())
                     .and_then(|_| {
                         write_atomic(
                             &self.vol_dir(name),
                             "secret",
-                            format!("{secret}\n").as_bytes(),
+                            format!("{key}\n").as_bytes(),
                             0o600,
                         )
                     });
                 if let Err(e) = r {
-                    tracing::warn!(volume = %name, "cannot write its secret here: {e}");
+                    tracing::warn!(volume = %name, "cannot write its key here: {e}");
                 }
             }
         }
-        // A volume whose shared secret is off is fetched only by named identities.
-        let off: std::collections::BTreeSet<String> = self
-            .load_all()
-            .into_iter()
-            .filter(|d| d.shared_secret == Some(false))
-            .map(|d| d.name)
-            .collect();
-        self.sync_identities(
-            secrets
-                .iter()
-                .filter(|(n, _)| check_name(n).is_ok())
-                .map(|(n, s)| (n.clone(), (!off.contains(n)).then(|| s.clone()))),
-        );
+        self.sync_identities(&defs, &on);
         let dirs = fs::read_dir(self.state.join("vols"))
             .into_iter()
             .flatten()

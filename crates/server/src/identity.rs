@@ -11,7 +11,9 @@
 //!   and gid 0 are squashed to nobody unless the identity holds `root`) or `as UID:GID` (every
 //!   request runs as that user, whatever it says, like NFS `all_squash`); a request without
 //!   credentials runs as root only for an identity that holds `root`;
-//! - **devices**: may make device nodes; **admin**: may run management commands.
+//! - **devices**: may make device nodes; **admin**: may run management commands;
+//! - **from**: the networks it may connect from (empty: anywhere; a Unix socket is this host
+//!   and always admitted) — a key copied elsewhere is refused.
 //!
 //! The table comes from a file kilnd writes for each brick (`--identities FILE`, JSON, mode
 //! 0600) and is read again on SIGHUP; a connection whose identity is removed or whose key
@@ -83,6 +85,9 @@ pub struct Caps {
     pub devices: bool,
     /// It may run management commands (on a management port).
     pub admin: bool,
+    /// The networks it may connect from, as CIDRs (empty: anywhere; a Unix socket is this
+    /// host and always admitted).
+    pub from: Vec<String>,
 }
 
 impl Caps {
@@ -101,7 +106,22 @@ impl Caps {
                 ));
             }
         }
+        for n in &self.from {
+            n.parse::<crate::access::Cidr>()
+                .map_err(|e| format!("bad network {n:?} to connect from: {e}"))?;
+        }
         Ok(())
+    }
+
+    /// True when a client at `ip` may speak for the identity (`None`: over a Unix socket, on
+    /// this host).
+    pub fn admits_from(&self, ip: Option<std::net::IpAddr>) -> bool {
+        let Some(ip) = ip else { return true };
+        self.from.is_empty()
+            || self.from.iter().any(|n| {
+                n.parse::<crate::access::Cidr>()
+                    .is_ok_and(|c| c.contains(ip))
+            })
     }
 
     /// True when the identity may use `volume`.
@@ -340,6 +360,35 @@ mod tests {
             Users::As { uid: 12, gid: 34 }
         );
         assert!("12".parse::<Users>().is_err() && "x:1".parse::<Users>().is_err());
+    }
+
+    #[test]
+    fn networks_admit_their_addresses_and_unix_sockets() {
+        let c = Caps {
+            from: vec!["10.1.0.0/16".into(), "::1".into()],
+            ..Caps::default()
+        };
+        assert!(c.check().is_ok());
+        for (ip, ok) in [
+            ("10.1.2.3", true),
+            ("10.2.0.1", false),
+            ("::1", true),
+            ("::2", false),
+        ] {
+            assert_eq!(c.admits_from(Some(ip.parse().unwrap())), ok, "{ip}");
+        }
+        assert!(c.admits_from(None), "a Unix socket is this host");
+        assert!(
+            Caps::default().admits_from(Some("192.0.2.1".parse().unwrap())),
+            "anywhere"
+        );
+        for bad in ["10.0.0.0/33", "host", ""] {
+            let c = Caps {
+                from: vec![bad.into()],
+                ..Caps::default()
+            };
+            assert!(c.check().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

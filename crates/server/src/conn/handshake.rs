@@ -30,11 +30,14 @@ pub(super) struct Who {
     /// Over TLS: the common name of the client's certificate, which the CA vouched for; an
     /// identity of that name is the connection's without a key.
     pub(super) certificate: Option<String>,
+    /// The client's address (None: a Unix socket, on this host).
+    pub(super) from: Option<std::net::IpAddr>,
 }
 
 impl Who {
-    pub(super) fn new(served: &Served) -> Who {
+    pub(super) fn new(served: &Served, from: Option<std::net::IpAddr>) -> Who {
         Who {
+            from,
             secret: served.secret.clone(),
             identities: served.identities.clone(),
             compat: served.compat.clone(),
@@ -106,7 +109,12 @@ impl Conn {
     /// The identity the client's TLS certificate names, if the server admits one of that name.
     fn certified(&self) -> Option<Arc<Identity>> {
         let name = self.who.certificate.as_deref()?;
-        self.who.identities.as_ref()?.get(name)
+        let i = self.who.identities.as_ref()?.get(name)?;
+        if !i.caps.admits_from(self.who.from) {
+            tracing::warn!(peer = %self.peer, identity = i.name, "a certificate's identity may not connect from this address");
+            return None;
+        }
+        Some(i)
     }
 
     /// The handshake is done: the connection takes a client's place (or is refused, EBUSY,
@@ -160,8 +168,12 @@ impl Conn {
                 None => (None, None),
             }
         };
+        let placed = identity
+            .as_ref()
+            .is_none_or(|i| i.caps.admits_from(self.who.from));
         let ok = self.who.hello_done
             && !self.who.authed
+            && placed
             && key
                 .as_deref()
                 .is_some_and(|k| kiln_proto::auth::client_proved(k, &self.who.nonce, &req));
@@ -169,6 +181,7 @@ impl Conn {
             let why = match (&key, req.identity.as_str()) {
                 (None, "") => "no shared secret here",
                 (None, _) => "no such identity here",
+                _ if !placed => "not an address it may connect from",
                 _ => "wrong key",
             };
             tracing::warn!(peer = %self.peer, identity = req.identity, "a client failed authentication ({why}); closing");
@@ -190,13 +203,18 @@ impl Conn {
         Ok(Step::Now(AuthReply { proof }.to_wire(), Body::None))
     }
 
-    /// The identity table was read again: false when this connection's identity is gone or
-    /// its key changed (the connection closes); new capabilities apply from the next request.
+    /// The identity table was read again: false when this connection's identity is gone, its
+    /// key changed or its address is no longer admitted (the connection closes); new
+    /// capabilities apply from the next request.
     pub(super) fn identity_still_good(&mut self) -> bool {
         let (Some(mine), Some(table)) = (&self.who.identity, &self.who.identities) else {
             return true;
         };
         match table.get(&mine.name) {
+            Some(now) if now.key == mine.key && !now.caps.admits_from(self.who.from) => {
+                tracing::info!(peer = %self.peer, identity = now.name, "closing: the identity may no longer connect from this address");
+                false
+            }
             Some(now) if now.key == mine.key => {
                 if now.caps != mine.caps {
                     tracing::info!(peer = %self.peer, identity = now.name, "capabilities changed");

@@ -98,11 +98,18 @@ class Cluster:
         self.cli("volume", "create", vol, *create, *rep,
                  *[f"{h}:{b}" for h, b in zip(hosts, self.bricks)])
         self.cli("volume", "start", vol)
+        mount_env = self.env
+        if client_netns and client_netns != netns:
+            # A client host outside the pool: the pool hosts' own key is refused there, so it
+            # gets an identity of its own.
+            key = base / "client.key"
+            self.cli("auth", "add", "bench-client", "--volume", vol, "--root", "--key-file", key)
+            mount_env = dict(self.env, KILN_SECRET_FILE=str(key))
         self.mnt = base / "mnt"
         self.mnt.mkdir()
         self.mount = subprocess.Popen(
             [*client_pre, KILN, "mount", f"{host}:{port}:/{vol}", self.mnt, "--mode", mode],
-            stdout=subprocess.PIPE, env=self.env, text=True)
+            stdout=subprocess.PIPE, env=mount_env, text=True)
         while not (self.mount.stdout.readline() or "kiln: mounted").startswith("kiln: mounted"):
             pass
 

@@ -118,18 +118,31 @@ impl Manager {
         local_key(&self.secret, volume)
     }
 
-    /// Where the pool's hosts connect from: every member's address, and loopback.
+    /// Where the pool's hosts connect from: every member's management address, every
+    /// brick's address (a storage network of their own), and loopback.
     fn pool_networks(&self) -> Vec<String> {
         let mut nets: std::collections::BTreeSet<String> =
             ["127.0.0.0/8".to_owned(), "::1".to_owned()].into();
         if let Ok(pool) = self.pool() {
             for m in pool.view(false).members {
                 if let Ok(a) = m.addr.parse::<std::net::SocketAddr>() {
-                    nets.insert(a.ip().to_string());
+                    nets.insert(a.ip().to_canonical().to_string());
+                }
+            }
+        }
+        for def in self.load_all() {
+            for b in &def.bricks {
+                if let Ok(ip) = b.ip() {
+                    nets.insert(ip.to_canonical().to_string());
                 }
             }
         }
         nets.into_iter().collect()
+    }
+
+    /// True for the names kilnd keeps for its own identities.
+    fn reserved(name: &str) -> bool {
+        name == INTERNAL || name.starts_with("vol.") || name.starts_with(LOCAL)
     }
 
     /// The identities the management port admits (those with the admin capability may run
@@ -149,6 +162,9 @@ impl Manager {
                 let s: Stored = serde_json::from_value(v.value).ok()?;
                 Some((k[AUTH.len()..].to_owned(), s))
             })
+            // A name kilnd now keeps for itself, stored before it did, never stands for one
+            // of kilnd's identities.
+            .filter(|(n, _)| !Self::reserved(n))
             .collect()
     }
 
@@ -177,7 +193,7 @@ impl Manager {
         }
         let n = name.ok_or("name the identity")?;
         kiln_proto::auth::check_identity(n)?;
-        if n == INTERNAL || n.starts_with("vol.") || n.starts_with(LOCAL) {
+        if Self::reserved(n) {
             return Err(format!(
                 "{n} is a name kilnd keeps for its own identities: choose another"
             ));

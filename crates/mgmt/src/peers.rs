@@ -190,15 +190,21 @@ impl Manager {
         .into())
     }
 
-    /// This host's files of `def`: the volume's directory, its secret when given (the store
-    /// brings it too, but a brick may start before this member has applied the change that
-    /// made it), and its brick directories here.
+    /// This host's files of `def`: the volume's directory, the key its clients here prove
+    /// (the shared secret when given and on, else the pool hosts' local key; the store brings
+    /// it too, but a brick may start before this member has applied the change that made it),
+    /// and its brick directories here.
     fn local_files(&self, def: &VolumeDef, secret: Option<&str>) -> Result<(), String> {
         let dir = self.vol_dir(&def.name);
         fs::create_dir_all(dir.join("bricks"))
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        if let Some(s) = secret {
-            crate::files::write_atomic(&dir, "secret", format!("{s}\n").as_bytes(), 0o600)?;
+        let key = match secret {
+            Some(s) if def.shared_secret != Some(false) => Some(s.to_owned()),
+            Some(_) => Some(self.local_key(&def.name)),
+            None => None,
+        };
+        if let Some(k) = key {
+            crate::files::write_atomic(&dir, "secret", format!("{k}\n").as_bytes(), 0o600)?;
         }
         for b in &def.bricks {
             if b.ip().is_ok_and(is_local) {

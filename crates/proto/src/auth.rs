@@ -21,7 +21,7 @@ use crate::ops::AuthReq;
 pub const NONCE_LEN: usize = 32;
 
 /// Longest identity name (letters, digits, `.`, `-`, `_`; see [`check_identity`]).
-pub const MAX_IDENTITY_LEN: usize = 64;
+pub const MAX_IDENTITY_LEN: usize = 72;
 
 /// What a client proves: the identity it speaks for and that identity's key.
 #[derive(Clone, PartialEq, Eq)]

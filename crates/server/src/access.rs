@@ -33,6 +33,7 @@ impl std::str::FromStr for Cidr {
             Some(p) => p
                 .parse::<u8>()
                 .ok()
+                .filter(|_| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
                 .filter(|p| *p <= max)
                 .ok_or_else(|| bad("bad prefix length"))?,
             None => max,

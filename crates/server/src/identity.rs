@@ -86,7 +86,9 @@ pub struct Caps {
     /// It may run management commands (on a management port).
     pub admin: bool,
     /// The networks it may connect from, as CIDRs (empty: anywhere; a Unix socket is this
-    /// host and always admitted).
+    /// host and always admitted). Left out of files when empty, so that bricks of the build
+    /// before it still read them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub from: Vec<String>,
 }
 
@@ -382,7 +384,7 @@ mod tests {
             Caps::default().admits_from(Some("192.0.2.1".parse().unwrap())),
             "anywhere"
         );
-        for bad in ["10.0.0.0/33", "host", ""] {
+        for bad in ["10.0.0.0/33", "10.0.0.0/+8", "host", ""] {
             let c = Caps {
                 from: vec![bad.into()],
                 ..Caps::default()

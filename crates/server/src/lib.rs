@@ -472,6 +472,9 @@ fn spawn_conn(fd: OwnedFd, shared: &Arc<Shared>, from: door::Address, peer: Stri
     spawn_serve(conn::Sock::Plain(fd), shared, ticket, from, peer);
 }
 
+/// Blocking-pool threads of one connection (fsync, fallocate, management commands).
+const CONN_BLOCKING_THREADS: usize = 64;
+
 /// Serves a connection on a thread of its own, with a single-threaded runtime: its fops run
 /// inline where its frames arrive, and a storage call that blocks (a slow or hung disk under
 /// the brick) stalls that connection only, never another client's requests or the accept
@@ -489,6 +492,9 @@ fn spawn_serve(
         .spawn(move || {
             let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
+                // Fops offloaded to the blocking pool (fsync, fallocate) at most this many at
+                // once per connection; more wait their turn.
+                .max_blocking_threads(CONN_BLOCKING_THREADS)
                 .build()
             {
                 Ok(rt) => rt,

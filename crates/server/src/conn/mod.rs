@@ -432,14 +432,20 @@ pub async fn serve(
         Ok(()) => tracing::debug!(%peer, "connection closed"),
         Err(e) => tracing::info!(%peer, "connection ended: {e}"),
     }
-    if let Some(w) = &wfd {
-        // The receiving thread holds the TCP socket too: this ends its read, and the connection.
-        let _ = rustix::net::shutdown(w.get_ref(), rustix::net::Shutdown::Both);
+    // The client hears the end at once, whatever still runs here. Over TLS the receiving
+    // thread holds the TCP socket too: this ends its read, and the connection.
+    for sock in std::iter::once(&fd).chain(&wfd) {
+        let _ = rustix::net::shutdown(sock.get_ref(), rustix::net::Shutdown::Both);
     }
     // Fops still running (waiting for a lock, on the blocking pool) finish before the
-    // connection's runtime goes: each holds a sender, so the channel ends with the last.
+    // connection's runtime goes: each holds a sender, so the channel ends with the last. What
+    // they opened joins the connection's handles, released with them; only then does the
+    // stack mark what the connection left half done.
+    conn.done_tx = mpsc::unbounded_channel().0;
+    while let Some(f) = done_rx.recv().await {
+        conn.finish(f);
+    }
     drop(conn);
-    while done_rx.recv().await.is_some() {}
 }
 
 /// Splits what a request's flags say its arguments start with — the caller's credentials,

@@ -743,7 +743,9 @@ fn partition(h: &mut Hosts) {
         let rest: Vec<usize> = (0..3).filter(|&i| i != cut).collect();
         let value = (40 + cut).to_string();
         // The cut-off host is asked meanwhile: it waits its patience for a majority (10 s)
-        // while the majority elects a leader and takes its change.
+        // while the majority elects a leader and takes its change; then it says so, in one
+        // sentence whatever it was waiting for.
+        let asked = Instant::now();
         let alone = h
             .kiln_cmd(cut, &["volume", "set", "pv", "io-timeout", "77"])
             .spawn()
@@ -752,10 +754,15 @@ fn partition(h: &mut Hosts) {
         h.ok(rest[0], &["volume", "set", "pv", "io-timeout", &value]);
         let took = t0.elapsed();
         let out = alone.wait_with_output().expect("run kiln");
+        let refused_after = asked.elapsed();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
-            !out.status.success() && (err.contains("majority") || err.contains("leader")),
-            "the cut-off host took a change: {err}"
+            !out.status.success() && err.contains("the pool has no leader"),
+            "the cut-off host took a change, or said something else: {err}"
+        );
+        assert!(
+            refused_after < Duration::from_secs(12),
+            "the cut-off host answered after {refused_after:?}"
         );
         h.link(cut, true);
         h.agreed_version(30);
@@ -769,7 +776,10 @@ fn partition(h: &mut Hosts) {
         } else {
             "a follower"
         };
-        println!("{what} (host {cut}) cut off: the majority's change took {took:?}");
+        println!(
+            "{what} (host {cut}) cut off: the majority's change took {took:?}, the cut-off \
+             host refused its own after {refused_after:?}"
+        );
     }
 }
 

@@ -153,7 +153,12 @@ impl Pool {
             let (mut applied, mut leader) = (None, None);
             loop {
                 let m = rx.borrow_and_update().clone();
-                if m.current_leader != leader {
+                // Leadership of this member counts once a quorum acknowledged it: a restarted
+                // ex-leader that Raft restores as leader of its old term, and whose followers
+                // moved on, is never said to lead.
+                let unconfirmed =
+                    m.current_leader == Some(me) && m.millis_since_quorum_ack.is_none();
+                if m.current_leader != leader && !unconfirmed {
                     leader = m.current_leader;
                     match leader {
                         Some(l) if l == me => {
@@ -294,8 +299,12 @@ impl Pool {
     /// the leader's address. A pool of none becomes a pool of one first; without a leader,
     /// waits for one (up to [`WRITE_PATIENCE`]).
     pub fn change_at(&self) -> Result<Option<SocketAddr>, String> {
+        self.change_at_until(Instant::now() + WRITE_PATIENCE)
+    }
+
+    /// [`Pool::change_at`], waiting for a leader until `deadline`.
+    fn change_at_until(&self, deadline: Instant) -> Result<Option<SocketAddr>, String> {
         self.ensure_initialized()?;
-        let deadline = Instant::now() + WRITE_PATIENCE;
         loop {
             if let Some((id, addr)) = self.leader() {
                 if id == self.id {
@@ -333,9 +342,19 @@ impl Pool {
         &self,
         send: impl Fn(&mut dyn Channel) -> Result<R, CallError>,
     ) -> Result<Option<R>, String> {
-        let deadline = Instant::now() + WRITE_PATIENCE;
+        self.via_leader_until(send, Instant::now() + WRITE_PATIENCE)
+    }
+
+    /// [`Pool::via_leader`] with one deadline for finding the leader and reaching it: past
+    /// it, whatever stood in the way (no leader, a leader this member cannot reach), the
+    /// answer is the same — there is no majority here ([`Pool::no_majority`]).
+    fn via_leader_until<R>(
+        &self,
+        send: impl Fn(&mut dyn Channel) -> Result<R, CallError>,
+        deadline: Instant,
+    ) -> Result<Option<R>, String> {
         loop {
-            let Some(leader) = self.change_at()? else {
+            let Some(leader) = self.change_at_until(deadline)? else {
                 return Ok(None);
             };
             match self.link.connect(leader) {
@@ -350,9 +369,10 @@ impl Pool {
                     });
                 }
                 Err(e) => {
+                    tracing::debug!(%leader, "cannot reach the pool's leader: {e}");
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        return Err(format!("the pool's leader at {leader}: {e}"));
+                        return Err(self.no_majority());
                     }
                     // Wait for the members to notice and elect another.
                     let mut rx = self.raft().metrics();
@@ -375,14 +395,25 @@ impl Pool {
         })
     }
 
-    /// Applies `cmd`, on the leader (forwarded there when this member is not it).
+    /// Applies `cmd`, on the leader (forwarded there when this member is not it), within one
+    /// [`WRITE_PATIENCE`] for all of it.
     pub fn write(&self, cmd: Cmd) -> Result<Written, String> {
         let deadline = Instant::now() + WRITE_PATIENCE;
         loop {
-            let req = Msg::PoolWrite {
+            let req = serde_json::to_value(Msg::PoolWrite {
                 change: cmd.clone(),
-            };
-            match self.forward(&req)? {
+            })
+            .expect("a request serialises");
+            let forwarded = self.via_leader_until(
+                |c| {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let v = c.call(&req, Some(left.max(Duration::from_millis(100))))?;
+                    serde_json::from_value::<Written>(v)
+                        .map_err(|e| CallError::Broken(format!("bad reply: {e}")))
+                },
+                deadline,
+            )?;
+            match forwarded {
                 Some(w) => return Ok(w),
                 None => {
                     let left = deadline.saturating_duration_since(Instant::now());

@@ -39,6 +39,8 @@ pub struct Fh(pub u64);
 
 /// How long connecting waits for a brick's HELLO and AUTH answers.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a TCP connect may take before it counts as failed (and is tried again).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Converts a wire errno into an `io::Error`.
 pub fn errno_error(e: Errno) -> io::Error {
@@ -247,6 +249,7 @@ impl Client {
                 .joining
                 .store(true, std::sync::atomic::Ordering::SeqCst);
         }
+        let pings = hello.flags & kiln_proto::ops::HELLO_PING != 0;
         if hello.auth_required {
             let Some(secret) = secret else {
                 return Err(io::Error::new(
@@ -260,7 +263,14 @@ impl Client {
             ))
             .unwrap_or_else(|| client.handshake_timed_out(addr))?;
         }
+        client.conn.arm(pings);
         Ok(client)
+    }
+
+    /// Why the connection watchdog ended this connection (its brick stopped answering), if it
+    /// did (see [`crate::conn::ping_timeout`]).
+    pub fn away(&self) -> Option<&str> {
+        self.conn.away()
     }
 
     /// Gives up on a handshake that did not finish in [`HANDSHAKE_TIMEOUT`].
@@ -419,6 +429,17 @@ impl Client {
             self.conn.set_push(None);
         }
         r
+    }
+
+    /// Tells the brick this client ends cleanly ([`Op::Bye`]): call it only when every change
+    /// sent on this connection, and on its siblings to the other replicas, was answered.
+    pub async fn bye(&self) -> io::Result<()> {
+        self.call_raw(Op::Bye, Vec::new()).await.map(|_| ())
+    }
+
+    /// True when no request of this connection waits for its reply.
+    pub fn idle(&self) -> bool {
+        self.conn.idle()
     }
 
     /// Tells the brick about `reads` reads (`bytes` bytes) made straight from its files
@@ -872,7 +893,9 @@ fn open_conn(addr: &str, tls: Option<&Arc<kiln_tls::ClientConfig>>) -> io::Resul
             .to_socket_addrs()
             .map_err(|e| io::Error::new(e.kind(), format!("bad server address {addr:?}: {e}")))?
         {
-            match std::net::TcpStream::connect(sa) {
+            // Bounded: a host that dropped off the network answers no SYN, and a reconnect
+            // thread must come back to try again (and to say so) within seconds.
+            match std::net::TcpStream::connect_timeout(&sa, CONNECT_TIMEOUT) {
                 Ok(s) => {
                     found = Some(s);
                     break;

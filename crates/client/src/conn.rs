@@ -39,6 +39,7 @@ mod completion;
 mod inreply;
 mod metrics;
 mod splice;
+mod watchdog;
 
 use completion::deliver;
 pub use completion::{Callback, Completion, Done, Lost, Refused, ReplyData, Slot};
@@ -47,6 +48,7 @@ use kiln_layer::SpliceOut;
 use splice::Pipe;
 
 pub use metrics::render_metrics;
+pub use watchdog::{bricks_away, ping_timeout, set_ping_timeout, DEFAULT_PING_TIMEOUT};
 
 pub use kiln_proto::Errno;
 
@@ -139,6 +141,8 @@ pub struct Conn {
     /// Where the brick's push frames go ([`kiln_proto::frame::FLAG_PUSH`]): called on the
     /// receiving thread with the frame's arguments, so it must not block.
     push: std::sync::RwLock<Option<PushSink>>,
+    /// What the watchdog knows of the connection ([`watchdog`]).
+    health: watchdog::Health,
 }
 
 /// A receiver of push frames' arguments (see [`Conn::set_push`]).
@@ -209,6 +213,7 @@ impl Conn {
             ended: Default::default(),
             stats: ConnStats::default(),
             push: Default::default(),
+            health: Default::default(),
         });
         {
             let mut r = live().lock().unwrap_or_else(|e| e.into_inner());
@@ -225,6 +230,11 @@ impl Conn {
     /// True once the connection has failed or been shut down.
     pub fn is_dead(&self) -> bool {
         self.ended.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// True when no request waits for its reply.
+    pub fn idle(&self) -> bool {
+        lock(&self.table).pending.is_empty()
     }
 
     /// Closes the socket's both directions; in-flight requests fail with `ECONNRESET`.
@@ -324,6 +334,9 @@ impl Conn {
             let mut t = lock(&self.table);
             if let Some(e) = t.dead {
                 return Err(Refused { errno: e, keep });
+            }
+            if t.pending.is_empty() {
+                self.health.waiting();
             }
             t.pending.insert(
                 id,
@@ -585,6 +598,7 @@ impl Conn {
                 return Ok(());
             }
             self.stats.recv_calls.fetch_add(1, Relaxed);
+            self.health.heard();
             drained = n < iov.iter().map(|v| v.len).sum::<usize>();
             let left = n;
             if let (Some(id), true) = (speculating, left > HEADER_LEN) {

@@ -205,6 +205,14 @@ impl Switch {
         *cur = Arc::new(next);
     }
 
+    /// Every protocol client of every generation still kept.
+    pub fn links(&self) -> Vec<Arc<ProtocolClient>> {
+        let g = self.current();
+        let mut all = g.links.clone();
+        all.extend(lock(&g.retire).iter().cloned());
+        all
+    }
+
     /// Shuts every connection of every generation down for good.
     pub fn shutdown(&self) {
         let g = self.current();
@@ -472,6 +480,9 @@ macro_rules! switch_layer {
             }
             fn hangup(&self, owner: u64) {
                 self.current().top.hangup(owner)
+            }
+            fn goodbye(&self, owner: u64) {
+                self.current().top.goodbye(owner)
             }
             fn pin_local<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
                 Box::pin(async move {

@@ -335,7 +335,9 @@ impl ProtocolClient {
                 return false;
             }
             self.revive();
-            let until = if first {
+            // A brick the watchdog found away has had its time already: a reconnect to it
+            // would only wait on a silent network.
+            let until = if first && self.client().away().is_none() {
                 deadline.max(Instant::now() + Duration::from_secs(2))
             } else {
                 deadline

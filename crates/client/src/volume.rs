@@ -39,6 +39,9 @@ use crate::protocol::ProtocolClient;
 /// A client stack, used on behalf of one caller: the process itself (root on the bricks) or,
 /// from [`Volume::on_behalf_of`], a user whose credentials travel with every name and
 /// metadata fop, so the bricks check access and assign ownership as that user. Clones share
+/// How long [`Volume::end`] waits for the bricks to answer its goodbye.
+pub const BYE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// the stack.
 #[derive(Clone)]
 pub struct Volume {
@@ -495,6 +498,41 @@ impl Volume {
             },
         )?;
         Ok(Volume::of(Graph::Switched(switch)))
+    }
+
+    /// Ends the volume cleanly: with no request in flight on any brick, tells every brick this
+    /// client is done ([`kiln_proto::Op::Bye`]: nothing it changed is in doubt, so its
+    /// connections leave no suspect marks for heal), waiting at most [`BYE_PATIENCE`] for
+    /// them; then [`Self::shutdown`]. With anything in flight it only shuts down: what the
+    /// connections changed lately stays suspect, as for a client that died.
+    pub fn end(&self) {
+        let links = match &self.stack.graph {
+            Graph::Fixed(g) => g.links.clone(),
+            Graph::Switched(s) => s.links(),
+        };
+        let clients: Vec<_> = links.iter().map(|l| l.client()).collect();
+        if clients.iter().all(|c| c.idle()) {
+            let (tx, rx) = std::sync::mpsc::channel();
+            for c in clients.into_iter().filter(|c| !c.is_dead()) {
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    let r = crate::block_on(c.bye());
+                    let _ = tx.send((c.server().to_owned(), r));
+                });
+            }
+            drop(tx);
+            let end = std::time::Instant::now() + BYE_PATIENCE;
+            while let Ok((brick, r)) =
+                rx.recv_timeout(end.saturating_duration_since(std::time::Instant::now()))
+            {
+                if let Err(e) = r {
+                    tracing::debug!(brick, "goodbye not answered: {e}");
+                }
+            }
+        } else {
+            tracing::debug!("requests in flight: closing without a goodbye");
+        }
+        self.shutdown();
     }
 
     /// Shuts every connection down for good: requests in flight and later ones fail, and no

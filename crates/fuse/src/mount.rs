@@ -257,7 +257,8 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     kiln_client::start_metrics(&args.metrics, "kiln-mount")?;
     let vol = Volume::from_source(&source).map_err(|e| format!("cannot reach {source}: {e}"))?;
     let ttl = Duration::from_secs_f64(args.attr_timeout.max(0.0));
-    let fs = KilnFs::new(Arc::new(vol), args.mode, ttl)
+    let vol = Arc::new(vol);
+    let fs = KilnFs::new(vol.clone(), args.mode, ttl)
         .map_err(|e| format!("cannot read the root of {label}: {e}"))?
         .with_passthrough(args.passthrough == Switch::On)
         .with_splice(args.splice == Switch::On)
@@ -274,7 +275,17 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    // Serve until a signal arrives (then unmount) or the file system is unmounted from outside.
+    let r = serve_until_unmounted(bg, &mountpoint);
+    // Unmounted, every request answered: the bricks are told this client ends cleanly, so
+    // nothing it wrote is left for heal to check.
+    if r.is_ok() {
+        vol.end();
+    }
+    r
+}
+
+/// Serves until a signal arrives (then unmounts) or the file system is unmounted from outside.
+fn serve_until_unmounted(bg: fuser::BackgroundSession, mountpoint: &Path) -> Result<(), String> {
     enum Event {
         Signal,
         Ended(std::io::Result<()>),
@@ -293,13 +304,12 @@ pub fn main(args: MountArgs) -> Result<(), String> {
         match rx.recv() {
             Ok(Event::Signal) => {
                 tracing::info!("signal received, unmounting {}", mountpoint.display());
-                if let Err(e) = unmount(&mountpoint) {
+                if let Err(e) = unmount(mountpoint) {
                     tracing::warn!("{e}; detaching instead");
-                    let _ = umount_lazy(&mountpoint);
+                    let _ = umount_lazy(mountpoint);
                 }
             }
-            Ok(Event::Ended(Ok(()))) => return Ok(()),
-            Ok(Event::Ended(Err(e))) => return Err(format!("FUSE session ended: {e}")),
+            Ok(Event::Ended(r)) => return r.map_err(|e| format!("FUSE session ended: {e}")),
             Err(_) => return Err("FUSE session thread vanished".into()),
         }
     }

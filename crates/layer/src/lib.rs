@@ -582,6 +582,16 @@ macro_rules! declare_layer {
                 }
             }
 
+            /// The client connection `owner` said goodbye ([`kiln_proto::Op::Bye`]): every
+            /// change it sent was answered, on every replica, so what it changed lately is in
+            /// doubt nowhere and its [`Self::hangup`] leaves no suspects. The default tells
+            /// the children.
+            fn goodbye(&self, owner: u64) {
+                for c in self.children() {
+                    c.goodbye(owner);
+                }
+            }
+
             $(
                 #[doc = concat!("The `", stringify!($name), "` fop.")]
                 fn $name<'a>(&'a self, cx: &'a Ctx, $($arg: $ty),*) -> Fut<'a, $ret> {

@@ -214,6 +214,18 @@ impl Export {
         if let Some(l) = self.lock {
             l.release().await;
         }
+        // Every session over and the lock released: the bricks are told this client ends
+        // cleanly (when nothing is in flight), so its writes are left for heal to check only
+        // after a crash.
+        let vol = self
+            .shared
+            .vol
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(v) = vol {
+            let _ = tokio::task::spawn_blocking(move || v.end()).await;
+        }
     }
 }
 

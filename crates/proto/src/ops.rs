@@ -154,6 +154,15 @@ ops! {
     /// Snapshots of an image ([`SnapReq`]): a write barrier on the file, a copy of it taken
     /// under the barrier by the brick file system's reflink, and clones of such copies.
     Snap = 52,
+    /// A client that ends cleanly says so (no arguments, an empty reply): every change it sent
+    /// on this connection was answered, and so were their siblings on the other replicas, so
+    /// the brick forgets what it changed lately instead of leaving it as suspect marks when
+    /// the connection closes. Sent only with nothing in flight.
+    Bye = 53,
+    /// Are you there? (no arguments, an empty reply). A client sends it on a connection with
+    /// requests waiting that has heard nothing for a while; the brick answers on the
+    /// connection's own thread, before any storage call (see [`HELLO_PING`]).
+    Ping = 54,
 }
 
 impl Op {
@@ -416,6 +425,8 @@ wire_struct! {
 
 /// [`HelloReply::flags`]: the brick is new to its volume (see `kiln_layer::marks`).
 pub const HELLO_NEW_BRICK: u32 = 1;
+/// [`HelloReply::flags`]: the brick answers [`Op::Ping`].
+pub const HELLO_PING: u32 = 2;
 
 /// [`OpenReq::flags`] bit (no Linux `O_*` flag uses it): a reply carrying the whole file
 /// is an [`OpenWholeReply`], with its attributes. A brick that does not know the bit drops it

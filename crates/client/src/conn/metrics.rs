@@ -56,6 +56,26 @@ pub fn render_metrics(out: &mut kiln_layer::metrics::Scrape) {
     ];
     out.gauge("kiln_client_connections", "Brick connections open.")
         .set(&[], conns.len() as f64);
+    for (name, help, v) in [
+        (
+            "kiln_client_bricks_away",
+            "Brick connections the watchdog found away (no answer within the ping timeout).",
+            &watchdog::AWAY,
+        ),
+        (
+            "kiln_client_away_near_misses",
+            "Looks at a connection silent past the ping timeout that did not find it away (its \
+             replies waited unread here, or its host still acknowledged).",
+            &watchdog::NEAR_MISSES,
+        ),
+        (
+            "kiln_client_pings",
+            "Pings sent to bricks that had been silent with requests waiting.",
+            &watchdog::PINGS,
+        ),
+    ] {
+        out.counter(name, help).count(&[], v.load(Relaxed));
+    }
     for (name, help, v) in rows {
         out.counter(name, help).count(&[], v);
     }

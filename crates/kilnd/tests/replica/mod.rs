@@ -20,6 +20,8 @@ pub struct Brick {
     volfile: PathBuf,
     pub addr: String,
     pub child: Option<Child>,
+    /// The network namespace it runs in (`None`: this process's).
+    netns: Option<String>,
 }
 
 impl Brick {
@@ -36,6 +38,22 @@ impl Brick {
     /// A brick whose `fops` wait `delay` (µs, with probability `p`) before they reach the
     /// marks layer: with `Some`, the brick stack has a delay-gen on top.
     pub fn delayed(root: &Path, i: usize, fops: &[&str], delay: Option<(u64, f64)>) -> Brick {
+        let mut b = Brick::made(root, i, fops, delay);
+        b.start();
+        b
+    }
+
+    /// A brick in network namespace `ns`, listening on `ip` there.
+    pub fn in_netns(root: &Path, i: usize, ns: &str, ip: &str) -> Brick {
+        let mut b = Brick::made(root, i, &[], None);
+        b.addr = format!("tcp:{ip}:0");
+        b.netns = Some(ns.to_owned());
+        b.start();
+        b
+    }
+
+    /// [`Brick::delayed`], not started yet.
+    fn made(root: &Path, i: usize, fops: &[&str], delay: Option<(u64, f64)>) -> Brick {
         let dir = root.join(format!("brick{i}"));
         std::fs::create_dir_all(&dir).unwrap();
         let volfile = root.join(format!("brick{i}.toml"));
@@ -56,21 +74,28 @@ impl Brick {
             );
         }
         std::fs::write(&volfile, v.to_toml()).unwrap();
-        let mut b = Brick {
+        Brick {
             dir,
             volfile,
             addr: "tcp:127.0.0.1:0".into(),
             child: None,
-        };
-        b.start();
-        b
+            netns: None,
+        }
     }
 
     /// Starts kilnd on the brick's address (the first time: any port, then the same one).
     pub fn start(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
+            let mut cmd = match &self.netns {
+                Some(ns) => {
+                    let mut c = Command::new("ip");
+                    c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kilnd")]);
+                    c
+                }
+                None => Command::new(env!("CARGO_BIN_EXE_kilnd")),
+            };
+            let mut child = cmd
                 .arg("--volfile")
                 .arg(&self.volfile)
                 .args(["--listen", &self.addr, "--metrics", "off"])

@@ -100,7 +100,7 @@ fn changes(op: Op, args: &[u8]) -> bool {
         // Named one by one: a new fop does not compile until it is classed here.
         Hello | Lookup | Fstat | Read | Fsync | Release | Readdir | Readlink | Statfs
         | Getxattr | Listxattr | Auth | Profile | Mgmt | Pending | PendingIndex | HealInfo
-        | LayoutGet | Grant | LocalRead | Watch | Extents => false,
+        | LayoutGet | Grant | LocalRead | Watch | Extents | Bye | Ping => false,
     }
 }
 
@@ -136,7 +136,8 @@ fn paths(op: Op, args: &[u8], mut each: impl FnMut(&str)) -> Result<(), kiln_pro
         // Fops on a handle (opened, and so checked, by name) or naming no path. Named one by
         // one: a new fop does not compile until it is classed here.
         Hello | Fstat | Read | Write | Fsync | Release | Fallocate | Discard | Fsetattr | Auth
-        | Profile | Mgmt | WriteMarked | Grant | LocalRead | Watch | Extents | Lease | Dirty => {}
+        | Profile | Mgmt | WriteMarked | Grant | LocalRead | Watch | Extents | Lease | Dirty
+        | Bye | Ping => {}
     }
     Ok(())
 }

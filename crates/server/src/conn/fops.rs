@@ -40,6 +40,8 @@ impl Conn {
             Op::Grant => self.grant(args, &cx),
             Op::LocalRead => Err(Fail::Errno(errno::ENOSYS)),
             Op::Watch => self.watch_req(args),
+            Op::Ping => Ok(Step::Now(Vec::new(), Body::None)),
+            Op::Bye => self.bye(),
             Op::Open => self.open(stack, args, cx),
             Op::Create => {
                 let req = CreateReq::from_wire(args)?;
@@ -198,6 +200,14 @@ impl Conn {
     }
 
     /// PROFILE: this process's io-stats as JSON, with the clients that reported endpoints.
+    /// BYE: the client ends cleanly. Frames run in order, and a client says goodbye with
+    /// nothing in flight: no change of this connection is still running here.
+    fn bye(&mut self) -> Result<Step, Fail> {
+        tracing::debug!(peer = %self.peer, "the client said goodbye");
+        self.stack.goodbye(self.conn_id);
+        Ok(Step::Now(Vec::new(), Body::None))
+    }
+
     fn profile(&mut self, args: &[u8]) -> Result<Step, Fail> {
         let req = ProfileReq::from_wire(args)?;
         let points = kiln_layer::iostats::points();

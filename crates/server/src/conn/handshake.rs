@@ -97,11 +97,12 @@ impl Conn {
             } else {
                 Vec::new()
             },
-            flags: if self.stack.joining() {
-                kiln_proto::ops::HELLO_NEW_BRICK
-            } else {
-                0
-            },
+            flags: kiln_proto::ops::HELLO_PING
+                | if self.stack.joining() {
+                    kiln_proto::ops::HELLO_NEW_BRICK
+                } else {
+                    0
+                },
         };
         Ok(Step::Now(r.to_wire(), Body::None))
     }

@@ -130,6 +130,10 @@ impl Layer for Marks {
         self.drop_leases(owner);
     }
 
+    fn goodbye(&self, owner: u64) {
+        self.forget_recent(owner);
+    }
+
     fn create<'a>(
         &'a self,
         cx: &'a Ctx,

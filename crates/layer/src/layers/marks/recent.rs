@@ -88,9 +88,17 @@ impl Recent {
         }
     }
 
-    /// Both generations.
-    pub(super) fn ranges(&self) -> RangeSet {
-        let mut all = self.prev.clone();
+    /// Both generations, as they stand at `now`: a generation older than two windows is
+    /// gone, as if a change had come and rotated it out.
+    pub(super) fn ranges(&self, now: Instant) -> RangeSet {
+        let age = now.saturating_duration_since(self.since);
+        let mut all = RangeSet::default();
+        if age >= 2 * WINDOW {
+            return all;
+        }
+        if age < WINDOW {
+            all = self.prev.clone();
+        }
         for (o, l) in self.cur.iter() {
             all.add(o, l);
         }
@@ -150,10 +158,20 @@ impl Names {
         }
     }
 
-    /// The suspect names, each once.
-    fn suspects(self) -> Vec<String> {
-        let mut all = self.prev;
-        all.extend(self.cur);
+    /// The suspect names at `now`, each once: those of the last [`NAME_WINDOW`] twice over,
+    /// however long ago the last change came (a client's names from the start of a long run
+    /// are no longer in doubt when it ends).
+    fn suspects(self, now: Instant) -> Vec<String> {
+        let age = self
+            .since
+            .map_or(Duration::MAX, |s| now.saturating_duration_since(s));
+        let mut all = Vec::new();
+        if age < NAME_WINDOW {
+            all = self.prev;
+        }
+        if age < 2 * NAME_WINDOW {
+            all.extend(self.cur);
+        }
         all.sort_unstable();
         all.dedup();
         all
@@ -174,9 +192,25 @@ impl Marks {
         }
     }
 
+    /// Connection `owner` said goodbye: nothing it changed is in doubt, so its records go.
+    pub(super) fn forget_recent(&self, owner: u64) {
+        let keys: Vec<Arc<FileKey>> = {
+            let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+            files.values().cloned().collect()
+        };
+        for key in keys {
+            key.state().recent.retain(|r| r.owner != owner);
+        }
+        self.names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&owner);
+    }
+
     /// Connection `owner` ended: what it changed lately through handles it still held, and
     /// the names it changed lately, become suspect marks ([`m::ANY`]).
     pub(super) fn suspect_leftovers(&self, owner: u64) {
+        let now = Instant::now();
         let mut ops: Vec<(u8, String, u32, u64, u64)> = Vec::new();
         let keys: Vec<(String, Arc<FileKey>)> = {
             let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
@@ -189,7 +223,7 @@ impl Marks {
                 if r.owner != owner {
                     return true;
                 }
-                for (o, l) in r.ranges().iter() {
+                for (o, l) in r.ranges(now).iter() {
                     ranges.add(o, l);
                 }
                 false
@@ -206,7 +240,7 @@ impl Marks {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&owner);
-        for p in names.map(Names::suspects).unwrap_or_default() {
+        for p in names.map(|n| n.suspects(now)).unwrap_or_default() {
             ops.push((b'F', p, m::ANY, u64::from(m::ENTRY), 0));
         }
         if ops.is_empty() {
@@ -243,5 +277,36 @@ impl Marks {
                 self.dir.display()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_age_out_after_two_windows_even_without_a_later_change() {
+        let t0 = Instant::now();
+        let names = || {
+            let mut n = Names::default();
+            n.note("a");
+            n.note("b");
+            n
+        };
+        assert_eq!(names().suspects(t0), ["a", "b"]);
+        assert_eq!(
+            names().suspects(t0 + NAME_WINDOW),
+            ["a", "b"],
+            "one window on"
+        );
+        assert!(names()
+            .suspects(t0 + 2 * NAME_WINDOW + Duration::from_millis(5))
+            .is_empty());
+
+        let mut r = Recent::new(1, 7, t0);
+        r.note(0, 4096, t0);
+        assert_eq!(r.ranges(t0).count(), 1);
+        assert_eq!(r.ranges(t0 + WINDOW).count(), 1, "one window on");
+        assert_eq!(r.ranges(t0 + 2 * WINDOW).count(), 0, "two windows on");
     }
 }

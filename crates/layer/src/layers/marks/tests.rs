@@ -397,6 +397,37 @@ fn a_connection_that_ends_holding_a_handle_it_wrote_through_leaves_suspect_marks
 }
 
 #[test]
+fn a_connection_that_says_goodbye_leaves_no_suspect_marks() {
+    let root = tempfile::tempdir().unwrap();
+    let l = stack(root.path());
+    let (leaves, dies) = (cx(7), cx(8));
+    run(async {
+        let flags = (libc::O_CREAT | libc::O_RDWR) as u32;
+        for (c, path) in [(&leaves, "f"), (&dies, "g")] {
+            let (fd, _) = l.create(c, path, flags, 0o644).await.unwrap();
+            write(&l, c, &fd, 0, b'a', 4 * K).await.unwrap();
+            l.release(c, fd).await.unwrap();
+        }
+        // Both created a name and wrote through a handle they closed; one said goodbye.
+        l.goodbye(7);
+        l.hangup(7);
+        l.hangup(8);
+        assert_eq!(suspects(&l, "f"), (vec![], 0), "goodbye: nothing suspect");
+        assert_eq!(
+            suspects(&l, "g").1 & m::ENTRY,
+            m::ENTRY,
+            "no goodbye: its name"
+        );
+        // A change after the goodbye is recorded again.
+        let (fd, _) = l.create(&leaves, "h", flags, 0o644).await.unwrap();
+        write(&l, &leaves, &fd, 0, b'b', 4 * K).await.unwrap();
+        l.hangup(7);
+        assert_eq!(suspects(&l, "h").0, vec![(0, 64 * K)]);
+        l.release(&leaves, fd).await.unwrap();
+    });
+}
+
+#[test]
 fn a_handle_writing_everywhere_keeps_a_bounded_record() {
     let root = tempfile::tempdir().unwrap();
     let l = stack(root.path());

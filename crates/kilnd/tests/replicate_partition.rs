@@ -1,0 +1,194 @@
+//! A replica cut off from the network costs writes a bounded pause, not the length of the
+//! outage: replica 3, two bricks here and one in a network namespace behind a veth pair whose
+//! link the test takes down for longer than the ping timeout, while four writers write 4 KiB
+//! blocks. No write fails or waits 2 s, the brick is declared away once, the others hold marks
+//! for what it missed, and after the link is back heal makes the three copies identical.
+//! Needs root and `ip netns`; skips (saying why) without them.
+
+mod replica;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kiln_client::Volume;
+use kiln_layer::exec::block_on;
+use kiln_layer::heal;
+use replica::{index_empty, volfile, wait_for, Brick, Rng};
+
+const FILE: &str = "disk";
+const SIZE: u64 = 16 << 20;
+const BLOCK: usize = 4096;
+/// How long the link stays down: well past the ping timeout and its stall tier.
+const OUTAGE: Duration = Duration::from_secs(8);
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// A namespace behind a veth pair: this side `10.81.N.1`, the namespace's `10.81.N.2`.
+struct Cut {
+    ns: String,
+    near: String,
+    far_ip: String,
+}
+
+impl Cut {
+    fn make() -> Result<Cut, String> {
+        let id = std::process::id();
+        let net = format!("10.81.{}", id % 250);
+        let c = Cut {
+            ns: format!("kcut{id}"),
+            near: format!("kcut{id}a"),
+            far_ip: format!("{net}.2"),
+        };
+        let far = format!("kcut{id}b");
+        ip(&["netns", "add", &c.ns])?;
+        ip(&["link", "add", &c.near, "type", "veth", "peer", "name", &far])?;
+        ip(&["link", "set", &far, "netns", &c.ns])?;
+        ip(&["addr", "add", &format!("{net}.1/30"), "dev", &c.near])?;
+        ip(&["link", "set", &c.near, "up"])?;
+        ip(&[
+            "-n",
+            &c.ns,
+            "addr",
+            "add",
+            &format!("{net}.2/30"),
+            "dev",
+            &far,
+        ])?;
+        ip(&["-n", &c.ns, "link", "set", &far, "up"])?;
+        ip(&["-n", &c.ns, "link", "set", "lo", "up"])?;
+        Ok(c)
+    }
+
+    fn link(&self, up: bool) {
+        ip(&["link", "set", &self.near, if up { "up" } else { "down" }]).unwrap();
+    }
+}
+
+impl Drop for Cut {
+    fn drop(&mut self) {
+        let _ = ip(&["link", "del", &self.near]);
+        let _ = ip(&["netns", "del", &self.ns]);
+    }
+}
+
+#[test]
+fn a_replica_cut_off_from_the_network_pauses_writes_under_two_seconds() {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping: network namespaces need root");
+        return;
+    }
+    let cut = match Cut::make() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("skipping: no network namespace here ({e})");
+            return;
+        }
+    };
+    let root = tempfile::tempdir().unwrap();
+    let mut bricks = vec![Brick::new(root.path(), 0), Brick::new(root.path(), 1)];
+    bricks.push(Brick::in_netns(root.path(), 2, &cut.ns, &cut.far_ip));
+    let vol = Arc::new(Volume::from_volfile(&volfile(&bricks)).expect("connect"));
+    let (fd, _) = block_on(vol.create(FILE, libc::O_RDWR, 0o644)).expect("create");
+    let fd = Arc::new(fd);
+
+    // Four writers, 4 KiB blocks at random, each timing every write.
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let writers: Vec<_> = (0..4u64)
+        .map(|w| {
+            let (vol, fd, stop, done) = (vol.clone(), fd.clone(), stop.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x9e37_79b9 ^ (w + 1));
+                let (mut worst, mut errors) = (Duration::ZERO, Vec::new());
+                while !stop.load(Ordering::Relaxed) {
+                    let at = rng.next() % (SIZE / BLOCK as u64) * BLOCK as u64;
+                    let t = Instant::now();
+                    let (r, _) = block_on(vol.pwritev(&fd, vec![vec![w as u8 + 1; BLOCK]], at));
+                    worst = worst.max(t.elapsed());
+                    match r {
+                        Ok(_) => done.fetch_add(1, Ordering::Relaxed),
+                        Err(e) => {
+                            errors.push(e.to_string());
+                            0
+                        }
+                    };
+                }
+                (worst, errors)
+            })
+        })
+        .collect();
+    let at_least = |n: u64| {
+        let d = done.clone();
+        wait_for(&format!("{n} writes"), 60, move || {
+            d.load(Ordering::Relaxed) >= n
+        });
+    };
+    at_least(200);
+    let away = kiln_client::conn::bricks_away();
+
+    cut.link(false);
+    let cut_at = Instant::now();
+    let before = done.load(Ordering::Relaxed);
+    // Writes go on while the link is down.
+    at_least(before + 200);
+    let resumed = cut_at.elapsed();
+    // The outage lasts its length; the writers are what is measured meanwhile.
+    std::thread::sleep(OUTAGE.saturating_sub(cut_at.elapsed()));
+    cut.link(true);
+
+    let rep = heal::replicate_layers(vol.top()).remove(0);
+    wait_for("the client to reconnect to the cut brick", 30, || {
+        rep.children()[2].up()
+    });
+    at_least(done.load(Ordering::Relaxed) + 200);
+    stop.store(true, Ordering::Relaxed);
+    let mut worst = Duration::ZERO;
+    for w in writers {
+        let (t, errors) = w.join().expect("writer");
+        assert!(errors.is_empty(), "writes failed: {errors:?}");
+        worst = worst.max(t);
+    }
+    block_on(vol.fsync(&fd, false)).expect("fsync");
+    eprintln!(
+        "link down {OUTAGE:?}: writes resumed {resumed:?} after the cut, the slowest took \
+         {worst:?}; {} writes",
+        done.load(Ordering::Relaxed)
+    );
+    assert!(
+        worst < Duration::from_secs(2),
+        "a write waited {worst:?} while one replica of three was cut off"
+    );
+    assert_eq!(
+        kiln_client::conn::bricks_away() - away,
+        1,
+        "the cut brick is declared away once"
+    );
+
+    // The two others hold marks for what it missed; heal makes the copies one.
+    assert!(!index_empty(&vol), "nothing marked for the cut brick");
+    let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
+    let report = block_on(heal::run(healer.top(), &|_, _| {}));
+    assert!(report.errors.is_empty(), "heal errors {:?}", report.errors);
+    assert!(index_empty(&healer), "marks left after heal");
+    let copies: Vec<Vec<u8>> = bricks.iter().map(|b| b.file(FILE)).collect();
+    assert!(!copies[0].is_empty());
+    for (i, c) in copies.iter().enumerate().skip(1) {
+        assert!(*c == copies[0], "brick {i}'s copy differs after heal");
+    }
+}

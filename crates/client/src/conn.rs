@@ -48,7 +48,9 @@ use kiln_layer::SpliceOut;
 use splice::Pipe;
 
 pub use metrics::render_metrics;
-pub use watchdog::{bricks_away, ping_timeout, set_ping_timeout, DEFAULT_PING_TIMEOUT};
+pub use watchdog::{
+    bricks_away, near_misses, ping_timeout, set_ping_timeout, DEFAULT_PING_TIMEOUT,
+};
 
 pub use kiln_proto::Errno;
 

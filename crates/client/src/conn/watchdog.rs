@@ -72,6 +72,11 @@ pub fn bricks_away() -> u64 {
     AWAY.load(Relaxed)
 }
 
+/// Looks so far that found a connection silent past the ping timeout but not away.
+pub fn near_misses() -> u64 {
+    NEAR_MISSES.load(Relaxed)
+}
+
 /// Milliseconds on this process's monotonic clock.
 fn now_ms() -> u64 {
     static EPOCH: OnceLock<Instant> = OnceLock::new();

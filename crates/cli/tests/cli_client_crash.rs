@@ -45,13 +45,7 @@ fn changed(tmp: &Path) -> Option<std::time::SystemTime> {
 }
 
 fn suspect(v: &Vol) -> bool {
-    let out = v.mgmt(&["volume", "heal", &v.name, "info", "--json"]);
-    let j: Value = serde_json::from_str(out.trim()).unwrap();
-    j["needs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|n| n["path"] == IMG && n["suspect"] == true)
+    suspects(v).iter().any(|p| p == IMG)
 }
 
 fn backlog(v: &Vol) -> usize {

@@ -10,11 +10,11 @@ mod replica;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
-use replica::{volfile, wait_for, Brick, Rng};
+use replica::{volfile, wait_for, writers, Brick};
 
 /// A process spinning on a CPU until dropped.
 struct Hog(Child);
@@ -51,24 +51,7 @@ fn saturated_cpus_declare_no_brick_away() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
-    let writers: Vec<_> = (0..4u64)
-        .map(|w| {
-            let (vol, fd, stop, done) = (vol.clone(), fd.clone(), stop.clone(), done.clone());
-            std::thread::spawn(move || {
-                let mut rng = Rng(0x5851_f42d ^ (w + 1));
-                let mut worst = Duration::ZERO;
-                while !stop.load(Ordering::Relaxed) {
-                    let at = rng.next() % 4096 * 4096;
-                    let t = Instant::now();
-                    let (r, _) = block_on(vol.pwritev(&fd, vec![vec![7u8; 4096]], at));
-                    worst = worst.max(t.elapsed());
-                    r.expect("a write under load");
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-                worst
-            })
-        })
-        .collect();
+    let writers = writers(&vol, &fd, 16 << 20, &stop, &done);
     let d = done.clone();
     wait_for("writes under load", 60, move || {
         d.load(Ordering::Relaxed) > 100
@@ -76,11 +59,12 @@ fn saturated_cpus_declare_no_brick_away() {
     // The soak's length is what is tested: no fault comes, whatever the load does.
     std::thread::sleep(Duration::from_secs(secs));
     stop.store(true, Ordering::Relaxed);
-    let worst = writers
-        .into_iter()
-        .map(|w| w.join().expect("writer"))
-        .max()
-        .unwrap_or_default();
+    let mut worst = Duration::ZERO;
+    for w in writers {
+        let (t, errors) = w.join().expect("writer");
+        assert!(errors.is_empty(), "writes failed under load: {errors:?}");
+        worst = worst.max(t);
+    }
     eprintln!(
         "{secs} s on saturated CPUs: {} writes, the slowest {worst:?}; {} away, {} near \
          misses",

@@ -5,38 +5,23 @@
 //! for what it missed, and after the link is back heal makes the three copies identical.
 //! Needs root and `ip netns`; skips (saying why) without them.
 
+mod common;
 mod replica;
 
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::ip;
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::heal;
-use replica::{index_empty, volfile, wait_for, Brick, Rng};
+use replica::{index_empty, volfile, wait_for, writers, Brick};
 
 const FILE: &str = "disk";
 const SIZE: u64 = 16 << 20;
-const BLOCK: usize = 4096;
 /// How long the link stays down: well past the ping timeout and its stall tier.
 const OUTAGE: Duration = Duration::from_secs(8);
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
 
 /// A namespace behind a veth pair: this side `10.81.N.1`, the namespace's `10.81.N.2`.
 struct Cut {
@@ -110,29 +95,7 @@ fn a_replica_cut_off_from_the_network_pauses_writes_under_two_seconds() {
     // Four writers, 4 KiB blocks at random, each timing every write.
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
-    let writers: Vec<_> = (0..4u64)
-        .map(|w| {
-            let (vol, fd, stop, done) = (vol.clone(), fd.clone(), stop.clone(), done.clone());
-            std::thread::spawn(move || {
-                let mut rng = Rng(0x9e37_79b9 ^ (w + 1));
-                let (mut worst, mut errors) = (Duration::ZERO, Vec::new());
-                while !stop.load(Ordering::Relaxed) {
-                    let at = rng.next() % (SIZE / BLOCK as u64) * BLOCK as u64;
-                    let t = Instant::now();
-                    let (r, _) = block_on(vol.pwritev(&fd, vec![vec![w as u8 + 1; BLOCK]], at));
-                    worst = worst.max(t.elapsed());
-                    match r {
-                        Ok(_) => done.fetch_add(1, Ordering::Relaxed),
-                        Err(e) => {
-                            errors.push(e.to_string());
-                            0
-                        }
-                    };
-                }
-                (worst, errors)
-            })
-        })
-        .collect();
+    let writers = writers(&vol, &fd, SIZE, &stop, &done);
     let at_least = |n: u64| {
         let d = done.clone();
         wait_for(&format!("{n} writes"), 60, move || {

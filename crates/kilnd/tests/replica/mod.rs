@@ -250,3 +250,38 @@ pub fn calls(name: &str, op: Op) -> u64 {
     }
     n
 }
+
+/// Four writers of 4 KiB blocks at random offsets of `fd`'s first `size` bytes, each at queue
+/// depth 1, until `stop`: `done` counts their writes; each returns its slowest write and the
+/// errors it met.
+pub fn writers(
+    vol: &std::sync::Arc<Volume>,
+    fd: &std::sync::Arc<kiln_layer::Fd>,
+    size: u64,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    done: &std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> Vec<std::thread::JoinHandle<(Duration, Vec<String>)>> {
+    use std::sync::atomic::Ordering;
+    (0..4u64)
+        .map(|w| {
+            let (vol, fd, stop, done) = (vol.clone(), fd.clone(), stop.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x9e37_79b9 ^ (w + 1));
+                let (mut worst, mut errors) = (Duration::ZERO, Vec::new());
+                while !stop.load(Ordering::Relaxed) {
+                    let at = rng.next() % (size / 4096) * 4096;
+                    let t = Instant::now();
+                    let (r, _) = block_on(vol.pwritev(&fd, vec![vec![w as u8 + 1; 4096]], at));
+                    worst = worst.max(t.elapsed());
+                    match r {
+                        Ok(_) => {
+                            done.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => errors.push(e.to_string()),
+                    }
+                }
+                (worst, errors)
+            })
+        })
+        .collect()
+}

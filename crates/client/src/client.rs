@@ -267,6 +267,11 @@ impl Client {
         Ok(client)
     }
 
+    /// True when the brick knows PING and BYE (it said so in HELLO).
+    pub fn speaks_bye(&self) -> bool {
+        self.conn.pings()
+    }
+
     /// Why the connection watchdog ended this connection (its brick stopped answering), if it
     /// did (see [`crate::conn::ping_timeout`]).
     pub fn away(&self) -> Option<&str> {

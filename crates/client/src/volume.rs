@@ -36,12 +36,12 @@ use crate::client::{errno_error, Client};
 use crate::graph::{Gen, Switch};
 use crate::protocol::ProtocolClient;
 
-/// A client stack, used on behalf of one caller: the process itself (root on the bricks) or,
-/// from [`Volume::on_behalf_of`], a user whose credentials travel with every name and
-/// metadata fop, so the bricks check access and assign ownership as that user. Clones share
 /// How long [`Volume::end`] waits for the bricks to answer its goodbye.
 pub const BYE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// A client stack, used on behalf of one caller: the process itself (root on the bricks) or,
+/// from [`Volume::on_behalf_of`], a user whose credentials travel with every name and
+/// metadata fop, so the bricks check access and assign ownership as that user. Clones share
 /// the stack.
 #[derive(Clone)]
 pub struct Volume {
@@ -513,7 +513,11 @@ impl Volume {
         let clients: Vec<_> = links.iter().map(|l| l.client()).collect();
         if clients.iter().all(|c| c.idle()) {
             let (tx, rx) = std::sync::mpsc::channel();
-            for c in clients.into_iter().filter(|c| !c.is_dead()) {
+            // A brick of a build before BYE (no PING either) would only log an unknown op.
+            for c in clients
+                .into_iter()
+                .filter(|c| !c.is_dead() && c.speaks_bye())
+            {
                 let tx = tx.clone();
                 std::thread::spawn(move || {
                     let r = crate::block_on(c.bye());

@@ -216,14 +216,15 @@ impl Export {
         }
         // Every session over and the lock released: the bricks are told this client ends
         // cleanly (when nothing is in flight), so its writes are left for heal to check only
-        // after a crash.
+        // after a crash. Not after sessions were cut short: a change dropped mid-way was
+        // never marked, and its bricks' records are then all heal has of it.
         let vol = self
             .shared
             .vol
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(v) = vol {
+        if let (Some(v), true) = (vol, drained.is_ok()) {
             let _ = tokio::task::spawn_blocking(move || v.end()).await;
         }
     }

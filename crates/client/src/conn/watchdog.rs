@@ -123,6 +123,11 @@ impl Conn {
         start();
     }
 
+    /// True when the brick said it answers PING (and so knows BYE).
+    pub fn pings(&self) -> bool {
+        self.health.pings.load(Relaxed)
+    }
+
     /// Why the watchdog ended this connection, if it did.
     pub fn away(&self) -> Option<&str> {
         self.health.away.get().map(String::as_str)
@@ -152,7 +157,9 @@ impl Conn {
                 silence as f64 / 1e3,
                 ack as f64 / 1e3
             ),
-            _ if silence >= STALL_FACTOR * t => format!(
+            // Without pings a brick may be silent only because every request waits (a lock,
+            // a lease): nothing tells a stopped brick from that, so only TCP decides.
+            _ if h.pings.load(Relaxed) && silence >= STALL_FACTOR * t => format!(
                 "its host is there but the brick has not answered for {:.1} s",
                 silence as f64 / 1e3
             ),
@@ -213,7 +220,8 @@ impl Conn {
         }
     }
 
-    /// For TCP with data unacknowledged: how long ago the host last acknowledged anything (ms).
+    /// For TCP with data unacknowledged and retransmitted (a fresh send awaiting its delayed
+    /// ACK is no sign of anything): how long ago the host last acknowledged anything (ms).
     fn unacknowledged_for(&self) -> Option<u64> {
         if self.unix {
             return None;
@@ -231,7 +239,8 @@ impl Conn {
                 &mut len,
             )
         };
-        (r == 0 && info.tcpi_unacked > 0).then_some(u64::from(info.tcpi_last_ack_recv))
+        let resent = info.tcpi_retransmits > 0 || info.tcpi_backoff > 0;
+        (r == 0 && info.tcpi_unacked > 0 && resent).then_some(u64::from(info.tcpi_last_ack_recv))
     }
 
     /// The brick's address, for the log.

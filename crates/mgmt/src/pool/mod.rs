@@ -406,8 +406,9 @@ impl Pool {
             .expect("a request serialises");
             let forwarded = self.via_leader_until(
                 |c| {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    let v = c.call(&req, Some(left.max(Duration::from_millis(100))))?;
+                    // The leader takes its own patience for the change: a reply cut short
+                    // would say "made or not" of a change it goes on to make.
+                    let v = c.call(&req, Some(WRITE_PATIENCE + Duration::from_secs(2)))?;
                     serde_json::from_value::<Written>(v)
                         .map_err(|e| CallError::Broken(format!("bad reply: {e}")))
                 },

@@ -199,7 +199,6 @@ impl Conn {
         })))
     }
 
-    /// PROFILE: this process's io-stats as JSON, with the clients that reported endpoints.
     /// BYE: the client ends cleanly. Frames run in order, and a client says goodbye with
     /// nothing in flight: no change of this connection is still running here.
     fn bye(&mut self) -> Result<Step, Fail> {
@@ -208,6 +207,7 @@ impl Conn {
         Ok(Step::Now(Vec::new(), Body::None))
     }
 
+    /// PROFILE: this process's io-stats as JSON, with the clients that reported endpoints.
     fn profile(&mut self, args: &[u8]) -> Result<Step, Fail> {
         let req = ProfileReq::from_wire(args)?;
         let points = kiln_layer::iostats::points();

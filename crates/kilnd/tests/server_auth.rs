@@ -111,6 +111,21 @@ fn clients_must_prove_the_secret() {
     );
     assert_eq!(h.status.get(), errno::EACCES);
     assert!(raw.reply().is_none(), "closed after the refusal");
+    // PING and BYE are no exception: a stranger is refused them too.
+    for op in [Op::Ping, Op::Bye] {
+        let mut raw =
+            Raw(TcpStream::connect(s.addr.strip_prefix("tcp:").expect("tcp")).expect("connect"));
+        let hello = HelloReq {
+            version: 1,
+            client: "raw".into(),
+            metrics: String::new(),
+        };
+        let (h, _, _) = raw.call(Op::Hello as u16, 1, &hello.to_wire());
+        assert_eq!(h.status.get(), 0);
+        let (h, _, _) = raw.call(op as u16, 2, &[]);
+        assert_eq!(h.status.get(), errno::EACCES, "{op:?} before AUTH");
+        assert!(raw.reply().is_none(), "closed after refusing {op:?}");
+    }
 
     drop(c);
     let log = std::fs::read_to_string(&s.log).expect("log");

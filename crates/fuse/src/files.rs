@@ -36,7 +36,8 @@ pub struct Counters {
     pub kept_ahead: AtomicU64,
     /// Small files fetched ahead and ready for their open (not dropped as spoiled).
     pub ahead_ready: AtomicU64,
-    /// Lookups answered with the attributes of a small file fetched ahead (no brick asked).
+    /// Lookups (and the getattrs that may follow them) answered with the attributes of a
+    /// small file fetched ahead (no brick asked).
     pub looked_up_ahead: AtomicU64,
     /// READs answered by splice from a brick's socket (see `splice`).
     pub spliced: AtomicU64,

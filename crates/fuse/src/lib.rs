@@ -428,16 +428,21 @@ impl fuser::Filesystem for KilnFs {
             // gone, or the name now another file's): the list of open files is not walked
             // on every stat.
             _ => {
-                let by_path = self
-                    .path(ino)
-                    .map(|p| block_on(self.caller(req).lookup(&p)));
+                let (caller, who) = self.asking(req);
+                let path = self.path(ino);
+                // As a lookup would be answered (the kernel may ask again right after one).
+                let ahead = path.as_ref().ok().and_then(|p| self.small_attr(p, &who));
+                if let Some((a, left)) = ahead.filter(|(a, _)| self.fuse_ino(a.ino) == ino.0) {
+                    return reply.attr(&left, &self.fattr(&a));
+                }
+                let by_path = path.map(|p| block_on(caller.lookup(&p)));
                 let gone = match &by_path {
                     Ok(Ok(a)) => self.fuse_ino(a.ino) != ino.0,
                     Ok(Err(e)) => e.raw_os_error() == Some(libc::ENOENT),
                     Err(_) => true,
                 };
                 match (by_path, gone.then(|| self.any_open(ino.0)).flatten()) {
-                    (_, Some(f)) => block_on(self.caller(req).fstat(&f)),
+                    (_, Some(f)) => block_on(caller.fstat(&f)),
                     (Ok(r), None) => r,
                     (Err(e), None) => return reply.error(e),
                 }

@@ -16,6 +16,15 @@ use common::{content, same_bytes, Mounted};
 use kiln_fuse::Mode;
 use kiln_proto::Op;
 
+/// The kernel's caches are shared by every mount: a test that drops them
+/// (`/proc/sys/vm/drop_caches`) would drop the pages and names the others' mounts were
+/// given. The others share this lock; the one that drops takes it alone.
+static CACHES: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn caches_kept() -> std::sync::RwLockReadGuard<'static, ()> {
+    CACHES.read().unwrap_or_else(|e| e.into_inner())
+}
+
 fn counts(m: &Mounted) -> [u64; 3] {
     [Op::Open, Op::Read, Op::Release].map(|op| m.stats.calls(op))
 }
@@ -32,6 +41,7 @@ fn releases_reach(m: &Mounted, n: u64) {
 
 #[test]
 fn a_small_file_is_read_with_its_open() {
+    let _caches = caches_kept();
     let m = Mounted::new(Mode::General);
     let small: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
     let big: Vec<u8> = (0..300_000u32).map(|i| (i * 13) as u8).collect();
@@ -63,6 +73,7 @@ fn a_small_file_is_read_with_its_open() {
 
 #[test]
 fn a_write_through_the_mount_reaches_a_whole_file_handle() {
+    let _caches = caches_kept();
     let m = Mounted::new(Mode::General);
     std::fs::write(m.path("f"), b"old content").unwrap();
     // O_DIRECT so that every read reaches the mount, not the kernel's page cache.
@@ -101,6 +112,7 @@ fn a_write_through_the_mount_reaches_a_whole_file_handle() {
 
 #[test]
 fn the_limit_can_be_turned_off() {
+    let _caches = caches_kept();
     let m = Mounted::with_small_file_max(0);
     std::fs::write(m.path("f"), b"tiny").unwrap();
     let reads = m.stats.calls(Op::Read);
@@ -110,6 +122,7 @@ fn the_limit_can_be_turned_off() {
 
 #[test]
 fn an_open_small_file_outlives_its_name() {
+    let _caches = caches_kept();
     // No attribute caching: every fstat reaches the mount.
     let m = Mounted::with_options(Mode::General, true, Duration::ZERO);
     std::fs::write(m.path("f"), b"still here").unwrap();
@@ -144,6 +157,7 @@ fn mount_counts(m: &Mounted) -> (u64, u64) {
 
 #[test]
 fn a_small_file_opened_alone_is_read_from_the_page_cache_as_the_open_found_it() {
+    let _caches = caches_kept();
     // Attributes cached longer than the test: the kernel asks for a size only when the mount
     // tells it to forget the one it has.
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
@@ -186,6 +200,7 @@ fn a_small_file_opened_alone_is_read_from_the_page_cache_as_the_open_found_it() 
 
 #[test]
 fn a_small_file_open_elsewhere_in_the_mount_is_not_stored() {
+    let _caches = caches_kept();
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
     let old = content(8_000, 4);
     std::fs::write(m.path("f"), &old).unwrap();
@@ -243,6 +258,7 @@ fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
 
 #[test]
 fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
+    let _caches = caches_kept();
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
     // Made on the brick itself: nothing of them is known to the mount before the walk.
     let top = m.brick().join("top");
@@ -316,6 +332,7 @@ fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
 /// change would not have spoiled what was fetched.
 #[test]
 fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
+    let _alone = CACHES.write().unwrap_or_else(|e| e.into_inner());
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
     let dir = m.brick().join("d");
     std::fs::create_dir(&dir).unwrap();
@@ -341,10 +358,12 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
     };
     let plain = files[1..].iter().find(|f| !f.ends_with("f4")).unwrap();
     assert_eq!(std::fs::metadata(plain).unwrap().len(), size(plain) as u64);
-    assert_eq!(
-        m.counters.looked_up_ahead.load(Ordering::Relaxed),
-        ahead + 1,
-        "the kernel looked the name up, and was answered from the fetch"
+    // The kernel may ask for the attributes once more right after the lookup (when some
+    // inode was evicted while the lookup was on its way): answered from the fetch too.
+    let answered = m.counters.looked_up_ahead.load(Ordering::Relaxed) - ahead;
+    assert!(
+        (1..=2).contains(&answered),
+        "the kernel looked the name up, and was answered from the fetch ({answered} answers)"
     );
     assert_eq!(
         m.stats.calls(Op::Lookup),
@@ -359,13 +378,16 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
 
     let linked = files.iter().find(|f| f.ends_with("f4")).unwrap();
     if linked != &files[0] {
+        let ahead = m.counters.looked_up_ahead.load(Ordering::Relaxed);
         assert_eq!(std::fs::metadata(linked).unwrap().nlink(), 2);
         assert_eq!(
             m.counters.looked_up_ahead.load(Ordering::Relaxed),
-            ahead + 1,
+            ahead,
             "a file with two names is looked up on the brick"
         );
-        assert_eq!(m.stats.calls(Op::Lookup), lookups + 1);
+        // Its lookup, and perhaps a getattr right after it (as above).
+        let asked = m.stats.calls(Op::Lookup) - lookups;
+        assert!((1..=2).contains(&asked), "{asked} brick lookups");
     }
 }
 
@@ -374,6 +396,7 @@ fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
 /// each is fetched ahead too, not only the files after it in its own directory.
 #[test]
 fn a_walk_goes_on_into_the_next_directory_of_the_parent() {
+    let _caches = caches_kept();
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
     let top = m.brick().join("top");
     for d in ["a", "b", "c"] {

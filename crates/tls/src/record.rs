@@ -13,7 +13,7 @@
 //! they come anyway; key updates are refused, so a connection ends (and Kiln clients reconnect)
 //! before a key has protected AES-GCM's limit of records.
 
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 
@@ -140,19 +140,24 @@ fn wait(fd: &impl AsFd, what: PollFlags) -> io::Result<()> {
     }
 }
 
-/// Writes every byte of `parts` (ranges of `buf`) with as few system calls as it takes.
-fn write_all(
-    out: &mut (impl Write + AsFd),
-    buf: &[u8],
-    parts: &[(usize, usize)],
-) -> io::Result<()> {
+/// Writes every byte of `parts` (ranges of `buf`) to socket `out` with as few system calls as
+/// it takes. `sendmsg` with `MSG_NOSIGNAL`, not `writev`: a peer that reset the connection is
+/// an error here, never a SIGPIPE that ends the process (one-shot commands such as `kiln
+/// volume heal` keep SIGPIPE's default action for their output).
+fn write_all(out: &mut impl AsFd, buf: &[u8], parts: &[(usize, usize)]) -> io::Result<()> {
     let mut slices: Vec<IoSlice<'_>> = parts
         .iter()
         .map(|&(at, len)| IoSlice::new(&buf[at..at + len]))
         .collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
-        match out.write_vectored(rest) {
+        let sent = rustix::net::sendmsg(
+            out.as_fd(),
+            rest,
+            &mut rustix::net::SendAncillaryBuffer::default(),
+            rustix::net::SendFlags::NOSIGNAL,
+        );
+        match sent.map_err(io::Error::from) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut rest, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -714,5 +719,19 @@ mod tests {
         sealed(&mut tx, b"last", APPLICATION_DATA);
         let mut rec = vec![0u8; SLOT];
         assert!(tx.seal(&mut rec, 1).is_err(), "a key past its limit");
+    }
+
+    #[test]
+    fn a_peer_gone_is_an_error_not_a_signal() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        drop(b);
+        // As a one-shot command runs: SIGPIPE's default action ends the process. A write
+        // that raised it would end this test binary instead of failing.
+        // SAFETY: changes one signal's disposition; restored below.
+        let old = unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let r = write_all(&mut a, b"sealed record", &[(0, 6), (6, 7)]);
+        // SAFETY: as above.
+        unsafe { libc::signal(libc::SIGPIPE, old) };
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::BrokenPipe);
     }
 }

@@ -20,6 +20,7 @@
 pub mod link;
 pub mod log;
 pub mod net;
+pub mod prevote;
 pub mod sm;
 pub mod types;
 
@@ -30,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use openraft::raft::AppendEntriesResponse;
 use openraft::{BasicNode, ChangeMembers, Config, ServerState};
 use serde::de::DeserializeOwned;
 
@@ -37,6 +39,9 @@ use crate::files::random;
 pub use link::{CallError, Channel, Link};
 pub use types::{Cmd, Kv, NodeId, Outcome, Raft, Versioned};
 use types::{Joined, Msg, PoolMember, PoolView, Written};
+
+/// openraft's leader lease (its `election_timeout_max`).
+const LEASE: Duration = Duration::from_millis(3000);
 
 /// How long a change waits for a leader and a majority before it fails.
 pub const WRITE_PATIENCE: Duration = Duration::from_secs(10);
@@ -47,7 +52,10 @@ pub struct Pool {
     dir: PathBuf,
     link: Arc<dyn Link>,
     rt: tokio::runtime::Handle,
-    raft: RwLock<Raft>,
+    /// Shared with the campaign ([`prevote::campaign`]), which ends when the pool is gone.
+    raft: Arc<RwLock<Raft>>,
+    /// When this member last heard from a leader ([`prevote`]).
+    heard: Arc<prevote::Heard>,
     sm: RwLock<sm::Sm>,
     /// This kilnd's management address as other members reach it.
     addr: Mutex<SocketAddr>,
@@ -66,7 +74,11 @@ fn config() -> Arc<Config> {
         // AppendEntries): 500 ms leaves room for a follower's fsyncs on a slow disk.
         heartbeat_interval: 500,
         election_timeout_min: 1500,
-        election_timeout_max: 3000,
+        // Also openraft's leader lease: a voter that heard from its leader this recently
+        // refuses to vote for another.
+        election_timeout_max: LEASE.as_millis() as u64,
+        // Elections are started by the pre-vote campaign instead (see [`prevote`]).
+        enable_elect: false,
         ..Default::default()
     };
     Arc::new(c.validate().expect("the pool's Raft settings are valid"))
@@ -120,12 +132,23 @@ impl Pool {
         if voters == [id] {
             let _ = raft.trigger().elect().await;
         }
+        let raft = Arc::new(RwLock::new(raft));
+        let heard = Arc::new(prevote::Heard::default());
+        let campaign = prevote::campaign(
+            id,
+            Arc::downgrade(&raft),
+            link.clone(),
+            heard.clone(),
+            LEASE,
+        );
+        tokio::spawn(campaign);
         Ok(Pool {
             id,
             dir,
             link,
             rt: tokio::runtime::Handle::current(),
-            raft: RwLock::new(raft),
+            raft,
+            heard,
             sm: RwLock::new(sm),
             addr: Mutex::new(member_addr(addr)),
             changing: Mutex::new(()),
@@ -476,6 +499,15 @@ impl Pool {
             types::Rpc::Append => {
                 let r =
                     self.block_on(raft.append_entries(serde_json::from_value(body).map_err(bad)?));
+                // Accepted from a leader of this term or newer (else it says ours is higher).
+                if matches!(&r, Ok(a) if !matches!(a, AppendEntriesResponse::HigherVote(_))) {
+                    self.heard.now();
+                }
+                to_json(&r)
+            }
+            types::Rpc::PreVote => {
+                let req = serde_json::from_value(body).map_err(bad)?;
+                let r: Result<_, String> = Ok(prevote::answer(&raft, &self.heard, LEASE, &req));
                 to_json(&r)
             }
             types::Rpc::Vote => {
@@ -529,6 +561,7 @@ impl Pool {
         let (raft, sm) = self.block_on(start(self.id, &self.dir, &self.link))?;
         *self.raft.write().unwrap_or_else(|e| e.into_inner()) = raft;
         *self.sm.write().unwrap_or_else(|e| e.into_inner()) = sm;
+        self.heard.now();
         self.watch();
         tracing::info!("pool: left the pool; this kilnd is in none now");
         Ok(())

@@ -64,6 +64,8 @@ pub enum Rpc {
     Vote,
     /// A chunk of a snapshot.
     Snapshot,
+    /// Would you vote for me? (see [`super::prevote`]).
+    PreVote,
 }
 
 /// What members send each other about the pool: the same JSON as the management requests

@@ -177,6 +177,7 @@ impl BenchArgs {
                     remote: addr.into(),
                     timeout: None,
                     short_circuit: None,
+                    ping_timeout: None,
                 },
             )]);
         }
@@ -192,6 +193,7 @@ impl BenchArgs {
                     remote: addr.into(),
                     timeout: None,
                     short_circuit: None,
+                    ping_timeout: None,
                 },
             ),
         ])
@@ -581,6 +583,7 @@ fn replica_volfile(addrs: &[String]) -> Volfile {
                 remote: a.clone(),
                 timeout: None,
                 short_circuit: None,
+                ping_timeout: None,
             },
         });
     }

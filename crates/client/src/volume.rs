@@ -161,6 +161,7 @@ impl Volume {
                     remote: addr.into(),
                     timeout: None,
                     short_circuit: None,
+                    ping_timeout: None,
                 },
             ),
         ])
@@ -835,7 +836,14 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
             remote,
             timeout,
             short_circuit,
+            ping_timeout,
         } => {
+            // The process's word (KILN_PING_TIMEOUT_MS), else the graph's, else the default.
+            if let (Some(ms), Err(_)) = (ping_timeout, std::env::var("KILN_PING_TIMEOUT_MS")) {
+                crate::conn::set_ping_timeout(
+                    (*ms > 0).then(|| Duration::from_millis((*ms).into())),
+                );
+            }
             // The graph's word, else the process's (KILN_SHORT_CIRCUIT=off), else on.
             let short_circuit = short_circuit.unwrap_or_else(|| {
                 std::env::var("KILN_SHORT_CIRCUIT").map_or(true, |v| v != "off")

@@ -153,6 +153,7 @@ fn reads_stay_on_the_replica_of_this_host() {
                 remote: a.clone(),
                 timeout: None,
                 short_circuit: None,
+                ping_timeout: None,
             },
         });
     }

@@ -157,6 +157,11 @@ pub enum LayerKind {
         /// grants them; default on.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         short_circuit: Option<bool>,
+        /// Milliseconds a connection with requests waiting may go without a byte from the
+        /// brick (its host acknowledging nothing either) before the brick is away; 0 never.
+        /// Default 1200. One value per process: the last graph built sets it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ping_timeout: Option<u32>,
     },
 }
 

@@ -77,6 +77,7 @@ impl Manager {
             allow,
             root_squash: false,
             io_timeout: None,
+            ping_timeout: None,
             short_circuit: None,
             // New volumes admit named identities only (see `kiln auth`).
             shared_secret: Some(false),

@@ -119,6 +119,10 @@ pub struct VolumeDef {
     /// or the one brick) before failing; `None`: 30 (`kiln volume set VOL io-timeout S`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_timeout: Option<u32>,
+    /// Milliseconds before a client takes a silent brick for away; `None`: 1200 (`kiln
+    /// volume set VOL ping-timeout MS`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ping_timeout: Option<u32>,
     /// Clients on a brick's host read straight from its files while it grants them; `None`:
     /// on (`kiln volume set VOL short-circuit off`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -138,6 +138,7 @@ mod tests {
             allow: Vec::new(),
             root_squash: false,
             io_timeout: None,
+            ping_timeout: None,
             short_circuit: None,
             shared_secret: Some(false),
             flush_behind: None,

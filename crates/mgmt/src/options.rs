@@ -99,6 +99,33 @@ pub const OPTIONS: &[Spec] = &[
         create_only: false,
     },
     Spec {
+        name: "ping-timeout",
+        kind: "milliseconds, 200 to 60000, or 0 for never",
+        default: "1200",
+        restarts_bricks: false,
+        description: "how long a client waits with requests outstanding and not a byte from a \
+                      brick, its host acknowledging nothing either, before it takes the brick \
+                      for away and goes on with the other replicas (a brick that answers but \
+                      is stuck: eight times this); running clients take it within a second",
+        get: |d| d.ping_timeout.unwrap_or(1200).to_string(),
+        set: |d, text| {
+            let ms = digits(text)
+                .then(|| text.parse::<u32>().ok())
+                .flatten()
+                .ok_or(None)?;
+            if ms != 0 && !(200..=60_000).contains(&ms) {
+                return Err(Some(format!(
+                    "ping-timeout takes 0 (never) or 200 to 60000 milliseconds, not {text}: \
+                     shorter takes a busy host for a lost one"
+                )));
+            }
+            // Stored only when not the default, as short-circuit.
+            d.ping_timeout = (ms != 1200).then_some(ms);
+            Ok(())
+        },
+        create_only: false,
+    },
+    Spec {
         name: "short-circuit",
         kind: "on or off",
         default: "on",
@@ -328,6 +355,7 @@ mod tests {
             ("allow", "10.0.0.0/8,127.0.0.1/32"),
             ("root-squash", "on"),
             ("io-timeout", "7"),
+            ("ping-timeout", "3000"),
             ("short-circuit", "off"),
             ("flush-behind", "64M"),
         ] {
@@ -336,6 +364,24 @@ mod tests {
             assert_eq!(values(&d, Some(name)).unwrap()[0].value, text);
         }
         assert!(set_request("v", "io-timeout", "86401").is_err());
+        // A ping timeout so short that a busy host would be taken for a lost one is refused,
+        // saying why; 0 is "never", and the default is stored as nothing.
+        for (text, ok) in [
+            ("199", false),
+            ("60001", false),
+            ("1.5", false),
+            ("0", true),
+        ] {
+            let mut p = fresh.clone();
+            let r = apply(&mut p, "ping-timeout", text);
+            assert_eq!(r.is_ok(), ok, "{text}: {r:?}");
+        }
+        let e = apply(&mut fresh.clone(), "ping-timeout", "100").unwrap_err();
+        assert!(e.contains("200 to 60000") && e.contains("busy host"), "{e}");
+        let mut p = fresh.clone();
+        apply(&mut p, "ping-timeout", "1200").unwrap();
+        assert_eq!(p.ping_timeout, None);
+        assert_eq!(d.ping_timeout, Some(3000));
         for bad in [
             "",
             ",,,",
@@ -373,6 +419,7 @@ mod tests {
                 "allow",
                 "root-squash",
                 "io-timeout",
+                "ping-timeout",
                 "short-circuit",
                 "flush-behind",
             ],

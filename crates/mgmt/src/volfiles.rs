@@ -66,6 +66,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
                     remote: String::new(),
                     timeout: None,
                     short_circuit: None,
+                    ping_timeout: None,
                 },
             });
             continue;
@@ -84,6 +85,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
                 // A replica's connection does not wait: its replicate layer does.
                 timeout: (def.replica <= 1).then_some(def.io_timeout).flatten(),
                 short_circuit: def.short_circuit,
+                ping_timeout: def.ping_timeout,
             },
         });
     }

@@ -167,6 +167,7 @@ pub fn volfile_at(addrs: &[String]) -> Volfile {
                 remote: a.clone(),
                 timeout: None,
                 short_circuit: None,
+                ping_timeout: None,
             },
         });
     }

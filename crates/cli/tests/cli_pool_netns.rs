@@ -21,284 +21,19 @@
 //! `ip netns`, fio and tcpdump; skips (saying why) without namespaces.
 
 mod common;
+#[path = "pool_netns/hosts.rs"]
+mod hosts;
 #[path = "pool_netns/identities.rs"]
 mod identities;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ip, kiln, recorded_pids, wait_for};
+use common::wait_for;
+use hosts::Hosts;
 use serde_json::Value;
-
-/// Namespaces `h0`…: host `i` at 10.78.0.(i+1) on one bridge (in its own namespace). Removed
-/// with everything this test started in them when dropped.
-struct Hosts {
-    prefix: String,
-    n: usize,
-    tmp: PathBuf,
-    kilnds: Vec<Option<Child>>,
-}
-
-impl Hosts {
-    fn setup(n: usize, tmp: &Path) -> Result<Hosts, String> {
-        let prefix = format!("kp{}", std::process::id());
-        let h = Hosts {
-            prefix: prefix.clone(),
-            n,
-            tmp: tmp.to_owned(),
-            kilnds: (0..n).map(|_| None).collect(),
-        };
-        let sw = h.ns_name("sw");
-        ip(&["netns", "add", &sw])?;
-        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
-        for i in 0..n {
-            let ns = h.ns(i);
-            let (vh, vs) = (format!("{prefix}h{i}"), format!("{prefix}s{i}"));
-            ip(&["netns", "add", &ns])?;
-            ip(&["link", "add", &vh, "type", "veth", "peer", "name", &vs])?;
-            ip(&["link", "set", &vh, "netns", &ns])?;
-            ip(&["link", "set", &vs, "netns", &sw])?;
-            ip(&["-n", &sw, "link", "set", &vs, "master", "br0", "up"])?;
-            ip(&[
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("{}/24", h.ip(i)),
-                "dev",
-                &vh,
-            ])?;
-            ip(&["-n", &ns, "link", "set", &vh, "up"])?;
-            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(h)
-    }
-
-    fn ns_name(&self, what: &str) -> String {
-        format!("{}-{what}", self.prefix)
-    }
-
-    fn ns(&self, i: usize) -> String {
-        self.ns_name(&format!("h{i}"))
-    }
-
-    fn ip(&self, i: usize) -> String {
-        format!("10.78.0.{}", i + 1)
-    }
-
-    fn mgmt(&self, i: usize) -> String {
-        format!("tcp:{}:24007", self.ip(i))
-    }
-
-    fn state(&self, i: usize) -> PathBuf {
-        self.tmp.join(format!("state{i}"))
-    }
-
-    /// Host `i`'s TLS identity (its kilnd serves and dials with it).
-    fn tls(&self, i: usize) -> PathBuf {
-        self.tmp.join(format!("tls{i}"))
-    }
-
-    /// The operator's and the mount's identity.
-    fn client_tls(&self) -> PathBuf {
-        self.tmp.join("tls-client")
-    }
-
-    /// A CA, an identity per host naming its address, and one for clients.
-    fn issue_identities(&self) {
-        let ca = self.tmp.join("ca");
-        let run = |args: &[&str]| {
-            let out = kiln().args(args).output().unwrap();
-            assert!(
-                out.status.success(),
-                "kiln {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        let ca = ca.to_str().unwrap();
-        run(&["tls", "init", ca]);
-        let issue = |out: PathBuf, name: &str, san: &[&str]| {
-            let out = out.to_str().unwrap().to_owned();
-            let mut args = vec!["tls", "issue", "--ca", ca, "--out", &out, name];
-            for s in san {
-                args.extend(["--san", s]);
-            }
-            run(&args);
-        };
-        for i in 0..self.n {
-            issue(self.tls(i), &format!("host{i}"), &[&self.ip(i)]);
-        }
-        issue(self.client_tls(), "operator", &[]);
-    }
-
-    /// Host `i`'s link up or down (a partition).
-    fn link(&self, i: usize, up: bool) {
-        let dev = format!("{}h{i}", self.prefix);
-        let how = if up { "up" } else { "down" };
-        ip(&["-n", &self.ns(i), "link", "set", &dev, how]).unwrap();
-    }
-
-    /// Starts host `i`'s kilnd and waits until its management port answers.
-    fn start(&mut self, i: usize) {
-        let log = self.tmp.join(format!("kilnd{i}.log"));
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.ns(i), env!("CARGO_BIN_EXE_kiln")])
-            .args(["server", "--mgmt", &self.mgmt(i), "--metrics", "off"])
-            .args(["--heal-interval", "0", "--state-dir"])
-            .arg(self.state(i))
-            .arg("--tls")
-            .arg(self.tls(i))
-            .env("KILN_LOG", "info")
-            // A start cut short by a leader kill leaves bricks of a volume still "created":
-            // their host's kilnd stops them once they are this old.
-            .env("KILN_ORPHAN_GRACE_MS", "3000")
-            .stdout(Stdio::piped())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&log)
-                    .unwrap(),
-            )
-            .spawn()
-            .expect("spawn kiln server");
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        loop {
-            line.clear();
-            let n = out.read_line(&mut line).unwrap();
-            assert!(n > 0, "kilnd {i} exited early: {}", self.log(i));
-            if line.starts_with("kilnd: management on") {
-                break;
-            }
-        }
-        self.kilnds[i] = Some(child);
-    }
-
-    fn log(&self, i: usize) -> String {
-        std::fs::read_to_string(self.tmp.join(format!("kilnd{i}.log"))).unwrap_or_default()
-    }
-
-    /// SIGKILL (`hard`) or SIGTERM to host `i`'s kilnd (its bricks live on, by design).
-    fn stop(&mut self, i: usize, hard: bool) {
-        if let Some(mut c) = self.kilnds[i].take() {
-            if hard {
-                let _ = c.kill();
-            } else {
-                // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-                unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            }
-            let _ = c.wait();
-        }
-    }
-
-    fn up(&self) -> Vec<usize> {
-        (0..self.n).filter(|&i| self.kilnds[i].is_some()).collect()
-    }
-
-    /// `kiln ARGS --server HOST_i --json` from inside host `i`.
-    fn kiln_at(&self, i: usize, args: &[&str]) -> Output {
-        self.kiln_cmd(i, args).output().expect("run kiln")
-    }
-
-    /// The command [`Hosts::kiln_at`] runs, to be spawned and waited for later.
-    fn kiln_cmd(&self, i: usize, args: &[&str]) -> Command {
-        let secret = self.state(0).join("mgmt.secret");
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns(i), env!("CARGO_BIN_EXE_kiln")])
-            .args(args)
-            .args(["--server", &self.mgmt(i), "--json", "--mgmt-secret-file"])
-            .arg(secret)
-            .env("KILN_TLS_DIR", self.client_tls())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        c
-    }
-
-    /// [`Hosts::kiln_at`] that must succeed; its JSON.
-    fn ok(&self, i: usize, args: &[&str]) -> Value {
-        let out = self.kiln_at(i, args);
-        assert!(
-            out.status.success(),
-            "kiln {args:?} at host {i}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).expect("JSON reply")
-    }
-
-    fn pool(&self, i: usize) -> Value {
-        self.ok(i, &["pool", "list"])
-    }
-
-    fn leader(&self, i: usize) -> Option<usize> {
-        let p = self.pool(i);
-        let id = p["leader"].as_u64()?;
-        let m = p["members"].as_array()?.iter().find(|m| m["id"] == id)?;
-        let addr = m["addr"].as_str()?;
-        (0..self.n).find(|&h| addr == format!("{}:24007", self.ip(h)))
-    }
-
-    /// Waits until every running member names the same running leader; returns it.
-    fn settled_leader(&self, secs: u64) -> usize {
-        let mut found = None;
-        wait_for(
-            secs,
-            "the running members to agree on a running leader",
-            || {
-                let seen: Vec<Option<usize>> = self.up().iter().map(|&i| self.leader(i)).collect();
-                found =
-                    seen[0].filter(|l| self.up().contains(l) && seen.iter().all(|s| *s == seen[0]));
-                found.is_some()
-            },
-        );
-        found.unwrap()
-    }
-
-    /// Waits until the running members have applied the same version; returns it.
-    fn agreed_version(&self, secs: u64) -> u64 {
-        let mut v = 0;
-        wait_for(
-            secs,
-            "the running members to apply the same version",
-            || {
-                let vs: Vec<u64> = self
-                    .up()
-                    .iter()
-                    .map(|&i| self.pool(i)["version"].as_u64().unwrap())
-                    .collect();
-                v = vs[0];
-                vs.iter().all(|x| *x == v)
-            },
-        );
-        v
-    }
-
-    fn info(&self, i: usize) -> Value {
-        self.ok(i, &["volume", "info"])
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for i in 0..self.n {
-            self.stop(i, true);
-            for pid in recorded_pids(&self.state(i)) {
-                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                if String::from_utf8_lossy(&cmd).contains(&*self.tmp.to_string_lossy()) {
-                    // SAFETY: kill(2) with a pid and a signal number has no memory effects.
-                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                }
-            }
-        }
-        for i in 0..self.n {
-            let _ = ip(&["netns", "del", &self.ns(i)]);
-        }
-        let _ = ip(&["netns", "del", &self.ns_name("sw")]);
-    }
-}
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
@@ -735,8 +470,7 @@ fn brick_pids(state: &Path, vol: &str) -> Vec<u32> {
 fn partition(h: &mut Hosts) {
     // Cut off a follower, then (a second time) the leader itself.
     for cut_leader in [false, true] {
-        // (A host that was cut off campaigns meanwhile: when it returns, its higher term can
-        // move the leadership, so the leader is asked for anew.)
+        // (The leader is asked for anew: the second cut takes the one the first left.)
         let leader = h.settled_leader(30);
         let cut = if cut_leader { leader } else { (leader + 1) % 3 };
         h.link(cut, false);
@@ -842,44 +576,7 @@ fn grow_under_the_mount(h: &Hosts, mnt: &Path) {
 
 fn rolling_restart(h: &mut Hosts, tmp: &Path) {
     let mnt = tmp.join("mnt");
-    std::fs::create_dir_all(&mnt).unwrap();
-    // The client host's own identity: a trusted host whose mount sends its callers' users.
-    let key = tmp.join("client.key");
-    let k = key.to_str().unwrap();
-    h.ok(
-        0,
-        &[
-            "auth",
-            "add",
-            "client",
-            "--volume",
-            "pv",
-            "--root",
-            "--key-file",
-            k,
-        ],
-    );
-    let mut c = kiln();
-    c.args(["mount", &format!("{}:/pv", h.mgmt(0)), "--mode", "vm-image"])
-        .arg(&mnt)
-        .env("KILN_SECRET_FILE", &key)
-        .env("KILN_TLS_DIR", h.client_tls())
-        .env("KILN_LOG", "warn,kiln_client::graph=debug");
-    // The mount's network is the fourth namespace's: a client host. Only the network: `ip
-    // netns exec` would give it a mount namespace of its own too, where this test (and fio)
-    // could not see the mount.
-    let mut mount = Command::new("nsenter");
-    mount
-        .arg(format!("--net=/run/netns/{}", h.ns(3)))
-        .arg(c.get_program());
-    mount.args(c.get_args());
-    for (k, v) in c.get_envs() {
-        match v {
-            Some(v) => mount.env(k, v),
-            None => mount.env_remove(k),
-        };
-    }
-    let (_mount, _) = common::managed::spawn_until(mount, "kiln: mounted");
+    let _mount = h.mount_at_client("pv", &mnt);
     let fio = std::thread::spawn({
         let mnt = mnt.clone();
         move || {

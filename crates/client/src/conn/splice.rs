@@ -41,6 +41,8 @@ impl Conn {
         let Some(moved) = self.splice(fd, r, pipe)? else {
             return Ok(false);
         };
+        // Bytes from the brick, though not through `recvmsg`: the watchdog hears them too.
+        self.health.heard();
         if r.advance(moved) != 0 {
             tracing::warn!("a spliced payload overran its reply");
             return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));

@@ -119,8 +119,9 @@ int kiln_init(struct kiln_t *k);
 // `source` is NUL-terminated; `opts` is NULL or as for `kiln_set_options`; `out` is writable.
 int kiln_volume_open(const char *source, const struct kiln_options *opts, struct kiln_t **out);
 
-// Disconnects and frees the handle. Files still open fail from now on; close them to free
-// them.
+// Disconnects and frees the handle. With nothing in flight, the bricks are told this client
+// is done (waiting up to a second), so that what it changed leaves nothing for heal to
+// suspect. Files still open fail from now on; close them to free them.
 //
 // # Safety
 // `k` is a live handle, not used again.

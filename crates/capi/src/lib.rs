@@ -429,8 +429,9 @@ pub unsafe extern "C" fn kiln_volume_open(
     0
 }
 
-/// Disconnects and frees the handle. Files still open fail from now on; close them to free
-/// them.
+/// Disconnects and frees the handle. With nothing in flight, the bricks are told this client
+/// is done (waiting up to a second), so that what it changed leaves nothing for heal to
+/// suspect. Files still open fail from now on; close them to free them.
 ///
 /// # Safety
 /// `k` is a live handle, not used again.
@@ -442,7 +443,7 @@ pub unsafe extern "C" fn kiln_fini(k: *mut Kiln) -> c_int {
     // SAFETY: created by `kiln_new`, given back exactly once.
     let k = unsafe { Box::from_raw(k) };
     if let Some(c) = &k.client {
-        c.shutdown();
+        c.end();
     }
     let _ = &k.volname;
     0

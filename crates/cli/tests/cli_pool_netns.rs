@@ -130,22 +130,9 @@ fn defs(info: &Value) -> Vec<(String, String, String)> {
 
 #[test]
 fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("skipping: network namespaces need root");
-        return;
-    }
-    assert!(
-        Command::new("fio").arg("--version").output().is_ok(),
-        "fio is needed (scripts/test.sh installs it)"
-    );
     let tmp = tempfile::tempdir().unwrap();
-    let mut h = match Hosts::setup(4, tmp.path()) {
-        Ok(h) => h,
-        Err(e) => {
-            println!("skipping: cannot set up network namespaces: {e}");
-            return;
-        }
+    let Some(mut h) = Hosts::for_test(4, tmp.path()) else {
+        return;
     };
     let begun = Instant::now();
     h.issue_identities();
@@ -579,27 +566,7 @@ fn rolling_restart(h: &mut Hosts, tmp: &Path) {
     let _mount = h.mount_at_client("pv", &mnt);
     let fio = std::thread::spawn({
         let mnt = mnt.clone();
-        move || {
-            Command::new("fio")
-                .current_dir(&mnt)
-                .args([
-                    "--name=roll",
-                    "--rw=randwrite",
-                    "--bs=4k",
-                    "--size=4m",
-                    "--iodepth=8",
-                    "--ioengine=libaio",
-                    "--direct=1",
-                    "--verify=crc32c",
-                    "--verify_fatal=1",
-                    "--do_verify=1",
-                    "--time_based",
-                    "--runtime=20",
-                    "--output-format=json",
-                ])
-                .output()
-                .expect("run fio")
-        }
+        move || common::fio::randwrite_verify(&mnt, "roll", Duration::from_secs(20))
     });
     for i in 0..3 {
         h.stop(i, false);
@@ -608,12 +575,10 @@ fn rolling_restart(h: &mut Hosts, tmp: &Path) {
     }
     grow_under_the_mount(h, &mnt);
     let out = fio.join().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let j: Value = serde_json::from_str(&text[text.find('{').unwrap_or(0)..]).unwrap_or_default();
-    let errors = j["jobs"][0]["error"].as_u64();
-    assert!(
-        out.status.success() && errors == Some(0),
-        "fio under a rolling restart: {}\n{text}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_eq!(
+        out.errors,
+        Some(0),
+        "fio under a rolling restart: {}",
+        out.text
     );
 }

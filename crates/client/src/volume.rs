@@ -838,11 +838,13 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
             short_circuit,
             ping_timeout,
         } => {
-            // The process's word (KILN_PING_TIMEOUT_MS), else the graph's, else the default.
-            if let (Some(ms), Err(_)) = (ping_timeout, std::env::var("KILN_PING_TIMEOUT_MS")) {
-                crate::conn::set_ping_timeout(
-                    (*ms > 0).then(|| Duration::from_millis((*ms).into())),
-                );
+            // The process's word (KILN_PING_TIMEOUT_MS), else the graph's, else the default:
+            // a graph that no longer says (the option reset) brings the default back.
+            if std::env::var("KILN_PING_TIMEOUT_MS").is_err() {
+                let t = ping_timeout.map_or(crate::conn::DEFAULT_PING_TIMEOUT, |ms| {
+                    Duration::from_millis(ms.into())
+                });
+                crate::conn::set_ping_timeout((!t.is_zero()).then_some(t));
             }
             // The graph's word, else the process's (KILN_SHORT_CIRCUIT=off), else on.
             let short_circuit = short_circuit.unwrap_or_else(|| {

@@ -1,9 +1,10 @@
 //! A graph's `ping_timeout` (the volume option `ping-timeout`) sets the process's ping
-//! timeout when the graph is built: a test binary of its own, since the value is per process.
+//! timeout when the graph is built, and a graph without it the default: a test binary of its
+//! own, since the value is per process.
 
 use std::time::Duration;
 
-use kiln_client::conn::ping_timeout;
+use kiln_client::conn::{ping_timeout, DEFAULT_PING_TIMEOUT};
 use kiln_client::Volume;
 use kiln_layer::volfile::Volfile;
 
@@ -42,8 +43,9 @@ fn the_graph_sets_the_ping_timeout_unless_the_host_does() {
     assert_eq!(ping_timeout(), Some(Duration::from_millis(4321)));
     let _ = Volume::from_volfile(&graph(Some(0)));
     assert_eq!(ping_timeout(), None, "0: never away");
-    // A graph that does not say leaves what the process has.
+    // A graph that no longer says (the option reset) brings the default back.
     let _ = Volume::from_volfile(&graph(Some(900)));
-    let _ = Volume::from_volfile(&graph(None));
     assert_eq!(ping_timeout(), Some(Duration::from_millis(900)));
+    let _ = Volume::from_volfile(&graph(None));
+    assert_eq!(ping_timeout(), Some(DEFAULT_PING_TIMEOUT));
 }

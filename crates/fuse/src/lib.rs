@@ -400,7 +400,7 @@ impl fuser::Filesystem for KilnFs {
         if self.known.absent(ahead::parent(&path), name, &who) {
             return reply.error(Errno::ENOENT);
         }
-        if let Some((a, left)) = self.small_attr(&path, &who) {
+        if let Some((a, left)) = self.small_attr(&path, &who, None) {
             // Kept by the kernel no longer than the fetch may be used.
             return self.entry_for(&path, &a, &left, reply);
         }
@@ -431,8 +431,11 @@ impl fuser::Filesystem for KilnFs {
                 let (caller, who) = self.asking(req);
                 let path = self.path(ino);
                 // As a lookup would be answered (the kernel may ask again right after one).
-                let ahead = path.as_ref().ok().and_then(|p| self.small_attr(p, &who));
-                if let Some((a, left)) = ahead.filter(|(a, _)| self.fuse_ino(a.ino) == ino.0) {
+                let ahead = path
+                    .as_ref()
+                    .ok()
+                    .and_then(|p| self.small_attr(p, &who, Some(ino.0)));
+                if let Some((a, left)) = ahead {
                     return reply.attr(&left, &self.fattr(&a));
                 }
                 let by_path = path.map(|p| block_on(caller.lookup(&p)));

@@ -203,13 +203,18 @@ impl KilnFs {
     /// for how much longer they may be used. Not for a file with other names: a change
     /// through one of those would not spoil what was fetched by this one. Only for the caller
     /// `who` it was fetched for (another may not be allowed to look it up).
+    /// With `ino`, only if the file fetched is still that inode (a getattr's).
     pub(crate) fn small_attr(
         &self,
         path: &str,
         who: &Cred,
+        ino: Option<u64>,
     ) -> Option<(kiln_client::Attr, Duration)> {
         let (a, left) = self.contents.peek(path, who, |c| c.attr.clone())?;
         let a = a.filter(|a| a.nlink <= 1)?;
+        if ino.is_some_and(|i| self.fuse_ino(a.ino) != i) {
+            return None;
+        }
         self.counters.looked_up_ahead.fetch_add(1, Relaxed);
         Some((a, left))
     }

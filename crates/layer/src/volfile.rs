@@ -159,7 +159,9 @@ pub enum LayerKind {
         short_circuit: Option<bool>,
         /// Milliseconds a connection with requests waiting may go without a byte from the
         /// brick (its host acknowledging nothing either) before the brick is away; 0 never.
-        /// Default 1200. One value per process: the last graph built sets it.
+        /// Default 1200. One value per process: the last graph built sets it (a graph without
+        /// it, the default), unless `KILN_PING_TIMEOUT_MS` is set. Clients older than this
+        /// field cannot read a graph that has it.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ping_timeout: Option<u32>,
     },

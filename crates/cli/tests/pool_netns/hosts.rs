@@ -24,6 +24,23 @@ pub struct Hosts {
 }
 
 impl Hosts {
+    /// [`Hosts::setup`] for a test: None (having said why) when this machine cannot run it —
+    /// not root, or no network namespaces; fio must be there (`scripts/test.sh` installs it).
+    pub fn for_test(n: usize, tmp: &Path) -> Option<Hosts> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("skipping: network namespaces need root");
+            return None;
+        }
+        assert!(
+            Command::new("fio").arg("--version").output().is_ok(),
+            "fio is needed (scripts/test.sh installs it)"
+        );
+        Hosts::setup(n, tmp)
+            .map_err(|e| println!("skipping: cannot set up network namespaces: {e}"))
+            .ok()
+    }
+
     pub fn setup(n: usize, tmp: &Path) -> Result<Hosts, String> {
         let prefix = format!("kp{}", std::process::id());
         let h = Hosts {

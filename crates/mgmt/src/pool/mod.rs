@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use openraft::raft::AppendEntriesResponse;
+use openraft::raft::{AppendEntriesResponse, InstallSnapshotRequest};
 use openraft::{BasicNode, ChangeMembers, Config, ServerState};
 use serde::de::DeserializeOwned;
 
@@ -515,8 +515,15 @@ impl Pool {
                 to_json(&r)
             }
             types::Rpc::Snapshot => {
-                let r = self
-                    .block_on(raft.install_snapshot(serde_json::from_value(body).map_err(bad)?));
+                let req: InstallSnapshotRequest<types::Kiln> =
+                    serde_json::from_value(body).map_err(bad)?;
+                let theirs = req.vote;
+                let r = self.block_on(raft.install_snapshot(req));
+                // A chunk accepted from a leader (our vote is now its) renews openraft's lease
+                // as a heartbeat does.
+                if r.as_ref().is_ok_and(|s| s.vote == theirs) {
+                    self.heard.now();
+                }
                 to_json(&r)
             }
         })

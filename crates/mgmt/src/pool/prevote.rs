@@ -6,19 +6,25 @@
 //! So openraft's own election timer is off (`enable_elect: false`) and this module decides
 //! when to start one ([`campaign`]):
 //!
-//! - every member notes when it last heard from a leader ([`Heard`]: an `AppendEntries` it
-//!   accepted; the leader itself while a quorum acknowledges it);
+//! - every member notes when it last heard from a leader ([`Heard`]: an `AppendEntries` or a
+//!   snapshot chunk it accepted; the leader itself while a quorum acknowledges it);
 //! - a voter that has heard nothing for its timeout (the leader lease plus a random
 //!   [`MIN_WAIT`]..[`MAX_WAIT`], drawn anew each time) asks the other voters whether they
 //!   would vote for it ([`PreVote`]); each grants only if it has not heard from a leader for
 //!   a whole lease either (so openraft's own lease check will not refuse the real vote) and
 //!   the asker's log is at least as new as its own;
-//! - with a majority of grants (its own included) it starts the real election
-//!   (`trigger().elect()`); without, nothing changes: no term is spent.
+//! - with a majority of grants (its own included), and still no leader heard meanwhile, it
+//!   starts the real election (`trigger().elect()`); without, nothing changes: no term is
+//!   spent.
 //!
 //! A member cut off alone never gets a majority, so it comes back at the term it left with,
-//! and the leader's heartbeats carry on. A majority that lost its leader elects within
-//! lease + [`MAX_WAIT`] (3.5–5 s with the pool's settings).
+//! and the leader's heartbeats carry on. A majority that lost its leader elects within the
+//! lease + [`MAX_WAIT`] + the asking (3.5–6.5 s with the pool's settings).
+//!
+//! A kilnd from before pre-vote answers the question with "unknown variant": that counts as
+//! a grant (it decides by openraft's rules alone when the vote comes), so in a pool being
+//! upgraded a member cut off from the leader but not from an old member can still unseat the
+//! leader when it returns, as before.
 
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
@@ -121,7 +127,13 @@ pub async fn campaign(
         let membership = m.membership_config.membership().clone();
         let voters: Vec<NodeId> = membership.voter_ids().collect();
         if m.current_leader == Some(id) {
-            heard.now();
+            // Only while a quorum acknowledges it: a leader cut off from its followers (openraft
+            // 0.9 never steps down for that) must not refuse the others' pre-votes forever.
+            if m.millis_since_quorum_ack
+                .is_some_and(|ms| Duration::from_millis(ms) < lease)
+            {
+                heard.now();
+            }
             continue;
         }
         if !voters.contains(&id) || heard.ago().min(asked.elapsed()) < wait {
@@ -141,6 +153,12 @@ pub async fn campaign(
                 last_log_id,
             };
             let granted = 1 + ask(&link, &others, &req).await;
+            // A leader heard from while asking (another voter won meanwhile) stands: an
+            // election now would only unseat it. (Not "a leader named": followers keep naming
+            // the lost one until another is elected.)
+            if heard.ago() < lease {
+                continue;
+            }
             if granted * 2 <= voters.len() {
                 tracing::debug!(
                     "pool: no leader heard, and only {granted} of {} voters would elect \

@@ -216,15 +216,35 @@ fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
         let why = format!("stages sum to {sum} µs, end to end {e2e} µs");
         ((sum - e2e).abs() <= 0.15 * e2e, why)
     };
+    // The 100 µs land in the stage that ends at posix's storage call, nowhere else. A
+    // stage of one window can jump by tens of µs when the machine's other load moves a
+    // wake-up to the other CPU; a delay put in the wrong stage moves it in every window.
+    let placed = |a: &[(String, f64)], b: &[(String, f64)]| -> Result<(), String> {
+        for ((name, x), (_, y)) in a.iter().zip(b) {
+            let grew = y - x;
+            if name.ends_with("→ posix: storage call") {
+                if !(90.0..160.0).contains(&grew) {
+                    return Err(format!("posix stage grew {grew} µs: {x} → {y}"));
+                }
+            } else if grew.abs() >= 40.0 {
+                return Err(format!("stage {name} moved {grew} µs: {x} → {y}"));
+            }
+        }
+        Ok(())
+    };
     let mut tries = Vec::new();
     let (base, slow) = loop {
         let (base, slow) = (bench_waterfall(None), bench_waterfall(Some("100")));
         let (ok_a, why_a) = adds_up(&base);
         let (ok_b, why_b) = adds_up(&slow);
-        if ok_a && ok_b {
+        let place = placed(&stages(&base), &stages(&slow));
+        if ok_a && ok_b && place.is_ok() {
             break (base, slow);
         }
-        tries.push(format!("{why_a}; with 100 µs at posix: {why_b}"));
+        tries.push(format!(
+            "{why_a}; with 100 µs at posix: {why_b}; {}",
+            place.err().unwrap_or_default()
+        ));
         assert!(tries.len() < 3, "in every window: {tries:#?}");
     };
     let (a, b) = (stages(&base), stages(&slow));
@@ -250,19 +270,7 @@ fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
             "no stage {want:?} in {a:?}"
         );
     }
-    // Same shape with the delay-gen (it stamps nothing itself) …
+    // Same shape with the delay-gen (it stamps nothing itself).
     let names = |v: &[(String, f64)]| v.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
     assert_eq!(names(&a), names(&b));
-    // … and the 100 µs land in the stage that ends at posix's storage call, nowhere else.
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let grew = y - x;
-        if name.ends_with("→ posix: storage call") {
-            assert!(
-                (90.0..160.0).contains(&grew),
-                "posix stage grew {grew} µs: {x} → {y}"
-            );
-        } else {
-            assert!(grew.abs() < 40.0, "stage {name} moved {grew} µs: {x} → {y}");
-        }
-    }
 }

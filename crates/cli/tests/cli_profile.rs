@@ -223,7 +223,9 @@ fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
         for ((name, x), (_, y)) in a.iter().zip(b) {
             let grew = y - x;
             if name.ends_with("→ posix: storage call") {
-                if !(90.0..160.0).contains(&grew) {
+                // At least the delay; up to the delay plus a timer's slack (50 µs) and a
+                // wake-up on this VM (a stage counted twice is caught by the sum above).
+                if !(90.0..250.0).contains(&grew) {
                     return Err(format!("posix stage grew {grew} µs: {x} → {y}"));
                 }
             } else if grew.abs() >= 40.0 {

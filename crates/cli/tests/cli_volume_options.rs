@@ -208,6 +208,7 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
             "allow",
             "root-squash",
             "io-timeout",
+            "ping-timeout",
             "short-circuit",
             "flush-behind",
             "shared-secret",

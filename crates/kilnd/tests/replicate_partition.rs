@@ -145,10 +145,18 @@ fn a_replica_cut_off_from_the_network_pauses_writes_under_two_seconds() {
 
     // The two others hold marks for what it missed; heal makes the copies one.
     assert!(!index_empty(&vol), "nothing marked for the cut brick");
+    let _ = block_on(vol.close((*fd).clone()));
     let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
-    let report = block_on(heal::run(healer.top(), &|_, _| {}));
-    assert!(report.errors.is_empty(), "heal errors {:?}", report.errors);
-    assert!(index_empty(&healer), "marks left after heal");
+    for pass in 1.. {
+        let report = block_on(heal::run(healer.top(), &|_, _| {}));
+        assert!(report.errors.is_empty(), "heal errors {:?}", report.errors);
+        if index_empty(&healer) {
+            break;
+        }
+        // A change still finishing when a pass began (its mark made after the pass read the
+        // index) is healed by the next; marks that heal cannot clear stay through all three.
+        assert!(pass < 3, "marks left after {pass} heals");
+    }
     let copies: Vec<Vec<u8>> = bricks.iter().map(|b| b.file(FILE)).collect();
     assert!(!copies[0].is_empty());
     for (i, c) in copies.iter().enumerate().skip(1) {

@@ -218,7 +218,8 @@ fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
     };
     // The 100 µs land in the stage that ends at posix's storage call, nowhere else. A
     // stage of one window can jump by tens of µs when the machine's other load moves a
-    // wake-up to the other CPU; a delay put in the wrong stage moves it in every window.
+    // wake-up to the other CPU; a delay put in the wrong stage moves that stage by the whole
+    // delay and leaves posix's stage where it was, in every window.
     let placed = |a: &[(String, f64)], b: &[(String, f64)]| -> Result<(), String> {
         for ((name, x), (_, y)) in a.iter().zip(b) {
             let grew = y - x;
@@ -228,7 +229,7 @@ fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
                 if !(90.0..250.0).contains(&grew) {
                     return Err(format!("posix stage grew {grew} µs: {x} → {y}"));
                 }
-            } else if grew.abs() >= 40.0 {
+            } else if grew.abs() >= 60.0 {
                 return Err(format!("stage {name} moved {grew} µs: {x} → {y}"));
             }
         }

@@ -71,8 +71,10 @@ pub enum Effect {
     /// delay-gen: hold the fop back this long, then call the child.
     ///
     /// The delay holds the calling thread, as a slow disk would (on the brick: that
-    /// connection's task). Timer slack is set to 1 ns on threads that sleep here, so a 100 µs
-    /// delay is 100 µs, not the default 50 µs more.
+    /// connection's task). A delay up to [`SPIN_UP_TO`] spins, as a driver polling a fast
+    /// device does: on a virtual machine a sleeping CPU can take a millisecond to wake, which
+    /// would turn a 100 µs delay into ten times that. Longer delays sleep, with timer slack
+    /// set to 1 ns on the sleeping thread so they end when asked, not 50 µs later.
     Delay(Duration),
 }
 
@@ -131,8 +133,18 @@ impl Interpose for Fault {
 
 crate::interpose_all!(Fault);
 
-/// Sleeps `d` on this thread with 1 ns timer slack.
+/// Delays up to this long spin instead of sleeping (see [`Effect::Delay`]).
+const SPIN_UP_TO: Duration = Duration::from_micros(500);
+
+/// Holds this thread for `d`: spinning when short, else sleeping with 1 ns timer slack.
 fn precise_sleep(d: Duration) {
+    let end = Instant::now() + d;
+    if d <= SPIN_UP_TO {
+        while Instant::now() < end {
+            std::hint::spin_loop();
+        }
+        return;
+    }
     thread_local! {
         static SLACK_SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
@@ -143,7 +155,6 @@ fn precise_sleep(d: Duration) {
             s.set(true);
         }
     });
-    let end = Instant::now() + d;
     while let Some(left) = end.checked_duration_since(Instant::now()) {
         if left.is_zero() {
             break;
@@ -170,8 +181,10 @@ mod tests {
 
     #[test]
     fn precise_sleep_is_close() {
-        let t = Instant::now();
-        precise_sleep(Duration::from_micros(100));
-        assert!(t.elapsed() >= Duration::from_micros(100));
+        for us in [100, 2_000] {
+            let t = Instant::now();
+            precise_sleep(Duration::from_micros(us));
+            assert!(t.elapsed() >= Duration::from_micros(us), "{us} µs");
+        }
     }
 }

@@ -14,8 +14,11 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use kiln_client::{block_on, Fd, PageBuf, RawIov, Volume};
 use kiln_fuse::Switch;
+use kiln_layer::faults::DelayGenConfig;
+use kiln_layer::layers::posix::PosixConfig;
+use kiln_layer::replicate::ReplicateConfig;
 use kiln_layer::trace::{TraceLog, Waterfall};
-use kiln_layer::volfile::{LayerKind, Volfile};
+use kiln_layer::volfile::{LayerKind, ProtocolClientConfig, Volfile};
 
 /// Access pattern.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -139,30 +142,23 @@ impl BenchArgs {
         if let Some(us) = self.delay_read_us {
             layers.push((
                 "slow-reads".into(),
-                LayerKind::DelayGen {
+                LayerKind::DelayGen(DelayGenConfig {
                     fops: vec!["read".into()],
                     delay_us: us,
                     probability: 1.0,
                     seed: 1,
-                },
+                }),
             ));
         }
-        layers.push((
-            "posix".into(),
-            LayerKind::Posix {
-                directory: dir.to_owned(),
-                root_squash: false,
-                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
-            },
-        ));
+        layers.push(("posix".into(), LayerKind::Posix(PosixConfig::at(dir))));
         Some(Volfile::linear(layers))
     }
 
     /// `volfile` with --short-circuit applied to its protocol-clients.
     fn short_circuit(&self, mut volfile: Volfile) -> Volfile {
         for l in &mut volfile.layers {
-            if let LayerKind::ProtocolClient { short_circuit, .. } = &mut l.kind {
-                *short_circuit = Some(self.short_circuit == Switch::On);
+            if let LayerKind::ProtocolClient(p) = &mut l.kind {
+                p.short_circuit = Some(self.short_circuit == Switch::On);
             }
         }
         volfile
@@ -173,12 +169,7 @@ impl BenchArgs {
         if self.bare {
             return Volfile::linear(vec![(
                 "brick".into(),
-                LayerKind::ProtocolClient {
-                    remote: addr.into(),
-                    timeout: None,
-                    short_circuit: None,
-                    ping_timeout: None,
-                },
+                LayerKind::ProtocolClient(ProtocolClientConfig::to(addr)),
             )]);
         }
         if !self.profile_points {
@@ -189,12 +180,7 @@ impl BenchArgs {
             ("above-protocol-client".into(), LayerKind::IoStats {}),
             (
                 "brick".into(),
-                LayerKind::ProtocolClient {
-                    remote: addr.into(),
-                    timeout: None,
-                    short_circuit: None,
-                    ping_timeout: None,
-                },
+                LayerKind::ProtocolClient(ProtocolClientConfig::to(addr)),
             ),
         ])
     }
@@ -569,22 +555,14 @@ fn replica_volfile(addrs: &[String]) -> Volfile {
         LayerDef {
             name: "replicate".into(),
             subvolumes: (0..addrs.len()).map(|i| format!("brick{i}")).collect(),
-            kind: LayerKind::Replicate {
-                quorum: None,
-                timeout: None,
-            },
+            kind: LayerKind::Replicate(ReplicateConfig::default()),
         },
     ];
     for (i, a) in addrs.iter().enumerate() {
         layers.push(LayerDef {
             name: format!("brick{i}"),
             subvolumes: Vec::new(),
-            kind: LayerKind::ProtocolClient {
-                remote: a.clone(),
-                timeout: None,
-                short_circuit: None,
-                ping_timeout: None,
-            },
+            kind: LayerKind::ProtocolClient(ProtocolClientConfig::to(a)),
         });
     }
     Volfile { layers }

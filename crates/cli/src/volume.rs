@@ -62,9 +62,9 @@ enum VolumeCmd {
                             127.0.0.1:/srv/scratch"
     )]
     Create(CreateArgs),
-    /// Change a volume option: `kiln volume set NAME OPTION VALUE` (`allow`, `root-squash`,
-    /// `io-timeout`; `kiln volume get NAME all` describes them). For `allow` and `root-squash`
-    /// the bricks of a started volume restart (clients reconnect by themselves).
+    /// Change a volume option: `kiln volume set NAME OPTION VALUE` (`--help` lists the
+    /// options). For options of the bricks, a started volume's bricks restart (clients
+    /// reconnect by themselves); running clients take the others within a second.
     Set(SetArgs),
     /// Show a volume's options (`all`, or one): value, default, type, whether bricks restart
     /// to take it, and what it does; with the pool store version they were read at.
@@ -222,21 +222,33 @@ struct CreateLikeArgs {
 struct SetArgs {
     /// The volume's name.
     name: String,
-    /// The option: `allow` (the address ranges the bricks take clients from), `root-squash`
-    /// (clients' root acts as nobody on the bricks, like NFS root_squash) or `io-timeout`
-    /// (seconds a client's I/O waits for bricks that are away to come back, default 30,
-    /// like an NFS hard mount's patience; then it fails with ENOTCONN). `kiln volume get VOL
-    /// all` shows each with its type, default and whether bricks restart to take it.
-    #[arg(value_parser = clap::builder::PossibleValuesParser::new(options::OPTIONS.iter().map(|s| s.name)))]
+    /// The option (each is listed below: what it does, the values it takes, its default).
+    /// `kiln volume get VOL all` shows their values now.
+    #[arg(value_parser = option_names())]
     option: String,
-    /// Its value: for `allow`, ranges separated by commas (10.0.0.0/24,192.168.1.7), or `all`
-    /// (the only value that takes clients from anywhere; an empty range such as `,,,` is refused);
-    /// for `root-squash`, `on` or `off`; for `io-timeout`, 0 to 86400 seconds. A started
-    /// volume's bricks restart to take `allow` or `root-squash`; running clients switch to a
-    /// new `io-timeout` within a second.
+    /// Its value, of the type the option takes. Values are parsed strictly: `On` is not `on`,
+    /// a sign or spaces around a number are refused, and an empty item in a list (`,,,`)
+    /// never reads as "all". A started volume's bricks restart to take an option that says
+    /// so; running clients take the others within a second.
     value: String,
     #[command(flatten)]
     opts: MgmtOpts,
+}
+
+/// The volume options as `set` takes them, each with its help (from the options table, so
+/// `--help` and the man page list every option).
+fn option_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(options::OPTIONS.iter().map(|s| {
+        let restarts = if s.restarts_bricks {
+            "; a started volume's bricks restart to take it"
+        } else {
+            ""
+        };
+        clap::builder::PossibleValue::new(s.name).help(format!(
+            "{}. Takes {}; default {}{restarts}",
+            s.description, s.kind, s.default
+        ))
+    }))
 }
 
 #[derive(clap::Args, Debug)]
@@ -777,7 +789,7 @@ fn layers_json() -> serde_json::Value {
                 .iter()
                 .map(|o| {
                     serde_json::json!({
-                        "name": o.name, "type": o.ty, "default": o.default, "doc": o.doc,
+                        "name": o.name, "type": o.ty, "default": o.default, "doc": o.text(),
                     })
                 })
                 .collect();
@@ -795,7 +807,10 @@ fn layers_text() -> String {
             let _ = writeln!(
                 out,
                 "    {:<12} {:<22} default {:<16} {}",
-                o.name, o.ty, o.default, o.doc
+                o.name,
+                o.ty,
+                o.default,
+                o.text()
             );
         }
     }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 
 use kiln_client::{block_on, mgmt, Volume};
-use kiln_layer::volfile::LayerKind;
+use kiln_layer::volfile::{LayerKind, ProtocolClientConfig};
 use serde_json::Value;
 
 mod common;
@@ -117,7 +117,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     assert_eq!(vf.layers[1].subvolumes.len(), 3);
     for (l, port) in vf.layers[2..].iter().zip(&ports) {
         match &l.kind {
-            LayerKind::ProtocolClient { remote, .. } => {
+            LayerKind::ProtocolClient(ProtocolClientConfig { remote, .. }) => {
                 // Local bricks: their Unix socket first, then TCP.
                 let (sock, tcp) = remote.split_once(',').expect("two addresses");
                 assert!(

@@ -202,20 +202,20 @@ fn options_are_read_set_and_reset_from_one_table_and_a_state_dir_has_one_kilnd()
         .iter()
         .map(|o| o["name"].as_str().unwrap())
         .collect();
-    assert_eq!(
-        names,
-        [
-            "allow",
-            "root-squash",
-            "io-timeout",
-            "ping-timeout",
-            "short-circuit",
-            "flush-behind",
-            "shared-secret",
-            "shard-block-size"
-        ],
-        "{all}"
-    );
+    // Every option of the table, in its order, and `set --help` (made from the same table)
+    // tells what each does and takes.
+    let table: Vec<&str> = kiln_mgmt::options::OPTIONS.iter().map(|s| s.name).collect();
+    assert_eq!(names, table, "{all}");
+    let help = ok(&["volume", "set", "--help"]);
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    for s in kiln_mgmt::options::OPTIONS {
+        let kind = s.kind.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            help.contains(&format!("{}: ", s.name)) && help.contains(&kind),
+            "set --help lacks {} ({kind}): {help}",
+            s.name
+        );
+    }
     assert!(all["version"].as_u64().unwrap() > 0, "{all}");
     for o in all["options"].as_array().unwrap() {
         assert_eq!(

@@ -18,7 +18,7 @@ use std::time::Duration;
 /// The layer crate the stack is built from (for front-ends that need its types: `IoBufs`,
 /// `exec`, `metrics`).
 pub use kiln_layer as layer;
-pub use kiln_layer::volfile::{LayerKind, Volfile};
+pub use kiln_layer::volfile::{LayerKind, ProtocolClientConfig, Volfile};
 use kiln_layer::{
     exec, Attr, Ctx, Errno, Fd, IoBufs, LayerRef, Opened, RawIov, ReadDst, ReadOut, SetAttrs,
     StatfsReply,
@@ -157,12 +157,7 @@ impl Volume {
             ("client".into(), LayerKind::IoStats {}),
             (
                 "brick".into(),
-                LayerKind::ProtocolClient {
-                    remote: addr.into(),
-                    timeout: None,
-                    short_circuit: None,
-                    ping_timeout: None,
-                },
+                LayerKind::ProtocolClient(ProtocolClientConfig::to(addr)),
             ),
         ])
     }
@@ -832,12 +827,12 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
     let connect = |remote: &str| connect_first(remote, connect_one);
     let replicas = v.below_replicate();
     let top = v.build(&mut |def, _kids| match &def.kind {
-        LayerKind::ProtocolClient {
+        LayerKind::ProtocolClient(ProtocolClientConfig {
             remote,
             timeout,
             short_circuit,
             ping_timeout,
-        } => {
+        }) => {
             // The process's word (KILN_PING_TIMEOUT_MS), else the graph's, else the default:
             // a graph that no longer says (the option reset) brings the default back.
             if std::env::var("KILN_PING_TIMEOUT_MS").is_err() {

@@ -68,21 +68,16 @@ fn start_brick(tmp: &Path, i: usize, dir: &Path, secret: &Path) -> u16 {
         replica: 1,
         bricks: Vec::new(),
         state: VolState::Started,
-        authority: None,
-        allow: Vec::new(),
-        root_squash: false,
-        io_timeout: None,
-        ping_timeout: None,
-        short_circuit: None,
-        shared_secret: None,
-        flush_behind: None,
-        draining: Vec::new(),
-        rebalance: None,
-        sets: Vec::new(),
-        widening: None,
         shard_block: None,
+        ..VolumeDef::default()
     };
-    std::fs::write(&vf, mgmt::brick_volfile(&def, i, dir).to_toml()).expect("brick volfile");
+    std::fs::write(
+        &vf,
+        mgmt::brick_volfile(&def, i, dir)
+            .expect("brick volfile")
+            .to_toml(),
+    )
+    .expect("brick volfile");
     for _attempt in 0..5 {
         let port = free_port();
         let argv: Vec<OsString> = vec![
@@ -269,19 +264,8 @@ fn ten_thousand_files_through_the_mount_spread_over_four_bricks() {
         replica: 1,
         bricks: bricks.clone(),
         state: VolState::Started,
-        authority: None,
-        allow: Vec::new(),
-        root_squash: false,
-        io_timeout: None,
-        ping_timeout: None,
-        short_circuit: None,
-        shared_secret: None,
-        flush_behind: None,
-        draining: Vec::new(),
-        rebalance: None,
-        sets: Vec::new(),
-        widening: None,
         shard_block: None,
+        ..VolumeDef::default()
     };
     let vf = mgmt::client_volfile(&def).expect("client volfile");
     let kinds: Vec<&str> = vf.layers.iter().map(|l| l.kind.type_name()).collect();

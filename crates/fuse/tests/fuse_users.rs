@@ -460,8 +460,8 @@ fn squashing_brick(tmp: &Path, brick: &Path) -> std::path::PathBuf {
     use clap::Parser;
     let mut vf = kiln_server::default_volfile(brick);
     for l in vf.layers.iter_mut() {
-        if let kiln_server::LayerKind::Posix { root_squash, .. } = &mut l.kind {
-            *root_squash = true;
+        if let kiln_server::LayerKind::Posix(p) = &mut l.kind {
+            p.root_squash = true;
         }
     }
     let (file, sock) = (tmp.join("brick.toml"), tmp.join("kilnd.sock"));

@@ -200,7 +200,7 @@ fn brick_tag(brick: Option<&std::path::Path>, vf: Option<&kiln_layer::volfile::V
         return String::new();
     };
     let dir = vf.layers.iter().find_map(|l| match &l.kind {
-        kiln_layer::volfile::LayerKind::Posix { directory, .. } => Some(directory.clone()),
+        kiln_layer::volfile::LayerKind::Posix(p) => Some(p.directory.clone()),
         _ => None,
     });
     let top = vf.layers.first().map_or("", |l| l.name.as_str());

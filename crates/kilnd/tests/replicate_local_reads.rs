@@ -14,7 +14,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use kiln_client::{block_on, Volume};
-use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
+use kiln_layer::replicate::ReplicateConfig;
+use kiln_layer::volfile::{LayerDef, LayerKind, ProtocolClientConfig, Volfile};
 
 const HOST_IP: &str = "10.78.0.1";
 const NS_IP: &str = "10.78.0.2";
@@ -140,21 +141,13 @@ fn reads_stay_on_the_replica_of_this_host() {
     let mut layers = vec![LayerDef {
         name: "rep".into(),
         subvolumes: (0..3).map(|i| format!("client-{i}")).collect(),
-        kind: LayerKind::Replicate {
-            quorum: None,
-            timeout: None,
-        },
+        kind: LayerKind::Replicate(ReplicateConfig::default()),
     }];
     for (i, a) in addrs.iter().enumerate() {
         layers.push(LayerDef {
             name: format!("client-{i}"),
             subvolumes: Vec::new(),
-            kind: LayerKind::ProtocolClient {
-                remote: a.clone(),
-                timeout: None,
-                short_circuit: None,
-                ping_timeout: None,
-            },
+            kind: LayerKind::ProtocolClient(ProtocolClientConfig::to(a)),
         });
     }
     let v = Volume::from_volfile(&Volfile { layers }).expect("volume");

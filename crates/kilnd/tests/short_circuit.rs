@@ -96,11 +96,8 @@ impl Drop for Brick {
 fn volfile(addr: &str, short_circuit: bool) -> Volfile {
     let mut v = Volume::default_volfile(addr);
     for l in &mut v.layers {
-        if let LayerKind::ProtocolClient {
-            short_circuit: s, ..
-        } = &mut l.kind
-        {
-            *s = Some(short_circuit);
+        if let LayerKind::ProtocolClient(p) = &mut l.kind {
+            p.short_circuit = Some(short_circuit);
         }
     }
     v

@@ -12,6 +12,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod config;
 pub mod exec;
 pub mod layers;
 pub mod metrics;

@@ -20,14 +20,18 @@
 //! (posix and dispatch on the brick, protocol-client on the client) builds those.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::faults::{Effect, Fault, Trigger};
+pub use crate::config::{OptionDoc, Options, ProtocolClientConfig};
+use crate::distribute::DistributeConfig;
+use crate::faults::{DelayGenConfig, ErrorGenConfig, Fault};
 use crate::iostats::IoStats;
+use crate::layers::marks::MarksConfig;
+use crate::layers::posix::PosixConfig;
+use crate::replicate::ReplicateConfig;
+use crate::shard::ShardConfig;
 use crate::LayerRef;
 
 /// Builds the layer types a side owns, given the definition and its built children.
@@ -55,134 +59,33 @@ pub struct LayerDef {
     pub kind: LayerKind,
 }
 
-/// Layer types and their options.
+/// Layer types and their options (each type's options struct is declared with its layer;
+/// see [`crate::config`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum LayerKind {
     /// Counts and times every fop (see [`crate::iostats`]).
     IoStats {},
     /// Fails chosen fops with an errno.
-    ErrorGen {
-        /// Fop names (e.g. `["read", "write"]`); empty: all.
-        #[serde(default)]
-        fops: Vec<String>,
-        /// The errno to return, by name (`EIO`, `ENOSPC`, …) or number.
-        #[serde(default = "default_errno")]
-        error: String,
-        /// Chance that a matching fop fails, 0..=1.
-        #[serde(default = "one")]
-        probability: f64,
-        /// Seed of the generator that decides.
-        #[serde(default = "default_seed")]
-        seed: u64,
-    },
+    ErrorGen(ErrorGenConfig),
     /// Delays chosen fops.
-    DelayGen {
-        /// Fop names; empty: all.
-        #[serde(default)]
-        fops: Vec<String>,
-        /// The delay, microseconds.
-        delay_us: u64,
-        /// Chance that a matching fop is delayed, 0..=1.
-        #[serde(default = "one")]
-        probability: f64,
-        /// Seed of the generator that decides.
-        #[serde(default = "default_seed")]
-        seed: u64,
-    },
+    DelayGen(DelayGenConfig),
     /// Brick storage: a directory on a local file system (brick side).
-    Posix {
-        /// The brick directory.
-        directory: PathBuf,
-        /// Clients' root runs as nobody (65534) on this brick (like NFS `root_squash`).
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        root_squash: bool,
-        /// Flush-behind window in bytes: a file's dirty pages are written back after every
-        /// window written through one open file, so a snapshot's reflink or an fsync waits for
-        /// about three windows per writer at most (0: left to the kernel).
-        #[serde(
-            default = "default_flush_behind",
-            skip_serializing_if = "is_default_flush_behind"
-        )]
-        flush_behind: u64,
-    },
+    Posix(PosixConfig),
     /// Runs fops that may block for long (fsync, fallocate, discard) on a thread pool and the
     /// rest inline (brick side).
     Dispatch {},
     /// Spreads files over its subvolumes by a hash of the name (client side).
-    Distribute {
-        /// Subvolumes (by name) that take no new files: bricks being drained before their
-        /// removal. Their files are still found, and moved off by a rebalance.
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        draining: Vec<String>,
-    },
+    Distribute(DistributeConfig),
     /// Splits big files into pieces spread over the replica sets (client side; see
     /// [`crate::shard`]).
-    Shard {
-        /// Bytes per piece of files created from now on: a power of two, 1 MiB to 1 TiB.
-        block_size: u64,
-    },
+    Shard(ShardConfig),
     /// Keeps every file on all its subvolumes; writes need a quorum (client side).
-    Replicate {
-        /// Successful replicas a change needs; default: a majority.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        quorum: Option<u32>,
-        /// Seconds a change waits for a quorum of replicas to come back before it fails;
-        /// default 30.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        timeout: Option<u32>,
-    },
+    Replicate(ReplicateConfig),
     /// Per-file records of what replicas missed, and range locks for heal (brick side).
-    Marks {
-        /// The brick directory (its `.kiln` holds the records).
-        directory: PathBuf,
-        /// Who the brick is: its volume's id and its index there (`.kiln/identity`); a
-        /// directory without one is a new brick, rebuilt by heal before it is read from.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        identity: Option<crate::layers::marks::Identity>,
-        /// The volume's first start: a directory without an identity takes it at once.
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        adopt: bool,
-    },
+    Marks(MarksConfig),
     /// A connection to one brick (client side).
-    ProtocolClient {
-        /// The brick's address: `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`.
-        remote: String,
-        /// Seconds a fop waits for a lost connection to come back before it fails; default
-        /// 30, or 0 under a replicate layer (which goes on with the other replicas and waits
-        /// for a quorum itself).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        timeout: Option<u32>,
-        /// Reads straight from the brick's files while it is on this host (a Unix socket) and
-        /// grants them; default on.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        short_circuit: Option<bool>,
-        /// Milliseconds a connection with requests waiting may go without a byte from the
-        /// brick (its host acknowledging nothing either) before the brick is away; 0 never.
-        /// Default 1200. One value per process: the last graph built sets it (a graph without
-        /// it, the default), unless `KILN_PING_TIMEOUT_MS` is set. Clients older than this
-        /// field cannot read a graph that has it.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        ping_timeout: Option<u32>,
-    },
-}
-
-fn default_errno() -> String {
-    "EIO".into()
-}
-fn default_flush_behind() -> u64 {
-    crate::layers::posix::DEFAULT_FLUSH_BEHIND
-}
-
-fn is_default_flush_behind(v: &u64) -> bool {
-    *v == default_flush_behind()
-}
-
-fn one() -> f64 {
-    1.0
-}
-fn default_seed() -> u64 {
-    0x6b69_6c6e
+    ProtocolClient(ProtocolClientConfig),
 }
 
 impl LayerKind {
@@ -190,45 +93,27 @@ impl LayerKind {
     pub fn type_name(&self) -> &'static str {
         match self {
             LayerKind::IoStats {} => "io-stats",
-            LayerKind::ErrorGen { .. } => "error-gen",
-            LayerKind::DelayGen { .. } => "delay-gen",
-            LayerKind::Posix { .. } => "posix",
+            LayerKind::ErrorGen(_) => "error-gen",
+            LayerKind::DelayGen(_) => "delay-gen",
+            LayerKind::Posix(_) => "posix",
             LayerKind::Dispatch {} => "dispatch",
-            LayerKind::ProtocolClient { .. } => "protocol-client",
-            LayerKind::Distribute { .. } => "distribute",
-            LayerKind::Shard { .. } => "shard",
-            LayerKind::Replicate { .. } => "replicate",
-            LayerKind::Marks { .. } => "marks",
+            LayerKind::ProtocolClient(_) => "protocol-client",
+            LayerKind::Distribute(_) => "distribute",
+            LayerKind::Shard(_) => "shard",
+            LayerKind::Replicate(_) => "replicate",
+            LayerKind::Marks(_) => "marks",
         }
     }
 
     /// True for types that take several subvolumes.
     pub fn is_cluster(&self) -> bool {
-        matches!(
-            self,
-            LayerKind::Distribute { .. } | LayerKind::Replicate { .. }
-        )
+        matches!(self, LayerKind::Distribute(_) | LayerKind::Replicate(_))
     }
 
     /// True for types at the bottom of a stack.
     pub fn is_leaf(&self) -> bool {
-        matches!(
-            self,
-            LayerKind::Posix { .. } | LayerKind::ProtocolClient { .. }
-        )
+        matches!(self, LayerKind::Posix(_) | LayerKind::ProtocolClient(_))
     }
-}
-
-/// One documented option of a layer type.
-pub struct OptionDoc {
-    /// Option name.
-    pub name: &'static str,
-    /// Its type.
-    pub ty: &'static str,
-    /// Default, or "required".
-    pub default: &'static str,
-    /// What it does.
-    pub doc: &'static str,
 }
 
 /// One documented layer type.
@@ -243,25 +128,6 @@ pub struct TypeDoc {
     pub options: &'static [OptionDoc],
 }
 
-const FOPS_DOC: OptionDoc = OptionDoc {
-    name: "fops",
-    ty: "list of fop names",
-    default: "[] (all fops)",
-    doc: "fops it applies to, e.g. [\"read\", \"write\"]",
-};
-const PROB_DOC: OptionDoc = OptionDoc {
-    name: "probability",
-    ty: "number 0..=1",
-    default: "1.0",
-    doc: "chance that a matching fop is hit",
-};
-const SEED_DOC: OptionDoc = OptionDoc {
-    name: "seed",
-    ty: "integer",
-    default: "fixed",
-    doc: "seed of the generator that decides (runs repeat)",
-};
-
 /// Every layer type, its options and defaults (`kiln volume layers` prints this).
 pub const TYPES: &[TypeDoc] = &[
     TypeDoc {
@@ -274,23 +140,13 @@ pub const TYPES: &[TypeDoc] = &[
         name: "error-gen",
         side: "client, brick",
         doc: "fails matching fops with an errno, without calling below",
-        options: &[
-            FOPS_DOC,
-            OptionDoc { name: "error", ty: "errno name or number", default: "EIO", doc: "the error returned" },
-            PROB_DOC,
-            SEED_DOC,
-        ],
+        options: ErrorGenConfig::DOCS,
     },
     TypeDoc {
         name: "delay-gen",
         side: "client, brick",
         doc: "holds matching fops back, holding the calling thread as a slow device would",
-        options: &[
-            FOPS_DOC,
-            OptionDoc { name: "delay_us", ty: "integer (µs)", default: "required", doc: "the delay" },
-            PROB_DOC,
-            SEED_DOC,
-        ],
+        options: DelayGenConfig::DOCS,
     },
     TypeDoc {
         name: "dispatch",
@@ -302,82 +158,61 @@ pub const TYPES: &[TypeDoc] = &[
         name: "posix",
         side: "brick (leaf)",
         doc: "stores files in a directory; every path is resolved beneath it (openat2 RESOLVE_BENEATH)",
-        options: &[
-            OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" },
-            OptionDoc { name: "root_squash", ty: "bool", default: "false", doc: "clients' root acts as nobody (65534)" },
-            OptionDoc { name: "flush_behind", ty: "bytes", default: "0", doc: "write a file's dirty pages back after every this many bytes written through one open file, bounding what a snapshot or fsync waits for; 0 leaves it to the kernel" },
-        ],
+        options: PosixConfig::DOCS,
     },
     TypeDoc {
         name: "distribute",
         side: "client",
         doc: "spreads files over its subvolumes by a hash of the name, per-directory layouts; directories exist on every subvolume",
-        options: &[],
+        options: DistributeConfig::DOCS,
     },
     TypeDoc {
         name: "shard",
         side: "client",
         doc: "stores files created from now on in pieces of block_size bytes striped over the replica sets (pieces in the hidden .shards directory); files made before stay whole",
-        options: &[OptionDoc { name: "block_size", ty: "bytes, a power of two from 1 MiB to 1 TiB", default: "required", doc: "bytes per piece" }],
+        options: ShardConfig::DOCS,
     },
     TypeDoc {
         name: "replicate",
         side: "client",
         doc: "keeps every file on all subvolumes: changes go to all in parallel and need a quorum, misses are marked on the bricks and healed, reads go to one up-to-date replica",
-        options: &[
-            OptionDoc { name: "quorum", ty: "integer", default: "majority", doc: "successful replicas a change needs" },
-            OptionDoc { name: "timeout", ty: "seconds", default: "30", doc: "how long a change waits for a quorum of replicas to come back before it fails" },
-        ],
+        options: ReplicateConfig::DOCS,
     },
     TypeDoc {
         name: "marks",
         side: "brick",
         doc: "records, per file, the ranges other replicas missed (kept in the brick's .kiln directory) and holds writes back from ranges a heal has locked",
-        options: &[OptionDoc { name: "directory", ty: "path", default: "required", doc: "the brick directory" }],
+        options: MarksConfig::DOCS,
     },
     TypeDoc {
         name: "protocol-client",
         side: "client (leaf)",
         doc: "one connection to a brick; many requests in flight, replies received into the caller's memory",
-        options: &[
-            OptionDoc { name: "remote", ty: "address", default: "required", doc: "tcp:HOST:PORT, HOST:PORT or unix:PATH" },
-            OptionDoc { name: "timeout", ty: "seconds", default: "30 (0 under replicate)", doc: "how long a fop waits for a lost connection to come back (reconnecting, reopening handles, sending again) before it fails with ENOTCONN" },
-        ],
+        options: ProtocolClientConfig::DOCS,
     },
 ];
 
-/// Errno names error-gen accepts.
-const ERRNOS: &[(&str, u32)] = &[
-    ("EPERM", 1),
-    ("ENOENT", 2),
-    ("EIO", 5),
-    ("EBADF", 9),
-    ("EAGAIN", 11),
-    ("ENOMEM", 12),
-    ("EACCES", 13),
-    ("EBUSY", 16),
-    ("EEXIST", 17),
-    ("EINVAL", 22),
-    ("ENOSPC", 28),
-    ("EROFS", 30),
-    ("ENOTCONN", 107),
-    ("ETIMEDOUT", 110),
-    ("ESTALE", 116),
-    ("EDQUOT", 122),
-];
+/// The documented layer type named `name`.
+pub fn type_doc(name: &str) -> Option<&'static TypeDoc> {
+    TYPES.iter().find(|t| t.name == name)
+}
 
-/// Parses an errno given by name or number.
-pub fn parse_errno(s: &str) -> Result<u32, String> {
-    if let Ok(n) = s.parse::<u32>() {
-        if (1..4096).contains(&n) {
-            return Ok(n);
-        }
+impl LayerKind {
+    /// Sets the option `field` to `value`, as the line `field = value` in the layer's volfile
+    /// table would; an option the type does not have, or a value of the wrong type, is an
+    /// error.
+    pub fn set_option(&mut self, field: &str, value: toml::Value) -> Result<(), String> {
+        let ty = self.type_name();
+        let mut table = match toml::Value::try_from(&*self) {
+            Ok(toml::Value::Table(t)) => t,
+            other => return Err(format!("{ty} layer: not a table ({other:?})")),
+        };
+        table.insert(field.to_owned(), value);
+        *self = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e| format!("{ty} option {field}: {e}"))?;
+        Ok(())
     }
-    ERRNOS
-        .iter()
-        .find(|(n, _)| n.eq_ignore_ascii_case(s))
-        .map(|(_, v)| *v)
-        .ok_or_else(|| format!("unknown errno {s:?}"))
 }
 
 impl Volfile {
@@ -432,9 +267,9 @@ impl Volfile {
                         l.name
                     ));
                 }
-                if let LayerKind::Replicate {
+                if let LayerKind::Replicate(ReplicateConfig {
                     quorum: Some(q), ..
-                } = l.kind
+                }) = l.kind
                 {
                     if q == 0 || q as usize > kids.len() {
                         return Err(format!(
@@ -479,7 +314,7 @@ impl Volfile {
         let idx = self.index();
         let mut below = std::collections::HashSet::new();
         let mut todo: Vec<usize> = (0..self.layers.len())
-            .filter(|i| matches!(self.layers[*i].kind, LayerKind::Replicate { .. }))
+            .filter(|i| matches!(self.layers[*i].kind, LayerKind::Replicate(_)))
             .flat_map(|i| self.children_of(i, &idx).unwrap_or_default())
             .collect();
         while let Some(i) = todo.pop() {
@@ -555,44 +390,21 @@ impl Volfile {
         let name = def.name.as_str();
         let layer: LayerRef = match &def.kind {
             LayerKind::IoStats {} => Arc::new(IoStats::new(name, kids.remove(0))),
-            LayerKind::ErrorGen {
-                fops,
-                error,
-                probability,
-                seed,
-            } => Arc::new(Fault::new(
+            LayerKind::ErrorGen(c) => Arc::new(Fault::error_gen(name, kids.remove(0), c)?),
+            LayerKind::DelayGen(c) => Arc::new(Fault::delay_gen(name, kids.remove(0), c)?),
+            LayerKind::Distribute(c) => Arc::new(crate::distribute::Distribute::configured(
+                name,
+                kids,
+                &def.subvolumes,
+                c,
+            )),
+            LayerKind::Shard(c) => Arc::new(crate::shard::Shard::new(
                 name,
                 kids.remove(0),
-                Trigger::new(fops, *probability, *seed).map_err(|e| format!("{name}: {e}"))?,
-                Effect::Fail(parse_errno(error).map_err(|e| format!("{name}: {e}"))?),
-            )),
-            LayerKind::DelayGen {
-                fops,
-                delay_us,
-                probability,
-                seed,
-            } => Arc::new(Fault::new(
-                name,
-                kids.remove(0),
-                Trigger::new(fops, *probability, *seed).map_err(|e| format!("{name}: {e}"))?,
-                Effect::Delay(Duration::from_micros(*delay_us)),
-            )),
-            LayerKind::Distribute { draining } => {
-                let out: Vec<usize> = def
-                    .subvolumes
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, n)| draining.contains(n))
-                    .map(|(i, _)| i)
-                    .collect();
-                Arc::new(crate::distribute::Distribute::draining(name, kids, &out))
-            }
-            LayerKind::Shard { block_size } => {
-                Arc::new(crate::shard::Shard::new(name, kids.remove(0), *block_size)?)
-            }
-            LayerKind::Replicate { quorum, timeout } => {
-                let r = crate::replicate::Replicate::new(name, kids, *quorum);
-                Arc::new(r.with_timeout(timeout.map(|s| Duration::from_secs(s.into()))))
+                c.block_size,
+            )?),
+            LayerKind::Replicate(c) => {
+                Arc::new(crate::replicate::Replicate::configured(name, kids, c))
             }
             _ => leaf(def, kids)?,
         };
@@ -668,6 +480,9 @@ remote = "tcp:127.0.0.1:1"
             "remote = \"x\"\n\n[[layer]]\nname = \"extra\"\ntype = \"io-stats\"",
         );
         assert!(Volfile::parse(&dangling).is_err());
-        assert!(parse_errno("ENOSPC").is_ok() && parse_errno("EWHAT").is_err());
+        assert!(
+            crate::faults::parse_errno("ENOSPC").is_ok()
+                && crate::faults::parse_errno("EWHAT").is_err()
+        );
     }
 }

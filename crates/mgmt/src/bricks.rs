@@ -166,7 +166,7 @@ impl Manager {
         crate::def::check_not_state(&b.spec(), &crate::def::real_path(&b.dir), &self.state)?;
         fs::create_dir_all(&b.dir)
             .map_err(|e| format!("cannot create brick directory {}: {e}", b.dir.display()))?;
-        let vf = brick_volfile(def, i, &b.dir);
+        let vf = brick_volfile(def, i, &b.dir)?;
         let bricks_dir = self.vol_dir(&def.name).join("bricks");
         write_atomic(
             &bricks_dir,

@@ -75,18 +75,10 @@ impl Manager {
             state: VolState::Created,
             authority: None,
             allow,
-            root_squash: false,
-            io_timeout: None,
-            ping_timeout: None,
-            short_circuit: None,
             // New volumes admit named identities only (see `kiln auth`).
             shared_secret: Some(false),
-            flush_behind: None,
-            draining: Vec::new(),
-            rebalance: None,
-            sets: Vec::new(),
-            widening: None,
             shard_block: shard,
+            ..VolumeDef::default()
         };
         // Every other host with a brick is in the pool, and creates its brick directories
         // now: a host that cannot is found before the volume exists.

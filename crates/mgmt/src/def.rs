@@ -1,6 +1,7 @@
 //! Volume definitions: a volume, its bricks, where each brick lives, and the checks a
 //! definition passes before it is stored.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Component, Path, PathBuf};
 
@@ -119,12 +120,16 @@ pub struct VolumeDef {
     /// or the one brick) before failing; `None`: 30 (`kiln volume set VOL io-timeout S`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_timeout: Option<u32>,
-    /// Milliseconds before a client takes a silent brick for away; `None`: 1200 (`kiln
-    /// volume set VOL ping-timeout MS`).
+    /// The options that configure a layer of the graphs (`kiln volume set`; see
+    /// [`crate::options::Target::Layer`]), by name, as given: only those not at their
+    /// default, so a volume left at the defaults keeps its clients' graph.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub options: BTreeMap<String, String>,
+    /// `ping-timeout` as definitions stored it before [`VolumeDef::options`]: read (see
+    /// [`VolumeDef::legacy_option`]), dropped when the option is set again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ping_timeout: Option<u32>,
-    /// Clients on a brick's host read straight from its files while it grants them; `None`:
-    /// on (`kiln volume set VOL short-circuit off`).
+    /// `short-circuit` as stored before [`VolumeDef::options`] (see `ping_timeout`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub short_circuit: Option<bool>,
     /// Clients may prove the volume's shared secret (the compatibility identity). New volumes
@@ -132,8 +137,7 @@ pub struct VolumeDef {
     /// own); `None`, a volume made before identities existed: on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_secret: Option<bool>,
-    /// The bricks' flush-behind window in bytes (0: off); `None`: the posix layer's default
-    /// (`kiln volume set VOL flush-behind 0`).
+    /// `flush-behind` as stored before [`VolumeDef::options`] (see `ping_timeout`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flush_behind: Option<u64>,
     /// Replica sets on their way out (`remove-brick start`): they take no new files, and the
@@ -175,6 +179,28 @@ pub struct RebalanceDef {
 }
 
 impl VolumeDef {
+    /// The value of layer option `name` from a field of a definition stored before
+    /// [`VolumeDef::options`], if it has one.
+    pub fn legacy_option(&self, name: &str) -> Option<String> {
+        let on_off = |b: bool| if b { "on" } else { "off" }.to_owned();
+        match name {
+            "ping-timeout" => self.ping_timeout.map(|v| v.to_string()),
+            "short-circuit" => self.short_circuit.map(on_off),
+            "flush-behind" => self.flush_behind.map(crate::options::size_text),
+            _ => None,
+        }
+    }
+
+    /// Drops the legacy field of layer option `name` (it is being set by name).
+    pub fn forget_legacy_option(&mut self, name: &str) {
+        match name {
+            "ping-timeout" => self.ping_timeout = None,
+            "short-circuit" => self.short_circuit = None,
+            "flush-behind" => self.flush_behind = None,
+            _ => {}
+        }
+    }
+
     /// Each replica set's bricks, by index (removed sets too).
     pub fn set_bricks(&self) -> Vec<Vec<usize>> {
         if !self.sets.is_empty() {

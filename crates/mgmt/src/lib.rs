@@ -135,18 +135,8 @@ mod tests {
                 .collect(),
             state: VolState::Started,
             authority: None,
-            allow: Vec::new(),
-            root_squash: false,
-            io_timeout: None,
-            ping_timeout: None,
-            short_circuit: None,
             shared_secret: Some(false),
-            flush_behind: None,
-            draining: Vec::new(),
-            rebalance: None,
-            sets: Vec::new(),
-            widening: None,
-            shard_block: None,
+            ..VolumeDef::default()
         }
     }
 
@@ -208,14 +198,14 @@ mod tests {
         );
         assert!(matches!(
             layer("v-replicate-1").kind,
-            LayerKind::Replicate {
+            LayerKind::Replicate(kiln_layer::replicate::ReplicateConfig {
                 quorum: Some(1),
                 ..
-            }
+            })
         ));
         assert!(matches!(
             &layer("v-dht").kind,
-            LayerKind::Distribute { draining } if draining == &["v-replicate-0"]
+            LayerKind::Distribute(c) if c.draining == ["v-replicate-0"]
         ));
         // Set 0 removed: its bricks are in no graph, the other set keeps its names.
         for i in [0, 2] {

@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use kiln_layer::volfile::Volfile;
+
 use crate::def::VolumeDef;
 use crate::request::Request;
 
@@ -25,6 +27,30 @@ pub struct OptionValue {
     pub description: String,
 }
 
+/// Where an option's value goes.
+pub enum Target {
+    /// kilnd reads it from the definition itself (the bricks' allow-list, identities, the
+    /// graph's shape): `get` and `set` are its field's.
+    Definition {
+        /// Its value in a definition.
+        get: fn(&VolumeDef) -> String,
+        /// Stores the value `text` in a definition; `Err(None)`: not one of [`Spec::kind`],
+        /// `Err(Some(why))`: of the kind but refused.
+        set: fn(&mut VolumeDef, &str) -> Result<(), Option<String>>,
+    },
+    /// The option `field` of every layer of type `layer` in the volume's graphs (a field of
+    /// the type's options struct, see `kiln_layer::config`). The value is kept by name in
+    /// [`VolumeDef::options`] when not the default; nothing else names it.
+    Layer {
+        /// The layer type (`posix`, `protocol-client`, …).
+        layer: &'static str,
+        /// The field of its options.
+        field: &'static str,
+        /// The value `text` as the layer takes it; errors as [`Target::Definition`]'s `set`.
+        value: fn(&str) -> Result<toml::Value, Option<String>>,
+    },
+}
+
 /// An option of the table.
 pub struct Spec {
     /// Its name.
@@ -33,15 +59,13 @@ pub struct Spec {
     pub kind: &'static str,
     /// Its value when never set.
     pub default: &'static str,
-    /// Whether a started volume's bricks restart to take a new value.
+    /// Whether a started volume's bricks restart to take a new value (else running clients
+    /// take it with their next graph, within a second).
     pub restarts_bricks: bool,
     /// What it does.
     pub description: &'static str,
-    /// Its value in a definition.
-    pub get: fn(&VolumeDef) -> String,
-    /// Stores the value `text` in a definition; `Err(None)`: not one of [`Spec::kind`],
-    /// `Err(Some(why))`: of the kind but refused.
-    pub set: fn(&mut VolumeDef, &str) -> Result<(), Option<String>>,
+    /// Where its value goes.
+    pub target: Target,
     /// Chosen at create only: `set` refuses it, `reset all` leaves it.
     pub create_only: bool,
 }
@@ -54,16 +78,18 @@ pub const OPTIONS: &[Spec] = &[
         default: "all",
         restarts_bricks: true,
         description: "the clients the bricks take connections from; others are refused and logged",
-        get: |d| {
-            if d.allow.is_empty() {
-                "all".into()
-            } else {
-                d.allow.join(",")
-            }
-        },
-        set: |d, text| {
-            d.allow = parse_allow(text).map_err(Some)?;
-            Ok(())
+        target: Target::Definition {
+            get: |d| {
+                if d.allow.is_empty() {
+                    "all".into()
+                } else {
+                    d.allow.join(",")
+                }
+            },
+            set: |d, text| {
+                d.allow = parse_allow(text).map_err(Some)?;
+                Ok(())
+            },
         },
         create_only: false,
     },
@@ -73,10 +99,12 @@ pub const OPTIONS: &[Spec] = &[
         default: "off",
         restarts_bricks: true,
         description: "clients' root acts as nobody on the bricks (like NFS root_squash)",
-        get: |d| if d.root_squash { "on" } else { "off" }.into(),
-        set: |d, text| {
-            d.root_squash = on_off(text)?;
-            Ok(())
+        target: Target::Definition {
+            get: |d| if d.root_squash { "on" } else { "off" }.into(),
+            set: |d, text| {
+                d.root_squash = on_off(text)?;
+                Ok(())
+            },
         },
         create_only: false,
     },
@@ -86,15 +114,13 @@ pub const OPTIONS: &[Spec] = &[
         default: "30",
         restarts_bricks: false,
         description: "how long a client's I/O waits for bricks that are away before it fails \
-                      with ENOTCONN (like an NFS hard mount's patience); running clients take it within a second",
-        get: |d| d.io_timeout.unwrap_or(30).to_string(),
-        set: |d, text| {
-            let s = digits(text)
-                .then(|| text.parse::<u32>().ok())
-                .flatten()
-                .filter(|s| *s <= 86_400);
-            d.io_timeout = Some(s.ok_or(None)?);
-            Ok(())
+                      with ENOTCONN (like an NFS hard mount's patience)",
+        target: Target::Definition {
+            get: |d| d.io_timeout.unwrap_or(30).to_string(),
+            set: |d, text| {
+                d.io_timeout = Some(number(text, 0..=86_400)?);
+                Ok(())
+            },
         },
         create_only: false,
     },
@@ -106,22 +132,20 @@ pub const OPTIONS: &[Spec] = &[
         description: "how long a client waits with requests outstanding and not a byte from a \
                       brick, its host acknowledging nothing either, before it takes the brick \
                       for away and goes on with the other replicas (a brick that answers but \
-                      is stuck: eight times this); running clients take it within a second",
-        get: |d| d.ping_timeout.unwrap_or(1200).to_string(),
-        set: |d, text| {
-            let ms = digits(text)
-                .then(|| text.parse::<u32>().ok())
-                .flatten()
-                .ok_or(None)?;
-            if ms != 0 && !(200..=60_000).contains(&ms) {
-                return Err(Some(format!(
-                    "ping-timeout takes 0 (never) or 200 to 60000 milliseconds, not {text}: \
-                     shorter takes a busy host for a lost one"
-                )));
-            }
-            // Stored only when not the default, as short-circuit.
-            d.ping_timeout = (ms != 1200).then_some(ms);
-            Ok(())
+                      is stuck: eight times this)",
+        target: Target::Layer {
+            layer: "protocol-client",
+            field: "ping_timeout",
+            value: |text| {
+                let ms = number(text, 0..=u32::MAX)?;
+                if ms != 0 && !(200..=60_000).contains(&ms) {
+                    return Err(Some(format!(
+                        "ping-timeout takes 0 (never) or 200 to 60000 milliseconds, not {text}: \
+                         shorter takes a busy host for a lost one"
+                    )));
+                }
+                Ok(toml::Value::Integer(ms.into()))
+            },
         },
         create_only: false,
     },
@@ -133,11 +157,10 @@ pub const OPTIONS: &[Spec] = &[
         description: "clients on a brick's host read straight from the brick's files (a \
                       descriptor the brick passes over its Unix socket) while the brick \
                       vouches that nothing changed them; writes always go through the brick",
-        get: |d| if d.short_circuit == Some(false) { "off" } else { "on" }.into(),
-        set: |d, text| {
-            // Stored only when off: a volume left at the default keeps its clients' graph.
-            d.short_circuit = (!on_off(text)?).then_some(false);
-            Ok(())
+        target: Target::Layer {
+            layer: "protocol-client",
+            field: "short_circuit",
+            value: |text| Ok(toml::Value::Boolean(on_off(text)?)),
         },
         create_only: false,
     },
@@ -151,22 +174,21 @@ pub const OPTIONS: &[Spec] = &[
                       flush waits for about three times this per writer at most, for about \
                       15% of write speed; 0 (the default) leaves write-back to the kernel \
                       (faster writes, waits of seconds for a snapshot under steady writes)",
-        get: |d| {
-            size_text(
-                d.flush_behind
-                    .unwrap_or(kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND),
-            )
-        },
-        set: |d, text| {
-            let w = parse_size(text).map_err(|_| None)?;
-            // A window under 1 MiB would have nearly every write wait for a whole-file
-            // write-back.
-            if w != 0 && w < 1 << 20 {
-                return Err(Some(format!("flush-behind takes 0 (off) or at least 1M, not {text:?}")));
-            }
-            // Stored only when not the default, as short-circuit.
-            d.flush_behind = (w != kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND).then_some(w);
-            Ok(())
+        target: Target::Layer {
+            layer: "posix",
+            field: "flush_behind",
+            value: |text| {
+                let w = parse_size(text).map_err(|_| None)?;
+                // A window under 1 MiB would have nearly every write wait for a whole-file
+                // write-back.
+                if w != 0 && w < 1 << 20 {
+                    return Err(Some(format!(
+                        "flush-behind takes 0 (off) or at least 1M, not {text:?}"
+                    )));
+                }
+                let w = i64::try_from(w).map_err(|_| Some(format!("{text}: too big")))?;
+                Ok(toml::Value::Integer(w))
+            },
         },
         create_only: false,
     },
@@ -178,10 +200,19 @@ pub const OPTIONS: &[Spec] = &[
         description: "clients may prove the volume's shared secret (the compatibility \
                       identity; on for volumes made before identities); off: only identities \
                       made with `kiln auth`, clients on the pool's hosts and kilnd's own",
-        get: |d| if d.shared_secret == Some(false) { "off" } else { "on" }.into(),
-        set: |d, text| {
-            d.shared_secret = Some(on_off(text)?);
-            Ok(())
+        target: Target::Definition {
+            get: |d| {
+                if d.shared_secret == Some(false) {
+                    "off"
+                } else {
+                    "on"
+                }
+                .into()
+            },
+            set: |d, text| {
+                d.shared_secret = Some(on_off(text)?);
+                Ok(())
+            },
         },
         create_only: false,
     },
@@ -192,15 +223,43 @@ pub const OPTIONS: &[Spec] = &[
         restarts_bricks: false,
         description: "files are stored in pieces of this size striped over the replica sets, \
                       so one big image uses them all; off: each file whole on one set",
-        get: |d| d.shard_block.map_or("off".into(), size_text),
-        set: |_, _| Err(Some(
-            "shard-block-size is chosen when the volume is created (kiln volume create \
-             --shard SIZE): the pieces of files already written depend on it"
-                .into(),
-        )),
+        target: Target::Definition {
+            get: |d| d.shard_block.map_or("off".into(), size_text),
+            set: |_, _| {
+                Err(Some(
+                    "shard-block-size is chosen when the volume is created (kiln volume create \
+                     --shard SIZE): the pieces of files already written depend on it"
+                        .into(),
+                ))
+            },
+        },
         create_only: true,
     },
 ];
+
+/// The README's table of volume options (between `<!-- volume-options -->` and
+/// `<!-- /volume-options -->`; a test keeps it equal to this).
+pub fn markdown_table() -> String {
+    let mut out = String::from(
+        "| option | type | default | bricks restart | what it does |\n|---|---|---|---|---|\n",
+    );
+    for s in OPTIONS {
+        let restart = match (s.create_only, s.restarts_bricks) {
+            (true, _) => "—",
+            (false, true) => "yes",
+            (false, false) => "no (running clients switch within a second)",
+        };
+        let one_line = |t: &str| t.split_whitespace().collect::<Vec<_>>().join(" ");
+        out.push_str(&format!(
+            "| `{}` | {} | `{}` | {restart} | {} |\n",
+            s.name,
+            one_line(s.kind),
+            s.default,
+            one_line(s.description)
+        ));
+    }
+    out
+}
 
 /// `bytes` as `volume get` shows a size: the largest unit (K, M, G, T) it is a whole number of.
 pub fn size_text(bytes: u64) -> String {
@@ -281,6 +340,15 @@ pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
     Ok(allow.to_vec())
 }
 
+/// A whole number of `range`, written as digits only.
+fn number(text: &str, range: std::ops::RangeInclusive<u32>) -> Result<u32, Option<String>> {
+    digits(text)
+        .then(|| text.parse::<u32>().ok())
+        .flatten()
+        .filter(|n| range.contains(n))
+        .ok_or(None)
+}
+
 /// "on" or "off".
 fn on_off(text: &str) -> Result<bool, Option<String>> {
     match text {
@@ -294,9 +362,73 @@ fn on_off(text: &str) -> Result<bool, Option<String>> {
 /// restart to take it.
 pub fn apply(def: &mut VolumeDef, name: &str, text: &str) -> Result<bool, String> {
     let s = spec(name)?;
-    (s.set)(def, text)
-        .map_err(|why| why.unwrap_or_else(|| format!("{name} takes {}, not {text:?}", s.kind)))?;
+    let refused = |why: Option<String>| {
+        why.unwrap_or_else(|| format!("{name} takes {}, not {text:?}", s.kind))
+    };
+    match &s.target {
+        Target::Definition { set, .. } => set(def, text).map_err(refused)?,
+        Target::Layer { value, .. } => {
+            let v = value(text).map_err(refused)?;
+            def.forget_legacy_option(s.name);
+            // The default is kept as nothing: the graph stays as it was.
+            if value(s.default).ok() == Some(v) {
+                def.options.remove(s.name);
+            } else {
+                def.options.insert(s.name.to_owned(), text.to_owned());
+            }
+        }
+    }
     Ok(s.restarts_bricks)
+}
+
+/// The value of option `s` in `def` as `volume get` shows it.
+fn value_text(s: &Spec, def: &VolumeDef) -> String {
+    match &s.target {
+        Target::Definition { get, .. } => get(def),
+        Target::Layer { .. } => layer_text(s, def).unwrap_or_else(|| s.default.to_owned()),
+    }
+}
+
+/// The value of layer option `s` in `def`, when set.
+fn layer_text(s: &Spec, def: &VolumeDef) -> Option<String> {
+    def.options
+        .get(s.name)
+        .cloned()
+        .or_else(|| def.legacy_option(s.name))
+}
+
+/// Gives the layers of `volfile` (a graph of volume `def`) the options of `def` that configure
+/// their types ([`Target::Layer`]).
+pub fn configure(def: &VolumeDef, volfile: &mut Volfile) -> Result<(), String> {
+    for s in OPTIONS {
+        let Target::Layer {
+            layer,
+            field,
+            value,
+        } = &s.target
+        else {
+            continue;
+        };
+        let Some(text) = layer_text(s, def) else {
+            continue;
+        };
+        let v = value(&text).map_err(|why| {
+            format!(
+                "volume {}: stored {} {text:?} is not valid{}",
+                def.name,
+                s.name,
+                why.map(|w| format!(": {w}")).unwrap_or_default()
+            )
+        })?;
+        for l in volfile
+            .layers
+            .iter_mut()
+            .filter(|l| l.kind.type_name() == *layer)
+        {
+            l.kind.set_option(field, v.clone())?;
+        }
+    }
+    Ok(())
 }
 
 /// The `set` request that gives volume `volume` the option `name` the value `text` (checked
@@ -331,7 +463,7 @@ pub fn values(def: &VolumeDef, name: Option<&str>) -> Result<Vec<OptionValue>, S
         .into_iter()
         .map(|s| OptionValue {
             name: s.name.into(),
-            value: (s.get)(def),
+            value: value_text(s, def),
             default: s.default.into(),
             kind: s.kind.into(),
             restarts_bricks: s.restarts_bricks,
@@ -348,7 +480,7 @@ mod tests {
     fn every_option_sets_and_reads_back_and_its_default_is_what_a_new_volume_has() {
         let fresh = crate::tests::def(1, 1);
         for s in OPTIONS {
-            assert_eq!((s.get)(&fresh), s.default, "{}", s.name);
+            assert_eq!(value_text(s, &fresh), s.default, "{}", s.name);
         }
         let mut d = fresh.clone();
         for (name, text) in [
@@ -380,8 +512,8 @@ mod tests {
         assert!(e.contains("200 to 60000") && e.contains("busy host"), "{e}");
         let mut p = fresh.clone();
         apply(&mut p, "ping-timeout", "1200").unwrap();
-        assert_eq!(p.ping_timeout, None);
-        assert_eq!(d.ping_timeout, Some(3000));
+        assert_eq!(p.options.get("ping-timeout"), None);
+        assert_eq!(d.options["ping-timeout"], "3000");
         for bad in [
             "",
             ",,,",
@@ -451,5 +583,106 @@ mod tests {
         assert_eq!(size_text(3 << 30), "3G");
         assert_eq!(size_text(1000), "1000");
         assert_eq!(values(&d, Some("all")).unwrap().len(), OPTIONS.len());
+    }
+
+    #[test]
+    fn the_readme_table_is_the_options_table() {
+        // KILN_BLESS=1 cargo test -p kiln-mgmt readme rewrites it.
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+        let readme = std::fs::read_to_string(&path).unwrap();
+        let (begin, end) = ("<!-- volume-options -->\n", "<!-- /volume-options -->");
+        let a = readme
+            .find(begin)
+            .expect("README has the options table's marks")
+            + begin.len();
+        let b = a + readme[a..].find(end).expect("the table's end mark");
+        let want = markdown_table();
+        if readme[a..b] != want {
+            if std::env::var_os("KILN_BLESS").is_some() {
+                let new = format!("{}{want}{}", &readme[..a], &readme[b..]);
+                std::fs::write(&path, new).unwrap();
+            } else {
+                panic!(
+                    "README.md's volume options differ from crates/mgmt/src/options.rs; \
+                     KILN_BLESS=1 cargo test -p kiln-mgmt readme rewrites them. Want:\n{want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_layer_option_names_a_field_its_layer_has_and_takes_its_default() {
+        for s in OPTIONS {
+            let Target::Layer {
+                layer,
+                field,
+                value,
+            } = &s.target
+            else {
+                continue;
+            };
+            let t = kiln_layer::volfile::type_doc(layer)
+                .unwrap_or_else(|| panic!("{}: no layer type {layer:?}", s.name));
+            assert!(
+                t.options.iter().any(|o| o.name == *field),
+                "{}: {layer} has no option {field:?}",
+                s.name
+            );
+            assert!(value(s.default).is_ok(), "{}: default refused", s.name);
+            // A brick's graph is read when the brick starts; a client's, whenever it changes.
+            assert_eq!(
+                s.restarts_bricks,
+                t.side.starts_with("brick"),
+                "{}: bricks restart for an option of a {} layer",
+                s.name,
+                t.side
+            );
+        }
+    }
+
+    #[test]
+    fn layer_options_reach_the_graphs_and_definitions_stored_before_keep_theirs() {
+        let mut d = crate::tests::def(3, 3);
+        let graph = |d: &VolumeDef| crate::client_volfile(d).unwrap().to_toml();
+        let brick = |d: &VolumeDef| {
+            crate::brick_volfile(d, 0, std::path::Path::new("/b0"))
+                .unwrap()
+                .to_toml()
+        };
+        let (g0, b0) = (graph(&d), brick(&d));
+        assert!(!g0.contains("ping_timeout") && !b0.contains("flush_behind"));
+        apply(&mut d, "ping-timeout", "3000").unwrap();
+        apply(&mut d, "flush-behind", "8M").unwrap();
+        apply(&mut d, "short-circuit", "off").unwrap();
+        let g = graph(&d);
+        assert_eq!(g.matches("ping_timeout = 3000").count(), 3, "{g}");
+        assert_eq!(g.matches("short_circuit = false").count(), 3, "{g}");
+        assert!(
+            brick(&d).contains("flush_behind = 8388608"),
+            "{}",
+            brick(&d)
+        );
+        // Back to the defaults: the graphs are as they were.
+        for n in ["ping-timeout", "flush-behind", "short-circuit"] {
+            apply(&mut d, n, spec(n).unwrap().default).unwrap();
+        }
+        assert!(d.options.is_empty());
+        assert_eq!((graph(&d), brick(&d)), (g0, b0));
+        // A definition stored with the fields of before: shown, in the graph, and moved
+        // into the options by the next set.
+        let mut old = crate::tests::def(3, 3);
+        old.ping_timeout = Some(5000);
+        old.flush_behind = Some(16 << 20);
+        assert_eq!(values(&old, Some("ping-timeout")).unwrap()[0].value, "5000");
+        assert_eq!(values(&old, Some("flush-behind")).unwrap()[0].value, "16M");
+        assert_eq!(graph(&old).matches("ping_timeout = 5000").count(), 3);
+        assert!(brick(&old).contains("flush_behind = 16777216"));
+        apply(&mut old, "ping-timeout", "0").unwrap();
+        assert_eq!(old.ping_timeout, None);
+        assert_eq!(graph(&old).matches("ping_timeout = 0").count(), 3);
+        // A stored value that no longer parses is an error naming it, not a default.
+        old.options.insert("flush-behind".into(), "4K".into());
+        let e = crate::brick_volfile(&old, 0, std::path::Path::new("/b0")).unwrap_err();
+        assert!(e.contains("flush-behind") && e.contains("4K"), "{e}");
     }
 }

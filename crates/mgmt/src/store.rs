@@ -40,8 +40,8 @@ impl Manager {
             };
             let lname = format!("{}-client-{i}", def.name);
             for l in v.layers.iter_mut().filter(|l| l.name == lname) {
-                if let LayerKind::ProtocolClient { remote, .. } = &mut l.kind {
-                    *remote = format!("unix:{},{remote}", sock.display());
+                if let LayerKind::ProtocolClient(p) = &mut l.kind {
+                    p.remote = format!("unix:{},{}", sock.display(), p.remote);
                 }
             }
         }

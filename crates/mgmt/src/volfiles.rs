@@ -5,38 +5,33 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use crate::def::VolumeDef;
-use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
+use kiln_layer::distribute::DistributeConfig;
+use kiln_layer::faults::ErrorGenConfig;
+use kiln_layer::layers::posix::PosixConfig;
+use kiln_layer::replicate::ReplicateConfig;
+use kiln_layer::shard::ShardConfig;
+use kiln_layer::volfile::{LayerDef, LayerKind, ProtocolClientConfig, Volfile};
 
 /// The volfile brick `index` of `def` runs: io-stats (`NAME-brick-N`) → marks (checking the
 /// brick's identity: volume id and index) → dispatch → posix (squashing clients' root when
-/// the volume says so).
-pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Volfile {
+/// the volume says so), with the volume's options for those layers.
+pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Result<Volfile, String> {
     let mut v = kiln_server::replica_volfile(dir, &format!("{}{BRICK_POINT}{index}", def.name));
     for l in &mut v.layers {
         match &mut l.kind {
-            LayerKind::Posix {
-                root_squash,
-                flush_behind,
-                ..
-            } => {
-                *root_squash = def.root_squash;
-                if let Some(w) = def.flush_behind {
-                    *flush_behind = w;
-                }
-            }
-            LayerKind::Marks {
-                identity, adopt, ..
-            } => {
-                *identity = Some(kiln_layer::layers::marks::Identity {
+            LayerKind::Posix(p) => p.root_squash = def.root_squash,
+            LayerKind::Marks(m) => {
+                m.identity = Some(kiln_layer::layers::marks::Identity {
                     volume_id: def.id.clone(),
                     brick: index as u32,
                 });
-                *adopt = def.bricks.get(index).is_none_or(|b| !b.settled);
+                m.adopt = def.bricks.get(index).is_none_or(|b| !b.settled);
             }
             _ => {}
         }
     }
-    v
+    crate::options::configure(def, &mut v)?;
+    Ok(v)
 }
 
 /// What names a managed brick's io-stats point: `VOLUME-brick-INDEX`.
@@ -62,12 +57,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
             clients.push(LayerDef {
                 name: format!("{name}-client-{i}"),
                 subvolumes: Vec::new(),
-                kind: LayerKind::ProtocolClient {
-                    remote: String::new(),
-                    timeout: None,
-                    short_circuit: None,
-                    ping_timeout: None,
-                },
+                kind: LayerKind::ProtocolClient(ProtocolClientConfig::to(String::new())),
             });
             continue;
         }
@@ -80,13 +70,11 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
         clients.push(LayerDef {
             name: format!("{name}-client-{i}"),
             subvolumes: Vec::new(),
-            kind: LayerKind::ProtocolClient {
-                remote: format!("tcp:{}", SocketAddr::new(b.ip()?, port)),
+            kind: LayerKind::ProtocolClient(ProtocolClientConfig {
                 // A replica's connection does not wait: its replicate layer does.
                 timeout: (def.replica <= 1).then_some(def.io_timeout).flatten(),
-                short_circuit: def.short_circuit,
-                ping_timeout: def.ping_timeout,
-            },
+                ..ProtocolClientConfig::to(format!("tcp:{}", SocketAddr::new(b.ip()?, port)))
+            }),
         });
     }
     let replica = def.replica.max(1);
@@ -102,11 +90,11 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
             replicates.push(LayerDef {
                 name: lname.clone(),
                 subvolumes: sets[k].iter().map(|&i| clients[i].name.clone()).collect(),
-                kind: LayerKind::Replicate {
+                kind: LayerKind::Replicate(ReplicateConfig {
                     // Widening: the old bricks are the only members until the new are rebuilt.
                     quorum: def.widening.map(|r| (r / 2 + 1) as u32),
                     timeout: def.io_timeout,
-                },
+                }),
             });
             lname
         } else {
@@ -130,7 +118,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
             layers.push(LayerDef {
                 name: format!("{name}-dht"),
                 subvolumes: set_tops,
-                kind: LayerKind::Distribute { draining },
+                kind: LayerKind::Distribute(DistributeConfig { draining }),
             });
             format!("{name}-dht")
         }
@@ -140,7 +128,8 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
     let mut layers = top;
     layers.extend(replicates);
     layers.extend(clients);
-    let v = Volfile { layers };
+    let mut v = Volfile { layers };
+    crate::options::configure(def, &mut v)?;
     v.check().map_err(|e| format!("volume {name}: {e}"))?;
     Ok(v)
 }
@@ -159,7 +148,7 @@ fn tops(def: &VolumeDef, below: String) -> Vec<LayerDef> {
         out.push(LayerDef {
             name: format!("{name}-shard"),
             subvolumes: vec![below],
-            kind: LayerKind::Shard { block_size },
+            kind: LayerKind::Shard(ShardConfig { block_size }),
         });
     }
     out
@@ -171,20 +160,16 @@ pub fn placeholder_volfile(state_dir: &Path) -> Volfile {
     Volfile::linear(vec![
         (
             "mgmt".into(),
-            LayerKind::ErrorGen {
+            LayerKind::ErrorGen(ErrorGenConfig {
                 fops: Vec::new(),
                 error: libc::ENOSYS.to_string(),
                 probability: 1.0,
                 seed: 1,
-            },
+            }),
         ),
         (
             "mgmt-root".into(),
-            LayerKind::Posix {
-                directory: state_dir.join("mgmt-root"),
-                root_squash: false,
-                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
-            },
+            LayerKind::Posix(PosixConfig::at(state_dir.join("mgmt-root"))),
         ),
     ])
 }

@@ -22,6 +22,7 @@ use tokio::net::{TcpListener, UnixListener};
 pub use conn::Limits;
 pub use kiln_layer::layers::posix::brick::{self, Brick};
 pub use kiln_layer::layers::{marks, posix};
+use kiln_layer::layers::{marks::MarksConfig, posix::PosixConfig};
 pub use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_layer::LayerRef;
 pub use stats::Stats;
@@ -255,15 +256,10 @@ impl Server {
 /// served with `volfile`: everything, as root, unless the volume squashes root — then a
 /// request without credentials, or as uid 0 or gid 0, runs as nobody, and no device nodes.
 fn compat_caps(volfile: &Volfile) -> identity::Caps {
-    let squash = volfile.layers.iter().any(|l| {
-        matches!(
-            l.kind,
-            LayerKind::Posix {
-                root_squash: true,
-                ..
-            }
-        )
-    });
+    let squash = volfile
+        .layers
+        .iter()
+        .any(|l| matches!(&l.kind, LayerKind::Posix(p) if p.root_squash));
     identity::Caps {
         volumes: vec!["*".into()],
         root: !squash,
@@ -278,14 +274,7 @@ pub fn default_volfile(dir: &Path) -> Volfile {
     Volfile::linear(vec![
         ("brick".into(), LayerKind::IoStats {}),
         ("dispatch".into(), LayerKind::Dispatch {}),
-        (
-            "posix".into(),
-            LayerKind::Posix {
-                directory: dir.to_owned(),
-                root_squash: false,
-                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
-            },
-        ),
+        ("posix".into(), LayerKind::Posix(PosixConfig::at(dir))),
     ])
 }
 
@@ -294,58 +283,27 @@ pub fn default_volfile(dir: &Path) -> Volfile {
 pub fn replica_volfile(dir: &Path, name: &str) -> Volfile {
     Volfile::linear(vec![
         (name.into(), LayerKind::IoStats {}),
-        (
-            "marks".into(),
-            LayerKind::Marks {
-                directory: dir.to_owned(),
-                identity: None,
-                adopt: false,
-            },
-        ),
+        ("marks".into(), LayerKind::Marks(MarksConfig::at(dir))),
         ("dispatch".into(), LayerKind::Dispatch {}),
-        (
-            "posix".into(),
-            LayerKind::Posix {
-                directory: dir.to_owned(),
-                root_squash: false,
-                flush_behind: kiln_layer::layers::posix::DEFAULT_FLUSH_BEHIND,
-            },
-        ),
+        ("posix".into(), LayerKind::Posix(PosixConfig::at(dir))),
     ])
 }
 
 /// Builds a brick stack: the generic layers, plus posix and dispatch.
 pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
     volfile.build(&mut |def, mut kids| match &def.kind {
-        LayerKind::Posix {
-            directory,
-            root_squash,
-            flush_behind,
-        } => {
-            let brick = Brick::open(directory)
-                .map_err(|e| format!("cannot open brick directory {}: {e}", directory.display()))?;
-            let posix = posix::Posix::new(&def.name, Arc::new(brick))
-                .root_squash(*root_squash)
-                .flush_behind(*flush_behind);
-            Ok(Arc::new(posix) as LayerRef)
+        LayerKind::Posix(c) => {
+            let brick = Brick::open(&c.directory).map_err(|e| {
+                format!("cannot open brick directory {}: {e}", c.directory.display())
+            })?;
+            Ok(Arc::new(posix::Posix::configured(&def.name, Arc::new(brick), c)) as LayerRef)
         }
         LayerKind::Dispatch {} => Ok(Arc::new(posix::Dispatch::new(&def.name, kids.remove(0)))),
-        LayerKind::Marks {
-            directory,
-            identity,
-            adopt,
-        } => {
-            let m = marks::Marks::new(&def.name, kids.remove(0), directory).map_err(|e| {
-                format!("cannot load pending marks of {}: {e}", directory.display())
-            })?;
-            let m = match identity {
-                Some(id) => m
-                    .with_identity(id.clone(), *adopt)
-                    .map_err(|e| e.to_string())?,
-                None => m,
-            };
-            Ok(Arc::new(m))
-        }
+        LayerKind::Marks(c) => Ok(Arc::new(marks::Marks::configured(
+            &def.name,
+            kids.remove(0),
+            c,
+        )?)),
         other => Err(format!(
             "layer {:?}: a {} layer cannot run in a brick",
             def.name,

@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
+use kiln_layer::faults::DelayGenConfig;
 use kiln_layer::heal;
-use kiln_layer::volfile::{LayerDef, LayerKind, Volfile};
+use kiln_layer::replicate::ReplicateConfig;
+use kiln_layer::volfile::{LayerDef, LayerKind, ProtocolClientConfig, Volfile};
 use kiln_layer::Ctx;
 use kiln_proto::Op;
 
@@ -64,12 +66,12 @@ impl Brick {
                 LayerDef {
                     name: "slow-writes".into(),
                     subvolumes: Vec::new(),
-                    kind: LayerKind::DelayGen {
+                    kind: LayerKind::DelayGen(DelayGenConfig {
                         fops: fops.iter().map(|f| (*f).to_owned()).collect(),
                         delay_us,
                         probability,
                         seed: 7 + i as u64,
-                    },
+                    }),
                 },
             );
         }
@@ -154,21 +156,13 @@ pub fn volfile_at(addrs: &[String]) -> Volfile {
     let mut layers = vec![LayerDef {
         name: "rep".into(),
         subvolumes: (0..addrs.len()).map(|i| format!("client-{i}")).collect(),
-        kind: LayerKind::Replicate {
-            quorum: None,
-            timeout: None,
-        },
+        kind: LayerKind::Replicate(ReplicateConfig::default()),
     }];
     for (i, a) in addrs.iter().enumerate() {
         layers.push(LayerDef {
             name: format!("client-{i}"),
             subvolumes: Vec::new(),
-            kind: LayerKind::ProtocolClient {
-                remote: a.clone(),
-                timeout: None,
-                short_circuit: None,
-                ping_timeout: None,
-            },
+            kind: LayerKind::ProtocolClient(ProtocolClientConfig::to(a)),
         });
     }
     Volfile { layers }

@@ -63,6 +63,40 @@ impl Trigger {
     }
 }
 
+/// Errno names error-gen accepts.
+const ERRNOS: &[(&str, u32)] = &[
+    ("EPERM", 1),
+    ("ENOENT", 2),
+    ("EIO", 5),
+    ("EBADF", 9),
+    ("EAGAIN", 11),
+    ("ENOMEM", 12),
+    ("EACCES", 13),
+    ("EBUSY", 16),
+    ("EEXIST", 17),
+    ("EINVAL", 22),
+    ("ENOSPC", 28),
+    ("EROFS", 30),
+    ("ENOTCONN", 107),
+    ("ETIMEDOUT", 110),
+    ("ESTALE", 116),
+    ("EDQUOT", 122),
+];
+
+/// Parses an errno given by name or number.
+pub fn parse_errno(s: &str) -> Result<u32, String> {
+    if let Ok(n) = s.parse::<u32>() {
+        if (1..4096).contains(&n) {
+            return Ok(n);
+        }
+    }
+    ERRNOS
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(s))
+        .map(|(_, v)| *v)
+        .ok_or_else(|| format!("unknown errno {s:?}"))
+}
+
 /// What a fault does to a fop it fires on.
 #[derive(Debug, Clone, Copy)]
 pub enum Effect {
@@ -89,7 +123,92 @@ pub struct Fault {
     pub injected: AtomicU64,
 }
 
+crate::layer_options! {
+    /// The options of an error-gen layer: fails chosen fops with an errno, without calling
+    /// below (client or brick side).
+    pub struct ErrorGenConfig {
+        /// Fop names it applies to, e.g. `["read", "write"]`; empty: all.
+        #[option(ty = "list of fop names", default = "[] (all fops)")]
+        #[serde(default)]
+        pub fops: Vec<String>,
+        /// The errno returned, by name (`EIO`, `ENOSPC`, …) or number.
+        #[option(ty = "errno name or number", default = "EIO")]
+        #[serde(default = "default_errno")]
+        pub error: String,
+        /// Chance that a matching fop fails, 0..=1.
+        #[option(ty = "number 0..=1", default = "1.0")]
+        #[serde(default = "one")]
+        pub probability: f64,
+        /// Seed of the generator that decides (runs repeat).
+        #[option(ty = "integer", default = "fixed")]
+        #[serde(default = "default_seed")]
+        pub seed: u64,
+    }
+}
+
+crate::layer_options! {
+    /// The options of a delay-gen layer: holds chosen fops back, holding the calling thread
+    /// as a slow device would (client or brick side).
+    pub struct DelayGenConfig {
+        /// Fop names it applies to, e.g. `["read", "write"]`; empty: all.
+        #[option(ty = "list of fop names", default = "[] (all fops)")]
+        #[serde(default)]
+        pub fops: Vec<String>,
+        /// The delay, microseconds.
+        #[option(ty = "integer (µs)", default = "required")]
+        pub delay_us: u64,
+        /// Chance that a matching fop is delayed, 0..=1.
+        #[option(ty = "number 0..=1", default = "1.0")]
+        #[serde(default = "one")]
+        pub probability: f64,
+        /// Seed of the generator that decides (runs repeat).
+        #[option(ty = "integer", default = "fixed")]
+        #[serde(default = "default_seed")]
+        pub seed: u64,
+    }
+}
+
+fn default_errno() -> String {
+    "EIO".into()
+}
+fn one() -> f64 {
+    1.0
+}
+fn default_seed() -> u64 {
+    0x6b69_6c6e
+}
+
 impl Fault {
+    /// The error-gen layer named `name` above `child`, configured by `config`.
+    pub fn error_gen(
+        name: &str,
+        child: LayerRef,
+        config: &ErrorGenConfig,
+    ) -> Result<Fault, String> {
+        let c = config;
+        let trigger =
+            Trigger::new(&c.fops, c.probability, c.seed).map_err(|e| format!("{name}: {e}"))?;
+        let errno = parse_errno(&c.error).map_err(|e| format!("{name}: {e}"))?;
+        Ok(Fault::new(name, child, trigger, Effect::Fail(errno)))
+    }
+
+    /// The delay-gen layer named `name` above `child`, configured by `config`.
+    pub fn delay_gen(
+        name: &str,
+        child: LayerRef,
+        config: &DelayGenConfig,
+    ) -> Result<Fault, String> {
+        let c = config;
+        let trigger =
+            Trigger::new(&c.fops, c.probability, c.seed).map_err(|e| format!("{name}: {e}"))?;
+        Ok(Fault::new(
+            name,
+            child,
+            trigger,
+            Effect::Delay(Duration::from_micros(c.delay_us)),
+        ))
+    }
+
     /// A fault layer named `name` above `child`.
     pub fn new(name: &str, child: LayerRef, trigger: Trigger, effect: Effect) -> Fault {
         Fault {

@@ -203,7 +203,35 @@ fn first_real_error<T>(results: &[FopResult<T>]) -> Option<Errno> {
     })
 }
 
+crate::layer_options! {
+    /// The options of a distribute layer: files spread over its subvolumes by a hash of the
+    /// name (client side).
+    pub struct DistributeConfig {
+        /// Subvolumes (by name) that take no new files: sets being drained before their
+        /// removal. Their files are still found, and moved off by a rebalance.
+        #[option(ty = "list of subvolume names", default = "[]")]
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub draining: Vec<String>,
+    }
+}
+
 impl Distribute {
+    /// A distribute layer over `kids` (named `names`, in order), configured by `config`.
+    pub fn configured(
+        name: &str,
+        kids: Vec<LayerRef>,
+        names: &[String],
+        config: &DistributeConfig,
+    ) -> Distribute {
+        let out: Vec<usize> = names
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| config.draining.contains(n))
+            .map(|(i, _)| i)
+            .collect();
+        Distribute::draining(name, kids, &out)
+    }
+
     /// A distribute layer over `kids`.
     pub fn new(name: &str, kids: Vec<LayerRef>) -> Distribute {
         Distribute::draining(name, kids, &[])

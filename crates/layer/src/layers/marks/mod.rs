@@ -313,7 +313,50 @@ fn unwrap(fd: &Fd) -> FopResult<&MarkFd> {
     fd.get::<MarkFd>()
 }
 
+crate::layer_options! {
+    /// The options of a marks layer: per-file records of what other replicas missed, and
+    /// range locks for heal (brick side).
+    pub struct MarksConfig {
+        /// The brick directory (its `.kiln` holds the records).
+        #[option(ty = "path", default = "required")]
+        pub directory: PathBuf,
+        /// Who the brick is: its volume's id and its index there (`.kiln/identity`); a
+        /// directory without one is a new brick, rebuilt by heal before it is read from.
+        #[option(ty = "{ volume_id, brick }", default = "none (a brick outside any volume)")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub identity: Option<Identity>,
+        /// The volume's first start: a directory without an identity takes it at once.
+        #[option(ty = "bool", default = "false")]
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        pub adopt: bool,
+    }
+}
+
+impl MarksConfig {
+    /// Marks kept in `directory`, no identity.
+    pub fn at(directory: impl Into<PathBuf>) -> MarksConfig {
+        MarksConfig {
+            directory: directory.into(),
+            identity: None,
+            adopt: false,
+        }
+    }
+}
+
 impl Marks {
+    /// The marks layer named `name` over `child`, configured by `config`.
+    pub fn configured(name: &str, child: LayerRef, config: &MarksConfig) -> Result<Marks, String> {
+        let dir = &config.directory;
+        let m = Marks::new(name, child, dir)
+            .map_err(|e| format!("cannot load pending marks of {}: {e}", dir.display()))?;
+        match &config.identity {
+            Some(id) => m
+                .with_identity(id.clone(), config.adopt)
+                .map_err(|e| e.to_string()),
+            None => Ok(m),
+        }
+    }
+
     /// Checks the brick directory against `id` (see [`identity`]): a directory of another
     /// volume or place is an error; one without an identity is new, unless `adopt` (the
     /// volume's first start) makes it take `id` now.

@@ -6,6 +6,7 @@
 //! and just after the storage calls.
 
 use std::fs::File;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::{
@@ -35,6 +36,44 @@ pub const STORAGE_CALL: &str = "posix: storage call";
 pub const STORAGE_DONE: &str = "posix: storage done";
 
 pub use behind::DEFAULT_WINDOW as DEFAULT_FLUSH_BEHIND;
+
+crate::layer_options! {
+    /// The options of a posix layer: a brick's files in a directory (brick side).
+    pub struct PosixConfig {
+        /// The brick directory; every path is resolved beneath it (openat2 RESOLVE_BENEATH).
+        #[option(ty = "path", default = "required")]
+        pub directory: PathBuf,
+        /// A request on behalf of root runs as nobody (65534), like NFS `root_squash`.
+        #[option(ty = "bool", default = "false")]
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        pub root_squash: bool,
+        /// Bytes written through one open file after which its dirty pages are written back,
+        /// so a snapshot's reflink or an fsync waits for about three of these per writer at
+        /// most; 0 leaves write-back to the kernel.
+        #[option(ty = "bytes", default = "0")]
+        #[serde(default = "default_flush_behind", skip_serializing_if = "is_default_flush_behind")]
+        pub flush_behind: u64,
+    }
+}
+
+impl PosixConfig {
+    /// Posix over `directory`, every other option at its default.
+    pub fn at(directory: impl Into<PathBuf>) -> PosixConfig {
+        PosixConfig {
+            directory: directory.into(),
+            root_squash: false,
+            flush_behind: DEFAULT_FLUSH_BEHIND,
+        }
+    }
+}
+
+fn default_flush_behind() -> u64 {
+    DEFAULT_FLUSH_BEHIND
+}
+
+fn is_default_flush_behind(v: &u64) -> bool {
+    *v == DEFAULT_FLUSH_BEHIND
+}
 
 /// An open file of the brick.
 struct PosixFd {
@@ -67,26 +106,30 @@ impl On<'_> {
 pub struct Posix {
     name: String,
     brick: Arc<Brick>,
-    root_squash: bool,
-    /// The flush-behind window in bytes (0: off).
-    flush_behind: u64,
+    /// Its options (the directory is the one `brick` was opened at).
+    config: PosixConfig,
 }
 
 impl Posix {
-    /// Posix storage named `name` over an opened brick.
+    /// Posix storage named `name` over an opened brick, every option at its default.
     pub fn new(name: &str, brick: Arc<Brick>) -> Posix {
+        Posix::configured(name, brick, &PosixConfig::at(PathBuf::new()))
+    }
+
+    /// Posix storage named `name` over an opened brick, configured by `config` (whose
+    /// directory `brick` is).
+    pub fn configured(name: &str, brick: Arc<Brick>, config: &PosixConfig) -> Posix {
         Posix {
             name: name.into(),
             brick,
-            root_squash: false,
-            flush_behind: behind::DEFAULT_WINDOW,
+            config: config.clone(),
         }
     }
 
     /// Writes a file's dirty pages back after every `window` bytes written to it, bounding
     /// what a reflink or fsync must wait for (see [`behind`]); 0 leaves it to the kernel.
     pub fn flush_behind(mut self, window: u64) -> Posix {
-        self.flush_behind = window;
+        self.config.flush_behind = window;
         self
     }
 
@@ -94,8 +137,8 @@ impl Posix {
     fn posix_fd(&self, f: File, path: &str, flags: u32) -> Fd {
         let file = Arc::new(f);
         let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
-        let behind = (writes && self.flush_behind > 0)
-            .then(|| behind::Behind::new(file.clone(), self.flush_behind));
+        let window = self.config.flush_behind;
+        let behind = (writes && window > 0).then(|| behind::Behind::new(file.clone(), window));
         Fd::new(PosixFd {
             file,
             path: path.into(),
@@ -106,7 +149,7 @@ impl Posix {
     /// With `on`, a request on behalf of root runs as nobody (like NFS `root_squash`); requests
     /// without credentials (the brick's own work, heal) still run as root.
     pub fn root_squash(mut self, on: bool) -> Posix {
-        self.root_squash = on;
+        self.config.root_squash = on;
         self
     }
 
@@ -126,7 +169,7 @@ impl Posix {
     fn run<T>(&self, cx: &Ctx, on: On<'_>, f: impl FnOnce() -> FopResult<T>) -> FopResult<T> {
         let squashed;
         let mut caller = cx.cred.as_deref();
-        if self.root_squash && caller.is_some_and(|c| c.uid == 0) {
+        if self.config.root_squash && caller.is_some_and(|c| c.uid == 0) {
             squashed = cred::nobody();
             caller = Some(&squashed);
         }

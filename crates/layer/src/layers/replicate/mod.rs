@@ -199,7 +199,30 @@ fn reopen_flags(flags: u32) -> u32 {
     flags & !((libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC) as u32)
 }
 
+crate::layer_options! {
+    /// The options of a replicate layer: every file on all its subvolumes (client side).
+    #[derive(Default)]
+    pub struct ReplicateConfig {
+        /// Successful replicas a change needs, between 1 and the subvolumes.
+        #[option(ty = "integer", default = "majority")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub quorum: Option<u32>,
+        /// Seconds a change waits for a quorum of replicas to come back before it fails.
+        #[option(ty = "seconds", default = "30")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub timeout: Option<u32>,
+    }
+}
+
 impl Replicate {
+    /// A replicate layer over `kids`, configured by `config`.
+    pub fn configured(name: &str, kids: Vec<LayerRef>, config: &ReplicateConfig) -> Replicate {
+        let timeout = config
+            .timeout
+            .map(|s| std::time::Duration::from_secs(s.into()));
+        Replicate::new(name, kids, config.quorum).with_timeout(timeout)
+    }
+
     /// A replicate layer over `kids`; a change needs `quorum` of them (default: a majority).
     pub fn new(name: &str, kids: Vec<LayerRef>, quorum: Option<u32>) -> Replicate {
         let n = kids.len();

@@ -167,6 +167,15 @@ pub struct Shard {
     dir_made: AtomicBool,
 }
 
+crate::layer_options! {
+    /// The options of a shard layer: big files in pieces over the replica sets (client side).
+    pub struct ShardConfig {
+        /// Bytes per piece of files created from now on: a power of two, 1 MiB to 1 TiB.
+        #[option(ty = "bytes", default = "required")]
+        pub block_size: u64,
+    }
+}
+
 impl Shard {
     /// Shards files created from now on into pieces of `block` bytes.
     pub fn new(name: &str, child: LayerRef, block: u64) -> Result<Shard, String> {

@@ -102,14 +102,22 @@ def exclusions():
     return out
 
 
+def target_dir() -> Path:
+    """Where cargo puts this workspace's builds (CARGO_TARGET_DIR when set: scripts/test.sh
+    shares one across clones)."""
+    out = subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps"],
+                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return Path(json.loads(out)["target_directory"])
+
+
 class Cluster:
     """A kilnd management daemon on a state directory, its volumes and their mounts."""
 
     def __init__(self, work: Path):
         self.work = work
         self.state = work / "state"
-        self.kiln = ROOT / "target" / "debug" / "kiln"
-        self.kilnd = ROOT / "target" / "debug" / "kilnd"
+        self.kiln = target_dir() / "debug" / "kiln"
+        self.kilnd = target_dir() / "debug" / "kilnd"
         self.procs = []
         self.mounts = []
         self.env = {**os.environ, "KILN_MGMT_SECRET_FILE": str(self.state / "mgmt.secret")}

@@ -44,6 +44,16 @@ fi
 
 # One clean build per CI run: incremental state would only double the disk it needs.
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
+# One build cache for every clone on this machine (unless CARGO_TARGET_DIR says otherwise):
+# a fresh clone then rebuilds only Kiln's own crates, not the ~400 it depends on. Cargo
+# names the workspace's artifacts by their path inside the workspace, so clones in other
+# places reuse the same files rather than piling up new ones; its lock keeps two runs at once
+# from mixing their builds.
+if [ -z "${CARGO_TARGET_DIR:-}" ]; then
+  export CARGO_TARGET_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/kiln/target"
+fi
+mkdir -p "$CARGO_TARGET_DIR"
+echo "[${SECONDS}s] == build cache: $CARGO_TARGET_DIR"
 
 echo "[${SECONDS}s] == cargo fmt --check"
 cargo fmt --all -- --check

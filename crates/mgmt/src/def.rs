@@ -126,7 +126,7 @@ pub struct VolumeDef {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub options: BTreeMap<String, String>,
     /// `ping-timeout` as definitions stored it before [`VolumeDef::options`]: read (see
-    /// [`VolumeDef::legacy_option`]), dropped when the option is set again.
+    /// `options::legacy`), dropped when the option is set again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ping_timeout: Option<u32>,
     /// `short-circuit` as stored before [`VolumeDef::options`] (see `ping_timeout`).
@@ -179,28 +179,6 @@ pub struct RebalanceDef {
 }
 
 impl VolumeDef {
-    /// The value of layer option `name` from a field of a definition stored before
-    /// [`VolumeDef::options`], if it has one.
-    pub fn legacy_option(&self, name: &str) -> Option<String> {
-        let on_off = |b: bool| if b { "on" } else { "off" }.to_owned();
-        match name {
-            "ping-timeout" => self.ping_timeout.map(|v| v.to_string()),
-            "short-circuit" => self.short_circuit.map(on_off),
-            "flush-behind" => self.flush_behind.map(crate::options::size_text),
-            _ => None,
-        }
-    }
-
-    /// Drops the legacy field of layer option `name` (it is being set by name).
-    pub fn forget_legacy_option(&mut self, name: &str) {
-        match name {
-            "ping-timeout" => self.ping_timeout = None,
-            "short-circuit" => self.short_circuit = None,
-            "flush-behind" => self.flush_behind = None,
-            _ => {}
-        }
-    }
-
     /// Each replica set's bricks, by index (removed sets too).
     pub fn set_bricks(&self) -> Vec<Vec<usize>> {
         if !self.sets.is_empty() {

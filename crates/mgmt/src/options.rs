@@ -369,7 +369,7 @@ pub fn apply(def: &mut VolumeDef, name: &str, text: &str) -> Result<bool, String
         Target::Definition { set, .. } => set(def, text).map_err(refused)?,
         Target::Layer { value, .. } => {
             let v = value(text).map_err(refused)?;
-            def.forget_legacy_option(s.name);
+            forget_legacy(def, s.name);
             // The default is kept as nothing: the graph stays as it was.
             if value(s.default).ok() == Some(v) {
                 def.options.remove(s.name);
@@ -394,7 +394,30 @@ fn layer_text(s: &Spec, def: &VolumeDef) -> Option<String> {
     def.options
         .get(s.name)
         .cloned()
-        .or_else(|| def.legacy_option(s.name))
+        .or_else(|| legacy(def, s.name))
+}
+
+/// The value of layer option `name` from a field of a definition stored before
+/// [`VolumeDef::options`], if it has one.
+fn legacy(def: &VolumeDef, name: &str) -> Option<String> {
+    match name {
+        "ping-timeout" => def.ping_timeout.map(|v| v.to_string()),
+        "short-circuit" => def
+            .short_circuit
+            .map(|b| if b { "on" } else { "off" }.into()),
+        "flush-behind" => def.flush_behind.map(size_text),
+        _ => None,
+    }
+}
+
+/// Drops the legacy field of layer option `name` (it is being set by name).
+fn forget_legacy(def: &mut VolumeDef, name: &str) {
+    match name {
+        "ping-timeout" => def.ping_timeout = None,
+        "short-circuit" => def.short_circuit = None,
+        "flush-behind" => def.flush_behind = None,
+        _ => {}
+    }
 }
 
 /// Gives the layers of `volfile` (a graph of volume `def`) the options of `def` that configure

@@ -193,6 +193,21 @@ pub const OPTIONS: &[Spec] = &[
         create_only: false,
     },
     Spec {
+        name: "sync-writes",
+        kind: "on or off",
+        default: "off",
+        restarts_bricks: true,
+        description: "every write the bricks take is on stable storage before it is answered \
+                      (files opened for writing with O_DSYNC), for clients that never flush; \
+                      costs write speed, most on disks whose cache is slow to flush",
+        target: Target::Layer {
+            layer: "posix",
+            field: "sync_writes",
+            value: |text| Ok(toml::Value::Boolean(on_off(text)?)),
+        },
+        create_only: false,
+    },
+    Spec {
         name: "shared-secret",
         kind: "on or off",
         default: "off",

@@ -53,6 +53,11 @@ crate::layer_options! {
         #[option(ty = "bytes", default = "0")]
         #[serde(default = "default_flush_behind", skip_serializing_if = "is_default_flush_behind")]
         pub flush_behind: u64,
+        /// Files opened for writing are opened `O_DSYNC`: every write through this brick is
+        /// on stable storage before it is answered, for clients that never flush.
+        #[option(ty = "bool", default = "false")]
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        pub sync_writes: bool,
     }
 }
 
@@ -63,6 +68,7 @@ impl PosixConfig {
             directory: directory.into(),
             root_squash: false,
             flush_behind: DEFAULT_FLUSH_BEHIND,
+            sync_writes: false,
         }
     }
 }
@@ -131,6 +137,17 @@ impl Posix {
     pub fn flush_behind(mut self, window: u64) -> Posix {
         self.config.flush_behind = window;
         self
+    }
+
+    /// `flags` as this brick opens a file with them: with `O_DSYNC` added for writing when
+    /// `sync_writes` is on.
+    fn open_flags(&self, flags: u32) -> u32 {
+        let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+        if self.config.sync_writes && writes {
+            flags | libc::O_DSYNC as u32
+        } else {
+            flags
+        }
     }
 
     /// The open file `f` of `path`, with flush-behind when open for writing.
@@ -283,7 +300,7 @@ impl Layer for Posix {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         self.now(cx, On::Path(path), || {
-            let f = self.brick.open_file(path, flags)?;
+            let f = self.brick.open_file(path, self.open_flags(flags))?;
             Ok(self.posix_fd(f, path, flags))
         })
     }
@@ -296,7 +313,7 @@ impl Layer for Posix {
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
         self.now(cx, On::Path(path), || {
-            let (f, attr) = self.brick.create(path, flags, mode)?;
+            let (f, attr) = self.brick.create(path, self.open_flags(flags), mode)?;
             Ok((self.posix_fd(f, path, flags), attr))
         })
     }

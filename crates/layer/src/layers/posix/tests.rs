@@ -294,3 +294,28 @@ fn cost() {
         b.lookup("l/c/f").unwrap();
     });
 }
+
+#[test]
+fn sync_writes_opens_files_for_writing_with_o_dsync_and_reads_without() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("f"), b"x").unwrap();
+    let brick = Arc::new(Brick::open(dir.path()).unwrap());
+    let mut config = super::PosixConfig::at(dir.path());
+    config.sync_writes = true;
+    let (plain, sync) = (
+        Posix::new("plain", brick.clone()),
+        Posix::configured("sync", brick, &config),
+    );
+    // (By the raw bit: rustix's flag set names O_DSYNC differently.)
+    let dsync = |fd: &crate::Fd| {
+        let f = super::file(fd).unwrap();
+        rustix::fs::fcntl_getfl(&**f).unwrap().bits() & libc::O_DSYNC as u32 != 0
+    };
+    let open = |p: &Posix, flags: i32| run(p.open(&Ctx::NONE, "f", flags as u32)).unwrap();
+    assert!(!dsync(&open(&plain, libc::O_RDWR)), "off by default");
+    assert!(dsync(&open(&sync, libc::O_WRONLY)));
+    assert!(dsync(&open(&sync, libc::O_RDWR)));
+    assert!(!dsync(&open(&sync, libc::O_RDONLY)), "reads are not slowed");
+    let (made, _) = run(sync.create(&Ctx::NONE, "g", libc::O_RDWR as u32, 0o644)).unwrap();
+    assert!(dsync(&made), "a file made for writing too");
+}

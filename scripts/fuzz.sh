@@ -25,15 +25,19 @@ targets=("$@")
 [ ${#targets[@]} -gt 0 ] || mapfile -t targets < <(cargo +nightly fuzz list)
 [ ${#targets[@]} -gt 0 ] || { echo "fuzz.sh: no fuzz targets in fuzz/Cargo.toml" >&2; exit 1; }
 
-echo "== building the fuzz targets: ${targets[*]}"
-cargo +nightly fuzz build
+# KILN_FUZZ_DEV=1 builds without optimisation: a few times faster to build and slower to
+# run, the trade a short smoke run in CI wants (a long hunt wants the default).
+mode=()
+[ "${KILN_FUZZ_DEV:-0}" = 1 ] && mode=(--dev)
+echo "== building the fuzz targets${mode[*]:+ (${mode[*]})}: ${targets[*]}"
+cargo +nightly fuzz build "${mode[@]}"
 for t in "${targets[@]}"; do
   echo "== fuzzing $t for ${secs}s"
   # A run stuck on one input for 60 s is a hang, and reported as a crash.
   args=(-max_total_time="$secs" -timeout=60)
   if [ "${KILN_FUZZ_QUIET:-0}" = 1 ]; then
     log=$(mktemp)
-    if ! cargo +nightly fuzz run "$t" -- "${args[@]}" >"$log" 2>&1; then
+    if ! cargo +nightly fuzz run "${mode[@]}" "$t" -- "${args[@]}" >"$log" 2>&1; then
       tail -n 60 "$log" >&2
       rm -f "$log"
       echo "fuzz.sh: fuzzing $t failed (a crashing input, if any, is in fuzz/artifacts/$t/)" >&2
@@ -42,6 +46,6 @@ for t in "${targets[@]}"; do
     grep -E '^#[0-9]+[[:space:]]+DONE' "$log" || tail -n 1 "$log"
     rm -f "$log"
   else
-    cargo +nightly fuzz run "$t" -- "${args[@]}"
+    cargo +nightly fuzz run "${mode[@]}" "$t" -- "${args[@]}"
   fi
 done

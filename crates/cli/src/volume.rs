@@ -806,7 +806,7 @@ fn layers_text() -> String {
         for o in t.options {
             let _ = writeln!(
                 out,
-                "    {:<12} {:<22} default {:<16} {}",
+                "    {:<14} {:<24} default {:<16} {}",
                 o.name,
                 o.ty,
                 o.default,

@@ -48,6 +48,9 @@ pub enum Target {
         field: &'static str,
         /// The value `text` as the layer takes it; errors as [`Target::Definition`]'s `set`.
         value: fn(&str) -> Result<toml::Value, Option<String>>,
+        /// A value as `volume get` shows it (and the definition keeps it): `show_on_off`,
+        /// `show_number` or `show_size`.
+        show: fn(&toml::Value) -> String,
     },
 }
 
@@ -146,6 +149,7 @@ pub const OPTIONS: &[Spec] = &[
                 }
                 Ok(toml::Value::Integer(ms.into()))
             },
+            show: show_number,
         },
         create_only: false,
     },
@@ -161,6 +165,7 @@ pub const OPTIONS: &[Spec] = &[
             layer: "protocol-client",
             field: "short_circuit",
             value: |text| Ok(toml::Value::Boolean(on_off(text)?)),
+            show: show_on_off,
         },
         create_only: false,
     },
@@ -189,6 +194,7 @@ pub const OPTIONS: &[Spec] = &[
                 let w = i64::try_from(w).map_err(|_| Some(format!("{text}: too big")))?;
                 Ok(toml::Value::Integer(w))
             },
+            show: show_size,
         },
         create_only: false,
     },
@@ -204,6 +210,7 @@ pub const OPTIONS: &[Spec] = &[
             layer: "posix",
             field: "sync_writes",
             value: |text| Ok(toml::Value::Boolean(on_off(text)?)),
+            show: show_on_off,
         },
         create_only: false,
     },
@@ -355,6 +362,28 @@ pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
     Ok(allow.to_vec())
 }
 
+/// A switch as `volume get` shows it.
+fn show_on_off(v: &toml::Value) -> String {
+    match v.as_bool() {
+        Some(true) => "on".into(),
+        Some(false) => "off".into(),
+        None => v.to_string(),
+    }
+}
+
+/// A number as `volume get` shows it.
+fn show_number(v: &toml::Value) -> String {
+    v.to_string()
+}
+
+/// A size in bytes as `volume get` shows it (`64M`).
+fn show_size(v: &toml::Value) -> String {
+    match v.as_integer().and_then(|n| u64::try_from(n).ok()) {
+        Some(n) => size_text(n),
+        None => v.to_string(),
+    }
+}
+
 /// A whole number of `range`, written as digits only.
 fn number(text: &str, range: std::ops::RangeInclusive<u32>) -> Result<u32, Option<String>> {
     digits(text)
@@ -382,14 +411,14 @@ pub fn apply(def: &mut VolumeDef, name: &str, text: &str) -> Result<bool, String
     };
     match &s.target {
         Target::Definition { set, .. } => set(def, text).map_err(refused)?,
-        Target::Layer { value, .. } => {
+        Target::Layer { value, show, .. } => {
             let v = value(text).map_err(refused)?;
             forget_legacy(def, s.name);
             // The default is kept as nothing: the graph stays as it was.
-            if value(s.default).ok() == Some(v) {
+            if value(s.default).ok().as_ref() == Some(&v) {
                 def.options.remove(s.name);
             } else {
-                def.options.insert(s.name.to_owned(), text.to_owned());
+                def.options.insert(s.name.to_owned(), show(&v));
             }
         }
     }
@@ -400,27 +429,44 @@ pub fn apply(def: &mut VolumeDef, name: &str, text: &str) -> Result<bool, String
 fn value_text(s: &Spec, def: &VolumeDef) -> String {
     match &s.target {
         Target::Definition { get, .. } => get(def),
-        Target::Layer { .. } => layer_text(s, def).unwrap_or_else(|| s.default.to_owned()),
+        Target::Layer { show, .. } => match layer_value(s, def) {
+            Ok(Some(v)) => show(&v),
+            Ok(None) => s.default.to_owned(),
+            // Shown as stored; building a graph says what is wrong with it.
+            Err(_) => def.options.get(s.name).cloned().unwrap_or_default(),
+        },
     }
 }
 
-/// The value of layer option `s` in `def`, when set.
-fn layer_text(s: &Spec, def: &VolumeDef) -> Option<String> {
-    def.options
-        .get(s.name)
-        .cloned()
-        .or_else(|| legacy(def, s.name))
+/// The value of layer option `s` in `def` as its layer takes it, when set: kept by name
+/// (checked again), or in a field of a definition stored before (taken as it was).
+fn layer_value(s: &Spec, def: &VolumeDef) -> Result<Option<toml::Value>, String> {
+    let Target::Layer { value, .. } = &s.target else {
+        return Ok(None);
+    };
+    match def.options.get(s.name) {
+        Some(text) => value(text).map(Some).map_err(|why| {
+            format!(
+                "volume {}: stored {} {text:?} is not valid{}",
+                def.name,
+                s.name,
+                why.map(|w| format!(": {w}")).unwrap_or_default()
+            )
+        }),
+        None => Ok(legacy(def, s.name)),
+    }
 }
 
 /// The value of layer option `name` from a field of a definition stored before
-/// [`VolumeDef::options`], if it has one.
-fn legacy(def: &VolumeDef, name: &str) -> Option<String> {
+/// [`VolumeDef::options`], if it has one, as that kilnd put it in its graphs.
+fn legacy(def: &VolumeDef, name: &str) -> Option<toml::Value> {
     match name {
-        "ping-timeout" => def.ping_timeout.map(|v| v.to_string()),
-        "short-circuit" => def
-            .short_circuit
-            .map(|b| if b { "on" } else { "off" }.into()),
-        "flush-behind" => def.flush_behind.map(size_text),
+        "ping-timeout" => def.ping_timeout.map(|v| toml::Value::Integer(v.into())),
+        "short-circuit" => def.short_circuit.map(toml::Value::Boolean),
+        "flush-behind" => def
+            .flush_behind
+            .and_then(|v| i64::try_from(v).ok())
+            .map(toml::Value::Integer),
         _ => None,
     }
 }
@@ -436,28 +482,21 @@ fn forget_legacy(def: &mut VolumeDef, name: &str) {
 }
 
 /// Gives the layers of `volfile` (a graph of volume `def`) the options of `def` that configure
-/// their types ([`Target::Layer`]).
+/// their types ([`Target::Layer`]). An option this kilnd does not know (set by a newer one)
+/// is an error, not left out: every kilnd of a pool is upgraded before such options are set.
 pub fn configure(def: &VolumeDef, volfile: &mut Volfile) -> Result<(), String> {
+    if let Some(name) = def.options.keys().find(|n| spec(n).is_err()) {
+        return Err(format!(
+            "volume {}: option {name:?} is not known to this kilnd (set by a newer one?): \
+             upgrade it before the volume's graphs can be made here",
+            def.name
+        ));
+    }
     for s in OPTIONS {
-        let Target::Layer {
-            layer,
-            field,
-            value,
-        } = &s.target
+        let (Target::Layer { layer, field, .. }, Some(v)) = (&s.target, layer_value(s, def)?)
         else {
             continue;
         };
-        let Some(text) = layer_text(s, def) else {
-            continue;
-        };
-        let v = value(&text).map_err(|why| {
-            format!(
-                "volume {}: stored {} {text:?} is not valid{}",
-                def.name,
-                s.name,
-                why.map(|w| format!(": {w}")).unwrap_or_default()
-            )
-        })?;
         for l in volfile
             .layers
             .iter_mut()
@@ -655,6 +694,7 @@ mod tests {
                 layer,
                 field,
                 value,
+                ..
             } = &s.target
             else {
                 continue;
@@ -718,9 +758,55 @@ mod tests {
         apply(&mut old, "ping-timeout", "0").unwrap();
         assert_eq!(old.ping_timeout, None);
         assert_eq!(graph(&old).matches("ping_timeout = 0").count(), 3);
-        // A stored value that no longer parses is an error naming it, not a default.
+        // A field stored by a kilnd that took any size is used as it was...
+        old.flush_behind = Some(4096);
+        assert!(brick(&old).contains("flush_behind = 4096"));
+        // ...but a value kept by name that no longer parses is an error naming it, not a
+        // default; so is a name this kilnd does not know.
         old.options.insert("flush-behind".into(), "4K".into());
         let e = crate::brick_volfile(&old, 0, std::path::Path::new("/b0")).unwrap_err();
         assert!(e.contains("flush-behind") && e.contains("4K"), "{e}");
+        let mut newer = crate::tests::def(3, 3);
+        newer.options.insert("from-the-future".into(), "on".into());
+        let e = crate::client_volfile(&newer).unwrap_err();
+        assert!(
+            e.contains("from-the-future") && e.contains("upgrade"),
+            "{e}"
+        );
+        // Values are kept and shown in one spelling.
+        apply(&mut d, "flush-behind", "67108864").unwrap();
+        apply(&mut d, "ping-timeout", "03000").unwrap();
+        assert_eq!(d.options["flush-behind"], "64M");
+        assert_eq!(values(&d, Some("ping-timeout")).unwrap()[0].value, "3000");
+    }
+
+    #[test]
+    fn a_layer_option_at_its_table_default_is_the_layer_default() {
+        // Else `set X DEFAULT` (kept as nothing, so the layer's default) would not give what
+        // `volume get` shows.
+        for s in OPTIONS {
+            let Target::Layer {
+                layer,
+                field,
+                value,
+                ..
+            } = &s.target
+            else {
+                continue;
+            };
+            let doc = kiln_layer::volfile::type_doc(layer)
+                .and_then(|t| t.options.iter().find(|o| o.name == *field))
+                .unwrap();
+            let layers: toml::Table = toml::from_str(&format!("v = {}", doc.default))
+                .unwrap_or_else(|e| panic!("{layer}.{field} default {:?}: {e}", doc.default));
+            assert_eq!(
+                value(s.default).ok().as_ref(),
+                layers.get("v"),
+                "{}: the table's default {} is not {layer}'s {}",
+                s.name,
+                s.default,
+                doc.default
+            );
+        }
     }
 }

@@ -103,11 +103,16 @@ def exclusions():
 
 
 def target_dir() -> Path:
-    """Where cargo puts this workspace's builds (CARGO_TARGET_DIR when set: scripts/test.sh
-    shares one across clones)."""
-    out = subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps"],
-                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    return Path(json.loads(out)["target_directory"])
+    """Where cargo puts this workspace's builds: CARGO_TARGET_DIR when set (scripts/test.sh
+    shares one across clones), else what cargo says (a config may move it), else target/."""
+    if os.environ.get("CARGO_TARGET_DIR"):
+        return Path(os.environ["CARGO_TARGET_DIR"])
+    try:
+        out = subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps"],
+                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        return Path(json.loads(out)["target_directory"])
+    except (OSError, subprocess.CalledProcessError, KeyError, ValueError):
+        return ROOT / "target"
 
 
 class Cluster:
@@ -116,8 +121,9 @@ class Cluster:
     def __init__(self, work: Path):
         self.work = work
         self.state = work / "state"
-        self.kiln = target_dir() / "debug" / "kiln"
-        self.kilnd = target_dir() / "debug" / "kilnd"
+        built = target_dir() / "debug"
+        self.kiln = built / "kiln"
+        self.kilnd = built / "kilnd"
         self.procs = []
         self.mounts = []
         self.env = {**os.environ, "KILN_MGMT_SECRET_FILE": str(self.state / "mgmt.secret")}

@@ -47,12 +47,18 @@ export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 # One build cache for every clone on this machine (unless CARGO_TARGET_DIR says otherwise):
 # a fresh clone then rebuilds only Kiln's own crates, not the ~400 it depends on. Cargo
 # names the workspace's artifacts by their path inside the workspace, so clones in other
-# places reuse the same files rather than piling up new ones; its lock keeps two runs at once
-# from mixing their builds.
+# places reuse the same files rather than piling up new ones. The tests, conformance and the
+# package run binaries from there, so a second run on the same cache waits for the first.
 if [ -z "${CARGO_TARGET_DIR:-}" ]; then
   export CARGO_TARGET_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/kiln/target"
 fi
 mkdir -p "$CARGO_TARGET_DIR"
+if [ -z "${KILN_TEST_LOCKED:-}" ]; then
+  # flock -o: the lock is flock's own, so nothing this run starts can keep holding it.
+  lock="$CARGO_TARGET_DIR/.kiln-test.lock"
+  flock -n -o "$lock" true || echo "[${SECONDS}s] == waiting for the other run using $CARGO_TARGET_DIR"
+  KILN_TEST_LOCKED=1 exec flock -o "$lock" "$PWD/scripts/test.sh" "$@"
+fi
 echo "[${SECONDS}s] == build cache: $CARGO_TARGET_DIR"
 
 echo "[${SECONDS}s] == cargo fmt --check"

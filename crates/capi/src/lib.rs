@@ -36,6 +36,7 @@ pub use whole::kiln_read_file;
 
 use kiln_client::volume::Source;
 use kiln_client::{block_on, Fd, RawIov, Volume};
+use kiln_proto::sync::MutexExt as _;
 
 /// Status returned for a bad argument.
 const EINVAL: c_int = libc::EINVAL;
@@ -483,26 +484,14 @@ pub unsafe extern "C" fn kiln_poll_completions(k: *mut Kiln, max: c_int) -> c_in
     };
     let mut ran = 0;
     while ran < max.max(0) {
-        let Some(q) = k
-            .queue
-            .items
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop_front()
-        else {
+        let Some(q) = k.queue.items.locked().pop_front() else {
             break;
         };
         // SAFETY: the callback and its arguments are exactly what the caller registered.
         unsafe { (q.cb)(q.fd as *mut KilnFd, q.ret, q.user_data as *mut c_void) };
         ran += 1;
     }
-    if !k
-        .queue
-        .items
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .is_empty()
-    {
+    if !k.queue.items.locked().is_empty() {
         signal(&k.queue);
     }
     ran
@@ -838,16 +827,12 @@ fn completion(
             unsafe { cb(fd as *mut KilnFd, ret, ud as *mut c_void) }
         }
         kiln_completion_mode::KILN_COMPLETE_BY_POLL => {
-            queue
-                .items
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push_back(Queued {
-                    cb,
-                    fd,
-                    ret,
-                    user_data: ud,
-                });
+            queue.items.locked().push_back(Queued {
+                cb,
+                fd,
+                ret,
+                user_data: ud,
+            });
             signal(&queue);
         }
     }

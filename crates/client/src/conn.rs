@@ -27,12 +27,13 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use kiln_layer::trace::{Trace, REPLY_HEADER, SENT};
 use kiln_proto::codec::Wire;
 use kiln_proto::frame::{Header, HEADER_LEN, KIND_REPLY};
 use kiln_proto::iov::{IovCursor, RawIov, IOV_MAX};
+use kiln_proto::sync::{MutexExt as _, RwLockExt as _};
 use kiln_proto::{errno, Op};
 
 mod completion;
@@ -164,17 +165,11 @@ fn live() -> &'static Mutex<Vec<std::sync::Weak<Conn>>> {
     LIVE.get_or_init(Mutex::default)
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these locks leaves consistent state (every critical section
-    // is a few field updates), so keep going rather than poisoning the whole connection.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Conn {
     /// Sends the brick's push frames' arguments to `sink` from now on; when the connection
     /// fails, `sink` is called once with nothing (pushes stopped).
     pub fn set_push(&self, sink: Option<PushSink>) {
-        *self.push.write().unwrap_or_else(|e| e.into_inner()) = sink;
+        *self.push.write_locked() = sink;
     }
 
     /// Wraps a connected, blocking stream socket and starts its receive thread.
@@ -218,7 +213,7 @@ impl Conn {
             health: Default::default(),
         });
         {
-            let mut r = live().lock().unwrap_or_else(|e| e.into_inner());
+            let mut r = live().locked();
             r.retain(|w| w.strong_count() > 0);
             r.push(Arc::downgrade(&conn));
         }
@@ -236,7 +231,7 @@ impl Conn {
 
     /// True when no request waits for its reply.
     pub fn idle(&self) -> bool {
-        lock(&self.table).pending.is_empty()
+        self.table.locked().pending.is_empty()
     }
 
     /// Closes the socket's both directions; in-flight requests fail with `ECONNRESET`.
@@ -333,7 +328,7 @@ impl Conn {
             head.len() + payload_len,
         );
         {
-            let mut t = lock(&self.table);
+            let mut t = self.table.locked();
             if let Some(e) = t.dead {
                 return Err(Refused { errno: e, keep });
             }
@@ -352,7 +347,7 @@ impl Conn {
                 },
             );
         }
-        lock(&self.sendq).push_back(OutFrame {
+        self.sendq.locked().push_back(OutFrame {
             id,
             trace: trace_out,
             _head: head,
@@ -395,7 +390,7 @@ impl Conn {
             let r = self.send_queued();
             drop(w);
             match r {
-                Ok(true) if lock(&self.sendq).is_empty() => return Ok(true),
+                Ok(true) if self.sendq.locked().is_empty() => return Ok(true),
                 Ok(true) => continue, // frames queued while we were releasing the lock
                 Ok(false) if wait => poll_fd(self.sock.as_raw_fd(), libc::POLLOUT)?,
                 other => return other,
@@ -410,7 +405,7 @@ impl Conn {
         loop {
             iov.clear();
             {
-                let mut q = lock(&self.sendq);
+                let mut q = self.sendq.locked();
                 if q.is_empty() {
                     return Ok(true);
                 }
@@ -449,7 +444,7 @@ impl Conn {
             let mut left = n as usize;
             let mut finished = Vec::new();
             {
-                let mut q = lock(&self.sendq);
+                let mut q = self.sendq.locked();
                 while left > 0 {
                     let f = q.front_mut().expect("sent bytes belong to queued frames");
                     left -= f.cur.advance(left);
@@ -461,7 +456,7 @@ impl Conn {
                 }
             }
             if !finished.is_empty() {
-                let mut t = lock(&self.table);
+                let mut t = self.table.locked();
                 for id in finished {
                     if let Some(p) = t.pending.get_mut(&id) {
                         p.sent = true;
@@ -476,15 +471,15 @@ impl Conn {
     fn fail(&self, why: Errno, receiving: Option<Pending>) {
         self.shutdown();
         let drained = {
-            let _w = lock(&self.writer);
-            lock(&self.sendq).clear();
-            let mut t = lock(&self.table);
+            let _w = self.writer.locked();
+            self.sendq.locked().clear();
+            let mut t = self.table.locked();
             t.dead.get_or_insert(why);
             self.ended.store(true, std::sync::atomic::Ordering::Release);
             std::mem::take(&mut t.pending)
         };
         // Pushes stop with the connection: an empty push says so (see `set_push`).
-        let sink = self.push.write().unwrap_or_else(|e| e.into_inner()).take();
+        let sink = self.push.write_locked().take();
         if let Some(sink) = sink {
             sink(&[]);
         }
@@ -539,12 +534,12 @@ impl Conn {
         loop {
             // Frames queued by callbacks: send them once no reply is ready — known when the
             // last receive came up short, or when a non-blocking one would block.
-            let mut deferred = !lock(&self.sendq).is_empty();
+            let mut deferred = !self.sendq.locked().is_empty();
             if deferred && drained {
                 if !self.flush(false)? {
                     self.wait_in_or_out()?;
                 }
-                deferred = !lock(&self.sendq).is_empty();
+                deferred = !self.sendq.locked().is_empty();
             }
             if can_splice && carry.is_empty() && self.splice_current(fd, cur, &mut pipe)? {
                 continue;
@@ -621,7 +616,7 @@ impl Conn {
     /// With one request in flight and no trace frame on its way (it would land in the sink),
     /// its reply is the only one that can come: appends its sink to `iov` and returns its id.
     fn speculate(&self, iov: &mut Vec<RawIov>) -> Option<u64> {
-        let t = lock(&self.table);
+        let t = self.table.locked();
         if t.pending.len() != 1 || !t.traces.is_empty() {
             return None;
         }
@@ -690,7 +685,7 @@ impl Conn {
         // One batch per frame that carried descriptors, even an emptied one, so that batches
         // and frames stay paired.
         if rights || truncated {
-            lock(&self.fds).push_back(batch);
+            self.fds.locked().push_back(batch);
         }
     }
 
@@ -785,7 +780,7 @@ impl Conn {
         }
         if hdr.traced() || hdr.is_push() {
             // The brick's stamps for a request that has completed.
-            let trace = lock(&self.table).traces.remove(&id);
+            let trace = self.table.locked().traces.remove(&id);
             if hdr.payload_len.get() != 0 {
                 tracing::warn!(id, "trace frame with a payload");
                 return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
@@ -807,18 +802,18 @@ impl Conn {
                 splice: false,
             });
         }
-        let pending = lock(&self.table).pending.remove(&id);
+        let pending = self.table.locked().pending.remove(&id);
         let payload_len = hdr.payload_len.get() as usize;
         let pending = match pending {
             Some(p) if !p.sent => {
                 // The sender may not have recorded the end of its `sendmsg` yet: wait for it
                 // (bounded: sends never block under the writer lock), then look again.
-                drop(lock(&self.writer));
-                if !lock(&self.sendq).iter().any(|f| f.id == id) {
+                drop(self.writer.locked());
+                if !self.sendq.locked().iter().any(|f| f.id == id) {
                     Some(p)
                 } else {
                     tracing::warn!(id, "reply arrived before its request was sent");
-                    lock(&self.table).pending.insert(id, p);
+                    self.table.locked().pending.insert(id, p);
                     return Err(io::Error::from_raw_os_error(errno::EPROTO as i32));
                 }
             }
@@ -843,7 +838,7 @@ impl Conn {
         let discard = payload_len - sink.remaining();
         let fds = match hdr.has_fds() {
             false => Vec::new(),
-            true => lock(&self.fds).pop_front().ok_or_else(|| {
+            true => self.fds.locked().pop_front().ok_or_else(|| {
                 tracing::warn!(id, "reply says it carries descriptors, but none came");
                 io::Error::from_raw_os_error(errno::EPROTO as i32)
             })?,
@@ -872,7 +867,7 @@ impl Conn {
 
     fn complete(&self, r: InReply) {
         if r.push {
-            let sink = self.push.read().unwrap_or_else(|e| e.into_inner()).clone();
+            let sink = self.push.read_locked().clone();
             if let Some(sink) = sink {
                 sink(&r.args);
             }
@@ -903,7 +898,7 @@ impl Conn {
         let args = r.args;
         if let Some(t) = p.trace {
             t.stamp("reply received");
-            lock(&self.table).traces.insert(r.id, t);
+            self.table.locked().traces.insert(r.id, t);
         }
         let result = if r.status != 0 {
             Err(r.status)

@@ -35,6 +35,7 @@ use kiln_layer::volfile::Volfile;
 use kiln_layer::{
     errno, exec, Ctx, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, ReadDst, ReadOut, Written,
 };
+use kiln_proto::sync::{MutexExt as _, RwLockExt as _};
 use kiln_proto::Cred;
 
 use crate::protocol::ProtocolClient;
@@ -93,7 +94,7 @@ impl Gen {
 
 impl Drop for Gen {
     fn drop(&mut self) {
-        for l in lock(&self.retire).drain(..) {
+        for l in self.retire.locked().drain(..) {
             tracing::debug!("{}: not in the volume's graph any more; closing", l.name());
             l.shutdown();
         }
@@ -150,10 +151,6 @@ impl Drop for Held {
 /// The switch's own handle.
 struct SwitchFd(Arc<Opened>);
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Switch {
     /// A switch named `name` (the graph's top layer name) over `first`.
     pub fn new(name: &str, first: Gen) -> Switch {
@@ -169,7 +166,7 @@ impl Switch {
     /// Takes `path`'s lease, if this switch's user holds one, through `fd` on `gen` (a handle
     /// just reopened there). Best effort: a refusal shows in the writes that follow.
     async fn carry_lease(&self, cx: &Ctx, gen: &Gen, path: &str, fd: &Fd) {
-        let lease = lock(&self.leases).get(path).cloned();
+        let lease = self.leases.locked().get(path).cloned();
         if let Some((holder, ttl)) = lease {
             let acquire = kiln_proto::ops::LEASE_ACQUIRE;
             match gen.top.lease(cx, fd, acquire, ttl, &holder).await {
@@ -182,20 +179,20 @@ impl Switch {
 
     /// The current generation.
     pub fn current(&self) -> Arc<Gen> {
-        self.cur.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.cur.read_locked().clone()
     }
 
     /// Makes `next` the current generation; connections of the old one that `next` does not
     /// use close when the old one goes.
     pub fn install(&self, next: Gen) {
-        let mut cur = self.cur.write().unwrap_or_else(|e| e.into_inner());
+        let mut cur = self.cur.write_locked();
         let keep: Vec<*const ProtocolClient> = next.links.iter().map(Arc::as_ptr).collect();
         let gone = cur
             .links
             .iter()
             .filter(|l| !keep.contains(&Arc::as_ptr(l)))
             .cloned();
-        lock(&cur.retire).extend(gone);
+        cur.retire.locked().extend(gone);
         tracing::info!(
             "volume {}: graph version {} → {}",
             self.name,
@@ -209,7 +206,7 @@ impl Switch {
     pub fn links(&self) -> Vec<Arc<ProtocolClient>> {
         let g = self.current();
         let mut all = g.links.clone();
-        all.extend(lock(&g.retire).iter().cloned());
+        all.extend(g.retire.locked().iter().cloned());
         all
     }
 
@@ -220,7 +217,7 @@ impl Switch {
         for l in &g.links {
             l.shutdown();
         }
-        for l in lock(&g.retire).iter() {
+        for l in g.retire.locked().iter() {
             l.shutdown();
         }
     }
@@ -235,7 +232,7 @@ impl Switch {
             bound: Mutex::new(Arc::new(Held { gen, fd: Some(fd) })),
             stuck: AtomicU64::new(0),
         });
-        let mut open = lock(&self.open);
+        let mut open = self.open.locked();
         if open.len() >= 64 && open.len().is_power_of_two() {
             open.retain(|w| w.strong_count() > 0);
         }
@@ -247,7 +244,7 @@ impl Switch {
     /// opened on an older one and can be.
     async fn bind(&self, fd: &Fd) -> FopResult<Arc<Held>> {
         let o = &fd.get::<SwitchFd>()?.0;
-        let held = lock(&o.bound).clone();
+        let held = o.bound.locked().clone();
         let cur = self.current();
         if Arc::ptr_eq(&held.gen, &cur)
             || held.gen.version >= cur.version
@@ -256,7 +253,7 @@ impl Switch {
         {
             return Ok(held);
         }
-        let path = lock(&o.path).clone();
+        let path = o.path.locked().clone();
         let cx = Ctx::NONE.with_cred(o.cred.clone());
         match cur.top.open(&cx, &path, o.flags).await {
             Ok(new) => {
@@ -265,7 +262,7 @@ impl Switch {
                     gen: cur,
                     fd: Some(new),
                 });
-                let mut b = lock(&o.bound);
+                let mut b = o.bound.locked();
                 if b.gen.version < new.gen.version {
                     let old = std::mem::replace(&mut *b, new.clone());
                     drop(b);
@@ -301,12 +298,12 @@ impl Switch {
         let deadline = Instant::now() + MOVE_WAIT;
         let mut pause = Duration::from_millis(1);
         loop {
-            let now = lock(&o.bound).clone();
+            let now = o.bound.locked().clone();
             if !Arc::ptr_eq(&now, stale) {
                 return Ok(now);
             }
             let cur = self.current();
-            let path = lock(&o.path).clone();
+            let path = o.path.locked().clone();
             let cx = Ctx::NONE.with_cred(o.cred.clone());
             match cur.top.open(&cx, &path, o.flags).await {
                 Ok(new) => {
@@ -315,7 +312,7 @@ impl Switch {
                         gen: cur,
                         fd: Some(new),
                     });
-                    let mut b = lock(&o.bound);
+                    let mut b = o.bound.locked();
                     if !Arc::ptr_eq(&b, stale) {
                         return Ok(b.clone());
                     }
@@ -354,8 +351,8 @@ impl Switch {
 
     /// Renames under `from` now live under `to`, for open files' reopening.
     fn renamed(&self, from: &str, to: &str) {
-        for o in lock(&self.open).iter().filter_map(Weak::upgrade) {
-            let mut p = lock(&o.path);
+        for o in self.open.locked().iter().filter_map(Weak::upgrade) {
+            let mut p = o.path.locked();
             if *p == from {
                 *p = to.to_owned();
             } else if let Some(rest) = p.strip_prefix(from).filter(|r| r.starts_with('/')) {
@@ -535,8 +532,8 @@ macro_rules! switch_one {
                     }
                 };
                 // Remembered for the handles reopened on later generations.
-                let path = lock(&fd.get::<SwitchFd>()?.0.path).clone();
-                let mut leases = lock(&self.leases);
+                let path = fd.get::<SwitchFd>()?.0.path.locked().clone();
+                let mut leases = self.leases.locked();
                 match cmd {
                     kiln_proto::ops::LEASE_ACQUIRE if s.granted => {
                         leases.insert(path, (holder.to_owned(), ttl_ms));
@@ -603,7 +600,7 @@ macro_rules! switch_one {
             Box::pin(async move {
                 let o = fd.get::<SwitchFd>()?.0.clone();
                 drop(fd);
-                let held = lock(&o.bound).clone();
+                let held = o.bound.locked().clone();
                 drop(o);
                 // The last user: release now and say how it went. Otherwise a fop still runs
                 // on it, and the handle goes when that is done.

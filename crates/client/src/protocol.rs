@@ -29,6 +29,7 @@ use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::frame::{FLAG_CRED, FLAG_STAMP};
 use kiln_proto::iov::RawIov;
 use kiln_proto::ops::*;
+use kiln_proto::sync::{MutexExt as _, RwLockExt as _};
 use kiln_proto::Op;
 
 use crate::client::{wire_path, Client, SlotWait};
@@ -250,12 +251,12 @@ impl ProtocolClient {
     }
 
     fn current(&self) -> (Arc<Client>, u64) {
-        let g = self.link.cur.read().unwrap_or_else(|e| e.into_inner());
+        let g = self.link.cur.read_locked();
         (g.0.clone(), g.1)
     }
 
     fn gen(&self) -> u64 {
-        self.link.cur.read().unwrap_or_else(|e| e.into_inner()).1
+        self.link.cur.read_locked().1
     }
 
     /// Closes the connection for good: requests in flight and later ones fail with
@@ -305,7 +306,7 @@ impl ProtocolClient {
                     link.watching.store(false, Ordering::Release);
                     return;
                 }
-                let c = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
+                let c = link.cur.read_locked().0.clone();
                 if !c.joining() {
                     link.watching.store(false, Ordering::Release);
                     return;
@@ -436,7 +437,7 @@ impl ProtocolClient {
     fn submit(&self, cx: &Ctx, req: &mut Request<'_>, keep: Keep) -> Sent {
         let (client, gen) = self.current();
         if let Some(fd) = req.fd {
-            let (fh, at) = *fd.at.lock().unwrap_or_else(|e| e.into_inner());
+            let (fh, at) = *fd.at.locked();
             if at != gen {
                 return Sent::Stale(keep);
             }
@@ -478,7 +479,7 @@ impl ProtocolClient {
     async fn fh_now(&self, fd: &RemoteFd) -> FopResult<u64> {
         let gen = self.gen();
         {
-            let at = fd.at.lock().unwrap_or_else(|e| e.into_inner());
+            let at = fd.at.locked();
             if at.1 == gen {
                 return Ok(at.0);
             }
@@ -496,7 +497,7 @@ impl ProtocolClient {
             peek: 0,
         };
         let r: OpenReply = Box::pin(self.call(&cx, Op::Open, &req)).await?;
-        *fd.at.lock().unwrap_or_else(|e| e.into_inner()) = (r.fh, gen);
+        *fd.at.locked() = (r.fh, gen);
         tracing::debug!(layer = self.name, path = fd.path, "handle reopened");
         Ok(r.fh)
     }
@@ -816,13 +817,7 @@ impl Layer for ProtocolClient {
 
     fn joining(&self) -> bool {
         // Asked for every replica on every replicated fop: no Arc clone on the way.
-        let joining = self
-            .link
-            .cur
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .joining();
+        let joining = self.link.cur.read_locked().0.joining();
         if !joining {
             return false;
         }
@@ -831,13 +826,7 @@ impl Layer for ProtocolClient {
     }
 
     fn up(&self) -> bool {
-        let dead = self
-            .link
-            .cur
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .is_dead();
+        let dead = self.link.cur.read_locked().0.is_dead();
         if dead {
             self.revive();
         }
@@ -911,7 +900,7 @@ impl Layer for ProtocolClient {
                 self.report_now().await;
             }
             {
-                let _at = rfd.at.lock().unwrap_or_else(|e| e.into_inner());
+                let _at = rfd.at.locked();
                 rfd.released.store(true, Ordering::Relaxed);
             }
             let args = HandleReq { fh: 0 }.to_wire();

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kiln_proto::iov::RawIov;
+use kiln_proto::sync::MutexExt as _;
 
 mod copier;
 pub use copier::{copy, copy_inline_on_this_thread, LARGE};
@@ -138,7 +139,7 @@ pub enum Plan {
 
 impl HandleGrant {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.locked()
     }
 
     /// What the next read on connection `conn` does.
@@ -335,7 +336,7 @@ impl Shortcut {
 
     /// The table of connection `conn`, if one came.
     pub fn table(&self, conn: u64) -> Option<Arc<Table>> {
-        let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.table.locked();
         t.as_ref()
             .filter(|(c, _)| *c == conn)
             .map(|(_, t)| t.clone())
@@ -343,7 +344,7 @@ impl Shortcut {
 
     /// Keeps the table that came on connection `conn`.
     pub fn set_table(&self, conn: u64, t: Arc<Table>) {
-        *self.table.lock().unwrap_or_else(|e| e.into_inner()) = Some((conn, t));
+        *self.table.locked() = Some((conn, t));
     }
 
     /// Counts a direct read; true when it is time to report.

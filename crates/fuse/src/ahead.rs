@@ -27,6 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kiln_proto::ops::DirEntry;
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::Cred;
 
 use crate::callers::same_caller;
@@ -148,7 +149,7 @@ impl<T: Send + 'static> Ahead<T> {
     }
 
     fn state(&self) -> MutexGuard<'_, State<T>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     fn count(&self, s: &State<T>) {

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use fuser::Errno;
 use kiln_client::Fd;
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::Cred;
 use rustc_hash::FxHashMap as HashMap;
 
@@ -77,10 +78,6 @@ pub(crate) enum Hold {
 /// Locks that keep the sends of one file in order (striped by inode).
 const STRIPES: usize = 64;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Behind {
     /// True when some file has writes held.
     pub fn any(&self) -> bool {
@@ -90,7 +87,7 @@ impl Behind {
     /// Held while sending inode `ino`'s writes: what was held is sent before what follows it,
     /// whichever thread sends each.
     pub fn order(&self, ino: u64) -> MutexGuard<'_, ()> {
-        lock(&self.order[(ino as usize) % STRIPES])
+        self.order[(ino as usize) % STRIPES].locked()
     }
 
     /// A write of `data` at `offset` to inode `ino` through handle `fh` (`fd` on the
@@ -109,7 +106,7 @@ impl Behind {
             return Hold::Through;
         }
         let end = offset + data.len() as u64;
-        let mut m = lock(&self.held);
+        let mut m = self.held.locked();
         match m.get_mut(&ino) {
             Some(h) => {
                 let follows = h.fh == fh && h.offset + h.data.len() as u64 == offset && h.by == *by;
@@ -135,7 +132,7 @@ impl Behind {
             }
         }
         self.bytes.fetch_add(data.len(), Ordering::AcqRel);
-        let mut e = lock(&self.ends);
+        let mut e = self.ends.locked();
         let x = e.entry(ino).or_insert(end);
         *x = (*x).max(end);
         Hold::Held
@@ -148,16 +145,16 @@ impl Behind {
             return None;
         }
         // The send counts instead of the entry until `sent`.
-        let h = lock(&self.held).remove(&ino)?;
+        let h = self.held.locked().remove(&ino)?;
         self.bytes.fetch_sub(h.data.len(), Ordering::AcqRel);
         Some(h)
     }
 
     /// The send of what [`Behind::take`] gave for `ino` is done (landed or failed).
     pub fn sent(&self, ino: u64) {
-        let m = lock(&self.held);
+        let m = self.held.locked();
         if !m.contains_key(&ino) {
-            lock(&self.ends).remove(&ino);
+            self.ends.locked().remove(&ino);
         }
         self.count.fetch_sub(1, Ordering::AcqRel);
     }
@@ -168,18 +165,18 @@ impl Behind {
         if !self.any() {
             return None;
         }
-        lock(&self.ends).get(&ino).copied()
+        self.ends.locked().get(&ino).copied()
     }
 
     /// A held write of handle `fh` failed with `e`: reported by the handle's next write,
     /// fsync or close.
     pub fn failed(&self, fh: u64, e: Errno) {
-        lock(&self.errors).insert(fh, e);
+        self.errors.locked().insert(fh, e);
     }
 
     /// The error to report on handle `fh` now, if a held write of it failed.
     pub fn error(&self, fh: u64) -> Option<Errno> {
-        let mut e = lock(&self.errors);
+        let mut e = self.errors.locked();
         if e.is_empty() {
             return None;
         }

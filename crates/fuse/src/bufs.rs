@@ -3,6 +3,7 @@
 use std::sync::Mutex;
 
 use kiln_client::PageBuf;
+use kiln_proto::sync::MutexExt as _;
 
 /// Read buffers kept for reuse: a fresh 1 MiB allocation is a fresh mapping, and receiving
 /// into it page-faults 256 times (measured: ~400 µs of a 640 µs 1 MiB read). They are
@@ -18,7 +19,7 @@ impl BufPool {
 
     /// A buffer of at least `size` bytes (a power of two: requests of one size reuse them).
     pub(crate) fn get(&self, size: usize) -> PageBuf {
-        let kept = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let kept = self.free.locked().pop();
         match kept {
             Some(b) if b.len() >= size => b,
             _ => PageBuf::new(size.next_power_of_two()),
@@ -26,7 +27,7 @@ impl BufPool {
     }
 
     pub(crate) fn put(&self, b: PageBuf) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.locked();
         if free.len() < Self::KEEP {
             free.push(b);
         }

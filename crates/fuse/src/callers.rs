@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use fuser::Request;
 use kiln_client::Volume;
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::Cred;
 
 use crate::KilnFs;
@@ -48,7 +49,7 @@ impl Callers {
         }
         let key = (pid, uid, gid);
         let now = Instant::now();
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = self.seen.locked();
         if let Some((at, c)) = seen.get(&key) {
             if now.duration_since(*at) < GROUPS_TTL {
                 return c.clone();

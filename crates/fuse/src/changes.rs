@@ -16,6 +16,7 @@ use fuser::INodeNo;
 use kiln_client::volume::Pushed;
 use kiln_client::Volume;
 use kiln_proto::ops::{Changes, CHANGE_DATA, CHANGE_NAME};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::ahead::{parent, Contents, Listings};
 use crate::fresh::Fresh;
@@ -58,7 +59,7 @@ pub(crate) fn watch(vol: &Volume, caches: Caches) -> std::io::Result<()> {
             Pushed::Changes(c) => Some(c.clone()),
             Pushed::Lost => None,
         };
-        let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(c);
+        let _ = tx.locked().send(c);
     })))?;
     // Every brick pushes: what this mount alone changed can be known (see [`crate::known`]).
     known.pushes(true);
@@ -87,7 +88,7 @@ impl Caches {
             self.known.forget_all();
             // Pushed again (after a reconnect), or a list too long to send: pushes go on.
             self.known.pushes(true);
-            let all = self.inodes.lock().unwrap_or_else(|e| e.into_inner()).all();
+            let all = self.inodes.locked().all();
             tracing::debug!(
                 inodes = all.len(),
                 "a brick's changes went unpushed: forgetting all"
@@ -114,11 +115,7 @@ impl Caches {
             }
             // The table keeps the name: the kernel may still use its entry until told, and
             // asks again (a lookup, which corrects the table) after.
-            let ino = self
-                .inodes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .ino_of(&ch.path);
+            let ino = self.inodes.locked().ino_of(&ch.path);
             if let Some(ino) = ino {
                 self.forget_inode(n, ino, ch.kind & CHANGE_DATA != 0);
             }
@@ -143,11 +140,7 @@ impl Caches {
             return;
         }
         let (parent, name) = split(path);
-        let pino = self
-            .inodes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .ino_of(parent);
+        let pino = self.inodes.locked().ino_of(parent);
         if let Some(p) = pino {
             let _ = n.inval_entry(INodeNo(p), OsStr::new(name));
         }

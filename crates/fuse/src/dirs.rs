@@ -7,6 +7,7 @@ use fuser::{
     ReplyDirectoryPlus, ReplyOpen, Request,
 };
 use kiln_client::Volume;
+use kiln_proto::sync::MutexExt as _;
 
 use crate::gate::{self, block_on};
 
@@ -57,10 +58,7 @@ impl KilnFs {
             self.note_files(&path, &entries);
         }
         let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
-        self.dirs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, DirSnapshot { entries, seen });
+        self.dirs.locked().insert(id, DirSnapshot { entries, seen });
         reply.opened(FileHandle(id), FopenFlags::empty())
     }
 
@@ -72,7 +70,7 @@ impl KilnFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let dirs = self.dirs.locked();
         let Some(d) = dirs.get(&fh.0) else {
             return reply.error(Errno::EBADF);
         };
@@ -108,7 +106,7 @@ impl KilnFs {
     ) {
         // Offsets match `readdir`'s (".", "..", then entry k at k + 3), so either can go on
         // from where the other stopped.
-        let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let dirs = self.dirs.locked();
         let Some(d) = dirs.get(&fh.0) else {
             return reply.error(Errno::EBADF);
         };

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use fuser::{Errno, FileHandle, FopenFlags, ReplyData, ReplyOpen};
 use kiln_client::{Fd, Opened, Volume};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::gate::block_on;
 
@@ -189,7 +190,7 @@ impl Files {
     }
 
     fn map(&self) -> MutexGuard<'_, HashMap<u64, OpenFile>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
+        self.map.locked()
     }
 
     /// A new file handle for inode `ino` holding `held`.

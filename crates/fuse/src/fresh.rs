@@ -9,6 +9,7 @@
 //! kernel, the common case, which costs nothing. Sent before the open is answered, so the
 //! opener's first read already sees it.
 
+use kiln_proto::sync::MutexExt as _;
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::{Mutex, OnceLock};
 
@@ -38,15 +39,12 @@ impl Fresh {
 
     /// Whatever the kernel was told of `ino`'s size is to be told again.
     pub fn forget(&self, ino: u64) {
-        self.told
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&ino);
+        self.told.locked().remove(&ino);
     }
 
     /// The kernel was given these sizes (inode, size).
     pub fn told(&self, sizes: impl Iterator<Item = (u64, u64)>) {
-        let mut t = self.told.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = self.told.locked();
         for (ino, size) in sizes {
             if t.len() >= Self::KEEP {
                 t.clear();
@@ -57,14 +55,14 @@ impl Fresh {
 
     /// Whether the kernel was last told that inode `ino` is `size` bytes long.
     pub fn told_is(&self, ino: u64, size: u64) -> bool {
-        let t = self.told.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.told.locked();
         t.get(&ino).copied() == Some(size)
     }
 
     /// Inode `ino` is being opened; `size` is its size now, if the open learned it. Unless that
     /// is what the kernel already has (then true), the kernel forgets the inode's attributes.
     pub fn opened(&self, ino: u64, size: Option<u64>) -> bool {
-        let mut t = self.told.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = self.told.locked();
         if size.is_some() && t.get(&ino).copied() == size {
             return true;
         }

@@ -24,6 +24,8 @@ use std::future::Future;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use kiln_proto::sync::MutexExt as _;
+
 /// Threads holding places (waiting on the kernel, or working without waiting on a brick)
 /// past which one that has answered parks.
 pub(crate) const READERS: usize = 2;
@@ -87,7 +89,7 @@ impl Gate {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// A FUSE request starts on this thread; when the returned guard drops (its answer sent),

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::Cred;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
@@ -68,7 +69,7 @@ impl Known {
     }
 
     fn dirs(&self) -> MutexGuard<'_, HashMap<String, Dir>> {
-        self.dirs.lock().unwrap_or_else(|e| e.into_inner())
+        self.dirs.locked()
     }
 
     /// The bricks push changes from now on (`on`), or may not (everything is forgotten).

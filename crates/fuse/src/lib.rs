@@ -62,6 +62,7 @@ use fuser::{
     ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
 };
 use kiln_client::{Attr, DirEntry, Fd, SetAttrs, Volume};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::gate::block_on;
 use kiln_proto::ops::*;
@@ -213,7 +214,7 @@ impl KilnFs {
     }
 
     fn table(&self) -> std::sync::MutexGuard<'_, Inodes> {
-        self.inodes.lock().unwrap_or_else(|e| e.into_inner())
+        self.inodes.locked()
     }
 
     fn path(&self, ino: INodeNo) -> Result<String, Errno> {
@@ -826,10 +827,7 @@ impl fuser::Filesystem for KilnFs {
         reply: ReplyEmpty,
     ) {
         let _g = self.gate.enter();
-        self.dirs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&fh.0);
+        self.dirs.locked().remove(&fh.0);
         reply.ok()
     }
 

@@ -19,6 +19,7 @@ use std::sync::Mutex;
 
 use fuser::{BackingId, FileHandle, FopenFlags, ReplyOpen};
 use kiln_client::{Fd, Volume};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::gate::block_on;
 
@@ -58,7 +59,7 @@ impl Passthrough {
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Backed>> {
-        self.by_ino.lock().unwrap_or_else(|e| e.into_inner())
+        self.by_ino.locked()
     }
 
     /// Answers an open of inode `ino` at `path` with `flags` (the stack's handle `fd`) as FUSE

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kiln_client::{DirEntry, Opened, Volume};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::ahead::{Content, Job, Who};
 use crate::convert::kind;
@@ -63,7 +64,7 @@ impl Recent {
     /// mount): what its listing said is forgotten, so no walk fetches ahead an entry as what
     /// it was — a regular file now replaced by a FIFO or a directory, say.
     pub(crate) fn forget(&self, dir: &str) {
-        let mut d = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = self.dirs.locked();
         if !d.is_empty() {
             d.remove(dir);
         }
@@ -72,13 +73,13 @@ impl Recent {
     /// `path` was renamed, replaced or removed: its listing and those below it are forgotten.
     pub(crate) fn forget_tree(&self, path: &str) {
         let below = format!("{path}/");
-        let mut d = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = self.dirs.locked();
         d.retain(|p, _| p != path && !p.starts_with(&below));
     }
 
     /// Anything may have changed: every listing is forgotten.
     pub(crate) fn forget_all(&self) {
-        self.dirs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.dirs.locked().clear();
     }
 }
 
@@ -112,7 +113,7 @@ impl KilnFs {
             .enumerate()
             .map(|(i, (n, _))| (n.clone(), i))
             .collect();
-        let mut d = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = self.recent.dirs.locked();
         if d.len() >= DIRS_MAX {
             d.clear();
         }
@@ -123,7 +124,7 @@ impl KilnFs {
     /// directory's later entries, descending into each subdirectory whose listing is known,
     /// then back up into the parents' later entries (where their listings are known).
     fn walk_after(&self, dir: &str, name: &str, max: usize) -> Vec<Next> {
-        let recent = self.recent.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let recent = self.recent.dirs.locked();
         let Some(here) = recent.get(dir) else {
             return Vec::new();
         };

@@ -14,6 +14,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
+use kiln_proto::sync::MutexExt as _;
 use rustc_hash::FxHashMap;
 
 use crate::inodes::join;
@@ -81,7 +82,7 @@ impl Walks {
     pub(crate) fn listed(&self, dir: &str, names: Vec<String>) -> Vec<String> {
         let mut new = Subdirs::new(names);
         let out = new.after(dir, None, self.by_name.load(Ordering::Relaxed));
-        let mut dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut dirs = self.dirs.locked();
         if let Some(old) = dirs.get(dir) {
             // Listed again while a walk goes through it: where it is stays known.
             let last = old.last.map(|i| old.names[i as usize].as_str());
@@ -97,7 +98,7 @@ impl Walks {
     /// A walk opened subdirectory `name` of `dir`: the paths of the subdirectories to fetch
     /// ahead, the next few after it in the order the walk is taking.
     pub(crate) fn opened(&self, dir: &str, name: &str) -> Vec<String> {
-        let mut dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut dirs = self.dirs.locked();
         let Some(d) = dirs.get_mut(dir) else {
             return Vec::new();
         };

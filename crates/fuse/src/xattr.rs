@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::Cred;
 
 use crate::gate::block_on;
@@ -57,7 +58,7 @@ impl NoXattrs {
     const KEEP: usize = 1 << 20;
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Instant, Arc<Cred>)>> {
-        self.until.lock().unwrap_or_else(|e| e.into_inner())
+        self.until.locked()
     }
 
     /// Call before fetching a listing for `who` whose entries are then trusted for `ttl`.

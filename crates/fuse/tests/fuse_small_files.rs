@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{content, same_bytes, Mounted};
 use kiln_fuse::Mode;
+use kiln_proto::sync::RwLockExt as _;
 use kiln_proto::Op;
 
 /// The kernel's caches are shared by every mount: a test that drops them
@@ -22,7 +23,7 @@ use kiln_proto::Op;
 static CACHES: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 fn caches_kept() -> std::sync::RwLockReadGuard<'static, ()> {
-    CACHES.read().unwrap_or_else(|e| e.into_inner())
+    CACHES.read_locked()
 }
 
 fn counts(m: &Mounted) -> [u64; 3] {
@@ -332,7 +333,7 @@ fn the_files_a_walk_reaches_next_are_fetched_ahead_across_directories() {
 /// change would not have spoiled what was fetched.
 #[test]
 fn a_name_looked_up_again_is_answered_from_what_was_fetched_ahead() {
-    let _alone = CACHES.write().unwrap_or_else(|e| e.into_inner());
+    let _alone = CACHES.write_locked();
     let m = Mounted::with_options(Mode::General, true, Duration::from_secs(60));
     let dir = m.brick().join("d");
     std::fs::create_dir(&dir).unwrap();

@@ -16,6 +16,8 @@ use std::sync::{Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
+use kiln_proto::sync::MutexExt as _;
+
 struct Entry {
     at: Instant,
     seq: u64,
@@ -60,7 +62,7 @@ fn timers() -> &'static Timers {
 }
 
 fn run(t: &'static Timers) {
-    let mut g = t.heap.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = t.heap.locked();
     loop {
         let now = Instant::now();
         let mut due = Vec::new();
@@ -70,7 +72,7 @@ fn run(t: &'static Timers) {
         if !due.is_empty() {
             drop(g);
             due.into_iter().for_each(Waker::wake);
-            g = t.heap.lock().unwrap_or_else(|e| e.into_inner());
+            g = t.heap.locked();
             continue;
         }
         g = match g.0.peek().map(|Reverse(e)| e.at) {
@@ -107,7 +109,7 @@ impl Future for Sleep {
         // re-polls it); register only once unless the waker changed.
         if !self.armed {
             let t = timers();
-            let mut g = t.heap.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = t.heap.locked();
             g.1 += 1;
             let seq = g.1;
             g.0.push(Reverse(Entry {
@@ -152,7 +154,7 @@ impl Signal {
     /// Moves the counter on and wakes every waiter.
     pub fn notify(&self) {
         let wakers = {
-            let mut g = self.wakers.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = self.wakers.locked();
             self.epoch.fetch_add(1, Ordering::AcqRel);
             std::mem::take(&mut *g)
         };
@@ -167,7 +169,7 @@ impl Signal {
                 return Poll::Ready(true);
             }
             {
-                let mut g = self.wakers.lock().unwrap_or_else(|e| e.into_inner());
+                let mut g = self.wakers.locked();
                 // Checked again under the lock `notify` takes: a notify cannot slip between.
                 if self.epoch() != seen {
                     return Poll::Ready(true);

@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use kiln_proto::sync::MutexExt as _;
 use serde::{Deserialize, Serialize};
 
 /// Now, in nanoseconds of the monotonic clock.
@@ -100,16 +101,13 @@ impl Trace {
             label: label.into(),
             remote: false,
         };
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(e);
+        self.events.locked().push(e);
     }
 
     /// Adds the brick's stamps from a reply.
     pub fn merge_remote(&self, block: &kiln_proto::ops::TraceBlock) {
         let remote = block.clock != clock_id();
-        let mut ev = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ev = self.events.locked();
         ev.extend(block.events.0.iter().map(|e| Event {
             t_ns: e.t_ns,
             label: e.label.clone(),
@@ -119,7 +117,7 @@ impl Trace {
 
     /// The stamps, for sending back over the wire.
     pub fn to_block(&self) -> kiln_proto::ops::TraceBlock {
-        let ev = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let ev = self.events.locked();
         kiln_proto::ops::TraceBlock {
             clock: clock_id(),
             events: kiln_proto::codec::Seq(
@@ -135,10 +133,7 @@ impl Trace {
 
     /// The stamps taken so far, in the order taken.
     pub fn events(&self) -> Vec<Event> {
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.events.locked().clone()
     }
 }
 
@@ -425,7 +420,7 @@ impl TraceLog {
     /// Adds a finished trace.
     pub fn push(&self, t: &Trace) {
         if let Some(tl) = Timeline::from_events(&t.events()) {
-            let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+            let mut r = self.ring.locked();
             if r.len() == TRACE_LOG_MAX {
                 r.pop_front();
             }
@@ -435,13 +430,13 @@ impl TraceLog {
 
     /// Takes every trace logged so far.
     pub fn drain(&self) -> Vec<Timeline> {
-        let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = self.ring.locked();
         r.drain(..).collect()
     }
 
     /// A copy of every trace logged so far.
     pub fn snapshot(&self) -> Vec<Timeline> {
-        let r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let r = self.ring.locked();
         r.iter().cloned().collect()
     }
 }

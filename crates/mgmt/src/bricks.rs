@@ -6,6 +6,7 @@ use crate::peers::CONNECT_TIMEOUT;
 use crate::response::BrickStarted;
 use crate::store::write_atomic;
 use crate::volfiles::brick_volfile;
+use kiln_proto::sync::MutexExt as _;
 use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::fs;
@@ -44,7 +45,7 @@ impl Manager {
     /// Called once at startup, while the management port answers the pool (volume commands
     /// wait for it).
     pub fn restore(&self) {
-        let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut procs = self.procs.locked();
         match self.import_local() {
             Ok(0) => {}
             Ok(n) => tracing::info!("{n} volume(s) moved into the pool's store"),
@@ -357,7 +358,7 @@ pub(crate) fn free_port(ip: IpAddr, taken: &BTreeSet<u16>, first: u16) -> Result
 }
 
 pub(crate) fn lock_port(m: &Mutex<u16>) -> std::sync::MutexGuard<'_, u16> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.locked()
 }
 
 /// The port of a brick's `/metrics` endpoint, from what it printed once it listened

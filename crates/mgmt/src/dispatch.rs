@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 
+use kiln_proto::sync::MutexExt as _;
 use kiln_server::control::{refusal, Caller, MgmtHandler};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -101,7 +102,7 @@ impl Manager {
                 return Ok(r);
             }
         }
-        let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut procs = self.procs.locked();
         let procs = &mut procs;
         match req {
             Request::Create {

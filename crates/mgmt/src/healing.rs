@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kiln_layer::heal::Board;
+use kiln_proto::sync::MutexExt as _;
 
 use serde::{Deserialize, Serialize};
 
@@ -39,25 +40,14 @@ pub struct Healer {
 impl Healer {
     /// The service's view of `volume`, if it heals it.
     pub fn view(&self, volume: &str) -> Option<VolHeal> {
-        let mut v = self
-            .vols
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(volume)
-            .cloned()?;
+        let mut v = self.vols.locked().get(volume).cloned()?;
         v.rebuilds = self.board(volume).snapshot();
         Some(v)
     }
 
     /// Every volume's view, for `/metrics`.
     pub fn views(&self) -> Vec<(String, VolHeal)> {
-        let names: Vec<String> = self
-            .vols
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let names: Vec<String> = self.vols.locked().keys().cloned().collect();
         let mut out: Vec<(String, VolHeal)> = names
             .into_iter()
             .filter_map(|n| self.view(&n).map(|v| (n, v)))
@@ -68,12 +58,12 @@ impl Healer {
 
     /// The rebuild progress of `volume`'s heal rounds.
     pub(crate) fn board(&self, volume: &str) -> Arc<Board> {
-        let mut b = self.boards.lock().unwrap_or_else(|e| e.into_inner());
+        let mut b = self.boards.locked();
         b.entry(volume.to_owned()).or_default().clone()
     }
 
     pub(crate) fn update(&self, volume: &str, f: impl FnOnce(&mut VolHeal)) {
-        let mut v = self.vols.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = self.vols.locked();
         f(v.entry(volume.to_owned()).or_default());
     }
 }

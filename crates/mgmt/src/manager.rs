@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 
+use kiln_proto::sync::MutexExt as _;
 use kiln_server::control::Handler;
 
 use crate::def::DEFAULT_MGMT_PORT;
@@ -273,15 +274,12 @@ impl Manager {
 
     /// Brick ports are allocated from `port` up (default [`FIRST_BRICK_PORT`]).
     pub fn set_first_brick_port(&self, port: u16) {
-        *self
-            .first_brick_port
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = port;
+        *self.first_brick_port.locked() = port;
     }
 
     /// Records the port the management server bound.
     pub fn set_mgmt_port(&self, port: u16) {
-        *self.mgmt_port.lock().unwrap_or_else(|e| e.into_inner()) = port;
+        *self.mgmt_port.locked() = port;
     }
 
     /// The handler to attach to the management server (together with [`Manager::secret`]).

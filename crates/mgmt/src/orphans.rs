@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crate::bricks::signal;
 use crate::def::VolState;
 use crate::manager::{Manager, Procs};
+use kiln_proto::sync::MutexExt as _;
 
 /// How old a brick process must be before it can be an orphan: a start spawns its bricks and
 /// records them in the pool's store well within this. `KILN_ORPHAN_GRACE_MS` changes it (tests).
@@ -46,7 +47,7 @@ impl Manager {
             return 0;
         }
         let defs = self.load_all();
-        let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut procs = self.procs.locked();
         let mut n = 0;
         for p in brick_procs(&self.state) {
             if p.age < grace {

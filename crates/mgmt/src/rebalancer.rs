@@ -24,11 +24,12 @@ use std::time::{Duration, Instant};
 
 use kiln_layer::distribute::{self, Distribute, Misplaced, Progress};
 use kiln_layer::exec::block_on;
+use kiln_proto::sync::MutexExt as _;
 
 use crate::def::{VolState, VolumeDef};
 use crate::manager::Manager;
 use crate::pool::{Cmd, Outcome};
-use crate::rebalancing::{lock, RebalanceView, Run, SetMoves, LARGE};
+use crate::rebalancing::{RebalanceView, Run, SetMoves, LARGE};
 use crate::store::vol_key;
 
 /// Starts the service thread (see the module documentation).
@@ -47,9 +48,12 @@ pub fn start(manager: Arc<Manager>) {
             // A run of this request is under way here. One that ended has recorded its end
             // first (so it is not asked for any more) unless it lost the leadership or could
             // not record: then it runs again.
-            let busy = lock(&manager.runs.runs)
+            let busy = manager
+                .runs
+                .runs
+                .locked()
                 .get(&def.name)
-                .is_some_and(|r| r.since == since && lock(&r.view).state == "running");
+                .is_some_and(|r| r.since == since && r.view.locked().state == "running");
             if !busy {
                 launch(&manager, def);
             }
@@ -83,7 +87,11 @@ fn launch(manager: &Arc<Manager>, def: VolumeDef) {
         moving: Mutex::new(None),
     });
     run.progress.rate.store(asked.rate, Relaxed);
-    lock(&manager.runs.runs).insert(def.name.clone(), run.clone());
+    manager
+        .runs
+        .runs
+        .locked()
+        .insert(def.name.clone(), run.clone());
     let m = manager.clone();
     let volume = def.name.clone();
     let spawned = std::thread::Builder::new()
@@ -103,7 +111,7 @@ fn launch(manager: &Arc<Manager>, def: VolumeDef) {
                 record_end(&m, &def.name, run.since, end.0, end.1.clone());
             }
             {
-                let mut v = lock(&run.view);
+                let mut v = run.view.locked();
                 v.state = end.0.into();
                 v.phase = String::new();
                 v.error = v.error.clone().or(end.1);
@@ -165,13 +173,13 @@ fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
         .as_any()
         .and_then(|a| a.downcast_ref::<Distribute>())
         .ok_or("no distribute layer")?;
-    lock(&run.view).sets = sets_of(def, d);
+    run.view.locked().sets = sets_of(def, d);
     let list = interleave(scan(d, run)?);
     {
-        let mut v = lock(&run.view);
+        let mut v = run.view.locked();
         v.phase = "moving".into();
     }
-    *lock(&run.moving) = Some(Instant::now());
+    *run.moving.locked() = Some(Instant::now());
     for mv in &list {
         if run.progress.stop.load(Relaxed) || !m.is_leader() {
             run.progress.stop.store(true, Relaxed);
@@ -181,7 +189,7 @@ fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
         let r = block_on(d.migrate(mv, &run.progress));
         {
             let took = t.elapsed().as_secs_f64();
-            let mut p = lock(&run.pace);
+            let mut p = run.pace.locked();
             if mv.size >= LARGE {
                 p.large_done_bytes += mv.size;
                 p.large_s += took;
@@ -193,7 +201,7 @@ fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
         match r {
             Ok(true) => {
                 run.progress.files.fetch_add(1, Relaxed);
-                let mut v = lock(&run.view);
+                let mut v = run.view.locked();
                 if let Some(s) = v.sets.get_mut(mv.from) {
                     s.moved_out += 1;
                     s.moved_out_bytes += mv.size;
@@ -215,7 +223,7 @@ fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
                     std::io::Error::from_raw_os_error(e as i32)
                 );
                 tracing::warn!(volume = %def.name, "rebalance could not move {msg}");
-                lock(&run.view).error.get_or_insert(msg);
+                run.view.locked().error.get_or_insert(msg);
             }
         }
     }
@@ -263,8 +271,8 @@ fn scan(d: &Distribute, run: &Run) -> Result<Vec<Misplaced>, String> {
             }
         };
         {
-            let mut v = lock(&run.view);
-            let mut p = lock(&run.pace);
+            let mut v = run.view.locked();
+            let mut p = run.pace.locked();
             for f in &found {
                 v.files_total += 1;
                 v.bytes_total += f.size;

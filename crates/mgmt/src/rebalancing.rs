@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kiln_layer::distribute::Progress;
+use kiln_proto::sync::MutexExt as _;
 use serde::{Deserialize, Serialize};
 
 /// Names at least this big count as large in the ETA: their time goes by their bytes; a small
@@ -122,14 +123,10 @@ pub struct Runs {
     pub(crate) runs: Mutex<HashMap<String, Arc<Run>>>,
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Run {
     /// The view now: counters, rate and ETA.
     pub(crate) fn view(&self) -> RebalanceView {
-        let mut v = lock(&self.view).clone();
+        let mut v = self.view.locked().clone();
         let p = &self.progress;
         v.bytes_moved = p.bytes.load(Relaxed);
         v.files_moved = p.files.load(Relaxed);
@@ -137,13 +134,13 @@ impl Run {
         v.failed = p.failed.load(Relaxed);
         v.rate_limit_bps = p.rate.load(Relaxed);
         v.elapsed_s = self.started.elapsed().as_secs_f64();
-        if let Some(t) = *lock(&self.moving) {
+        if let Some(t) = *self.moving.locked() {
             let secs = t.elapsed().as_secs_f64();
             if secs > 0.0 {
                 v.rate_bps = v.bytes_moved as f64 / secs;
             }
             if v.state == "running" {
-                v.eta_s = Some(lock(&self.pace).eta());
+                v.eta_s = Some(self.pace.locked().eta());
             }
         }
         v
@@ -153,12 +150,12 @@ impl Run {
 impl Runs {
     /// The run of `volume` on this kilnd, if any.
     pub fn view(&self, volume: &str) -> Option<RebalanceView> {
-        lock(&self.runs).get(volume).map(|r| r.view())
+        self.runs.locked().get(volume).map(|r| r.view())
     }
 
     /// Tells `volume`'s run (if this kilnd has one) to stop after the file it is moving.
     pub fn stop(&self, volume: &str) {
-        if let Some(r) = lock(&self.runs).get(volume) {
+        if let Some(r) = self.runs.locked().get(volume) {
             r.progress.stop.store(true, Relaxed);
         }
     }
@@ -166,7 +163,7 @@ impl Runs {
     /// Every run's counters for `/metrics`.
     pub fn render(&self, out: &mut kiln_layer::metrics::Scrape) {
         // Declared with no samples before a first run, so dashboards find every name.
-        let mut views: Vec<RebalanceView> = lock(&self.runs).values().map(|r| r.view()).collect();
+        let mut views: Vec<RebalanceView> = self.runs.locked().values().map(|r| r.view()).collect();
         views.sort_by(|a, b| a.volume.cmp(&b.volume));
         type Field = (
             &'static str,

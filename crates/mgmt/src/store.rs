@@ -9,6 +9,7 @@ use crate::manager::Manager;
 use crate::pool::{Cmd, Outcome, Versioned};
 use crate::volfiles::client_volfile;
 use kiln_layer::volfile::{LayerKind, Volfile};
+use kiln_proto::sync::MutexExt as _;
 
 impl Manager {
     pub(crate) fn vol_dir(&self, name: &str) -> PathBuf {
@@ -129,7 +130,7 @@ impl Manager {
         // The apply hook and a command's own change may both call this: one at a time (they
         // would race on the same temporary files).
         static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = ONE.locked();
         let Ok(pool) = self.pool() else { return };
         let secrets: std::collections::BTreeMap<String, String> = pool
             .scan(SECRET)

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use kiln_client::volume::Source;
 use kiln_client::{Fd, Volume};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::spec::ImageSpec;
 
@@ -67,7 +68,7 @@ fn place(sh: &Shared) -> String {
 /// The export's stack, built on first use and kept: its connections come back by themselves
 /// when a brick restarts (the protocol-client reconnects and waits for it).
 async fn volume(sh: &Shared) -> Result<Arc<Volume>, String> {
-    if let Some(v) = &*sh.vol.lock().unwrap_or_else(|e| e.into_inner()) {
+    if let Some(v) = &*sh.vol.locked() {
         return Ok(v.clone());
     }
     let src = sh.source.clone();
@@ -80,7 +81,7 @@ async fn volume(sh: &Shared) -> Result<Arc<Volume>, String> {
             s => format!("cannot build the client stack of {s}: {e}"),
         })?;
     let vol = Arc::new(vol);
-    *sh.vol.lock().unwrap_or_else(|e| e.into_inner()) = Some(vol.clone());
+    *sh.vol.locked() = Some(vol.clone());
     Ok(vol)
 }
 

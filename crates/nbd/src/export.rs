@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kiln_client::volume::Source;
+use kiln_proto::sync::MutexExt as _;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
@@ -218,12 +219,7 @@ impl Export {
         // cleanly (when nothing is in flight), so its writes are left for heal to check only
         // after a crash. Not after sessions were cut short: a change dropped mid-way was
         // never marked, and its bricks' records are then all heal has of it.
-        let vol = self
-            .shared
-            .vol
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let vol = self.shared.vol.locked().take();
         if let (Some(v), true) = (vol, drained.is_ok()) {
             let _ = tokio::task::spawn_blocking(move || v.end()).await;
         }

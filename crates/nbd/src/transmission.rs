@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use kiln_client::{Errno, Fd, RawIov, Volume};
+use kiln_proto::sync::MutexExt as _;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
@@ -516,7 +517,7 @@ impl Job {
     /// request.
     fn part_done(self: &Arc<Self>, r: Result<usize, Errno>, off: usize, want: usize) {
         let finished = {
-            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut s = self.state.locked();
             match r {
                 Err(e) => {
                     s.error.get_or_insert(e);

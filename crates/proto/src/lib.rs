@@ -15,6 +15,7 @@ pub mod marks;
 pub mod ops;
 pub mod seconds;
 pub mod stamp;
+pub mod sync;
 
 pub use addr::Listen;
 pub use codec::{DecodeError, Wire};

@@ -15,6 +15,7 @@ use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use kiln_proto::sync::MutexExt as _;
 use tokio::sync::Notify;
 
 use crate::limits::Limits;
@@ -67,7 +68,7 @@ impl Door {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// Lets a new connection from `from` in as a stranger, evicting the oldest stranger of

@@ -17,7 +17,9 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use kiln_proto::sync::MutexExt as _;
 
 /// Slots in one connection's table: 32 KiB, the files one client reads at once and then some.
 pub const SLOTS: usize = 4096;
@@ -110,12 +112,12 @@ impl Table {
     }
 
     fn take(&self) -> Option<u32> {
-        lock(&self.free).pop()
+        self.free.locked().pop()
     }
 
     fn put(&self, i: u32) {
         self.bump(i);
-        lock(&self.free).push(i);
+        self.free.locked().push(i);
     }
 }
 
@@ -124,10 +126,6 @@ impl Drop for Table {
         // SAFETY: the mapping made in `new`, no longer referenced (we are its only owner).
         unsafe { libc::munmap(self.base as *mut libc::c_void, SLOTS * 8) };
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One grant: a connection's slot for a file.
@@ -156,7 +154,7 @@ impl Grants {
 
     /// Records that connection `conn` may read `ino` through slot `slot` of `table`.
     pub fn add(&self, ino: Inode, conn: u64, table: &Arc<Table>, slot: u32) {
-        let mut m = lock(&self.by_inode);
+        let mut m = self.by_inode.locked();
         let v = m.entry(ino).or_default();
         if !v.iter().any(|h| h.conn == conn && h.slot == slot) {
             v.push(Holder {
@@ -170,7 +168,7 @@ impl Grants {
 
     /// Forgets connection `conn`'s grant of `ino` in `slot` (its handle was released).
     pub fn remove(&self, ino: Inode, conn: u64, slot: u32) {
-        let mut m = lock(&self.by_inode);
+        let mut m = self.by_inode.locked();
         if let Some(v) = m.get_mut(&ino) {
             let before = v.len();
             v.retain(|h| !(h.conn == conn && h.slot == slot));
@@ -183,12 +181,12 @@ impl Grants {
 
     /// Pins file `ino` (one more handle bypasses every check).
     pub fn pin(&self, ino: Inode) {
-        *lock(&self.pins).entry(ino.1).or_default() += 1;
+        *self.pins.locked().entry(ino.1).or_default() += 1;
     }
 
     /// Drops one pin of `ino`.
     pub fn unpin(&self, ino: Inode) {
-        let mut p = lock(&self.pins);
+        let mut p = self.pins.locked();
         if let Some(n) = p.get_mut(&ino.1) {
             *n -= 1;
             if *n == 0 {
@@ -199,17 +197,17 @@ impl Grants {
 
     /// Whether any file is pinned.
     pub fn any_pins(&self) -> bool {
-        !lock(&self.pins).is_empty()
+        !self.pins.locked().is_empty()
     }
 
     /// Whether the file with inode number `st_ino` is pinned.
     pub fn pinned(&self, st_ino: u64) -> bool {
-        lock(&self.pins).contains_key(&st_ino)
+        self.pins.locked().contains_key(&st_ino)
     }
 
     /// Makes stale the grants of `ino` held by connections other than `by`.
     pub fn changing(&self, ino: Inode, by: u64) {
-        let m = lock(&self.by_inode);
+        let m = self.by_inode.locked();
         for h in m.get(&ino).into_iter().flatten() {
             if h.conn != by {
                 h.table.bump(h.slot);
@@ -220,7 +218,7 @@ impl Grants {
     /// Makes every grant stale: a name changed, or a heal or migration session begins, and
     /// which file it touches is not known without a lookup.
     pub fn changing_all(&self) {
-        let m = lock(&self.by_inode);
+        let m = self.by_inode.locked();
         for h in m.values().flatten() {
             h.table.bump(h.slot);
         }

@@ -24,6 +24,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
+use kiln_proto::sync::RwLockExt as _;
 use kiln_proto::Cred;
 use serde::{Deserialize, Serialize};
 
@@ -287,18 +288,14 @@ impl Identities {
             })
             .map(|i| (i.name.clone(), Arc::new(i)))
             .collect();
-        *self.volume.write().unwrap_or_else(|e| e.into_inner()) = volume.to_owned();
-        *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        *self.volume.write_locked() = volume.to_owned();
+        *self.table.write_locked() = Arc::new(table);
         self.version.send_modify(|v| *v += 1);
     }
 
     /// The identity named `name`, if admitted.
     pub fn get(&self, name: &str) -> Option<Arc<Identity>> {
-        self.table
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .cloned()
+        self.table.read_locked().get(name).cloned()
     }
 
     /// Told of every reload.

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use kiln_proto::codec::Seq;
 use kiln_proto::ops::{Change, Changes};
+use kiln_proto::sync::MutexExt as _;
 use tokio::sync::Notify;
 
 /// Paths a watcher keeps before it is told "everything" instead.
@@ -42,10 +43,6 @@ struct Pending {
     all: bool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Watchers {
     /// True when some connection watches.
     pub fn any(&self) -> bool {
@@ -59,7 +56,7 @@ impl Watchers {
             pending: Mutex::default(),
             wake: Notify::new(),
         });
-        let mut l = lock(&self.list);
+        let mut l = self.list.locked();
         l.retain(|x| x.conn != conn);
         l.push(w.clone());
         self.count.store(l.len(), Ordering::Release);
@@ -68,7 +65,7 @@ impl Watchers {
 
     /// Connection `conn` stops watching (or is gone).
     pub fn remove(&self, conn: u64) {
-        let mut l = lock(&self.list);
+        let mut l = self.list.locked();
         l.retain(|x| x.conn != conn);
         self.count.store(l.len(), Ordering::Release);
     }
@@ -79,7 +76,7 @@ impl Watchers {
         if changes.is_empty() || !self.any() {
             return;
         }
-        for w in lock(&self.list).iter().filter(|w| w.conn != from) {
+        for w in self.list.locked().iter().filter(|w| w.conn != from) {
             w.add(changes);
         }
     }
@@ -96,7 +93,7 @@ pub async fn pushed(w: Option<&Watcher>) {
 impl Watcher {
     fn add(&self, changes: &[(String, u8)]) {
         {
-            let mut p = lock(&self.pending);
+            let mut p = self.pending.locked();
             if !p.all {
                 for (path, bits) in changes {
                     match p.paths.get_mut(path.as_str()) {
@@ -118,7 +115,7 @@ impl Watcher {
     /// The next push frame's arguments, if anything waits: at most [`FRAME_BUDGET`] bytes of
     /// paths, the rest left for the next frame.
     pub fn take(&self) -> Option<Changes> {
-        let mut p = lock(&self.pending);
+        let mut p = self.pending.locked();
         if p.all {
             *p = Pending::default();
             return Some(Changes {

@@ -18,6 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
 use kiln_client::{Fd, Volume};
+use kiln_proto::sync::{MutexExt as _, RwLockExt as _};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::*;
@@ -141,7 +142,7 @@ impl Blk {
         for q in 0..self.0.queues {
             self.drain_queue(q);
         }
-        *self.0.mem.write().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.0.mem.write_locked() = None;
     }
 
     /// Stops for a restart: the queues start no more requests, and this waits until those
@@ -155,10 +156,7 @@ impl Blk {
         for q in 0..self.0.queues {
             // A worker counts what it pops under this lock, after it looked at `stopping`:
             // either it saw it set, or its requests are counted here.
-            was += *self.0.inflight[q]
-                .n
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            was += *self.0.inflight[q].n.locked();
             self.drain_queue(q);
         }
         was
@@ -173,7 +171,7 @@ impl Blk {
 
     fn wait_idle(&self, q: usize, limit: Duration) -> bool {
         let f = &self.0.inflight[q];
-        let n = f.n.lock().unwrap_or_else(|e| e.into_inner());
+        let n = f.n.locked();
         let (n, _) = f
             .idle
             .wait_timeout_while(n, limit, |n| *n > 0)
@@ -182,7 +180,7 @@ impl Blk {
     }
 
     fn memory(&self) -> Option<Mem> {
-        let m = self.0.mem.read().unwrap_or_else(|e| e.into_inner());
+        let m = self.0.mem.read_locked();
         m.as_ref().map(|a| a.memory().into_inner())
     }
 
@@ -198,10 +196,7 @@ impl Blk {
                 let mut st = vring.get_mut();
                 // Counted before the ring's lock goes (stop_vring and stop wait for them),
                 // and not popped at all once the device stops.
-                let mut n = self.0.inflight[q]
-                    .n
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                let mut n = self.0.inflight[q].n.locked();
                 if self.0.stopping.load(SeqCst) {
                     return Ok(());
                 }
@@ -433,7 +428,7 @@ impl Blk {
             }
         }
         let f = &self.0.inflight[q];
-        let mut n = f.n.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = f.n.locked();
         *n = n.saturating_sub(1);
         if *n == 0 {
             f.idle.notify_all();
@@ -512,7 +507,7 @@ impl VhostUserBackend for Blk {
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
-        *self.0.mem.write().unwrap_or_else(|e| e.into_inner()) = Some(mem);
+        *self.0.mem.write_locked() = Some(mem);
         Ok(())
     }
 

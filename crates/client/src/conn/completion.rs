@@ -5,8 +5,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Poll, Waker};
 
 use kiln_proto::errno;
+use kiln_proto::sync::MutexExt as _;
 
-use super::{lock, Errno};
+use super::Errno;
 
 /// A successful reply: its encoded arguments and how many payload bytes landed in the sink.
 #[derive(Debug, Default)]
@@ -93,7 +94,7 @@ struct SlotState {
 impl Slot {
     fn complete(&self, c: Completion) {
         let (waker, blocked) = {
-            let mut s = lock(&self.state);
+            let mut s = self.state.locked();
             s.done = Some(c);
             (s.waker.take(), s.blocked)
         };
@@ -107,7 +108,7 @@ impl Slot {
 
     /// Blocks the calling thread until the completion arrives.
     pub fn wait(&self) -> Completion {
-        let mut s = lock(&self.state);
+        let mut s = self.state.locked();
         loop {
             if let Some(c) = s.done.take() {
                 return c;
@@ -121,7 +122,7 @@ impl Slot {
 
     /// Polls for the completion from a future.
     pub fn poll(&self, waker: &Waker) -> Poll<Completion> {
-        let mut s = lock(&self.state);
+        let mut s = self.state.locked();
         match s.done.take() {
             Some(c) => Poll::Ready(c),
             None => {

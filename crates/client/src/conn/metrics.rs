@@ -8,7 +8,7 @@ use super::*;
 /// Adds the counters of every live connection of this process, summed, to a `/metrics`
 /// scrape (what a mount or an NBD export adds).
 pub fn render_metrics(out: &mut kiln_layer::metrics::Scrape) {
-    let conns: Vec<Arc<Conn>> = lock(live()).iter().filter_map(|w| w.upgrade()).collect();
+    let conns: Vec<Arc<Conn>> = live().locked().iter().filter_map(|w| w.upgrade()).collect();
     let sum = |f: fn(&ConnStats) -> &AtomicU64| -> u64 {
         conns.iter().map(|c| f(&c.stats).load(Relaxed)).sum()
     };

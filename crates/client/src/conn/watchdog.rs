@@ -276,7 +276,7 @@ fn start() {
                 }
                 let now = now_ms();
                 let conns: Vec<Arc<Conn>> =
-                    lock(live()).iter().filter_map(|w| w.upgrade()).collect();
+                    live().locked().iter().filter_map(|w| w.upgrade()).collect();
                 for c in conns {
                     c.check(now, t);
                 }

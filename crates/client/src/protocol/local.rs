@@ -2,11 +2,12 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 
 use kiln_layer::{Ctx, FopResult, ReadDst, ReadOut};
 use kiln_proto::codec::Wire;
 use kiln_proto::ops::{GrantReply, GrantReq};
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::{errno, Op};
 
 use super::{Link, ProtocolClient, RemoteFd};
@@ -158,7 +159,7 @@ impl ProtocolClient {
         }
         // Listed before asking, so that a reconnect in between pins it again too.
         {
-            let mut pins = lock(&self.link.pins);
+            let mut pins = self.link.pins.locked();
             pins.retain(|w| w.strong_count() > 0);
             pins.push(Arc::downgrade(rfd));
         }
@@ -169,7 +170,10 @@ impl ProtocolClient {
                 Ok(file)
             }
             Err(e) => {
-                lock(&self.link.pins).retain(|w| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(rfd)));
+                self.link
+                    .pins
+                    .locked()
+                    .retain(|w| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(rfd)));
                 Err(e)
             }
         }
@@ -211,10 +215,6 @@ impl ProtocolClient {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// The inode number of an open file.
 fn inode(f: &OwnedFd) -> std::io::Result<u64> {
     Ok(rustix::fs::fstat(f)?.st_ino)
@@ -233,7 +233,7 @@ pub(super) fn repin(
     shortcut: &Shortcut,
 ) -> Vec<(Arc<RemoteFd>, u64)> {
     let pins: Vec<Arc<RemoteFd>> = {
-        let mut pins = lock(&link.pins);
+        let mut pins = link.pins.locked();
         pins.retain(|w| w.strong_count() > 0);
         pins.iter().filter_map(Weak::upgrade).collect()
     };
@@ -266,7 +266,7 @@ const REPIN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
 /// theirs, except for handles released meanwhile, whose new handle is closed.
 pub(super) fn adopt(repinned: Vec<(Arc<RemoteFd>, u64)>, client: &Client, gen: u64) {
     for (rfd, fh) in repinned {
-        let mut at = lock(&rfd.at);
+        let mut at = rfd.at.locked();
         if !rfd.released.load(Relaxed) {
             *at = (fh, gen);
             continue;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::{local, watch, Link};
 use crate::shortcut::Shortcut;
+use kiln_proto::sync::RwLockExt as _;
 
 /// The reconnect thread's loop: tries until it connects (backing off from 20 ms to 1 s) or the
 /// layer is gone, and tells waiters after every attempt.
@@ -14,15 +15,15 @@ pub(super) fn reconnect_loop(weak: Weak<Link>, name: String, shortcut: Arc<Short
     let mut wait = Duration::from_millis(20);
     loop {
         let Some(link) = weak.upgrade() else { return };
-        let old = link.cur.read().unwrap_or_else(|e| e.into_inner()).0.clone();
+        let old = link.cur.read_locked().0.clone();
         match old.reconnect() {
             Ok(c) => {
                 let c = Arc::new(c);
-                let gen = link.cur.read().unwrap_or_else(|e| e.into_inner()).1 + 1;
+                let gen = link.cur.read_locked().1 + 1;
                 // Pinned handles are pinned again before anyone can use the connection.
                 let repinned = local::repin(&link, &name, &c, gen, &shortcut);
                 {
-                    let mut g = link.cur.write().unwrap_or_else(|e| e.into_inner());
+                    let mut g = link.cur.write_locked();
                     g.1 = gen;
                     g.0 = c.clone();
                     tracing::info!(layer = name, gen, "reconnected to {}", old.server());

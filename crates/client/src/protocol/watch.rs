@@ -5,6 +5,7 @@ use std::io;
 
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::ops::Changes;
+use kiln_proto::sync::MutexExt as _;
 
 use super::{Link, ProtocolClient};
 use crate::conn::PushSink;
@@ -15,24 +16,20 @@ impl ProtocolClient {
     /// later connection. An error (the brick down, or one that cannot push) leaves the sink
     /// in place for the next connection.
     pub async fn watch(&self, sink: PushSink) -> io::Result<()> {
-        *self.link.push.lock().unwrap_or_else(|e| e.into_inner()) = Some(sink.clone());
+        *self.link.push.locked() = Some(sink.clone());
         self.client().watch(Some(sink)).await
     }
 
     /// The sink pushes go to, if this layer watches.
     pub fn push_sink(&self) -> Option<PushSink> {
-        self.link
-            .push
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.link.push.locked().clone()
     }
 }
 
 /// After a reconnect to `c`: watch again, then tell the sink that anything may have changed
 /// (or, if the brick will not push, that pushes stopped).
 pub(super) fn rewatch(link: &Link, name: &str, c: &Client) {
-    let sink = link.push.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let sink = link.push.locked().clone();
     let Some(sink) = sink else {
         return;
     };

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 
 use kiln_layer::IoBufs;
+use kiln_proto::sync::MutexExt as _;
 
 use super::Grant;
 
@@ -51,10 +52,6 @@ struct Shared {
 
 /// The future of a copy on the copy thread.
 pub struct Copy(Arc<Mutex<Shared>>);
-
-fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The copy thread's queue, started on first use; `None` if the thread could not start.
 fn worker() -> Option<&'static Sender<Job>> {
@@ -95,7 +92,7 @@ pub fn copy(g: Arc<Grant>, bufs: IoBufs, offset: u64) -> Copy {
         // this job until the copy is over.
         let n = unsafe { g.read(bufs.iov(), offset) };
         let waker = {
-            let mut s = lock(&s);
+            let mut s = s.locked();
             s.out = Some((n, bufs));
             s.waker.take()
         };
@@ -118,7 +115,7 @@ impl Future for Copy {
     type Output = Out;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Out> {
-        let mut s = lock(&self.0);
+        let mut s = self.0.locked();
         match s.out.take() {
             Some(out) => Poll::Ready(out),
             None => {
@@ -170,7 +167,7 @@ mod tests {
             assert!(read(c) == want);
             copy_inline_on_this_thread();
             let c = copy(g, IoBufs::owned(vec![vec![0u8; LARGE]]), 0);
-            assert!(lock(&c.0).out.is_some(), "copied before copy() returned");
+            assert!(c.0.locked().out.is_some(), "copied before copy() returned");
             assert!(read(c) == want);
         })
         .join()

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
+use kiln_proto::sync::MutexExt as _;
 use serde::{Deserialize, Serialize};
 
 use crate::trace::now_ns;
@@ -141,7 +142,7 @@ impl IoStatsData {
             born: Instant::now(),
             interval: Mutex::new(None),
         });
-        let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = registry().locked();
         r.retain(|w| w.strong_count() > 0);
         r.push(Arc::downgrade(&d));
         d
@@ -169,7 +170,7 @@ impl IoStatsData {
             }
             _ => 0,
         };
-        let mut h = s.lat.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = s.lat.locked();
         h.get_or_insert_with(new_hist)
             .saturating_record(latency_ns.max(1));
     }
@@ -188,11 +189,7 @@ impl IoStatsData {
             calls: self.ops.iter().map(|s| load(&s.calls)).collect(),
             errors: self.ops.iter().map(|s| load(&s.errors)).collect(),
             bytes: self.ops.iter().map(|s| load(&s.bytes)).collect(),
-            lat: self
-                .ops
-                .iter()
-                .map(|s| s.lat.lock().unwrap_or_else(|e| e.into_inner()).clone())
-                .collect(),
+            lat: self.ops.iter().map(|s| s.lat.locked().clone()).collect(),
             read_sizes: self.read_sizes.iter().map(load).collect(),
             write_sizes: self.write_sizes.iter().map(load).collect(),
         }
@@ -201,12 +198,12 @@ impl IoStatsData {
     /// Starts a new interval now.
     pub fn start_interval(&self) {
         let raw = self.raw();
-        *self.interval.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), raw));
+        *self.interval.locked() = Some((Instant::now(), raw));
     }
 
     /// Ends the interval: later reports have none.
     pub fn stop_interval(&self) {
-        *self.interval.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.interval.locked() = None;
     }
 
     /// Cumulative and interval numbers.
@@ -215,8 +212,7 @@ impl IoStatsData {
         let cumulative = period(&now, None, self.born.elapsed().as_secs_f64());
         let interval = self
             .interval
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .as_ref()
             .map(|(at, base)| period(&now, Some(base), at.elapsed().as_secs_f64()));
         PointReport {
@@ -232,7 +228,7 @@ impl IoStatsData {
         for op in Op::ALL {
             let name = op.name().to_ascii_lowercase();
             let s = &self.ops[*op as usize % OPS];
-            let h = s.lat.lock().unwrap_or_else(|e| e.into_inner());
+            let h = s.lat.locked();
             if let Some(h) = h.as_ref() {
                 f(
                     &name,
@@ -310,7 +306,7 @@ pub fn registry() -> &'static Mutex<Vec<Weak<IoStatsData>>> {
 
 /// The live io-stats points of this process, in the order they were built.
 pub fn points() -> Vec<Arc<IoStatsData>> {
-    let r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    let r = registry().locked();
     r.iter().filter_map(Weak::upgrade).collect()
 }
 

@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use kiln_proto::sync::{MutexExt as _, RwLockExt as _};
 use openraft::raft::{AppendEntriesResponse, InstallSnapshotRequest};
 use openraft::{BasicNode, ChangeMembers, Config, ServerState};
 use serde::de::DeserializeOwned;
@@ -159,17 +160,13 @@ impl Pool {
     /// Calls `f` after each batch of changes this member applies, and logs changes of
     /// leader (openraft's own logs are off by default: `KILN_LOG=openraft=info`).
     pub fn on_applied(&self, f: impl Fn() + Send + Sync + 'static) {
-        *self.on_applied.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
+        *self.on_applied.locked() = Some(Arc::new(f));
         self.watch();
     }
 
     /// Follows the current Raft's metrics until it shuts down (a reset starts another).
     fn watch(&self) {
-        let hook = self
-            .on_applied
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let hook = self.on_applied.locked().clone();
         let mut rx = self.raft().metrics();
         let me = self.id;
         self.rt.spawn(async move {
@@ -227,15 +224,15 @@ impl Pool {
     }
 
     fn raft(&self) -> Raft {
-        self.raft.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.raft.read_locked().clone()
     }
 
     fn sm(&self) -> sm::Sm {
-        self.sm.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.sm.read_locked().clone()
     }
 
     fn my_addr(&self) -> SocketAddr {
-        *self.addr.lock().unwrap_or_else(|e| e.into_inner())
+        *self.addr.locked()
     }
 
     /// Runs `f` on the runtime from a blocking thread (MGMT requests are answered on those).
@@ -289,7 +286,7 @@ impl Pool {
         if self.initialized() {
             return Ok(());
         }
-        let _one = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.changing.locked();
         if self.initialized() {
             return Ok(());
         }
@@ -552,7 +549,7 @@ impl Pool {
     /// Forgets the pool: stops Raft, removes its log and store, and starts again as a kilnd
     /// in no pool (the node id stays).
     pub fn reset(&self) -> Result<(), String> {
-        let _one = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.changing.locked();
         let old = self.raft();
         let _ = self.block_on(old.shutdown());
         for f in [
@@ -566,8 +563,8 @@ impl Pool {
         }
         let _ = fs::remove_dir_all(self.dir.join("log"));
         let (raft, sm) = self.block_on(start(self.id, &self.dir, &self.link))?;
-        *self.raft.write().unwrap_or_else(|e| e.into_inner()) = raft;
-        *self.sm.write().unwrap_or_else(|e| e.into_inner()) = sm;
+        *self.raft.write_locked() = raft;
+        *self.sm.write_locked() = sm;
         self.heard.now();
         self.watch();
         tracing::info!("pool: left the pool; this kilnd is in none now");
@@ -593,7 +590,7 @@ impl Pool {
             ));
         }
         let _: Joined = self.call(addr, &Msg::PoolJoin { prepare: true })?;
-        let _one = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.changing.locked();
         let raft = self.raft();
         // Alone with a loopback address, this member names itself by the address the new one
         // reaches it on, or the new one could not reach it back.
@@ -603,7 +600,7 @@ impl Pool {
             let set = BTreeMap::from([(self.id, BasicNode::new(me.to_string()))]);
             self.block_on(raft.change_membership(ChangeMembers::SetNodes(set), false))
                 .map_err(|e| format!("cannot rename this member to {me}: {e}"))?;
-            *self.addr.lock().unwrap_or_else(|e| e.into_inner()) = me;
+            *self.addr.locked() = me;
         }
         let node = BasicNode::new(addr.to_string());
         self.block_on(async {
@@ -628,7 +625,7 @@ impl Pool {
 
     /// Removes the member `id` (on the leader) and tells it to forget the pool.
     pub fn detach(&self, id: NodeId) -> Result<String, String> {
-        let _one = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.changing.locked();
         let members = self.view(false).members;
         let Some(m) = members.iter().find(|m| m.id == id) else {
             return Err(format!("no member {id:016x} in the pool"));

@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kiln_proto::sync::MutexExt as _;
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
 };
@@ -70,7 +71,7 @@ impl Conn {
         let req = serde_json::to_value(req).expect("raft messages serialise");
         let (addr, link, conn) = (self.addr.clone(), self.link.clone(), self.conn.clone());
         let out = tokio::task::spawn_blocking(move || {
-            let mut slot = conn.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slot = conn.locked();
             if slot.is_none() {
                 let sa = addr
                     .parse()

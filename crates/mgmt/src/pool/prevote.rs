@@ -29,6 +29,7 @@
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+use kiln_proto::sync::{MutexExt as _, RwLockExt as _};
 use openraft::LogId;
 use serde::{Deserialize, Serialize};
 
@@ -72,12 +73,12 @@ impl Default for Heard {
 impl Heard {
     /// A leader was heard from just now.
     pub fn now(&self) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        *self.0.locked() = Instant::now();
     }
 
     /// How long ago.
     fn ago(&self) -> Duration {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+        self.0.locked().elapsed()
     }
 }
 
@@ -121,7 +122,7 @@ pub async fn campaign(
         let Some(r) = raft.upgrade() else {
             return;
         };
-        let raft = r.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let raft = r.read_locked().clone();
         drop(r);
         let m = raft.metrics().borrow().clone();
         let membership = m.membership_config.membership().clone();

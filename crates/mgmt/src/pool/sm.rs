@@ -7,6 +7,7 @@ use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
+use kiln_proto::sync::RwLockExt as _;
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
     BasicNode, EntryPayload, ErrorSubject, ErrorVerb, LogId, RaftSnapshotBuilder, SnapshotMeta,
@@ -116,7 +117,7 @@ impl Sm {
 
     /// What the store holds now.
     pub fn read(&self) -> RwLockReadGuard<'_, Data> {
-        self.data.read().unwrap_or_else(|e| e.into_inner())
+        self.data.read_locked()
     }
 
     // openraft's error type, returned only when the disk fails.
@@ -146,7 +147,7 @@ impl RaftSnapshotBuilder<Kiln> for Sm {
         };
         write_json(&self.dir, "snapshot.json", &stored)
             .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
-        *self.snapshot.write().unwrap_or_else(|e| e.into_inner()) = Some(stored);
+        *self.snapshot.write_locked() = Some(stored);
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
@@ -185,7 +186,7 @@ impl RaftStateMachine<Kiln> for Sm {
         }
         // Saved before readers see it: what a reader saw survives a crash.
         self.save(&next)?;
-        *self.data.write().unwrap_or_else(|e| e.into_inner()) = next;
+        *self.data.write_locked() = next;
         Ok(out)
     }
 
@@ -215,13 +216,13 @@ impl RaftStateMachine<Kiln> for Sm {
         write_json(&self.dir, "snapshot.json", &stored)
             .map_err(|e| io_err(ErrorSubject::Snapshot(sig), ErrorVerb::Write, e))?;
         self.save(&d)?;
-        *self.data.write().unwrap_or_else(|e| e.into_inner()) = d;
-        *self.snapshot.write().unwrap_or_else(|e| e.into_inner()) = Some(stored);
+        *self.data.write_locked() = d;
+        *self.snapshot.write_locked() = Some(stored);
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<Kiln>>, StorageError> {
-        let s = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
+        let s = self.snapshot.read_locked();
         Ok(s.as_ref().map(|s| Snapshot {
             meta: s.meta.clone(),
             snapshot: Box::new(Cursor::new(s.data.clone())),

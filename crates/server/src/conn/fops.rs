@@ -3,6 +3,7 @@
 use kiln_layer::{Ctx, IoBufs, ReadDst, ReadOut};
 use kiln_proto::codec::{Seq, Wire};
 use kiln_proto::ops::*;
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::{errno, Op};
 
 use kiln_layer::Errno;
@@ -216,7 +217,7 @@ impl Conn {
         }
         let mut report = kiln_layer::metrics::profile_json("kilnd");
         let clients: Vec<String> = {
-            let c = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+            let c = self.clients.locked();
             let mut v: Vec<String> = c.values().cloned().collect();
             v.sort();
             v.dedup();

@@ -4,6 +4,7 @@
 //! removed or its key rotated.
 
 use kiln_proto::ops::{AuthReply, AuthReq, HelloReply, HelloReq};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::identity::{Caps, Identities, Identity};
 
@@ -132,10 +133,7 @@ impl Conn {
         self.set_caps(caps);
         if !self.who.metrics.is_empty() {
             let m = std::mem::take(&mut self.who.metrics);
-            self.clients
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(self.conn_id, m);
+            self.clients.locked().insert(self.conn_id, m);
         }
         Ok(())
     }

@@ -26,6 +26,7 @@ use kiln_layer::{Ctx, Fd, LayerRef, Trace};
 use kiln_proto::codec::Wire;
 use kiln_proto::frame::{Header, HEADER_LEN, KIND_REQUEST};
 use kiln_proto::ops::*;
+use kiln_proto::sync::MutexExt as _;
 use kiln_proto::{errno, Op};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
@@ -283,10 +284,7 @@ struct Changing {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        self.clients
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.conn_id);
+        self.clients.locked().remove(&self.conn_id);
         self.watchers.remove(self.conn_id);
         // First what the connection may have left half done (a client killed mid-write),
         // while its handles still say what it was changing; then the handles it never

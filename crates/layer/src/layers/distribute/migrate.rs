@@ -38,6 +38,7 @@ use crate::{Attr, Ctx, Errno, Fd, FopResult, IoBufs, LayerRef, ReadDst, ReadOut,
 use kiln_proto::ops::{
     SETATTR_ATIME, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_SIZE, SETATTR_UID,
 };
+use kiln_proto::sync::MutexExt as _;
 
 use super::{is_dir, split, Distribute, ENOENT};
 
@@ -109,7 +110,7 @@ impl Progress {
             return Ok(());
         }
         let due = {
-            let mut p = self.paced.lock().unwrap_or_else(|e| e.into_inner());
+            let mut p = self.paced.locked();
             let now = Instant::now();
             let (since, bytes, at) = match *p {
                 // Reckoned afresh when the rate changes, or after a pause (no catching up).

@@ -30,6 +30,7 @@ use kiln_proto::ops::{
     DirtyReq, ExtentList, LeaseState, DIRTY_GET, DIRTY_MAX, DIRTY_START, DIRTY_STOP, LEASE_ACQUIRE,
     LEASE_QUERY, LEASE_RELEASE, LEASE_TTL_MAX,
 };
+use kiln_proto::sync::MutexExt as _;
 
 use crate::marks::{self as m, RangeSet};
 use crate::{errno, FopResult};
@@ -204,7 +205,7 @@ impl Marks {
     /// moved: its dirty records no longer describe what is there (asking one answers
     /// `ENOENT`: copy everything).
     pub(super) fn forget_dirty(&self, path: &str) {
-        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let files = self.files.locked();
         // A directory's name too: a record is kept by path, and a file made later at an old
         // path must not take over the record of the one that moved away.
         let under = format!("{}/", path.trim_end_matches('/'));
@@ -218,7 +219,7 @@ impl Marks {
     /// Drops the leases held, and lifts the barriers raised, through connection `owner` (it
     /// hung up).
     pub(super) fn drop_leases(&self, owner: u64) {
-        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let files = self.files.locked();
         for (path, key) in files.iter() {
             let mut st = key.state();
             if st.lift_barrier(owner) {

@@ -13,6 +13,7 @@
 
 use std::io::{Read, Write};
 
+use kiln_proto::sync::MutexExt as _;
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
 use serde::{Deserialize, Serialize};
 
@@ -60,8 +61,7 @@ impl Marks {
     pub fn keep_dirty(&self) -> std::io::Result<usize> {
         let keys: Vec<(String, Arc<FileKey>)> = self
             .files
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .iter()
             .map(|(p, k)| (p.clone(), k.clone()))
             .collect();

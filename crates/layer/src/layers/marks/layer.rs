@@ -16,6 +16,7 @@ use kiln_proto::ops::{
     SETATTR_ATIME, SETATTR_ATIME_NOW, SETATTR_GID, SETATTR_MODE, SETATTR_MTIME, SETATTR_MTIME_NOW,
     SETATTR_SIZE, SETATTR_UID,
 };
+use kiln_proto::sync::MutexExt as _;
 
 use super::aspect;
 use super::locks::{span, Entered};
@@ -173,7 +174,7 @@ impl Layer for Marks {
             let r = self.child().release(cx, inner).await;
             // The path the key was made for is not kept; look it up by identity.
             let path = {
-                let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+                let files = self.files.locked();
                 files
                     .iter()
                     .find(|(_, k)| Arc::ptr_eq(k, &key))

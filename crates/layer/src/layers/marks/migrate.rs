@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::marks::{self as m};
 use crate::{errno, FopResult};
+use kiln_proto::sync::MutexExt as _;
 
 use super::locks::Locker;
 use super::*;
@@ -49,7 +50,7 @@ pub(super) struct MovedNames {
 
 impl MovedNames {
     fn add(&self, path: &str) {
-        let mut n = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = self.names.locked();
         n.insert(path.to_owned(), Instant::now() + MOVED_NAMES_FOR);
         self.any.store(true, SeqCst);
     }
@@ -59,7 +60,7 @@ impl MovedNames {
         if !self.any.load(Relaxed) {
             return false;
         }
-        let mut n = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = self.names.locked();
         let now = Instant::now();
         n.retain(|_, until| *until > now);
         if n.is_empty() {
@@ -71,7 +72,7 @@ impl MovedNames {
     /// `path` names a file here again.
     pub(super) fn forget(&self, path: &str) {
         if self.any.load(Relaxed) {
-            let mut n = self.names.lock().unwrap_or_else(|e| e.into_inner());
+            let mut n = self.names.locked();
             n.remove(path);
         }
     }
@@ -186,7 +187,7 @@ impl Marks {
             st.sessions.retain(|s| s.owner != owner);
         }
         key.changed.notify_waiters();
-        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let mut files = self.files.locked();
         if files.get(path).is_some_and(|k| Arc::ptr_eq(k, &key)) {
             files.remove(path);
         }

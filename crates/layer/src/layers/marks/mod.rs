@@ -59,6 +59,7 @@ use std::time::Instant;
 
 use crate::marks::{self as m, RangeSet};
 use crate::{Fd, FopResult, LayerRef};
+use kiln_proto::sync::MutexExt as _;
 
 mod control;
 mod identity;
@@ -201,7 +202,7 @@ struct FileKey {
 
 impl FileKey {
     fn state(&self) -> MutexGuard<'_, FileState> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+        self.st.locked()
     }
 }
 
@@ -413,17 +414,17 @@ impl Marks {
     }
 
     fn store(&self) -> MutexGuard<'_, Store> {
-        self.store.lock().unwrap_or_else(|e| e.into_inner())
+        self.store.locked()
     }
 
     fn key(&self, path: &str) -> Arc<FileKey> {
-        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let mut files = self.files.locked();
         files.entry(path.to_owned()).or_default().clone()
     }
 
     /// Forgets a file's lock state when nobody holds it.
     fn forget(&self, path: &str, key: &Arc<FileKey>) {
-        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let mut files = self.files.locked();
         // Ours, the map's: nobody else.
         if Arc::strong_count(key) <= 2
             && {

@@ -26,6 +26,7 @@
 use std::time::{Duration, Instant};
 
 use crate::marks::{self as m, RangeSet};
+use kiln_proto::sync::MutexExt as _;
 
 use super::*;
 
@@ -184,7 +185,7 @@ impl Marks {
         if owner == 0 {
             return; // not a client connection (a brick's own or a test's work)
         }
-        let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names = self.names.locked();
         let n = names.entry(owner).or_default();
         n.note(path);
         if let Some(a) = also {
@@ -195,16 +196,13 @@ impl Marks {
     /// Connection `owner` said goodbye: nothing it changed is in doubt, so its records go.
     pub(super) fn forget_recent(&self, owner: u64) {
         let keys: Vec<Arc<FileKey>> = {
-            let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+            let files = self.files.locked();
             files.values().cloned().collect()
         };
         for key in keys {
             key.state().recent.retain(|r| r.owner != owner);
         }
-        self.names
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&owner);
+        self.names.locked().remove(&owner);
     }
 
     /// Connection `owner` ended: what it changed lately through handles it still held, and
@@ -213,7 +211,7 @@ impl Marks {
         let now = Instant::now();
         let mut ops: Vec<(u8, String, u32, u64, u64)> = Vec::new();
         let keys: Vec<(String, Arc<FileKey>)> = {
-            let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+            let files = self.files.locked();
             files.iter().map(|(p, k)| (p.clone(), k.clone())).collect()
         };
         for (path, key) in keys {
@@ -235,11 +233,7 @@ impl Marks {
                     .map(|(o, l)| (b'A', path.clone(), m::ANY, o, l)),
             );
         }
-        let names = self
-            .names
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&owner);
+        let names = self.names.locked().remove(&owner);
         for p in names.map(|n| n.suspects(now)).unwrap_or_default() {
             ops.push((b'F', p, m::ANY, u64::from(m::ENTRY), 0));
         }

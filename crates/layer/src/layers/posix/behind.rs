@@ -26,6 +26,8 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use kiln_proto::sync::MutexExt as _;
+
 /// The default window: none (off). Flush-behind costs the replicated write path about 15% on
 /// a disk file system (`bench/versions.py`: 4 KiB QD1 p50 0.85x, 128 KiB QD32 0.86x), so it is
 /// an operator's choice (`kiln volume set VOL flush-behind 8M`) for images snapshotted or
@@ -70,7 +72,7 @@ impl Behind {
             return None;
         }
         let rt = tokio::runtime::Handle::try_current().ok()?;
-        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let mut running = self.running.locked();
         if !*running {
             *running = true;
             self.written.store(0, Ordering::Relaxed);
@@ -131,7 +133,7 @@ impl Behind {
                 );
             }
         }
-        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let mut running = self.running.locked();
         *running = false;
         self.ended.fetch_add(1, Ordering::Release);
         drop(running);

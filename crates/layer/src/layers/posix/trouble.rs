@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use kiln_proto::sync::MutexExt as _;
+
 /// The errors watched, with their names.
 const WATCHED: [(u32, &str); 4] = [
     (libc::ENOSPC as u32, "ENOSPC"),
@@ -30,7 +32,7 @@ pub fn observe(e: u32, file: &str) {
     };
     COUNTS[i].fetch_add(1, Relaxed);
     let now = Instant::now();
-    let mut logged = LOGGED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut logged = LOGGED.locked();
     let map = logged.get_or_insert_with(HashMap::new);
     let key = (file.to_owned(), e);
     if map

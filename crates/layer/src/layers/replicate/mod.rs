@@ -53,6 +53,7 @@ use crate::{
     errno, fail, Attr, Ctx, Errno, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef,
     LeaseState, ReadDst, ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
 };
+use kiln_proto::sync::MutexExt as _;
 
 mod behind;
 mod current;
@@ -116,10 +117,7 @@ struct RepFd {
 /// The replicas on which `rfd`'s file is missing (a bit per replica).
 fn missing(rfd: &RepFd) -> u32 {
     rfd.kids.iter().enumerate().fold(0, |b, (i, k)| {
-        let gone = matches!(
-            *k.lock().unwrap_or_else(|e| e.into_inner()),
-            ChildFd::Missing
-        );
+        let gone = matches!(*k.locked(), ChildFd::Missing);
         if gone {
             b | bit(i)
         } else {
@@ -248,7 +246,7 @@ impl Replicate {
     }
 
     fn state(&self, path: &str) -> Arc<FileState> {
-        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let mut files = self.files.locked();
         if let Some(s) = files.get(path).and_then(Weak::upgrade) {
             return s;
         }
@@ -262,7 +260,7 @@ impl Replicate {
 
     /// Bit set of replicas that are behind for `path`, known to this client.
     fn known_bad(&self, path: &str) -> u32 {
-        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let files = self.files.locked();
         files
             .get(path)
             .and_then(Weak::upgrade)
@@ -325,7 +323,7 @@ impl Replicate {
     }
 
     fn child_fd(&self, rfd: &RepFd, i: usize) -> Option<Fd> {
-        match &*rfd.kids[i].lock().unwrap_or_else(|e| e.into_inner()) {
+        match &*rfd.kids[i].locked() {
             ChildFd::Open(fd) => Some(fd.clone()),
             _ => None,
         }
@@ -339,7 +337,7 @@ impl Replicate {
         let r = self.kids[i]
             .open(cx, &rfd.path, reopen_flags(rfd.flags))
             .await;
-        let mut slot = rfd.kids[i].lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = rfd.kids[i].locked();
         match r {
             Ok(fd) => {
                 *slot = ChildFd::Open(fd.clone());
@@ -367,10 +365,7 @@ impl Replicate {
         let fd = match self.child_fd(rfd, i) {
             Some(fd) => fd,
             None => {
-                let missing = matches!(
-                    &*rfd.kids[i].lock().unwrap_or_else(|e| e.into_inner()),
-                    ChildFd::Missing
-                );
+                let missing = matches!(&*rfd.kids[i].locked(), ChildFd::Missing);
                 if missing {
                     return Err(ENOENT);
                 }

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use kiln_proto::stamp::{SnapReply, Stamp};
+use kiln_proto::sync::MutexExt as _;
 
 use crate::marks::{self as m, RangeSet};
 use crate::Ctx;
@@ -41,7 +42,7 @@ pub(super) struct Open<'a> {
 
 impl Drop for Open<'_> {
     fn drop(&mut self) {
-        let mut o = self.stamper.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = self.stamper.open.locked();
         o.1.remove(&self.seq);
     }
 }
@@ -50,7 +51,7 @@ impl Stamper {
     /// Stamps a change: `cx` with the change's stamp, and what settles it when dropped.
     pub(super) fn begin(&self, cx: &Ctx) -> (Ctx, Open<'_>) {
         let (seq, done) = {
-            let mut o = self.open.lock().unwrap_or_else(|e| e.into_inner());
+            let mut o = self.open.locked();
             let seq = o.0;
             o.0 += 1;
             let done = o.1.first().copied().unwrap_or(seq);

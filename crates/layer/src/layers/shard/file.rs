@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::{inner, piece_path, Mark, Shard, EEXIST, ENOENT, SHARD_DIR};
 use crate::exec::join_all;
 use crate::{Attr, Ctx, Fd, FopResult, Fut, SetAttrs};
+use kiln_proto::sync::MutexExt as _;
 
 /// How long a handle trusts that a piece it did not find is still a hole (another client may
 /// write it meanwhile).
@@ -157,7 +158,7 @@ pub(super) struct Pieces {
 
 impl Pieces {
     fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
+        self.open.locked()
     }
 
     /// How many piece handles are open.

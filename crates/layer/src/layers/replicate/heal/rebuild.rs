@@ -24,6 +24,7 @@ use std::time::{Instant, SystemTime};
 use crate::marks::{self as m, CondFlag, FlagMark, MemberReq};
 use crate::replicate::Replicate;
 use crate::{errno, Ctx, FopResult, LayerRef};
+use kiln_proto::sync::MutexExt as _;
 
 use super::entries::{child, kind, list};
 use super::Need;
@@ -80,28 +81,25 @@ pub struct Board {
 impl Board {
     /// The rebuilds now (finished ones included until the next run).
     pub fn snapshot(&self) -> Vec<Rebuild> {
-        self.rebuilds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.rebuilds.locked().clone()
     }
 
     fn update(&self, set: &str, target: usize, f: impl FnOnce(&mut Rebuild)) {
-        let mut all = self.rebuilds.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.rebuilds.locked();
         if let Some(r) = all.iter_mut().find(|r| r.set == set && r.target == target) {
             f(r);
         }
     }
 
     fn put(&self, r: Rebuild) {
-        let mut all = self.rebuilds.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.rebuilds.locked();
         all.retain(|x| !(x.set == r.set && x.target == r.target));
         all.push(r);
     }
 
     /// Forgets the set's rebuilds that finished (shown until the next run).
     fn forget_done(&self, set: &str) {
-        let mut all = self.rebuilds.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.rebuilds.locked();
         all.retain(|x| x.set != set || !x.done);
     }
 }
@@ -285,8 +283,7 @@ pub(super) async fn begin(r: &Replicate, board: &Board) -> Vec<usize> {
         // The trees are counted once per rebuild, not in every heal run.
         let known = board
             .rebuilds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .iter()
             .any(|r| r.set == set && r.target == t && !r.done);
         if known {

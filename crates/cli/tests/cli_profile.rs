@@ -4,6 +4,12 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
+use kiln_proto::sync::MutexExt as _;
+
+/// Held by each test: the waterfall times microseconds on a two-CPU machine, so the other
+/// test's server and clients must not run beside it.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn kiln() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
 }
@@ -62,6 +68,7 @@ fn fop<'a>(period: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::
 
 #[test]
 fn profile_start_info_stop_counts_what_ran() {
+    let _alone = ALONE.locked();
     let s = server();
     let addr = s.1.as_str();
     // Load before the interval: only cumulative numbers see it.
@@ -204,10 +211,14 @@ fn stages(w: &serde_json::Value) -> Vec<(String, f64)> {
 
 #[test]
 fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
+    let _alone = ALONE.locked();
     // Stage medians add up to the end-to-end median (a wide band: this is a noisy machine;
     // bench/ measures the 5% claim). A burst of load on the shared machine can break that
     // identity for one measurement window; a missing or double-counted stage breaks it in
-    // every window, so up to three windows are taken and one must hold for both runs.
+    // every window, so up to three windows are taken and one must hold. It is asked of the
+    // run without the delay: with one CPU spinning in the delay, the other (client, kernel,
+    // the machine's other load) is contended and the stages' distributions grow wide tails,
+    // whose medians need not add up, while a stage missing or counted twice shows in both.
     let adds_up = |w: &serde_json::Value| {
         let (sum, e2e) = (
             w["sum_p50_us"].as_f64().unwrap(),
@@ -216,36 +227,43 @@ fn waterfall_adds_up_and_puts_a_posix_delay_at_posix() {
         let why = format!("stages sum to {sum} µs, end to end {e2e} µs");
         ((sum - e2e).abs() <= 0.15 * e2e, why)
     };
-    // The 100 µs land in the stage that ends at posix's storage call, nowhere else. A
-    // stage of one window can jump by tens of µs when the machine's other load moves a
-    // wake-up to the other CPU; a delay put in the wrong stage moves that stage by the whole
-    // delay and leaves posix's stage where it was, in every window.
+    // The 100 µs land in the stage that ends at posix's storage call: it grows by at least
+    // the delay (and not by several), and more than any other stage. A stage of one window
+    // can jump by tens of µs when the machine's other load moves a wake-up to the other CPU;
+    // a delay put in the wrong stage moves that stage by the whole delay and leaves posix's
+    // where it was, in every window.
     let placed = |a: &[(String, f64)], b: &[(String, f64)]| -> Result<(), String> {
-        for ((name, x), (_, y)) in a.iter().zip(b) {
-            let grew = y - x;
-            if name.ends_with("→ posix: storage call") {
-                // At least the delay; up to the delay plus a timer's slack (50 µs) and a
-                // wake-up on this VM (a stage counted twice is caught by the sum above).
-                if !(90.0..250.0).contains(&grew) {
-                    return Err(format!("posix stage grew {grew} µs: {x} → {y}"));
-                }
-            } else if grew.abs() >= 60.0 {
-                return Err(format!("stage {name} moved {grew} µs: {x} → {y}"));
-            }
+        let grew: Vec<(&str, f64, f64, f64)> = a
+            .iter()
+            .zip(b)
+            .map(|((name, x), (_, y))| (name.as_str(), y - x, *x, *y))
+            .collect();
+        let (posix, others): (Vec<_>, Vec<_>) = grew
+            .iter()
+            .partition(|g| g.0.ends_with("→ posix: storage call"));
+        let &[&(_, p, px, py)] = posix.as_slice() else {
+            return Err(format!("not one posix stage: {posix:?}"));
+        };
+        if !(90.0..300.0).contains(&p) {
+            return Err(format!("posix stage grew {p} µs: {px} → {py}"));
         }
-        Ok(())
+        match others.iter().find(|o| o.1.abs() >= p - 30.0) {
+            Some((name, g, x, y)) => Err(format!(
+                "stage {name} moved {g} µs ({x} → {y}), the posix stage {p} µs"
+            )),
+            None => Ok(()),
+        }
     };
     let mut tries = Vec::new();
     let (base, slow) = loop {
         let (base, slow) = (bench_waterfall(None), bench_waterfall(Some("100")));
-        let (ok_a, why_a) = adds_up(&base);
-        let (ok_b, why_b) = adds_up(&slow);
+        let (ok, why) = adds_up(&base);
         let place = placed(&stages(&base), &stages(&slow));
-        if ok_a && ok_b && place.is_ok() {
+        if ok && place.is_ok() {
             break (base, slow);
         }
         tries.push(format!(
-            "{why_a}; with 100 µs at posix: {why_b}; {}",
+            "{why}; with 100 µs at posix: {}",
             place.err().unwrap_or_default()
         ));
         assert!(tries.len() < 3, "in every window: {tries:#?}");

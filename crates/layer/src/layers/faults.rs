@@ -44,6 +44,11 @@ impl Trigger {
         })
     }
 
+    /// [`Trigger::new`] for the layer named `name` (its errors say which).
+    fn named(name: &str, fops: &[String], p: f64, seed: u64) -> Result<Trigger, String> {
+        Trigger::new(fops, p, seed).map_err(|e| format!("{name}: {e}"))
+    }
+
     /// Decides for one call of `op`.
     pub fn fires(&self, op: Op) -> bool {
         if self.fops.as_ref().is_some_and(|s| !s.contains(&op)) {
@@ -186,9 +191,8 @@ impl Fault {
         config: &ErrorGenConfig,
     ) -> Result<Fault, String> {
         let c = config;
-        let trigger =
-            Trigger::new(&c.fops, c.probability, c.seed).map_err(|e| format!("{name}: {e}"))?;
         let errno = parse_errno(&c.error).map_err(|e| format!("{name}: {e}"))?;
+        let trigger = Trigger::named(name, &c.fops, c.probability, c.seed)?;
         Ok(Fault::new(name, child, trigger, Effect::Fail(errno)))
     }
 
@@ -199,14 +203,9 @@ impl Fault {
         config: &DelayGenConfig,
     ) -> Result<Fault, String> {
         let c = config;
-        let trigger =
-            Trigger::new(&c.fops, c.probability, c.seed).map_err(|e| format!("{name}: {e}"))?;
-        Ok(Fault::new(
-            name,
-            child,
-            trigger,
-            Effect::Delay(Duration::from_micros(c.delay_us)),
-        ))
+        let trigger = Trigger::named(name, &c.fops, c.probability, c.seed)?;
+        let delay = Effect::Delay(Duration::from_micros(c.delay_us));
+        Ok(Fault::new(name, child, trigger, delay))
     }
 
     /// A fault layer named `name` above `child`.

@@ -154,6 +154,7 @@ impl KilnFs {
     /// and an error of a held write is reported. With the kernel's writeback cache, it
     /// writes its cached pages back before asking, so there is nothing more to do here.
     pub(crate) fn data_flush(&self, ino: INodeNo, fh: FileHandle, reply: ReplyEmpty) {
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
         if !self.write_behind && !self.writeback {
             // Every write was acknowledged by the brick before the kernel: a close has
             // nothing to send, and ENOSYS tells the kernel to stop asking (one crossing less

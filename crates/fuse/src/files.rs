@@ -42,6 +42,10 @@ pub struct Counters {
     pub looked_up_ahead: AtomicU64,
     /// READs answered by splice from a brick's socket (see `splice`).
     pub spliced: AtomicU64,
+    /// FLUSH requests the kernel sent (write-behind sends what it holds): one for every close
+    /// of a descriptor of the file, copies included, such as those a fork duplicated and
+    /// the child's exec closed.
+    pub flushes: AtomicU64,
 }
 
 /// What a FUSE file handle holds.

@@ -13,6 +13,8 @@ use kiln_mgmt::Request;
 use kiln_server::identity::{Caps, Users};
 
 use crate::volume::{mgmt_call, show, MgmtOpts};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// Identities: add, list, get, caps, rotate, rm.
 #[derive(clap::Args, Debug)]
@@ -60,7 +62,7 @@ struct CapsOpts {
 }
 
 impl CapsOpts {
-    fn caps(self) -> Result<Caps, String> {
+    fn caps(self) -> Result<Caps, Error> {
         let subtree = match self.subtree.as_deref().map(|s| s.trim_matches('/')) {
             None | Some("") => String::new(),
             Some(s) => s.to_owned(),
@@ -166,7 +168,7 @@ fn describe(c: &Caps) -> String {
 }
 
 /// Writes a key line to `path`, mode 0600 (a new file, or one replaced whole).
-fn write_key(path: &Path, line: &str) -> Result<(), String> {
+fn write_key(path: &Path, line: &str) -> Result<(), Error> {
     let tmp = path.with_extension("kiln-tmp");
     let r = std::fs::OpenOptions::new()
         .write(true)
@@ -176,7 +178,7 @@ fn write_key(path: &Path, line: &str) -> Result<(), String> {
         .open(&tmp)
         .and_then(|mut f| writeln!(f, "{line}").and_then(|()| f.sync_all()))
         .and_then(|()| std::fs::rename(&tmp, path));
-    r.map_err(|e| format!("cannot write key file {}: {e}", path.display()))
+    r.with_context(|| format!("cannot write key file {}", path.display()))
 }
 
 fn call(
@@ -184,7 +186,7 @@ fn call(
     op: AuthOp,
     name: Option<String>,
     caps: Option<Caps>,
-) -> Result<IdentityList, String> {
+) -> Result<IdentityList, Error> {
     mgmt_call(opts, &Request::Auth { op, name, caps })
 }
 
@@ -194,7 +196,7 @@ fn print(
     mut r: IdentityList,
     what: &str,
     key_file: Option<&Path>,
-) -> Result<(), String> {
+) -> Result<(), Error> {
     if let Some(path) = key_file {
         if let Some(line) = r.identities.first_mut().and_then(|i| i.key.take()) {
             write_key(path, &line)?;
@@ -217,7 +219,7 @@ fn print(
 }
 
 /// `kiln auth …`.
-pub fn main(args: AuthArgs) -> Result<(), String> {
+pub fn main(args: AuthArgs) -> Result<(), Error> {
     match args.cmd {
         AuthCmd::Add {
             name,

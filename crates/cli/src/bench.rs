@@ -19,6 +19,8 @@ use kiln_layer::layers::posix::PosixConfig;
 use kiln_layer::replicate::ReplicateConfig;
 use kiln_layer::trace::{TraceLog, Waterfall};
 use kiln_layer::volfile::{LayerKind, ProtocolClientConfig, Volfile};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// Access pattern.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -187,7 +189,7 @@ impl BenchArgs {
 }
 
 /// Parses `4096`, `4k`, `128K`, `1m`, `1g` (powers of 1024).
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, Error> {
     let s = s.trim();
     let (num, mult) = match s.chars().last().map(|c| c.to_ascii_lowercase()) {
         Some('k') => (&s[..s.len() - 1], 1u64 << 10),
@@ -198,9 +200,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("bad size {s:?}: want e.g. 4096, 4k, 1m, 1g"))?;
+        .map_err(|_| Error::invalid(format!("bad size {s:?}: want e.g. 4096, 4k, 1m, 1g")))?;
     n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} is too large"))
+        .ok_or_else(|| Error::invalid(format!("size {s:?} is too large")))
 }
 
 /// A brick server child process started for a benchmark or demo.
@@ -724,24 +726,25 @@ pub fn run_volfile(
 }
 
 /// `kiln bench`.
-pub fn main(args: BenchArgs) -> Result<(), String> {
+pub fn main(args: BenchArgs) -> Result<(), Error> {
     if let Some(t) = &args.tls {
         if args.transport != Transport::Tcp {
-            return Err("--tls needs --transport tcp".into());
+            return Err(Error::invalid("--tls needs --transport tcp"));
         }
         // Before any thread starts: every connection this process makes reads it.
         std::env::set_var(kiln_tls::ENV_DIR, t);
     }
     let (server, addr, pid) = match &args.connect {
-        Some(_) if args.profile_points || args.bare || args.delay_read_us.is_some() => return Err(
-            "--profile-points, --bare and --delay-read-us shape the server this command starts; \
-                 they cannot be used with --connect"
-                .into(),
-        ),
+        Some(_) if args.profile_points || args.bare || args.delay_read_us.is_some() => {
+            return Err(Error::invalid(
+                "--profile-points, --bare and --delay-read-us shape the server this command \
+                 starts; they cannot be used with --connect",
+            ))
+        }
         Some(a) => (None, a.clone(), args.server_pid),
         None if args.replica > 1 => {
             if args.profile_points || args.bare || args.delay_read_us.is_some() {
-                return Err("--replica starts its own bricks with the replica stack; it cannot be combined with --profile-points, --bare or --delay-read-us".into());
+                return Err(Error::invalid("--replica starts its own bricks with the replica stack; it cannot be combined with --profile-points, --bare or --delay-read-us"));
             }
             (None, String::new(), None)
         }
@@ -752,7 +755,7 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
                 args.tls.as_deref(),
                 |d| args.server_volfile(d),
             )
-            .map_err(|e| format!("cannot start a brick server: {e}"))?;
+            .context("cannot start a brick server")?;
             let (a, p) = (s.addr.clone(), s.pid());
             (Some(s), a, Some(p))
         }
@@ -764,28 +767,30 @@ pub fn main(args: BenchArgs) -> Result<(), String> {
             let dir = args.brick.as_ref().map(|b| b.join(&name));
             if let Some(d) = &dir {
                 std::fs::create_dir_all(d)
-                    .map_err(|e| format!("cannot make brick directory {}: {e}", d.display()))?;
+                    .with_context(|| format!("cannot make brick directory {}", d.display()))?;
             }
             bricks.push(
                 ChildServer::start(dir, args.transport, args.tls.as_deref(), |d| {
                     Some(kiln_server::replica_volfile(d, &name))
                 })
-                .map_err(|e| format!("cannot start brick {i}: {e}"))?,
+                .with_context(|| format!("cannot start brick {i}"))?,
             );
         }
         let addrs: Vec<String> = bricks.iter().map(|b| b.addr.clone()).collect();
         let pids = bricks.iter().map(|b| b.pid()).collect();
         run_volfile(&args, &args.short_circuit(replica_volfile(&addrs)), pids)
-            .map_err(|e| format!("bench over replica {} failed: {e}", args.replica))?
+            .with_context(|| format!("bench over replica {} failed", args.replica))?
     } else {
-        run(&args, &addr, pid).map_err(|e| match e.raw_os_error() {
-            // Only a kilnd without a brick (its management port) answers a fop so.
-            Some(libc::ENOSYS) => format!(
-                "bench against {addr} failed: it is a management port, not a brick (give \
+        run(&args, &addr, pid)
+            .map_err(|e| match e.raw_os_error() {
+                // Only a kilnd without a brick (its management port) answers a fop so.
+                Some(libc::ENOSYS) => format!(
+                    "bench against {addr} failed: it is a management port, not a brick (give \
                  --connect a brick's address: `kiln volume status VOL` lists their ports)"
-            ),
-            _ => format!("bench against {addr} failed: {e}"),
-        })?
+                ),
+                _ => format!("bench against {addr} failed: {e}"),
+            })
+            .map_err(Error::failed)?
     };
     drop(server);
     report(&args, &addr, &r);

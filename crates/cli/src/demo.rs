@@ -6,6 +6,8 @@ use std::time::Instant;
 use kiln_client::{block_on, join_all, Volume};
 
 use crate::bench::{self, BenchArgs, ChildServer, Rw, Transport};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// Starts a brick server on a temporary directory, writes and reads real data through the
 /// native client (verifying every byte), exercises the metadata fops, runs two short loads and
@@ -34,7 +36,7 @@ struct Out {
 
 impl Out {
     /// A step's result line, or its error.
-    fn step(&mut self, name: &str, r: std::io::Result<String>) -> Result<(), String> {
+    fn step(&mut self, name: &str, r: std::io::Result<String>) -> Result<(), Error> {
         match r {
             Ok(s) => {
                 if self.json {
@@ -44,7 +46,7 @@ impl Out {
                 }
                 Ok(())
             }
-            Err(e) => Err(format!("{name}: {e}")),
+            Err(e) => Err(Error::failed(format!("{name}: {e}"))),
         }
     }
 
@@ -68,21 +70,21 @@ fn fill(buf: &mut [u8], seed: u64) {
 }
 
 /// `kiln demo`.
-pub fn main(args: DemoArgs) -> Result<(), String> {
+pub fn main(args: DemoArgs) -> Result<(), Error> {
     let mut out = Out {
         json: args.json,
         steps: Default::default(),
         loads: Vec::new(),
     };
     let server = ChildServer::start(None, Transport::Tcp, None, |_| None)
-        .map_err(|e| format!("cannot start the brick server: {e}"))?;
+        .context("cannot start the brick server")?;
     out.say(&format!(
         "kiln demo: brick server pid {} on {}",
         server.pid(),
         server.addr
     ));
     // The volume API: a client stack (io-stats → protocol-client) over the brick.
-    let c = Volume::connect(&server.addr).map_err(|e| e.to_string())?;
+    let c = Volume::connect(&server.addr).map_err(Error::from)?;
 
     out.step(
         "mkdir demo",
@@ -94,7 +96,7 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
 
     for (rw, bs, qd) in [(Rw::Randread, 4096u64, 1usize), (Rw::Read, 128 << 10, 32)] {
         let a = bench_args(rw, bs, qd, &args, &server);
-        let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(|e| e.to_string())?;
+        let r = bench::run(&a, &server.addr, Some(server.pid())).map_err(Error::from)?;
         out.step(
             &format!("{:?} {}k QD{qd}", rw, bs / 1024).to_lowercase(),
             Ok(format!(
@@ -129,9 +131,9 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
         Ok(format!("{copied} (payload went socket <-> your buffers)")),
     )?;
     for p in ["demo/latest", "demo/image.raw"] {
-        block_on(c.unlink(p)).map_err(|e| e.to_string())?;
+        block_on(c.unlink(p)).map_err(Error::from)?;
     }
-    block_on(c.rmdir("demo")).map_err(|e| e.to_string())?;
+    block_on(c.rmdir("demo")).map_err(Error::from)?;
     out.say("kiln demo: done; the brick and its data are removed");
     if out.json {
         let r = serde_json::json!({
@@ -146,9 +148,9 @@ pub fn main(args: DemoArgs) -> Result<(), String> {
 
 /// Writes `args.size` bytes of generated data to a new file, reads them back in scattered
 /// 4 KiB buffers and checks every byte.
-fn data(c: &Volume, args: &DemoArgs, out: &mut Out) -> Result<(), String> {
+fn data(c: &Volume, args: &DemoArgs, out: &mut Out) -> Result<(), Error> {
     let (fh, _) = block_on(c.create("demo/data.bin", libc::O_RDWR | libc::O_EXCL, 0o644))
-        .map_err(|e| e.to_string())?;
+        .map_err(Error::from)?;
 
     // Write: 1 MiB requests, 16 in flight. The data is made before the clock starts, so the
     // figure is the I/O's, not the generator's.
@@ -173,10 +175,10 @@ fn data(c: &Volume, args: &DemoArgs, out: &mut Out) -> Result<(), String> {
             .collect();
         i += futs.len();
         for (r, _) in join_all(futs) {
-            written += r.map_err(|e| format!("write: {e}"))?;
+            written += r.context("write")?;
         }
     }
-    block_on(c.fsync(&fh, false)).map_err(|e| format!("fsync: {e}"))?;
+    block_on(c.fsync(&fh, false)).context("fsync")?;
     let wt = t.elapsed().as_secs_f64();
     out.step(
         "write + fsync",
@@ -198,9 +200,12 @@ fn data(c: &Volume, args: &DemoArgs, out: &mut Out) -> Result<(), String> {
             .map(|&i| c.preadv(&fh, vec![vec![0u8; 4096]; 256], (i * chunk) as u64))
             .collect();
         for (&i, (n, bufs)) in batch.iter().zip(join_all(futs)) {
-            let n = n.map_err(|e| format!("read: {e}"))?;
+            let n = n.context("read")?;
             if n != chunk {
-                return Err(format!("short read at offset {}: {n} bytes", i * chunk));
+                return Err(Error::failed(format!(
+                    "short read at offset {}: {n} bytes",
+                    i * chunk
+                )));
             }
             read += n;
             back.push((i, bufs));
@@ -211,10 +216,10 @@ fn data(c: &Volume, args: &DemoArgs, out: &mut Out) -> Result<(), String> {
     for (i, bufs) in &back {
         fill(&mut expect, *i as u64);
         if bufs.concat() != expect {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "data read back at offset {} differs from what was written",
                 i * chunk
-            ));
+            )));
         }
     }
     drop(back);
@@ -226,12 +231,12 @@ fn data(c: &Volume, args: &DemoArgs, out: &mut Out) -> Result<(), String> {
             read as f64 / 1e6 / rt
         )),
     )?;
-    block_on(c.close(fh)).map_err(|e| e.to_string())?;
+    block_on(c.close(fh)).map_err(Error::from)?;
     Ok(())
 }
 
 /// The metadata fops, on the file the data steps wrote.
-fn metadata(c: &Volume, out: &mut Out) -> Result<(), String> {
+fn metadata(c: &Volume, out: &mut Out) -> Result<(), Error> {
     out.step(
         "setxattr/getxattr",
         (|| {

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::{CommandFactory, Subcommand};
+use kiln_proto::Error;
 
 /// What `kiln generate` writes.
 #[derive(clap::Args, Debug)]
@@ -35,7 +36,7 @@ enum What {
 }
 
 /// `kiln generate`; `kiln` is the whole command line's definition.
-pub fn main(args: GenerateArgs, kiln: clap::Command) -> Result<(), String> {
+pub fn main(args: GenerateArgs, kiln: clap::Command) -> Result<(), Error> {
     match args.what {
         What::Man { dir } => {
             let pages = man(kiln, &dir)?;
@@ -49,7 +50,7 @@ pub fn main(args: GenerateArgs, kiln: clap::Command) -> Result<(), String> {
             let mut kiln = kiln;
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut kiln, "kiln", &mut script);
-            let script = String::from_utf8(script).map_err(|e| e.to_string())?;
+            let script = String::from_utf8(script).map_err(|e| Error::failed(e.to_string()))?;
             let r = serde_json::json!({ "shell": shell.to_string(), "script": script });
             crate::out::show(args.json, &r, |_| script.clone());
         }
@@ -58,18 +59,24 @@ pub fn main(args: GenerateArgs, kiln: clap::Command) -> Result<(), String> {
 }
 
 /// Writes the pages into `dir`; returns their file names, sorted.
-fn man(kiln: clap::Command, dir: &Path) -> Result<Vec<String>, String> {
+fn man(kiln: clap::Command, dir: &Path) -> Result<Vec<String>, Error> {
     let fail = |e: std::io::Error| format!("cannot write man pages into {}: {e}", dir.display());
-    std::fs::create_dir_all(dir).map_err(fail)?;
-    clap_mangen::generate_to(kiln, dir).map_err(fail)?;
+    std::fs::create_dir_all(dir)
+        .map_err(fail)
+        .map_err(Error::failed)?;
+    clap_mangen::generate_to(kiln, dir)
+        .map_err(fail)
+        .map_err(Error::failed)?;
     // The daemon's page is in section 8, where system services are looked for.
     let kilnd = kilnd::ServeArgs::command().name("kilnd").bin_name("kilnd");
     clap_mangen::Man::new(kilnd)
         .section("8")
         .generate_to(dir)
-        .map_err(fail)?;
+        .map_err(fail)
+        .map_err(Error::failed)?;
     let mut pages: Vec<String> = std::fs::read_dir(dir)
-        .map_err(fail)?
+        .map_err(fail)
+        .map_err(Error::failed)?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .collect();
     pages.sort();

@@ -7,7 +7,9 @@ use kiln_client::{block_on, Fd, Volume};
 
 use crate::out;
 use kiln_nbd::ImageSpec;
+use kiln_proto::error::Context as _;
 use kiln_proto::ops::{DIRTY_GET, DIRTY_START, DIRTY_STOP, LEASE_QUERY};
+use kiln_proto::Error;
 
 /// VM images on a volume: snapshots and clones, dirty records (changed-block tracking) and
 /// the exclusive lock.
@@ -132,7 +134,7 @@ enum DirtyCmd {
 }
 
 /// Runs `kiln image`.
-pub fn main(args: ImageArgs) -> Result<(), String> {
+pub fn main(args: ImageArgs) -> Result<(), Error> {
     let image = match &args.cmd {
         ImageCmd::Lock { image, .. }
         | ImageCmd::Snapshot { image, .. }
@@ -170,7 +172,7 @@ pub fn main(args: ImageArgs) -> Result<(), String> {
 }
 
 /// The commands on a directory: its snapshots as trees.
-fn tree(vol: &Volume, path: &str, cmd: &ImageCmd, json: bool) -> Result<(), String> {
+fn tree(vol: &Volume, path: &str, cmd: &ImageCmd, json: bool) -> Result<(), Error> {
     use crate::snapshots as snaps;
     match cmd {
         ImageCmd::Snapshot { name, max_wait, .. } => {
@@ -185,17 +187,17 @@ fn tree(vol: &Volume, path: &str, cmd: &ImageCmd, json: bool) -> Result<(), Stri
         ),
         ImageCmd::List { .. } => snaps::list(vol, path, json),
         ImageCmd::Rm { snapshot } => snaps::remove(vol, path, &snap_name(snapshot), json),
-        ImageCmd::Dirty { .. } | ImageCmd::Lock { .. } => Err(format!(
+        ImageCmd::Dirty { .. } | ImageCmd::Lock { .. } => Err(Error::invalid(format!(
             "{path} is a directory: dirty records and the lock are an image's"
-        )),
+        ))),
     }
 }
 
 /// IMAGE@NAME as (IMAGE, NAME).
-fn split_snapshot(s: &str) -> Result<(&str, &str), String> {
+fn split_snapshot(s: &str) -> Result<(&str, &str), Error> {
     s.rsplit_once('@')
         .filter(|(i, n)| !i.is_empty() && !n.is_empty())
-        .ok_or_else(|| format!("{s:?}: want IMAGE@NAME"))
+        .ok_or_else(|| Error::invalid(format!("{s:?}: want IMAGE@NAME")))
 }
 
 /// The NAME of IMAGE@NAME (checked by [`split_snapshot`] already).
@@ -212,9 +214,9 @@ fn open(
     volfile: Option<&std::path::Path>,
     write: bool,
     snapshot: Option<&str>,
-) -> Result<(Volume, Option<Fd>, u64, String), String> {
+) -> Result<(Volume, Option<Fd>, u64, String), Error> {
     let (spec, src) = ImageSpec::with_source(image, volfile)?;
-    let vol = Volume::from_source(&src).map_err(|e| format!("cannot reach {src}: {e}"))?;
+    let vol = Volume::from_source(&src).with_context(|| format!("cannot reach {src}"))?;
     let is_dir =
         |p: &str| block_on(vol.lookup(p)).is_ok_and(|a| a.mode & libc::S_IFMT == libc::S_IFDIR);
     let tree_snapshot = |n: &str| {
@@ -226,17 +228,17 @@ fn open(
     }
     let flags = if write { libc::O_RDWR } else { libc::O_RDONLY };
     let fd = block_on(vol.open(&spec.path, flags)).map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOENT) => format!("image {} not found", spec.path),
+        Some(libc::ENOENT) => Error::not_found(format!("image {} not found", spec.path)),
         // Only a kilnd without a brick (its management port) answers a fop so.
-        Some(libc::ENOSYS) => format!(
+        Some(libc::ENOSYS) => Error::invalid(format!(
             "{src} reached a management port, not a brick: image commands take a brick's \
              address in a volfile (remote = \"tcp:HOST:BRICKPORT\"), or SERVER:/VOL/PATH where \
              SERVER is the managing kilnd or a brick"
-        ),
-        _ => format!("cannot open image {}: {e}", spec.path),
+        )),
+        _ => Error::io(format_args!("cannot open image {}", spec.path), &e),
     })?;
     let size = block_on(vol.fstat(&fd))
-        .map_err(|e| format!("cannot stat image {}: {e}", spec.path))?
+        .with_context(|| format!("cannot stat image {}", spec.path))?
         .size;
     Ok((vol, Some(fd), size, spec.path))
 }
@@ -248,7 +250,7 @@ fn run(
     path: &str,
     cmd: &ImageCmd,
     json: bool,
-) -> Result<(), String> {
+) -> Result<(), Error> {
     use crate::snapshots as snaps;
     let dirty_err = |name: &str, e: std::io::Error| match e.raw_os_error() {
         Some(libc::ENOENT) => format!(
@@ -275,25 +277,31 @@ fn run(
         ImageCmd::Rm { snapshot } => snaps::remove(vol, path, &snap_name(snapshot), json)?,
         ImageCmd::Dirty { cmd } => match cmd {
             DirtyCmd::Start { name, .. } => {
-                block_on(vol.dirty(fd, DIRTY_START, name, 0, 0)).map_err(|e| dirty_err(name, e))?;
+                block_on(vol.dirty(fd, DIRTY_START, name, 0, 0))
+                    .map_err(|e| dirty_err(name, e))
+                    .map_err(Error::failed)?;
                 let r = serde_json::json!({ "image": path, "record": name, "started": true });
                 out::show(json, &r, |_| {
                     format!("dirty record {name:?} started: writes from now on are recorded\n")
                 });
             }
             DirtyCmd::Stop { name, .. } => {
-                block_on(vol.dirty(fd, DIRTY_STOP, name, 0, 0)).map_err(|e| dirty_err(name, e))?;
+                block_on(vol.dirty(fd, DIRTY_STOP, name, 0, 0))
+                    .map_err(|e| dirty_err(name, e))
+                    .map_err(Error::failed)?;
                 let r = serde_json::json!({ "image": path, "record": name, "stopped": true });
                 out::show(json, &r, |_| format!("dirty record {name:?} stopped\n"));
             }
             DirtyCmd::Show { name, .. } => {
-                let ranges = dirty_ranges(vol, fd, name, size).map_err(|e| dirty_err(name, e))?;
+                let ranges = dirty_ranges(vol, fd, name, size)
+                    .map_err(|e| dirty_err(name, e))
+                    .map_err(Error::failed)?;
                 print_ranges(name, size, &ranges, json);
             }
         },
         ImageCmd::Lock { .. } => {
             let s = block_on(vol.lease(fd, LEASE_QUERY, 1000, "kiln image lock"))
-                .map_err(|e| format!("cannot ask for the lock: {e}"))?;
+                .context("cannot ask for the lock")?;
             let held = !s.holder.is_empty();
             let r = serde_json::json!({
                 "locked": held,

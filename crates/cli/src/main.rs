@@ -70,7 +70,8 @@ fn main() -> std::process::ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) if wants_json && e.use_stderr() => {
-            println!("{}", out::failed(e.render().to_string().trim_end()));
+            let e = kiln_proto::Error::invalid(e.render().to_string().trim_end());
+            println!("{}", out::failed(&e));
             return std::process::ExitCode::from(2);
         }
         Err(e) => e.exit(),
@@ -135,7 +136,7 @@ fn main() -> std::process::ExitCode {
                 println!("{}", out::failed(&e));
             }
             eprintln!("kiln: {e}");
-            std::process::ExitCode::FAILURE
+            std::process::ExitCode::from(out::exit_status(e.kind()))
         }
     }
 }

@@ -7,6 +7,7 @@ use kiln_mgmt::response::{Joined, PeerDetached, PoolView};
 use kiln_mgmt::Request;
 
 use crate::volume::{mgmt_call, show, warn, MgmtOpts};
+use kiln_proto::Error;
 
 /// Pool members: add, remove, list.
 #[derive(clap::Args, Debug)]
@@ -57,7 +58,7 @@ enum PoolCmd {
 }
 
 /// `kiln peer …`.
-pub fn peer(args: PeerArgs) -> Result<(), String> {
+pub fn peer(args: PeerArgs) -> Result<(), Error> {
     match args.cmd {
         PeerCmd::Probe { host, opts } => {
             let r: Joined = mgmt_call(&opts, &Request::PeerProbe { host: host.clone() })?;
@@ -107,7 +108,7 @@ fn reach(r: Option<bool>) -> &'static str {
 }
 
 /// `kiln pool …`.
-pub fn pool(args: PoolArgs) -> Result<(), String> {
+pub fn pool(args: PoolArgs) -> Result<(), Error> {
     match args.cmd {
         PoolCmd::List(opts) => {
             let r: PoolView = mgmt_call(&opts, &Request::PoolList)?;

@@ -7,6 +7,7 @@ use kiln_client::{block_on, Volume};
 use kiln_proto::ops::{snapshot_name_ok, snapshot_path};
 
 use crate::out;
+use kiln_proto::Error;
 
 /// The words for a snapshot fop's error.
 fn explain(what: &str, e: &std::io::Error) -> String {
@@ -38,25 +39,26 @@ fn explain(what: &str, e: &std::io::Error) -> String {
     }
 }
 
-fn check_name(name: &str) -> Result<(), String> {
+fn check_name(name: &str) -> Result<(), Error> {
     if snapshot_name_ok(name) {
         Ok(())
     } else {
-        Err(format!(
+        Err(Error::invalid(format!(
             "snapshot name {name:?}: want 1 to 64 of A-Z a-z 0-9 . _ - (not starting with a dot)"
-        ))
+        )))
     }
 }
 
 /// `kiln image snapshot`.
-pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32, json: bool) -> Result<(), String> {
+pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32, json: bool) -> Result<(), Error> {
     check_name(name)?;
     let max = max_wait.clamp(100, kiln_proto::ops::SNAP_TTL_MAX);
     let ((healed, held), took) = patiently("the image's replicas to be current", || {
         let t = Instant::now();
         block_on(vol.snapshot(path, name, max)).map(|h| (h, t.elapsed()))
     })
-    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))
+    .map_err(Error::failed)?;
     let r = serde_json::json!({
         "image": path,
         "snapshot": name,
@@ -82,12 +84,13 @@ pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32, json: bool) -> 
 
 /// `kiln image clone`: waits (up to a minute, saying so) while heal makes the snapshot's
 /// copies alike.
-pub fn clone(vol: &Volume, path: &str, name: &str, to: &str, json: bool) -> Result<(), String> {
+pub fn clone(vol: &Volume, path: &str, name: &str, to: &str, json: bool) -> Result<(), Error> {
     check_name(name)?;
     patiently("heal to make the snapshot's copies alike", || {
         block_on(vol.clone_snapshot(path, name, to))
     })
-    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))?;
+    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))
+    .map_err(Error::failed)?;
     let r = serde_json::json!({ "clone": to, "of": format!("{path}@{name}") });
     out::show(json, &r, |_| format!("{to}: a clone of {path}@{name}\n"));
     Ok(())
@@ -119,14 +122,15 @@ pub fn take_tree(
     name: &str,
     max_wait: u32,
     json: bool,
-) -> Result<(), String> {
+) -> Result<(), Error> {
     check_name(name)?;
     let max = max_wait.clamp(100, kiln_proto::ops::SNAP_TTL_MAX);
     let t = Instant::now();
     let r = patiently("the files' replicas to be current", || {
         block_on(vol.snapshot_tree(path, name, max))
     })
-    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))
+    .map_err(Error::failed)?;
     let took = t.elapsed();
     let v = tree_report(
         &r,
@@ -154,19 +158,14 @@ pub fn take_tree(
 }
 
 /// `kiln image clone` of a directory's snapshot.
-pub fn clone_tree(
-    vol: &Volume,
-    path: &str,
-    name: &str,
-    to: &str,
-    json: bool,
-) -> Result<(), String> {
+pub fn clone_tree(vol: &Volume, path: &str, name: &str, to: &str, json: bool) -> Result<(), Error> {
     check_name(name)?;
     let t = Instant::now();
     let r = patiently("heal to make the snapshot's copies alike", || {
         block_on(vol.clone_tree(path, name, to))
     })
-    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))?;
+    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))
+    .map_err(Error::failed)?;
     let v = tree_report(
         &r,
         t.elapsed(),
@@ -198,15 +197,17 @@ fn patiently<T>(what: &str, mut f: impl FnMut() -> std::io::Result<T>) -> std::i
 }
 
 /// The image's snapshots: (name, size, path).
-fn snapshots(vol: &Volume, path: &str) -> Result<Vec<(String, u64, String)>, String> {
+fn snapshots(vol: &Volume, path: &str) -> Result<Vec<(String, u64, String)>, Error> {
     let (dir, base) = path.rsplit_once('/').unwrap_or(("", path));
     let prefix = format!(".{base}@");
-    let entries = block_on(vol.readdir(dir)).map_err(|e| {
-        format!(
-            "cannot list {}: {e}",
-            if dir.is_empty() { "/" } else { dir }
-        )
-    })?;
+    let entries = block_on(vol.readdir(dir))
+        .map_err(|e| {
+            format!(
+                "cannot list {}: {e}",
+                if dir.is_empty() { "/" } else { dir }
+            )
+        })
+        .map_err(Error::failed)?;
     let mut out = Vec::new();
     for e in entries {
         // A part file (a snapshot being made, or left by one that failed) is not one.
@@ -221,7 +222,7 @@ fn snapshots(vol: &Volume, path: &str) -> Result<Vec<(String, u64, String)>, Str
 }
 
 /// `kiln image list`.
-pub fn list(vol: &Volume, path: &str, json: bool) -> Result<(), String> {
+pub fn list(vol: &Volume, path: &str, json: bool) -> Result<(), Error> {
     let snaps = snapshots(vol, path)?;
     let list: Vec<_> = snaps
         .iter()
@@ -235,7 +236,7 @@ pub fn list(vol: &Volume, path: &str, json: bool) -> Result<(), String> {
 }
 
 /// `kiln image rm`.
-pub fn remove(vol: &Volume, path: &str, name: &str, json: bool) -> Result<(), String> {
+pub fn remove(vol: &Volume, path: &str, name: &str, json: bool) -> Result<(), Error> {
     check_name(name)?;
     let snap = snapshot_path(path, name);
     let tree = block_on(vol.lookup(&snap)).map_or(true, |a| a.mode & libc::S_IFMT == libc::S_IFDIR);
@@ -246,7 +247,8 @@ pub fn remove(vol: &Volume, path: &str, name: &str, json: bool) -> Result<(), St
             vol.unlink(&snap).await
         }
     })
-    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))
+    .map_err(Error::failed)?;
     let r = serde_json::json!({ "removed": format!("{path}@{name}") });
     out::show(json, &r, |_| format!("snapshot {path}@{name} removed\n"));
     Ok(())

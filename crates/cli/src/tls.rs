@@ -1,5 +1,7 @@
 //! `kiln tls`: a certificate authority and identities for TLS between clients and bricks.
 
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 use std::path::PathBuf;
 
 /// Make certificates for TLS mode (kilnd --tls DIR, clients KILN_TLS_DIR=DIR).
@@ -46,11 +48,11 @@ enum TlsCmd {
     },
 }
 
-pub fn main(args: TlsArgs) -> Result<(), String> {
+pub fn main(args: TlsArgs) -> Result<(), Error> {
     match args.cmd {
         TlsCmd::Init { dir, name } => {
             kiln_tls::init_ca(&dir, &name)
-                .map_err(|e| format!("cannot create a CA in {}: {e}", dir.display()))?;
+                .with_context(|| format!("cannot create a CA in {}", dir.display()))?;
             let (cert, key) = (dir.join(kiln_tls::CA_FILE), dir.join(kiln_tls::CA_KEY_FILE));
             let r = serde_json::json!({
                 "ca": name,
@@ -67,7 +69,7 @@ pub fn main(args: TlsArgs) -> Result<(), String> {
         }
         TlsCmd::Issue { ca, out, name, san } => {
             kiln_tls::issue(&ca, &out, &name, &san)
-                .map_err(|e| format!("cannot issue {name:?} into {}: {e}", out.display()))?;
+                .with_context(|| format!("cannot issue {name:?} into {}", out.display()))?;
             let r = serde_json::json!({
                 "identity": name,
                 "dir": out.display().to_string(),

@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 
 use kiln_mgmt::response::{Changed, Deleted, Health, Infos, Names, Statuses, VolfileText};
 use kiln_mgmt::{options, Request, VolState};
+use kiln_proto::error::Context as _;
+use kiln_proto::{Error, Kind};
 use serde::{de::DeserializeOwned, Serialize};
 
 mod create;
@@ -164,7 +166,7 @@ enum MgmtSecret {
 impl MgmtOpts {
     /// Finds the management secret. A file named explicitly must be readable; the default one
     /// may be missing or root's (`volfile` needs no secret).
-    fn secret(&self) -> Result<MgmtSecret, String> {
+    fn secret(&self) -> Result<MgmtSecret, Error> {
         let explicit =
             self.mgmt_secret_file.is_some() || std::env::var_os("KILN_MGMT_SECRET_FILE").is_some();
         let default = self.state_dir.join(kiln_client::mgmt::MGMT_SECRET_FILE);
@@ -175,12 +177,12 @@ impl MgmtOpts {
         };
         match kiln_client::mgmt::read_secret(&path) {
             Ok(s) if !s.is_empty() => Ok(MgmtSecret::From(path, s)),
-            Ok(_) if explicit => Err(format!(
+            Ok(_) if explicit => Err(Error::failed(format!(
                 "management secret file {} is empty",
                 path.display()
-            )),
+            ))),
             Ok(_) => Ok(MgmtSecret::Missing(path, "it is empty".into())),
-            Err(e) if explicit => Err(e.to_string()),
+            Err(e) if explicit => Err(Error::failed(e.to_string())),
             Err(e) => Ok(MgmtSecret::Missing(
                 path,
                 format!("cannot read it ({}): run as root", e.kind()),
@@ -338,7 +340,7 @@ struct StatusArgs {
 }
 
 /// `kiln volume`.
-pub fn main(args: VolumeArgs) -> Result<(), String> {
+pub fn main(args: VolumeArgs) -> Result<(), Error> {
     match args.cmd {
         VolumeCmd::Layers { json } => {
             crate::out::show(json, &layers_json(), |_| layers_text());
@@ -418,7 +420,7 @@ pub fn main(args: VolumeArgs) -> Result<(), String> {
 }
 
 /// `volume stop`, after asking.
-fn stop(a: &DestroyArgs) -> Result<(), String> {
+fn stop(a: &DestroyArgs) -> Result<(), Error> {
     if !a.yes {
         create::confirm(
             &format!("volume stop: {}", a.name),
@@ -433,7 +435,7 @@ fn stop(a: &DestroyArgs) -> Result<(), String> {
 }
 
 /// `volume delete`, after asking.
-fn delete(a: &DestroyArgs) -> Result<(), String> {
+fn delete(a: &DestroyArgs) -> Result<(), Error> {
     if !a.yes {
         create::confirm(
             &format!("volume delete: {}", a.name),
@@ -459,11 +461,11 @@ pub(crate) fn volume_secret(
     name: &str,
     explicit: Option<&Path>,
     state_dir: &Path,
-) -> Result<Option<Vec<u8>>, String> {
+) -> Result<Option<Vec<u8>>, Error> {
     match kiln_client::mgmt::secret_file_in(name, explicit, state_dir) {
         Some(p) => kiln_client::mgmt::read_secret(&p)
             .map(Some)
-            .map_err(|e| e.to_string()),
+            .map_err(Error::from),
         None => Ok(None),
     }
 }
@@ -471,7 +473,7 @@ pub(crate) fn volume_secret(
 /// One request to the management daemon, proving the management secret, and its reply of
 /// type `T` (the one `req` names); errors read like `volume start: NAME: failed: …`, and a
 /// refusal for want of the secret says what to do.
-pub(crate) fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> Result<T, String> {
+pub(crate) fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> Result<T, Error> {
     // `peer probe`, `pool list`; `volume start`.
     let what = match req.cmd() {
         c if c.starts_with("peer-") || c.starts_with("pool-") => c.replacen('-', " ", 1),
@@ -479,27 +481,33 @@ pub(crate) fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> 
         c => format!("volume {c}"),
     };
     let json = &req.to_json();
-    let fail = |e: &str| match json["name"].as_str() {
-        Some(n) => {
-            let e = e.strip_prefix(&format!("volume {n}: ")).unwrap_or(e);
-            format!("{what}: {n}: failed: {e}")
-        }
-        None => format!("{what}: failed: {e}"),
+    // The kind stays; the sentence says which command on which volume failed.
+    let fail = |e: Error| {
+        let msg = match json["name"].as_str() {
+            Some(n) => {
+                let m = e.message();
+                let m = m.strip_prefix(&format!("volume {n}: ")).unwrap_or(m);
+                format!("{what}: {n}: failed: {m}")
+            }
+            None => format!("{what}: failed: {}", e.message()),
+        };
+        Error::new(e.kind(), msg)
     };
-    let secret = opts.secret().map_err(|e| fail(&e))?;
+    let secret = opts.secret().map_err(fail)?;
     let key = match &secret {
         MgmtSecret::From(_, s) => Some(s.as_slice()),
         MgmtSecret::Missing(..) => None,
     };
     let v = kiln_client::mgmt::call_with_secret(&opts.server, json, key).map_err(|e| {
-        let msg = fail(&e.to_string());
-        if e.kind() == std::io::ErrorKind::PermissionDenied {
-            msg + &secret_hint(&secret)
+        let denied = e.kind() == Kind::Denied;
+        let e = fail(e);
+        if denied {
+            Error::new(e.kind(), e.message().to_owned() + &secret_hint(&secret))
         } else {
-            msg
+            e
         }
     })?;
-    kiln_mgmt::response::decode_value(v).map_err(|e| fail(&e))
+    kiln_mgmt::response::decode_value(v).map_err(fail)
 }
 
 /// Prints a reply: as the wire's JSON object (its fields beside `"ok": true`) with `--json`,
@@ -515,21 +523,21 @@ pub(crate) fn warn(warnings: &[String]) {
 }
 
 /// Prints the success line of a change (or the JSON reply) and any warnings.
-fn done(opts: &MgmtOpts, what: &str, name: &str, r: &Changed) -> Result<(), String> {
+fn done(opts: &MgmtOpts, what: &str, name: &str, r: &Changed) -> Result<(), Error> {
     show(opts, r, |_| format!("volume {what}: {name}: success\n"));
     warn(&r.warnings);
     Ok(())
 }
 
-fn set(a: &SetArgs) -> Result<(), String> {
+fn set(a: &SetArgs) -> Result<(), Error> {
     let req = options::set_request(&a.name, &a.option, &a.value)
-        .map_err(|e| format!("volume set: {}: {e}", a.name))?;
+        .with_context(|| format!("volume set: {}", a.name))?;
     done(&a.opts, "set", &a.name, &mgmt_call(&a.opts, &req)?)
 }
 
 /// `reset`: the option (or every one) back to its default, as one `set`.
-fn reset(a: &GetArgs) -> Result<(), String> {
-    let fail = |e: String| format!("volume reset: {}: {e}", a.name);
+fn reset(a: &GetArgs) -> Result<(), Error> {
+    let fail = |e: Error| e.context(format_args!("volume reset: {}", a.name));
     let names: Vec<&str> = match a.option.as_str() {
         "all" => options::OPTIONS
             .iter()
@@ -543,9 +551,9 @@ fn reset(a: &GetArgs) -> Result<(), String> {
 }
 
 /// `get`: from the definition as `info` returns it (with the store version it was read at).
-fn get(a: &GetArgs) -> Result<(), String> {
+fn get(a: &GetArgs) -> Result<(), Error> {
     if a.option != "all" {
-        options::spec(&a.option).map_err(|e| format!("volume get: {}: {e}", a.name))?;
+        options::spec(&a.option).with_context(|| format!("volume get: {}", a.name))?;
     }
     let req = Request::Info {
         name: Some(a.name.clone()),
@@ -554,11 +562,11 @@ fn get(a: &GetArgs) -> Result<(), String> {
     let def = &infos
         .volumes
         .first()
-        .ok_or("volume get: no such volume")?
+        .ok_or("volume get: no such volume")
+        .map_err(Error::failed)?
         .def;
     let option = Some(a.option.as_str());
-    let values =
-        options::values(def, option).map_err(|e| format!("volume get: {}: {e}", a.name))?;
+    let values = options::values(def, option).with_context(|| format!("volume get: {}", a.name))?;
     let r = OptionValues {
         volume: a.name.clone(),
         version: infos.version,
@@ -654,7 +662,7 @@ struct StatusReply {
     clients: Option<std::collections::BTreeMap<String, Vec<String>>>,
 }
 
-fn status(a: &StatusArgs) -> Result<(), String> {
+fn status(a: &StatusArgs) -> Result<(), Error> {
     let req = Request::Status {
         name: a.name.clone(),
     };

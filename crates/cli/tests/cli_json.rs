@@ -72,8 +72,9 @@ fn every_one_shot_command_answers_json_in_one_envelope() {
     let (code, v) = json(&["tls", "init", &d("ca"), "--json"]);
     assert_eq!(code, 0);
     assert_eq!(v["cert"], d("ca/ca.pem"));
+    // A failure says its kind, and the exit status follows it (4: exists already).
     let (code, v) = json(&["tls", "init", &d("ca"), "--json"]);
-    assert_eq!(code, 1, "{v}");
+    assert_eq!((code, v["kind"].as_str()), (4, Some("exists")), "{v}");
     assert!(v["error"].as_str().unwrap().contains("exists"), "{v}");
     let (code, v) = json(&[
         "tls",
@@ -128,7 +129,7 @@ fn every_one_shot_command_answers_json_in_one_envelope() {
 
     // umount of something that is not a mount.
     let (code, v) = json(&["umount", &d("man"), "--json"]);
-    assert_eq!(code, 1);
+    assert_eq!((code, v["kind"].as_str()), (2, Some("invalid")), "{v}");
     assert!(
         v["error"].as_str().unwrap().contains("not a mount point"),
         "{v}"
@@ -150,7 +151,7 @@ fn every_one_shot_command_answers_json_in_one_envelope() {
         &format!("unix:{sock}:/vol/nosuch"),
         "--json",
     ]);
-    assert_eq!(code, 1);
+    assert_eq!((code, v["kind"].as_str()), (3, Some("not-found")), "{v}");
     assert!(v["error"].as_str().unwrap().contains("not found"), "{v}");
     let _ = server.kill();
     let _ = server.wait();
@@ -164,7 +165,7 @@ fn every_one_shot_command_answers_json_in_one_envelope() {
         "--server",
         "127.0.0.1:1",
     ]);
-    assert_eq!(code, 1, "{v}");
+    assert_eq!((code, v["kind"].as_str()), (6, Some("unavailable")), "{v}");
 
     // Usage errors: exit 2, still one envelope.
     for bad in [
@@ -192,6 +193,8 @@ fn help_states_the_exit_statuses() {
         "0  the command",
         "1  it failed",
         "2  the command line",
+        "3  what it names does not exist",
+        "6  someone who must answer cannot now",
     ] {
         assert!(text.contains(line), "{line:?} missing from:\n{text}");
     }

@@ -482,6 +482,21 @@ fn bad_volume_definitions_are_refused_with_reasons() {
         sd,
     ]);
     assert!(err.contains("already exists"), "{err}");
+    // The kilnd's kind of failure reaches the exit status: 4, exists already.
+    let out = run(
+        &[
+            "volume",
+            "create",
+            "one",
+            &b3,
+            "--server",
+            a,
+            "--state-dir",
+            sd,
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
     // An error with --json is a JSON envelope too, and still a failure.
     let out = run(
         &[
@@ -496,9 +511,13 @@ fn bad_volume_definitions_are_refused_with_reasons() {
         ],
         &[],
     );
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(3), "not found: {out:?}");
     let v: Value = serde_json::from_slice(&out.stdout).expect("a JSON error on stdout");
-    assert_eq!(v["ok"], false, "{v}");
+    assert_eq!(
+        (&v["ok"], &v["kind"]),
+        (&Value::Bool(false), &Value::from("not-found")),
+        "{v}"
+    );
     assert!(
         v["error"].as_str().unwrap_or_default().contains("nope"),
         "{v}"

@@ -51,13 +51,13 @@ pub fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
 }
 
 /// Starts this process's `/metrics` endpoint (before connecting, so HELLO announces it).
-pub fn start_metrics(addr: &str, process: &str) -> Result<(), String> {
+pub fn start_metrics(addr: &str, process: &str) -> Result<(), kiln_proto::Error> {
     if addr == "off" {
         return Ok(());
     }
     let extra: kiln_metrics::Extra = std::sync::Arc::new(crate::conn::render_metrics);
     let ep = kiln_metrics::serve(addr, process, Some(extra))
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+        .map_err(|e| kiln_proto::Error::io(format_args!("cannot serve metrics on {addr}"), &e))?;
     tracing::info!("metrics on http://{}/metrics", ep.addr);
     Ok(())
 }

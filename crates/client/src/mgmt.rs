@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use kiln_layer::volfile::Volfile;
 pub use kiln_proto::auth::Key;
+use kiln_proto::Error;
 
 mod conn;
 pub use conn::{MgmtConn, MgmtError, Proof, CONNECT_TIMEOUT};
@@ -52,9 +53,9 @@ pub fn mgmt_secret_file(explicit: Option<&Path>, state_dir: &Path) -> Option<Pat
 /// Sends one management request (a JSON object with `"cmd"`) to the kilnd at `addr`
 /// (`tcp:HOST:PORT` or `HOST:PORT`) and returns its reply, proving the management secret that
 /// [`mgmt_secret_file`] finds (with the default state directory `/var/lib/kiln`) when it is
-/// readable. A reply with `"ok": false` becomes an error carrying the server's message; a
-/// refusal for want of the secret, or of a wrong one, is an error of kind `PermissionDenied`.
-pub fn call(addr: &str, req: &serde_json::Value) -> io::Result<serde_json::Value> {
+/// readable. A reply with `"ok": false` becomes an error carrying the server's message and
+/// kind; a refusal for want of the secret, or of a wrong one, is [`kiln_proto::Kind::Denied`].
+pub fn call(addr: &str, req: &serde_json::Value) -> Result<serde_json::Value, Error> {
     let secret = match mgmt_secret_file(None, Path::new(DEFAULT_STATE_DIR)) {
         Some(p) if std::env::var_os("KILN_MGMT_SECRET_FILE").is_some() => Some(read_secret(&p)?),
         // The default file may be root's: without it, open commands still work.
@@ -70,7 +71,7 @@ pub fn call_with_secret(
     addr: &str,
     req: &serde_json::Value,
     secret: Option<&[u8]>,
-) -> io::Result<serde_json::Value> {
+) -> Result<serde_json::Value, Error> {
     let key = secret.map(Key::from_file_text);
     call_with_key(addr, req, key.as_ref())
 }
@@ -81,7 +82,7 @@ pub fn call_with_key(
     addr: &str,
     req: &serde_json::Value,
     key: Option<&Key>,
-) -> io::Result<serde_json::Value> {
+) -> Result<serde_json::Value, Error> {
     // Starting a volume may take a while (bricks on several hosts); two minutes bound a hang.
     let mut c = MgmtConn::connect_env(addr, Duration::from_secs(120))?;
     if let Some(key) = key {
@@ -91,27 +92,21 @@ pub fn call_with_key(
     c.request(req).map_err(|e| cli_error(addr, e))
 }
 
-/// A management error as the command line reports it.
-fn cli_error(addr: &str, e: MgmtError) -> io::Error {
+/// A management error as the command line reports it: where it came from, and its kind.
+fn cli_error(addr: &str, e: MgmtError) -> Error {
     match e {
-        MgmtError::Status(s) if s == libc::ENOSYS => io::Error::new(
-            io::ErrorKind::Unsupported,
-            format!(
-                "{addr} does not manage volumes (a brick server? point --server at a kilnd \
-                 started without --brick)"
-            ),
-        ),
-        MgmtError::Status(s) => {
-            let e = io::Error::from_raw_os_error(s);
-            io::Error::new(e.kind(), format!("kilnd at {addr}: {e}"))
-        }
+        MgmtError::Status(s) if s == libc::ENOSYS => Error::invalid(format!(
+            "{addr} does not manage volumes (a brick server? point --server at a kilnd \
+             started without --brick)"
+        )),
+        MgmtError::Status(s) => Error::failed(format!(
+            "kilnd at {addr}: {}",
+            io::Error::from_raw_os_error(s)
+        )),
         MgmtError::Refused {
-            message,
             auth_required: true,
-        } => io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("kilnd at {addr}: {message}"),
-        ),
+            ..
+        } => Error::from(e).context(format_args!("kilnd at {addr}")),
         e => e.into(),
     }
 }
@@ -164,7 +159,7 @@ pub fn fetch_graph_with(server: &str, volume: &str, key: Option<&Key>) -> io::Re
     let key = key.map(|k| volume_key(volume, k));
     let req = serde_json::json!({ "cmd": "volfile", "name": volume });
     let r = match call_with_key(server, &req, key.as_ref()) {
-        Err(e) if key.is_some() && e.kind() == io::ErrorKind::PermissionDenied => {
+        Err(e) if key.is_some() && e.kind() == kiln_proto::Kind::Denied => {
             call_with_key(server, &req, None)?
         }
         r => r?,

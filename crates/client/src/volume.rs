@@ -25,7 +25,7 @@ use kiln_layer::{
 };
 use kiln_proto::codec::Wire;
 use kiln_proto::ops::{Changes, DirEntry, Extent, ExtentList, LeaseState};
-use kiln_proto::Cred;
+use kiln_proto::{Cred, Error};
 
 mod raw;
 mod trees;
@@ -120,20 +120,20 @@ pub enum Source {
 
 impl Source {
     /// Parses `SERVER:/VOL` (split at the last `:/`, so a socket path may contain one).
-    pub fn parse(spec: &str) -> Result<Source, String> {
+    pub fn parse(spec: &str) -> Result<Source, Error> {
         match spec.rfind(":/") {
             Some(i) if i > 0 && spec.len() > i + 2 => Ok(Source::Server {
                 server: spec[..i].to_owned(),
                 volume: spec[i + 2..].trim_matches('/').to_owned(),
             }),
-            _ => Err(format!(
+            _ => Err(Error::invalid(format!(
                 "bad volume {spec:?}: want SERVER:/VOL, e.g. 127.0.0.1:24100:/vol"
-            )),
+            ))),
         }
     }
 
     /// A volfile path, or else `SERVER:/VOL`.
-    pub fn new(spec: &str, volfile: Option<&Path>) -> Result<Source, String> {
+    pub fn new(spec: &str, volfile: Option<&Path>) -> Result<Source, Error> {
         match volfile {
             Some(p) => Ok(Source::Volfile(p.to_owned())),
             None => Source::parse(spec),
@@ -867,12 +867,13 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
                     let last = remote.rsplit(',').next().unwrap_or(remote).trim();
                     let down = Client::unreachable(last, secret, tls);
                     err.get_or_insert(e);
-                    down.map_err(|e| e.to_string())?
+                    down?
                 }
                 Err(e) => {
-                    let msg = e.to_string();
+                    let typed = Error::io("", &e);
+                    let typed = Error::new(typed.kind(), e.to_string());
                     err = Some(e);
-                    return Err(msg);
+                    return Err(typed);
                 }
             };
             let c = Arc::new(c);
@@ -892,11 +893,11 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
             links.push((pc.clone(), remote.clone(), *timeout));
             Ok(pc as LayerRef)
         }
-        other => Err(format!(
+        other => Err(Error::invalid(format!(
             "layer {:?}: a {} layer cannot run in a client",
             def.name,
             other.type_name()
-        )),
+        ))),
     });
     match (top, err) {
         // No brick answered: the first one's error.

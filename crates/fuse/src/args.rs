@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use kiln_client::volume::Source;
 
 use crate::{Mode, SMALL_FILE_MAX};
+use kiln_proto::Error;
 
 /// Mounts a Kiln volume with FUSE and serves it in the foreground until unmounted
 /// (`kiln umount DIR`, `umount DIR`) or sent SIGTERM/SIGINT.
@@ -118,7 +119,7 @@ pub enum Switch {
 }
 
 /// Splits `SERVER:/VOL` at the last `:/`.
-pub fn parse_source(s: &str) -> Result<(String, String), String> {
+pub fn parse_source(s: &str) -> Result<(String, String), Error> {
     match Source::parse(s)? {
         Source::Server { server, volume } => Ok((server, volume)),
         Source::Volfile(_) => unreachable!("parse gives a server"),

@@ -10,6 +10,8 @@ use kiln_client::volume::Source;
 use kiln_client::Volume;
 
 use crate::*;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// Waits for SIGINT or SIGTERM (blocked by `block_signals`); false if waiting failed.
 fn wait_for_signal() -> bool {
@@ -92,9 +94,9 @@ pub fn mount_background(
     mode: Mode,
     attr_timeout: Duration,
     threads: usize,
-) -> Result<fuser::BackgroundSession, String> {
+) -> Result<fuser::BackgroundSession, Error> {
     let fs = KilnFs::new(vol, mode, attr_timeout)
-        .map_err(|e| format!("cannot read the root of {source}: {e}"))?;
+        .with_context(|| format!("cannot read the root of {source}"))?;
     serve_background(fs, source, mountpoint, threads)
 }
 
@@ -104,7 +106,7 @@ pub fn serve_background(
     source: &str,
     mountpoint: &Path,
     threads: usize,
-) -> Result<fuser::BackgroundSession, String> {
+) -> Result<fuser::BackgroundSession, Error> {
     serve_background_with(fs, source, mountpoint, threads, Vec::new())
 }
 
@@ -116,7 +118,7 @@ pub fn serve_background_with(
     mountpoint: &Path,
     threads: usize,
     flags: Vec<fuser::MountOption>,
-) -> Result<fuser::BackgroundSession, String> {
+) -> Result<fuser::BackgroundSession, Error> {
     let mut config = fuser::Config::default();
     config.mount_options = vec![
         fuser::MountOption::FSName(format!("kiln:{source}")),
@@ -141,7 +143,7 @@ pub fn serve_background_with(
     let watch = (fs.mode == Mode::General).then(|| (fs.vol.clone(), fs.caches()));
     let splice = fs.splice_handle();
     let session = fuser::Session::new(fs, mountpoint, &config)
-        .map_err(|e| format!("cannot mount on {}: {e}", mountpoint.display()))?;
+        .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
     if let Some(s) = splice {
         use std::os::fd::AsFd;
         s.set_device(session.as_fd());
@@ -155,9 +157,7 @@ pub fn serve_background_with(
             );
         }
     }
-    session
-        .spawn()
-        .map_err(|e| format!("cannot start the FUSE session: {e}"))
+    session.spawn().context("cannot start the FUSE session")
 }
 
 /// The kernel's mount flags `kiln mount -o` sets as it mounts (the mount is never without
@@ -192,7 +192,7 @@ pub fn kernel_flag(name: &str) -> Option<fuser::MountOption> {
 /// What `kiln mount`'s arguments name: the stack's source, a label for the mount and the mount
 /// point. With `--volfile`, one positional argument is the mount point; two are a label and the
 /// mount point.
-pub fn mount_target(args: &MountArgs) -> Result<(Source, String, PathBuf), String> {
+pub fn mount_target(args: &MountArgs) -> Result<(Source, String, PathBuf), Error> {
     match (&args.volfile, &args.mountpoint) {
         (Some(v), None) => Ok((
             Source::Volfile(v.clone()),
@@ -201,12 +201,14 @@ pub fn mount_target(args: &MountArgs) -> Result<(Source, String, PathBuf), Strin
         )),
         (Some(v), Some(m)) => Ok((Source::Volfile(v.clone()), args.source.clone(), m.clone())),
         (None, Some(m)) => Ok((Source::parse(&args.source)?, args.source.clone(), m.clone())),
-        (None, None) => Err("missing the mount point: kiln mount SERVER:/VOL DIR".into()),
+        (None, None) => Err(Error::failed(
+            "missing the mount point: kiln mount SERVER:/VOL DIR",
+        )),
     }
 }
 
 /// `kiln mount`.
-pub fn main(args: MountArgs) -> Result<(), String> {
+pub fn main(args: MountArgs) -> Result<(), Error> {
     if let Some(p) = &args.secret_file {
         kiln_client::mgmt::use_secret_file(p);
     }
@@ -214,18 +216,23 @@ pub fn main(args: MountArgs) -> Result<(), String> {
     match std::fs::metadata(&mountpoint) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "mount point {} is not a directory",
                 mountpoint.display()
-            ))
+            )))
         }
-        Err(e) => return Err(format!("mount point {}: {e}", mountpoint.display())),
+        Err(e) => {
+            return Err(Error::failed(format!(
+                "mount point {}: {e}",
+                mountpoint.display()
+            )))
+        }
     }
     if is_mountpoint(&mountpoint) {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "mount point {} is busy: something is already mounted there",
             mountpoint.display()
-        ));
+        )));
     }
     let mut nonempty = false;
     let mut flags = Vec::new();
@@ -235,31 +242,31 @@ pub fn main(args: MountArgs) -> Result<(), String> {
             (_, Some(f)) => flags.push(f),
             (other, None) => {
                 let names: Vec<&str> = KERNEL_FLAGS.iter().map(|(n, _)| *n).collect();
-                return Err(format!(
+                return Err(Error::failed(format!(
                     "unknown mount option {other:?} (known: nonempty, {})",
                     names.join(", ")
-                ));
+                )));
             }
         }
     }
     let empty = std::fs::read_dir(&mountpoint)
-        .map_err(|e| format!("mount point {}: {e}", mountpoint.display()))?
+        .with_context(|| format!("mount point {}", mountpoint.display()))?
         .next()
         .is_none();
     if !empty && !nonempty {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "mount point {} is not empty: what it holds would be hidden while mounted \
              (-o nonempty mounts there anyway)",
             mountpoint.display()
-        ));
+        )));
     }
     block_signals();
     kiln_client::start_metrics(&args.metrics, "kiln-mount")?;
-    let vol = Volume::from_source(&source).map_err(|e| format!("cannot reach {source}: {e}"))?;
+    let vol = Volume::from_source(&source).with_context(|| format!("cannot reach {source}"))?;
     let ttl = Duration::from_secs_f64(args.attr_timeout.max(0.0));
     let vol = Arc::new(vol);
     let fs = KilnFs::new(vol.clone(), args.mode, ttl)
-        .map_err(|e| format!("cannot read the root of {label}: {e}"))?
+        .with_context(|| format!("cannot read the root of {label}"))?
         .with_passthrough(args.passthrough == Switch::On)
         .with_splice(args.splice == Switch::On)
         .with_acl(args.acl)
@@ -285,7 +292,7 @@ pub fn main(args: MountArgs) -> Result<(), String> {
 }
 
 /// Serves until a signal arrives (then unmounts) or the file system is unmounted from outside.
-fn serve_until_unmounted(bg: fuser::BackgroundSession, mountpoint: &Path) -> Result<(), String> {
+fn serve_until_unmounted(bg: fuser::BackgroundSession, mountpoint: &Path) -> Result<(), Error> {
     enum Event {
         Signal,
         Ended(std::io::Result<()>),
@@ -309,46 +316,52 @@ fn serve_until_unmounted(bg: fuser::BackgroundSession, mountpoint: &Path) -> Res
                     let _ = umount_lazy(mountpoint);
                 }
             }
-            Ok(Event::Ended(r)) => return r.map_err(|e| format!("FUSE session ended: {e}")),
-            Err(_) => return Err("FUSE session thread vanished".into()),
+            Ok(Event::Ended(r)) => return r.context("FUSE session ended"),
+            Err(_) => return Err(Error::failed("FUSE session thread vanished")),
         }
     }
 }
 
-fn umount_lazy(dir: &Path) -> Result<(), String> {
-    let c =
-        std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|_| "bad path".to_owned())?;
+fn umount_lazy(dir: &Path) -> Result<(), Error> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| Error::invalid("bad path"))?;
     // SAFETY: a valid NUL-terminated path.
     if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "cannot detach {}: {}",
             dir.display(),
             std::io::Error::last_os_error()
-        ));
+        )));
     }
     Ok(())
 }
 
 /// `kiln umount DIR`: unmounts a Kiln mount, and nothing else (`umount(8)` is for the rest).
-pub fn umount(dir: &Path) -> Result<(), String> {
+pub fn umount(dir: &Path) -> Result<(), Error> {
     match mounted_at(dir) {
-        None => Err(format!("{} is not a mount point", dir.display())),
+        None => Err(Error::invalid(format!(
+            "{} is not a mount point",
+            dir.display()
+        ))),
         Some((kind, source)) if kind == "fuse.kiln" || source.starts_with("kiln:") => unmount(dir),
-        Some((kind, source)) => Err(format!(
+        Some((kind, source)) => Err(Error::failed(format!(
             "{} is not a Kiln mount ({kind} from {source}); use umount(8) for it",
             dir.display()
-        )),
+        ))),
     }
 }
 
 /// Unmounts `dir`, whatever is mounted there.
-fn unmount(dir: &Path) -> Result<(), String> {
-    let c =
-        std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|_| "bad path".to_owned())?;
+fn unmount(dir: &Path) -> Result<(), Error> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| Error::invalid("bad path"))?;
     // SAFETY: a valid NUL-terminated path.
     if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
         let e = std::io::Error::last_os_error();
-        return Err(format!("cannot unmount {}: {e}", dir.display()));
+        return Err(Error::failed(format!(
+            "cannot unmount {}: {e}",
+            dir.display()
+        )));
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 use super::*;
 use clap::Parser;
 use kiln_client::volume::Source;
+use kiln_proto::Error;
 use std::path::PathBuf;
 
 #[derive(clap::Parser)]
@@ -11,9 +12,9 @@ struct Cli {
     mount: MountArgs,
 }
 
-fn target(args: &[&str]) -> Result<(Source, String, PathBuf), String> {
+fn target(args: &[&str]) -> Result<(Source, String, PathBuf), Error> {
     let cli = Cli::try_parse_from(std::iter::once("mount").chain(args.iter().copied()))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Error::invalid(e.to_string()))?;
     mount_target(&cli.mount)
 }
 
@@ -44,8 +45,12 @@ fn mount_sources() {
     assert_eq!((label.as_str(), mnt), ("/etc/kiln/d.toml", "/mnt/d".into()));
     let (_, label, mnt) = target(&["--volfile", "d.toml", "dist", "/mnt/d"]).unwrap();
     assert_eq!((label.as_str(), mnt), ("dist", "/mnt/d".into()));
-    assert!(target(&["/mnt/v"]).unwrap_err().contains("mount point"));
+    assert!(target(&["/mnt/v"])
+        .unwrap_err()
+        .message()
+        .contains("mount point"));
     assert!(target(&["vol", "/mnt/v"])
         .unwrap_err()
+        .message()
         .contains("bad volume"));
 }

@@ -5,6 +5,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 use kiln_server::{Listen, Server};
 
 /// Kiln server. With `--brick DIR` (or `--volfile`): a brick server that exports DIR to Kiln
@@ -323,26 +325,23 @@ fn brick_access(
         Option<Arc<kiln_server::identity::Identities>>,
         Option<Arc<kiln_tls::ServerConfig>>,
     ),
-    String,
+    Error,
 > {
     let secret = args
         .secret_file
         .as_deref()
         .map(kiln_server::auth::load_or_create)
-        .transpose()
-        .map_err(|e| e.to_string())?;
+        .transpose()?;
     let identities = args
         .identities
         .as_deref()
         .map(|p| kiln_server::identity::Identities::from_file(p).map(Arc::new))
         .transpose()
-        .map_err(|e| format!("--identities: {e}"))?;
+        .context("--identities")?;
     let tls = args
         .tls
         .as_deref()
-        .map(|dir| {
-            kiln_tls::server_config(dir).map_err(|e| format!("--tls {}: {e}", dir.display()))
-        })
+        .map(|dir| kiln_tls::server_config(dir).with_context(|| format!("--tls {}", dir.display())))
         .transpose()?;
     Ok((secret, identities, tls))
 }
@@ -392,32 +391,34 @@ async fn serve_until_term(
 /// management port's TLS configuration too.
 fn open_manager(
     args: &ServeArgs,
-) -> Result<(Arc<kiln_mgmt::Manager>, Option<Arc<kiln_tls::ServerConfig>>), String> {
+) -> Result<(Arc<kiln_mgmt::Manager>, Option<Arc<kiln_tls::ServerConfig>>), Error> {
     if args.secret_file.is_some() {
-        return Err(
+        return Err(Error::invalid(
             "--secret-file belongs to a brick; in management mode every volume has its own \
-             secret (STATE_DIR/vols/NAME/secret); the management port's is --mgmt-secret-file"
-                .into(),
-        );
+             secret (STATE_DIR/vols/NAME/secret); the management port's is --mgmt-secret-file",
+        ));
     }
     let Listen::Tcp(mgmt_addr) = &args.mgmt else {
-        return Err(format!("--mgmt {}: want tcp:IP:PORT", args.mgmt));
+        return Err(Error::invalid(format!(
+            "--mgmt {}: want tcp:IP:PORT",
+            args.mgmt
+        )));
     };
     if !mgmt_addr.ip().is_loopback() && args.tls.is_none() && !args.mgmt_plaintext {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "--mgmt {}: other hosts could reach this management port, and kilnds send each \
              other volume secrets over it: give --tls DIR (kiln tls issue), or \
              --mgmt-plaintext on a network you trust",
             args.mgmt
-        ));
+        )));
     }
-    let mut exe = kiln_mgmt::brick_command()
-        .map_err(|e| format!("cannot find this executable to run bricks: {e}"))?;
+    let mut exe =
+        kiln_mgmt::brick_command().context("cannot find this executable to run bricks")?;
     let mut mgmt_tls = None;
     if let Some(dir) = &args.tls {
         // Checked now, so that a bad directory fails here and not in every brick.
         let cfg =
-            kiln_tls::server_config(dir).map_err(|e| format!("--tls {}: {e}", dir.display()))?;
+            kiln_tls::server_config(dir).with_context(|| format!("--tls {}", dir.display()))?;
         mgmt_tls = Some(cfg);
         exe.push("--tls".into());
         exe.push(dir.into());
@@ -439,7 +440,7 @@ fn open_manager(
 fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
     use kiln_mgmt as mgmt;
     let umask = mgmt::current_umask();
-    let fail = |e: String| {
+    let fail = |e: Error| {
         eprintln!("kilnd: {e}");
         std::process::ExitCode::FAILURE
     };
@@ -454,7 +455,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
         .build()
     {
         Ok(rt) => rt,
-        Err(e) => return fail(format!("cannot start runtime: {e}")),
+        Err(e) => return fail(Error::io("cannot start runtime", &e)),
     };
     rt.block_on(async {
         let volfile = mgmt::placeholder_volfile(&args.state_dir);
@@ -472,13 +473,13 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
                 }
             }
             Err(e) if e.to_string().contains("in use") => {
-                return fail(format!(
+                return fail(Error::conflict(format!(
                     "{e}: another kilnd, or glusterd (which also listens on 24007), has the \
                      management port; stop it or give --mgmt tcp:IP:OTHERPORT (and \
                      HOST:OTHERPORT to `kiln peer probe` and in brick names)"
-                ))
+                )))
             }
-            Err(e) => return fail(e.to_string()),
+            Err(e) => return fail(Error::from(e)),
         };
         let addr = server.local_addrs().into_iter().next();
         if let Some(Listen::Tcp(a)) = &addr {
@@ -506,7 +507,7 @@ fn main_mgmt(args: ServeArgs) -> std::process::ExitCode {
             .await
             .is_err()
         {
-            return fail("restoring volumes failed".into());
+            return fail(Error::failed("restoring volumes failed"));
         }
         kiln_mgmt::orphans::start(manager.clone());
         kiln_mgmt::rebalancer::start(manager.clone());
@@ -528,7 +529,7 @@ type MoreMetrics = Box<dyn Fn(&mut kiln_layer::metrics::Scrape) + Send + Sync>;
 
 /// Serves `/metrics` (the server's counters with the process's io-stats) on `addr` unless it is
 /// "off", and prints where.
-fn serve_metrics(addr: &str, server: &Server, more: Option<MoreMetrics>) -> Result<(), String> {
+fn serve_metrics(addr: &str, server: &Server, more: Option<MoreMetrics>) -> Result<(), Error> {
     if addr == "off" {
         return Ok(());
     }
@@ -541,7 +542,7 @@ fn serve_metrics(addr: &str, server: &Server, more: Option<MoreMetrics>) -> Resu
         }
     });
     let ep = kiln_metrics::serve(addr, "kilnd", Some(extra))
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+        .with_context(|| format!("cannot serve metrics on {addr}"))?;
     say(&format!("kilnd: metrics on http://{}/metrics", ep.addr));
     Ok(())
 }

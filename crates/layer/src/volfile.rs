@@ -33,9 +33,10 @@ use crate::layers::posix::PosixConfig;
 use crate::replicate::ReplicateConfig;
 use crate::shard::ShardConfig;
 use crate::LayerRef;
+use kiln_proto::Error;
 
 /// Builds the layer types a side owns, given the definition and its built children.
-pub type LeafBuilder<'b> = dyn FnMut(&LayerDef, Vec<LayerRef>) -> Result<LayerRef, String> + 'b;
+pub type LeafBuilder<'b> = dyn FnMut(&LayerDef, Vec<LayerRef>) -> Result<LayerRef, Error> + 'b;
 
 /// A parsed volume graph.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -201,33 +202,38 @@ impl LayerKind {
     /// Sets the option `field` to `value`, as the line `field = value` in the layer's volfile
     /// table would; an option the type does not have, or a value of the wrong type, is an
     /// error.
-    pub fn set_option(&mut self, field: &str, value: toml::Value) -> Result<(), String> {
+    pub fn set_option(&mut self, field: &str, value: toml::Value) -> Result<(), Error> {
         let ty = self.type_name();
         let mut table = match toml::Value::try_from(&*self) {
             Ok(toml::Value::Table(t)) => t,
-            other => return Err(format!("{ty} layer: not a table ({other:?})")),
+            other => {
+                return Err(Error::invalid(format!(
+                    "{ty} layer: not a table ({other:?})"
+                )))
+            }
         };
         table.insert(field.to_owned(), value);
         *self = toml::Value::Table(table)
             .try_into()
-            .map_err(|e| format!("{ty} option {field}: {e}"))?;
+            .map_err(|e| Error::invalid(format!("{ty} option {field}: {e}")))?;
         Ok(())
     }
 }
 
 impl Volfile {
     /// Parses and checks a volfile.
-    pub fn parse(text: &str) -> Result<Volfile, String> {
-        let v: Volfile = toml::from_str(text).map_err(|e| format!("bad volfile: {e}"))?;
+    pub fn parse(text: &str) -> Result<Volfile, Error> {
+        let v: Volfile =
+            toml::from_str(text).map_err(|e| Error::invalid(format!("bad volfile: {e}")))?;
         v.check()?;
         Ok(v)
     }
 
     /// Reads and parses a volfile.
-    pub fn load(path: &std::path::Path) -> Result<Volfile, String> {
+    pub fn load(path: &std::path::Path) -> Result<Volfile, Error> {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read volfile {}: {e}", path.display()))?;
-        Volfile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(|e| Error::io(format_args!("cannot read volfile {}", path.display()), &e))?;
+        Volfile::parse(&text).map_err(|e| e.context(path.display()))
     }
 
     /// The volfile as TOML.
@@ -237,65 +243,65 @@ impl Volfile {
 
     /// Names are unique, subvolumes exist, leaves have none, the graph has no cycles and every
     /// layer is reachable from the top.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Error> {
         if self.layers.is_empty() {
-            return Err("a volfile needs at least one layer".into());
+            return Err(Error::invalid("a volfile needs at least one layer"));
         }
         let mut idx = HashMap::new();
         for (i, l) in self.layers.iter().enumerate() {
             if l.name.is_empty() {
-                return Err(format!("layer {i} has no name"));
+                return Err(Error::invalid(format!("layer {i} has no name")));
             }
             if idx.insert(l.name.as_str(), i).is_some() {
-                return Err(format!("two layers are named {:?}", l.name));
+                return Err(Error::invalid(format!("two layers are named {:?}", l.name)));
             }
         }
         for (i, l) in self.layers.iter().enumerate() {
             let kids = self.children_of(i, &idx)?;
             if l.kind.is_leaf() && !kids.is_empty() {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "{} layer {:?} takes no subvolumes",
                     l.kind.type_name(),
                     l.name
-                ));
+                )));
             }
             if l.kind.is_cluster() {
                 if kids.is_empty() {
-                    return Err(format!(
+                    return Err(Error::invalid(format!(
                         "{} layer {:?} needs at least one subvolume",
                         l.kind.type_name(),
                         l.name
-                    ));
+                    )));
                 }
                 if let LayerKind::Replicate(ReplicateConfig {
                     quorum: Some(q), ..
                 }) = l.kind
                 {
                     if q == 0 || q as usize > kids.len() {
-                        return Err(format!(
+                        return Err(Error::invalid(format!(
                             "replicate layer {:?}: quorum {q} is not between 1 and its {} subvolumes",
                             l.name,
                             kids.len()
-                        ));
+                        )));
                     }
                 }
             } else if !l.kind.is_leaf() && kids.len() != 1 {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "{} layer {:?} needs exactly one subvolume (it is the last layer, or names {})",
                     l.kind.type_name(),
                     l.name,
                     kids.len()
-                ));
+                )));
             }
         }
         // Walk from the top: no cycles, everything reached.
         let mut state = vec![0u8; self.layers.len()]; // 0 new, 1 on path, 2 done
         self.walk(0, &idx, &mut state)?;
         if let Some(i) = state.iter().position(|s| *s == 0) {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "layer {:?} is not below the top layer",
                 self.layers[i].name
-            ));
+            )));
         }
         Ok(())
     }
@@ -325,7 +331,7 @@ impl Volfile {
         below
     }
 
-    fn children_of(&self, i: usize, idx: &HashMap<&str, usize>) -> Result<Vec<usize>, String> {
+    fn children_of(&self, i: usize, idx: &HashMap<&str, usize>) -> Result<Vec<usize>, Error> {
         let l = &self.layers[i];
         if l.subvolumes.is_empty() {
             if l.kind.is_leaf() || i + 1 == self.layers.len() {
@@ -336,20 +342,20 @@ impl Volfile {
         l.subvolumes
             .iter()
             .map(|s| {
-                idx.get(s.as_str())
-                    .copied()
-                    .ok_or_else(|| format!("layer {:?} names unknown subvolume {s:?}", l.name))
+                idx.get(s.as_str()).copied().ok_or_else(|| {
+                    Error::invalid(format!("layer {:?} names unknown subvolume {s:?}", l.name))
+                })
             })
             .collect()
     }
 
-    fn walk(&self, i: usize, idx: &HashMap<&str, usize>, state: &mut [u8]) -> Result<(), String> {
+    fn walk(&self, i: usize, idx: &HashMap<&str, usize>, state: &mut [u8]) -> Result<(), Error> {
         match state[i] {
             1 => {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "the graph has a cycle through {:?}",
                     self.layers[i].name
-                ))
+                )))
             }
             2 => return Ok(()),
             _ => {}
@@ -365,7 +371,7 @@ impl Volfile {
     /// Builds the stack and returns its top. `leaf` builds the types this crate does not know
     /// (given the definition and its built children); a layer used by two parents is built
     /// once.
-    pub fn build(&self, leaf: &mut LeafBuilder<'_>) -> Result<LayerRef, String> {
+    pub fn build(&self, leaf: &mut LeafBuilder<'_>) -> Result<LayerRef, Error> {
         self.check()?;
         let idx = self.index();
         let mut built: Vec<Option<LayerRef>> = vec![None; self.layers.len()];
@@ -378,7 +384,7 @@ impl Volfile {
         idx: &HashMap<&str, usize>,
         built: &mut Vec<Option<LayerRef>>,
         leaf: &mut LeafBuilder<'_>,
-    ) -> Result<LayerRef, String> {
+    ) -> Result<LayerRef, Error> {
         if let Some(l) = &built[i] {
             return Ok(l.clone());
         }
@@ -466,14 +472,22 @@ remote = "tcp:127.0.0.1:1"
         let unknown_type = TWO.replace("\"io-stats\"", "\"io-stat\"");
         assert!(Volfile::parse(&unknown_type)
             .unwrap_err()
+            .message()
             .contains("io-stat"));
         let dup = TWO.replace("name = \"slow\"", "name = \"top\"");
-        assert!(Volfile::parse(&dup).unwrap_err().contains("two layers"));
+        assert!(Volfile::parse(&dup)
+            .unwrap_err()
+            .message()
+            .contains("two layers"));
         let cycle = TWO.replace("name = \"slow\"", "name = \"slow\"\nsubvolumes = [\"top\"]");
-        assert!(Volfile::parse(&cycle).unwrap_err().contains("cycle"));
+        assert!(Volfile::parse(&cycle)
+            .unwrap_err()
+            .message()
+            .contains("cycle"));
         let missing = TWO.replace("name = \"slow\"", "name = \"slow\"\nsubvolumes = [\"x\"]");
         assert!(Volfile::parse(&missing)
             .unwrap_err()
+            .message()
             .contains("unknown subvolume"));
         let dangling = TWO.replace(
             "remote = \"tcp:127.0.0.1:1\"",

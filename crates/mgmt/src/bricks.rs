@@ -6,7 +6,9 @@ use crate::peers::CONNECT_TIMEOUT;
 use crate::response::BrickStarted;
 use crate::store::write_atomic;
 use crate::volfiles::brick_volfile;
+use kiln_proto::error::Context as _;
 use kiln_proto::sync::MutexExt as _;
+use kiln_proto::Error;
 use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::fs;
@@ -99,7 +101,7 @@ impl Manager {
 
     /// Changes the definition of `name` by `f` in the pool's store, made only if nothing else
     /// changed it meanwhile (read again and retried otherwise).
-    pub(crate) fn update(&self, name: &str, f: impl Fn(&mut VolumeDef)) -> Result<(), String> {
+    pub(crate) fn update(&self, name: &str, f: impl Fn(&mut VolumeDef)) -> Result<(), Error> {
         for _ in 0..8 {
             let (mut def, version) = self.load_versioned(name)?;
             f(&mut def);
@@ -116,7 +118,9 @@ impl Manager {
                 }
             }
         }
-        Err(format!("volume {name} kept changing: not updated"))
+        Err(Error::conflict(format!(
+            "volume {name} kept changing: not updated"
+        )))
     }
 
     /// Authority side: a peer restarted one of its bricks on another port.
@@ -151,7 +155,7 @@ impl Manager {
         procs: &mut Procs,
         def: &VolumeDef,
         i: usize,
-    ) -> Result<BrickStarted, String> {
+    ) -> Result<BrickStarted, Error> {
         let b = &def.bricks[i];
         let ip = b.ip()?;
         let vf_path = self.brick_volfile_path(&def.name, i);
@@ -166,7 +170,7 @@ impl Manager {
         // cannot see this host's state directory or symlinks.
         crate::def::check_not_state(&b.spec(), &crate::def::real_path(&b.dir), &self.state)?;
         fs::create_dir_all(&b.dir)
-            .map_err(|e| format!("cannot create brick directory {}: {e}", b.dir.display()))?;
+            .with_context(|| format!("cannot create brick directory {}", b.dir.display()))?;
         let vf = brick_volfile(def, i, &b.dir)?;
         let bricks_dir = self.vol_dir(&def.name).join("bricks");
         write_atomic(
@@ -190,7 +194,7 @@ impl Manager {
             .collect();
         let mut preferred = b.port;
         let log_path = bricks_dir.join(format!("{i}.log"));
-        let mut last = String::new();
+        let mut last = Error::failed("no port to start the brick on");
         for _ in 0..16 {
             let port = match preferred
                 .take()
@@ -230,9 +234,9 @@ impl Manager {
         ip: IpAddr,
         port: u16,
         log_path: &Path,
-    ) -> Result<(u32, Option<u16>), (String, bool)> {
+    ) -> Result<(u32, Option<u16>), (Error, bool)> {
         let vf_path = self.brick_volfile_path(&def.name, i);
-        let fail = |e: String| (e, false);
+        let fail = |e: Error| (e, false);
         // The brick reads who may connect, besides the volume's secret, at its start.
         self.write_identities(def).map_err(fail)?;
         // Appended to: what a brick logged before a restart is what one looks for after it.
@@ -240,12 +244,17 @@ impl Manager {
             .create(true)
             .append(true)
             .open(log_path)
-            .map_err(|e| fail(format!("cannot open {}: {e}", log_path.display())))?;
+            .map_err(|e| {
+                fail(Error::io(
+                    format_args!("cannot open {}", log_path.display()),
+                    &e,
+                ))
+            })?;
         // Only what this run writes tells whether it is listening.
         let start = log.metadata().map_or(0, |m| m.len() as usize);
         let log2 = log
             .try_clone()
-            .map_err(|e| fail(format!("{}: {e}", log_path.display())))?;
+            .map_err(|e| fail(Error::io(log_path.display(), &e)))?;
         let listen = format!("tcp:{}", SocketAddr::new(ip, port));
         let mut cmd = Command::new(&self.exe[0]);
         cmd.args(&self.exe[1..])
@@ -276,7 +285,7 @@ impl Manager {
             .process_group(0);
         let mut child = cmd
             .spawn()
-            .map_err(|e| fail(format!("cannot run {:?}: {e}", self.exe[0])))?;
+            .map_err(|e| fail(Error::io(format_args!("cannot run {:?}", self.exe[0]), &e)))?;
         let pid = child.id();
         let deadline = Instant::now() + BRICK_START_TIMEOUT;
         loop {
@@ -291,14 +300,17 @@ impl Manager {
                 let tail: String = text.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
                 let retry = text.contains("in use");
                 return Err((
-                    format!("brick exited ({status}) on {listen}: {tail}"),
+                    Error::failed(format!("brick exited ({status}) on {listen}: {tail}")),
                     retry,
                 ));
             }
             if Instant::now() > deadline {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err((format!("brick did not listen on {listen} in time"), false));
+                return Err((
+                    Error::unavailable(format!("brick did not listen on {listen} in time")),
+                    false,
+                ));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -351,10 +363,10 @@ pub(crate) fn port_free(ip: IpAddr, port: u16) -> bool {
 }
 
 /// The first free port from `first` not in `taken`.
-pub(crate) fn free_port(ip: IpAddr, taken: &BTreeSet<u16>, first: u16) -> Result<u16, String> {
+pub(crate) fn free_port(ip: IpAddr, taken: &BTreeSet<u16>, first: u16) -> Result<u16, Error> {
     (first..=u16::MAX)
         .find(|p| !taken.contains(p) && port_free(ip, *p))
-        .ok_or_else(|| format!("no free port on {ip} from {first}"))
+        .ok_or_else(|| Error::unavailable(format!("no free port on {ip} from {first}")))
 }
 
 pub(crate) fn lock_port(m: &Mutex<u16>) -> std::sync::MutexGuard<'_, u16> {

@@ -17,6 +17,8 @@ use crate::response::{
     VolfileText, VolumeStatus, VolumeView,
 };
 use crate::store::{hex, random, secret_key, vol_key};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 impl Manager {
     pub(crate) fn create(
@@ -27,39 +29,46 @@ impl Manager {
         allow: &[String],
         shard: Option<u64>,
         force: bool,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         check_name(name)?;
         if let Some(b) = shard.filter(|b| !kiln_layer::shard::valid_block(*b)) {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "volume {name}: shard block size {b} is not a power of two from 1 MiB to 1 TiB"
-            ));
+            )));
         }
         let replica = match replica {
             None => 1,
             Some(r) if (1..=64).contains(&r) => r as usize,
-            Some(r) => return Err(format!("bad replica count {r}: want a number from 1 to 64")),
+            Some(r) => {
+                return Err(Error::invalid(format!(
+                    "bad replica count {r}: want a number from 1 to 64"
+                )))
+            }
         };
         if specs.is_empty() {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "volume {name}: no bricks given (want HOST:/DIR, at least {replica})"
-            ));
+            )));
         }
         if !specs.len().is_multiple_of(replica) {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "volume {name}: {} brick(s) do not make replica sets of {replica}: give a \
                  multiple of {replica} bricks",
                 specs.len()
-            ));
+            )));
         }
         if self.load(name).is_ok() {
-            return Err(format!("volume {name} already exists"));
+            return Err(Error::exists(format!("volume {name} already exists")));
         }
         let allow = crate::options::check_allow(allow)?;
         let (bricks, ips) = self.check_bricks(specs, force)?;
         for (b, ip) in bricks.iter().zip(&ips) {
             if is_local(*ip) {
                 fs::create_dir_all(&b.dir).map_err(|e| {
-                    format!("cannot create brick directory {}: {e}", b.dir.display())
+                    Error::io(
+                        format_args!("cannot create brick directory {}", b.dir.display()),
+                        &e,
+                    )
                 })?;
             }
         }
@@ -85,7 +94,7 @@ impl Manager {
         for addr in self.peers(&def) {
             self.check_member(addr)
                 .and_then(|_| self.sync_to(addr, &def))
-                .map_err(|e| format!("volume {name} not created: {e}"))?;
+                .with_context(|| format!("volume {name} not created"))?;
         }
         // The definition and its secret, in one change: both or neither.
         let ops = vec![
@@ -101,7 +110,7 @@ impl Manager {
             },
         ];
         self.change(Cmd::Batch { ops })
-            .map_err(|e| format!("volume {name} not created: {e}"))?;
+            .with_context(|| format!("volume {name} not created"))?;
         tracing::info!(volume = %name, "volume created ({} bricks)", def.bricks.len());
         Ok(Changed {
             volume: VolumeView::from(&def),
@@ -118,25 +127,25 @@ impl Manager {
         &self,
         specs: &[String],
         force: bool,
-    ) -> Result<(Vec<BrickDef>, Vec<IpAddr>), String> {
+    ) -> Result<(Vec<BrickDef>, Vec<IpAddr>), Error> {
         let mut bricks = Vec::new();
         let mut ips = Vec::new();
         let mut real: Vec<PathBuf> = Vec::new();
         for s in specs {
             let b = parse_brick(s)?;
-            let ip = b.ip().map_err(|e| format!("brick {s}: {e}"))?;
+            let ip = b.ip().with_context(|| format!("brick {s}"))?;
             let r = real_dir(&b.dir, ip);
             if is_local(ip) {
                 check_not_state(s, &r, &self.state)?;
             }
             if !force {
                 if let Some(what) = system_dir_kind(&r) {
-                    return Err(format!(
+                    return Err(Error::failed(format!(
                         "brick {s}: {} is {what}, not a place for a brick: clients could \
                          read and change what the system keeps there (add `force` to use it \
                          anyway)",
                         r.display()
-                    ));
+                    )));
                 }
             }
             ips.push(ip);
@@ -152,14 +161,14 @@ impl Manager {
                 let (a, b) = (&bricks[i], &bricks[j]);
                 let (ad, bd) = (&real[i], &real[j]);
                 if ad == bd {
-                    return Err(format!("brick {} is given twice", b.spec()));
+                    return Err(Error::exists(format!("brick {} is given twice", b.spec())));
                 }
                 if bd.starts_with(ad) || ad.starts_with(bd) {
-                    return Err(format!(
+                    return Err(Error::invalid(format!(
                         "bricks {} and {} nest: a brick may not be inside another",
                         a.spec(),
                         b.spec()
-                    ));
+                    )));
                 }
             }
         }
@@ -169,14 +178,14 @@ impl Manager {
                 let od = real_dir(&ob.dir, oip);
                 for ((b, ip), bd) in bricks.iter().zip(&ips).zip(&real) {
                     if *ip == oip && (bd.starts_with(&od) || od.starts_with(bd)) {
-                        return Err(format!(
+                        return Err(Error::denied(format!(
                             "brick {} overlaps brick {} of volume {}: the clients of each \
                              could read and change the other's files (refused even with \
                              `force`)",
                             b.spec(),
                             ob.spec(),
                             other.name
-                        ));
+                        )));
                     }
                 }
             }
@@ -189,13 +198,13 @@ impl Manager {
         procs: &mut Procs,
         name: &str,
         force: bool,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         let mut def = self.load(name)?;
         if def.state == VolState::Started && !force {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "volume {name} is already started (`start {name} force` restarts bricks that \
                  are down)"
-            ));
+            )));
         }
         let secret = self.read_secret(name)?;
         let mut errors = Vec::new();
@@ -224,12 +233,12 @@ impl Manager {
         self.save(&def)?;
         let warnings = Vec::new();
         if !errors.is_empty() {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "volume {name}: {} of {} bricks did not start: {}",
                 errors.len(),
                 def.bricks.len(),
                 errors.join("; ")
-            ));
+            )));
         }
         tracing::info!(volume = %name, "volume started");
         Ok(Changed {
@@ -239,10 +248,10 @@ impl Manager {
         .into())
     }
 
-    pub(crate) fn stop(&self, procs: &mut Procs, name: &str) -> Result<Response, String> {
+    pub(crate) fn stop(&self, procs: &mut Procs, name: &str) -> Result<Response, Error> {
         let mut def = self.load(name)?;
         if def.state != VolState::Started {
-            return Err(format!("volume {name} is not started"));
+            return Err(Error::conflict(format!("volume {name} is not started")));
         }
         let mut errors = Vec::new();
         for i in 0..def.bricks.len() {
@@ -273,11 +282,11 @@ impl Manager {
         self.save(&def)?;
         let warnings = Vec::new();
         if !errors.is_empty() {
-            return Err(format!(
+            return Err(Error::conflict(format!(
                 "volume {name} stopped, but {} brick(s) may still run: {}",
                 errors.len(),
                 errors.join("; ")
-            ));
+            )));
         }
         tracing::info!(volume = %name, "volume stopped");
         Ok(Changed {
@@ -296,10 +305,12 @@ impl Manager {
         procs: &mut Procs,
         name: &str,
         options: &[(String, String)],
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         let mut def = self.load(name)?;
         if options.is_empty() {
-            return Err(format!("volume {name}: no option given to set"));
+            return Err(Error::invalid(format!(
+                "volume {name}: no option given to set"
+            )));
         }
         let mut restart = false;
         for (option, value) in options {
@@ -352,10 +363,12 @@ impl Manager {
         .into())
     }
 
-    pub(crate) fn delete(&self, name: &str) -> Result<Response, String> {
+    pub(crate) fn delete(&self, name: &str) -> Result<Response, Error> {
         let def = self.load(name)?;
         if def.state == VolState::Started {
-            return Err(format!("volume {name} is started: stop it first"));
+            return Err(Error::conflict(format!(
+                "volume {name} is started: stop it first"
+            )));
         }
         let warnings = Vec::new();
         // Every member removes its files of the volume when it applies this.
@@ -370,7 +383,7 @@ impl Manager {
             },
         ];
         self.change(Cmd::Batch { ops })
-            .map_err(|e| format!("cannot remove volume {name}: {e}"))?;
+            .with_context(|| format!("cannot remove volume {name}"))?;
         tracing::info!(volume = %name, "volume deleted (brick data left in place)");
         Ok(Deleted {
             volume: name.to_owned(),
@@ -380,7 +393,7 @@ impl Manager {
         .into())
     }
 
-    pub(crate) fn info(&self, name: Option<&str>) -> Result<Response, String> {
+    pub(crate) fn info(&self, name: Option<&str>) -> Result<Response, Error> {
         // Read first: the definitions below are at least this new.
         let version = self.pool()?.version();
         let defs = match name {
@@ -397,12 +410,12 @@ impl Manager {
         .into())
     }
 
-    pub(crate) fn list(&self) -> Result<Response, String> {
+    pub(crate) fn list(&self) -> Result<Response, Error> {
         let names: Vec<String> = self.load_all().into_iter().map(|d| d.name).collect();
         Ok(Names { volumes: names }.into())
     }
 
-    pub(crate) fn status(&self, procs: &mut Procs, name: Option<&str>) -> Result<Response, String> {
+    pub(crate) fn status(&self, procs: &mut Procs, name: Option<&str>) -> Result<Response, Error> {
         let defs = match name {
             Some(n) => {
                 check_name(n)?;
@@ -459,11 +472,11 @@ impl Manager {
         .into())
     }
 
-    pub(crate) fn volfile(&self, name: &str) -> Result<Response, String> {
+    pub(crate) fn volfile(&self, name: &str) -> Result<Response, Error> {
         check_name(name)?;
         let (def, graph) = self.load_versioned(name)?;
         if def.state != VolState::Started {
-            return Err(format!("volume {name} is not started"));
+            return Err(Error::conflict(format!("volume {name} is not started")));
         }
         let v = self.client_volfile_here(&def)?;
         let servers = self

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Component, Path, PathBuf};
 
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 use serde::{Deserialize, Serialize};
 
 /// One brick of a volume.
@@ -56,12 +58,12 @@ impl BrickDef {
     }
 
     /// The host's address.
-    pub fn ip(&self) -> Result<IpAddr, String> {
+    pub fn ip(&self) -> Result<IpAddr, Error> {
         resolve(&self.host)
     }
 
     /// The management address of the brick's host.
-    pub fn mgmt_addr(&self) -> Result<SocketAddr, String> {
+    pub fn mgmt_addr(&self) -> Result<SocketAddr, Error> {
         Ok(SocketAddr::new(
             self.ip()?,
             self.mgmt_port.unwrap_or(DEFAULT_MGMT_PORT),
@@ -209,7 +211,7 @@ impl VolumeDef {
 }
 
 /// Checks a volume name: 1 to 64 of `A-Z a-z 0-9 _ -`, not starting with `-`.
-pub fn check_name(name: &str) -> Result<(), String> {
+pub fn check_name(name: &str) -> Result<(), Error> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && !name.starts_with('-')
@@ -219,33 +221,30 @@ pub fn check_name(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
+        Err(Error::invalid(format!(
             "bad volume name {name:?}: use 1 to 64 letters, digits, '_' or '-' (not first)"
-        ))
+        )))
     }
 }
 
 /// Parses `HOST:/DIR` or `HOST:PORT:/DIR` (PORT: the management port of HOST's kilnd).
-pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
+pub fn parse_brick(s: &str) -> Result<BrickDef, Error> {
     let want = "want HOST:/DIR or HOST:MGMTPORT:/DIR with an absolute directory";
     let i = s
         .find(":/")
-        .ok_or_else(|| format!("bad brick {s:?}: {want}"))?;
+        .ok_or_else(|| Error::invalid(format!("bad brick {s:?}: {want}")))?;
     let (hp, dir) = (&s[..i], &s[i + 1..]);
     let (host, mgmt_port) = match hp.rsplit_once(':') {
         Some((h, p)) => (
             h,
-            Some(
-                p.parse::<u16>()
-                    .ok()
-                    .filter(|p| *p != 0)
-                    .ok_or_else(|| format!("bad brick {s:?}: {p:?} is not a port; {want}"))?,
-            ),
+            Some(p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+                Error::invalid(format!("bad brick {s:?}: {p:?} is not a port; {want}"))
+            })?),
         ),
         None => (hp, None),
     };
     if host.is_empty() {
-        return Err(format!("bad brick {s:?}: no host; {want}"));
+        return Err(Error::invalid(format!("bad brick {s:?}: no host; {want}")));
     }
     let mut clean = PathBuf::from("/");
     for c in Path::new(dir).components() {
@@ -253,16 +252,16 @@ pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
             Component::RootDir => {}
             Component::Normal(n) => clean.push(n),
             Component::CurDir | Component::ParentDir | Component::Prefix(_) => {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "bad brick {s:?}: the directory may not contain '.' or '..'"
-                ))
+                )))
             }
         }
     }
     if clean == Path::new("/") {
-        return Err(format!(
+        return Err(Error::invalid(format!(
             "bad brick {s:?}: the root directory cannot be a brick"
-        ));
+        )));
     }
     Ok(BrickDef {
         host: host.to_owned(),
@@ -277,20 +276,20 @@ pub fn parse_brick(s: &str) -> Result<BrickDef, String> {
 }
 
 /// The first address `host` resolves to (IPv4 preferred).
-pub fn resolve(host: &str) -> Result<IpAddr, String> {
+pub fn resolve(host: &str) -> Result<IpAddr, Error> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(ip);
     }
     let addrs: Vec<SocketAddr> = (host, 0)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve host {host:?}: {e}"))?
+        .with_context(|| format!("cannot resolve host {host:?}"))?
         .collect();
     addrs
         .iter()
         .find(|a| a.is_ipv4())
         .or(addrs.first())
         .map(|a| a.ip())
-        .ok_or_else(|| format!("host {host:?} has no address"))
+        .ok_or_else(|| Error::invalid(format!("host {host:?} has no address")))
 }
 
 /// True when this host can bind `ip`: the brick is ours to run.
@@ -301,14 +300,14 @@ pub(crate) fn is_local(ip: IpAddr) -> bool {
 /// The management port a kilnd listens on by default (the same as glusterd's).
 pub const DEFAULT_MGMT_PORT: u16 = 24007;
 /// `index` as a brick of `def`, or a bad-request error.
-pub(crate) fn check_index(index: usize, def: &VolumeDef) -> Result<usize, String> {
+pub(crate) fn check_index(index: usize, def: &VolumeDef) -> Result<usize, Error> {
     if index < def.bricks.len() {
         Ok(index)
     } else {
-        Err(format!(
+        Err(Error::not_found(format!(
             "bad request: volume {} has no brick {index}",
             def.name
-        ))
+        )))
     }
 }
 
@@ -333,7 +332,7 @@ pub(crate) fn real_path(dir: &Path) -> PathBuf {
 /// Refuses brick `spec`, really at `dir` on this host, when it is inside kilnd's state
 /// directory `state` or contains it: the brick's clients would read `mgmt.secret` and every
 /// volume's secret through it. `force` does not override this.
-pub(crate) fn check_not_state(spec: &str, dir: &Path, state: &Path) -> Result<(), String> {
+pub(crate) fn check_not_state(spec: &str, dir: &Path, state: &Path) -> Result<(), Error> {
     let state = real_path(state);
     if dir.starts_with(&state) || state.starts_with(dir) {
         let how = if dir.starts_with(&state) {
@@ -341,12 +340,12 @@ pub(crate) fn check_not_state(spec: &str, dir: &Path, state: &Path) -> Result<()
         } else {
             "contains"
         };
-        return Err(format!(
+        return Err(Error::denied(format!(
             "brick {spec}: {} {how} kilnd's state directory {}, which holds the pool's \
              secrets: its clients could read them (refused even with `force`)",
             dir.display(),
             state.display()
-        ));
+        )));
     }
     Ok(())
 }

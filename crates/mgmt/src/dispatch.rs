@@ -13,6 +13,8 @@ use crate::manager::Manager;
 use crate::peers::call_peer;
 use crate::request::{Request, OPEN_COMMANDS};
 use crate::response::{Changed, Deleted, Envelope, RebalanceView, Response};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 impl Manager {
     /// [`call_peer`] with this kilnd's secret.
@@ -20,7 +22,7 @@ impl Manager {
         &self,
         addr: SocketAddr,
         req: &Request,
-    ) -> Result<R, String> {
+    ) -> Result<R, Error> {
         call_peer(addr, &self.secret, self.tls.get(), req)
     }
 
@@ -35,11 +37,11 @@ impl Manager {
                     let name = v["name"].as_str().unwrap_or_default();
                     if !self.may_fetch(caller, name) {
                         tracing::info!(peer = %caller.peer, identity = caller.identity, "mgmt: refused the graph of {name:?}");
-                        return Envelope::encode(Err(format!(
+                        return Envelope::encode(Err(Error::not_found(format!(
                             "volume {name}: no such volume, or this client may not use it (a \
                              client proves the key of an identity allowed on it: \
                              --secret-file)"
-                        )));
+                        ))));
                     }
                 }
                 if !caller.authenticated && !OPEN_COMMANDS.contains(&cmd) {
@@ -58,11 +60,11 @@ impl Manager {
                 }
                 match serde_json::from_value::<Request>(v) {
                     Ok(r) => self.dispatch(r),
-                    Err(e) => Err(format!("bad request: {e}")),
+                    Err(e) => Err(Error::invalid(format!("bad request: {e}"))),
                 }
             }
-            Ok(_) => Err("bad request: not a JSON object".into()),
-            Err(e) => Err(format!("bad request: {e}")),
+            Ok(_) => Err(Error::invalid("bad request: not a JSON object")),
+            Err(e) => Err(Error::invalid(format!("bad request: {e}"))),
         };
         if let Err(e) = &out {
             tracing::info!("mgmt: {e}");
@@ -81,7 +83,7 @@ impl Manager {
     }
 
     /// Runs one request of an authenticated caller (or an open command).
-    fn dispatch(&self, req: Request) -> Result<Response, String> {
+    fn dispatch(&self, req: Request) -> Result<Response, Error> {
         tracing::debug!(cmd = req.cmd(), "mgmt request");
         if let Some(r) = self.pool_dispatch(&req) {
             return r;
@@ -98,7 +100,7 @@ impl Manager {
                     .map(|r| r.map(Into::into)),
                 _ => pool.forward::<Changed>(&req).map(|r| r.map(Into::into)),
             };
-            if let Some(r) = fwd.map_err(|e| format!("volume {name}: {e}"))? {
+            if let Some(r) = fwd.with_context(|| format!("volume {name}"))? {
                 return Ok(r);
             }
         }
@@ -146,7 +148,10 @@ impl Manager {
             }
             Request::BrickStop { name, index } => self.brick_stop(procs, &name, index),
             Request::PeerSync { def, secret } => self.peer_sync(def, secret.as_deref()),
-            _ => Err(format!("`{}` is not a volume command", req.cmd())),
+            _ => Err(Error::invalid(format!(
+                "`{}` is not a volume command",
+                req.cmd()
+            ))),
         }
     }
 }

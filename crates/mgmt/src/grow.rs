@@ -21,6 +21,8 @@ use crate::manager::{Manager, Procs};
 use crate::pool::{Cmd, Outcome};
 use crate::response::{Changed, Response, VolumeView};
 use crate::store::vol_key;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 impl Manager {
     pub(crate) fn add_brick(
@@ -29,16 +31,16 @@ impl Manager {
         name: &str,
         replica: Option<u64>,
         specs: &[String],
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         check_name(name)?;
         let (def, version) = self.load_versioned(name)?;
         let r = def.replica.max(1);
         let widen = match replica.map(|n| n as usize) {
             Some(n) if n < r => {
-                return Err(format!(
+                return Err(Error::failed(format!(
                     "volume {name}: a replica count below {r} means fewer copies: remove \
                      bricks with remove-brick instead"
-                ))
+                )))
             }
             Some(n) if n > r => Some(n),
             _ => None,
@@ -46,11 +48,11 @@ impl Manager {
         match widen {
             Some(n) => check_widen(&def, n, specs.len())?,
             None if specs.is_empty() || !specs.len().is_multiple_of(r) => {
-                return Err(format!(
+                return Err(Error::failed(format!(
                     "volume {name}: {} brick(s) do not make replica sets of {r}: add a \
                      multiple of {r} bricks (or raise the count: `replica N`)",
                     specs.len()
-                ))
+                )))
             }
             None => {}
         }
@@ -58,7 +60,10 @@ impl Manager {
         for (b, ip) in bricks.iter().zip(&ips) {
             if is_local(*ip) {
                 fs::create_dir_all(&b.dir).map_err(|e| {
-                    format!("cannot create brick directory {}: {e}", b.dir.display())
+                    Error::io(
+                        format_args!("cannot create brick directory {}", b.dir.display()),
+                        &e,
+                    )
                 })?;
             }
         }
@@ -82,7 +87,7 @@ impl Manager {
         for addr in new_hosts {
             self.check_member(addr)
                 .and_then(|_| self.sync_to(addr, &grown))
-                .map_err(|e| format!("volume {name}: no bricks added: {e}"))?;
+                .with_context(|| format!("volume {name}: no bricks added"))?;
         }
         if def.state == VolState::Started {
             self.run_new_bricks(procs, &mut grown, first_new)?;
@@ -95,10 +100,10 @@ impl Manager {
         match self.pool()?.write(cmd)?.outcome {
             Outcome::Done { .. } => self.sync_files(),
             Outcome::Conflict { have } => {
-                return Err(format!(
+                return Err(Error::conflict(format!(
                     "volume {name}: no bricks added: it changed meanwhile (now at version \
                      {have}); try again"
-                ))
+                )))
             }
         }
         tracing::info!(
@@ -120,7 +125,7 @@ impl Manager {
         procs: &mut Procs,
         def: &mut crate::VolumeDef,
         first: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), Error> {
         let secret = self.read_secret(&def.name)?;
         let mut ran = Vec::new();
         for i in first..def.bricks.len() {
@@ -140,11 +145,11 @@ impl Manager {
                             tracing::warn!(volume = %def.name, "new brick {j} not stopped: {e}");
                         }
                     }
-                    return Err(format!(
+                    return Err(Error::failed(format!(
                         "volume {}: no bricks added: brick {} did not start: {e}",
                         def.name,
                         def.bricks[i].spec()
-                    ));
+                    )));
                 }
             }
         }
@@ -154,29 +159,31 @@ impl Manager {
 
 /// Whether `n` new bricks can raise `def`'s replica count to `n`: as many for each set, in
 /// set order, while nothing else reshapes the volume.
-fn check_widen(def: &VolumeDef, n: usize, given: usize) -> Result<(), String> {
+fn check_widen(def: &VolumeDef, n: usize, given: usize) -> Result<(), Error> {
     let (name, r) = (&def.name, def.replica.max(1));
     let sets = def.live_sets().len();
     if n > 32 {
-        return Err(format!("volume {name}: at most 32 replicas"));
+        return Err(Error::invalid(format!(
+            "volume {name}: at most 32 replicas"
+        )));
     }
     if def.widening.is_some() {
-        return Err(format!(
+        return Err(Error::conflict(format!(
             "volume {name}: its new replicas are still being rebuilt (`volume status {name}`)"
-        ));
+        )));
     }
     if def.rebalancing() || !def.draining.is_empty() {
-        return Err(format!(
+        return Err(Error::conflict(format!(
             "volume {name}: a rebalance or remove-brick is under way; let it end first"
-        ));
+        )));
     }
     if given != sets * (n - r) {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "volume {name}: replica {r} → {n} takes {} new brick(s) for each of its {sets} \
              replica set(s) ({} in all, set by set), not {given}",
             n - r,
             sets * (n - r)
-        ));
+        )));
     }
     Ok(())
 }

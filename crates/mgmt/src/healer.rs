@@ -15,6 +15,8 @@ use kiln_layer::heal;
 
 use crate::def::{VolState, VolumeDef};
 use crate::manager::Manager;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// A volume's client stack as the service uses it, rebuilt when the definition changes.
 struct Client {
@@ -75,7 +77,7 @@ fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Clien
                 );
             }
             Err(e) => {
-                healer.update(&def.name, |v| v.last_error = Some(e));
+                healer.update(&def.name, |v| v.last_error = Some(e.to_string()));
                 return;
             }
         }
@@ -116,11 +118,11 @@ fn round(manager: &Manager, def: &VolumeDef, clients: &mut HashMap<String, Clien
     });
 }
 
-fn connect(manager: &Manager, def: &VolumeDef) -> Result<kiln_client::Volume, String> {
+fn connect(manager: &Manager, def: &VolumeDef) -> Result<kiln_client::Volume, Error> {
     let volfile = manager.client_volfile_here(def)?;
     let key = manager.service_key(&def.name);
     kiln_client::Volume::from_volfile_with_secret(&volfile, Some(key.as_bytes()))
-        .map_err(|e| format!("heal service cannot reach the bricks of {}: {e}", def.name))
+        .with_context(|| format!("heal service cannot reach the bricks of {}", def.name))
 }
 
 /// Whether every replica of the stack is up and a member (none new): a volume whose replica

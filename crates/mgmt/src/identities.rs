@@ -25,6 +25,7 @@ use crate::pool::Cmd;
 pub use crate::request::AuthOp;
 use crate::response::{IdentityList, IdentityView, Response};
 use crate::store::{hex, random, write_atomic};
+use kiln_proto::Error;
 
 /// The name kilnd's own services authenticate as.
 pub const INTERNAL: &str = "kilnd";
@@ -49,18 +50,20 @@ fn view(name: &str, s: &Stored, key: bool) -> IdentityView {
     }
 }
 
-fn new_key() -> Result<String, String> {
+fn new_key() -> Result<String, Error> {
     let mut raw = [0u8; 32];
     random(&mut raw)?;
     Ok(hex(&raw))
 }
 
 /// Capabilities as a command gives them: present, consistent, naming a volume.
-fn checked(c: Option<Caps>) -> Result<Caps, String> {
-    let c = c.ok_or("give the identity's capabilities")?;
+fn checked(c: Option<Caps>) -> Result<Caps, Error> {
+    let c = c.ok_or(Error::invalid("give the identity's capabilities"))?;
     c.check()?;
     if c.volumes.is_empty() {
-        return Err("name the volumes the identity may use (or *)".into());
+        return Err(Error::invalid(
+            "name the volumes the identity may use (or *)",
+        ));
     }
     Ok(c)
 }
@@ -174,7 +177,7 @@ impl Manager {
         op: AuthOp,
         name: Option<&str>,
         caps: Option<Caps>,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         let one = |v: IdentityView| -> Response {
             IdentityList {
                 identities: vec![v],
@@ -191,19 +194,21 @@ impl Manager {
             }
             .into());
         }
-        let n = name.ok_or("name the identity")?;
+        let n = name.ok_or(Error::invalid("name the identity"))?;
         kiln_proto::auth::check_identity(n)?;
         if Self::reserved(n) {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "{n} is a name kilnd keeps for its own identities: choose another"
-            ));
+            )));
         }
         match op {
             AuthOp::List => unreachable!("answered above"),
             AuthOp::Get => Ok(one(view(n, &self.existing(n)?.0, true))),
             AuthOp::Add => {
                 if self.existing(n).is_ok() {
-                    return Err(format!("identity {n} exists: `kiln auth caps` changes it"));
+                    return Err(Error::exists(format!(
+                        "identity {n} exists: `kiln auth caps` changes it"
+                    )));
                 }
                 let s = Stored {
                     key: new_key()?,
@@ -240,16 +245,17 @@ impl Manager {
     }
 
     /// Identity `n` as the store holds it, and the version to change it at.
-    fn existing(&self, n: &str) -> Result<(Stored, u64), String> {
+    fn existing(&self, n: &str) -> Result<(Stored, u64), Error> {
         let (v, _) = self.pool()?.get(&format!("{AUTH}{n}"));
-        let v = v.ok_or_else(|| format!("no identity {n}"))?;
-        let s = serde_json::from_value(v.value)
-            .map_err(|e| format!("identity {n}: bad record in the pool's store: {e}"))?;
+        let v = v.ok_or_else(|| Error::not_found(format!("no identity {n}")))?;
+        let s = serde_json::from_value(v.value).map_err(|e| {
+            Error::failed(format!("identity {n}: bad record in the pool's store: {e}"))
+        })?;
         Ok((s, v.version))
     }
 
     /// Stores identity `n` if the store still has it at `expect` (0: not at all).
-    fn put(&self, n: &str, s: &Stored, expect: u64) -> Result<(), String> {
+    fn put(&self, n: &str, s: &Stored, expect: u64) -> Result<(), Error> {
         self.change(Cmd::Put {
             key: format!("{AUTH}{n}"),
             value: serde_json::to_value(s).expect("an identity serialises"),
@@ -291,7 +297,7 @@ impl Manager {
     }
 
     /// Writes `def`'s identities file when it differs from the store; true when it did.
-    pub(crate) fn write_identities(&self, def: &VolumeDef) -> Result<bool, String> {
+    pub(crate) fn write_identities(&self, def: &VolumeDef) -> Result<bool, Error> {
         let text =
             serde_json::to_vec_pretty(&self.identities_file(def)).expect("identities serialise");
         let dir = self.vol_dir(&def.name);

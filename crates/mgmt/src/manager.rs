@@ -14,6 +14,8 @@ use kiln_server::control::Handler;
 
 use crate::def::DEFAULT_MGMT_PORT;
 use crate::healing::Healer;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// The name of the management secret in the state directory.
 pub const MGMT_SECRET_FILE: &str = "mgmt.secret";
@@ -56,7 +58,7 @@ pub struct Manager {
 }
 
 /// Locks `state/kilnd.lock` for this process, or says which kilnd holds it.
-fn lock_state(state: &Path) -> Result<fs::File, String> {
+fn lock_state(state: &Path) -> Result<fs::File, Error> {
     use std::io::{Read, Seek, Write};
     let p = state.join("kilnd.lock");
     let mut f = fs::OpenOptions::new()
@@ -65,16 +67,16 @@ fn lock_state(state: &Path) -> Result<fs::File, String> {
         .create(true)
         .truncate(false)
         .open(&p)
-        .map_err(|e| format!("cannot open {}: {e}", p.display()))?;
+        .with_context(|| format!("cannot open {}", p.display()))?;
     if rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
         let mut pid = String::new();
         let _ = f.read_to_string(&mut pid);
-        return Err(format!(
+        return Err(Error::conflict(format!(
             "another kilnd (pid {}) uses the state directory {}: stop it first, or give this \
              one its own --state-dir",
             pid.trim(),
             state.display()
-        ));
+        )));
     }
     let _ = f.set_len(0);
     let _ = f.rewind();
@@ -192,7 +194,7 @@ impl Manager {
         state: &Path,
         exe: Vec<OsString>,
         secret_file: Option<&Path>,
-    ) -> Result<Arc<Manager>, String> {
+    ) -> Result<Arc<Manager>, Error> {
         // A new state directory is root's alone: it holds the secrets, the pool's log and
         // the volfiles kilnd runs bricks from.
         if !state.exists() {
@@ -201,11 +203,11 @@ impl Manager {
                 .recursive(true)
                 .mode(0o700)
                 .create(state)
-                .map_err(|e| format!("cannot create state directory {}: {e}", state.display()))?;
+                .with_context(|| format!("cannot create state directory {}", state.display()))?;
         }
         for d in [state.join("vols"), state.join("mgmt-root")] {
             fs::create_dir_all(&d)
-                .map_err(|e| format!("cannot create state directory {}: {e}", d.display()))?;
+                .with_context(|| format!("cannot create state directory {}", d.display()))?;
         }
         let lock = lock_state(state)?;
         tighten(state);
@@ -214,7 +216,7 @@ impl Manager {
             .unwrap_or_else(|| state.join(MGMT_SECRET_FILE));
         let existed = path.exists();
         let secret = kiln_server::auth::load_or_create(&path)
-            .map_err(|e| format!("management secret {}: {e}", path.display()))?;
+            .with_context(|| format!("management secret {}", path.display()))?;
         if !existed {
             tracing::info!(
                 "{} is this kilnd's management secret: `kiln volume` reads it as root on this \
@@ -250,9 +252,9 @@ impl Manager {
 
     /// Speak TLS to other kilnds with the identity in `dir` (`kiln tls issue`; the same one
     /// the management port serves with).
-    pub fn set_tls(&self, dir: &Path) -> Result<(), String> {
+    pub fn set_tls(&self, dir: &Path) -> Result<(), Error> {
         let cfg =
-            kiln_tls::client_config(dir).map_err(|e| format!("--tls {}: {e}", dir.display()))?;
+            kiln_tls::client_config(dir).with_context(|| format!("--tls {}", dir.display()))?;
         let _ = self.tls.set(cfg);
         Ok(())
     }

@@ -11,17 +11,19 @@ use crate::peers::PeerLink;
 use crate::pool::{NodeId, Pool};
 use crate::request::Request;
 use crate::response::{Joined, PeerDetached, PoolView, RaftReply, Response};
+use kiln_proto::Error;
 
 /// `HOST` or `HOST:PORT` as a management address.
-pub(crate) fn host_addr(host: &str) -> Result<SocketAddr, String> {
+pub(crate) fn host_addr(host: &str) -> Result<SocketAddr, Error> {
     if let Ok(a) = host.parse::<SocketAddr>() {
         return Ok(a);
     }
     let (h, port) = match host.rsplit_once(':') {
         Some((h, p)) if !h.contains(':') => (
             h,
-            p.parse::<u16>()
-                .map_err(|_| format!("bad port in {host:?}: want HOST or HOST:PORT"))?,
+            p.parse::<u16>().map_err(|_| {
+                Error::invalid(format!("bad port in {host:?}: want HOST or HOST:PORT"))
+            })?,
         ),
         _ => (
             host.trim_start_matches('[').trim_end_matches(']'),
@@ -34,7 +36,7 @@ pub(crate) fn host_addr(host: &str) -> Result<SocketAddr, String> {
 impl Manager {
     /// Starts this kilnd's pool membership (see [`crate::pool`]) on the current runtime;
     /// `addr` is the management address bound.
-    pub async fn start_pool(self: &Arc<Self>, addr: std::net::SocketAddr) -> Result<(), String> {
+    pub async fn start_pool(self: &Arc<Self>, addr: std::net::SocketAddr) -> Result<(), Error> {
         let link = Arc::new(PeerLink {
             secret: self.secret.clone(),
             tls: self.tls.get().cloned(),
@@ -60,15 +62,15 @@ impl Manager {
     }
 
     /// This kilnd's pool (set once the management port is bound).
-    pub(crate) fn pool(&self) -> Result<&Pool, String> {
+    pub(crate) fn pool(&self) -> Result<&Pool, Error> {
         self.pool
             .get()
             .map(|p| &**p)
-            .ok_or_else(|| "this kilnd's pool is not started yet".to_owned())
+            .ok_or_else(|| Error::unavailable("this kilnd's pool is not started yet"))
     }
 
     /// Runs the pool's commands; `None` for every other request.
-    pub(crate) fn pool_dispatch(&self, req: &Request) -> Option<Result<Response, String>> {
+    pub(crate) fn pool_dispatch(&self, req: &Request) -> Option<Result<Response, Error>> {
         let r = match req {
             Request::PeerProbe { host } => self.peer_probe(req, host).map(Into::into),
             Request::PeerDetach { host } => self.peer_detach(req, host).map(Into::into),
@@ -80,7 +82,9 @@ impl Manager {
             Request::PoolWrite { change: cmd } => {
                 self.pool().and_then(|p| match p.change_at()? {
                     None => p.write(cmd.clone()).map(Into::into),
-                    Some(l) => Err(format!("this kilnd is not the pool's leader ({l} is)")),
+                    Some(l) => Err(Error::unavailable(format!(
+                        "this kilnd is not the pool's leader ({l} is)"
+                    ))),
                 })
             }
             Request::PoolJoin { prepare } => self
@@ -101,7 +105,7 @@ impl Manager {
     }
 
     /// `peer probe`: made on the leader.
-    fn peer_probe(&self, req: &Request, host: &str) -> Result<Joined, String> {
+    fn peer_probe(&self, req: &Request, host: &str) -> Result<Joined, Error> {
         let addr = host_addr(host)?;
         let pool = self.pool()?;
         match pool.forward(req)? {
@@ -111,7 +115,7 @@ impl Manager {
     }
 
     /// `peer detach`: made on the leader, which then tells the member to forget the pool.
-    fn peer_detach(&self, req: &Request, host: &str) -> Result<PeerDetached, String> {
+    fn peer_detach(&self, req: &Request, host: &str) -> Result<PeerDetached, Error> {
         let pool = self.pool()?;
         let view = pool.view(false);
         let id = member_named(&view, host)?;
@@ -132,19 +136,19 @@ impl Manager {
                 .map(|b| b.spec())
                 .collect();
             if !held.is_empty() {
-                return Err(format!(
+                return Err(Error::failed(format!(
                     "{host} holds bricks of volume {} ({}): move them with replace-brick, or \
                      delete the volume, first",
                     def.name,
                     held.join(", ")
-                ));
+                )));
             }
         }
         let addr = pool.detach(id)?;
         let mut warnings = Vec::new();
         let told = addr
             .parse()
-            .map_err(|e| format!("{e}"))
+            .map_err(|e| Error::failed(format!("{e}")))
             .and_then(|a| pool.call::<Joined>(a, &Request::PoolLeave { id }));
         match told {
             Ok(_) => {}
@@ -170,7 +174,7 @@ impl Manager {
 }
 
 /// The member `host` names: its id in hex, or its address (`HOST`, `HOST:PORT`).
-fn member_named(view: &PoolView, host: &str) -> Result<NodeId, String> {
+fn member_named(view: &PoolView, host: &str) -> Result<NodeId, Error> {
     if let Some(m) = view
         .members
         .iter()
@@ -192,9 +196,11 @@ fn member_named(view: &PoolView, host: &str) -> Result<NodeId, String> {
         .collect();
     match found.as_slice() {
         [m] => Ok(m.id),
-        [] => Err(format!("no member of the pool is at {host}")),
-        _ => Err(format!(
+        [] => Err(Error::not_found(format!(
+            "no member of the pool is at {host}"
+        ))),
+        _ => Err(Error::invalid(format!(
             "several members are at {host}: name one by HOST:PORT or by its id"
-        )),
+        ))),
     }
 }

@@ -8,6 +8,7 @@ use kiln_layer::volfile::Volfile;
 
 use crate::def::VolumeDef;
 use crate::request::Request;
+use kiln_proto::Error;
 
 /// One option as `volume get` shows it.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -90,7 +91,7 @@ pub const OPTIONS: &[Spec] = &[
                 }
             },
             set: |d, text| {
-                d.allow = parse_allow(text).map_err(Some)?;
+                d.allow = parse_allow(text).map_err(|e| Some(e.to_string()))?;
                 Ok(())
             },
         },
@@ -295,7 +296,7 @@ pub fn size_text(bytes: u64) -> String {
 
 /// A size written as `volume create --shard` takes it: bytes, or a number with K, M, G or T
 /// (powers of 1024).
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub fn parse_size(text: &str) -> Result<u64, Error> {
     let (num, shift) = match text.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
             let shift = match c.to_ascii_uppercase() {
@@ -303,7 +304,11 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
                 'M' => 20,
                 'G' => 30,
                 'T' => 40,
-                _ => return Err(format!("{text:?}: unknown unit {c:?} (want K, M, G or T)")),
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "{text:?}: unknown unit {c:?} (want K, M, G or T)"
+                    )))
+                }
             };
             (&text[..i], shift)
         }
@@ -313,14 +318,17 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .then(|| num.parse::<u64>().ok())
         .flatten()
         .and_then(|n| n.checked_mul(1 << shift))
-        .ok_or_else(|| format!("{text:?} is not a size (e.g. 64M)"))
+        .ok_or_else(|| Error::invalid(format!("{text:?} is not a size (e.g. 64M)")))
 }
 
 /// The option named `name`, or an error listing the options.
-pub fn spec(name: &str) -> Result<&'static Spec, String> {
+pub fn spec(name: &str) -> Result<&'static Spec, Error> {
     OPTIONS.iter().find(|s| s.name == name).ok_or_else(|| {
         let names: Vec<&str> = OPTIONS.iter().map(|s| s.name).collect();
-        format!("no volume option {name:?} (options: {})", names.join(", "))
+        Error::invalid(format!(
+            "no volume option {name:?} (options: {})",
+            names.join(", ")
+        ))
     })
 }
 
@@ -333,31 +341,31 @@ fn digits(text: &str) -> bool {
 /// The value of `allow`: exactly `all` (an empty list: clients from anywhere), or address
 /// ranges separated by commas, spaces around each allowed. An empty item (`,,,`, a trailing
 /// comma, a value of spaces) is refused: it must never read as "allow everyone".
-pub(crate) fn parse_allow(text: &str) -> Result<Vec<String>, String> {
+pub(crate) fn parse_allow(text: &str) -> Result<Vec<String>, Error> {
     if text == "all" {
         return Ok(Vec::new());
     }
     let ranges: Vec<String> = text.split(',').map(|c| c.trim().to_owned()).collect();
     if ranges.iter().any(String::is_empty) {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "allow {text:?} has an empty address range: give ranges separated by single \
              commas (10.0.0.0/24,192.168.1.7), or `all` to take clients from anywhere"
-        ));
+        )));
     }
     check_allow(&ranges)
 }
 
 /// An `allow` list: address ranges (ADDR/PREFIX), each checked.
-pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, String> {
+pub(crate) fn check_allow(allow: &[String]) -> Result<Vec<String>, Error> {
     for c in allow {
         // The address parser takes a prefix of "+8"; a range is written without signs.
         if c.contains('+') {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "allow {c:?}: not an address range (want e.g. 10.0.0.0/8)"
-            ));
+            )));
         }
         c.parse::<kiln_server::access::Cidr>()
-            .map_err(|e| format!("allow {c:?}: {e}"))?;
+            .map_err(|e| Error::invalid(format!("allow {c:?}: {e}")))?;
     }
     Ok(allow.to_vec())
 }
@@ -404,10 +412,10 @@ fn on_off(text: &str) -> Result<bool, Option<String>> {
 
 /// Gives `def` the option `name` the value `text`; returns whether a started volume's bricks
 /// restart to take it.
-pub fn apply(def: &mut VolumeDef, name: &str, text: &str) -> Result<bool, String> {
+pub fn apply(def: &mut VolumeDef, name: &str, text: &str) -> Result<bool, Error> {
     let s = spec(name)?;
     let refused = |why: Option<String>| {
-        why.unwrap_or_else(|| format!("{name} takes {}, not {text:?}", s.kind))
+        Error::invalid(why.unwrap_or_else(|| format!("{name} takes {}, not {text:?}", s.kind)))
     };
     match &s.target {
         Target::Definition { set, .. } => set(def, text).map_err(refused)?,
@@ -440,18 +448,18 @@ fn value_text(s: &Spec, def: &VolumeDef) -> String {
 
 /// The value of layer option `s` in `def` as its layer takes it, when set: kept by name
 /// (checked again), or in a field of a definition stored before (taken as it was).
-fn layer_value(s: &Spec, def: &VolumeDef) -> Result<Option<toml::Value>, String> {
+fn layer_value(s: &Spec, def: &VolumeDef) -> Result<Option<toml::Value>, Error> {
     let Target::Layer { value, .. } = &s.target else {
         return Ok(None);
     };
     match def.options.get(s.name) {
         Some(text) => value(text).map(Some).map_err(|why| {
-            format!(
+            Error::failed(format!(
                 "volume {}: stored {} {text:?} is not valid{}",
                 def.name,
                 s.name,
                 why.map(|w| format!(": {w}")).unwrap_or_default()
-            )
+            ))
         }),
         None => Ok(legacy(def, s.name)),
     }
@@ -484,13 +492,13 @@ fn forget_legacy(def: &mut VolumeDef, name: &str) {
 /// Gives the layers of `volfile` (a graph of volume `def`) the options of `def` that configure
 /// their types ([`Target::Layer`]). An option this kilnd does not know (set by a newer one)
 /// is an error, not left out: every kilnd of a pool is upgraded before such options are set.
-pub fn configure(def: &VolumeDef, volfile: &mut Volfile) -> Result<(), String> {
+pub fn configure(def: &VolumeDef, volfile: &mut Volfile) -> Result<(), Error> {
     if let Some(name) = def.options.keys().find(|n| spec(n).is_err()) {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "volume {}: option {name:?} is not known to this kilnd (set by a newer one?): \
              upgrade it before the volume's graphs can be made here",
             def.name
-        ));
+        )));
     }
     for s in OPTIONS {
         let (Target::Layer { layer, field, .. }, Some(v)) = (&s.target, layer_value(s, def)?)
@@ -510,7 +518,7 @@ pub fn configure(def: &VolumeDef, volfile: &mut Volfile) -> Result<(), String> {
 
 /// The `set` request that gives volume `volume` the option `name` the value `text` (checked
 /// here, so a bad value is refused before a server is asked).
-pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, String> {
+pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Error> {
     apply(&mut VolumeDef::default(), name, text)?;
     Ok(Request::Set {
         name: volume.to_owned(),
@@ -519,11 +527,11 @@ pub fn set_request(volume: &str, name: &str, text: &str) -> Result<Request, Stri
 }
 
 /// The one `set` request that gives volume `volume` the defaults of the options `names`.
-pub fn reset_request(volume: &str, names: &[&str]) -> Result<Request, String> {
+pub fn reset_request(volume: &str, names: &[&str]) -> Result<Request, Error> {
     let options = names
         .iter()
         .map(|n| Ok((spec(n)?.name.to_owned(), spec(n)?.default.to_owned())))
-        .collect::<Result<_, String>>()?;
+        .collect::<Result<_, Error>>()?;
     Ok(Request::Set {
         name: volume.to_owned(),
         options,
@@ -531,7 +539,7 @@ pub fn reset_request(volume: &str, names: &[&str]) -> Result<Request, String> {
 }
 
 /// The options of `def` (`name`, or all of them) as `volume get` shows them.
-pub fn values(def: &VolumeDef, name: Option<&str>) -> Result<Vec<OptionValue>, String> {
+pub fn values(def: &VolumeDef, name: Option<&str>) -> Result<Vec<OptionValue>, Error> {
     let specs: Vec<&Spec> = match name {
         None | Some("all") => OPTIONS.iter().collect(),
         Some(n) => vec![spec(n)?],
@@ -586,7 +594,10 @@ mod tests {
             assert_eq!(r.is_ok(), ok, "{text}: {r:?}");
         }
         let e = apply(&mut fresh.clone(), "ping-timeout", "100").unwrap_err();
-        assert!(e.contains("200 to 60000") && e.contains("busy host"), "{e}");
+        assert!(
+            e.message().contains("200 to 60000") && e.message().contains("busy host"),
+            "{e}"
+        );
         let mut p = fresh.clone();
         apply(&mut p, "ping-timeout", "1200").unwrap();
         assert_eq!(p.options.get("ping-timeout"), None);
@@ -601,7 +612,7 @@ mod tests {
             "all,",
         ] {
             let e = set_request("v", "allow", bad).unwrap_err();
-            assert!(e.contains("allow"), "{bad:?}: {e}");
+            assert!(e.message().contains("allow"), "{bad:?}: {e}");
         }
         assert!(set_request("v", "allow", "10.0.0.0/+8").is_err());
         assert_eq!(
@@ -620,6 +631,7 @@ mod tests {
         }
         assert!(set_request("v", "allow", "10.0.0.0/33")
             .unwrap_err()
+            .message()
             .contains("10.0.0.0/33"));
         let mut reset = d.clone();
         let Request::Set { options, .. } = reset_request(
@@ -646,10 +658,12 @@ mod tests {
         assert!(set_request("v", "flush-behind", "0").is_ok());
         assert!(set_request("v", "root-squash", "yes")
             .unwrap_err()
+            .message()
             .contains("on or off"));
-        assert!(spec("nope").err().unwrap().contains("io-timeout"));
+        assert!(spec("nope").err().unwrap().message().contains("io-timeout"));
         assert!(set_request("v", "shard-block-size", "4M")
             .unwrap_err()
+            .message()
             .contains("--shard"));
         assert_eq!(parse_size("64M"), Ok(64 << 20));
         assert_eq!(parse_size("1t"), Ok(1 << 40));
@@ -773,12 +787,15 @@ mod tests {
         // default; so is a name this kilnd does not know.
         old.options.insert("flush-behind".into(), "4K".into());
         let e = crate::brick_volfile(&old, 0, std::path::Path::new("/b0")).unwrap_err();
-        assert!(e.contains("flush-behind") && e.contains("4K"), "{e}");
+        assert!(
+            e.message().contains("flush-behind") && e.message().contains("4K"),
+            "{e}"
+        );
         let mut newer = crate::tests::def(3, 3);
         newer.options.insert("from-the-future".into(), "on".into());
         let e = crate::client_volfile(&newer).unwrap_err();
         assert!(
-            e.contains("from-the-future") && e.contains("upgrade"),
+            e.message().contains("from-the-future") && e.message().contains("upgrade"),
             "{e}"
         );
         // Values are kept and shown in one spelling.

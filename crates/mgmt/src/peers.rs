@@ -14,6 +14,8 @@ use crate::pool::{CallError, Channel, Link};
 use crate::request::Request;
 use crate::response::{Ack, BrickStarted, BrickStopped, Response};
 use kiln_client::mgmt::{Key, MgmtConn, MgmtError, Proof};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 use serde::de::DeserializeOwned;
 
 /// Connect timeout for probes of bricks and calls to other kilnds.
@@ -30,7 +32,7 @@ pub(crate) fn call_peer<R: DeserializeOwned>(
     secret: &[u8],
     tls: Option<&Arc<kiln_tls::ClientConfig>>,
     req: &Request,
-) -> Result<R, String> {
+) -> Result<R, Error> {
     let mut s = PeerConn::connect(addr, secret, tls)?;
     s.call(req)
 }
@@ -50,7 +52,7 @@ impl PeerConn {
         addr: SocketAddr,
         secret: &[u8],
         tls: Option<&Arc<kiln_tls::ClientConfig>>,
-    ) -> Result<PeerConn, String> {
+    ) -> Result<PeerConn, Error> {
         // With --tls, kilnds speak TLS to each other with their own identities (mutual).
         let mut conn = MgmtConn::connect(
             &addr.to_string(),
@@ -58,20 +60,20 @@ impl PeerConn {
             CONNECT_TIMEOUT,
             PEER_CALL_TIMEOUT,
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Error::unavailable(e.to_string()))?;
         conn.authenticate(&Key::shared(secret), Proof::Required)
             .map_err(|e| match e {
-                MgmtError::Denied(m) if m.contains("refused") => format!(
+                MgmtError::Denied(m) if m.contains("refused") => Error::denied(format!(
                     "kilnd at {addr} refused this host's management secret: every kilnd of a \
                      cluster needs the same one (copy STATE_DIR/{MGMT_SECRET_FILE} from one \
                      host to the others, or start them all with --mgmt-secret-file naming a \
                      copy)"
-                ),
-                MgmtError::Status(s) => format!(
+                )),
+                MgmtError::Status(s) => Error::failed(format!(
                     "kilnd at {addr} refused the handshake: {}",
                     io::Error::from_raw_os_error(s)
-                ),
-                e => e.to_string(),
+                )),
+                e => e.into(),
             })?;
         Ok(PeerConn { addr, conn })
     }
@@ -82,19 +84,20 @@ impl PeerConn {
     }
 
     /// This end's address: how the peer sees us.
-    pub(crate) fn local_ip(&self) -> Result<IpAddr, String> {
+    pub(crate) fn local_ip(&self) -> Result<IpAddr, Error> {
         self.conn
             .local_ip()
-            .map_err(|e| format!("{}: {e}", self.addr))
+            .with_context(|| format!("{}", self.addr))
     }
 
     pub(crate) fn call<R: DeserializeOwned>(
         &mut self,
         req: &impl serde::Serialize,
-    ) -> Result<R, String> {
+    ) -> Result<R, Error> {
         let req = serde_json::to_value(req).expect("a request serialises");
         let v = Channel::call(self, &req, None)?;
-        serde_json::from_value(v).map_err(|e| format!("{}: bad reply: {e}", self.addr))
+        serde_json::from_value(v)
+            .map_err(|e| Error::failed(format!("{}: bad reply: {e}", self.addr)))
     }
 }
 
@@ -108,16 +111,16 @@ impl Channel for PeerConn {
         let addr = self.addr;
         self.conn.request(req).map_err(|e| match e {
             MgmtError::Broken(e) => CallError::Broken(e.to_string()),
-            MgmtError::Status(s) => CallError::Refused(format!(
+            MgmtError::Status(s) => CallError::Refused(Error::failed(format!(
                 "kilnd at {addr} refused the request: {}",
                 io::Error::from_raw_os_error(s)
-            )),
-            // The other kilnd's own sentence.
-            e => CallError::Refused(e.to_string()),
+            ))),
+            // The other kilnd's own sentence and kind.
+            e => CallError::Refused(e.into()),
         })
     }
 
-    fn local_ip(&self) -> Result<IpAddr, String> {
+    fn local_ip(&self) -> Result<IpAddr, Error> {
         PeerConn::local_ip(self)
     }
 }
@@ -130,7 +133,7 @@ pub(crate) struct PeerLink {
 }
 
 impl Link for PeerLink {
-    fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Channel>, String> {
+    fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Channel>, Error> {
         Ok(Box::new(PeerConn::connect(
             addr,
             &self.secret,
@@ -147,15 +150,15 @@ impl Manager {
         def: VolumeDef,
         index: usize,
         secret: Option<&str>,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         check_name(&def.name)?;
         let i = check_index(index, &def)?;
         let ip = def.bricks[i].ip()?;
         if !is_local(ip) {
-            return Err(format!(
+            return Err(Error::not_found(format!(
                 "brick {} is not on this host",
                 def.bricks[i].spec()
-            ));
+            )));
         }
         self.local_files(&def, secret)?;
         Ok(self.ensure_brick(procs, &def, i)?.into())
@@ -167,7 +170,7 @@ impl Manager {
         procs: &mut Procs,
         name: &str,
         index: usize,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         check_name(name)?;
         let def = self.load(name)?;
         let i = check_index(index, &def)?;
@@ -180,7 +183,7 @@ impl Manager {
         &self,
         def: VolumeDef,
         secret: Option<&str>,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         check_name(&def.name)?;
         self.local_files(&def, secret)?;
         Ok(Ack {
@@ -194,10 +197,10 @@ impl Manager {
     /// (the shared secret when given and on, else the pool hosts' local key; the store brings
     /// it too, but a brick may start before this member has applied the change that made it),
     /// and its brick directories here.
-    fn local_files(&self, def: &VolumeDef, secret: Option<&str>) -> Result<(), String> {
+    fn local_files(&self, def: &VolumeDef, secret: Option<&str>) -> Result<(), Error> {
         let dir = self.vol_dir(&def.name);
         fs::create_dir_all(dir.join("bricks"))
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            .with_context(|| format!("cannot create {}", dir.display()))?;
         let key = match secret {
             Some(s) if def.shared_secret != Some(false) => Some(s.to_owned()),
             Some(_) => Some(self.local_key(&def.name)),
@@ -209,7 +212,10 @@ impl Manager {
         for b in &def.bricks {
             if b.ip().is_ok_and(is_local) {
                 fs::create_dir_all(&b.dir).map_err(|e| {
-                    format!("cannot create brick directory {}: {e}", b.dir.display())
+                    Error::io(
+                        format_args!("cannot create brick directory {}", b.dir.display()),
+                        &e,
+                    )
                 })?;
             }
         }
@@ -232,19 +238,19 @@ impl Manager {
     }
 
     /// Refuses a host whose kilnd is not a member of this kilnd's pool.
-    pub(crate) fn check_member(&self, addr: SocketAddr) -> Result<(), String> {
+    pub(crate) fn check_member(&self, addr: SocketAddr) -> Result<(), Error> {
         let view = self.pool()?.view(false);
         if view.members.iter().any(|m| m.addr == addr.to_string()) {
             return Ok(());
         }
-        Err(format!(
+        Err(Error::not_found(format!(
             "the kilnd at {addr} is not in this pool: `kiln peer probe {addr}` first"
-        ))
+        )))
     }
 
     /// Asks the peer at `addr` to make its brick directories of `def` (and so proves it is
     /// there).
-    pub(crate) fn sync_to(&self, addr: SocketAddr, def: &VolumeDef) -> Result<(), String> {
+    pub(crate) fn sync_to(&self, addr: SocketAddr, def: &VolumeDef) -> Result<(), Error> {
         let mut c = PeerConn::connect(addr, &self.secret, self.tls.get())?;
         c.call::<Ack>(&Request::PeerSync {
             def: def.clone(),
@@ -258,7 +264,7 @@ impl Manager {
         def: &VolumeDef,
         i: usize,
         secret: &str,
-    ) -> Result<BrickStarted, String> {
+    ) -> Result<BrickStarted, Error> {
         let addr = def.bricks[i].mgmt_addr()?;
         let mut c = PeerConn::connect(addr, &self.secret, self.tls.get())?;
         let req = Request::BrickStart {

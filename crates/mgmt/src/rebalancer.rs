@@ -31,6 +31,8 @@ use crate::manager::Manager;
 use crate::pool::{Cmd, Outcome};
 use crate::rebalancing::{RebalanceView, Run, SetMoves, LARGE};
 use crate::store::vol_key;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// Starts the service thread (see the module documentation).
 pub fn start(manager: Arc<Manager>) {
@@ -102,7 +104,7 @@ fn launch(manager: &Arc<Manager>, def: VolumeDef) {
                 Ok(()) => ("completed", None),
                 Err(e) => {
                     tracing::error!(volume = %def.name, "rebalance failed: {e}");
-                    ("failed", Some(e))
+                    ("failed", Some(e.to_string()))
                 }
             };
             // Recorded first: `status` says running until the store says how it ended. A
@@ -161,18 +163,18 @@ fn record_end(m: &Manager, name: &str, since: u64, state: &str, error: Option<St
 }
 
 /// Scans, then moves (see the module documentation).
-fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), String> {
+fn rebalance(m: &Manager, def: &VolumeDef, run: &Run) -> Result<(), Error> {
     let volfile = m.client_volfile_here(def)?;
     let key = m.service_key(&def.name);
     let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, Some(key.as_bytes()))
-        .map_err(|e| format!("cannot reach the bricks of {}: {e}", def.name))?;
+        .with_context(|| format!("cannot reach the bricks of {}", def.name))?;
     let Some(layer) = distribute::find(vol.top()) else {
         return Ok(());
     };
     let d = layer
         .as_any()
         .and_then(|a| a.downcast_ref::<Distribute>())
-        .ok_or("no distribute layer")?;
+        .ok_or(Error::failed("no distribute layer"))?;
     run.view.locked().sets = sets_of(def, d);
     let list = interleave(scan(d, run)?);
     {
@@ -252,7 +254,7 @@ fn interleave(list: Vec<Misplaced>) -> Vec<Misplaced> {
 }
 
 /// Every directory, breadth first: the misplaced names, counted into the run's view as found.
-fn scan(d: &Distribute, run: &Run) -> Result<Vec<Misplaced>, String> {
+fn scan(d: &Distribute, run: &Run) -> Result<Vec<Misplaced>, Error> {
     let mut list = Vec::new();
     let mut dirs = std::collections::VecDeque::from([String::new()]);
     while let Some(dir) = dirs.pop_front() {
@@ -264,10 +266,10 @@ fn scan(d: &Distribute, run: &Run) -> Result<Vec<Misplaced>, String> {
             // Removed meanwhile.
             Err(e) if e == libc::ENOENT as u32 => continue,
             Err(e) => {
-                return Err(format!(
+                return Err(Error::failed(format!(
                     "cannot list /{dir}: {}",
                     std::io::Error::from_raw_os_error(e as i32)
-                ))
+                )))
             }
         };
         {
@@ -310,18 +312,18 @@ fn sets_of(def: &VolumeDef, d: &Distribute) -> Vec<SetMoves> {
 
 /// Names still on the draining sets of `def` (a fresh walk): what `remove-brick commit` waits
 /// for.
-pub(crate) fn left_on_draining(m: &Manager, def: &VolumeDef) -> Result<u64, String> {
+pub(crate) fn left_on_draining(m: &Manager, def: &VolumeDef) -> Result<u64, Error> {
     let volfile = m.client_volfile_here(def)?;
     let key = m.service_key(&def.name);
     let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, Some(key.as_bytes()))
-        .map_err(|e| format!("cannot reach the bricks of {}: {e}", def.name))?;
+        .with_context(|| format!("cannot reach the bricks of {}", def.name))?;
     let Some(layer) = distribute::find(vol.top()) else {
         return Ok(0);
     };
     let d = layer
         .as_any()
         .and_then(|a| a.downcast_ref::<Distribute>())
-        .ok_or("no distribute layer")?;
+        .ok_or(Error::failed("no distribute layer"))?;
     let draining: Vec<usize> = def
         .live_sets()
         .iter()

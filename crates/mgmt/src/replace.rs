@@ -10,6 +10,8 @@ use crate::def::{is_local, parse_brick, VolState};
 use crate::manager::{Manager, Procs};
 use crate::request::Request;
 use crate::response::{BrickStopped, Changed, Response, VolumeView};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 impl Manager {
     pub(crate) fn replace_brick(
@@ -18,13 +20,13 @@ impl Manager {
         name: &str,
         old: &str,
         new: &str,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         let mut def = self.load(name)?;
         if def.replica < 2 {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "volume {name} has no replicas: a brick's files exist only there, so a new \
                  brick could not be rebuilt from anywhere"
-            ));
+            )));
         }
         let ob = parse_brick(old)?;
         let oip = ob.ip()?;
@@ -32,7 +34,7 @@ impl Manager {
             .bricks
             .iter()
             .position(|b| b.ip().ok() == Some(oip) && b.dir == ob.dir)
-            .ok_or_else(|| format!("volume {name} has no brick {old}"))?;
+            .ok_or_else(|| Error::not_found(format!("volume {name} has no brick {old}")))?;
         // Checked like create's bricks, against every volume's (this one's old brick too: the
         // new directory may not nest in it).
         let (mut nb, nips) = self.check_bricks(&[new.to_owned()], false)?;
@@ -55,7 +57,7 @@ impl Manager {
         }
         if is_local(nips[0]) {
             fs::create_dir_all(&nb.dir)
-                .map_err(|e| format!("cannot create brick directory {}: {e}", nb.dir.display()))?;
+                .with_context(|| format!("cannot create brick directory {}", nb.dir.display()))?;
         }
         def.bricks[i] = nb;
         self.save(&def)?;
@@ -92,7 +94,7 @@ impl Manager {
         procs: &mut Procs,
         def: &crate::VolumeDef,
         i: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), Error> {
         let b = &def.bricks[i];
         if is_local(b.ip()?) {
             self.stop_brick(procs, def, i);

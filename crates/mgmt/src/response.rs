@@ -8,6 +8,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use crate::def::{BrickDef, VolState, VolumeDef};
 use crate::healing::VolHeal;
 pub use crate::rebalancing::{RebalanceView, SetMoves};
+use kiln_proto::{Error, Kind};
 
 /// How a volume's bricks are arranged, as `info` names it.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -432,6 +433,10 @@ pub struct Envelope<T> {
     /// The operator's sentence when it did not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What kind of failure it was ([`kiln_proto::Kind::name`]): `not-found`, `conflict`,
+    /// `unavailable`, …; a reply from a kilnd before kinds has none (read as `failed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
     /// The reply, when it did.
     #[serde(flatten)]
     pub reply: Option<T>,
@@ -439,16 +444,18 @@ pub struct Envelope<T> {
 
 impl Envelope<Response> {
     /// The wire form of `out`.
-    pub fn encode(out: Result<Response, String>) -> Vec<u8> {
+    pub fn encode(out: Result<Response, Error>) -> Vec<u8> {
         let e = match out {
             Ok(r) => Envelope {
                 ok: true,
                 error: None,
+                kind: None,
                 reply: Some(r),
             },
             Err(e) => Envelope {
                 ok: false,
-                error: Some(e),
+                kind: Some(e.kind().name().to_owned()),
+                error: Some(e.message().to_owned()),
                 reply: None,
             },
         };
@@ -456,23 +463,24 @@ impl Envelope<Response> {
     }
 }
 
-/// Decodes a reply of type `T` (the one the request names): its fields, or the error sentence
-/// of an `"ok": false` reply.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+/// Decodes a reply of type `T` (the one the request names): its fields, or the error (kind and
+/// sentence) of an `"ok": false` reply.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Error> {
     let v: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|e| format!("bad reply: {e}"))?;
+        serde_json::from_slice(bytes).map_err(|e| Error::failed(format!("bad reply: {e}")))?;
     decode_value(v)
 }
 
 /// [`decode`] of a reply already parsed as JSON.
-pub fn decode_value<T: DeserializeOwned>(v: serde_json::Value) -> Result<T, String> {
+pub fn decode_value<T: DeserializeOwned>(v: serde_json::Value) -> Result<T, Error> {
     if v["ok"] != true {
-        return Err(v["error"]
-            .as_str()
-            .map(str::to_owned)
-            .unwrap_or_else(|| "reply without \"ok\"".to_owned()));
+        let kind = Kind::from_name(v["kind"].as_str().unwrap_or_default());
+        return Err(match v["error"].as_str() {
+            Some(e) => Error::new(kind, e),
+            None => Error::failed("reply without \"ok\""),
+        });
     }
-    serde_json::from_value(v).map_err(|e| format!("bad reply: {e}"))
+    serde_json::from_value(v).map_err(|e| Error::failed(format!("bad reply: {e}")))
 }
 
 #[cfg(test)]
@@ -497,17 +505,27 @@ mod tests {
         assert_eq!(v["volume"]["state"], "started");
         assert_eq!(v["volume"]["state_word"], "Started");
         assert_eq!(decode::<Changed>(&bytes).unwrap(), c);
-        let bytes = Envelope::encode(Err("volume v is not started".into()));
+        let bytes = Envelope::encode(Err(Error::conflict("volume v is not started")));
+        // The kind crosses the wire with the sentence.
         assert_eq!(
             decode::<Changed>(&bytes).unwrap_err(),
-            "volume v is not started"
+            Error::conflict("volume v is not started")
         );
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["kind"], "conflict", "{v}");
+        // A kilnd from before kinds sends none: the failure is still one, of no particular kind.
+        let old = br#"{"ok": false, "error": "volume v is not started"}"#;
+        assert_eq!(decode::<Changed>(old).unwrap_err().kind(), Kind::Failed);
         // The wrong reply type is an error naming the missing field, not a panic.
         let bytes = Envelope::encode(Ok(BrickStopped { stopped: 1 }.into()));
         assert!(decode::<BrickStarted>(&bytes)
             .unwrap_err()
+            .message()
             .contains("missing field"));
-        assert!(decode::<Names>(b"{").unwrap_err().starts_with("bad reply"));
+        assert!(decode::<Names>(b"{")
+            .unwrap_err()
+            .message()
+            .starts_with("bad reply"));
     }
 
     #[test]

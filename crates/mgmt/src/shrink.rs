@@ -16,6 +16,8 @@ use crate::rebalancer::left_on_draining;
 use crate::rebalancing::RebalanceView;
 use crate::response::{BrickStopped, Response};
 use crate::store::vol_key;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// Default pace of a rebalance, MiB/s (`--rate` sets another; 0: none). On the 2-core
 /// machine of bench/README.md a mount's 4 KiB QD1 read p99 under a rebalance was 1.23x idle
@@ -29,38 +31,42 @@ impl Manager {
         name: &str,
         action: &str,
         rate_mib: Option<u64>,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         check_name(name)?;
         let (mut def, version) = self.load_versioned(name)?;
         match action {
             "status" => return Ok(self.rebalance_view(&def).into()),
             "start" => {
                 if def.state != VolState::Started {
-                    return Err(format!("volume {name} is not started"));
+                    return Err(Error::conflict(format!("volume {name} is not started")));
                 }
                 if def.live_sets().len() < 2 {
-                    return Err(format!(
+                    return Err(Error::conflict(format!(
                         "volume {name} has one replica set: nothing to rebalance (add-brick first)"
-                    ));
+                    )));
                 }
                 if def.rebalancing() {
-                    return Err(format!(
+                    return Err(Error::conflict(format!(
                         "volume {name}: a rebalance is running (`rebalance {name} status`)"
-                    ));
+                    )));
                 }
                 def.rebalance = Some(asked(rate_mib));
             }
             "stop" => {
                 match def.rebalance.as_mut() {
                     Some(r) if r.state == "running" => r.state = "stopped".into(),
-                    _ => return Err(format!("volume {name}: no rebalance is running")),
+                    _ => {
+                        return Err(Error::not_found(format!(
+                            "volume {name}: no rebalance is running"
+                        )))
+                    }
                 }
                 self.runs.stop(name);
             }
             _ => {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "rebalance {name}: {action:?} is not start, stop or status"
-                ))
+                )))
             }
         }
         self.put_def(&def, version)?;
@@ -76,7 +82,7 @@ impl Manager {
         bricks: &[String],
         action: &str,
         rate_mib: Option<u64>,
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         check_name(name)?;
         let (mut def, version) = self.load_versioned(name)?;
         let sets = sets_named(&def, bricks)?;
@@ -84,21 +90,21 @@ impl Manager {
             "status" => {}
             "start" => {
                 if def.state != VolState::Started {
-                    return Err(format!("volume {name} is not started"));
+                    return Err(Error::conflict(format!("volume {name} is not started")));
                 }
                 let live = def.live_sets();
                 if live
                     .iter()
                     .all(|k| sets.contains(k) || def.draining.contains(k))
                 {
-                    return Err(format!(
+                    return Err(Error::conflict(format!(
                         "volume {name}: removing these bricks would leave no replica set"
-                    ));
+                    )));
                 }
                 if def.rebalancing() {
-                    return Err(format!(
+                    return Err(Error::conflict(format!(
                         "volume {name}: a rebalance is running; stop it first"
-                    ));
+                    )));
                 }
                 for k in sets.iter() {
                     if !def.draining.contains(k) {
@@ -116,9 +122,9 @@ impl Manager {
             }
             "commit" => return self.commit_removal(procs, def, version, &sets),
             _ => {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "remove-brick {name}: {action:?} is not start, status, stop or commit"
-                ))
+                )))
             }
         }
         if action != "status" {
@@ -138,25 +144,25 @@ impl Manager {
         mut def: VolumeDef,
         version: u64,
         sets: &[usize],
-    ) -> Result<Response, String> {
+    ) -> Result<Response, Error> {
         let name = def.name.clone();
         if let Some(k) = sets.iter().find(|k| !def.draining.contains(k)) {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "volume {name}: replica set {k} is not draining: `remove-brick {name} BRICK... \
                  start` first"
-            ));
+            )));
         }
         if def.rebalancing() {
-            return Err(format!(
+            return Err(Error::conflict(format!(
                 "volume {name}: the rebalance is still running (`remove-brick {name} BRICK... \
                  status`)"
-            ));
+            )));
         }
         if def.state != VolState::Started {
-            return Err(format!(
+            return Err(Error::conflict(format!(
                 "volume {name} is not started: commit walks the sets to check that nothing is \
                  left on them; start it first"
-            ));
+            )));
         }
         {
             let only: VolumeDef = VolumeDef {
@@ -165,11 +171,11 @@ impl Manager {
             };
             let left = left_on_draining(self, &only)?;
             if left > 0 {
-                return Err(format!(
+                return Err(Error::failed(format!(
                     "volume {name}: {left} name(s) are still on the bricks to remove; run \
                      `remove-brick {name} BRICK... start` again (or `rebalance {name} status` \
                      to see why they did not move)"
-                ));
+                )));
             }
         }
         let members = def.set_bricks();
@@ -188,7 +194,7 @@ impl Manager {
     }
 
     /// Stops brick `i` of `def`, here or on its host.
-    fn stop_anywhere(&self, procs: &mut Procs, def: &VolumeDef, i: usize) -> Result<(), String> {
+    fn stop_anywhere(&self, procs: &mut Procs, def: &VolumeDef, i: usize) -> Result<(), Error> {
         let b = &def.bricks[i];
         if b.ip().is_ok_and(crate::def::is_local) {
             self.stop_brick(procs, def, i);
@@ -200,11 +206,11 @@ impl Manager {
         };
         self.call_peer::<BrickStopped>(b.mgmt_addr()?, &req)
             .map(|_| ())
-            .map_err(|e| format!("brick {}: {e}", b.spec()))
+            .with_context(|| format!("brick {}", b.spec()))
     }
 
     /// Records `def` if the volume is still at `version`.
-    fn put_def(&self, def: &VolumeDef, version: u64) -> Result<(), String> {
+    fn put_def(&self, def: &VolumeDef, version: u64) -> Result<(), Error> {
         let cmd = Cmd::Put {
             key: vol_key(&def.name),
             value: serde_json::to_value(def).expect("a definition serialises"),
@@ -215,10 +221,10 @@ impl Manager {
                 self.sync_files();
                 Ok(())
             }
-            Outcome::Conflict { have } => Err(format!(
+            Outcome::Conflict { have } => Err(Error::conflict(format!(
                 "volume {}: it changed meanwhile (now at version {have}); try again",
                 def.name
-            )),
+            ))),
         }
     }
 
@@ -259,10 +265,12 @@ fn asked(rate_mib: Option<u64>) -> RebalanceDef {
 
 /// The replica sets `bricks` make up, whole: an error names a brick that is not in the
 /// volume, or a set given in part.
-fn sets_named(def: &VolumeDef, bricks: &[String]) -> Result<Vec<usize>, String> {
+fn sets_named(def: &VolumeDef, bricks: &[String]) -> Result<Vec<usize>, Error> {
     let name = &def.name;
     if bricks.is_empty() {
-        return Err(format!("remove-brick {name}: name the bricks to remove"));
+        return Err(Error::invalid(format!(
+            "remove-brick {name}: name the bricks to remove"
+        )));
     }
     let named = |b: &crate::def::BrickDef| {
         bricks
@@ -281,21 +289,25 @@ fn sets_named(def: &VolumeDef, bricks: &[String]) -> Result<Vec<usize>, String> 
                         && (b.spec() == *s || format!("{}:{}", b.host, b.dir.display()) == *s)
                 })
             })
-            .ok_or_else(|| format!("volume {name} has no brick {s} (see `volume info {name}`)"))?;
+            .ok_or_else(|| {
+                Error::not_found(format!(
+                    "volume {name} has no brick {s} (see `volume info {name}`)"
+                ))
+            })?;
         if !sets.contains(&k) {
             sets.push(k);
         }
     }
     for &k in &sets {
         if !all[k].iter().all(|&i| named(&def.bricks[i])) {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "volume {name}: remove whole replica sets (set {k} is {})",
                 all[k]
                     .iter()
                     .map(|&i| def.bricks[i].spec())
                     .collect::<Vec<_>>()
                     .join(" ")
-            ));
+            )));
         }
     }
     Ok(sets)

@@ -10,6 +10,7 @@ use crate::pool::{Cmd, Outcome, Versioned};
 use crate::volfiles::client_volfile;
 use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_proto::sync::MutexExt as _;
+use kiln_proto::Error;
 
 impl Manager {
     pub(crate) fn vol_dir(&self, name: &str) -> PathBuf {
@@ -30,7 +31,7 @@ impl Manager {
     /// The client volfile, where each brick of this host is offered at its Unix socket first
     /// (clients use it when the TCP address names their own host; see
     /// `kiln_client::Volume::from_volfile`).
-    pub(crate) fn client_volfile_here(&self, def: &VolumeDef) -> Result<Volfile, String> {
+    pub(crate) fn client_volfile_here(&self, def: &VolumeDef) -> Result<Volfile, Error> {
         let mut v = client_volfile(def)?;
         for (i, b) in def.bricks.iter().enumerate() {
             if !b.ip().is_ok_and(is_local) {
@@ -55,16 +56,20 @@ impl Manager {
 
     /// The definition of `name` as this kilnd's copy of the pool's store holds it, with the
     /// version (log index) that last changed it.
-    pub(crate) fn load_versioned(&self, name: &str) -> Result<(VolumeDef, u64), String> {
+    pub(crate) fn load_versioned(&self, name: &str) -> Result<(VolumeDef, u64), Error> {
         match self.pool()?.get(&vol_key(name)).0 {
             Some(v) => serde_json::from_value(v.value)
                 .map(|d| (d, v.version))
-                .map_err(|e| format!("volume {name}: bad definition in the pool's store: {e}")),
-            None => Err(format!("volume {name} does not exist")),
+                .map_err(|e| {
+                    Error::failed(format!(
+                        "volume {name}: bad definition in the pool's store: {e}"
+                    ))
+                }),
+            None => Err(Error::not_found(format!("volume {name} does not exist"))),
         }
     }
 
-    pub(crate) fn load(&self, name: &str) -> Result<VolumeDef, String> {
+    pub(crate) fn load(&self, name: &str) -> Result<VolumeDef, Error> {
         self.load_versioned(name).map(|(d, _)| d)
     }
 
@@ -87,7 +92,7 @@ impl Manager {
     }
 
     /// Writes the definition to the pool's store (on the leader, made by a majority).
-    pub(crate) fn save(&self, def: &VolumeDef) -> Result<(), String> {
+    pub(crate) fn save(&self, def: &VolumeDef) -> Result<(), Error> {
         let value = serde_json::to_value(def).expect("a definition serialises");
         self.change(Cmd::Put {
             key: vol_key(&def.name),
@@ -97,26 +102,28 @@ impl Manager {
     }
 
     /// Applies `cmd` to the pool's store; a conflict is an error.
-    pub(crate) fn change(&self, cmd: Cmd) -> Result<(), String> {
+    pub(crate) fn change(&self, cmd: Cmd) -> Result<(), Error> {
         match self.pool()?.write(cmd)?.outcome {
             Outcome::Done { .. } => {
                 self.sync_files();
                 Ok(())
             }
-            Outcome::Conflict { have } => Err(format!(
+            Outcome::Conflict { have } => Err(Error::conflict(format!(
                 "changed by another command meanwhile (now at version {have}): try again"
-            )),
+            ))),
         }
     }
 
     /// The shared secret of volume `name`'s bricks.
-    pub(crate) fn read_secret(&self, name: &str) -> Result<String, String> {
+    pub(crate) fn read_secret(&self, name: &str) -> Result<String, Error> {
         match self.pool()?.get(&secret_key(name)).0 {
             Some(Versioned {
                 value: serde_json::Value::String(s),
                 ..
             }) => Ok(s),
-            _ => Err(format!("volume {name} has no secret in the pool's store")),
+            _ => Err(Error::not_found(format!(
+                "volume {name} has no secret in the pool's store"
+            ))),
         }
     }
 
@@ -159,7 +166,7 @@ impl Manager {
             let have = fs::read_to_string(self.secret_path(name)).unwrap_or_default();
             if have.trim() != key {
                 let r = fs::create_dir_all(self.vol_dir(name).join("bricks"))
-                    .map_err(|e| e.to_string())
+                    .map_err(Error::from)
                     .and_then(|_| {
                         write_atomic(
                             &self.vol_dir(name),
@@ -188,7 +195,7 @@ impl Manager {
 
     /// Moves the definitions a kilnd kept on its own before it had a pool (`vols/NAME/
     /// volume.json` and `secret`, where it was the authority) into the pool's store, once.
-    pub fn import_local(&self) -> Result<usize, String> {
+    pub fn import_local(&self) -> Result<usize, Error> {
         let pool = self.pool()?;
         if !pool.scan(VOL).0.is_empty() {
             return Ok(0);

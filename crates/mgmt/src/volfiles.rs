@@ -11,11 +11,13 @@ use kiln_layer::layers::posix::PosixConfig;
 use kiln_layer::replicate::ReplicateConfig;
 use kiln_layer::shard::ShardConfig;
 use kiln_layer::volfile::{LayerDef, LayerKind, ProtocolClientConfig, Volfile};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// The volfile brick `index` of `def` runs: io-stats (`NAME-brick-N`) → marks (checking the
 /// brick's identity: volume id and index) → dispatch → posix (squashing clients' root when
 /// the volume says so), with the volume's options for those layers.
-pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Result<Volfile, String> {
+pub fn brick_volfile(def: &VolumeDef, index: usize, dir: &Path) -> Result<Volfile, Error> {
     let mut v = kiln_server::replica_volfile(dir, &format!("{}{BRICK_POINT}{index}", def.name));
     for l in &mut v.layers {
         match &mut l.kind {
@@ -48,7 +50,7 @@ pub fn brick_of_point(point: &str) -> Option<(&str, usize)> {
 /// than one replica set; those draining marked so) → replicate `NAME-replicate-K` (with
 /// replica > 1) → protocol-client `NAME-client-N` for brick N. Removed sets are left out; the
 /// others keep their numbers.
-pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
+pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, Error> {
     let name = &def.name;
     let mut clients = Vec::new();
     for (i, b) in def.bricks.iter().enumerate() {
@@ -62,10 +64,10 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
             continue;
         }
         let port = b.port.ok_or_else(|| {
-            format!(
+            Error::conflict(format!(
                 "volume {name}: brick {} has no port yet (start the volume)",
                 b.spec()
-            )
+            ))
         })?;
         clients.push(LayerDef {
             name: format!("{name}-client-{i}"),
@@ -112,7 +114,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
         .collect();
     clients.retain(|c| kept.contains(&c.name));
     let below_top = match set_tops.as_slice() {
-        [] => return Err(format!("volume {name}: no bricks left")),
+        [] => return Err(Error::conflict(format!("volume {name}: no bricks left"))),
         [only] => only.clone(),
         _ => {
             layers.push(LayerDef {
@@ -130,7 +132,7 @@ pub fn client_volfile(def: &VolumeDef) -> Result<Volfile, String> {
     layers.extend(clients);
     let mut v = Volfile { layers };
     crate::options::configure(def, &mut v)?;
-    v.check().map_err(|e| format!("volume {name}: {e}"))?;
+    v.check().with_context(|| format!("volume {name}"))?;
     Ok(v)
 }
 

@@ -8,6 +8,8 @@ use kiln_client::{Fd, Volume};
 use kiln_proto::sync::MutexExt as _;
 
 use crate::spec::ImageSpec;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// What every session needs to know about the export.
 pub struct Shared {
@@ -67,7 +69,7 @@ fn place(sh: &Shared) -> String {
 
 /// The export's stack, built on first use and kept: its connections come back by themselves
 /// when a brick restarts (the protocol-client reconnects and waits for it).
-async fn volume(sh: &Shared) -> Result<Arc<Volume>, String> {
+async fn volume(sh: &Shared) -> Result<Arc<Volume>, Error> {
     if let Some(v) = &*sh.vol.locked() {
         return Ok(v.clone());
     }
@@ -75,10 +77,12 @@ async fn volume(sh: &Shared) -> Result<Arc<Volume>, String> {
     // Connecting is a blocking call (socket connect and the hello round trip).
     let vol = tokio::task::spawn_blocking(move || Volume::from_source(&src))
         .await
-        .map_err(|e| format!("cannot reach {}: {e}", place(sh)))?
+        .map_err(|e| Error::failed(format!("cannot reach {}: {e}", place(sh))))?
         .map_err(|e| match &sh.source {
-            Source::Server { server, .. } => format!("Kiln server {server} is unreachable: {e}"),
-            s => format!("cannot build the client stack of {s}: {e}"),
+            Source::Server { server, .. } => {
+                Error::io(format_args!("Kiln server {server} is unreachable"), &e)
+            }
+            s => Error::io(format_args!("cannot build the client stack of {s}"), &e),
         })?;
     let vol = Arc::new(vol);
     *sh.vol.locked() = Some(vol.clone());
@@ -86,7 +90,7 @@ async fn volume(sh: &Shared) -> Result<Arc<Volume>, String> {
 }
 
 /// Opens the image through the export's stack; the error says what went wrong in words.
-pub async fn open_backend(sh: &Shared) -> Result<Backend, String> {
+pub async fn open_backend(sh: &Shared) -> Result<Backend, Error> {
     let vol = volume(sh).await?;
     let at = place(sh);
     let path = &sh.image.path;
@@ -99,8 +103,8 @@ pub async fn open_backend(sh: &Shared) -> Result<Backend, String> {
         .open(path, flags)
         .await
         .map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOENT) => format!("image {path} not found on {at}"),
-            _ => format!("cannot open image {path} on {at}: {e}"),
+            Some(libc::ENOENT) => Error::not_found(format!("image {path} not found on {at}")),
+            _ => Error::io(format_args!("cannot open image {path} on {at}"), &e),
         })?;
     let mut be = Backend {
         vol: vol.clone(),
@@ -110,9 +114,11 @@ pub async fn open_backend(sh: &Shared) -> Result<Backend, String> {
     let attr = vol
         .fstat(&fd)
         .await
-        .map_err(|e| format!("cannot stat image {path} on {at}: {e}"))?;
+        .with_context(|| format!("cannot stat image {path} on {at}"))?;
     if attr.mode & libc::S_IFMT != libc::S_IFREG {
-        return Err(format!("image {path} on {at} is not a regular file"));
+        return Err(Error::failed(format!(
+            "image {path} on {at} is not a regular file"
+        )));
     }
     be.size = attr.size;
     Ok(be)

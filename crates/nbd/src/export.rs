@@ -15,7 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kiln_client::volume::Source;
+use kiln_proto::error::Context as _;
 use kiln_proto::sync::MutexExt as _;
+use kiln_proto::Error;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
@@ -71,7 +73,7 @@ pub struct Export {
 impl Export {
     /// Checks that the image can be opened (so a typo fails now, not at the first client),
     /// then binds the listen address. Must run inside a tokio runtime.
-    pub async fn bind(cfg: ExportConfig) -> Result<Export, String> {
+    pub async fn bind(cfg: ExportConfig) -> Result<Export, Error> {
         let name = cfg
             .export_name
             .clone()
@@ -121,8 +123,8 @@ impl Export {
             Listen::Tcp(a) => {
                 let l = TcpListener::bind(a)
                     .await
-                    .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
-                let local = l.local_addr().map_err(|e| e.to_string())?;
+                    .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+                let local = l.local_addr()?;
                 (Listener::Tcp(l), Listen::Tcp(local))
             }
             Listen::Unix(p) => {
@@ -135,7 +137,7 @@ impl Export {
                     }
                 }
                 let l = UnixListener::bind(p)
-                    .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+                    .with_context(|| format!("cannot listen on {}", cfg.listen))?;
                 (Listener::Unix(l, p.clone()), cfg.listen.clone())
             }
         };

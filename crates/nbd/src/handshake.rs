@@ -17,6 +17,7 @@ use crate::backend::{open_backend, Backend, Shared};
 use crate::proto::{self, info, opt, rep, tflag, MAX_BLOCK, MIN_BLOCK, PREFERRED_BLOCK};
 use crate::reader::Reader;
 use crate::status::{self, MetaQuery};
+use kiln_proto::Error;
 
 /// Option data larger than this is refused with `NBD_REP_ERR_TOO_BIG` (the largest real option,
 /// `NBD_OPT_GO` with a 4096-byte name, is far smaller).
@@ -116,7 +117,7 @@ where
         let parsed = match parse_option(option, &data) {
             Ok(o) => o,
             Err(msg) => {
-                reply(w, option, rep::ERR_INVALID, msg.as_bytes()).await?;
+                reply(w, option, rep::ERR_INVALID, msg.message().as_bytes()).await?;
                 continue;
             }
         };
@@ -130,7 +131,7 @@ where
                 }
                 let be = match backend.take() {
                     Some(b) => b,
-                    None => open_backend(sh).await.map_err(invalid)?,
+                    None => open_backend(sh).await.map_err(|e| invalid(e.to_string()))?,
                 };
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&be.size.to_be_bytes());
@@ -177,7 +178,7 @@ where
                         Ok(b) => backend = Some(b),
                         Err(msg) => {
                             tracing::warn!("cannot serve export {:?}: {msg}", sh.name);
-                            reply(w, option, rep::ERR_UNKNOWN, msg.as_bytes()).await?;
+                            reply(w, option, rep::ERR_UNKNOWN, msg.message().as_bytes()).await?;
                             continue;
                         }
                     }
@@ -305,16 +306,16 @@ pub enum ClientOption {
 
 /// Decodes option `option` with data `data` as the client sent it (pure: no I/O, so it can be
 /// tested and fuzzed on its own). `Err` is the message of the `NBD_REP_ERR_INVALID` reply.
-pub fn parse_option(option: u32, data: &[u8]) -> Result<ClientOption, String> {
+pub fn parse_option(option: u32, data: &[u8]) -> Result<ClientOption, Error> {
     match option {
         opt::EXPORT_NAME => Ok(ClientOption::ExportName(
             String::from_utf8_lossy(data).into_owned(),
         )),
         opt::ABORT => Ok(ClientOption::Abort),
-        opt::LIST if !data.is_empty() => Err("NBD_OPT_LIST takes no data".into()),
+        opt::LIST if !data.is_empty() => Err(Error::invalid("NBD_OPT_LIST takes no data")),
         opt::LIST => Ok(ClientOption::List),
         opt::STRUCTURED_REPLY if !data.is_empty() => {
-            Err("NBD_OPT_STRUCTURED_REPLY takes no data".into())
+            Err(Error::invalid("NBD_OPT_STRUCTURED_REPLY takes no data"))
         }
         opt::STRUCTURED_REPLY => Ok(ClientOption::StructuredReply),
         opt::INFO | opt::GO => {
@@ -334,26 +335,29 @@ pub fn parse_option(option: u32, data: &[u8]) -> Result<ClientOption, String> {
 }
 
 /// Parses `NBD_OPT_INFO` / `NBD_OPT_GO` data: the export name and the information requests.
-fn parse_info(d: &[u8]) -> Result<(String, Vec<u16>), String> {
+fn parse_info(d: &[u8]) -> Result<(String, Vec<u16>), Error> {
     if d.len() < 6 {
-        return Err(format!("option data of {} bytes is too short", d.len()));
+        return Err(Error::invalid(format!(
+            "option data of {} bytes is too short",
+            d.len()
+        )));
     }
     let name_len = proto::be32(d) as usize;
     if name_len > d.len() - 6 {
-        return Err(format!(
+        return Err(Error::invalid(format!(
             "export name length {name_len} overruns the option data"
-        ));
+        )));
     }
     let name = std::str::from_utf8(&d[4..4 + name_len])
-        .map_err(|_| "export name is not UTF-8".to_owned())?
+        .map_err(|_| Error::invalid("export name is not UTF-8"))?
         .to_owned();
     let rest = &d[4 + name_len..];
     let n = u16::from_be_bytes([rest[0], rest[1]]) as usize;
     if rest.len() != 2 + 2 * n {
-        return Err(format!(
+        return Err(Error::invalid(format!(
             "{n} information requests do not match {} bytes",
             rest.len() - 2
-        ));
+        )));
     }
     let requests = rest[2..]
         .chunks_exact(2)

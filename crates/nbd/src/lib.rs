@@ -9,7 +9,7 @@
 //! into the buffer that is then written to the NBD socket, with no copy in between.
 //!
 //! ```no_run
-//! # async fn f() -> Result<(), String> {
+//! # async fn f() -> Result<(), Error> {
 //! use kiln_nbd::{Export, ExportConfig};
 //! let export = Export::bind(ExportConfig {
 //!     image: "unix:/run/kiln/b1.sock:/vol/images/vm.img".parse()?,
@@ -42,6 +42,8 @@ pub mod transmission;
 pub use export::{Export, ExportConfig};
 pub use spec::{ImageSpec, Listen};
 
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 use std::io::Write as _;
 use std::path::PathBuf;
 
@@ -133,19 +135,19 @@ impl NbdArgs {
 }
 
 /// The lock an export takes, from its options.
-fn lock_config(mode: &str, wait: f64, ttl: f64) -> Result<Option<lock::LockConfig>, String> {
+fn lock_config(mode: &str, wait: f64, ttl: f64) -> Result<Option<lock::LockConfig>, Error> {
     let secs = |v: f64, what: &str, max: f64| {
         if v.is_finite() && (0.0..=max).contains(&v) {
             Ok(std::time::Duration::from_secs_f64(v))
         } else {
-            Err(format!(
+            Err(Error::failed(format!(
                 "{what} must be between 0 and {max} seconds, not {v}"
-            ))
+            )))
         }
     };
     let ttl = secs(ttl, "--lock-ttl", 300.0)?;
     if ttl < std::time::Duration::from_millis(300) {
-        return Err("--lock-ttl must be at least 0.3 seconds".into());
+        return Err(Error::failed("--lock-ttl must be at least 0.3 seconds"));
     }
     Ok((mode != "off").then_some(lock::LockConfig {
         ttl,
@@ -155,7 +157,7 @@ fn lock_config(mode: &str, wait: f64, ttl: f64) -> Result<Option<lock::LockConfi
 }
 
 /// Runs `kiln nbd` until SIGINT or SIGTERM.
-pub fn main(args: NbdArgs) -> Result<(), String> {
+pub fn main(args: NbdArgs) -> Result<(), Error> {
     if let Some(p) = &args.secret_file {
         kiln_client::mgmt::use_secret_file(p);
     }
@@ -170,12 +172,12 @@ pub fn main(args: NbdArgs) -> Result<(), String> {
         .thread_name("kiln-nbd")
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start runtime: {e}"))?;
+        .context("cannot start runtime")?;
     rt.block_on(async {
         use tokio::signal::unix::{signal, SignalKind};
         // Install the handlers before anything else, so a signal during start-up is not lost.
-        let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
-        let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
         kiln_client::start_metrics(&args.metrics, "kiln-nbd")?;
         let image = match &args.volfile {
             Some(v) => ImageSpec::in_volfile(&args.image, v)?,

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use kiln_client::{Fd, LeaseState, Volume};
 use kiln_proto::ops::{LEASE_ACQUIRE, LEASE_RELEASE};
+use kiln_proto::Error;
 
 /// How an export locks its image.
 #[derive(Debug, Clone)]
@@ -75,7 +76,7 @@ pub async fn take(
     fd: Fd,
     export: &str,
     cfg: &LockConfig,
-) -> Result<Option<Held>, String> {
+) -> Result<Option<Held>, Error> {
     let holder = holder_name(export);
     let ttl_ms = cfg.ttl.as_millis().clamp(100, 300_000) as u32;
     let deadline = Instant::now() + cfg.wait;
@@ -98,13 +99,14 @@ pub async fn take(
             Err(e) => {
                 let _ = vol.close(fd).await;
                 return Err(match e.raw_os_error() {
-                    Some(libc::EOPNOTSUPP) => {
-                        "the image cannot be locked (a sharded file): use --lock off".to_owned()
-                    }
-                    Some(libc::ENOSYS) => "the bricks cannot lock images (standalone bricks, \
-                                           not a managed volume): use --lock off or auto"
-                        .to_owned(),
-                    _ => format!("cannot lock the image: {e}"),
+                    Some(libc::EOPNOTSUPP) => Error::invalid(
+                        "the image cannot be locked (a sharded file): use --lock off",
+                    ),
+                    Some(libc::ENOSYS) => Error::invalid(
+                        "the bricks cannot lock images (standalone bricks, not a managed \
+                         volume): use --lock off or auto",
+                    ),
+                    _ => Error::io("cannot lock the image", &e),
                 });
             }
         };
@@ -115,13 +117,13 @@ pub async fn take(
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             let _ = vol.close(fd).await;
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "the image is locked by another export ({}); its lease lapses in {:.1} s \
                  unless renewed. Stop that export first, wait for it with --lock-wait SECS, \
                  or export read-only with --read-only",
                 st.holder,
                 f64::from(st.remaining_ms) / 1000.0
-            ));
+            )));
         }
         if !told {
             tracing::info!(by = st.holder, "image locked by another export: waiting");

@@ -1,5 +1,6 @@
 //! Parsing what the user types: the image spec `ADDR:/VOL/PATH` and the `--listen` address.
 
+use kiln_proto::Error;
 use std::fmt;
 use std::str::FromStr;
 
@@ -17,11 +18,11 @@ pub struct ImageSpec {
 }
 
 impl FromStr for ImageSpec {
-    type Err = String;
+    type Err = Error;
 
-    fn from_str(s: &str) -> Result<ImageSpec, String> {
+    fn from_str(s: &str) -> Result<ImageSpec, Error> {
         let bad = |why: &str| {
-            format!("bad image spec {s:?}: {why} (want SERVER:/VOL/PATH, e.g. unix:/run/kiln/b1.sock:/vol/images/vm.img or 127.0.0.1:24100:/vol/vm.img)")
+            Error::invalid(format!("bad image spec {s:?}: {why} (want SERVER:/VOL/PATH, e.g. unix:/run/kiln/b1.sock:/vol/images/vm.img or 127.0.0.1:24100:/vol/vm.img)"))
         };
         // The last ":/" separates: a Unix socket path may itself contain ":/", an image path is
         // far less likely to.
@@ -58,7 +59,7 @@ impl ImageSpec {
     pub fn with_source(
         image: &str,
         volfile: Option<&std::path::Path>,
-    ) -> Result<(ImageSpec, kiln_client::volume::Source), String> {
+    ) -> Result<(ImageSpec, kiln_client::volume::Source), Error> {
         use kiln_client::volume::Source;
         Ok(match volfile {
             Some(v) => (
@@ -89,18 +90,18 @@ impl ImageSpec {
 
     /// An image at `path` in the volume a volfile describes (`kiln nbd --volfile`): no server
     /// to name, the volume is named after the file.
-    pub fn in_volfile(path: &str, volfile: &std::path::Path) -> Result<ImageSpec, String> {
+    pub fn in_volfile(path: &str, volfile: &std::path::Path) -> Result<ImageSpec, Error> {
         let comps: Vec<&str> = path
             .split('/')
             .filter(|c| !c.is_empty() && *c != ".")
             .collect();
         if comps.is_empty() {
-            return Err(format!("bad image path {path:?}: empty"));
+            return Err(Error::invalid(format!("bad image path {path:?}: empty")));
         }
         if comps.contains(&"..") {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "bad image path {path:?}: '..' is not allowed in the image path"
-            ));
+            )));
         }
         Ok(ImageSpec {
             server: String::new(),
@@ -202,7 +203,7 @@ mod tests {
             "unix::/v/a",
         ] {
             let e = bad.parse::<ImageSpec>().unwrap_err();
-            assert!(e.contains("bad image spec"), "{bad}: {e}");
+            assert!(e.message().contains("bad image spec"), "{bad}: {e}");
         }
     }
 
@@ -223,6 +224,7 @@ mod tests {
         assert!("tcp:localhost"
             .parse::<Listen>()
             .unwrap_err()
+            .message()
             .contains("bad listen address"));
         assert!("unix:".parse::<Listen>().is_err());
     }

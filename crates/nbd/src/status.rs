@@ -14,6 +14,7 @@ use kiln_client::{Extent, Fd, Volume};
 use kiln_proto::ops::DIRTY_GET;
 
 use crate::proto::{self, chunk, err, Request};
+use kiln_proto::Error;
 
 /// The allocation context.
 pub const BASE_ALLOCATION: &str = "base:allocation";
@@ -88,19 +89,25 @@ pub struct MetaQuery {
 /// Decodes meta-context option data: a 32-bit name length and the name, a 32-bit query count,
 /// then each query as a 32-bit length and the string; nothing more. `Err` is the message of an
 /// `NBD_REP_ERR_INVALID` reply.
-pub fn parse_meta(d: &[u8]) -> Result<MetaQuery, String> {
+pub fn parse_meta(d: &[u8]) -> Result<MetaQuery, Error> {
     let mut rest = d;
     let name = take_string(&mut rest, "export name")?;
-    let n = take_u32(&mut rest).ok_or("the query count is missing")?;
+    let n = take_u32(&mut rest).ok_or(Error::invalid("the query count is missing"))?;
     // Each query takes 4 bytes at least: a count past that is a lie, not an allocation.
     if n as usize > rest.len() / 4 {
-        return Err(format!("{n} queries cannot fit {} bytes", rest.len()));
+        return Err(Error::invalid(format!(
+            "{n} queries cannot fit {} bytes",
+            rest.len()
+        )));
     }
     let queries = (0..n)
         .map(|_| take_string(&mut rest, "query"))
         .collect::<Result<Vec<_>, _>>()?;
     if !rest.is_empty() {
-        return Err(format!("{} bytes after the last query", rest.len()));
+        return Err(Error::invalid(format!(
+            "{} bytes after the last query",
+            rest.len()
+        )));
     }
     Ok(MetaQuery { name, queries })
 }
@@ -111,16 +118,19 @@ fn take_u32(d: &mut &[u8]) -> Option<u32> {
     Some(u32::from_be_bytes(*h))
 }
 
-fn take_string(d: &mut &[u8], what: &str) -> Result<String, String> {
-    let len = take_u32(d).ok_or_else(|| format!("the {what} length is missing"))? as usize;
+fn take_string(d: &mut &[u8], what: &str) -> Result<String, Error> {
+    let len = take_u32(d).ok_or_else(|| Error::invalid(format!("the {what} length is missing")))?
+        as usize;
     if len > d.len() {
-        return Err(format!("the {what} length {len} overruns the option data"));
+        return Err(Error::invalid(format!(
+            "the {what} length {len} overruns the option data"
+        )));
     }
     let (s, t) = d.split_at(len);
     *d = t;
     std::str::from_utf8(s)
         .map(str::to_owned)
-        .map_err(|_| format!("the {what} is not UTF-8"))
+        .map_err(|_| Error::invalid(format!("the {what} is not UTF-8")))
 }
 
 /// True if `queries` select `base:allocation`: when listing (`list`), no query at all, the

@@ -16,18 +16,20 @@ pub enum Listen {
 }
 
 impl FromStr for Listen {
-    type Err = String;
+    type Err = crate::Error;
 
-    fn from_str(s: &str) -> Result<Listen, String> {
+    fn from_str(s: &str) -> Result<Listen, crate::Error> {
         if let Some(p) = s.strip_prefix("unix:") {
             if p.is_empty() {
-                return Err(format!("bad listen address {s:?}: empty socket path"));
+                return Err(crate::Error::invalid(format!(
+                    "bad listen address {s:?}: empty socket path"
+                )));
             }
             return Ok(Listen::Unix(PathBuf::from(p)));
         }
         let a = s.strip_prefix("tcp:").unwrap_or(s);
         a.parse().map(Listen::Tcp).map_err(|e| {
-            format!("bad listen address {s:?}: {e} (want tcp:IP:PORT or unix:PATH, e.g. tcp:127.0.0.1:24100)")
+            crate::Error::invalid(format!("bad listen address {s:?}: {e} (want tcp:IP:PORT or unix:PATH, e.g. tcp:127.0.0.1:24100)"))
         })
     }
 }
@@ -60,7 +62,7 @@ mod tests {
         );
         for bad in ["unix:", "tcp:nohost", "", "127.0.0.1"] {
             let e = bad.parse::<Listen>().unwrap_err();
-            assert!(e.contains("bad listen address"), "{e}");
+            assert!(e.message().contains("bad listen address"), "{e}");
         }
     }
 }

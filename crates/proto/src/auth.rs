@@ -61,7 +61,7 @@ impl Key {
 
     /// Parses a key file's text: `SECRET` alone (the compatibility identity) or
     /// `NAME SECRET` (a named identity, as `kiln auth add --key-file` writes it).
-    pub fn parse(text: &str) -> Result<Key, String> {
+    pub fn parse(text: &str) -> Result<Key, crate::Error> {
         let mut words = text.split_whitespace();
         let (identity, secret) = match (words.next(), words.next(), words.next()) {
             (Some(s), None, None) => (String::new(), s),
@@ -69,8 +69,12 @@ impl Key {
                 check_identity(n)?;
                 (n.to_owned(), s)
             }
-            (None, _, _) => return Err("the key file is empty".into()),
-            _ => return Err("a key file holds `SECRET` or `NAME SECRET`, nothing more".into()),
+            (None, _, _) => return Err(crate::Error::invalid("the key file is empty")),
+            _ => {
+                return Err(crate::Error::invalid(
+                    "a key file holds `SECRET` or `NAME SECRET`, nothing more",
+                ))
+            }
         };
         Ok(Key {
             identity,
@@ -81,7 +85,7 @@ impl Key {
 
 /// Checks an identity name: 1 to [`MAX_IDENTITY_LEN`] letters, digits, `.`, `-` or `_`, not
 /// starting with `.` or `-`.
-pub fn check_identity(name: &str) -> Result<(), String> {
+pub fn check_identity(name: &str) -> Result<(), crate::Error> {
     let ok = !name.is_empty()
         && name.len() <= MAX_IDENTITY_LEN
         && !name.starts_with(['.', '-'])
@@ -91,10 +95,10 @@ pub fn check_identity(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
+        Err(crate::Error::invalid(format!(
             "bad identity name {name:?}: 1 to {MAX_IDENTITY_LEN} letters, digits, '.', '-' or \
              '_', not starting with '.' or '-'"
-        ))
+        )))
     }
 }
 

@@ -9,6 +9,7 @@ pub mod addr;
 pub mod auth;
 pub mod codec;
 pub mod cred;
+pub mod error;
 pub mod frame;
 pub mod iov;
 pub mod marks;
@@ -20,6 +21,7 @@ pub mod sync;
 pub use addr::Listen;
 pub use codec::{DecodeError, Wire};
 pub use cred::Cred;
+pub use error::{Error, Kind};
 pub use frame::{Header, HeaderError, HEADER_LEN, MAX_ARGS_LEN, MAX_PAYLOAD_LEN};
 pub use ops::Op;
 

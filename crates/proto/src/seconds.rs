@@ -5,36 +5,38 @@
 
 use std::time::Duration;
 
+use crate::Error;
+
 /// One day, in seconds: the bound of timeouts and intervals that have no reason to be longer.
 pub const DAY: f64 = 86_400.0;
 /// One year, in seconds: the bound of durations that may sensibly be long.
 pub const YEAR: f64 = 365.0 * DAY;
 
 /// `text` as a number of seconds from 0 to `max` (fractions allowed), or why not.
-pub fn parse_seconds_up_to(text: &str, max: f64) -> Result<f64, String> {
+pub fn parse_seconds_up_to(text: &str, max: f64) -> Result<f64, Error> {
     let v: f64 = text
         .parse()
-        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+        .map_err(|_| Error::invalid(format!("{text:?} is not a number of seconds")))?;
     if !v.is_finite() || !(0.0..=max).contains(&v) {
-        return Err(format!(
+        return Err(Error::invalid(format!(
             "{text:?} is not a number of seconds from 0 to {max}"
-        ));
+        )));
     }
     Ok(v)
 }
 
 /// `text` as a [`Duration`] of at most a year.
-pub fn parse_seconds(text: &str) -> Result<Duration, String> {
+pub fn parse_seconds(text: &str) -> Result<Duration, Error> {
     parse_seconds_up_to(text, YEAR).map(Duration::from_secs_f64)
 }
 
 /// For a clap `value_parser`: seconds from 0 to a day.
-pub fn up_to_a_day(text: &str) -> Result<f64, String> {
+pub fn up_to_a_day(text: &str) -> Result<f64, Error> {
     parse_seconds_up_to(text, DAY)
 }
 
 /// For a clap `value_parser`: seconds from 0 to a year.
-pub fn up_to_a_year(text: &str) -> Result<f64, String> {
+pub fn up_to_a_year(text: &str) -> Result<f64, Error> {
     parse_seconds_up_to(text, YEAR)
 }
 

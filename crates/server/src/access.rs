@@ -19,10 +19,13 @@ pub struct Cidr {
 }
 
 impl std::str::FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Cidr, String> {
-        let bad =
-            |why: &str| format!("bad address range {s:?}: {why} (want e.g. 127.0.0.0/8 or ::1)");
+    type Err = kiln_proto::Error;
+    fn from_str(s: &str) -> Result<Cidr, kiln_proto::Error> {
+        let bad = |why: &str| {
+            kiln_proto::Error::invalid(format!(
+                "bad address range {s:?}: {why} (want e.g. 127.0.0.0/8 or ::1)"
+            ))
+        };
         let (a, p) = match s.split_once('/') {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),

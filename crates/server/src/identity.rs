@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 use kiln_proto::sync::RwLockExt as _;
-use kiln_proto::Cred;
+use kiln_proto::{Cred, Error};
 use serde::{Deserialize, Serialize};
 
 /// Whose credentials a request runs with.
@@ -54,12 +54,12 @@ impl std::fmt::Display for Users {
 }
 
 impl std::str::FromStr for Users {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Users, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Users, Error> {
         if s == "as-caller" {
             return Ok(Users::AsCaller);
         }
-        let bad = || format!("bad user mapping {s:?}: want as-caller or UID:GID");
+        let bad = || Error::invalid(format!("bad user mapping {s:?}: want as-caller or UID:GID"));
         let (u, g) = s.split_once(':').ok_or_else(bad)?;
         Ok(Users::As {
             uid: u.parse().map_err(|_| bad())?,
@@ -95,7 +95,7 @@ pub struct Caps {
 
 impl Caps {
     /// Checks the capabilities' own consistency: volume names, a subtree in wire form.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Error> {
         if !self.subtree.is_empty() {
             let ok = !self.subtree.starts_with('/')
                 && self
@@ -103,15 +103,15 @@ impl Caps {
                     .split('/')
                     .all(|c| !c.is_empty() && c != "." && c != ".." && c != ".kiln");
             if !ok {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "bad subtree {:?}: a path below the volume root, like /t1 or /vms/a",
                     self.subtree
-                ));
+                )));
             }
         }
         for n in &self.from {
             n.parse::<crate::access::Cidr>()
-                .map_err(|e| format!("bad network {n:?} to connect from: {e}"))?;
+                .map_err(|e| Error::invalid(format!("bad network {n:?} to connect from: {e}")))?;
         }
         Ok(())
     }
@@ -214,16 +214,20 @@ pub struct IdentitiesFile {
 
 impl IdentitiesFile {
     /// Reads and checks `path`.
-    pub fn read(path: &Path) -> Result<IdentitiesFile, String> {
-        let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn read(path: &Path) -> Result<IdentitiesFile, Error> {
+        let text = std::fs::read(path).map_err(|e| Error::io(path.display(), &e))?;
         let f: IdentitiesFile = serde_json::from_slice(&text)
-            .map_err(|e| format!("{}: bad identities file: {e}", path.display()))?;
+            .map_err(|e| Error::invalid(format!("{}: bad identities file: {e}", path.display())))?;
         for i in &f.identities {
             kiln_proto::auth::check_identity(&i.name)
                 .and_then(|()| i.caps.check())
-                .map_err(|e| format!("{}: identity {}: {e}", path.display(), i.name))?;
+                .map_err(|e| e.context(format_args!("{}: identity {}", path.display(), i.name)))?;
             if i.key.trim().is_empty() {
-                return Err(format!("{}: identity {}: no key", path.display(), i.name));
+                return Err(Error::invalid(format!(
+                    "{}: identity {}: no key",
+                    path.display(),
+                    i.name
+                )));
             }
         }
         Ok(f)
@@ -251,7 +255,7 @@ impl Identities {
     }
 
     /// The identities of `path` (read now; [`Identities::reload`] reads it again).
-    pub fn from_file(path: &Path) -> Result<Identities, String> {
+    pub fn from_file(path: &Path) -> Result<Identities, Error> {
         let ids = Identities {
             path: Some(path.to_owned()),
             ..Identities::new()
@@ -261,7 +265,7 @@ impl Identities {
     }
 
     /// Reads the file again and replaces the table; on an error the old table stays.
-    pub fn reload(&self) -> Result<(), String> {
+    pub fn reload(&self) -> Result<(), Error> {
         let Some(path) = &self.path else {
             return Ok(());
         };

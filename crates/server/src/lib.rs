@@ -25,6 +25,7 @@ pub use kiln_layer::layers::{marks, posix};
 use kiln_layer::layers::{marks::MarksConfig, posix::PosixConfig};
 pub use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_layer::LayerRef;
+use kiln_proto::Error;
 pub use stats::Stats;
 
 pub use kiln_proto::Listen;
@@ -290,11 +291,14 @@ pub fn replica_volfile(dir: &Path, name: &str) -> Volfile {
 }
 
 /// Builds a brick stack: the generic layers, plus posix and dispatch.
-pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
+pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, Error> {
     volfile.build(&mut |def, mut kids| match &def.kind {
         LayerKind::Posix(c) => {
             let brick = Brick::open(&c.directory).map_err(|e| {
-                format!("cannot open brick directory {}: {e}", c.directory.display())
+                Error::io(
+                    format_args!("cannot open brick directory {}", c.directory.display()),
+                    &e,
+                )
             })?;
             Ok(Arc::new(posix::Posix::configured(&def.name, Arc::new(brick), c)) as LayerRef)
         }
@@ -304,11 +308,11 @@ pub fn build_stack(volfile: &Volfile) -> Result<LayerRef, String> {
             kids.remove(0),
             c,
         )?)),
-        other => Err(format!(
+        other => Err(Error::invalid(format!(
             "layer {:?}: a {} layer cannot run in a brick",
             def.name,
             other.type_name()
-        )),
+        ))),
     })
 }
 

@@ -25,6 +25,8 @@ use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 use backend::{Blk, Image};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// Serve a VM image on a Kiln volume to QEMU as a vhost-user-blk device.
 ///
@@ -97,7 +99,7 @@ impl VhostArgs {
 }
 
 /// Runs `kiln vhost-user-blk` until SIGINT or SIGTERM.
-pub fn main(args: VhostArgs) -> Result<(), String> {
+pub fn main(args: VhostArgs) -> Result<(), Error> {
     if let Some(p) = &args.secret_file {
         kiln_client::mgmt::use_secret_file(p);
     }
@@ -109,8 +111,8 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
         .thread_name("kiln-vhost")
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start runtime: {e}"))?;
-    let vol = Arc::new(Volume::from_source(&src).map_err(|e| format!("cannot reach {src}: {e}"))?);
+        .context("cannot start runtime")?;
+    let vol = Arc::new(Volume::from_source(&src).with_context(|| format!("cannot reach {src}"))?);
     vol.set_trace_every(args.trace_every);
     let image = open(&vol, &spec.path, args.read_only)?;
     let held = match (args.read_only, args.lock.as_str()) {
@@ -123,7 +125,7 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
             };
             let fd = rt
                 .block_on(vol.open(&spec.path, libc::O_RDWR))
-                .map_err(|e| format!("cannot open image {}: {e}", spec.path))?;
+                .with_context(|| format!("cannot open image {}", spec.path))?;
             rt.block_on(lock::take(vol.clone(), fd, &spec.path, &cfg))?
         }
     };
@@ -131,14 +133,14 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
     let blk = Blk::new(image, args.num_queues);
     let sock = args.socket.to_string_lossy().into_owned();
     let group = args.socket_group.as_deref().map(group_id).transpose()?;
-    let mut listener =
-        Listener::new(&sock, true).map_err(|e| format!("cannot listen on {sock}: {e}"))?;
+    let mut listener = Listener::new(&sock, true)
+        .map_err(|e| Error::failed(format!("cannot listen on {sock}: {e}")))?;
     // Made under the umask, which lets no one but its owner write (connect) to it: narrowed,
     // or opened to the group, before anyone is told it is there.
     let mode = if group.is_some() { 0o660 } else { 0o600 };
     std::fs::set_permissions(&args.socket, std::fs::Permissions::from_mode(mode))
         .and_then(|()| std::os::unix::fs::chown(&args.socket, None, group))
-        .map_err(|e| format!("cannot set the owner and mode of {sock}: {e}"))?;
+        .with_context(|| format!("cannot set the owner and mode of {sock}"))?;
     println!(
         "kiln vhost-user-blk: serving {} ({size} bytes) at {sock}",
         spec.path
@@ -152,10 +154,10 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
             blk.clone(),
             GuestMemoryAtomic::new(GuestMemoryMmap::new()),
         )
-        .map_err(|e| format!("cannot start the device: {e}"))?;
+        .map_err(|e| Error::failed(format!("cannot start the device: {e}")))?;
         daemon
             .start(&mut listener)
-            .map_err(|e| format!("accepting on {sock}: {e}"))?;
+            .map_err(|e| Error::failed(format!("accepting on {sock}: {e}")))?;
         tracing::info!("QEMU connected");
         match daemon.wait() {
             Ok(()) => tracing::info!("QEMU disconnected"),
@@ -169,11 +171,12 @@ pub fn main(args: VhostArgs) -> Result<(), String> {
 }
 
 /// The group `name` names (or the number it is).
-fn group_id(name: &str) -> Result<u32, String> {
+fn group_id(name: &str) -> Result<u32, Error> {
     if let Ok(gid) = name.parse::<u32>() {
         return Ok(gid);
     }
-    let c = std::ffi::CString::new(name).map_err(|_| format!("no group {name:?}"))?;
+    let c =
+        std::ffi::CString::new(name).map_err(|_| Error::failed(format!("no group {name:?}")))?;
     // SAFETY: `struct group` is plain data (integers and pointers): all zeroes is a valid one.
     let mut grp: libc::group = unsafe { std::mem::zeroed() };
     let mut buf = vec![0u8; 16 << 10];
@@ -190,31 +193,33 @@ fn group_id(name: &str) -> Result<u32, String> {
         )
     };
     if r != 0 || found.is_null() {
-        return Err(format!("--socket-group {name}: no such group"));
+        return Err(Error::failed(format!(
+            "--socket-group {name}: no such group"
+        )));
     }
     Ok(grp.gr_gid)
 }
 
 /// Opens the image and checks it is a regular file.
-fn open(vol: &Arc<Volume>, path: &str, read_only: bool) -> Result<Image, String> {
+fn open(vol: &Arc<Volume>, path: &str, read_only: bool) -> Result<Image, Error> {
     let flags = if read_only {
         libc::O_RDONLY
     } else {
         libc::O_RDWR
     };
     let fd = kiln_client::block_on(vol.open(path, flags)).map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOENT) => format!("image {path} not found"),
+        Some(libc::ENOENT) => Error::not_found(format!("image {path} not found")),
         // Only a kilnd without a brick (its management port) answers a fop so.
-        Some(libc::ENOSYS) => format!(
+        Some(libc::ENOSYS) => Error::invalid(format!(
             "cannot open image {path}: the volume's server is a management port, not a brick \
              (a volfile names bricks; SERVER:/VOL/PATH may name either)"
-        ),
-        _ => format!("cannot open image {path}: {e}"),
+        )),
+        _ => Error::io(format_args!("cannot open image {path}"), &e),
     })?;
     let attr = kiln_client::block_on(vol.fstat(&fd))
-        .map_err(|e| format!("cannot stat image {path}: {e}"))?;
+        .with_context(|| format!("cannot stat image {path}"))?;
     if attr.mode & libc::S_IFMT != libc::S_IFREG {
-        return Err(format!("image {path} is not a regular file"));
+        return Err(Error::failed(format!("image {path} is not a regular file")));
     }
     let mut id = [0u8; 20];
     let tag = format!("kiln-{:x}", attr.ino);

@@ -5,6 +5,7 @@ use kiln_mgmt::response::Changed;
 use kiln_mgmt::Request;
 
 use super::{mgmt_call, show, warn, MgmtOpts};
+use kiln_proto::Error;
 
 #[derive(clap::Args, Debug)]
 pub(super) struct CreateArgs {
@@ -40,30 +41,31 @@ pub(super) fn replica_and_bricks(
     cmd: &str,
     name: &str,
     args: &[String],
-) -> Result<(Option<u64>, Vec<String>), String> {
+) -> Result<(Option<u64>, Vec<String>), Error> {
     let mut args = args;
     let mut replica = None;
     if args.first().map(String::as_str) == Some("replica") {
         let n = args
             .get(1)
-            .ok_or(format!("volume {cmd}: `replica` needs a count"))?;
+            .ok_or(format!("volume {cmd}: `replica` needs a count"))
+            .map_err(Error::failed)?;
         replica = Some(
             n.parse()
                 .ok()
                 .filter(|n| *n >= 1)
-                .ok_or_else(|| format!("volume {cmd}: bad replica count {n:?}"))?,
+                .ok_or_else(|| Error::invalid(format!("volume {cmd}: bad replica count {n:?}")))?,
         );
         args = &args[2..];
     }
     if args.is_empty() {
-        return Err(format!(
+        return Err(Error::invalid(format!(
             "volume {cmd}: {name}: no bricks given (HOST:/DIR ...)"
-        ));
+        )));
     }
     Ok((replica, args.to_vec()))
 }
 
-pub(super) fn create(a: &CreateArgs) -> Result<(), String> {
+pub(super) fn create(a: &CreateArgs) -> Result<(), Error> {
     let mut args = a.args.clone();
     let force = args.last().map(String::as_str) == Some("force");
     if force {
@@ -78,7 +80,7 @@ pub(super) fn create(a: &CreateArgs) -> Result<(), String> {
         .as_deref()
         .map(kiln_mgmt::options::parse_size)
         .transpose()
-        .map_err(|e| format!("volume create: {}: --shard {e}", a.name))?;
+        .map_err(|e| Error::invalid(format!("volume create: {}: --shard {e}", a.name)))?;
     let req = Request::Create {
         name: a.name.clone(),
         replica: Some(replica.unwrap_or(1)),
@@ -100,7 +102,7 @@ pub(super) fn create(a: &CreateArgs) -> Result<(), String> {
 
 /// Asks before a replica 2 volume is made, as GlusterFS does: two copies cannot out-vote each
 /// other.
-fn confirm_replica_2(name: &str) -> Result<(), String> {
+fn confirm_replica_2(name: &str) -> Result<(), Error> {
     let why = "replica 2 volumes are prone to split-brain (two copies that changed apart, and \
                no majority to say which is right); replica 3 avoids it";
     confirm(
@@ -108,15 +110,22 @@ fn confirm_replica_2(name: &str) -> Result<(), String> {
         why,
         &format!("Create volume {name} with replica 2 anyway?"),
     )
-    .map_err(|e| e.replace("go ahead", "create it anyway"))
+    .map_err(|e| {
+        Error::new(
+            e.kind(),
+            e.message().replace("go ahead", "create it anyway"),
+        )
+    })
 }
 
 /// Asks `question` at the terminal after saying `why`; `what` names the command in errors.
 /// Without a terminal to ask at (a script, a pipe) it refuses: the caller passes `--yes`.
-pub(super) fn confirm(what: &str, why: &str, question: &str) -> Result<(), String> {
+pub(super) fn confirm(what: &str, why: &str, question: &str) -> Result<(), Error> {
     use std::io::{BufRead, IsTerminal, Write};
     if !std::io::stdin().is_terminal() {
-        return Err(format!("{what}: {why}. Pass --yes to go ahead"));
+        return Err(Error::invalid(format!(
+            "{what}: {why}. Pass --yes to go ahead"
+        )));
     }
     eprint!("kiln: {why}.\n{question} (y/N) ");
     let _ = std::io::stderr().flush();
@@ -124,6 +133,6 @@ pub(super) fn confirm(what: &str, why: &str, question: &str) -> Result<(), Strin
     let _ = std::io::stdin().lock().read_line(&mut answer);
     match answer.trim() {
         "y" | "Y" | "yes" => Ok(()),
-        _ => Err(format!("{what}: not done")),
+        _ => Err(Error::failed(format!("{what}: not done"))),
     }
 }

@@ -7,6 +7,8 @@ use kiln_mgmt::response::{Infos, Statuses};
 use kiln_mgmt::Request;
 
 use super::{mgmt_call, volume_secret, MgmtOpts, MgmtSecret};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 #[derive(clap::Args, Debug)]
 pub(super) struct HealArgs {
@@ -29,7 +31,7 @@ pub(super) struct HealArgs {
 
 /// `replace-brick ... --wait`: follows the heal service's rebuild of the brick `new` (as the
 /// pool's leader reports it) until it is a member, printing each change of its progress.
-pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result<(), String> {
+pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result<(), Error> {
     let req = Request::Status {
         name: Some(name.to_owned()),
     };
@@ -40,9 +42,9 @@ pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result
         .as_deref()
         .map(kiln_client::mgmt::Key::from_file_text);
     let volfile = kiln_client::mgmt::fetch_volfile_with(&opts.server, name, key.as_ref())
-        .map_err(|e| format!("cannot fetch the graph of {name}: {e}"))?;
+        .with_context(|| format!("cannot fetch the graph of {name}"))?;
     let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, secret.as_deref())
-        .map_err(|e| format!("cannot reach the bricks of {name}: {e}"))?;
+        .with_context(|| format!("cannot reach the bricks of {name}"))?;
     let mut said = String::new();
     // A rebuild of this brick finished before the replacement is not this one.
     let t0 = std::time::SystemTime::now()
@@ -50,7 +52,11 @@ pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result
         .map_or(0, |d| d.as_secs().saturating_sub(1));
     loop {
         let mut st: Statuses = mgmt_call(opts, &req)?;
-        let mut v = st.volumes.pop().ok_or("no such volume")?;
+        let mut v = st
+            .volumes
+            .pop()
+            .ok_or("no such volume")
+            .map_err(Error::failed)?;
         if v.heal.is_none() {
             // Only the leader heals: ask it.
             if let Some(leader) = v.authority.clone() {
@@ -61,14 +67,18 @@ pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result
                     state_dir: opts.state_dir.clone(),
                 };
                 let mut st: Statuses = mgmt_call(&at, &req)?;
-                v = st.volumes.pop().ok_or("no such volume")?;
+                v = st
+                    .volumes
+                    .pop()
+                    .ok_or("no such volume")
+                    .map_err(Error::failed)?;
             }
         }
         let i = v
             .bricks
             .iter()
             .position(|b| b.brick == new)
-            .ok_or_else(|| format!("volume {name} has no brick {new}"))?;
+            .ok_or_else(|| Error::not_found(format!("volume {name} has no brick {new}")))?;
         let target = format!("{name}-client-{i}");
         let r = v.heal.as_ref().and_then(|h| {
             h.rebuilds
@@ -121,7 +131,7 @@ fn show_progress(board: &kiln_layer::heal::Board, done: &std::sync::atomic::Atom
 }
 
 /// `heal full`: flags a rebuild of each new brick, or of the brick `--brick` names.
-fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String> {
+fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), Error> {
     use kiln_layer::heal;
     let want = match &a.brick {
         Some(spec) => {
@@ -129,13 +139,19 @@ fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String>
                 name: Some(a.name.clone()),
             };
             let infos: Infos = mgmt_call(&a.opts, &req)?;
-            let v = infos.volumes.first().ok_or("no such volume")?;
+            let v = infos
+                .volumes
+                .first()
+                .ok_or("no such volume")
+                .map_err(Error::failed)?;
             let i = v
                 .def
                 .bricks
                 .iter()
                 .position(|b| b.spec() == *spec)
-                .ok_or_else(|| format!("volume {} has no brick {spec}", a.name))?;
+                .ok_or_else(|| {
+                    Error::not_found(format!("volume {} has no brick {spec}", a.name))
+                })?;
             Some(format!("{}-client-{i}", a.name))
         }
         None => None,
@@ -145,26 +161,28 @@ fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String>
         let r = l
             .as_any()
             .and_then(|x| x.downcast_ref::<kiln_layer::replicate::Replicate>())
-            .ok_or("not a replicate layer")?;
+            .ok_or("not a replicate layer")
+            .map_err(Error::failed)?;
         for (t, k) in r.replicas().iter().enumerate() {
             let named = want.as_deref() == Some(k.name());
             if !(named || (want.is_none() && k.joining())) {
                 continue;
             }
             let leave = named && !k.joining();
-            kiln_layer::exec::block_on(heal::start_rebuild(r, t, leave))
-                .map_err(|e| format!("cannot start a rebuild of {}: errno {e}", k.name()))?;
+            kiln_layer::exec::block_on(heal::start_rebuild(r, t, leave)).map_err(|e| {
+                Error::failed(format!("cannot start a rebuild of {}: errno {e}", k.name()))
+            })?;
             started += 1;
         }
     }
     if started == 0 {
         return Err(match want {
-            Some(w) => format!("{w} is not a replica in this graph"),
-            None => format!(
+            Some(w) => Error::not_found(format!("{w} is not a replica in this graph")),
+            None => Error::invalid(format!(
                 "no brick of {} is new: name one with --brick HOST:/DIR to rebuild it from \
                  its replicas",
                 a.name
-            ),
+            )),
         });
     }
     Ok(())
@@ -172,7 +190,7 @@ fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String>
 
 /// `kiln volume heal NAME [info]`: runs on connections of its own (heal locks belong to the
 /// connection that takes them).
-pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
+pub(super) fn heal(a: &HealArgs) -> Result<(), Error> {
     use kiln_layer::exec::block_on;
     use kiln_layer::heal;
     let secret = volume_secret(&a.name, a.secret_file.as_deref(), &a.opts.state_dir)?;
@@ -180,7 +198,7 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
         .as_deref()
         .map(kiln_client::mgmt::Key::from_file_text);
     let volfile = kiln_client::mgmt::fetch_volfile_with(&a.opts.server, &a.name, key.as_ref())
-        .map_err(|e| format!("cannot fetch the graph of {}: {e}", a.name))?;
+        .with_context(|| format!("cannot fetch the graph of {}", a.name))?;
     // Heal opens are kilnd's own: with the management secret at hand (root on a pool host),
     // the bricks are reached as kilnd's internal identity, which a volume that squashes root
     // does not refuse them to.
@@ -192,13 +210,16 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
     };
     let bricks_key = service.as_deref().or(secret.as_deref());
     let vol = kiln_client::Volume::from_volfile_with_secret(&volfile, bricks_key)
-        .map_err(|e| format!("cannot reach the bricks of {}: {e}", a.name))?;
+        .with_context(|| format!("cannot reach the bricks of {}", a.name))?;
     if heal::replicate_layers(vol.top()).is_empty() {
-        return Err(format!("{} is not replicated: nothing to heal", a.name));
+        return Err(Error::invalid(format!(
+            "{} is not replicated: nothing to heal",
+            a.name
+        )));
     }
     let full = a.what.as_deref() == Some("full");
     if a.brick.is_some() && !full {
-        return Err("--brick goes with `full`".into());
+        return Err(Error::invalid("--brick goes with `full`"));
     }
     if full {
         start_rebuilds(a, &vol)?;
@@ -231,8 +252,12 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
             println!("{} {}", r.target_name, rebuild_text(&r));
         }
     }
-    let failed = (!report.errors.is_empty())
-        .then(|| format!("{} file(s) could not be healed", report.errors.len()));
+    let failed = (!report.errors.is_empty()).then(|| {
+        Error::failed(format!(
+            "{} file(s) could not be healed",
+            report.errors.len()
+        ))
+    });
     if a.opts.json {
         match &failed {
             None => crate::out::show(true, &report, |_| String::new()),
@@ -255,7 +280,7 @@ pub(super) fn heal(a: &HealArgs) -> Result<(), String> {
 }
 
 /// `heal NAME info`: the files behind, the bricks not asked, new bricks and their rebuilds.
-fn print_info(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), String> {
+fn print_info(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), Error> {
     use kiln_layer::exec::block_on;
     use kiln_layer::heal;
     let info = block_on(heal::info_from_reachable(vol.top()));

@@ -13,6 +13,8 @@ use kiln_mgmt::{Request, VolState};
 use kiln_proto::ops::{PROFILE_INFO, PROFILE_START, PROFILE_STOP};
 
 use super::{mgmt_call, volume_secret, MgmtOpts};
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 /// `kiln volume profile`.
 #[derive(clap::Args, Debug)]
@@ -50,7 +52,7 @@ fn brick_addr(b: &kiln_mgmt::response::BrickStatus) -> Option<String> {
 }
 
 /// The brick servers to ask: (name shown, address).
-fn bricks(p: &ProfileArgs) -> Result<Vec<(String, String)>, String> {
+fn bricks(p: &ProfileArgs) -> Result<Vec<(String, String)>, Error> {
     if let Some(a) = &p.brick_server {
         return Ok(vec![(a.clone(), a.clone())]);
     }
@@ -62,9 +64,9 @@ fn bricks(p: &ProfileArgs) -> Result<Vec<(String, String)>, String> {
         .volumes
         .into_iter()
         .find(|v| v.name == p.volume)
-        .ok_or_else(|| format!("volume {}: no such volume", p.volume))?;
+        .ok_or_else(|| Error::not_found(format!("volume {}: no such volume", p.volume)))?;
     if v.state != VolState::Started {
-        return Err(format!("volume {}: not started", p.volume));
+        return Err(Error::conflict(format!("volume {}: not started", p.volume)));
     }
     let mut out = Vec::new();
     for b in v.bricks {
@@ -77,16 +79,19 @@ fn bricks(p: &ProfileArgs) -> Result<Vec<(String, String)>, String> {
         }
     }
     match &p.brick {
-        Some(w) if out.is_empty() => Err(format!(
+        Some(w) if out.is_empty() => Err(Error::conflict(format!(
             "volume {}: no running brick {w} (see `kiln volume status {}`)",
             p.volume, p.volume
-        )),
-        _ if out.is_empty() => Err(format!("volume {}: no brick runs", p.volume)),
+        ))),
+        _ if out.is_empty() => Err(Error::conflict(format!(
+            "volume {}: no brick runs",
+            p.volume
+        ))),
         _ => Ok(out),
     }
 }
 
-pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
+pub(crate) fn profile(p: &ProfileArgs) -> Result<(), Error> {
     // A brick of a managed volume wants the volume's secret.
     let secret = volume_secret(&p.volume, None, &p.opts.state_dir)?;
     let cmd = match p.action {
@@ -103,10 +108,11 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
             _ => ("GET", "/profile"),
         };
         match http(ep, method, path).and_then(|b| {
-            serde_json::from_str::<serde_json::Value>(&b).map_err(|e| format!("{ep}: {e}"))
+            serde_json::from_str::<serde_json::Value>(&b)
+                .map_err(|e| Error::failed(format!("{ep}: {e}")))
         }) {
             Ok(v) => sources.push((format!("client {ep}"), v)),
-            Err(e) => unreachable.push(e),
+            Err(e) => unreachable.push(e.to_string()),
         }
     }
     report(p, &sources, &unreachable)
@@ -116,7 +122,7 @@ pub(crate) fn profile(p: &ProfileArgs) -> Result<(), String> {
 /// endpoints the bricks know (each once).
 type Answers = (Vec<(String, serde_json::Value)>, Vec<String>, Vec<String>);
 
-fn ask_bricks(p: &ProfileArgs, cmd: u32, secret: Option<&[u8]>) -> Result<Answers, String> {
+fn ask_bricks(p: &ProfileArgs, cmd: u32, secret: Option<&[u8]>) -> Result<Answers, Error> {
     let mut sources = Vec::new();
     let mut unreachable = Vec::new();
     let mut endpoints: Vec<String> = Vec::new();
@@ -124,7 +130,7 @@ fn ask_bricks(p: &ProfileArgs, cmd: u32, secret: Option<&[u8]>) -> Result<Answer
         let brick = match brick_profile(&name, &addr, cmd, secret) {
             Ok(b) => b,
             Err(e) => {
-                unreachable.push(e);
+                unreachable.push(e.to_string());
                 continue;
             }
         };
@@ -132,11 +138,11 @@ fn ask_bricks(p: &ProfileArgs, cmd: u32, secret: Option<&[u8]>) -> Result<Answer
         sources.push((format!("brick {name}"), brick));
     }
     if sources.is_empty() {
-        return Err(format!(
+        return Err(Error::unavailable(format!(
             "volume {}: no brick answered: {}",
             p.volume,
             unreachable.join("; ")
-        ));
+        )));
     }
     Ok((sources, unreachable, endpoints))
 }
@@ -147,12 +153,12 @@ fn brick_profile(
     addr: &str,
     cmd: u32,
     secret: Option<&[u8]>,
-) -> Result<serde_json::Value, String> {
+) -> Result<serde_json::Value, Error> {
     Client::connect_with_secret(addr, secret)
-        .map_err(|e| format!("brick {name}: cannot reach it at {addr}: {e}"))
+        .with_context(|| format!("brick {name}: cannot reach it at {addr}"))
         .and_then(|c| {
             c.profile(cmd)
-                .map_err(|e| format!("brick {name}: profile request failed: {e}"))
+                .with_context(|| format!("brick {name}: profile request failed"))
         })
 }
 
@@ -172,14 +178,14 @@ fn add_endpoints(brick: &serde_json::Value, out: &mut Vec<String>) {
 pub(crate) fn client_endpoints(
     opts: &MgmtOpts,
     v: &kiln_mgmt::response::VolumeStatus,
-) -> Result<(Vec<String>, Vec<String>), String> {
+) -> Result<(Vec<String>, Vec<String>), Error> {
     let secret = volume_secret(&v.name, None, &opts.state_dir)?;
     let (mut endpoints, mut failed) = (Vec::new(), Vec::new());
     for b in &v.bricks {
         let Some(addr) = brick_addr(b) else { continue };
         match brick_profile(&b.brick, &addr, PROFILE_INFO, secret.as_deref()) {
             Ok(r) => add_endpoints(&r, &mut endpoints),
-            Err(e) => failed.push(e),
+            Err(e) => failed.push(e.to_string()),
         }
     }
     endpoints.sort();
@@ -191,7 +197,7 @@ fn report(
     p: &ProfileArgs,
     sources: &[(String, serde_json::Value)],
     unreachable: &[String],
-) -> Result<(), String> {
+) -> Result<(), Error> {
     if p.action == Action::Trace {
         let mut timelines: Vec<Timeline> = Vec::new();
         for (_, v) in sources {
@@ -247,7 +253,7 @@ fn report(
     report_unreachable(unreachable)
 }
 
-fn report_unreachable(errs: &[String]) -> Result<(), String> {
+fn report_unreachable(errs: &[String]) -> Result<(), Error> {
     for e in errs {
         eprintln!("kiln: a client of the volume did not answer: {e}");
     }
@@ -302,25 +308,24 @@ fn print_period(title: &str, p: &Period) {
 }
 
 /// GET or POST on a client's endpoint; returns the body.
-fn http(addr: &str, method: &str, path: &str) -> Result<String, String> {
-    let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+fn http(addr: &str, method: &str, path: &str) -> Result<String, Error> {
+    let mut s = std::net::TcpStream::connect(addr).context(addr)?;
     let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
     write!(
         s,
         "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n"
     )
-    .map_err(|e| format!("{addr}: {e}"))?;
+    .context(addr)?;
     let mut resp = String::new();
-    s.read_to_string(&mut resp)
-        .map_err(|e| format!("{addr}: {e}"))?;
+    s.read_to_string(&mut resp).context(addr)?;
     let (head, body) = resp
         .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("{addr}: malformed HTTP response"))?;
+        .ok_or_else(|| Error::failed(format!("{addr}: malformed HTTP response")))?;
     if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        return Err(format!(
+        return Err(Error::failed(format!(
             "{addr}{path}: {}",
             head.lines().next().unwrap_or("")
-        ));
+        )));
     }
     Ok(body.to_owned())
 }

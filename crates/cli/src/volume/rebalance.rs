@@ -9,6 +9,7 @@ use kiln_mgmt::response::RebalanceView;
 use kiln_mgmt::Request;
 
 use super::{mgmt_call, show, MgmtOpts};
+use kiln_proto::Error;
 
 #[derive(clap::Args, Debug)]
 pub(super) struct RebalanceArgs {
@@ -51,7 +52,7 @@ pub(super) struct RemoveBrickArgs {
 }
 
 /// `kiln volume rebalance`.
-pub(super) fn rebalance(a: &RebalanceArgs) -> Result<(), String> {
+pub(super) fn rebalance(a: &RebalanceArgs) -> Result<(), Error> {
     let req = Request::Rebalance {
         name: a.name.clone(),
         action: a.action.clone(),
@@ -66,7 +67,7 @@ pub(super) fn rebalance(a: &RebalanceArgs) -> Result<(), String> {
 }
 
 /// `kiln volume remove-brick`.
-pub(super) fn remove_brick(a: &RemoveBrickArgs) -> Result<(), String> {
+pub(super) fn remove_brick(a: &RemoveBrickArgs) -> Result<(), Error> {
     let (action, bricks) = a
         .args
         .split_last()
@@ -78,7 +79,8 @@ pub(super) fn remove_brick(a: &RemoveBrickArgs) -> Result<(), String> {
                 "usage: kiln volume remove-brick {} BRICK... start|status|stop|commit",
                 a.name
             )
-        })?;
+        })
+        .map_err(Error::failed)?;
     let req = Request::RemoveBrick {
         name: a.name.clone(),
         bricks: bricks.to_vec(),
@@ -101,7 +103,7 @@ pub(super) fn remove_brick(a: &RemoveBrickArgs) -> Result<(), String> {
 
 /// Prints the run's progress every second until it is no longer running; fails unless it
 /// completed without failures.
-fn follow(opts: &MgmtOpts, name: &str) -> Result<(), String> {
+fn follow(opts: &MgmtOpts, name: &str) -> Result<(), Error> {
     let req = Request::Rebalance {
         name: name.to_owned(),
         action: "status".into(),
@@ -118,10 +120,10 @@ fn follow(opts: &MgmtOpts, name: &str) -> Result<(), String> {
             show(opts, &v, view_text);
             return match (v.state.as_str(), v.failed) {
                 ("completed", 0) => Ok(()),
-                (s, f) => Err(format!(
+                (s, f) => Err(Error::failed(format!(
                     "rebalance of {name} {s} with {f} name(s) not moved{}",
                     v.error.map(|e| format!(": {e}")).unwrap_or_default()
-                )),
+                ))),
             };
         }
     }

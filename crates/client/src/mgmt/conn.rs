@@ -11,7 +11,7 @@ use kiln_proto::auth::{ClientHalf, Key};
 use kiln_proto::codec::Wire;
 use kiln_proto::frame::{Header, HEADER_LEN};
 use kiln_proto::ops::{AuthReply, HelloReply, HelloReq, MgmtReq};
-use kiln_proto::Op;
+use kiln_proto::{Error, Kind, Op};
 
 /// How long a connect may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -30,6 +30,8 @@ pub enum MgmtError {
     Refused {
         /// The kilnd's sentence.
         message: String,
+        /// What kind of refusal (`not-found`, `conflict`, …; `failed` from an older kilnd).
+        kind: Kind,
         /// It refused for want of a key (or of the admin capability).
         auth_required: bool,
     },
@@ -57,8 +59,27 @@ impl From<MgmtError> for io::Error {
             MgmtError::Refused {
                 message,
                 auth_required: true,
+                ..
             } => io::Error::new(io::ErrorKind::PermissionDenied, message),
             MgmtError::Refused { message, .. } => io::Error::other(message),
+        }
+    }
+}
+
+impl From<MgmtError> for Error {
+    /// The kind a caller acts on: a broken exchange may work later, a refused key is denied,
+    /// and a refusal keeps the kind the kilnd gave it.
+    fn from(e: MgmtError) -> Error {
+        match e {
+            MgmtError::Broken(e) => Error::new(Kind::Unavailable, e.to_string()),
+            MgmtError::Denied(m) => Error::denied(m),
+            MgmtError::Status(s) => Error::failed(io::Error::from_raw_os_error(s).to_string()),
+            MgmtError::Refused {
+                message,
+                auth_required: true,
+                ..
+            } => Error::denied(message),
+            MgmtError::Refused { message, kind, .. } => Error::new(kind, message),
         }
     }
 }
@@ -267,6 +288,7 @@ impl MgmtConn {
                 .as_str()
                 .unwrap_or("the server refused without saying why")
                 .to_owned(),
+            kind: Kind::from_name(v["kind"].as_str().unwrap_or_default()),
             auth_required: v["auth_required"] == true,
         })
     }

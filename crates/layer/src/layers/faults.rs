@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use crate::{Ctx, Errno, FopOutput, Fut, Interpose, LayerRef, Op};
+use kiln_proto::Error;
 
 /// Which fops a fault applies to, and how often.
 pub struct Trigger {
@@ -20,9 +21,11 @@ pub struct Trigger {
 
 impl Trigger {
     /// Fops named in `fops` (all when empty), each with probability `p` (0..=1), seeded.
-    pub fn new(fops: &[String], p: f64, seed: u64) -> Result<Trigger, String> {
+    pub fn new(fops: &[String], p: f64, seed: u64) -> Result<Trigger, Error> {
         if !(0.0..=1.0).contains(&p) {
-            return Err(format!("probability {p} is not between 0 and 1"));
+            return Err(Error::invalid(format!(
+                "probability {p} is not between 0 and 1"
+            )));
         }
         let fops = if fops.is_empty() {
             None
@@ -32,7 +35,7 @@ impl Trigger {
                 let op = Op::ALL
                     .iter()
                     .find(|o| o.name().eq_ignore_ascii_case(name))
-                    .ok_or_else(|| format!("unknown fop {name:?}"))?;
+                    .ok_or_else(|| Error::invalid(format!("unknown fop {name:?}")))?;
                 set.insert(*op);
             }
             Some(set)
@@ -45,8 +48,8 @@ impl Trigger {
     }
 
     /// [`Trigger::new`] for the layer named `name` (its errors say which).
-    fn named(name: &str, fops: &[String], p: f64, seed: u64) -> Result<Trigger, String> {
-        Trigger::new(fops, p, seed).map_err(|e| format!("{name}: {e}"))
+    fn named(name: &str, fops: &[String], p: f64, seed: u64) -> Result<Trigger, Error> {
+        Trigger::new(fops, p, seed).map_err(|e| e.context(name))
     }
 
     /// Decides for one call of `op`.
@@ -89,7 +92,7 @@ const ERRNOS: &[(&str, u32)] = &[
 ];
 
 /// Parses an errno given by name or number.
-pub fn parse_errno(s: &str) -> Result<u32, String> {
+pub fn parse_errno(s: &str) -> Result<u32, Error> {
     if let Ok(n) = s.parse::<u32>() {
         if (1..4096).contains(&n) {
             return Ok(n);
@@ -99,7 +102,7 @@ pub fn parse_errno(s: &str) -> Result<u32, String> {
         .iter()
         .find(|(n, _)| n.eq_ignore_ascii_case(s))
         .map(|(_, v)| *v)
-        .ok_or_else(|| format!("unknown errno {s:?}"))
+        .ok_or_else(|| Error::invalid(format!("unknown errno {s:?}")))
 }
 
 /// What a fault does to a fop it fires on.
@@ -185,23 +188,15 @@ fn default_seed() -> u64 {
 
 impl Fault {
     /// The error-gen layer named `name` above `child`, configured by `config`.
-    pub fn error_gen(
-        name: &str,
-        child: LayerRef,
-        config: &ErrorGenConfig,
-    ) -> Result<Fault, String> {
+    pub fn error_gen(name: &str, child: LayerRef, config: &ErrorGenConfig) -> Result<Fault, Error> {
         let c = config;
-        let errno = parse_errno(&c.error).map_err(|e| format!("{name}: {e}"))?;
+        let errno = parse_errno(&c.error).map_err(|e| e.context(name))?;
         let trigger = Trigger::named(name, &c.fops, c.probability, c.seed)?;
         Ok(Fault::new(name, child, trigger, Effect::Fail(errno)))
     }
 
     /// The delay-gen layer named `name` above `child`, configured by `config`.
-    pub fn delay_gen(
-        name: &str,
-        child: LayerRef,
-        config: &DelayGenConfig,
-    ) -> Result<Fault, String> {
+    pub fn delay_gen(name: &str, child: LayerRef, config: &DelayGenConfig) -> Result<Fault, Error> {
         let c = config;
         let trigger = Trigger::named(name, &c.fops, c.probability, c.seed)?;
         let delay = Effect::Delay(Duration::from_micros(c.delay_us));

@@ -25,6 +25,8 @@ use tokio::sync::Mutex;
 
 use super::types::{Kiln, NodeId, StorageError};
 use crate::files::write_atomic;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 
 type Entry = openraft::Entry<Kiln>;
 
@@ -52,19 +54,19 @@ fn entry_name(index: u64) -> String {
 }
 
 /// Reads `dir/name` as JSON; a missing file is `None`.
-pub(super) fn read_json<T: DeserializeOwned>(dir: &Path, name: &str) -> Result<Option<T>, String> {
+pub(super) fn read_json<T: DeserializeOwned>(dir: &Path, name: &str) -> Result<Option<T>, Error> {
     let p = dir.join(name);
     match fs::read(&p) {
         Ok(b) => serde_json::from_slice(&b)
             .map(Some)
-            .map_err(|e| format!("{}: {e}", p.display())),
+            .map_err(|e| Error::failed(format!("{}: {e}", p.display()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("cannot read {}: {e}", p.display())),
+        Err(e) => Err(Error::failed(format!("cannot read {}: {e}", p.display()))),
     }
 }
 
 /// Writes `dir/name` as JSON, whole, readable by root only.
-pub(super) fn write_json<T: Serialize>(dir: &Path, name: &str, v: &T) -> Result<(), String> {
+pub(super) fn write_json<T: Serialize>(dir: &Path, name: &str, v: &T) -> Result<(), Error> {
     let bytes = serde_json::to_vec(v).expect("raft state serialises");
     write_atomic(dir, name, &bytes, 0o600)
 }
@@ -72,15 +74,15 @@ pub(super) fn write_json<T: Serialize>(dir: &Path, name: &str, v: &T) -> Result<
 impl FileLog {
     /// Opens the log in `dir` (created if missing). Entries at or before the purge point are
     /// removed (a purge that a crash cut short).
-    pub fn open(dir: &Path) -> Result<FileLog, String> {
+    pub fn open(dir: &Path) -> Result<FileLog, Error> {
         let logdir = dir.join("log");
         fs::create_dir_all(&logdir)
-            .map_err(|e| format!("cannot create {}: {e}", logdir.display()))?;
+            .with_context(|| format!("cannot create {}", logdir.display()))?;
         let vote = read_json(dir, "vote.json")?;
         let committed = read_json(dir, "committed.json")?;
         let purged: Option<LogId<NodeId>> = read_json(dir, "purged.json")?;
         let mut log = BTreeMap::new();
-        let names = fs::read_dir(&logdir).map_err(|e| format!("{}: {e}", logdir.display()))?;
+        let names = fs::read_dir(&logdir).with_context(|| format!("{}", logdir.display()))?;
         for n in names.flatten() {
             let name = n.file_name().to_string_lossy().into_owned();
             let Some(index) = name

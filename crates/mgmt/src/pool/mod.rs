@@ -37,6 +37,8 @@ use openraft::{BasicNode, ChangeMembers, Config, ServerState};
 use serde::de::DeserializeOwned;
 
 use crate::files::random;
+use kiln_proto::error::Context as _;
+use kiln_proto::Error;
 pub use link::{CallError, Channel, Link};
 pub use types::{Cmd, Kv, NodeId, Outcome, Raft, Versioned};
 use types::{Joined, Msg, PoolMember, PoolView, Written};
@@ -86,7 +88,7 @@ fn config() -> Arc<Config> {
 }
 
 /// Reads this member's id, choosing one when there is none.
-fn node_id(dir: &Path) -> Result<NodeId, String> {
+fn node_id(dir: &Path) -> Result<NodeId, Error> {
     if let Some(id) = log::read_json::<NodeId>(dir, "node-id")? {
         return Ok(id);
     }
@@ -99,13 +101,13 @@ fn node_id(dir: &Path) -> Result<NodeId, String> {
     Ok(id)
 }
 
-async fn start(id: NodeId, dir: &Path, link: &Arc<dyn Link>) -> Result<(Raft, sm::Sm), String> {
+async fn start(id: NodeId, dir: &Path, link: &Arc<dyn Link>) -> Result<(Raft, sm::Sm), Error> {
     let store = log::FileLog::open(dir)?;
     let sm = sm::Sm::open(dir)?;
     let net = net::Net { link: link.clone() };
     let raft = Raft::new(id, config(), net, store, sm.clone())
         .await
-        .map_err(|e| format!("cannot start the pool's Raft: {e}"))?;
+        .map_err(|e| Error::failed(format!("cannot start the pool's Raft: {e}")))?;
     Ok((raft, sm))
 }
 
@@ -122,9 +124,9 @@ fn member_addr(a: SocketAddr) -> SocketAddr {
 impl Pool {
     /// Opens (or creates) this kilnd's pool state in `state/pool` and starts its Raft on the
     /// current Tokio runtime; `addr` is the management address it serves on.
-    pub async fn open(state: &Path, link: Arc<dyn Link>, addr: SocketAddr) -> Result<Pool, String> {
+    pub async fn open(state: &Path, link: Arc<dyn Link>, addr: SocketAddr) -> Result<Pool, Error> {
         let dir = state.join("pool");
-        fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let id = node_id(&dir)?;
         let (raft, sm) = start(id, &dir, &link).await?;
         // The only voter of its pool (a restart of a pool of one) elects itself at once.
@@ -282,7 +284,7 @@ impl Pool {
     }
 
     /// Makes this kilnd a pool of one if it belongs to none.
-    fn ensure_initialized(&self) -> Result<(), String> {
+    fn ensure_initialized(&self) -> Result<(), Error> {
         if self.initialized() {
             return Ok(());
         }
@@ -295,13 +297,15 @@ impl Pool {
         self.block_on(async {
             raft.initialize(me)
                 .await
-                .map_err(|e| format!("cannot start a pool of one: {e}"))?;
+                .map_err(|e| Error::failed(format!("cannot start a pool of one: {e}")))?;
             // Alone, it need not wait out an election timeout.
             let _ = raft.trigger().elect().await;
             raft.wait(Some(WRITE_PATIENCE))
                 .state(ServerState::Leader, "a pool of one elects itself")
                 .await
-                .map_err(|e| format!("this kilnd did not become its pool's leader: {e}"))?;
+                .map_err(|e| {
+                    Error::failed(format!("this kilnd did not become its pool's leader: {e}"))
+                })?;
             tracing::info!("pool: started a pool of one (member {:016x})", self.id);
             Ok(())
         })
@@ -318,12 +322,12 @@ impl Pool {
     /// Where a change must be made: `None` when this member is the leader (it makes it), or
     /// the leader's address. A pool of none becomes a pool of one first; without a leader,
     /// waits for one (up to [`WRITE_PATIENCE`]).
-    pub fn change_at(&self) -> Result<Option<SocketAddr>, String> {
+    pub fn change_at(&self) -> Result<Option<SocketAddr>, Error> {
         self.change_at_until(Instant::now() + WRITE_PATIENCE)
     }
 
     /// [`Pool::change_at`], waiting for a leader until `deadline`.
-    fn change_at_until(&self, deadline: Instant) -> Result<Option<SocketAddr>, String> {
+    fn change_at_until(&self, deadline: Instant) -> Result<Option<SocketAddr>, Error> {
         self.ensure_initialized()?;
         loop {
             if let Some((id, addr)) = self.leader() {
@@ -333,7 +337,7 @@ impl Pool {
                 return addr
                     .parse()
                     .map(Some)
-                    .map_err(|e| format!("leader address {addr}: {e}"));
+                    .map_err(|e| Error::failed(format!("leader address {addr}: {e}")));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -344,13 +348,13 @@ impl Pool {
         }
     }
 
-    fn no_majority(&self) -> String {
+    fn no_majority(&self) -> Error {
         let m = self.raft().metrics().borrow().clone();
         let voters = m.membership_config.membership().voter_ids().count();
-        format!(
+        Error::unavailable(format!(
             "the pool has no leader: fewer than a majority of its {voters} voters can reach \
              each other (changes wait until a majority is back; volumes keep serving)"
-        )
+        ))
     }
 
     /// Runs `send` on a channel to the leader and returns its result, or `None` when this
@@ -361,7 +365,7 @@ impl Pool {
     pub fn via_leader<R>(
         &self,
         send: impl Fn(&mut dyn Channel) -> Result<R, CallError>,
-    ) -> Result<Option<R>, String> {
+    ) -> Result<Option<R>, Error> {
         self.via_leader_until(send, Instant::now() + WRITE_PATIENCE)
     }
 
@@ -372,7 +376,7 @@ impl Pool {
         &self,
         send: impl Fn(&mut dyn Channel) -> Result<R, CallError>,
         deadline: Instant,
-    ) -> Result<Option<R>, String> {
+    ) -> Result<Option<R>, Error> {
         loop {
             let Some(leader) = self.change_at_until(deadline)? else {
                 return Ok(None);
@@ -382,10 +386,10 @@ impl Pool {
                     return send(&mut *c).map(Some).map_err(|e| match e {
                         // The leader's own refusal, as it said it.
                         CallError::Refused(e) => e,
-                        CallError::Broken(e) => format!(
+                        CallError::Broken(e) => Error::unavailable(format!(
                             "the pool's leader at {leader} failed during the command ({e}): \
                              it was made or not — `info` on any member shows which"
-                        ),
+                        )),
                     });
                 }
                 Err(e) => {
@@ -407,7 +411,7 @@ impl Pool {
     pub fn forward<R: DeserializeOwned>(
         &self,
         req: &impl serde::Serialize,
-    ) -> Result<Option<R>, String> {
+    ) -> Result<Option<R>, Error> {
         let req = serde_json::to_value(req).expect("a request serialises");
         self.via_leader(|c| {
             let v = c.call(&req, None)?;
@@ -417,7 +421,7 @@ impl Pool {
 
     /// Applies `cmd`, on the leader (forwarded there when this member is not it), within one
     /// [`WRITE_PATIENCE`] for all of it.
-    pub fn write(&self, cmd: Cmd) -> Result<Written, String> {
+    pub fn write(&self, cmd: Cmd) -> Result<Written, Error> {
         let deadline = Instant::now() + WRITE_PATIENCE;
         loop {
             let req = serde_json::to_value(Msg::PoolWrite {
@@ -452,12 +456,14 @@ impl Pool {
                                 return Err(self.no_majority());
                             }
                         }
-                        Ok(Err(e)) => return Err(format!("the pool refused the change: {e}")),
+                        Ok(Err(e)) => {
+                            return Err(Error::denied(format!("the pool refused the change: {e}")))
+                        }
                         Err(_) => {
-                            return Err(format!(
+                            return Err(Error::unavailable(format!(
                                 "{}; the change may still be made if the majority returns",
                                 self.no_majority()
-                            ))
+                            )))
                         }
                     }
                 }
@@ -470,10 +476,10 @@ impl Pool {
         &self,
         addr: SocketAddr,
         req: &impl serde::Serialize,
-    ) -> Result<R, String> {
+    ) -> Result<R, Error> {
         let req = serde_json::to_value(req).expect("a request serialises");
         let v = self.link.connect(addr)?.call(&req, None)?;
-        serde_json::from_value(v).map_err(|e| format!("{addr}: bad reply: {e}"))
+        serde_json::from_value(v).map_err(|e| Error::failed(format!("{addr}: bad reply: {e}")))
     }
 
     /// Answers a Raft RPC from another member.
@@ -482,16 +488,16 @@ impl Pool {
         to: NodeId,
         rpc: types::Rpc,
         body: serde_json::Value,
-    ) -> Result<serde_json::Value, String> {
+    ) -> Result<serde_json::Value, Error> {
         if to != self.id {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "this kilnd is pool member {:016x}, not {to:016x} (its state directory was \
                  replaced?)",
                 self.id
-            ));
+            )));
         }
         let raft = self.raft();
-        let bad = |e: serde_json::Error| format!("bad raft {rpc:?} message: {e}");
+        let bad = |e: serde_json::Error| Error::invalid(format!("bad raft {rpc:?} message: {e}"));
         Ok(match rpc {
             types::Rpc::Append => {
                 let r =
@@ -529,7 +535,7 @@ impl Pool {
     /// What a prober needs to know of this kilnd: its id and whether it may join a pool
     /// (alone, holding nothing). With `prepare`, a kilnd that may join forgets the pool of one
     /// it made for itself so that the prober's can take it in.
-    pub fn join_info(&self, prepare: bool) -> Result<Joined, String> {
+    pub fn join_info(&self, prepare: bool) -> Result<Joined, Error> {
         let view = self.view(false);
         let keys = self.sm().read().kv.len();
         let others = view.members.iter().filter(|m| m.id != self.id).count();
@@ -548,7 +554,7 @@ impl Pool {
 
     /// Forgets the pool: stops Raft, removes its log and store, and starts again as a kilnd
     /// in no pool (the node id stays).
-    pub fn reset(&self) -> Result<(), String> {
+    pub fn reset(&self) -> Result<(), Error> {
         let _one = self.changing.locked();
         let old = self.raft();
         let _ = self.block_on(old.shutdown());
@@ -573,21 +579,24 @@ impl Pool {
 
     /// Adds the kilnd at `addr` (on the leader): it must be alone and hold nothing. Returns
     /// its id.
-    pub fn probe(&self, addr: SocketAddr) -> Result<Joined, String> {
+    pub fn probe(&self, addr: SocketAddr) -> Result<Joined, Error> {
         let joined: Joined = self.call(addr, &Msg::PoolJoin { prepare: false })?;
         if joined.id == self.id {
-            return Err(format!("{addr} is this kilnd"));
+            return Err(Error::conflict(format!("{addr} is this kilnd")));
         }
         let members = self.view(false).members;
         if let Some(m) = members.iter().find(|m| m.id == joined.id) {
-            return Err(format!("{addr} is already in the pool (as {})", m.addr));
+            return Err(Error::exists(format!(
+                "{addr} is already in the pool (as {})",
+                m.addr
+            )));
         }
         if !joined.joinable {
-            return Err(format!(
+            return Err(Error::failed(format!(
                 "the kilnd at {addr} is in another pool ({} members, {} keys): detach it \
                  there first (or start it on an empty state directory)",
                 joined.members, joined.keys
-            ));
+            )));
         }
         let _: Joined = self.call(addr, &Msg::PoolJoin { prepare: true })?;
         let _one = self.changing.locked();
@@ -599,7 +608,7 @@ impl Pool {
             let me = SocketAddr::new(ip, self.my_addr().port());
             let set = BTreeMap::from([(self.id, BasicNode::new(me.to_string()))]);
             self.block_on(raft.change_membership(ChangeMembers::SetNodes(set), false))
-                .map_err(|e| format!("cannot rename this member to {me}: {e}"))?;
+                .map_err(|e| Error::failed(format!("cannot rename this member to {me}: {e}")))?;
             *self.addr.locked() = me;
         }
         let node = BasicNode::new(addr.to_string());
@@ -607,13 +616,15 @@ impl Pool {
             let t = Duration::from_secs(30);
             tokio::time::timeout(t, raft.add_learner(joined.id, node, true))
                 .await
-                .map_err(|_| format!("{addr} did not catch up with the pool in 30 s"))?
-                .map_err(|e| format!("cannot add {addr}: {e}"))?;
+                .map_err(|_| {
+                    Error::unavailable(format!("{addr} did not catch up with the pool in 30 s"))
+                })?
+                .map_err(|e| Error::failed(format!("cannot add {addr}: {e}")))?;
             let voters = BTreeSet::from([joined.id]);
             tokio::time::timeout(t, raft.change_membership(voters_add(voters), false))
                 .await
-                .map_err(|_| format!("{addr} did not become a voter in 30 s"))?
-                .map_err(|e| format!("cannot make {addr} a voter: {e}"))
+                .map_err(|_| Error::unavailable(format!("{addr} did not become a voter in 30 s")))?
+                .map_err(|e| Error::failed(format!("cannot make {addr} a voter: {e}")))
         })?;
         tracing::info!("pool: added member {:016x} at {addr}", joined.id);
         Ok(Joined {
@@ -624,14 +635,14 @@ impl Pool {
     }
 
     /// Removes the member `id` (on the leader) and tells it to forget the pool.
-    pub fn detach(&self, id: NodeId) -> Result<String, String> {
+    pub fn detach(&self, id: NodeId) -> Result<String, Error> {
         let _one = self.changing.locked();
         let members = self.view(false).members;
         let Some(m) = members.iter().find(|m| m.id == id) else {
-            return Err(format!("no member {id:016x} in the pool"));
+            return Err(Error::not_found(format!("no member {id:016x} in the pool")));
         };
         if members.len() == 1 {
-            return Err("the pool's only member cannot be detached".into());
+            return Err(Error::conflict("the pool's only member cannot be detached"));
         }
         let raft = self.raft();
         let change = if m.role == "learner" {
@@ -641,7 +652,7 @@ impl Pool {
         };
         self.within(WRITE_PATIENCE, raft.change_membership(change, false))
             .map_err(|_| self.no_majority())?
-            .map_err(|e| format!("cannot detach {}: {e}", m.addr))?;
+            .map_err(|e| Error::failed(format!("cannot detach {}: {e}", m.addr)))?;
         tracing::info!("pool: detached member {id:016x} at {}", m.addr);
         Ok(m.addr.clone())
     }

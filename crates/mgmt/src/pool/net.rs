@@ -76,12 +76,19 @@ impl Conn {
                 let sa = addr
                     .parse()
                     .map_err(|e| Failed::Unreachable(format!("member address {addr}: {e}")))?;
-                *slot = Some(link.connect(sa).map_err(Failed::Unreachable)?);
+                *slot = Some(
+                    link.connect(sa)
+                        .map_err(|e| Failed::Unreachable(e.to_string()))?,
+                );
             }
             let c = slot.as_mut().expect("opened above");
-            let r = c.call(&req, Some(ttl)).map_err(String::from).and_then(|v| {
-                serde_json::from_value::<RaftReply>(v).map_err(|e| format!("bad raft reply: {e}"))
-            });
+            let r = c
+                .call(&req, Some(ttl))
+                .map_err(|e| e.to_string())
+                .and_then(|v| {
+                    serde_json::from_value::<RaftReply>(v)
+                        .map_err(|e| format!("bad raft reply: {e}"))
+                });
             if r.is_err() {
                 // The next call opens a new connection.
                 *slot = None;

@@ -209,7 +209,10 @@ async fn ask(link: &Arc<dyn Link>, others: &[(NodeId, String)], req: &PreVote) -
                 .and_then(|mut c| c.call(&msg, Some(ASK_PATIENCE)).map_err(CallError::into));
             match reply {
                 Ok(v) => granted(v),
-                Err(e) => e.contains("unknown variant") && e.contains("pre-vote"),
+                Err(e) => {
+                    let e = e.message();
+                    e.contains("unknown variant") && e.contains("pre-vote")
+                }
             }
         });
     }

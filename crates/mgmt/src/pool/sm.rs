@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::log::{read_json, write_json};
 use super::types::{Cmd, Kiln, Kv, NodeId, Outcome, StorageError, Versioned};
+use kiln_proto::Error;
 
 /// What the state machine holds.
 #[derive(Serialize, Deserialize, Debug, Default, Clone)]
@@ -105,7 +106,7 @@ fn io_err(subject: ErrorSubject<NodeId>, verb: ErrorVerb, e: impl ToString) -> S
 
 impl Sm {
     /// Loads the state machine saved in `dir` (empty when there is none).
-    pub fn open(dir: &Path) -> Result<Sm, String> {
+    pub fn open(dir: &Path) -> Result<Sm, Error> {
         let data = read_json(dir, "sm.json")?.unwrap_or_default();
         let snapshot = read_json(dir, "snapshot.json")?;
         Ok(Sm {

@@ -112,9 +112,11 @@ pub fn try_start_named_export(
     name: Option<&str>,
 ) -> Result<Running, String> {
     let cfg = ExportConfig {
-        image: spec.parse()?,
+        image: spec.parse().map_err(|e: kiln_proto::Error| e.to_string())?,
         volfile: None,
-        listen: listen.parse()?,
+        listen: listen
+            .parse()
+            .map_err(|e: kiln_proto::Error| e.to_string())?,
         export_name: name.map(str::to_owned),
         read_only,
         lock: Some(Default::default()),
@@ -148,7 +150,7 @@ pub fn try_start_config(cfg: ExportConfig) -> Result<Running, String> {
                     })
                     .await;
                 }
-                Err(msg) => tx.send(Err(msg)).expect("report"),
+                Err(msg) => tx.send(Err(msg.to_string())).expect("report"),
             }
         });
     });

@@ -60,6 +60,7 @@ use std::time::Instant;
 use crate::marks::{self as m, RangeSet};
 use crate::{Fd, FopResult, LayerRef};
 use kiln_proto::sync::MutexExt as _;
+use kiln_proto::Error;
 
 mod control;
 mod identity;
@@ -346,14 +347,18 @@ impl MarksConfig {
 
 impl Marks {
     /// The marks layer named `name` over `child`, configured by `config`.
-    pub fn configured(name: &str, child: LayerRef, config: &MarksConfig) -> Result<Marks, String> {
+    pub fn configured(name: &str, child: LayerRef, config: &MarksConfig) -> Result<Marks, Error> {
         let dir = &config.directory;
-        let m = Marks::new(name, child, dir)
-            .map_err(|e| format!("cannot load pending marks of {}: {e}", dir.display()))?;
+        let m = Marks::new(name, child, dir).map_err(|e| {
+            Error::io(
+                format_args!("cannot load pending marks of {}", dir.display()),
+                &e,
+            )
+        })?;
         match &config.identity {
             Some(id) => m
                 .with_identity(id.clone(), config.adopt)
-                .map_err(|e| e.to_string()),
+                .map_err(|e| Error::io("the brick's identity", &e)),
             None => Ok(m),
         }
     }

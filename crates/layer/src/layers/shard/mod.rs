@@ -47,6 +47,7 @@ mod tests;
 use std::sync::atomic::AtomicBool;
 
 use crate::{Attr, Ctx, Errno, FopResult, LayerRef};
+use kiln_proto::Error;
 
 /// The hidden directory, at the volume's root, that holds every piece past the first.
 pub const SHARD_DIR: &str = ".shards";
@@ -178,11 +179,11 @@ crate::layer_options! {
 
 impl Shard {
     /// Shards files created from now on into pieces of `block` bytes.
-    pub fn new(name: &str, child: LayerRef, block: u64) -> Result<Shard, String> {
+    pub fn new(name: &str, child: LayerRef, block: u64) -> Result<Shard, Error> {
         if !valid_block(block) {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "{name}: block size {block} is not a power of two from {MIN_BLOCK} to {MAX_BLOCK}"
-            ));
+            )));
         }
         Ok(Shard {
             name: name.to_owned(),

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use kiln_layer::volfile::Volfile;
 pub use kiln_proto::auth::Key;
-use kiln_proto::Error;
+use kiln_proto::{Error, Kind};
 
 mod conn;
 pub use conn::{MgmtConn, MgmtError, Proof, CONNECT_TIMEOUT};
@@ -95,14 +95,16 @@ pub fn call_with_key(
 /// A management error as the command line reports it: where it came from, and its kind.
 fn cli_error(addr: &str, e: MgmtError) -> Error {
     match e {
+        // The errno stays: a caller that can use a brick instead asks for it (ENOSYS, EACCES).
         MgmtError::Status(s) if s == libc::ENOSYS => Error::invalid(format!(
             "{addr} does not manage volumes (a brick server? point --server at a kilnd \
              started without --brick)"
-        )),
-        MgmtError::Status(s) => Error::failed(format!(
-            "kilnd at {addr}: {}",
-            io::Error::from_raw_os_error(s)
-        )),
+        ))
+        .with_errno(s),
+        MgmtError::Status(s) => {
+            let e = io::Error::from_raw_os_error(s);
+            Error::new(Kind::of_io(&e), format!("kilnd at {addr}: {e}")).with_errno(s)
+        }
         MgmtError::Refused {
             auth_required: true,
             ..

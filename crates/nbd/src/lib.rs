@@ -9,7 +9,7 @@
 //! into the buffer that is then written to the NBD socket, with no copy in between.
 //!
 //! ```no_run
-//! # async fn f() -> Result<(), Error> {
+//! # async fn f() -> Result<(), kiln_proto::Error> {
 //! use kiln_nbd::{Export, ExportConfig};
 //! let export = Export::bind(ExportConfig {
 //!     image: "unix:/run/kiln/b1.sock:/vol/images/vm.img".parse()?,

@@ -89,11 +89,15 @@ impl Kind {
     }
 }
 
-/// A failure: its [`Kind`] and the operator's sentence.
+/// A failure: its [`Kind`] and the operator's sentence (and the system's error number, when a
+/// system call failed, for callers whose edge speaks errno: libkiln, FUSE).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Error {
     kind: Kind,
     msg: String,
+    os: Option<i32>,
+    /// The kind of the I/O error this came from, so that it goes back as it came.
+    io: Option<io::ErrorKind>,
 }
 
 /// A result with [`Error`].
@@ -105,6 +109,8 @@ impl Error {
         Error {
             kind,
             msg: msg.into(),
+            os: None,
+            io: None,
         }
     }
 
@@ -145,7 +151,11 @@ impl Error {
 
     /// `e`, said as `what: e`, with the kind of its [`io::ErrorKind`].
     pub fn io(what: impl fmt::Display, e: &io::Error) -> Error {
-        Error::new(Kind::of_io(e), format!("{what}: {e}"))
+        Error {
+            os: e.raw_os_error(),
+            io: Some(e.kind()),
+            ..Error::new(Kind::of_io(e), format!("{what}: {e}"))
+        }
     }
 
     /// What went wrong.
@@ -161,8 +171,27 @@ impl Error {
     /// The same error said as `what: …`.
     pub fn context(self, what: impl fmt::Display) -> Error {
         Error {
-            kind: self.kind,
             msg: format!("{what}: {}", self.msg),
+            ..self
+        }
+    }
+
+    /// The system's error number, when a system call failed.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        self.os
+    }
+
+    /// The same error, of kind `kind`.
+    pub fn with_kind(self, kind: Kind) -> Error {
+        Error { kind, ..self }
+    }
+
+    /// The same error, carrying error number `n` (a peer's errno answer, say) for callers
+    /// whose edge speaks errno.
+    pub fn with_errno(self, n: i32) -> Error {
+        Error {
+            os: Some(n),
+            ..self
         }
     }
 }
@@ -177,13 +206,24 @@ impl std::error::Error for Error {}
 
 impl From<io::Error> for Error {
     fn from(e: io::Error) -> Error {
-        Error::new(Kind::of_io(&e), e.to_string())
+        Error {
+            os: e.raw_os_error(),
+            io: Some(e.kind()),
+            ..Error::new(Kind::of_io(&e), e.to_string())
+        }
     }
 }
 
 impl From<Error> for io::Error {
-    /// For callers whose edge is `io::Result`: the nearest [`io::ErrorKind`], the sentence.
+    /// For callers whose edge is `io::Result`: a failed system call as its error number (what
+    /// libkiln returns), anything else as the nearest [`io::ErrorKind`] with the sentence.
     fn from(e: Error) -> io::Error {
+        if let Some(n) = e.os {
+            return io::Error::from_raw_os_error(n);
+        }
+        if let Some(k) = e.io {
+            return io::Error::new(k, e.msg);
+        }
         let kind = match e.kind {
             Kind::Invalid => io::ErrorKind::InvalidInput,
             Kind::NotFound => io::ErrorKind::NotFound,
@@ -234,5 +274,13 @@ mod tests {
         assert_eq!(e.to_string(), "volume start vm: no such volume");
         let io = io::Error::from(io::ErrorKind::PermissionDenied);
         assert_eq!(Error::io("open /x", &io).kind(), Kind::Denied);
+        // A system call's error number survives the trip through Error and back.
+        let refused = io::Error::from_raw_os_error(111);
+        let e = Error::io("connect", &refused).context("kilnd at 127.0.0.1:1");
+        assert_eq!(e.kind(), Kind::Unavailable);
+        assert_eq!(io::Error::from(e).raw_os_error(), Some(111));
+        let refused = io::Error::new(io::ErrorKind::ConnectionRefused, "cannot reach kilnd");
+        let back = io::Error::from(Error::from(refused));
+        assert_eq!(back.kind(), io::ErrorKind::ConnectionRefused);
     }
 }

@@ -71,9 +71,11 @@ impl From<MgmtError> for Error {
     /// and a refusal keeps the kind the kilnd gave it.
     fn from(e: MgmtError) -> Error {
         match e {
-            MgmtError::Broken(e) => Error::new(Kind::Unavailable, e.to_string()),
+            MgmtError::Broken(e) => Error::from(e).with_kind(Kind::Unavailable),
             MgmtError::Denied(m) => Error::denied(m),
-            MgmtError::Status(s) => Error::failed(io::Error::from_raw_os_error(s).to_string()),
+            MgmtError::Status(s) => {
+                Error::failed(io::Error::from_raw_os_error(s).to_string()).with_errno(s)
+            }
             MgmtError::Refused {
                 message,
                 auth_required: true,

@@ -68,7 +68,7 @@ fn a_replica_set_added_online_takes_new_files_and_old_ones_stay_readable() {
     let st = v.status();
     assert_eq!(st["bricks"].as_array().unwrap().len(), 6);
     assert!(v.all_online(), "the new bricks run: {st}");
-    wait_for(30, "the mount to switch to the grown graph", || {
+    wait_for("the mount to switch to the grown graph", 30, || {
         std::fs::read_to_string(&log)
             .unwrap_or_default()
             .contains("graph version")

@@ -59,7 +59,7 @@ fn backlog(v: &Vol) -> usize {
 fn crash(tmp: &Path, v: &Vol, mnt: &Path, run: u64, start: impl FnOnce() -> (Proc, Child)) {
     let then = changed(tmp);
     let (mut client, mut fio) = start();
-    wait_for(60, "fio's writes to land on the bricks", || {
+    wait_for("fio's writes to land on the bricks", 60, || {
         changed(tmp) > then
     });
     // The crash moment varies from run to run (not a wait for anything).
@@ -69,8 +69,8 @@ fn crash(tmp: &Path, v: &Vol, mnt: &Path, run: u64, start: impl FnOnce() -> (Pro
     let _ = fio.kill();
     let _ = fio.wait();
     wait_for(
-        20,
         "the bricks to record the dead client's writes as suspect",
+        20,
         || suspect(v),
     );
     let before = std::fs::read(mnt.join(IMG)).unwrap();
@@ -235,7 +235,7 @@ fn a_mount_that_ends_cleanly_leaves_nothing_suspect() {
     std::fs::create_dir_all(&killed).unwrap();
     let mut k = v.mount(&killed);
     let mut fio = run(&killed, "killed.raw", "30");
-    wait_for(60, "the killed mount's writes to land", || {
+    wait_for("the killed mount's writes to land", 60, || {
         std::fs::metadata(tmp.path().join("b0/killed.raw")).is_ok_and(|m| m.len() > 0)
     });
     k.0.kill().unwrap();
@@ -243,7 +243,7 @@ fn a_mount_that_ends_cleanly_leaves_nothing_suspect() {
     let _ = fio.kill();
     let _ = fio.wait();
     let _ = Command::new("umount").arg("-l").arg(&killed).status();
-    wait_for(20, "the killed mount's writes to become suspect", || {
+    wait_for("the killed mount's writes to become suspect", 20, || {
         suspects(v).contains(&"killed.raw".to_owned())
     });
     let all = suspects(v);

@@ -95,20 +95,20 @@ fn mount_nbd_and_library_follow_new_graphs_under_io() {
         let was = lib.graph_version();
         let old: Vec<Arc<kiln_client::Client>> = lib.clients();
         v.mgmt(&["volume", "set", "gs", "io-timeout", &(20 + k).to_string()]);
-        wait_for(30, "the library to switch", || lib.graph_version() > was);
+        wait_for("the library to switch", 30, || lib.graph_version() > was);
         // New connections (the protocol-clients' timeout changed) …
         let new = lib.clients();
         assert!(new.iter().all(|c| old.iter().all(|o| !Arc::ptr_eq(c, o))));
         // … the held file moved to them (under the name it was renamed to) …
         write_and_check(&lib, &fd, k);
         // … and the old ones closed, as nothing uses them any more.
-        wait_for(30, "the old graph's connections to close", || {
+        wait_for("the old graph's connections to close", 30, || {
             old.iter().all(|c| c.is_dead())
         });
         block_on(lib.rename(&format!("held-{}", k - 1), &format!("held-{k}"), 0)).unwrap();
         // The mount and the export switched too, and let their old connections go.
         for (who, log) in [("mount", &mlog), ("export", &nlog)] {
-            wait_for(60, &format!("the {who} to switch"), || {
+            wait_for(&format!("the {who} to switch"), 60, || {
                 count(log, "graph version") >= k
                     && count(log, "not in the volume's graph any more") >= 2 * k
             });
@@ -146,7 +146,7 @@ fn a_replica_graph_change_keeps_the_connections() {
     let was = lib.graph_version();
     let old = lib.clients();
     v.mgmt(&["volume", "set", "gr", "io-timeout", "9"]);
-    wait_for(30, "the library to switch", || lib.graph_version() > was);
+    wait_for("the library to switch", 30, || lib.graph_version() > was);
     let new = lib.clients();
     assert_eq!(old.len(), 3);
     assert!(

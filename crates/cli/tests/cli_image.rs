@@ -17,59 +17,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::managed::{spawn_until, Proc};
-use common::{ip, kill_brick_pid, kiln, mgmt_ok, BrickReaper, Kilnd};
+use common::{kill_brick_pid, kiln, mgmt_ok, BrickReaper, Kilnd};
+use kiln_testkit::net::Veth as Link;
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
-
-/// A namespace joined to this one by a veth pair: the host end at `.1`, the namespace's at
-/// `.2`. Removed when dropped.
-struct Link {
-    ns: String,
-    host_if: String,
-    host_ip: String,
-}
-
-impl Link {
-    fn setup() -> Result<Link, String> {
-        let id = std::process::id();
-        let l = Link {
-            ns: format!("kimg{id}"),
-            host_if: format!("kimg{id}h"),
-            host_ip: format!("10.79.{}.1", id % 250),
-        };
-        let peer = format!("kimg{id}n");
-        ip(&["netns", "add", &l.ns])?;
-        ip(&[
-            "link", "add", &l.host_if, "type", "veth", "peer", "name", &peer,
-        ])?;
-        ip(&["link", "set", &peer, "netns", &l.ns])?;
-        ip(&[
-            "addr",
-            "add",
-            &format!("{}/30", l.host_ip),
-            "dev",
-            &l.host_if,
-        ])?;
-        ip(&["link", "set", &l.host_if, "up"])?;
-        let ns_ip = format!("10.79.{}.2/30", id % 250);
-        ip(&["-n", &l.ns, "addr", "add", &ns_ip, "dev", &peer])?;
-        ip(&["-n", &l.ns, "link", "set", &peer, "up"])?;
-        ip(&["-n", &l.ns, "link", "set", "lo", "up"])?;
-        Ok(l)
-    }
-
-    fn set(&self, up: bool) {
-        ip(&["link", "set", &self.host_if, if up { "up" } else { "down" }]).unwrap();
-    }
-}
-
-impl Drop for Link {
-    fn drop(&mut self) {
-        let _ = ip(&["link", "del", &self.host_if]);
-        let _ = ip(&["netns", "del", &self.ns]);
-    }
-}
 
 fn need(tool: &str) -> bool {
     let found = Command::new("sh")
@@ -231,7 +183,7 @@ fn volume(kd: &Kilnd) -> kiln_client::Volume {
 
 fn setup(tmp: &Path, link: &Link) -> Image {
     let state = tmp.join("state");
-    let mgmt = format!("tcp:{}:0", link.host_ip);
+    let mgmt = format!("tcp:{}:0", link.near_ip);
     let kd = Kilnd::start_at(
         &state,
         &mgmt,
@@ -242,7 +194,7 @@ fn setup(tmp: &Path, link: &Link) -> Image {
     let mut args = vec!["volume", "create", "img", "replica", "3"];
     let specs: Vec<String> = bricks
         .iter()
-        .map(|b| format!("{}:{}", link.host_ip, b.display()))
+        .map(|b| format!("{}:{}", link.near_ip, b.display()))
         .collect();
     args.extend(specs.iter().map(String::as_str));
     mgmt_ok(&kd, &state, &args);
@@ -289,15 +241,14 @@ fn setup(tmp: &Path, link: &Link) -> Image {
 
 #[test]
 fn image_lock_and_dirty_records() {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: network namespaces need root");
         return;
     }
     if !need("qemu-io") || !need("nbdinfo") || !need("ip") {
         return;
     }
-    let link = match Link::setup() {
+    let link = match Link::new("kimg", 79) {
         Ok(l) => l,
         Err(e) => {
             println!("skipping: cannot set up a network namespace: {e}");
@@ -459,7 +410,7 @@ fn one_writer(img: &Image) {
 fn fenced_when_cut_off(img: &Image, link: &Link) {
     let (a, uri_a) = img.export(Some(&link.ns), "c.sock", &["--lock-ttl", "2"]);
     qemu_io(&uri_a, &["write -P 0x21 0 1M"]).unwrap();
-    link.set(false);
+    link.link(false);
     let (tx, rx) = std::sync::mpsc::channel();
     let uri = uri_a.clone();
     std::thread::spawn(move || {
@@ -469,7 +420,7 @@ fn fenced_when_cut_off(img: &Image, link: &Link) {
     let (b, uri_b) = img.export(None, "e.sock", &["--lock-wait", "30", "--lock-ttl", "2"]);
     let took = cut.elapsed();
     qemu_io(&uri_b, &["write -P 0x33 2M 1M"]).unwrap();
-    link.set(true);
+    link.link(true);
     let late = rx
         .recv_timeout(Duration::from_secs(120))
         .expect("the cut-off export's write ends");

@@ -158,7 +158,7 @@ fn every_brick_serves_metrics_and_profile_covers_the_volume() {
     assert!(kiln_client::Client::connect_with_secret(&brick0, Some(b"not the secret")).is_err());
     let log = state.join("vols/pv/bricks/0.log");
     let tag = format!("volume=pv index=0 brick={} ", dirs[0].display());
-    common::wait_for(10, "the brick to log the refusal", || {
+    common::wait_for("the brick to log the refusal", 10, || {
         std::fs::read_to_string(&log)
             .unwrap_or_default()
             .lines()

@@ -51,10 +51,10 @@ fn a_brick_of_a_volume_that_is_not_started_is_stopped_and_started_ones_stay() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    wait_for(10, "the orphan to listen", || {
+    wait_for("the orphan to listen", 10, || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
-    wait_for(30, "kilnd to stop the orphan", || {
+    wait_for("kilnd to stop the orphan", 30, || {
         matches!(orphan.try_wait(), Ok(Some(_)))
     });
     assert!(

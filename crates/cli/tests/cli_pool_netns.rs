@@ -77,7 +77,7 @@ impl Capture {
         // Packets reach the file as tcpdump reads them from its ring, a while after they
         // crossed: stop once it has written some and nothing new for half a second.
         let (mut size, mut since) = (0, Instant::now());
-        wait_for(20, "tcpdump to catch up", || {
+        wait_for("tcpdump to catch up", 20, || {
             let now = std::fs::metadata(&self.file).map_or(0, |m| m.len());
             if now != size {
                 (size, since) = (now, Instant::now());
@@ -272,7 +272,7 @@ fn a_pool_of_three_hosts_survives_leader_kills_partitions_and_restarts() {
     h.ok(0, &["peer", "probe", &h.ip(3)]);
     assert_eq!(h.pool(3)["members"].as_array().unwrap().len(), 4);
     h.ok(1, &["peer", "detach", &h.ip(3)]);
-    wait_for(30, "the detached host to be alone", || {
+    wait_for("the detached host to be alone", 30, || {
         h.pool(3)["members"][0]["role"] == "alone"
     });
     assert_eq!(h.pool(0)["members"].as_array().unwrap().len(), 3);
@@ -382,7 +382,7 @@ fn leader_kills(h: &mut Hosts) {
         if args[1] == "create" {
             for &i in &h.up() {
                 let p = h.state(i).join(format!("vols/{name}/secret"));
-                wait_for(10, "the secret to follow the definition", || {
+                wait_for("the secret to follow the definition", 10, || {
                     p.exists() == whole
                 });
             }
@@ -424,7 +424,7 @@ fn started_whole_or_no_bricks(h: &Hosts, name: &str, whole: bool, seed: u64) {
             "seed {seed}: {name} runs more than one brick"
         );
     } else {
-        wait_for(30, "the bricks of a volume not started to stop", || {
+        wait_for("the bricks of a volume not started to stop", 30, || {
             procs().is_empty()
         });
     }

@@ -148,7 +148,7 @@ fn a_follower_returns(h: &Hosts, run: usize) {
     );
     h.link(cut, true);
     let back = Instant::now();
-    wait_for(10, "the returning member to follow the leader", || {
+    wait_for("the returning member to follow the leader", 10, || {
         leadership(h, cut) == before
     });
     let rejoined = back.elapsed();
@@ -177,7 +177,7 @@ fn writes_through_an_outage(h: &Hosts, mnt: &Path, down: Duration, cut_leader: b
         .tmp
         .join(format!("brick{cut}"))
         .join(format!("{name}.0.0"));
-    wait_for(30, "fio's writes to reach the brick", || {
+    wait_for("fio's writes to reach the brick", 30, || {
         std::fs::metadata(&brick_file).is_ok_and(|m| m.len() > 0)
     });
     // Timed by the clock too: an I/O stuck through the outage counts even if fio, which
@@ -190,7 +190,7 @@ fn writes_through_an_outage(h: &Hosts, mnt: &Path, down: Duration, cut_leader: b
     if cut_leader {
         // The majority elects another leader meanwhile (the outage is the wait's bound).
         let rest: Vec<usize> = (0..3).filter(|&i| i != cut).collect();
-        wait_for(down.as_secs(), "the majority to elect a new leader", || {
+        wait_for("the majority to elect a new leader", down.as_secs(), || {
             rest.iter()
                 .all(|&i| h.leader(i).is_some_and(|l| l != cut && rest.contains(&l)))
         });
@@ -205,7 +205,7 @@ fn writes_through_an_outage(h: &Hosts, mnt: &Path, down: Duration, cut_leader: b
     let out = fio.join().unwrap();
     let probed = probe.stop();
     // The mount said so, once each: the brick went away, and came back.
-    wait_for(30, "the mount to reconnect to the brick", || {
+    wait_for("the mount to reconnect to the brick", 30, || {
         said("reconnected to") > back
     });
     assert_eq!(

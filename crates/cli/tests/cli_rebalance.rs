@@ -166,7 +166,7 @@ fn grow_rebalance_and_shrink_while_clients_write_and_verify() {
             .matches("graph version")
             .count()
     };
-    common::wait_for(30, "the clients to switch to the grown graph", || {
+    common::wait_for("the clients to switch to the grown graph", 30, || {
         switches(&log) > seen.0 && switches(&nlog) > seen.1
     });
     let said = held.run("read -P 0x5a 32M 1M", "read ");

@@ -111,15 +111,8 @@ fn xattrs(p: &Path) -> Vec<(String, Vec<u8>)> {
 
 /// Deterministic bytes for `seed`.
 fn bytes(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    let mut rng = kiln_testkit::rng::Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    (0..n).map(|_| rng.next() as u8).collect()
 }
 
 /// Fills the mount with every kind of entry; times are set last, deepest first, so that the
@@ -451,7 +444,7 @@ fn wiped_and_replaced_bricks_are_rebuilt_in_full() {
         "no progress to the end shown: {out}"
     );
     let writes = w.stop();
-    wait_for(60, "nothing left to heal after the writer", || {
+    wait_for("nothing left to heal after the writer", 60, || {
         let info = v.mgmt(&["volume", "heal", "rv", "info"]);
         !info.contains("is NEW") && info.contains("backlog of volume rv: 0 file(s)")
     });

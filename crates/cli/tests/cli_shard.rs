@@ -142,7 +142,7 @@ fn an_image_in_pieces_over_the_sets_heals_and_rebalances_by_piece() {
         "heal would copy more or less than the pieces missed"
     );
     v.mgmt(&["volume", "start", "sh", "force"]);
-    wait_for(60, "heal to copy the missed pieces", || {
+    wait_for("heal to copy the missed pieces", 60, || {
         if heal_paths(&v).is_empty() {
             return true;
         }

@@ -103,8 +103,7 @@ fn on_xfs(tmp: &Path, size: u64, name: &str, port: &str, tools: &[&str]) -> Opti
 
 #[test]
 fn snapshots_and_clones_on_xfs_bricks() {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: loop devices need root");
         return;
     }
@@ -163,7 +162,7 @@ fn snapshots_and_clones_on_xfs_bricks() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for(10, "fio to write", || {
+    wait_for("fio to write", 10, || {
         // Writes land on every replica: the image's blocks change under it.
         std::fs::metadata(bricks.join("b0/disk.img"))
             .map(|m| m.modified().unwrap())
@@ -177,7 +176,7 @@ fn snapshots_and_clones_on_xfs_bricks() {
         "snapshot under fio took {busy:?}"
     );
     let s2 = copies(&bricks, ".disk.img@s2");
-    wait_for(60, "the snapshot's copies to agree", || {
+    wait_for("the snapshot's copies to agree", 60, || {
         let a = std::fs::read(&s2[0]).unwrap();
         s2[1..].iter().all(|c| std::fs::read(c).unwrap() == a)
     });
@@ -225,8 +224,7 @@ fn snapshots_and_clones_on_xfs_bricks() {
 /// Bricks on a file system without reflink: a snapshot is refused, and says why.
 #[test]
 fn no_reflink_no_snapshot() {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: needs root");
         return;
     }
@@ -274,8 +272,7 @@ fn counter(p: &Path) -> u64 {
 /// `rm` removes the tree.
 #[test]
 fn a_tree_snapshot_is_one_instant_for_all_its_files() {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: loop devices need root");
         return;
     }
@@ -333,12 +330,12 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
             }
         })
     };
-    wait_for(10, "the writer to write", || {
+    wait_for("the writer to write", 10, || {
         count.load(std::sync::atomic::Ordering::Relaxed) > 100
     });
     let out = image(&v, &["snapshot", &v.source("/vm"), "t1"]).unwrap();
     let during = count.load(std::sync::atomic::Ordering::Relaxed);
-    wait_for(10, "the writer to go on after the snapshot", || {
+    wait_for("the writer to go on after the snapshot", 10, || {
         count.load(std::sync::atomic::Ordering::Relaxed) > during + 100
     });
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -351,7 +348,7 @@ fn a_tree_snapshot_is_one_instant_for_all_its_files() {
 
     // Every replica's copy of the snapshot agrees once heal ran; the cut is one instant.
     let snap = |i: usize| bricks.join(format!("b{i}/.vm@t1"));
-    wait_for(60, "the snapshot's copies to agree", || {
+    wait_for("the snapshot's copies to agree", 60, || {
         ["a", "disks/b"].iter().all(|f| {
             let a = std::fs::read(snap(0).join(f)).unwrap();
             (1..3).all(|i| std::fs::read(snap(i).join(f)).unwrap() == a)
@@ -550,8 +547,7 @@ fn acl_of(p: &Path) -> Option<Vec<u8>> {
 #[test]
 fn snapshots_and_clones_carry_the_images_owner_mode_and_acl() {
     use kiln_client::block_on;
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: loop devices need root");
         return;
     }

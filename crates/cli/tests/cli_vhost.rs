@@ -122,8 +122,7 @@ verify_pattern=0
 
 #[test]
 fn a_guest_writes_and_verifies_through_a_brick_restart() {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: the guest harness needs root");
         return;
     }
@@ -182,7 +181,7 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
     // starts no more; a new device takes the socket, QEMU reconnects to it (`reconnect=1`)
     // and the rest of the guest's I/O goes through it.
     let brick_file = tmp.path().join("b0/disk.img");
-    wait_for(300, "the guest to write past the pattern", || {
+    wait_for("the guest to write past the pattern", 300, || {
         std::fs::metadata(&brick_file).is_ok_and(|m| m.blocks() * 512 > 40 * MIB)
     });
     kill_brick_pid(v.pid(0));
@@ -191,8 +190,8 @@ fn a_guest_writes_and_verifies_through_a_brick_restart() {
     // SAFETY: kill(2) with a pid and a signal number has no memory effects.
     unsafe { libc::kill(first.0.id() as i32, libc::SIGTERM) };
     v.mgmt(&["volume", "start", "vm", "force"]);
-    wait_for(30, "the brick to be back", || v.all_online());
-    wait_for(60, "the stopped device to exit", || {
+    wait_for("the brick to be back", 30, || v.all_online());
+    wait_for("the stopped device to exit", 60, || {
         matches!(first.0.try_wait(), Ok(Some(_)))
     });
     let stopped = summary(&first_log);
@@ -379,8 +378,7 @@ fn connects_as_nobody(sock: &Path, gid: u32) -> bool {
 /// members connect (a QEMU that does not run as root), and others still do not.
 #[test]
 fn the_socket_lets_in_its_owner_or_one_group() {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: needs root (to connect as another user)");
         return;
     }

@@ -196,7 +196,7 @@ fn replica3_volume_lifecycle_survives_a_kilnd_restart() {
     // A killed brick shows down; `start force` brings it back.
     // SAFETY: kill(2) with a pid and a signal number has no memory effects.
     unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) };
-    wait_for(10, "the killed brick to show down", || {
+    wait_for("the killed brick to show down", 10, || {
         online(&status(a, sd, "vol")) == [true, false, true]
     });
     ok(&[
@@ -770,7 +770,7 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
     let (fd, _) = block_on(v.create("/img", libc::O_RDWR, 0o644)).unwrap();
     let base = vec![0x11u8; 4 << 20];
     assert_eq!(block_on(v.pwritev(&fd, vec![base], 0)).0.unwrap(), 4 << 20);
-    wait_for(20, "the service to have looked once", || {
+    wait_for("the service to have looked once", 20, || {
         status(a, sd, "hv")["heal"]["last_round"]
             .as_u64()
             .unwrap_or(0)
@@ -781,7 +781,7 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
     let pid = status(a, sd, "hv")["bricks"][2]["pid"].as_u64().unwrap();
     // SAFETY: kill(2) with a pid and a signal number has no memory effects.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    wait_for(10, "the killed brick to show down", || {
+    wait_for("the killed brick to show down", 10, || {
         online(&status(a, sd, "hv")) == [true, true, false]
     });
     let mut written = 0u64;
@@ -792,7 +792,7 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
         assert_eq!(n.unwrap(), 8192, "write {k} with a brick down");
         written += 8192;
     }
-    wait_for(20, "the service to see the backlog", || {
+    wait_for("the service to see the backlog", 20, || {
         status(a, sd, "hv")["heal"]["backlog"].as_u64() == Some(1)
     });
     assert_ne!(
@@ -844,7 +844,7 @@ fn the_heal_service_heals_a_returning_brick_by_itself() {
         "--state-dir",
         sd,
     ]);
-    wait_for(30, "the service to heal the returning brick", || {
+    wait_for("the service to heal the returning brick", 30, || {
         let h = status(a, sd, "hv")["heal"].clone();
         h["backlog"].as_u64() == Some(0) && h["healed_files"].as_u64().unwrap_or(0) >= 1
     });

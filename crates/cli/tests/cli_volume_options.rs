@@ -430,7 +430,7 @@ fn a_cli_heal_on_a_root_squashing_volume_heals_as_kilnd() {
     let pid = status(a, sd, "sq")["bricks"][2]["pid"].as_u64().unwrap();
     // SAFETY: kill(2) with a pid and a signal number has no memory effects.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    wait_for(10, "the killed brick to show down", || {
+    wait_for("the killed brick to show down", 10, || {
         online(&status(a, sd, "sq")) == [true, true, false]
     });
     for k in 0..16u64 {
@@ -447,7 +447,7 @@ fn a_cli_heal_on_a_root_squashing_volume_heals_as_kilnd() {
         "--state-dir",
         sd,
     ]);
-    wait_for(10, "the brick to come back", || {
+    wait_for("the brick to come back", 10, || {
         online(&status(a, sd, "sq")) == [true, true, true]
     });
     let out = ok(&["volume", "heal", "sq", "--server", a, "--state-dir", sd]);

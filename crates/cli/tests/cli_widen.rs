@@ -67,7 +67,7 @@ fn a_one_brick_volume_becomes_replica_3_online() {
     assert_eq!(i["replica"], 3, "{i}");
     assert_eq!(i["sets"], serde_json::json!([[0, 1, 2]]), "{i}");
     // Rebuilt by the heal service while fio runs; then a majority is needed again.
-    wait_for(180, "the new replicas to be rebuilt", || {
+    wait_for("the new replicas to be rebuilt", 180, || {
         info(&v).get("widening").is_none()
     });
     fio.one_more(120);

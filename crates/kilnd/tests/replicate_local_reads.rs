@@ -5,7 +5,6 @@
 //! `ip netns`; skips (saying why) without them.
 
 mod common;
-use common::ip;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -16,53 +15,12 @@ use std::time::Duration;
 use kiln_client::{block_on, Volume};
 use kiln_layer::replicate::ReplicateConfig;
 use kiln_layer::volfile::{LayerDef, LayerKind, ProtocolClientConfig, Volfile};
-
-const HOST_IP: &str = "10.78.0.1";
-const NS_IP: &str = "10.78.0.2";
+use kiln_testkit::net::Veth;
 
 /// A namespace joined to this one by a veth pair; bricks started in it die with it.
 struct Remote {
-    ns: String,
-    host_dev: String,
+    link: Veth,
     bricks: Vec<Child>,
-}
-
-impl Remote {
-    fn setup() -> Result<Remote, String> {
-        let pid = std::process::id();
-        let r = Remote {
-            ns: format!("kiln-lr-{pid}"),
-            host_dev: format!("klh{pid}"),
-            bricks: Vec::new(),
-        };
-        let ns_dev = format!("kln{pid}");
-        ip(&["netns", "add", &r.ns])?;
-        ip(&[
-            "link",
-            "add",
-            &r.host_dev,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &ns_dev,
-        ])?;
-        ip(&["link", "set", &ns_dev, "netns", &r.ns])?;
-        ip(&["addr", "add", &format!("{HOST_IP}/24"), "dev", &r.host_dev])?;
-        ip(&["link", "set", &r.host_dev, "up"])?;
-        ip(&[
-            "-n",
-            &r.ns,
-            "addr",
-            "add",
-            &format!("{NS_IP}/24"),
-            "dev",
-            &ns_dev,
-        ])?;
-        ip(&["-n", &r.ns, "link", "set", &ns_dev, "up"])?;
-        ip(&["-n", &r.ns, "link", "set", "lo", "up"])?;
-        Ok(r)
-    }
 }
 
 impl Drop for Remote {
@@ -73,8 +31,6 @@ impl Drop for Remote {
             let _ = c.kill();
             let _ = c.wait();
         }
-        let _ = ip(&["link", "del", &self.host_dev]);
-        let _ = ip(&["netns", "del", &self.ns]);
     }
 }
 
@@ -115,12 +71,14 @@ fn brick(ns: Option<&str>, dir: &std::path::Path, ip_addr: &str) -> (Child, Stri
 
 #[test]
 fn reads_stay_on_the_replica_of_this_host() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         eprintln!("skipped: needs root for network namespaces");
         return;
     }
-    let mut remote = match Remote::setup() {
+    let mut remote = match Veth::new("klr", 78).map(|link| Remote {
+        link,
+        bricks: Vec::new(),
+    }) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("skipped: {e}");
@@ -129,11 +87,11 @@ fn reads_stay_on_the_replica_of_this_host() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
-    let (b1, a1) = brick(Some(&remote.ns), &dir("far1"), NS_IP);
+    let (b1, a1) = brick(Some(&remote.link.ns), &dir("far1"), &remote.link.far_ip);
     remote.bricks.push(b1);
     let (local, local_addr) = brick(None, &dir("near"), "127.0.0.1");
     let mut local = scopeguard(local);
-    let (b2, a2) = brick(Some(&remote.ns), &dir("far2"), NS_IP);
+    let (b2, a2) = brick(Some(&remote.link.ns), &dir("far2"), &remote.link.far_ip);
     remote.bricks.push(b2);
     // The local brick in the middle: a preference that ignored locality and started at the
     // first replica, or took turns over all three, would send most handles far.

@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::ip;
 use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::heal;
@@ -23,62 +22,13 @@ const SIZE: u64 = 16 << 20;
 /// How long the link stays down: well past the ping timeout and its stall tier.
 const OUTAGE: Duration = Duration::from_secs(8);
 
-/// A namespace behind a veth pair: this side `10.81.N.1`, the namespace's `10.81.N.2`.
-struct Cut {
-    ns: String,
-    near: String,
-    far_ip: String,
-}
-
-impl Cut {
-    fn make() -> Result<Cut, String> {
-        let id = std::process::id();
-        let net = format!("10.81.{}", id % 250);
-        let c = Cut {
-            ns: format!("kcut{id}"),
-            near: format!("kcut{id}a"),
-            far_ip: format!("{net}.2"),
-        };
-        let far = format!("kcut{id}b");
-        ip(&["netns", "add", &c.ns])?;
-        ip(&["link", "add", &c.near, "type", "veth", "peer", "name", &far])?;
-        ip(&["link", "set", &far, "netns", &c.ns])?;
-        ip(&["addr", "add", &format!("{net}.1/30"), "dev", &c.near])?;
-        ip(&["link", "set", &c.near, "up"])?;
-        ip(&[
-            "-n",
-            &c.ns,
-            "addr",
-            "add",
-            &format!("{net}.2/30"),
-            "dev",
-            &far,
-        ])?;
-        ip(&["-n", &c.ns, "link", "set", &far, "up"])?;
-        ip(&["-n", &c.ns, "link", "set", "lo", "up"])?;
-        Ok(c)
-    }
-
-    fn link(&self, up: bool) {
-        ip(&["link", "set", &self.near, if up { "up" } else { "down" }]).unwrap();
-    }
-}
-
-impl Drop for Cut {
-    fn drop(&mut self) {
-        let _ = ip(&["link", "del", &self.near]);
-        let _ = ip(&["netns", "del", &self.ns]);
-    }
-}
-
 #[test]
 fn a_replica_cut_off_from_the_network_pauses_writes_under_two_seconds() {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: network namespaces need root");
         return;
     }
-    let cut = match Cut::make() {
+    let cut = match kiln_testkit::net::Veth::new("kcut", 81) {
         Ok(c) => c,
         Err(e) => {
             println!("skipping: no network namespace here ({e})");

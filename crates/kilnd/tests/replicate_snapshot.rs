@@ -70,8 +70,7 @@ fn snapshot_copies_agree_when_writes_reach_a_replica_late() {
 /// hold, per block, the last write done before the snapshot began or one overlapping it.
 /// None (said why) where no XFS loop device can be made.
 fn snapshot_under_writes(slow: &str, delay_us: u64, writers: u64) -> Option<Outcome> {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !kiln_testkit::is_root() {
         println!("skipping: loop devices need root");
         return None;
     }
@@ -106,12 +105,9 @@ fn snapshot_under_writes(slow: &str, delay_us: u64, writers: u64) -> Option<Outc
             let (vol, fd, stop, seqs) = (vol.clone(), fd.clone(), stop.clone(), seqs.clone());
             let log = log.clone();
             std::thread::spawn(move || {
-                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ t;
+                let mut rng = kiln_testkit::rng::Rng(0x9e37_79b9_7f4a_7c15u64 ^ t);
                 while !stop.load(Ordering::Relaxed) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let block = (x % (BLOCKS / writers)) * writers + t;
+                    let block = rng.below(BLOCKS / writers) * writers + t;
                     let seq = seqs.fetch_add(1, Ordering::SeqCst) + 1;
                     let data = seq.to_le_bytes().repeat(512);
                     let began = Instant::now();

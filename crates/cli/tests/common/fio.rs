@@ -85,7 +85,7 @@ impl FioLoop {
     /// Waits until a run that was in progress (or starts) now has finished.
     pub fn one_more(&self, secs: u64) {
         let seen = self.runs.load(Ordering::Acquire);
-        wait_for(secs, "a fio run to finish", || {
+        wait_for("a fio run to finish", secs, || {
             self.runs.load(Ordering::Acquire) >= seen + 2
         });
     }

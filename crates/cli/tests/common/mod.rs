@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[allow(unused_imports)] // each test binary uses some of it
+pub use kiln_testkit::wait_for;
 use serde_json::Value;
 
 pub mod fio;
@@ -200,38 +202,12 @@ pub fn fails(args: &[&str]) -> String {
     fails_env(args, &[])
 }
 
-/// Runs `ip ARGS` (network namespaces, links); what it said on failure.
-pub fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// Polls `f` until it returns true or `secs` pass.
-pub fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Kills a brick process (`SIGKILL`) and waits until it is gone or a zombie: until then it
 /// may still hold its port, and kilnd would take it for running.
 pub fn kill_brick_pid(pid: i32) {
     // SAFETY: kill(2) with a pid and a signal number has no memory effects.
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    wait_for(10, "the killed brick to go", || {
+    wait_for("the killed brick to go", 10, || {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .map(|s| {
                 s.rsplit_once(')')

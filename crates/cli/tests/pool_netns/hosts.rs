@@ -9,7 +9,8 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
-use super::common::{ip, kiln, recorded_pids, wait_for};
+use super::common::{kiln, recorded_pids, wait_for};
+use kiln_testkit::net::ip;
 use serde_json::Value;
 
 /// Namespaces `h0`…: host `i` at 10.78.0.(i+1) on one bridge (in its own namespace). Removed
@@ -27,8 +28,7 @@ impl Hosts {
     /// [`Hosts::setup`] for a test: None (having said why) when this machine cannot run it —
     /// not root, or no network namespaces; fio must be there (`scripts/test.sh` installs it).
     pub fn for_test(n: usize, tmp: &Path) -> Option<Hosts> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !kiln_testkit::is_root() {
             println!("skipping: network namespaces need root");
             return None;
         }
@@ -249,8 +249,8 @@ impl Hosts {
     pub fn settled_leader(&self, secs: u64) -> usize {
         let mut found = None;
         wait_for(
-            secs,
             "the running members to agree on a running leader",
+            secs,
             || {
                 let seen: Vec<Option<usize>> = self.up().iter().map(|&i| self.leader(i)).collect();
                 found =
@@ -265,8 +265,8 @@ impl Hosts {
     pub fn agreed_version(&self, secs: u64) -> u64 {
         let mut v = 0;
         wait_for(
-            secs,
             "the running members to apply the same version",
+            secs,
             || {
                 let vs: Vec<u64> = self
                     .up()

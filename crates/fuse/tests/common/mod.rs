@@ -8,6 +8,8 @@ use std::time::Duration;
 use kiln_client::Volume;
 use kiln_fuse::Mode;
 use kiln_server::{Listen, Stats};
+#[allow(unused_imports)] // each test binary uses some of it
+pub use kiln_testkit::rng::{seed, Rng};
 
 pub struct Mounted {
     pub dir: tempfile::TempDir,
@@ -121,41 +123,6 @@ impl Drop for Mounted {
     fn drop(&mut self) {
         if let Some(s) = self.session.take() {
             let _ = s.umount_and_join();
-        }
-    }
-}
-
-pub fn seed(test: &str) -> u64 {
-    let s = std::env::var("KILN_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("clock")
-                .as_nanos() as u64
-                | 1
-        });
-    eprintln!("{test}: seed {s} (rerun with KILN_SEED={s})");
-    s
-}
-
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
         }
     }
 }

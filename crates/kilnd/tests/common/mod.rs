@@ -6,6 +6,10 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use kiln_proto::frame::{Header, HEADER_LEN};
+#[allow(unused_imports)] // each test binary uses some of it
+pub use kiln_testkit::net::ip;
+#[allow(unused_imports)] // each test binary uses some of it
+pub use kiln_testkit::rng::{seed, Rng};
 
 /// A kilnd child process serving a temporary brick over TCP and a Unix socket.
 pub struct Kilnd {
@@ -155,43 +159,6 @@ pub fn snapshot(dir: &std::path::Path) -> Vec<(PathBuf, Vec<u8>)> {
     out
 }
 
-/// A small deterministic generator (xorshift), so failures reproduce from the printed seed.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-}
-
-/// The seed for a randomized test: KILN_SEED if set, else from the clock; printed either way.
-pub fn seed(test: &str) -> u64 {
-    let s = std::env::var("KILN_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("clock")
-                .as_nanos() as u64
-                | 1
-        });
-    eprintln!("{test}: seed {s} (rerun with KILN_SEED={s})");
-    s
-}
-
 /// Starts kilnd on `brick` listening on a free loopback TCP port, with extra arguments, stderr
 /// to `log` (or discarded); returns the child and its address without the `tcp:` prefix.
 pub fn spawn_tcp_kilnd(
@@ -227,21 +194,4 @@ pub fn spawn_kilnd(args: &[&std::ffi::OsStr], log: Option<&std::path::Path>) -> 
         .strip_prefix("kilnd: listening on tcp:")
         .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"));
     (child, addr.to_owned())
-}
-
-/// Runs `ip ARGS` (network namespaces, veth pairs); the error says what failed.
-pub fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
 }

@@ -15,6 +15,8 @@ use kiln_layer::replicate::ReplicateConfig;
 use kiln_layer::volfile::{LayerDef, LayerKind, ProtocolClientConfig, Volfile};
 use kiln_layer::Ctx;
 use kiln_proto::Op;
+#[allow(unused_imports)] // each test binary uses some of it
+pub use kiln_testkit::wait_for;
 
 /// One brick: a kilnd process with the replica stack (marks) on its own directory.
 pub struct Brick {
@@ -176,15 +178,6 @@ impl Rng {
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
-
-/// Waits for `cond` with a deadline; panics with `what` when it does not come.
-pub fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 

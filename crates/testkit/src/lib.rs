@@ -1,0 +1,24 @@
+//! What Kiln's integration tests share across crates, so that no crate keeps its own copy:
+//! network namespaces joined by veth pairs ([`net`]), seeded randomness that a failure can
+//! be replayed from ([`rng`]), and waiting for a condition with a deadline ([`wait_for`]).
+//! Each crate's `tests/common` keeps only what is its own (its daemons, mounts, exports).
+
+pub mod net;
+pub mod rng;
+
+use std::time::{Duration, Instant};
+
+/// Polls `cond` every 10 ms until it holds; panics naming `what` after `secs` seconds.
+pub fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// True when this process runs as root (namespaces, mounts and loop devices need it).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}

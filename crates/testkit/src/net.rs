@@ -1,0 +1,83 @@
+//! Network namespaces for multi-host tests: [`ip`] runs `ip(8)`, and [`Veth`] is a namespace
+//! joined to this one by a veth pair whose link a test can take down (a partition without
+//! touching anything else), removed with what runs in it when dropped.
+
+use std::process::Command;
+
+/// Runs `ip ARGS`; the error says which command failed and why.
+pub fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// A network namespace joined to this one by a veth pair: this side at `near_ip`, the
+/// namespace at `far_ip`, on a /30 of its own. Dropping it removes the pair and the
+/// namespace.
+pub struct Veth {
+    /// The namespace's name (for `ip netns exec`).
+    pub ns: String,
+    /// This side's interface.
+    pub near: String,
+    /// This side's address.
+    pub near_ip: String,
+    /// The namespace's address.
+    pub far_ip: String,
+}
+
+impl Veth {
+    /// A pair named after `tag` (at most 6 characters) and this process, on
+    /// `10.NET.(pid % 250).0/30`: tests that run at once choose different `net`s.
+    pub fn new(tag: &str, net: u8) -> Result<Veth, String> {
+        assert!(tag.len() <= 6, "interface names are at most 15 bytes");
+        let id = std::process::id();
+        let base = format!("10.{net}.{}", id % 250);
+        let v = Veth {
+            ns: format!("{tag}{id}"),
+            near: format!("{tag}{id}a"),
+            near_ip: format!("{base}.1"),
+            far_ip: format!("{base}.2"),
+        };
+        let far = format!("{tag}{id}b");
+        ip(&["netns", "add", &v.ns])?;
+        ip(&["link", "add", &v.near, "type", "veth", "peer", "name", &far])?;
+        ip(&["link", "set", &far, "netns", &v.ns])?;
+        ip(&["addr", "add", &format!("{}/30", v.near_ip), "dev", &v.near])?;
+        ip(&["link", "set", &v.near, "up"])?;
+        let far_addr = format!("{}/30", v.far_ip);
+        ip(&["-n", &v.ns, "addr", "add", &far_addr, "dev", &far])?;
+        ip(&["-n", &v.ns, "link", "set", &far, "up"])?;
+        ip(&["-n", &v.ns, "link", "set", "lo", "up"])?;
+        Ok(v)
+    }
+
+    /// Takes this side's end of the link up or down.
+    pub fn link(&self, up: bool) {
+        ip(&["link", "set", &self.near, if up { "up" } else { "down" }])
+            .expect("set the veth link");
+    }
+
+    /// `program` run inside the namespace.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns]).arg(program);
+        c
+    }
+}
+
+impl Drop for Veth {
+    fn drop(&mut self) {
+        let _ = ip(&["link", "del", &self.near]);
+        let _ = ip(&["netns", "del", &self.ns]);
+    }
+}

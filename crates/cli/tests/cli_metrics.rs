@@ -5,7 +5,7 @@
 //!   `volume status --clients` lists the clients' endpoints;
 //! - `kiln volume profile VOL` reports every brick of VOL, `--brick` one of them.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
@@ -83,28 +83,16 @@ fn a_hostile_volume_name_cannot_break_the_exposition() {
         ),
     )
     .unwrap();
-    let mut child = kiln()
-        .args(["server", "--volfile"])
-        .arg(&vf)
-        .args(["--listen", "tcp:127.0.0.1:0", "--metrics", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let (mut brick, mut metrics) = (None, None);
-    let mut line = String::new();
-    while brick.is_none() || metrics.is_none() {
-        line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0, "the brick exited");
-        let l = line.trim();
-        if let Some(a) = l.strip_prefix("kilnd: listening on ") {
-            brick = Some(a.to_owned());
-        }
-        if let Some(a) = l.strip_prefix("kilnd: metrics on http://") {
-            metrics = Some(a.trim_end_matches("/metrics").to_owned());
-        }
-    }
-    let metrics = metrics.unwrap();
+    let (mut child, mut out) =
+        kiln_testkit::daemon::spawn_piped(kiln().args(["server", "--volfile"]).arg(&vf).args([
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ]));
+    let said = kiln_testkit::daemon::announced(&mut out, 1, true);
+    let brick = said.listening.first().cloned();
+    let metrics = said.metrics.expect("the metrics endpoint");
     // Some traffic through the hostile point, so it has series.
     let v = kiln_client::Volume::connect(brick.as_deref().unwrap()).unwrap();
     kiln_client::block_on(v.mkdir("/d", 0o755)).unwrap();

@@ -1,10 +1,10 @@
 //! `kiln volume profile` and request waterfalls, as an operator uses them: a real server, real
 //! load from `kiln bench`, real output parsed.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 
 use kiln_proto::sync::MutexExt as _;
+use kiln_testkit::daemon::spawn_listening;
 
 /// Held by each test: the waterfall times microseconds on a two-CPU machine, so the other
 /// test's server and clients must not run beside it.
@@ -26,22 +26,12 @@ impl Drop for Server {
 
 fn server() -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = kiln()
-        .args(["server", "--brick"])
-        .arg(dir.path())
-        .args(["--listen", "tcp:127.0.0.1:0", "--metrics", "off"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("kilnd: listening on ")
-        .unwrap()
-        .to_owned();
+    let (child, addr) = spawn_listening(kiln().args(["server", "--brick"]).arg(dir.path()).args([
+        "--listen",
+        "tcp:127.0.0.1:0",
+        "--metrics",
+        "off",
+    ]));
     Server(child, addr, dir)
 }
 

@@ -2,7 +2,6 @@
 //! bricks are real processes on real sockets, data goes through the volfile the server hands
 //! out, and the daemon is killed and restarted on the same state directory.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::Stdio;
 
@@ -590,28 +589,18 @@ fn bad_volume_definitions_are_refused_with_reasons() {
     // A brick server is not a management server: a clear message, not a hang.
     let brick = tmp.path().join("plain");
     std::fs::create_dir(&brick).unwrap();
-    let mut plain = kiln()
-        .args([
-            "server",
-            "--listen",
-            "tcp:127.0.0.1:0",
-            "--metrics",
-            "off",
-            "--brick",
-        ])
-        .arg(&brick)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(plain.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let paddr = line
-        .trim()
-        .strip_prefix("kilnd: listening on ")
-        .unwrap()
-        .to_owned();
+    let (mut plain, paddr) = kiln_testkit::daemon::spawn_listening(
+        kiln()
+            .args([
+                "server",
+                "--listen",
+                "tcp:127.0.0.1:0",
+                "--metrics",
+                "off",
+                "--brick",
+            ])
+            .arg(&brick),
+    );
     let err = fails(&["volume", "list", "--server", &paddr]);
     let _ = plain.kill();
     let _ = plain.wait();

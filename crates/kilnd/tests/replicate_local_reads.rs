@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -49,24 +48,11 @@ fn brick(ns: Option<&str>, dir: &std::path::Path, ip_addr: &str) -> (Child, Stri
         }
         None => Command::new(env!("CARGO_BIN_EXE_kilnd")),
     };
-    let mut child = cmd
-        .arg("--volfile")
+    cmd.arg("--volfile")
         .arg(&vf)
         .args(["--listen", &format!("tcp:{ip_addr}:0"), "--metrics", "off"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kilnd");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("kilnd: listening on ")
-        .unwrap_or_else(|| panic!("kilnd output {line:?}"))
-        .to_owned();
-    (child, addr)
+        .stderr(Stdio::null());
+    kiln_testkit::daemon::spawn_listening(&mut cmd)
 }
 
 #[test]

@@ -1,8 +1,8 @@
 //! The brick's layer stack as a user configures it: `--volfile`, `/metrics`, error-gen.
 //! Real kilnd processes, real sockets, a real HTTP scrape.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::io::{Read, Write};
+use std::process::{Child, Command};
 
 use kiln_client::{block_on, Client};
 
@@ -36,27 +36,17 @@ fn start(volfile: Option<&str>) -> Brick {
             cmd.arg("--brick").arg(&brick);
         }
     }
-    let mut child = cmd
-        .args(["--listen", "tcp:127.0.0.1:0", "--metrics", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let (mut addr, mut metrics) = (None, None);
-    while addr.is_none() || metrics.is_none() {
-        let mut line = String::new();
-        assert!(out.read_line(&mut line).unwrap() > 0, "kilnd exited early");
-        if let Some(a) = line.trim().strip_prefix("kilnd: listening on ") {
-            addr = Some(a.to_owned());
-        }
-        if let Some(m) = line.trim().strip_prefix("kilnd: metrics on http://") {
-            metrics = Some(m.trim_end_matches("/metrics").to_owned());
-        }
-    }
+    let (child, mut out) = kiln_testkit::daemon::spawn_piped(cmd.args([
+        "--listen",
+        "tcp:127.0.0.1:0",
+        "--metrics",
+        "127.0.0.1:0",
+    ]));
+    let mut said = kiln_testkit::daemon::announced(&mut out, 1, true);
     Brick {
         child,
-        addr: addr.unwrap(),
-        metrics: metrics.unwrap(),
+        addr: said.listening.remove(0),
+        metrics: said.metrics.expect("the metrics endpoint"),
         dir,
     }
 }

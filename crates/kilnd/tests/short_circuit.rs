@@ -15,6 +15,7 @@ use kiln_client::Volume;
 use kiln_layer::exec::block_on;
 use kiln_layer::volfile::{LayerKind, Volfile};
 use kiln_layer::{Ctx, Fd, Layer, ReadDst, SetAttrs};
+use kiln_testkit::daemon;
 
 const FILE: &str = "image.raw";
 
@@ -46,8 +47,8 @@ impl Brick {
         let vf = dir.path().join("brick.toml");
         std::fs::write(&vf, kiln_server::replica_volfile(&brick, "brick").to_toml()).unwrap();
         let sock = dir.path().join("brick.sock");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-            .arg("--volfile")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kilnd"));
+        cmd.arg("--volfile")
             .arg(&vf)
             .args([
                 "--listen",
@@ -57,20 +58,10 @@ impl Brick {
                 "--listen",
             ])
             .arg(format!("unix:{}", sock.display()))
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn kilnd");
-        let mut out = BufReader::new(child.stdout.take().unwrap());
+            .stdin(Stdio::null());
+        let (child, mut out) = daemon::spawn_piped(&mut cmd);
         let (mut unix, mut tcp) = (String::new(), String::new());
-        for _ in 0..2 {
-            let mut line = String::new();
-            out.read_line(&mut line).unwrap();
-            let a = line
-                .trim()
-                .strip_prefix("kilnd: listening on ")
-                .unwrap()
-                .to_owned();
+        for a in daemon::announced(&mut out, 2, false).listening {
             match a.starts_with("unix:") {
                 true => unix = a,
                 false => tcp = a,

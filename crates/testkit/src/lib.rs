@@ -1,8 +1,10 @@
 //! What Kiln's integration tests share across crates, so that no crate keeps its own copy:
 //! network namespaces joined by veth pairs ([`net`]), seeded randomness that a failure can
-//! be replayed from ([`rng`]), and waiting for a condition with a deadline ([`wait_for`]).
+//! be replayed from ([`rng`]), where a started kilnd listens ([`daemon`]), and waiting for a
+//! condition with a deadline ([`wait_for`]).
 //! Each crate's `tests/common` keeps only what is its own (its daemons, mounts, exports).
 
+pub mod daemon;
 pub mod net;
 pub mod rng;
 

@@ -1,11 +1,12 @@
 //! Shared test fixture: a real kilnd process on a temporary brick, and raw frame helpers.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use kiln_proto::frame::{Header, HEADER_LEN};
+use kiln_testkit::daemon;
 #[allow(unused_imports)] // each test binary uses some of it
 pub use kiln_testkit::net::ip;
 #[allow(unused_imports)] // each test binary uses some of it
@@ -27,26 +28,15 @@ impl Kilnd {
         let brick = dir.path().join("brick");
         std::fs::create_dir(&brick).expect("brick dir");
         let sock = dir.path().join("kilnd.sock");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-            .arg("--brick")
-            .arg(&brick)
-            .args(["--listen", "tcp:127.0.0.1:0", "--listen"])
-            .arg(format!("unix:{}", sock.display()))
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn kilnd");
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut addrs = Vec::new();
-        for _ in 0..2 {
-            let mut line = String::new();
-            out.read_line(&mut line).expect("kilnd output");
-            let a = line
-                .trim()
-                .strip_prefix("kilnd: listening on ")
-                .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"));
-            addrs.push(a.to_owned());
-        }
+        let (child, mut out) = daemon::spawn_piped(
+            Command::new(env!("CARGO_BIN_EXE_kilnd"))
+                .arg("--brick")
+                .arg(&brick)
+                .args(["--listen", "tcp:127.0.0.1:0", "--listen"])
+                .arg(format!("unix:{}", sock.display()))
+                .stdin(Stdio::null()),
+        );
+        let addrs = daemon::announced(&mut out, 2, false).listening;
         let tcp = addrs
             .iter()
             .find(|a| a.starts_with("tcp:"))
@@ -178,20 +168,12 @@ pub fn spawn_kilnd(args: &[&std::ffi::OsStr], log: Option<&std::path::Path>) -> 
         Some(p) => Stdio::from(std::fs::File::create(p).expect("log file")),
         None => Stdio::null(),
     };
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kilnd"))
-        .args(args)
-        .args(["--listen", "tcp:127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .expect("spawn kilnd");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("kilnd output");
-    let addr = line
-        .trim()
-        .strip_prefix("kilnd: listening on tcp:")
-        .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"));
-    (child, addr.to_owned())
+    let (child, addr) = daemon::spawn_listening(
+        Command::new(env!("CARGO_BIN_EXE_kilnd"))
+            .args(args)
+            .args(["--listen", "tcp:127.0.0.1:0"])
+            .stderr(stderr),
+    );
+    let addr = daemon::tcp(&addr).to_owned();
+    (child, addr)
 }

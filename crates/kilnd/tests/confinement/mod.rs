@@ -5,7 +5,7 @@
 use kiln_client::{block_on, Client};
 use kiln_proto::ops::Attr;
 use std::collections::{BTreeMap, HashSet};
-use std::io::{self, BufRead, BufReader};
+use std::io;
 use std::os::unix::fs::{symlink, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -60,23 +60,12 @@ impl Kilnd {
         } else {
             cmd.arg("--brick").arg(&brick);
         }
-        let mut child = cmd
-            .args(["--listen", "tcp:127.0.0.1:0", "--metrics", "off"])
-            .current_dir(&cwd)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("spawn kilnd");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("kilnd output");
-        let addr = line
-            .trim()
-            .strip_prefix("kilnd: listening on ")
-            .unwrap_or_else(|| panic!("unexpected kilnd output {line:?}"))
-            .to_owned();
+        let (child, addr) = kiln_testkit::daemon::spawn_listening(
+            cmd.args(["--listen", "tcp:127.0.0.1:0", "--metrics", "off"])
+                .current_dir(&cwd)
+                .stdin(Stdio::null())
+                .stderr(std::fs::File::create(&log).expect("log file")),
+        );
         Kilnd {
             child,
             addr,

@@ -70,12 +70,14 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let parsed = parse_option(option, d);
-    if let Err(msg) = &parsed {
+    if let Err(e) = &parsed {
         // The message goes back to the client in an NBD_REP_ERR_INVALID reply.
+        let msg = e.message();
         assert!(
             !msg.is_empty() && msg.len() < 256,
             "odd error message {msg:?}"
         );
+        assert_eq!(e.kind(), kiln_proto::Kind::Invalid, "{e}");
     }
     match option {
         opt::EXPORT_NAME => {

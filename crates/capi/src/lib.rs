@@ -139,7 +139,12 @@ pub struct KilnFd {
 /// adds the address to them) are mapped back by kind.
 fn neg(e: std::io::Error) -> c_int {
     use std::io::ErrorKind as K;
-    -e.raw_os_error().unwrap_or(match e.kind() {
+    // An error that passed through Kiln's typed errors keeps its errno inside.
+    let inner = e
+        .get_ref()
+        .and_then(|r| r.downcast_ref::<kiln_proto::Error>())
+        .and_then(kiln_proto::Error::raw_os_error);
+    -e.raw_os_error().or(inner).unwrap_or(match e.kind() {
         K::ConnectionRefused => libc::ECONNREFUSED,
         K::ConnectionReset => libc::ECONNRESET,
         K::NotFound => libc::ENOENT,

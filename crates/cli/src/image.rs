@@ -252,17 +252,21 @@ fn run(
     json: bool,
 ) -> Result<(), Error> {
     use crate::snapshots as snaps;
-    let dirty_err = |name: &str, e: std::io::Error| match e.raw_os_error() {
-        Some(libc::ENOENT) => format!(
-            "no dirty record {name:?} on the image's bricks (never started, stopped, or \
+    let dirty_err = |name: &str, e: std::io::Error| {
+        let kind = snaps::errno_kind(&e);
+        let msg = match e.raw_os_error() {
+            Some(libc::ENOENT) => format!(
+                "no dirty record {name:?} on the image's bricks (never started, stopped, or \
              bricks died since): take a full copy and start it again"
-        ),
-        Some(libc::ENOSPC) => "the image has 8 dirty records already: stop one first".into(),
-        Some(libc::EOPNOTSUPP) => "dirty records are not offered for sharded files".into(),
-        Some(libc::ENOSYS) => "the bricks keep no dirty records (standalone bricks, not a \
+            ),
+            Some(libc::ENOSPC) => "the image has 8 dirty records already: stop one first".into(),
+            Some(libc::EOPNOTSUPP) => "dirty records are not offered for sharded files".into(),
+            Some(libc::ENOSYS) => "the bricks keep no dirty records (standalone bricks, not a \
                                managed volume)"
-            .into(),
-        _ => format!("dirty record {name:?}: {e}"),
+                .into(),
+            _ => format!("dirty record {name:?}: {e}"),
+        };
+        Error::new(kind, msg)
     };
     match cmd {
         ImageCmd::Snapshot { name, max_wait, .. } => snaps::take(vol, path, name, *max_wait, json)?,
@@ -277,25 +281,19 @@ fn run(
         ImageCmd::Rm { snapshot } => snaps::remove(vol, path, &snap_name(snapshot), json)?,
         ImageCmd::Dirty { cmd } => match cmd {
             DirtyCmd::Start { name, .. } => {
-                block_on(vol.dirty(fd, DIRTY_START, name, 0, 0))
-                    .map_err(|e| dirty_err(name, e))
-                    .map_err(Error::failed)?;
+                block_on(vol.dirty(fd, DIRTY_START, name, 0, 0)).map_err(|e| dirty_err(name, e))?;
                 let r = serde_json::json!({ "image": path, "record": name, "started": true });
                 out::show(json, &r, |_| {
                     format!("dirty record {name:?} started: writes from now on are recorded\n")
                 });
             }
             DirtyCmd::Stop { name, .. } => {
-                block_on(vol.dirty(fd, DIRTY_STOP, name, 0, 0))
-                    .map_err(|e| dirty_err(name, e))
-                    .map_err(Error::failed)?;
+                block_on(vol.dirty(fd, DIRTY_STOP, name, 0, 0)).map_err(|e| dirty_err(name, e))?;
                 let r = serde_json::json!({ "image": path, "record": name, "stopped": true });
                 out::show(json, &r, |_| format!("dirty record {name:?} stopped\n"));
             }
             DirtyCmd::Show { name, .. } => {
-                let ranges = dirty_ranges(vol, fd, name, size)
-                    .map_err(|e| dirty_err(name, e))
-                    .map_err(Error::failed)?;
+                let ranges = dirty_ranges(vol, fd, name, size).map_err(|e| dirty_err(name, e))?;
                 print_ranges(name, size, &ranges, json);
             }
         },

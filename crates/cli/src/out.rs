@@ -26,8 +26,8 @@ Exit status:
      a timeout): the same command may work later                          kind unavailable
   7  the key or identity used may not do this                             kind denied
 Servers, mounts and exports (server, mount, nbd, vhost-user-blk) exit 0 when stopped by
-SIGTERM or `kiln umount`, and with the codes above when they cannot start or their service
-fails.
+SIGTERM or `kiln umount`. When they cannot start, mounts and exports exit with the codes above
+and servers with 1; a service that fails later exits 1.
 
 --json is taken by every command that prints a result and ends (volume, peer, pool, image,
 tls, generate, umount, bench, demo); servers, mounts and exports write a log instead.";

@@ -7,11 +7,11 @@ use kiln_client::{block_on, Volume};
 use kiln_proto::ops::{snapshot_name_ok, snapshot_path};
 
 use crate::out;
-use kiln_proto::Error;
+use kiln_proto::{Error, Kind};
 
 /// The words for a snapshot fop's error.
-fn explain(what: &str, e: &std::io::Error) -> String {
-    match e.raw_os_error() {
+fn explain(what: &str, e: &std::io::Error) -> Error {
+    let msg = match e.raw_os_error() {
         Some(libc::EOPNOTSUPP) => format!(
             "{what}: the bricks' file system cannot reflink (XFS made with reflink=1 or Btrfs \
              needed), or the image is sharded"
@@ -36,6 +36,16 @@ fn explain(what: &str, e: &std::io::Error) -> String {
             "{what}: the bricks take no snapshots (standalone bricks, not a managed volume)"
         ),
         _ => format!("{what}: {e}"),
+    };
+    Error::new(errno_kind(e), msg)
+}
+
+/// The kind of a snapshot or dirty-record failure: what to do next, as the sentence says.
+pub(crate) fn errno_kind(e: &std::io::Error) -> Kind {
+    match e.raw_os_error() {
+        Some(libc::EBUSY | libc::EAGAIN) => Kind::Conflict,
+        Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::ENOTDIR | libc::ENOSPC) => Kind::Invalid,
+        _ => Kind::of_io(e),
     }
 }
 
@@ -57,8 +67,7 @@ pub fn take(vol: &Volume, path: &str, name: &str, max_wait: u32, json: bool) -> 
         let t = Instant::now();
         block_on(vol.snapshot(path, name, max)).map(|h| (h, t.elapsed()))
     })
-    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))
-    .map_err(Error::failed)?;
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
     let r = serde_json::json!({
         "image": path,
         "snapshot": name,
@@ -89,8 +98,7 @@ pub fn clone(vol: &Volume, path: &str, name: &str, to: &str, json: bool) -> Resu
     patiently("heal to make the snapshot's copies alike", || {
         block_on(vol.clone_snapshot(path, name, to))
     })
-    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))
-    .map_err(Error::failed)?;
+    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))?;
     let r = serde_json::json!({ "clone": to, "of": format!("{path}@{name}") });
     out::show(json, &r, |_| format!("{to}: a clone of {path}@{name}\n"));
     Ok(())
@@ -129,8 +137,7 @@ pub fn take_tree(
     let r = patiently("the files' replicas to be current", || {
         block_on(vol.snapshot_tree(path, name, max))
     })
-    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))
-    .map_err(Error::failed)?;
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
     let took = t.elapsed();
     let v = tree_report(
         &r,
@@ -164,8 +171,7 @@ pub fn clone_tree(vol: &Volume, path: &str, name: &str, to: &str, json: bool) ->
     let r = patiently("heal to make the snapshot's copies alike", || {
         block_on(vol.clone_tree(path, name, to))
     })
-    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))
-    .map_err(Error::failed)?;
+    .map_err(|e| explain(&format!("clone of {path}@{name} as {to}"), &e))?;
     let v = tree_report(
         &r,
         t.elapsed(),
@@ -247,8 +253,7 @@ pub fn remove(vol: &Volume, path: &str, name: &str, json: bool) -> Result<(), Er
             vol.unlink(&snap).await
         }
     })
-    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))
-    .map_err(Error::failed)?;
+    .map_err(|e| explain(&format!("snapshot {path}@{name}"), &e))?;
     let r = serde_json::json!({ "removed": format!("{path}@{name}") });
     out::show(json, &r, |_| format!("snapshot {path}@{name} removed\n"));
     Ok(())

@@ -182,7 +182,7 @@ impl MgmtOpts {
                 path.display()
             ))),
             Ok(_) => Ok(MgmtSecret::Missing(path, "it is empty".into())),
-            Err(e) if explicit => Err(Error::failed(e.to_string())),
+            Err(e) if explicit => Err(Error::from(e)),
             Err(e) => Ok(MgmtSecret::Missing(
                 path,
                 format!("cannot read it ({}): run as root", e.kind()),
@@ -499,7 +499,8 @@ pub(crate) fn mgmt_call<T: DeserializeOwned>(opts: &MgmtOpts, req: &Request) -> 
         MgmtSecret::Missing(..) => None,
     };
     let v = kiln_client::mgmt::call_with_secret(&opts.server, json, key).map_err(|e| {
-        let denied = e.kind() == Kind::Denied;
+        // The key was refused (not a command the kilnd denied it): say what to do about it.
+        let denied = e.kind() == Kind::Denied && e.raw_os_error() == Some(libc::EACCES);
         let e = fail(e);
         if denied {
             Error::new(e.kind(), e.message().to_owned() + &secret_hint(&secret))
@@ -562,8 +563,7 @@ fn get(a: &GetArgs) -> Result<(), Error> {
     let def = &infos
         .volumes
         .first()
-        .ok_or("volume get: no such volume")
-        .map_err(Error::failed)?
+        .ok_or_else(|| Error::not_found("volume get: no such volume"))?
         .def;
     let option = Some(a.option.as_str());
     let values = options::values(def, option).with_context(|| format!("volume get: {}", a.name))?;

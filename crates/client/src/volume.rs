@@ -870,8 +870,7 @@ fn build(v: &Volfile, secret: Option<&[u8]>, version: u64, prev: Option<&Gen>) -
                     down?
                 }
                 Err(e) => {
-                    let typed = Error::io("", &e);
-                    let typed = Error::new(typed.kind(), e.to_string());
+                    let typed = Error::new(kiln_proto::Kind::of_io(&e), e.to_string());
                     err = Some(e);
                     return Err(typed);
                 }

@@ -42,9 +42,10 @@ pub struct Counters {
     pub looked_up_ahead: AtomicU64,
     /// READs answered by splice from a brick's socket (see `splice`).
     pub spliced: AtomicU64,
-    /// FLUSH requests the kernel sent (write-behind sends what it holds): one for every close
-    /// of a descriptor of the file, copies included, such as those a fork duplicated and
-    /// the child's exec closed.
+    /// FLUSH requests the kernel sent (write-behind sends what it holds). With write-behind
+    /// or the writeback cache on, the kernel sends one for every close of a descriptor of a
+    /// file, copies included, such as those a fork duplicated and the child's exec closed;
+    /// without either the mount answers the first ENOSYS and the kernel sends no more.
     pub flushes: AtomicU64,
 }
 

@@ -201,7 +201,7 @@ pub fn mount_target(args: &MountArgs) -> Result<(Source, String, PathBuf), Error
         )),
         (Some(v), Some(m)) => Ok((Source::Volfile(v.clone()), args.source.clone(), m.clone())),
         (None, Some(m)) => Ok((Source::parse(&args.source)?, args.source.clone(), m.clone())),
-        (None, None) => Err(Error::failed(
+        (None, None) => Err(Error::invalid(
             "missing the mount point: kiln mount SERVER:/VOL DIR",
         )),
     }
@@ -216,20 +216,20 @@ pub fn main(args: MountArgs) -> Result<(), Error> {
     match std::fs::metadata(&mountpoint) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
-            return Err(Error::failed(format!(
+            return Err(Error::invalid(format!(
                 "mount point {} is not a directory",
                 mountpoint.display()
             )))
         }
         Err(e) => {
-            return Err(Error::failed(format!(
-                "mount point {}: {e}",
-                mountpoint.display()
-            )))
+            return Err(Error::io(
+                format_args!("mount point {}", mountpoint.display()),
+                &e,
+            ))
         }
     }
     if is_mountpoint(&mountpoint) {
-        return Err(Error::failed(format!(
+        return Err(Error::conflict(format!(
             "mount point {} is busy: something is already mounted there",
             mountpoint.display()
         )));
@@ -242,7 +242,7 @@ pub fn main(args: MountArgs) -> Result<(), Error> {
             (_, Some(f)) => flags.push(f),
             (other, None) => {
                 let names: Vec<&str> = KERNEL_FLAGS.iter().map(|(n, _)| *n).collect();
-                return Err(Error::failed(format!(
+                return Err(Error::invalid(format!(
                     "unknown mount option {other:?} (known: nonempty, {})",
                     names.join(", ")
                 )));

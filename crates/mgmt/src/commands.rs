@@ -51,7 +51,7 @@ impl Manager {
             )));
         }
         if !specs.len().is_multiple_of(replica) {
-            return Err(Error::failed(format!(
+            return Err(Error::invalid(format!(
                 "volume {name}: {} brick(s) do not make replica sets of {replica}: give a \
                  multiple of {replica} bricks",
                 specs.len()
@@ -140,7 +140,7 @@ impl Manager {
             }
             if !force {
                 if let Some(what) = system_dir_kind(&r) {
-                    return Err(Error::failed(format!(
+                    return Err(Error::invalid(format!(
                         "brick {s}: {} is {what}, not a place for a brick: clients could \
                          read and change what the system keeps there (add `force` to use it \
                          anyway)",
@@ -161,7 +161,7 @@ impl Manager {
                 let (a, b) = (&bricks[i], &bricks[j]);
                 let (ad, bd) = (&real[i], &real[j]);
                 if ad == bd {
-                    return Err(Error::exists(format!("brick {} is given twice", b.spec())));
+                    return Err(Error::invalid(format!("brick {} is given twice", b.spec())));
                 }
                 if bd.starts_with(ad) || ad.starts_with(bd) {
                     return Err(Error::invalid(format!(
@@ -178,7 +178,7 @@ impl Manager {
                 let od = real_dir(&ob.dir, oip);
                 for ((b, ip), bd) in bricks.iter().zip(&ips).zip(&real) {
                     if *ip == oip && (bd.starts_with(&od) || od.starts_with(bd)) {
-                        return Err(Error::denied(format!(
+                        return Err(Error::conflict(format!(
                             "brick {} overlaps brick {} of volume {}: the clients of each \
                              could read and change the other's files (refused even with \
                              `force`)",
@@ -201,7 +201,7 @@ impl Manager {
     ) -> Result<Response, Error> {
         let mut def = self.load(name)?;
         if def.state == VolState::Started && !force {
-            return Err(Error::failed(format!(
+            return Err(Error::conflict(format!(
                 "volume {name} is already started (`start {name} force` restarts bricks that \
                  are down)"
             )));
@@ -282,7 +282,7 @@ impl Manager {
         self.save(&def)?;
         let warnings = Vec::new();
         if !errors.is_empty() {
-            return Err(Error::conflict(format!(
+            return Err(Error::failed(format!(
                 "volume {name} stopped, but {} brick(s) may still run: {}",
                 errors.len(),
                 errors.join("; ")

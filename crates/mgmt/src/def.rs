@@ -340,7 +340,7 @@ pub(crate) fn check_not_state(spec: &str, dir: &Path, state: &Path) -> Result<()
         } else {
             "contains"
         };
-        return Err(Error::denied(format!(
+        return Err(Error::invalid(format!(
             "brick {spec}: {} {how} kilnd's state directory {}, which holds the pool's \
              secrets: its clients could read them (refused even with `force`)",
             dir.display(),

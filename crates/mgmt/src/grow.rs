@@ -37,7 +37,7 @@ impl Manager {
         let r = def.replica.max(1);
         let widen = match replica.map(|n| n as usize) {
             Some(n) if n < r => {
-                return Err(Error::failed(format!(
+                return Err(Error::invalid(format!(
                     "volume {name}: a replica count below {r} means fewer copies: remove \
                      bricks with remove-brick instead"
                 )))
@@ -48,7 +48,7 @@ impl Manager {
         match widen {
             Some(n) => check_widen(&def, n, specs.len())?,
             None if specs.is_empty() || !specs.len().is_multiple_of(r) => {
-                return Err(Error::failed(format!(
+                return Err(Error::invalid(format!(
                     "volume {name}: {} brick(s) do not make replica sets of {r}: add a \
                      multiple of {r} bricks (or raise the count: `replica N`)",
                     specs.len()
@@ -145,8 +145,8 @@ impl Manager {
                             tracing::warn!(volume = %def.name, "new brick {j} not stopped: {e}");
                         }
                     }
-                    return Err(Error::failed(format!(
-                        "volume {}: no bricks added: brick {} did not start: {e}",
+                    return Err(e.context(format_args!(
+                        "volume {}: no bricks added: brick {} did not start",
                         def.name,
                         def.bricks[i].spec()
                     )));
@@ -178,7 +178,7 @@ fn check_widen(def: &VolumeDef, n: usize, given: usize) -> Result<(), Error> {
         )));
     }
     if given != sets * (n - r) {
-        return Err(Error::failed(format!(
+        return Err(Error::invalid(format!(
             "volume {name}: replica {r} → {n} takes {} new brick(s) for each of its {sets} \
              replica set(s) ({} in all, set by set), not {given}",
             n - r,

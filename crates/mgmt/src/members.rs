@@ -136,7 +136,7 @@ impl Manager {
                 .map(|b| b.spec())
                 .collect();
             if !held.is_empty() {
-                return Err(Error::failed(format!(
+                return Err(Error::conflict(format!(
                     "{host} holds bricks of volume {} ({}): move them with replace-brick, or \
                      delete the volume, first",
                     def.name,

@@ -60,10 +60,10 @@ impl PeerConn {
             CONNECT_TIMEOUT,
             PEER_CALL_TIMEOUT,
         )
-        .map_err(|e| Error::unavailable(e.to_string()))?;
+        .map_err(Error::from)?;
         conn.authenticate(&Key::shared(secret), Proof::Required)
             .map_err(|e| match e {
-                MgmtError::Denied(m) if m.contains("refused") => Error::denied(format!(
+                MgmtError::Denied(m) if m.contains("refused") => Error::failed(format!(
                     "kilnd at {addr} refused this host's management secret: every kilnd of a \
                      cluster needs the same one (copy STATE_DIR/{MGMT_SECRET_FILE} from one \
                      host to the others, or start them all with --mgmt-secret-file naming a \

@@ -23,7 +23,7 @@ impl Manager {
     ) -> Result<Response, Error> {
         let mut def = self.load(name)?;
         if def.replica < 2 {
-            return Err(Error::failed(format!(
+            return Err(Error::invalid(format!(
                 "volume {name} has no replicas: a brick's files exist only there, so a new \
                  brick could not be rebuilt from anywhere"
             )));

@@ -56,7 +56,7 @@ impl Manager {
                 match def.rebalance.as_mut() {
                     Some(r) if r.state == "running" => r.state = "stopped".into(),
                     _ => {
-                        return Err(Error::not_found(format!(
+                        return Err(Error::conflict(format!(
                             "volume {name}: no rebalance is running"
                         )))
                     }
@@ -147,7 +147,7 @@ impl Manager {
     ) -> Result<Response, Error> {
         let name = def.name.clone();
         if let Some(k) = sets.iter().find(|k| !def.draining.contains(k)) {
-            return Err(Error::failed(format!(
+            return Err(Error::conflict(format!(
                 "volume {name}: replica set {k} is not draining: `remove-brick {name} BRICK... \
                  start` first"
             )));
@@ -171,7 +171,7 @@ impl Manager {
             };
             let left = left_on_draining(self, &only)?;
             if left > 0 {
-                return Err(Error::failed(format!(
+                return Err(Error::conflict(format!(
                     "volume {name}: {left} name(s) are still on the bricks to remove; run \
                      `remove-brick {name} BRICK... start` again (or `rebalance {name} status` \
                      to see why they did not move)"

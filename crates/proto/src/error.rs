@@ -74,7 +74,7 @@ impl Kind {
             io::ErrorKind::NotFound => Kind::NotFound,
             io::ErrorKind::AlreadyExists => Kind::Exists,
             io::ErrorKind::PermissionDenied => Kind::Denied,
-            io::ErrorKind::InvalidInput | io::ErrorKind::InvalidData => Kind::Invalid,
+            io::ErrorKind::InvalidInput => Kind::Invalid,
             io::ErrorKind::TimedOut
             | io::ErrorKind::ConnectionRefused
             | io::ErrorKind::ConnectionReset
@@ -181,7 +181,8 @@ impl Error {
         self.os
     }
 
-    /// The same error, of kind `kind`.
+    /// The same error, of kind `kind` (the errno and io kind it came from stay, and are what
+    /// an `io::Error` made of it shows).
     pub fn with_kind(self, kind: Kind) -> Error {
         Error { kind, ..self }
     }
@@ -215,14 +216,15 @@ impl From<io::Error> for Error {
 }
 
 impl From<Error> for io::Error {
-    /// For callers whose edge is `io::Result`: a failed system call as its error number (what
-    /// libkiln returns), anything else as the nearest [`io::ErrorKind`] with the sentence.
+    /// For callers whose edge is `io::Result`: the [`io::ErrorKind`] it came from (or its
+    /// errno's, or the nearest to its kind), with the error itself inside, sentence and errno
+    /// included (`get_ref` and downcast to read the errno: libkiln returns it).
     fn from(e: Error) -> io::Error {
         if let Some(n) = e.os {
-            return io::Error::from_raw_os_error(n);
+            return io::Error::new(io::Error::from_raw_os_error(n).kind(), e);
         }
         if let Some(k) = e.io {
-            return io::Error::new(k, e.msg);
+            return io::Error::new(k, e);
         }
         let kind = match e.kind {
             Kind::Invalid => io::ErrorKind::InvalidInput,
@@ -274,11 +276,19 @@ mod tests {
         assert_eq!(e.to_string(), "volume start vm: no such volume");
         let io = io::Error::from(io::ErrorKind::PermissionDenied);
         assert_eq!(Error::io("open /x", &io).kind(), Kind::Denied);
-        // A system call's error number survives the trip through Error and back.
+        // A system call's error number and sentence survive the trip through Error and back.
         let refused = io::Error::from_raw_os_error(111);
         let e = Error::io("connect", &refused).context("kilnd at 127.0.0.1:1");
         assert_eq!(e.kind(), Kind::Unavailable);
-        assert_eq!(io::Error::from(e).raw_os_error(), Some(111));
+        let back = io::Error::from(e);
+        assert_eq!(back.kind(), io::ErrorKind::ConnectionRefused);
+        assert!(
+            back.to_string()
+                .starts_with("kilnd at 127.0.0.1:1: connect: "),
+            "{back}"
+        );
+        let inner = back.get_ref().and_then(|r| r.downcast_ref::<Error>());
+        assert_eq!(inner.and_then(Error::raw_os_error), Some(111));
         let refused = io::Error::new(io::ErrorKind::ConnectionRefused, "cannot reach kilnd");
         let back = io::Error::from(Error::from(refused));
         assert_eq!(back.kind(), io::ErrorKind::ConnectionRefused);

@@ -10,12 +10,14 @@ pub mod rng;
 
 use std::time::{Duration, Instant};
 
-/// Polls `cond` every 10 ms until it holds; panics naming `what` after `secs` seconds.
+/// Polls `cond` every 20 ms until it holds; panics naming `what` after `secs` seconds.
+/// (Many conditions start a `kiln` process: polling faster would load the CPUs the test
+/// measures.)
 pub fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -47,8 +47,7 @@ pub(super) fn replica_and_bricks(
     if args.first().map(String::as_str) == Some("replica") {
         let n = args
             .get(1)
-            .ok_or(format!("volume {cmd}: `replica` needs a count"))
-            .map_err(Error::failed)?;
+            .ok_or_else(|| Error::invalid(format!("volume {cmd}: `replica` needs a count")))?;
         replica = Some(
             n.parse()
                 .ok()
@@ -80,7 +79,7 @@ pub(super) fn create(a: &CreateArgs) -> Result<(), Error> {
         .as_deref()
         .map(kiln_mgmt::options::parse_size)
         .transpose()
-        .map_err(|e| Error::invalid(format!("volume create: {}: --shard {e}", a.name)))?;
+        .map_err(|e| e.context(format_args!("volume create: {}: --shard", a.name)))?;
     let req = Request::Create {
         name: a.name.clone(),
         replica: Some(replica.unwrap_or(1)),

@@ -55,8 +55,7 @@ pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result
         let mut v = st
             .volumes
             .pop()
-            .ok_or("no such volume")
-            .map_err(Error::failed)?;
+            .ok_or_else(|| Error::not_found("no such volume"))?;
         if v.heal.is_none() {
             // Only the leader heals: ask it.
             if let Some(leader) = v.authority.clone() {
@@ -70,8 +69,7 @@ pub(super) fn wait_for_rebuild(opts: &MgmtOpts, name: &str, new: &str) -> Result
                 v = st
                     .volumes
                     .pop()
-                    .ok_or("no such volume")
-                    .map_err(Error::failed)?;
+                    .ok_or_else(|| Error::not_found("no such volume"))?;
             }
         }
         let i = v
@@ -142,8 +140,7 @@ fn start_rebuilds(a: &HealArgs, vol: &kiln_client::Volume) -> Result<(), Error> 
             let v = infos
                 .volumes
                 .first()
-                .ok_or("no such volume")
-                .map_err(Error::failed)?;
+                .ok_or_else(|| Error::not_found("no such volume"))?;
             let i = v
                 .def
                 .bricks

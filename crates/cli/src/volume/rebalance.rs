@@ -80,7 +80,7 @@ pub(super) fn remove_brick(a: &RemoveBrickArgs) -> Result<(), Error> {
                 a.name
             )
         })
-        .map_err(Error::failed)?;
+        .map_err(Error::invalid)?;
     let req = Request::RemoveBrick {
         name: a.name.clone(),
         bricks: bricks.to_vec(),

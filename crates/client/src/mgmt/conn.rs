@@ -67,20 +67,22 @@ impl From<MgmtError> for io::Error {
 }
 
 impl From<MgmtError> for Error {
-    /// The kind a caller acts on: a broken exchange may work later, a refused key is denied,
-    /// and a refusal keeps the kind the kilnd gave it.
+    /// The kind a caller acts on: a broken exchange may work later, a refused key is denied
+    /// (and carries `EACCES`, which tells it from a command the kilnd denied), and a refusal
+    /// keeps the kind the kilnd gave it.
     fn from(e: MgmtError) -> Error {
         match e {
             MgmtError::Broken(e) => Error::from(e).with_kind(Kind::Unavailable),
-            MgmtError::Denied(m) => Error::denied(m),
+            MgmtError::Denied(m) => Error::denied(m).with_errno(libc::EACCES),
             MgmtError::Status(s) => {
-                Error::failed(io::Error::from_raw_os_error(s).to_string()).with_errno(s)
+                let e = io::Error::from_raw_os_error(s);
+                Error::new(Kind::of_io(&e), e.to_string()).with_errno(s)
             }
             MgmtError::Refused {
                 message,
                 auth_required: true,
                 ..
-            } => Error::denied(message),
+            } => Error::denied(message).with_errno(libc::EACCES),
             MgmtError::Refused { message, kind, .. } => Error::new(kind, message),
         }
     }

@@ -457,7 +457,7 @@ impl Pool {
                             }
                         }
                         Ok(Err(e)) => {
-                            return Err(Error::denied(format!("the pool refused the change: {e}")))
+                            return Err(Error::failed(format!("the pool refused the change: {e}")))
                         }
                         Err(_) => {
                             return Err(Error::unavailable(format!(
@@ -592,7 +592,7 @@ impl Pool {
             )));
         }
         if !joined.joinable {
-            return Err(Error::failed(format!(
+            return Err(Error::conflict(format!(
                 "the kilnd at {addr} is in another pool ({} members, {} keys): detach it \
                  there first (or start it on an empty state directory)",
                 joined.members, joined.keys

@@ -151,10 +151,15 @@ impl Error {
 
     /// `e`, said as `what: e`, with the kind of its [`io::ErrorKind`].
     pub fn io(what: impl fmt::Display, e: &io::Error) -> Error {
+        Error::from_io(e, format!("{what}: {e}"))
+    }
+
+    /// `e`'s kind, errno and io kind, saying `msg`.
+    fn from_io(e: &io::Error, msg: String) -> Error {
         Error {
             os: e.raw_os_error(),
             io: Some(e.kind()),
-            ..Error::new(Kind::of_io(e), format!("{what}: {e}"))
+            ..Error::new(Kind::of_io(e), msg)
         }
     }
 
@@ -207,11 +212,7 @@ impl std::error::Error for Error {}
 
 impl From<io::Error> for Error {
     fn from(e: io::Error) -> Error {
-        Error {
-            os: e.raw_os_error(),
-            io: Some(e.kind()),
-            ..Error::new(Kind::of_io(&e), e.to_string())
-        }
+        Error::from_io(&e, e.to_string())
     }
 }
 

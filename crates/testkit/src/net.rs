@@ -66,13 +66,6 @@ impl Veth {
         ip(&["link", "set", &self.near, if up { "up" } else { "down" }])
             .expect("set the veth link");
     }
-
-    /// `program` run inside the namespace.
-    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns]).arg(program);
-        c
-    }
 }
 
 impl Drop for Veth {

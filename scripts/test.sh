@@ -65,8 +65,19 @@ echo "[${SECONDS}s] == cargo fmt --check"
 cargo fmt --all -- --check
 echo "[${SECONDS}s] == cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "[${SECONDS}s] == cargo test"
-cargo test --workspace --locked
+# The test runner: cargo-nextest, pinned. It starts each test in a process of its own and runs
+# several at once; .config/nextest.toml says how many, which start first and which take the
+# machine alone. Doc tests are cargo test's own.
+nextest_version=0.9.151
+if [ "$(cargo nextest --version 2>/dev/null | awk 'NR == 1 { print $2 }')" != "$nextest_version" ]; then
+  echo "[${SECONDS}s] == installing cargo-nextest $nextest_version"
+  cargo install --locked --quiet cargo-nextest --version "$nextest_version" \
+    --no-default-features --features default-no-update
+fi
+echo "[${SECONDS}s] == cargo nextest run"
+cargo nextest run --workspace --locked
+echo "[${SECONDS}s] == doc tests"
+cargo test --workspace --locked --doc
 
 # POSIX conformance: pjdfstest as root inside real mounts (one brick general and vm-image, a
 # replica-3 volume), against tests/conformance/exclusions.txt. KILN_CONFORMANCE=0 skips it.

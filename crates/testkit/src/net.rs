@@ -2,22 +2,23 @@
 //! joined to this one by a veth pair whose link a test can take down (a partition without
 //! touching anything else), removed with what runs in it when dropped.
 
+use std::io;
 use std::process::Command;
 
 /// Runs `ip ARGS`; the error says which command failed and why.
-pub fn ip(args: &[&str]) -> Result<(), String> {
+pub fn ip(args: &[&str]) -> io::Result<()> {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run ip: {e}")))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
+        Err(io::Error::other(format!(
             "ip {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        )))
     }
 }
 
@@ -36,12 +37,18 @@ pub struct Veth {
 }
 
 impl Veth {
-    /// A pair named after `tag` (at most 6 characters) and this process, on
-    /// `10.NET.(pid % 250).0/30`: tests that run at once choose different `net`s.
-    pub fn new(tag: &str, net: u8) -> Result<Veth, String> {
+    /// A pair named after `tag` (at most 6 characters) and this process, on a free /30 in
+    /// `10.NET.0.0/16`. The subnet is chosen under a lock on a file in the temporary
+    /// directory, from the addresses this namespace has, so tests in other processes (a test
+    /// runner starts each test in its own) never get the same one.
+    pub fn new(tag: &str, net: u8) -> io::Result<Veth> {
         assert!(tag.len() <= 6, "interface names are at most 15 bytes");
         let id = std::process::id();
-        let base = format!("10.{net}.{}", id % 250);
+        let lock_path = std::env::temp_dir().join("kiln-testkit-veth.lock");
+        let lock = std::fs::File::create(&lock_path)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", lock_path.display())))?;
+        lock.lock()?;
+        let base = free_subnet(net, id)?;
         let v = Veth {
             ns: format!("{tag}{id}"),
             near: format!("{tag}{id}a"),
@@ -54,6 +61,7 @@ impl Veth {
         ip(&["link", "set", &far, "netns", &v.ns])?;
         ip(&["addr", "add", &format!("{}/30", v.near_ip), "dev", &v.near])?;
         ip(&["link", "set", &v.near, "up"])?;
+        drop(lock); // the address is in place: the next caller sees it
         let far_addr = format!("{}/30", v.far_ip);
         ip(&["-n", &v.ns, "addr", "add", &far_addr, "dev", &far])?;
         ip(&["-n", &v.ns, "link", "set", &far, "up"])?;
@@ -66,6 +74,21 @@ impl Veth {
         ip(&["link", "set", &self.near, if up { "up" } else { "down" }])
             .expect("set the veth link");
     }
+}
+
+/// The first three octets of a /30 in `10.NET.0.0/16` (fourth octet 0) that no address in
+/// this namespace is in, starting from one derived from `id`.
+fn free_subnet(net: u8, id: u32) -> io::Result<String> {
+    let out = Command::new("ip")
+        .args(["-o", "-4", "addr", "show"])
+        .output()
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run ip: {e}")))?;
+    let used = String::from_utf8_lossy(&out.stdout).into_owned();
+    let start = id % 250;
+    (0..250)
+        .map(|k| format!("10.{net}.{}", (start + k) % 250))
+        .find(|base| !used.contains(&format!(" {base}.")))
+        .ok_or_else(|| io::Error::other(format!("no free /30 left in 10.{net}.0.0/16")))
 }
 
 impl Drop for Veth {

@@ -5,8 +5,17 @@ use std::path::Path;
 
 use kiln_tidy::{functions, is_test_file, sources, MAX_FILE_LINES, MAX_FN_LINES};
 
+/// The repository this run tests. From the environment cargo gives the test, not from where
+/// the binary was compiled: one build cache serves every clone on a machine, and a binary
+/// built for another clone would read that clone's files.
 fn root() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+    static ROOT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo test sets CARGO_MANIFEST_DIR"),
+        )
+        .join("../..")
+    })
 }
 
 fn rel(p: &Path) -> String {

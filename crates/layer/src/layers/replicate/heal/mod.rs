@@ -35,7 +35,7 @@
 //! the target *before* the session began and reaches the source only after heal read the chunk:
 //! with the grace, that needs one replica's copy of a write to lag the other's by more than
 //! [`GRACE`] plus heal's round trips, while that brick answers heal — not seen in the seeded
-//! heal-while-writing runs (see `crates/server/tests/replicate_heal.rs`).
+//! heal-while-writing runs (see `crates/kilnd/tests/it/replicate_heal.rs`).
 //!
 //! **Choosing the source.** A source is an up replica, not the target, that no up replica
 //! marks as behind for the chunk (up replicas that hold marks for the target are tried

@@ -21,64 +21,19 @@
 
 use kiln_proto::codec::Wire;
 use kiln_proto::ops::*;
-use kiln_proto::{Errno, Op};
+use kiln_proto::Op;
 
-/// How a fop is repeated after a loss in doubt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Replay {
-    /// Idempotent: the same request.
-    Same,
-    /// The same request; this errno in the second answer means the first one took effect.
-    DoneIf(Errno),
-    /// The same request; `EEXIST` means the first one made the name: answer with its lookup.
-    Made,
-    /// A create: again without `O_EXCL` and `O_TRUNC`.
-    Create,
-    /// Not repeatable: bound to the connection that was lost.
-    Never,
-}
+pub use kiln_proto::ops::Replay;
 
-/// The replay rule of `op`.
+/// The replay rule of `op`: the fop table's ([`Op::replay`]).
 pub fn of(op: Op) -> Replay {
-    use Op::*;
-    match op {
-        Unlink | Rmdir | Rename => Replay::DoneIf(kiln_layer::errno::ENOENT),
-        Removexattr => Replay::DoneIf(libc::ENODATA as Errno),
-        Setxattr => Replay::DoneIf(libc::EEXIST as Errno),
-        Mkdir | Symlink | Mknod | Link => Replay::Made,
-        Create => Replay::Create,
-        HealLock | HealSession | HealInfo | HealOpen | MarkClearIf | FlagClearIf | Hello | Auth
-        | Mgmt | Profile | Grant => Replay::Never,
-        _ => Replay::Same,
-    }
+    op.replay()
 }
 
-/// True for the fops whose arguments begin with the brick's handle number (a `u64`).
-pub fn takes_handle(op: Op) -> bool {
-    use Op::*;
-    matches!(
-        op,
-        Read | Write
-            | WriteMarked
-            | Fsync
-            | Release
-            | Fstat
-            | Fsetattr
-            | Fallocate
-            | Discard
-            | Grant
-    )
-}
-
-/// The name a [`Replay::Made`] fop makes, from its encoded arguments.
+/// The name a [`Replay::Made`] fop makes, from its encoded arguments: the last path it names
+/// (a link's new name, not the file it links to).
 pub fn made_path(op: Op, args: &[u8]) -> Option<String> {
-    match op {
-        Op::Mkdir => MkdirReq::from_wire(args).ok().map(|r| r.path),
-        Op::Symlink => SymlinkReq::from_wire(args).ok().map(|r| r.path),
-        Op::Mknod => MknodReq::from_wire(args).ok().map(|r| r.path),
-        Op::Link => LinkReq::from_wire(args).ok().map(|r| r.path),
-        _ => None,
-    }
+    kiln_layer::requests::named_paths(op, args)?.pop()
 }
 
 /// A create's arguments for its repeat: it must open what the first one may have made.
@@ -134,7 +89,7 @@ mod tests {
             ),
         ];
         for (op, w) in wires {
-            assert!(takes_handle(op), "{op:?}");
+            assert_eq!(op.by(), By::Handle, "{op:?}");
             assert_eq!(w[..8], fh.to_le_bytes(), "{op:?}");
         }
     }

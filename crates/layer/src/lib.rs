@@ -16,6 +16,7 @@ pub mod config;
 pub mod exec;
 pub mod layers;
 pub mod metrics;
+pub mod requests;
 pub mod shared;
 pub mod timer;
 pub mod trace;
@@ -607,6 +608,39 @@ macro_rules! declare_layer {
 }
 
 for_each_fop!(declare_layer);
+
+macro_rules! declare_fan_out {
+    (() $( ($name:ident, $op:ident, ($($arg:ident : $ty:ty),*), $ret:ty) )*) => {
+        /// Every fop, none with a default: what a layer over several children (replicate,
+        /// distribute, shard) does with each. Its [`Layer`] impl takes its fops from here with
+        /// [`fan_out_fops`], so a fop added to [`for_each_fop`] does not compile until each
+        /// such layer says where it goes (a [`Layer`] default would send it to the first
+        /// child only).
+        pub trait FanOut: Send + Sync + 'static {
+            $(
+                #[doc = concat!("The `", stringify!($name), "` fop.")]
+                #[allow(clippy::ptr_arg)] // the fop list's types, as the wire gives them
+                fn $name<'a>(&'a self, cx: &'a Ctx, $($arg: $ty),*) -> Fut<'a, $ret>;
+            )*
+        }
+    };
+}
+
+for_each_fop!(declare_fan_out);
+
+/// Every fop of a [`FanOut`] layer's [`Layer`] impl, taken from its [`FanOut`] impl: with
+/// `use kiln_layer::fan_out_fops;` in the module, `for_each_fop!(fan_out_fops);` inside
+/// `impl Layer for T`.
+#[macro_export]
+macro_rules! fan_out_fops {
+    (() $( ($name:ident, $op:ident, ($($arg:ident : $ty:ty),*), $ret:ty) )*) => {
+        $(
+            fn $name<'a>(&'a self, cx: &'a $crate::Ctx, $($arg: $ty),*) -> $crate::Fut<'a, $ret> {
+                <Self as $crate::FanOut>::$name(self, cx, $($arg),*)
+            }
+        )*
+    };
+}
 
 /// The shared handle to a layer.
 pub type LayerRef = Arc<dyn Layer>;

@@ -230,20 +230,40 @@ macro_rules! wire_struct {
     ($(
         $(#[$m:meta])*
         pub struct $name:ident { $( $(#[$fm:meta])* pub $f:ident : $t:ty ),* $(,)? }
-    )*) => {$(
-        $(#[$m])*
-        #[derive(Debug, Clone, PartialEq, Eq, Default)]
-        pub struct $name { $( $(#[$fm])* pub $f: $t ),* }
+    )*) => {
+        $(
+            $(#[$m])*
+            #[derive(Debug, Clone, PartialEq, Eq, Default)]
+            pub struct $name { $( $(#[$fm])* pub $f: $t ),* }
 
-        impl $crate::codec::Wire for $name {
-            #[allow(unused_variables)]
-            fn encode(&self, e: &mut $crate::codec::Enc) {
-                $( $crate::codec::Wire::encode(&self.$f, e); )*
+            impl $crate::codec::Wire for $name {
+                #[allow(unused_variables)]
+                fn encode(&self, e: &mut $crate::codec::Enc) {
+                    $( $crate::codec::Wire::encode(&self.$f, e); )*
+                }
+                #[allow(unused_variables)]
+                fn decode(d: &mut $crate::codec::Dec<'_>) -> Result<Self, $crate::codec::DecodeError> {
+                    Ok($name { $( $f: $crate::codec::Wire::decode(d)? ),* })
+                }
             }
-            #[allow(unused_variables)]
-            fn decode(d: &mut $crate::codec::Dec<'_>) -> Result<Self, $crate::codec::DecodeError> {
-                Ok($name { $( $f: $crate::codec::Wire::decode(d)? ),* })
-            }
-        }
-    )*};
+        )*
+
+        /// Every wire struct this module declares, by name, with its round-trip check
+        /// ([`crate::codec::check_roundtrip`]): the fuzzer takes its cases from these lists.
+        pub const WIRE_TYPES: &[(&str, fn(&[u8]))] =
+            &[$( (stringify!($name), $crate::codec::check_roundtrip::<$name>) ),*];
+    };
+}
+
+/// Decodes `bytes` as a `T`; a value it accepts must encode back to the same bytes (this
+/// panics, naming the type, if not).
+pub fn check_roundtrip<T: Wire + PartialEq + std::fmt::Debug>(bytes: &[u8]) {
+    if let Ok(v) = T::from_wire(bytes) {
+        assert_eq!(
+            v.to_wire(),
+            bytes,
+            "{}: re-encoding differs",
+            std::any::type_name::<T>()
+        );
+    }
 }

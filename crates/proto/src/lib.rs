@@ -36,6 +36,8 @@ pub mod errno {
     pub const ENOENT: u32 = 2;
     /// I/O error.
     pub const EIO: u32 = 5;
+    /// The name exists.
+    pub const EEXIST: u32 = 17;
     /// Bad file descriptor (unknown handle).
     pub const EBADF: u32 = 9;
     /// Busy: the server has as many clients as it serves.

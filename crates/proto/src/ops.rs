@@ -7,10 +7,11 @@
 #![allow(missing_docs)] // fields are named after the POSIX fields they carry
 
 use crate::codec::Seq;
+use crate::errno;
 use crate::wire_struct;
 
 macro_rules! ops {
-    ($( $(#[$m:meta])* $name:ident = $val:expr ),* $(,)?) => {
+    ($( $(#[$m:meta])* $name:ident = $val:expr => ($by:ident, $effects:expr, $replay:expr, $acts:ident) ),* $(,)?) => {
         /// A fop's opcode.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[repr(u16)]
@@ -29,140 +30,272 @@ macro_rules! ops {
             pub fn name(self) -> &'static str {
                 match self { $( Op::$name => stringify!($name), )* }
             }
+
+            /// What the fop's arguments name (the table's first column).
+            pub fn by(self) -> By {
+                match self { $( Op::$name => By::$by, )* }
+            }
+
+            /// What the fop may change of what it names (the second column).
+            pub fn effects(self) -> Effects {
+                match self { $( Op::$name => { use effects_consts::*; $effects } )* }
+            }
+
+            /// How a client repeats the fop when its connection was lost with the request in
+            /// flight (the third column).
+            pub fn replay(self) -> Replay {
+                #[allow(unused_imports)]
+                use Replay::*;
+                match self { $( Op::$name => $replay, )* }
+            }
+
+            /// Whom the brick acts as when it runs the fop (the fourth column).
+            pub fn acts_as(self) -> ActsAs {
+                match self { $( Op::$name => ActsAs::$acts, )* }
+            }
         }
     };
 }
 
+/// What a fop's arguments name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum By {
+    /// The connection itself (handshake, management, profiling, watching, liveness).
+    Conn,
+    /// A path (or two): the request's `path`-like fields, relative to the brick root.
+    Path,
+    /// An open file: the arguments begin with the brick's handle number, little-endian
+    /// (a protocol-client patches it there when it reopens the handle on a new connection).
+    Handle,
+}
+
+/// What a fop may change of what it names: a set of the constants below. The brick derives
+/// from it what it tells watchers ([`CHANGE_DATA`] and the others), which local readers'
+/// grants it makes stale, and a replicating client which fops it stamps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Effects(u8);
+
+impl Effects {
+    /// Changes nothing a cache or a grant holds.
+    pub const NONE: Effects = Effects(0);
+    /// The file's bytes or size.
+    pub const DATA: Effects = Effects(1);
+    /// Makes a name.
+    pub const ADDS: Effects = Effects(2);
+    /// Removes or replaces a name.
+    pub const REMOVES: Effects = Effects(4);
+    /// Extended attributes or the link count.
+    pub const ATTR: Effects = Effects(8);
+    /// The bytes, when the request's open flags have `O_TRUNC`.
+    pub const TRUNC: Effects = Effects(16);
+    /// Opens a handle (the brick keeps its path for what is changed through it).
+    pub const OPENS: Effects = Effects(32);
+    /// Begins heal or migration of the file (its bytes may be replaced under readers).
+    pub const HEAL: Effects = Effects(64);
+
+    /// Both sets.
+    pub const fn and(self, o: Effects) -> Effects {
+        Effects(self.0 | o.0)
+    }
+
+    /// True when any of `o` is in this set.
+    pub fn any(self, o: Effects) -> bool {
+        self.0 & o.0 != 0
+    }
+
+    /// True when nothing is.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// What watchers are told of each path the request names (`CHANGE_*` bits), given
+    /// whether its open flags truncate.
+    pub fn pushed(self, truncates: bool) -> u8 {
+        let mut k = 0;
+        if self.any(Effects::DATA) || (truncates && self.any(Effects::TRUNC)) {
+            k |= CHANGE_DATA;
+        }
+        if self.any(Effects::ADDS.and(Effects::REMOVES)) {
+            k |= CHANGE_NAME;
+        }
+        if self.any(Effects::ATTR) {
+            k |= CHANGE_ATTR;
+        }
+        k
+    }
+}
+
+/// The table's names for [`Effects`].
+mod effects_consts {
+    pub use super::Effects;
+    pub const NONE: Effects = Effects::NONE;
+    pub const DATA: Effects = Effects::DATA;
+    pub const ADDS: Effects = Effects::ADDS;
+    pub const REMOVES: Effects = Effects::REMOVES;
+    pub const ATTR: Effects = Effects::ATTR;
+    pub const TRUNC: Effects = Effects::TRUNC;
+    pub const OPENS: Effects = Effects::OPENS;
+    pub const HEAL: Effects = Effects::HEAL;
+}
+
+/// How a fop is repeated after its connection was lost with the request in flight, so that
+/// the brick's second answer means what the first would have (see `kiln_client`'s replay).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    /// Idempotent: the same request.
+    Same,
+    /// The same request; this errno in the second answer means the first one took effect.
+    DoneIf(crate::Errno),
+    /// The same request; `EEXIST` means the first one made the name: answer with its lookup.
+    Made,
+    /// A create: again without `O_EXCL` and `O_TRUNC`.
+    Create,
+    /// Not repeatable: bound to the connection that was lost.
+    Never,
+}
+
+/// Whom the brick acts as when it runs a fop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActsAs {
+    /// The caller: with the credentials the request carries ([`crate::frame::FLAG_CRED`]).
+    Caller,
+    /// The brick itself: the fop ignores credentials.
+    Brick,
+}
+
+// The fop table. Each row: opcode, then what the fop's arguments name ([`By`]), what it may
+// change ([`Effects`]), how a client repeats it after a lost connection ([`Replay`]), and
+// whom the brick acts as ([`ActsAs`]). Whatever depends on these is derived from the row.
 ops! {
     /// Version and limits exchange; the first request on a connection.
-    Hello = 1,
+    Hello = 1 => (Conn, NONE, Never, Brick),
     /// Attributes of a path, not following a final symlink.
-    Lookup = 2,
+    Lookup = 2 => (Path, NONE, Same, Caller),
     /// Attributes of an open file.
-    Fstat = 3,
+    Fstat = 3 => (Handle, NONE, Same, Caller),
     /// Change mode, owner, times or size of a path.
-    Setattr = 4,
+    Setattr = 4 => (Path, DATA, Same, Caller),
     /// Open an existing file; returns a handle.
-    Open = 5,
+    Open = 5 => (Path, OPENS.and(TRUNC), Same, Caller),
     /// Create (or open) a file; returns a handle and attributes.
-    Create = 6,
+    Create = 6 => (Path, OPENS.and(ADDS).and(TRUNC), Create, Caller),
     /// Read from a handle; the data is the reply's payload.
-    Read = 7,
+    Read = 7 => (Handle, NONE, Same, Brick),
     /// Write the request's payload to a handle.
-    Write = 8,
+    Write = 8 => (Handle, DATA, Same, Caller),
     /// Flush a handle to stable storage.
-    Fsync = 9,
+    Fsync = 9 => (Handle, NONE, Same, Brick),
     /// Close a handle.
-    Release = 10,
+    Release = 10 => (Handle, NONE, Same, Brick),
     /// Remove a file.
-    Unlink = 11,
+    Unlink = 11 => (Path, REMOVES, DoneIf(errno::ENOENT), Caller),
     /// Make a directory.
-    Mkdir = 12,
+    Mkdir = 12 => (Path, ADDS, Made, Caller),
     /// Remove an empty directory.
-    Rmdir = 13,
+    Rmdir = 13 => (Path, REMOVES, DoneIf(errno::ENOENT), Caller),
     /// Rename a path.
-    Rename = 14,
+    Rename = 14 => (Path, REMOVES.and(ADDS), DoneIf(errno::ENOENT), Caller),
     /// List a directory with attributes.
-    Readdir = 15,
+    Readdir = 15 => (Path, NONE, Same, Caller),
     /// Make a symbolic link.
-    Symlink = 16,
+    Symlink = 16 => (Path, ADDS, Made, Caller),
     /// Read a symbolic link's target.
-    Readlink = 17,
+    Readlink = 17 => (Path, NONE, Same, Caller),
     /// Make a hard link.
-    Link = 18,
+    Link = 18 => (Path, ADDS.and(ATTR), Made, Caller),
     /// File system statistics.
-    Statfs = 19,
+    Statfs = 19 => (Path, NONE, Same, Caller),
     /// Read an extended attribute.
-    Getxattr = 20,
+    Getxattr = 20 => (Path, NONE, Same, Caller),
     /// Set an extended attribute.
-    Setxattr = 21,
+    Setxattr = 21 => (Path, ATTR, DoneIf(errno::EEXIST), Caller),
     /// List extended attribute names.
-    Listxattr = 22,
+    Listxattr = 22 => (Path, NONE, Same, Caller),
     /// Remove an extended attribute.
-    Removexattr = 23,
+    Removexattr = 23 => (Path, ATTR, DoneIf(errno::ENODATA), Caller),
     /// Allocate (or punch, with mode flags) file space.
-    Fallocate = 24,
+    Fallocate = 24 => (Handle, DATA, Same, Caller),
     /// Discard a range: punch a hole, keeping the size.
-    Discard = 25,
+    Discard = 25 => (Handle, DATA, Same, Caller),
     /// Change mode, owner, times or size of an open file.
-    Fsetattr = 26,
+    Fsetattr = 26 => (Handle, DATA, Same, Caller),
     /// Prove the shared secret (challenge-response after HELLO).
-    Auth = 27,
+    Auth = 27 => (Conn, NONE, Never, Brick),
     /// Profiling control and data: the reply's payload is JSON (see [`ProfileReq`]).
-    Profile = 28,
+    Profile = 28 => (Conn, NONE, Never, Brick),
     /// Volume management (create, start, volfile, heal, …): the request and the reply's
     /// payload are JSON (see [`MgmtReq`]). Served by a kilnd that keeps volume definitions.
-    Mgmt = 29,
+    Mgmt = 29 => (Conn, NONE, Never, Brick),
     /// Replication control (`crate::marks`): replica `target` missed a byte range of a file.
-    MarkAdd = 30,
+    MarkAdd = 30 => (Path, NONE, Same, Brick),
     /// Replication control: `target` has that range now.
-    MarkClear = 31,
+    MarkClear = 31 => (Path, NONE, Same, Brick),
     /// Replication control: the same, unless a mark was added since a generation (`EAGAIN`).
-    MarkClearIf = 32,
+    MarkClearIf = 32 => (Path, NONE, Never, Brick),
     /// Replication control: `target` missed an entry or metadata change of a path.
-    FlagAdd = 33,
+    FlagAdd = 33 => (Path, NONE, Same, Brick),
     /// Replication control: those flags are healed, unless a mark was added since a generation.
-    FlagClearIf = 34,
+    FlagClearIf = 34 => (Path, NONE, Never, Brick),
     /// Replication control: take or drop heal's range lock on a file.
-    HealLock = 35,
+    HealLock = 35 => (Path, HEAL, Never, Brick),
     /// Replication control: begin or end the caller's heal session on a file.
-    HealSession = 36,
+    HealSession = 36 => (Path, HEAL, Never, Brick),
     /// Replication control: a file's marks (a page of them).
-    Pending = 37,
+    Pending = 37 => (Path, NONE, Same, Brick),
     /// Replication control: the brick's index of files with marks (a page of it).
-    PendingIndex = 38,
+    PendingIndex = 38 => (Path, NONE, Same, Brick),
     /// Replication control: the caller's heal session on a file, and what its writes skipped.
-    HealInfo = 39,
+    HealInfo = 39 => (Path, NONE, Never, Brick),
     /// Open a file for heal: writes through the handle skip what clients changed since the
     /// caller's heal session began.
-    HealOpen = 40,
+    HealOpen = 40 => (Path, OPENS.and(TRUNC).and(HEAL), Never, Brick),
     /// Read a directory's distribute layout (empty when it has none).
-    LayoutGet = 41,
+    LayoutGet = 41 => (Path, NONE, Same, Brick),
     /// Store a directory's distribute layout (checked to be one before it is stored).
-    LayoutSet = 42,
+    LayoutSet = 42 => (Path, NONE, Same, Brick),
     /// Make a FIFO, socket, character or block device node (or an empty regular file).
-    Mknod = 43,
+    Mknod = 43 => (Path, ADDS, Made, Caller),
     /// Replication control: whether the brick is new to its volume (not yet rebuilt), and
     /// heal's word that a rebuild finished (or that a brick must be rebuilt).
-    Member = 44,
+    Member = 44 => (Path, NONE, Same, Brick),
     /// Write the request's payload to a handle, then record on this brick that the replicas
     /// in `missed` lack the bytes written (a replica's miss recorded in the same step as the
     /// write, not in a round trip after it).
-    WriteMarked = 45,
+    WriteMarked = 45 => (Handle, DATA, Same, Caller),
     /// Local short-circuit (Unix-socket connections only): a read-only descriptor of the file
     /// a handle has open, passed with `SCM_RIGHTS` ([`crate::frame::FLAG_FDS`]), and the slot
     /// of the brick's generation table that says while reads through it are current (see
     /// [`GrantReq`], [`GrantReply`]). With `fh` 0 it only reports the caller's direct reads.
-    Grant = 46,
+    Grant = 46 => (Handle, NONE, Never, Brick),
     /// Never sent: the io-stats row that counts reads clients made straight from the brick's
     /// files with a grant (reported with [`Op::Grant`]).
-    LocalRead = 47,
+    LocalRead = 47 => (Conn, NONE, Never, Brick),
     /// Ask the brick to tell this connection when other connections change files and names
     /// ([`WatchReq`]): it then sends [`crate::frame::FLAG_PUSH`] frames, unasked, each a
     /// [`Changes`]. Caches of what others may change (a mount's names, attributes and small
     /// files) are dropped on them instead of on a timeout.
-    Watch = 48,
+    Watch = 48 => (Conn, NONE, Same, Brick),
     /// Where an open file's data lies in a range ([`ExtentsReq`]): runs of data and of holes,
     /// from the brick file system's `SEEK_DATA`/`SEEK_HOLE` ([`ExtentList`]).
-    Extents = 49,
+    Extents = 49 => (Handle, NONE, Same, Brick),
     /// An image's exclusive lock ([`LeaseReq`]): one holder at a time writes the file; a
     /// holder that stops renewing loses it to the next one that asks ([`LeaseState`]).
-    Lease = 50,
+    Lease = 50 => (Handle, NONE, Same, Brick),
     /// Changed-block tracking ([`DirtyReq`]): start or stop recording which ranges of a file
     /// are written under a name, or ask which were since it started ([`ExtentList`]).
-    Dirty = 51,
+    Dirty = 51 => (Handle, NONE, Same, Brick),
     /// Snapshots of an image ([`SnapReq`]): a write barrier on the file, a copy of it taken
     /// under the barrier by the brick file system's reflink, and clones of such copies.
-    Snap = 52,
+    Snap = 52 => (Handle, NONE, Same, Brick),
     /// A client that ends cleanly says so (no arguments, an empty reply): every change it sent
     /// on this connection was answered, and so were their siblings on the other replicas, so
     /// the brick forgets what it changed lately instead of leaving it as suspect marks when
     /// the connection closes. Sent only with nothing in flight.
-    Bye = 53,
+    Bye = 53 => (Conn, NONE, Same, Brick),
     /// Are you there? (no arguments, an empty reply). A client sends it on a connection with
     /// requests waiting that has heard nothing for a while; the brick answers on the
     /// connection's own thread, before any storage call (see [`HELLO_PING`]).
-    Ping = 54,
+    Ping = 54 => (Conn, NONE, Same, Brick),
 }
 
 impl Op {
@@ -174,44 +307,13 @@ impl Op {
     /// open file (read, fsync, release) and replication control are the brick's own
     /// business: those run as the brick and ignore credentials.
     pub fn acts_for_caller(self) -> bool {
-        use Op::*;
-        matches!(
-            self,
-            Lookup
-                | Fstat
-                | Setattr
-                | Open
-                | Create
-                | Unlink
-                | Mkdir
-                | Rmdir
-                | Rename
-                | Readdir
-                | Symlink
-                | Mknod
-                | Readlink
-                | Link
-                | Statfs
-                | Getxattr
-                | Setxattr
-                | Listxattr
-                | Removexattr
-                | Fallocate
-                | Discard
-                | Fsetattr
-                | Write
-                | WriteMarked
-        )
+        self.acts_as() == ActsAs::Caller
     }
 
     /// True for the fops that may change a file's bytes or size: the ones a replicating
     /// client stamps ([`crate::stamp::Stamp`]).
     pub fn changes_bytes(self) -> bool {
-        use Op::*;
-        matches!(
-            self,
-            Write | WriteMarked | Fallocate | Discard | Fsetattr | Setattr
-        )
+        self.effects().any(Effects::DATA)
     }
 }
 
@@ -537,3 +639,64 @@ pub const CHANGE_ATTR: u8 = 2;
 /// [`Change::kind`]: the name now leads to another file, or to none (created, removed,
 /// renamed from or to, linked).
 pub const CHANGE_NAME: u8 = 4;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fuzzer_can_name_every_wire_type_with_one_byte() {
+        let lists = [
+            WIRE_TYPES,
+            crate::marks::WIRE_TYPES,
+            crate::stamp::WIRE_TYPES,
+        ];
+        let names: Vec<&str> = lists
+            .iter()
+            .flat_map(|l| l.iter().map(|(n, _)| *n))
+            .collect();
+        assert!(names.len() <= 256, "{} wire types", names.len());
+        let mut unique = names.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len());
+        assert!(names.contains(&"WriteReq") && names.contains(&"Mark"));
+    }
+
+    #[test]
+    fn effects_give_what_watchers_are_told() {
+        assert_eq!(Op::Write.effects().pushed(false), CHANGE_DATA);
+        assert_eq!(Op::Open.effects().pushed(false), 0);
+        assert_eq!(Op::Open.effects().pushed(true), CHANGE_DATA);
+        assert_eq!(Op::Create.effects().pushed(false), CHANGE_NAME);
+        assert_eq!(Op::Rename.effects().pushed(false), CHANGE_NAME);
+        assert_eq!(Op::Setxattr.effects().pushed(false), CHANGE_ATTR);
+        assert_eq!(Op::HealSession.effects().pushed(true), 0);
+        let stamped: Vec<Op> = Op::ALL
+            .iter()
+            .copied()
+            .filter(|o| o.changes_bytes())
+            .collect();
+        use Op::*;
+        assert_eq!(
+            stamped,
+            [Setattr, Write, Fallocate, Discard, Fsetattr, WriteMarked]
+        );
+    }
+
+    #[test]
+    fn handle_fops_act_on_a_handle_and_connection_fops_are_never_repeated_blindly() {
+        for &op in Op::ALL {
+            if op.by() == By::Conn {
+                assert!(
+                    matches!(op.replay(), Replay::Never | Replay::Same),
+                    "{op:?}"
+                );
+                assert_eq!(op.acts_as(), ActsAs::Brick, "{op:?}");
+            }
+            if op.effects().any(Effects::OPENS) {
+                assert_eq!(op.by(), By::Path, "{op:?}");
+            }
+        }
+    }
+}

@@ -1,9 +1,10 @@
 //! GRANT and what makes grants stale (see [`crate::grants`]).
 
+use kiln_layer::requests;
 use kiln_layer::Ctx;
 use kiln_proto::codec::Wire;
 use kiln_proto::marks::{HealReq, SESSION_FREEZE, SESSION_MIGRATE};
-use kiln_proto::ops::{CreateReq, GrantReply, GrantReq, HandleReq, OpenReq};
+use kiln_proto::ops::{By, Effects, GrantReply, GrantReq, HandleReq};
 use kiln_proto::{errno, Op};
 
 use crate::grants::{self, Table};
@@ -83,41 +84,30 @@ impl Conn {
         self.stack.visit(&mut f);
     }
 
-    /// Before a fop runs: bumps the grants it could make stale. Writes and size changes through
-    /// a handle bump other connections' grants of that file; a name change, a truncating open,
+    /// Before a fop runs: bumps the grants it could make stale, from the fop table's effects
+    /// ([`Op::effects`]). Writes and size changes through a handle bump other connections'
+    /// grants of that file; a size change, removal or replacement by name, a truncating open,
     /// or a heal or migration session beginning bumps every grant (which file a name is would
     /// take a lookup). One relaxed load when no grant is alive.
     pub(super) fn before_change(&mut self, op: Op, args: &[u8]) {
         if !self.grants.any() {
             return;
         }
-        match op {
-            Op::Write | Op::WriteMarked | Op::Fallocate | Op::Discard | Op::Fsetattr => {
-                // Every handle fop's arguments start with its handle.
-                let Ok(req) = HandleReq::from_wire(&args[..args.len().min(8)]) else {
-                    return;
-                };
-                match self.inode_of_handle(req.fh) {
-                    Some(ino) => self.grants.changing(ino, self.conn_id),
-                    None => self.grants.changing_all(),
-                }
+        let effects = op.effects();
+        if op.by() == By::Handle && effects.any(Effects::DATA) {
+            // Every handle fop's arguments start with its handle.
+            let Ok(req) = HandleReq::from_wire(&args[..args.len().min(8)]) else {
+                return;
+            };
+            match self.inode_of_handle(req.fh) {
+                Some(ino) => self.grants.changing(ino, self.conn_id),
+                None => self.grants.changing_all(),
             }
-            Op::Open | Op::Create => {
-                let flags = match op {
-                    Op::Open => OpenReq::from_wire(args).map(|r| r.flags),
-                    _ => CreateReq::from_wire(args).map(|r| r.flags),
-                };
-                if flags.map_or(true, |f| f & libc::O_TRUNC as u32 != 0) {
-                    self.grants.changing_all();
-                }
-            }
-            Op::Setattr
-            | Op::Unlink
-            | Op::Rename
-            | Op::HealOpen
-            | Op::HealSession
-            | Op::HealLock => self.grants.changing_all(),
-            _ => {}
+        } else if effects.any(Effects::DATA.and(Effects::REMOVES).and(Effects::HEAL))
+            || (effects.any(Effects::TRUNC)
+                && requests::open_flags(op, args).is_none_or(|f| f & libc::O_TRUNC as u32 != 0))
+        {
+            self.grants.changing_all();
         }
     }
 

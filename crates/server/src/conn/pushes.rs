@@ -1,7 +1,8 @@
 //! Watching: WATCH requests, what each fop changes, and the push frames that tell watchers
 //! (see [`crate::watch`]).
 
-use kiln_proto::ops::{CHANGE_ATTR, CHANGE_DATA, CHANGE_NAME};
+use kiln_layer::requests;
+use kiln_proto::ops::{By, Effects};
 
 use super::*;
 
@@ -20,64 +21,39 @@ impl Conn {
     }
 
     /// What `op` with `args` (credentials taken off) will change, if anything, and for opens
-    /// the handle's path. Arguments that do not decode change nothing (the fop refuses them).
+    /// the handle's path: from the fop table's effects ([`Op::effects`]) of the paths the
+    /// request names, or of the path a handle was opened by. Arguments that do not decode
+    /// change nothing (the fop refuses them).
     pub(super) fn changes_of(&self, op: Op, args: &[u8]) -> Option<Changing> {
+        let effects = op.effects();
         // Opens always: a handle keeps its path for changes made through it after a watcher
         // comes.
-        if !matches!(op, Op::Open | Op::HealOpen | Op::Create) && !self.watchers.any() {
+        let opens = effects.any(Effects::OPENS);
+        if effects.is_empty() || (!opens && !self.watchers.any()) {
             return None;
         }
-        let one = |path: String, kind: u8| Changing {
-            changes: vec![(path, kind)],
-            opened: None,
-        };
-        match op {
-            Op::Open | Op::HealOpen => {
-                let req = OpenReq::from_wire(args).ok()?;
-                let trunc = req.flags & libc::O_TRUNC as u32 != 0;
-                Some(Changing {
-                    changes: match trunc {
-                        true => vec![(req.path.clone(), CHANGE_DATA)],
-                        false => Vec::new(),
-                    },
-                    opened: Some(req.path),
-                })
-            }
-            Op::Create => {
-                let req = CreateReq::from_wire(args).ok()?;
-                Some(Changing {
-                    changes: vec![(req.path.clone(), CHANGE_NAME | CHANGE_DATA)],
-                    opened: Some(req.path),
-                })
-            }
-            Op::Write | Op::WriteMarked | Op::Fallocate | Op::Discard | Op::Fsetattr => {
-                // Every handle fop's arguments start with its handle.
+        let paths = match op.by() {
+            By::Conn => return None,
+            // Every handle fop's arguments start with its handle.
+            By::Handle => {
                 let fh = HandleReq::from_wire(&args[..args.len().min(8)]).ok()?.fh;
-                Some(one(self.handle_paths.get(&fh)?.clone(), CHANGE_DATA))
+                vec![self.handle_paths.get(&fh)?.clone()]
             }
-            Op::Setattr => Some(one(SetattrReq::from_wire(args).ok()?.path, CHANGE_DATA)),
-            Op::Unlink | Op::Rmdir => Some(one(PathReq::from_wire(args).ok()?.path, CHANGE_NAME)),
-            Op::Mkdir => Some(one(MkdirReq::from_wire(args).ok()?.path, CHANGE_NAME)),
-            Op::Mknod => Some(one(MknodReq::from_wire(args).ok()?.path, CHANGE_NAME)),
-            Op::Symlink => Some(one(SymlinkReq::from_wire(args).ok()?.path, CHANGE_NAME)),
-            Op::Link => {
-                let req = LinkReq::from_wire(args).ok()?;
-                Some(Changing {
-                    changes: vec![(req.existing, CHANGE_ATTR), (req.path, CHANGE_NAME)],
-                    opened: None,
-                })
-            }
-            Op::Rename => {
-                let req = RenameReq::from_wire(args).ok()?;
-                Some(Changing {
-                    changes: vec![(req.from, CHANGE_NAME), (req.to, CHANGE_NAME)],
-                    opened: None,
-                })
-            }
-            Op::Setxattr => Some(one(SetxattrReq::from_wire(args).ok()?.path, CHANGE_ATTR)),
-            Op::Removexattr => Some(one(XattrReq::from_wire(args).ok()?.path, CHANGE_ATTR)),
-            _ => None,
+            By::Path => requests::named_paths(op, args)?,
+        };
+        let truncates =
+            requests::open_flags(op, args).is_some_and(|f| f & libc::O_TRUNC as u32 != 0);
+        let kind = effects.pushed(truncates);
+        if kind == 0 && !opens {
+            return None; // a heal beginning: nothing a watcher caches
         }
+        Some(Changing {
+            changes: match kind {
+                0 => Vec::new(),
+                _ => paths.iter().map(|p| (p.clone(), kind)).collect(),
+            },
+            opened: opens.then(|| paths.into_iter().next()).flatten(),
+        })
     }
 
     /// Request `id` is done: its changes go to the watchers; the path its handle (if it

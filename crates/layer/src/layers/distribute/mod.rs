@@ -89,6 +89,8 @@ use std::pin::Pin;
 use std::sync::Mutex;
 use std::task::Poll;
 
+use crate::marks as m;
+use crate::{fan_out_fops, for_each_fop};
 use crate::{
     Attr, Ctx, Errno, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef, LeaseState, Opened,
     ReadDst, ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
@@ -550,6 +552,29 @@ impl Layer for Distribute {
         &self.kids
     }
 
+    fn open_small<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        flags: u32,
+        max: u32,
+    ) -> Fut<'a, Opened> {
+        if flags & O_CREAT != 0 {
+            return Box::pin(async move { self.do_open(cx, path, flags).await.map(Opened::Fd) });
+        }
+        Box::pin(async move {
+            let (kid, o) = self
+                .on_file(cx, path, |k| k.open_small(cx, path, flags, max))
+                .await?;
+            Ok(o.map_fd(|fd| Fd::new(DistFd { kid, fd })))
+        })
+    }
+
+    for_each_fop!(fan_out_fops);
+}
+
+// Every fop, each said where it goes (see `FanOut`): a new fop does not compile until it is.
+impl crate::FanOut for Distribute {
     fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
         Box::pin(async move { self.locate(cx, path).await.map(|(_, a)| a) })
     }
@@ -574,24 +599,6 @@ impl Layer for Distribute {
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         Box::pin(self.do_open(cx, path, flags))
-    }
-
-    fn open_small<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        flags: u32,
-        max: u32,
-    ) -> Fut<'a, Opened> {
-        if flags & O_CREAT != 0 {
-            return Box::pin(async move { self.do_open(cx, path, flags).await.map(Opened::Fd) });
-        }
-        Box::pin(async move {
-            let (kid, o) = self
-                .on_file(cx, path, |k| k.open_small(cx, path, flags, max))
-                .await?;
-            Ok(o.map_fd(|fd| Fd::new(DistFd { kid, fd })))
-        })
     }
 
     fn create<'a>(
@@ -730,5 +737,99 @@ impl Layer for Distribute {
         lease(cmd: u32, ttl_ms: u32, holder: &'a str) -> LeaseState;
         snap(cmd: u32, name: &'a str, to: &'a str, ttl_ms: u32) -> crate::SnapReply;
         dirty(cmd: u32, name: &'a str, at: u64, len: u64) -> ExtentList;
+        write_marked(offset: u64, data: IoBufs, missed: u32) -> Written;
+    }
+
+    // Addressed to one brick or replica set (heal, replication control, the layout a
+    // child keeps): migration and the layout code send these to the child they mean,
+    // so through distribute as a whole they are refused.
+    fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
+        let _ = (cx, path, flags);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn heal_session<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::HealReq) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn heal_info<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, m::HealInfo> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, Vec<u8>> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn mark_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn mark_clear<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn mark_clear_if<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a m::CondMark,
+    ) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn flag_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::FlagMark) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn flag_clear_if<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a m::CondFlag,
+    ) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn heal_lock<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::LockReq) -> Fut<'a, ()> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn pending<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, m::PendingPage> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn pending_index<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a (),
+    ) -> Fut<'a, m::IndexPage> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
+    }
+
+    fn member<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a m::MemberReq,
+    ) -> Fut<'a, m::MemberState> {
+        let _ = (cx, path, arg);
+        crate::fail(crate::errno::EOPNOTSUPP)
     }
 }

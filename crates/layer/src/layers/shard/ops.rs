@@ -5,10 +5,12 @@
 use super::file::ShardFd;
 use super::{hidden, inner, is_reg, Mark, Shard, EEXIST, ENODATA, ENOENT, EPERM, O_EXCL, O_TRUNC};
 use super::{SHARD_DIR, SHARD_XATTR};
+use crate::marks as m;
 use crate::{
     errno, fail, Attr, Ctx, Extent, ExtentList, Fd, FopResult, Fut, IoBufs, Layer, LayerRef,
-    LeaseState, ReadDst, ReadOut, ReaddirReply, SetAttrs, Written,
+    LeaseState, ReadDst, ReadOut, ReaddirReply, SetAttrs, StatfsReply, Written,
 };
+use crate::{fan_out_fops, for_each_fop};
 
 impl Shard {
     async fn do_open(&self, cx: &Ctx, path: &str, flags: u32) -> FopResult<Fd> {
@@ -190,6 +192,20 @@ impl Layer for Shard {
         Some(self)
     }
 
+    fn pin_local<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
+        match fd.get::<ShardFd>() {
+            Ok(ShardFd::Plain(f)) => self.kid().pin_local(cx, f),
+            // Pieces on several bricks: no one file to read.
+            Ok(ShardFd::Split(_)) => fail(crate::errno::EOPNOTSUPP),
+            Err(e) => fail(e),
+        }
+    }
+
+    for_each_fop!(fan_out_fops);
+}
+
+// Every fop, each said where it goes (see `FanOut`): a new fop does not compile until it is.
+impl crate::FanOut for Shard {
     fn lookup<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, Attr> {
         guarded!(self, path, ENOENT, self.kid().lookup(cx, path))
     }
@@ -222,15 +238,6 @@ impl Layer for Shard {
                 ShardFd::Split(p) => self.release_pieces(cx, p).await,
             }
         })
-    }
-
-    fn pin_local<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd) -> Fut<'a, std::os::fd::OwnedFd> {
-        match fd.get::<ShardFd>() {
-            Ok(ShardFd::Plain(f)) => self.kid().pin_local(cx, f),
-            // Pieces on several bricks: no one file to read.
-            Ok(ShardFd::Split(_)) => fail(crate::errno::EOPNOTSUPP),
-            Err(e) => fail(e),
-        }
     }
 
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
@@ -446,5 +453,82 @@ impl Layer for Shard {
             return fail(EPERM);
         }
         guarded!(self, path, ENOENT, self.kid().removexattr(cx, path, name))
+    }
+
+    // The volume's, or the base file's by its name: the one child's.
+    fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
+        self.kid().statfs(cx, path)
+    }
+
+    fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, Vec<u8>> {
+        self.kid().layout_get(cx, path, arg)
+    }
+
+    fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
+        self.kid().layout_set(cx, path, arg)
+    }
+
+    fn heal_session<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::HealReq) -> Fut<'a, ()> {
+        self.kid().heal_session(cx, path, arg)
+    }
+
+    fn heal_info<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, m::HealInfo> {
+        self.kid().heal_info(cx, path, arg)
+    }
+
+    fn mark_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
+        self.kid().mark_add(cx, path, arg)
+    }
+
+    fn mark_clear<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
+        self.kid().mark_clear(cx, path, arg)
+    }
+
+    fn mark_clear_if<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a m::CondMark,
+    ) -> Fut<'a, ()> {
+        self.kid().mark_clear_if(cx, path, arg)
+    }
+
+    fn flag_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::FlagMark) -> Fut<'a, ()> {
+        self.kid().flag_add(cx, path, arg)
+    }
+
+    fn flag_clear_if<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a m::CondFlag,
+    ) -> Fut<'a, ()> {
+        self.kid().flag_clear_if(cx, path, arg)
+    }
+
+    fn heal_lock<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::LockReq) -> Fut<'a, ()> {
+        self.kid().heal_lock(cx, path, arg)
+    }
+
+    fn pending<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, m::PendingPage> {
+        self.kid().pending(cx, path, arg)
+    }
+
+    fn pending_index<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a (),
+    ) -> Fut<'a, m::IndexPage> {
+        self.kid().pending_index(cx, path, arg)
+    }
+
+    fn member<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        path: &'a str,
+        arg: &'a m::MemberReq,
+    ) -> Fut<'a, m::MemberState> {
+        self.kid().member(cx, path, arg)
     }
 }

@@ -419,6 +419,8 @@ macro_rules! for_each_path_fop {
             (mknod, Mknod,
                 $crate::__wire::MknodReq { path: &'a str => path, mode: u32 => val, rdev: u64 => val },
                 $crate::Attr, $crate::Attr, (|r| r), (|v| v))
+            (syncdir, Syncdir, $crate::__wire::PathReq { path: &'a str => path },
+                (), (), (|r| r), (|v| v))
             (readlink, Readlink, $crate::__wire::PathReq { path: &'a str => path },
                 String, $crate::__wire::ReadlinkReply,
                 (|r: $crate::__wire::ReadlinkReply| r.target),

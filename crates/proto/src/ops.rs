@@ -296,6 +296,9 @@ ops! {
     /// requests waiting that has heard nothing for a while; the brick answers on the
     /// connection's own thread, before any storage call (see [`HELLO_PING`]).
     Ping = 54 => (Conn, NONE, Same, Brick),
+    /// Make a directory's entries durable: fsync(2) of the directory on the brick's file
+    /// system (a name created, renamed or removed in it survives a crash of the brick's host).
+    Syncdir = 55 => (Path, NONE, Same, Brick),
 }
 
 impl Op {

@@ -100,7 +100,7 @@ fn changes(op: Op, args: &[u8]) -> bool {
         // Named one by one: a new fop does not compile until it is classed here.
         Hello | Lookup | Fstat | Read | Fsync | Release | Readdir | Readlink | Statfs
         | Getxattr | Listxattr | Auth | Profile | Mgmt | Pending | PendingIndex | HealInfo
-        | LayoutGet | Grant | LocalRead | Watch | Extents | Bye | Ping => false,
+        | LayoutGet | Grant | LocalRead | Watch | Extents | Bye | Ping | Syncdir => false,
     }
 }
 
@@ -129,7 +129,7 @@ fn paths(op: Op, args: &[u8], mut each: impl FnMut(&str)) -> Result<(), kiln_pro
         Lookup | Setattr | Open | Create | Unlink | Mkdir | Rmdir | Readdir | Mknod | Readlink
         | Statfs | Getxattr | Setxattr | Listxattr | Removexattr | HealOpen | MarkAdd
         | MarkClear | MarkClearIf | FlagAdd | FlagClearIf | HealLock | HealSession | Pending
-        | PendingIndex | HealInfo | LayoutGet | LayoutSet | Member => {
+        | PendingIndex | HealInfo | LayoutGet | LayoutSet | Member | Syncdir => {
             let mut d = Dec::new(args);
             each(&String::decode(&mut d)?);
         }

@@ -354,6 +354,33 @@ fn statfs_sums_the_bricks() {
     assert!(s.bfree <= s.blocks && s.bavail <= s.blocks);
 }
 
+#[test]
+fn syncdir_reaches_every_brick() {
+    let c = Cluster::start();
+    let cx = Ctx::NONE;
+    block_on(c.top().mkdir(&cx, "d", 0o755)).expect("mkdir");
+    block_on(c.top().syncdir(&cx, "d")).expect("syncdir of a directory");
+    block_on(c.top().syncdir(&cx, "")).expect("syncdir of the root");
+    assert_eq!(
+        block_on(c.top().syncdir(&cx, "nowhere")).err(),
+        Some(ENOENT)
+    );
+    let (fd, _) = block_on(c.top().create(&cx, "d/f", libc::O_RDWR as u32, 0o644)).expect("create");
+    block_on(c.top().release(&cx, fd)).expect("release");
+    assert_eq!(
+        block_on(c.top().syncdir(&cx, "d/f")).err(),
+        Some(libc::ENOTDIR as Errno)
+    );
+    // The directory gone from the last brick only: a syncdir that reached only some bricks
+    // would still succeed.
+    let last = c.bricks[BRICKS - 1].join("d");
+    for e in std::fs::read_dir(&last).expect("the last brick's d") {
+        std::fs::remove_file(e.expect("entry").path()).expect("empty it");
+    }
+    std::fs::remove_dir(&last).expect("rmdir on the last brick");
+    assert_eq!(block_on(c.top().syncdir(&cx, "d")).err(), Some(ENOENT));
+}
+
 fn read_bytes(out: ReadOut) -> Vec<u8> {
     match out {
         ReadOut::Into { n, bufs } => {

@@ -691,6 +691,19 @@ impl crate::FanOut for Distribute {
         Box::pin(self.do_link(cx, existing, path))
     }
 
+    fn syncdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        // A directory is on every child: each makes its entries durable. A child that lacks
+        // the name says less than one that has it (a file there: ENOTDIR).
+        Box::pin(async move {
+            let rs: Vec<_> = self.on_others(None, |k| k.syncdir(cx, path)).await;
+            let rs: Vec<FopResult<()>> = rs.into_iter().map(|(_, r)| r).collect();
+            match first_real_error(&rs) {
+                Some(e) => Err(e),
+                None => rs.into_iter().find(|r| r.is_err()).unwrap_or(Ok(())),
+            }
+        })
+    }
+
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
         Box::pin(self.do_statfs(cx, path))
     }

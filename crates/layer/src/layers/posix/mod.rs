@@ -435,6 +435,16 @@ impl Layer for Posix {
         self.now(cx, On::Path(path), || self.brick.link(existing, path))
     }
 
+    fn syncdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        self.now(cx, On::Path(path), || {
+            let dir = self
+                .brick
+                .open_file(path, (libc::O_RDONLY | libc::O_DIRECTORY) as u32)?;
+            dir.sync_all()
+                .map_err(|e| e.raw_os_error().map_or(errno::EIO, |n| n as crate::Errno))
+        })
+    }
+
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
         self.now(cx, On::Path(path), || self.brick.statfs(path))
     }

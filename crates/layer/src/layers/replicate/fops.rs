@@ -414,6 +414,15 @@ impl crate::FanOut for Replicate {
         }))
     }
 
+    fn syncdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        // Every replica that is up makes its entries durable; nothing changes, so nothing
+        // is settled.
+        Box::pin(async move {
+            let run = |i: usize| self.kids[i].syncdir(cx, path);
+            first_ok(&mut self.on_quorum(&run).await)
+        })
+    }
+
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
         self.query_path(path, move |k| k.statfs(cx, path))
     }

@@ -456,6 +456,10 @@ impl crate::FanOut for Shard {
     }
 
     // The volume's, or the base file's by its name: the one child's.
+    fn syncdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
+        self.kid().syncdir(cx, path)
+    }
+
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
         self.kid().statfs(cx, path)
     }

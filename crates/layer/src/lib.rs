@@ -294,6 +294,12 @@ pub fn reserved_xattr(name: &str) -> Option<Errno> {
     }
 }
 
+/// A fop a layer does not take: fails at once with `EOPNOTSUPP` (the fan-out layers' answer
+/// to fops addressed to one brick).
+pub fn refused<'a, T: Send + 'a>() -> Fut<'a, T> {
+    fail(errno::EOPNOTSUPP)
+}
+
 /// A fop future that fails at once.
 pub fn fail<'a, T: Send + 'a>(e: Errno) -> Fut<'a, T> {
     Box::pin(std::future::ready(Err(e)))

@@ -398,12 +398,13 @@ impl Volfile {
             LayerKind::IoStats {} => Arc::new(IoStats::new(name, kids.remove(0))),
             LayerKind::ErrorGen(c) => Arc::new(Fault::error_gen(name, kids.remove(0), c)?),
             LayerKind::DelayGen(c) => Arc::new(Fault::delay_gen(name, kids.remove(0), c)?),
-            LayerKind::Distribute(c) => Arc::new(crate::distribute::Distribute::configured(
-                name,
-                kids,
-                &def.subvolumes,
-                c,
-            )),
+            // Shard's pieces are placed alike by every graph of a volume, with a shard layer
+            // above this one or not (heal's and rebalance's graphs have none): a piece's name
+            // cannot be anything else's.
+            LayerKind::Distribute(c) => Arc::new(
+                crate::distribute::Distribute::configured(name, kids, &def.subvolumes, c)
+                    .with_placement(Arc::new(crate::shard::Pieces)),
+            ),
             LayerKind::Shard(c) => Arc::new(crate::shard::Shard::new(
                 name,
                 kids.remove(0),

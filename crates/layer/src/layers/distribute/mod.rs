@@ -86,7 +86,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
 use crate::marks as m;
@@ -152,7 +152,27 @@ pub struct Distribute {
     name: String,
     kids: Vec<LayerRef>,
     layout: Layout,
+    placement: Arc<dyn Placement>,
     cursors: Mutex<Cursors>,
+}
+
+/// Where distribute puts a name, beyond the hash of its final component: the seam through
+/// which a layer that names its own files in a way that matters for placement says so
+/// (shard's `Pieces` stripe a file's pieces over the subvolumes). Chosen when the graph is
+/// built.
+pub trait Placement: Send + Sync + 'static {
+    /// The subvolume for `path` under `layout`, or None for the default: by the hash of the
+    /// final component.
+    fn place(&self, path: &str, layout: &Layout) -> Option<usize>;
+}
+
+/// Every name by the hash of its final component.
+pub struct ByName;
+
+impl Placement for ByName {
+    fn place(&self, _: &str, _: &Layout) -> Option<usize> {
+        None
+    }
 }
 
 fn is_dir(a: &Attr) -> bool {
@@ -250,8 +270,15 @@ impl Distribute {
             name: name.into(),
             kids,
             layout: Layout::over(&active),
+            placement: Arc::new(ByName),
             cursors: Mutex::new(Cursors::default()),
         }
+    }
+
+    /// This layer, placing names as `placement` says.
+    pub fn with_placement(mut self, placement: Arc<dyn Placement>) -> Distribute {
+        self.placement = placement;
+        self
     }
 
     /// The volume's layout (the same for every directory: see the module documentation).
@@ -295,18 +322,18 @@ impl Distribute {
         }
     }
 
-    /// The subvolume `path` hashes to (0 for the root). A shard's pieces are striped: piece
-    /// `k` of a file goes to the subvolume after the one piece `k−1` went to.
+    /// The subvolume `path` belongs on (0 for the root): where the placement puts it, else
+    /// where its final component hashes to.
     fn hashed(&self, path: &str) -> FopResult<usize> {
         match self.kids.len() {
             0 => Err(ENOTCONN),
             1 => Ok(0),
             _ if path.is_empty() => Ok(0),
-            n => Ok(match crate::shard::piece_of(path) {
-                Some((id, k)) => self.layout.stripe(name_hash(id), k),
-                None => self.layout.subvol(name_hash(split(path).1)),
-            }
-            .min(n - 1)),
+            n => Ok(self
+                .placement
+                .place(path, &self.layout)
+                .unwrap_or_else(|| self.layout.subvol(name_hash(split(path).1)))
+                .min(n - 1)),
         }
     }
 
@@ -756,93 +783,64 @@ impl crate::FanOut for Distribute {
     // Addressed to one brick or replica set (heal, replication control, the layout a
     // child keeps): migration and the layout code send these to the child they mean,
     // so through distribute as a whole they are refused.
-    fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
-        let _ = (cx, path, flags);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn heal_open<'a>(&'a self, _: &'a Ctx, _: &'a str, _: u32) -> Fut<'a, Fd> {
+        crate::refused()
     }
 
-    fn heal_session<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::HealReq) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn heal_session<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::HealReq) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn heal_info<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, m::HealInfo> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn heal_info<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, m::HealInfo> {
+        crate::refused()
     }
 
-    fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, Vec<u8>> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn layout_get<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, Vec<u8>> {
+        crate::refused()
     }
 
-    fn layout_set<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a Vec<u8>) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn layout_set<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a Vec<u8>) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn mark_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn mark_add<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::Mark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn mark_clear<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn mark_clear<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::Mark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn mark_clear_if<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a m::CondMark,
-    ) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn mark_clear_if<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::CondMark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn flag_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::FlagMark) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn flag_add<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::FlagMark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn flag_clear_if<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a m::CondFlag,
-    ) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn flag_clear_if<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::CondFlag) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn heal_lock<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::LockReq) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn heal_lock<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::LockReq) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn pending<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, m::PendingPage> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn pending<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, m::PendingPage> {
+        crate::refused()
     }
 
-    fn pending_index<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a (),
-    ) -> Fut<'a, m::IndexPage> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn pending_index<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, m::IndexPage> {
+        crate::refused()
     }
 
     fn member<'a>(
         &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a m::MemberReq,
+        _: &'a Ctx,
+        _: &'a str,
+        _: &'a m::MemberReq,
     ) -> Fut<'a, m::MemberState> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+        crate::refused()
     }
 }

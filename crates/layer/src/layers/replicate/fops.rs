@@ -431,83 +431,57 @@ impl crate::FanOut for Replicate {
     // (its children), so through the replica set as a whole they are refused.
     fn write_marked<'a>(
         &'a self,
-        cx: &'a Ctx,
-        fd: &'a Fd,
-        offset: u64,
-        data: IoBufs,
-        missed: u32,
+        _: &'a Ctx,
+        _: &'a Fd,
+        _: u64,
+        _: IoBufs,
+        _: u32,
     ) -> Fut<'a, Written> {
-        let _ = (cx, fd, offset, data, missed);
-        crate::fail(crate::errno::EOPNOTSUPP)
+        crate::refused()
     }
 
-    fn heal_open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
-        let _ = (cx, path, flags);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn heal_open<'a>(&'a self, _: &'a Ctx, _: &'a str, _: u32) -> Fut<'a, Fd> {
+        crate::refused()
     }
 
-    fn mark_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn mark_add<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::Mark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn mark_clear<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::Mark) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn mark_clear<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::Mark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn mark_clear_if<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a m::CondMark,
-    ) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn mark_clear_if<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::CondMark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn flag_add<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::FlagMark) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn flag_add<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::FlagMark) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn flag_clear_if<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a m::CondFlag,
-    ) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn flag_clear_if<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::CondFlag) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn heal_lock<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a m::LockReq) -> Fut<'a, ()> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn heal_lock<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a m::LockReq) -> Fut<'a, ()> {
+        crate::refused()
     }
 
-    fn pending<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, m::PendingPage> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn pending<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, m::PendingPage> {
+        crate::refused()
     }
 
-    fn pending_index<'a>(
-        &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a (),
-    ) -> Fut<'a, m::IndexPage> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+    fn pending_index<'a>(&'a self, _: &'a Ctx, _: &'a str, _: &'a ()) -> Fut<'a, m::IndexPage> {
+        crate::refused()
     }
 
     fn member<'a>(
         &'a self,
-        cx: &'a Ctx,
-        path: &'a str,
-        arg: &'a m::MemberReq,
+        _: &'a Ctx,
+        _: &'a str,
+        _: &'a m::MemberReq,
     ) -> Fut<'a, m::MemberState> {
-        let _ = (cx, path, arg);
-        crate::fail(crate::errno::EOPNOTSUPP)
+        crate::refused()
     }
 }

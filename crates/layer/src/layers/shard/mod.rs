@@ -124,7 +124,7 @@ pub fn piece_path(id: &str, k: u64) -> String {
     format!("{SHARD_DIR}/{id}.{k}")
 }
 
-/// The file id and piece number of a piece's path; None for any other path. Distribute
+/// The file id and piece number of a piece's path; None for any other path. [`Pieces`]
 /// stripes pieces by these.
 pub fn piece_of(path: &str) -> Option<(&str, u64)> {
     let rest = path.strip_prefix(SHARD_DIR)?.strip_prefix('/')?;
@@ -133,6 +133,18 @@ pub fn piece_of(path: &str) -> Option<(&str, u64)> {
         return None;
     }
     Some((id, k.parse().ok()?))
+}
+
+/// Shard's placement for the distribute layers of a volume: piece `k` of a file goes to the
+/// subvolume after the one piece `k−1` is on (from the hash of the file's id), so consecutive
+/// pieces land on different sets; every other name by its own hash.
+pub struct Pieces;
+
+impl crate::distribute::Placement for Pieces {
+    fn place(&self, path: &str, layout: &crate::distribute::Layout) -> Option<usize> {
+        let (id, k) = piece_of(path)?;
+        Some(layout.stripe(crate::distribute::name_hash(id), k))
+    }
 }
 
 /// Whether `path` is the shard directory or in it: not the caller's to see or change.

@@ -32,7 +32,8 @@ fn vol() -> Vol {
             Arc::new(Posix::new(&format!("posix-{i}"), brick)) as LayerRef
         })
         .collect();
-    let dist: LayerRef = Arc::new(Distribute::new("dht", kids));
+    let dist: LayerRef =
+        Arc::new(Distribute::new("dht", kids).with_placement(Arc::new(super::Pieces)));
     Vol {
         top: Shard::new("shard", dist, B).unwrap(),
         dirs,

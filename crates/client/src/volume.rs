@@ -613,6 +613,12 @@ impl Volume {
         fop!(self, cx => self.stack.top.link(&cx, existing, path))
     }
 
+    /// Makes a directory's entries durable on every brick that holds it (what was created,
+    /// renamed or removed in it survives a crash of the brick's host).
+    pub async fn syncdir(&self, path: &str) -> io::Result<()> {
+        fop!(self, cx => self.stack.top.syncdir(&cx, path))
+    }
+
     /// File system statistics.
     pub async fn statfs(&self, path: &str) -> io::Result<StatfsReply> {
         fop!(self, cx => self.stack.top.statfs(&cx, path))

@@ -789,6 +789,25 @@ impl fuser::Filesystem for KilnFs {
         self.data_fsync(ino, fh, datasync, reply)
     }
 
+    fn fsyncdir(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let _g = self.gate.enter();
+        let path = match self.path(ino) {
+            Ok(p) => p,
+            Err(e) => return reply.error(e),
+        };
+        match block_on(self.caller(req).syncdir(&path)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: fuser::OpenFlags, reply: ReplyOpen) {
         let _g = self.gate.enter();
         self.dir_open(req, ino, reply)

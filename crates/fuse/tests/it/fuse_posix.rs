@@ -610,3 +610,17 @@ fn links_in_general_mode() {
 fn links_in_vm_image_mode() {
     links(Mode::VmImage);
 }
+
+/// fsync(2) of a directory through the mount reaches the brick as SYNCDIR (the kernel would
+/// otherwise answer it itself, and the names made in it could be lost with the brick's host).
+#[test]
+fn fsync_of_a_directory_reaches_the_brick() {
+    let m = Mounted::new(Mode::General);
+    fs::create_dir(m.path("d")).unwrap();
+    fs::write(m.path("d/f"), b"x").unwrap();
+    let before = m.stats.calls(kiln_proto::Op::Syncdir);
+    fs::File::open(m.path("d")).unwrap().sync_all().unwrap();
+    assert_eq!(m.stats.calls(kiln_proto::Op::Syncdir), before + 1);
+    fs::File::open(m.path("")).unwrap().sync_all().unwrap();
+    assert_eq!(m.stats.calls(kiln_proto::Op::Syncdir), before + 2);
+}

@@ -145,19 +145,24 @@ int main(int argc, char **argv) {
     /* 64 async writes in flight, each from three iovecs. */
     unsigned char *data = malloc((size_t)INFLIGHT * BS);
     for (size_t i = 0; i < (size_t)INFLIGHT * BS; i++) data[i] = pattern(i);
-    struct waiter w = WAITER_INIT;
-    w.caller = pthread_self();
-    for (int i = 0; i < INFLIGHT; i++) {
-        unsigned char *b = data + (size_t)i * BS;
-        struct iovec iov[3] = {{b, 100}, {b + 100, 0}, {b + 100, BS - 100}};
-        r = kiln_pwritev_async(fd, iov, 3, (off_t)i * BS, on_done, &w);
-        CHECK(r == 0, "pwritev_async %d: %d", i, r);
-    }
-    wait_for(&w, INFLIGHT);
-    CHECK(w.errors == 0 && w.bytes == (long)INFLIGHT * BS, "async writes: %d errors, %ld bytes", w.errors, w.bytes);
     /* A reply back before its submitting call finished completes on the caller (documented);
-     * the others on Kiln's threads. */
-    CHECK(w.elsewhere > 0, "io-thread mode runs callbacks on Kiln's threads: %d of %d", w.elsewhere, INFLIGHT);
+     * the others on Kiln's threads. On a loaded machine a whole batch can come back that way,
+     * so the batch is written again (the same bytes) until one callback ran elsewhere. */
+    struct waiter w;
+    int batches = 0;
+    do {
+        w = (struct waiter)WAITER_INIT;
+        w.caller = pthread_self();
+        for (int i = 0; i < INFLIGHT; i++) {
+            unsigned char *b = data + (size_t)i * BS;
+            struct iovec iov[3] = {{b, 100}, {b + 100, 0}, {b + 100, BS - 100}};
+            r = kiln_pwritev_async(fd, iov, 3, (off_t)i * BS, on_done, &w);
+            CHECK(r == 0, "pwritev_async %d: %d", i, r);
+        }
+        wait_for(&w, INFLIGHT);
+        CHECK(w.errors == 0 && w.bytes == (long)INFLIGHT * BS, "async writes: %d errors, %ld bytes", w.errors, w.bytes);
+    } while (w.elsewhere == 0 && ++batches < 20);
+    CHECK(w.elsewhere > 0, "io-thread mode runs callbacks on Kiln's threads: none in %d batches of %d", batches, INFLIGHT);
 
     struct waiter fs = WAITER_INIT;
     CHECK(kiln_fsync_async(fd, on_done, &fs) == 0, "fsync_async");

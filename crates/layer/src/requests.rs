@@ -8,8 +8,9 @@ use kiln_proto::codec::Wire;
 use kiln_proto::ops::{CreateReq, OpenReq, PathReq, ReaddirReq, SetxattrReq, XattrReq};
 use kiln_proto::Op;
 
-/// The paths the request `args` of `op` names (none for a fop by handle or connection), or
-/// None when they do not decode (the fop itself refuses such arguments).
+/// The paths the request `args` of `op` names, for a fop by path; None when they do not
+/// decode (the fop itself refuses such arguments) and for fops by connection and most fops by
+/// handle (the path-fop list's handle fops give an empty list).
 pub fn named_paths(op: Op, args: &[u8]) -> Option<Vec<String>> {
     fn one(path: String) -> Option<Vec<String>> {
         Some(vec![path])

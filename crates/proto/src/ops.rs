@@ -298,7 +298,7 @@ ops! {
     Ping = 54 => (Conn, NONE, Same, Brick),
     /// Make a directory's entries durable: fsync(2) of the directory on the brick's file
     /// system (a name created, renamed or removed in it survives a crash of the brick's host).
-    Syncdir = 55 => (Path, NONE, Same, Brick),
+    Syncdir = 55 => (Path, NONE, Same, Caller),
 }
 
 impl Op {

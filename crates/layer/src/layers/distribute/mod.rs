@@ -719,14 +719,16 @@ impl crate::FanOut for Distribute {
     }
 
     fn syncdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        // A directory is on every child: each makes its entries durable. A child that lacks
-        // the name says less than one that has it (a file there: ENOTDIR).
+        // Every child that has the directory makes its entries durable. A child without it
+        // (one added since, which gets directories as names are made in them) has nothing to
+        // sync; ENOENT only when none has it, and any other error is the answer.
         Box::pin(async move {
             let rs: Vec<_> = self.on_others(None, |k| k.syncdir(cx, path)).await;
             let rs: Vec<FopResult<()>> = rs.into_iter().map(|(_, r)| r).collect();
             match first_real_error(&rs) {
                 Some(e) => Err(e),
-                None => rs.into_iter().find(|r| r.is_err()).unwrap_or(Ok(())),
+                None if rs.iter().any(|r| r.is_ok()) => Ok(()),
+                None => Err(ENOENT),
             }
         })
     }

@@ -455,13 +455,14 @@ impl crate::FanOut for Shard {
         guarded!(self, path, ENOENT, self.kid().removexattr(cx, path, name))
     }
 
-    // The volume's, or the base file's by its name: the one child's.
+    // The volume's, or the base file's by its name: the one child's (the pieces' directory is
+    // not the caller's to name).
     fn syncdir<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, ()> {
-        self.kid().syncdir(cx, path)
+        guarded!(self, path, ENOENT, self.kid().syncdir(cx, path))
     }
 
     fn statfs<'a>(&'a self, cx: &'a Ctx, path: &'a str) -> Fut<'a, StatfsReply> {
-        self.kid().statfs(cx, path)
+        guarded!(self, path, ENOENT, self.kid().statfs(cx, path))
     }
 
     fn layout_get<'a>(&'a self, cx: &'a Ctx, path: &'a str, arg: &'a ()) -> Fut<'a, Vec<u8>> {

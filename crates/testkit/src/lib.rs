@@ -1,12 +1,13 @@
 //! What Kiln's integration tests share across crates, so that no crate keeps its own copy:
 //! network namespaces joined by veth pairs ([`net`]), seeded randomness that a failure can
 //! be replayed from ([`rng`]), where a started kilnd listens ([`daemon`]), and waiting for a
-//! condition with a deadline ([`wait_for`]), an XFS with reflink on a loop device ([`xfs`]).
+//! condition with a deadline ([`wait_for`]), an XFS with reflink on a loop device ([`xfs`]), volfile text ([`volfile`]).
 //! Each crate's `tests/it/common` keeps only what is its own (its daemons, mounts, exports).
 
 pub mod daemon;
 pub mod net;
 pub mod rng;
+pub mod volfile;
 pub mod xfs;
 
 use std::time::{Duration, Instant};

@@ -38,23 +38,12 @@ fn two_bricks() -> Bricks {
     Bricks { dir, stats, socks }
 }
 
-/// `io-stats` (named `top`) over `distribute` over one protocol-client per brick.
 fn dist_volfile(top: &str, socks: &[PathBuf]) -> String {
-    let names: Vec<String> = (0..socks.len())
-        .map(|i| format!("\"{top}-b{i}\""))
+    let remotes: Vec<String> = socks
+        .iter()
+        .map(|s| format!("unix:{}", s.display()))
         .collect();
-    let mut v = format!(
-        "[[layer]]\nname = \"{top}\"\ntype = \"io-stats\"\n\n\
-         [[layer]]\nname = \"{top}-dist\"\ntype = \"distribute\"\nsubvolumes = [{}]\n",
-        names.join(", ")
-    );
-    for (i, s) in socks.iter().enumerate() {
-        v.push_str(&format!(
-            "\n[[layer]]\nname = \"{top}-b{i}\"\ntype = \"protocol-client\"\nremote = \"unix:{}\"\n",
-            s.display()
-        ));
-    }
-    v
+    kiln_testkit::volfile::distribute(top, &remotes)
 }
 
 struct Mount {

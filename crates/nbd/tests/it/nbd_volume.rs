@@ -20,21 +20,11 @@ use kiln_server::Listen;
 const MIB: u64 = 1 << 20;
 
 fn dist_volfile(top: &str, socks: &[PathBuf]) -> String {
-    let names: Vec<String> = (0..socks.len())
-        .map(|i| format!("\"{top}-b{i}\""))
+    let remotes: Vec<String> = socks
+        .iter()
+        .map(|s| format!("unix:{}", s.display()))
         .collect();
-    let mut v = format!(
-        "[[layer]]\nname = \"{top}\"\ntype = \"io-stats\"\n\n\
-         [[layer]]\nname = \"{top}-dist\"\ntype = \"distribute\"\nsubvolumes = [{}]\n",
-        names.join(", ")
-    );
-    for (i, s) in socks.iter().enumerate() {
-        v.push_str(&format!(
-            "\n[[layer]]\nname = \"{top}-b{i}\"\ntype = \"protocol-client\"\nremote = \"unix:{}\"\n",
-            s.display()
-        ));
-    }
-    v
+    kiln_testkit::volfile::distribute(top, &remotes)
 }
 
 /// Two bricks under `dir`; returns their directories and sockets.

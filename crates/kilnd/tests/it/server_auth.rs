@@ -424,6 +424,10 @@ mod identities {
             libc::EPERM
         );
         assert!(!b.brick.join("t1/loop").exists());
+        // SYNCDIR names a path: within the subtree it runs (as nobody), beyond it it is refused.
+        block_on(t1.syncdir("t1")).expect("t1 syncs its own directory");
+        assert_eq!(errno_of(block_on(t1.syncdir("t2"))), libc::EACCES);
+        assert_eq!(errno_of(block_on(t1.syncdir(""))), libc::EACCES);
 
         // t2: read-only, as 1234:1234, confined to t2.
         let fh = block_on(t2.open("t2/data", libc::O_RDONLY)).expect("t2 reads its data");
@@ -444,6 +448,9 @@ mod identities {
         );
         assert_eq!(errno_of(block_on(t2.unlink("t2/data"))), libc::EROFS);
         assert_eq!(errno_of(block_on(t2.lookup("t1/f"))), libc::EACCES);
+        // Syncing changes nothing: a read-only identity may, in its subtree only.
+        block_on(t2.syncdir("t2")).expect("t2 syncs its directory");
+        assert_eq!(errno_of(block_on(t2.syncdir("t1"))), libc::EACCES);
         assert_eq!(
             std::fs::read(b.brick.join("t2/data")).unwrap(),
             b"tenant two"

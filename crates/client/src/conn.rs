@@ -234,11 +234,19 @@ impl Conn {
         self.table.locked().pending.is_empty()
     }
 
-    /// Closes the socket's both directions; in-flight requests fail with `ECONNRESET`.
+    /// Ends the connection at once; in-flight requests fail with `ECONNRESET`.
+    ///
+    /// What the kernel still holds to send is thrown away, not sent later: a request this
+    /// side gave up on (the brick away, its miss marked on the replicas that took it) must
+    /// never reach the brick after newer changes did — a write retransmitted once a cut link
+    /// is back would overwrite newer bytes with nothing marking it. A TCP socket is
+    /// disconnected (`connect` to `AF_UNSPEC`: the kernel drops its send queue and resets
+    /// the peer), then shut down, which wakes every thread waiting on it.
     pub fn shutdown(&self) {
-        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
-        if let Some(rx) = &self.rx_sock {
-            let _ = rustix::net::shutdown(rx, rustix::net::Shutdown::Both);
+        for s in std::iter::once(&self.sock).chain(&self.rx_sock) {
+            // Fails harmlessly on a Unix socket (nothing is ever retransmitted on one).
+            let _ = rustix::net::connect_unspec(s);
+            let _ = rustix::net::shutdown(s, rustix::net::Shutdown::Both);
         }
     }
 

@@ -97,3 +97,91 @@ impl Drop for Veth {
         let _ = ip(&["netns", "del", &self.ns]);
     }
 }
+
+/// One IPv4 TCP socket as the kernel lists it (`/proc/net/tcp`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpSocket {
+    /// This end, `ip:port`.
+    pub local: String,
+    /// The other end, `ip:port`.
+    pub remote: String,
+    /// The state's name (`ESTABLISHED`, `FIN_WAIT1`, `TIME_WAIT`, …).
+    pub state: &'static str,
+    /// Bytes sent and not acknowledged yet.
+    pub tx_queue: u64,
+    /// Bytes received and not read by the process yet.
+    pub rx_queue: u64,
+}
+
+/// The IPv4 TCP sockets of this network namespace, or of namespace `ns`.
+pub fn tcp_sockets(ns: Option<&str>) -> io::Result<Vec<TcpSocket>> {
+    let table = match ns {
+        None => std::fs::read_to_string("/proc/net/tcp")?,
+        Some(ns) => {
+            let out = Command::new("ip")
+                .args(["netns", "exec", ns, "cat", "/proc/net/tcp"])
+                .output()?;
+            if !out.status.success() {
+                return Err(io::Error::other(format!(
+                    "the socket table of {ns}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )));
+            }
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    };
+    Ok(table.lines().skip(1).filter_map(parse_tcp_line).collect())
+}
+
+/// `sl local rem st tx:rx …` with addresses as little-endian hex `IP:PORT`.
+fn parse_tcp_line(line: &str) -> Option<TcpSocket> {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    let addr = |s: &str| -> Option<String> {
+        let (ip, port) = s.split_once(':')?;
+        let ip = u32::from_str_radix(ip, 16).ok()?;
+        let port = u16::from_str_radix(port, 16).ok()?;
+        Some(format!(
+            "{}:{port}",
+            std::net::Ipv4Addr::from(ip.swap_bytes())
+        ))
+    };
+    let (tx, rx) = f.get(4)?.split_once(':')?;
+    const STATES: [&str; 13] = [
+        "?",
+        "ESTABLISHED",
+        "SYN_SENT",
+        "SYN_RECV",
+        "FIN_WAIT1",
+        "FIN_WAIT2",
+        "TIME_WAIT",
+        "CLOSE",
+        "CLOSE_WAIT",
+        "LAST_ACK",
+        "LISTEN",
+        "CLOSING",
+        "NEW_SYN_RECV",
+    ];
+    Some(TcpSocket {
+        local: addr(f.get(1)?)?,
+        remote: addr(f.get(2)?)?,
+        state: STATES
+            .get(usize::from_str_radix(f.get(3)?, 16).ok()?)
+            .copied()?,
+        tx_queue: u64::from_str_radix(tx, 16).ok()?,
+        rx_queue: u64::from_str_radix(rx, 16).ok()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_socket_table_line_reads_as_its_addresses_and_queues() {
+        let line =
+            "   3: 0100007F:1F90 0200000A:D431 04 00001000:00000002 01:00000014 00000000     0 \
+                    0 12345 1 0000000000000000 20 4 30 10 -1";
+        let s = super::parse_tcp_line(line).expect("parses");
+        assert_eq!(s.local, "127.0.0.1:8080");
+        assert_eq!(s.remote, "10.0.0.2:54321");
+        assert_eq!((s.state, s.tx_queue, s.rx_queue), ("FIN_WAIT1", 4096, 2));
+    }
+}

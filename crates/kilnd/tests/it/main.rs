@@ -12,6 +12,7 @@ mod replicate_heal_entries;
 mod replicate_heal_name_race;
 mod replicate_local_reads;
 mod replicate_missing_file;
+mod replicate_overlapping_writes;
 mod replicate_partition;
 mod replicate_snapshot;
 mod server_access;

@@ -53,6 +53,15 @@ fn a_replica_cut_off_from_the_network_pauses_writes_under_two_seconds() {
     };
     at_least(200);
     let away = kiln_client::conn::bricks_away();
+    // This client's connections to the brick about to be cut.
+    let far = bricks[2].addr.trim_start_matches("tcp:").to_owned();
+    let old: Vec<String> = kiln_testkit::net::tcp_sockets(None)
+        .expect("socket table")
+        .into_iter()
+        .filter(|s| s.remote == far && s.state == "ESTABLISHED")
+        .map(|s| s.local)
+        .collect();
+    assert!(!old.is_empty(), "no connection to {far}");
 
     cut.link(false);
     let cut_at = Instant::now();
@@ -106,9 +115,56 @@ fn a_replica_cut_off_from_the_network_pauses_writes_under_two_seconds() {
         // index) is healed by the next; marks that heal cannot clear stay through all three.
         assert!(pass < 3, "marks left after {pass} heals");
     }
+    // Nothing the client sent on the connections it gave up may land later: once those are
+    // over on both sides (this side sends no more; the brick read what it was sent), the
+    // copies must still be one.
+    wait_for("the cut connections to be over", 60, || {
+        let here = kiln_testkit::net::tcp_sockets(None).expect("socket table");
+        let there = kiln_testkit::net::tcp_sockets(Some(&cut.ns)).expect("socket table");
+        old.iter().all(|local| {
+            let sending = here.iter().any(|s| {
+                s.local == *local
+                    && s.remote == far
+                    && !matches!(s.state, "TIME_WAIT")
+                    && (s.tx_queue > 0 || s.state != "FIN_WAIT2")
+            });
+            let unread = there
+                .iter()
+                .any(|s| s.remote == *local && (s.rx_queue > 0 || s.state == "CLOSE_WAIT"));
+            !sending && !unread
+        })
+    });
     let copies: Vec<Vec<u8>> = bricks.iter().map(|b| b.file(FILE)).collect();
     assert!(!copies[0].is_empty());
-    for (i, c) in copies.iter().enumerate().skip(1) {
-        assert!(*c == copies[0], "brick {i}'s copy differs after heal");
+    if copies.iter().any(|c| *c != copies[0]) {
+        panic!("the copies differ after heal: {}", differences(&copies));
     }
+}
+
+/// What tells the copies apart, for a failure to be read: each copy's size and, for each
+/// pair, the 4 KiB blocks that differ (the first few, each with the writer byte each holds).
+fn differences(copies: &[Vec<u8>]) -> String {
+    let mut out = format!(
+        "sizes {:?}",
+        copies.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    let block = |c: &Vec<u8>, b: usize| c.get(b * 4096..(b + 1) * 4096).map(|s| s.to_vec());
+    for i in 0..copies.len() {
+        for j in i + 1..copies.len() {
+            let n = copies[i].len().max(copies[j].len()).div_ceil(4096);
+            let differ: Vec<usize> = (0..n)
+                .filter(|b| block(&copies[i], *b) != block(&copies[j], *b))
+                .collect();
+            let first: Vec<String> = differ
+                .iter()
+                .take(4)
+                .map(|b| {
+                    let byte = |c: &Vec<u8>| c.get(b * 4096).copied();
+                    format!("#{b} {:?}/{:?}", byte(&copies[i]), byte(&copies[j]))
+                })
+                .collect();
+            out += &format!("; bricks {i},{j}: {} blocks differ {first:?}", differ.len());
+        }
+    }
+    out
 }

@@ -24,6 +24,7 @@ mod server_hostile_frames;
 mod server_layers;
 mod server_limits;
 mod server_open_whole;
+mod server_reset_connection;
 mod server_slow_storage;
 mod server_storage_errors;
 mod server_tls;

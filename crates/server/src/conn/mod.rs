@@ -225,6 +225,11 @@ enum Step {
 /// Clients that announced a metrics endpoint, by connection: `kiln volume profile` asks them.
 pub type ClientBook = Arc<std::sync::Mutex<HashMap<u64, String>>>;
 
+/// A connection that ran no frame for this long asks its socket, before the next, whether
+/// the client reset it meanwhile (see [`Conn::abandoned_by_client`]): well under the time a
+/// client waits before it gives a silent brick up.
+const RECHECK_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Per-connection state.
 struct Conn {
     stack: LayerRef,
@@ -245,6 +250,14 @@ struct Conn {
     mgmt: Option<crate::control::Handler>,
     /// Close once the queued replies are out (a refused client).
     closing: bool,
+    /// The socket the client's bytes arrive by (over TLS, the TCP socket under the tunnel),
+    /// asked after a pause whether the client reset the connection meanwhile.
+    wire: Option<OwnedFd>,
+    /// When this connection last started running a frame.
+    last_frame: std::time::Instant,
+    /// The client reset the connection while frames of it waited here: they are dropped
+    /// unrun (see [`Conn::abandoned_by_client`]).
+    abandoned: bool,
     /// Requests dispatched whose replies have not been fully sent.
     inflight: usize,
     /// Frames since the last WRITE or file-body reply (saturating): how much [`Conn::run`]
@@ -406,6 +419,9 @@ pub async fn serve(
         who,
         mgmt,
         closing: false,
+        wire: rustix::io::dup(wfd.as_ref().unwrap_or(&fd).get_ref()).ok(),
+        last_frame: std::time::Instant::now(),
+        abandoned: false,
         inflight: 0,
         small_run: 0,
         handles: HashMap::new(),
@@ -727,6 +743,9 @@ impl Conn {
 
     /// Runs one complete request; its reply is queued now or, for fops that wait, later.
     fn dispatch(&mut self, inc: Incoming) {
+        if self.abandoned || self.abandoned_by_client() {
+            return;
+        }
         self.inflight += 1;
         let id = inc.hdr.request_id.get();
         let opcode = inc.hdr.opcode.get();
@@ -817,6 +836,32 @@ impl Conn {
                 self.push(OutReply::new(opcode, id, Err(errno::EPROTO)))
             }
         }
+    }
+
+    /// True (and the connection closing) when, after a pause of [`RECHECK_AFTER`] since
+    /// this connection last ran a frame, its socket says the client reset it: frames that
+    /// arrived before the reset and waited here — behind a storage call that hung, or in a
+    /// brick that was stopped — belong to a connection the client gave up on. It has marked
+    /// what they would change as missed here and may since have written newer bytes through
+    /// another connection; running them now would overwrite those with nothing marking it.
+    /// Costs one clock read per frame, and a system call only after a pause.
+    fn abandoned_by_client(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        let paused = now.duration_since(self.last_frame) >= RECHECK_AFTER;
+        self.last_frame = now;
+        let reset = paused
+            && self.wire.as_ref().is_some_and(|w| {
+                matches!(rustix::net::sockopt::socket_error(w), Ok(Err(_)) | Err(_))
+            });
+        if reset {
+            tracing::warn!(
+                peer = %self.peer,
+                "the client reset the connection while its requests waited here: dropping them unrun"
+            );
+            self.abandoned = true;
+            self.closing = true;
+        }
+        reset
     }
 
     fn bad_frame(&self) {

@@ -22,6 +22,19 @@ pub fn ip(args: &[&str]) -> io::Result<()> {
     }
 }
 
+/// A command that runs `program` in network namespace `ns` (through `ip netns exec`), or in
+/// this one with `None`.
+pub fn command_in(ns: Option<&str>, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
 /// A network namespace joined to this one by a veth pair: this side at `near_ip`, the
 /// namespace at `far_ip`, on a /30 of its own. Dropping it removes the pair and the
 /// namespace.
@@ -118,9 +131,7 @@ pub fn tcp_sockets(ns: Option<&str>) -> io::Result<Vec<TcpSocket>> {
     let table = match ns {
         None => std::fs::read_to_string("/proc/net/tcp")?,
         Some(ns) => {
-            let out = Command::new("ip")
-                .args(["netns", "exec", ns, "cat", "/proc/net/tcp"])
-                .output()?;
+            let out = command_in(Some(ns), "cat").arg("/proc/net/tcp").output()?;
             if !out.status.success() {
                 return Err(io::Error::other(format!(
                     "the socket table of {ns}: {}",

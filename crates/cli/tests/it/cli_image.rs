@@ -59,13 +59,8 @@ impl Image {
     }
 
     fn nbd_cmd(&self, ns: Option<&str>, sock: &str, args: &[&str]) -> Command {
-        let exe = env!("CARGO_BIN_EXE_kiln");
         let mut c = match ns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns, exe]);
-                c
-            }
+            Some(_) => kiln_testkit::net::command_in(ns, env!("CARGO_BIN_EXE_kiln")),
             None => kiln(),
         };
         let key = match ns {

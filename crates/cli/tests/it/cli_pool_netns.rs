@@ -318,9 +318,8 @@ fn leader_kills(h: &mut Hosts) {
         let before = defs(&h.info(leader));
         let delay = Duration::from_micros(rng.below(400_000));
         let secret = h.state(0).join("mgmt.secret");
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &h.ns(to), env!("CARGO_BIN_EXE_kiln")])
-            .args(&args)
+        let mut cmd = kiln_testkit::net::command_in(Some(&h.ns(to)), env!("CARGO_BIN_EXE_kiln"));
+        cmd.args(&args)
             .args(["--server", &h.mgmt(to), "--json", "--mgmt-secret-file"])
             .arg(&secret)
             .env("KILN_TLS_DIR", h.client_tls())

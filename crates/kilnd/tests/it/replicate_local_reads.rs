@@ -5,7 +5,7 @@
 //! `ip netns`; skips (saying why) without them.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -38,14 +38,7 @@ fn brick(ns: Option<&str>, dir: &std::path::Path, ip_addr: &str) -> (Child, Stri
     let vf = dir.with_extension("toml");
     let name = dir.file_name().unwrap().to_string_lossy().into_owned();
     std::fs::write(&vf, kiln_server::replica_volfile(dir, &name).to_toml()).unwrap();
-    let mut cmd = match ns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kilnd")]);
-            c
-        }
-        None => Command::new(env!("CARGO_BIN_EXE_kilnd")),
-    };
+    let mut cmd = kiln_testkit::net::command_in(ns, env!("CARGO_BIN_EXE_kilnd"));
     cmd.arg("--volfile")
         .arg(&vf)
         .args(["--listen", &format!("tcp:{ip_addr}:0"), "--metrics", "off"])

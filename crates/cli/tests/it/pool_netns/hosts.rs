@@ -148,31 +148,31 @@ impl Hosts {
     /// Starts host `i`'s kilnd and waits until its management port answers.
     pub fn start(&mut self, i: usize) {
         let log = self.tmp.join(format!("kilnd{i}.log"));
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.ns(i), env!("CARGO_BIN_EXE_kiln")])
-            .args(["server", "--mgmt", &self.mgmt(i), "--metrics", "off"])
-            .args([
-                "--heal-interval",
-                &self.heal_interval.to_string(),
-                "--state-dir",
-            ])
-            .arg(self.state(i))
-            .arg("--tls")
-            .arg(self.tls(i))
-            .env("KILN_LOG", "info")
-            // A start cut short by a leader kill leaves bricks of a volume still "created":
-            // their host's kilnd stops them once they are this old.
-            .env("KILN_ORPHAN_GRACE_MS", "3000")
-            .stdout(Stdio::piped())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&log)
-                    .unwrap(),
-            )
-            .spawn()
-            .expect("spawn kiln server");
+        let mut child =
+            kiln_testkit::net::command_in(Some(&self.ns(i)), env!("CARGO_BIN_EXE_kiln"))
+                .args(["server", "--mgmt", &self.mgmt(i), "--metrics", "off"])
+                .args([
+                    "--heal-interval",
+                    &self.heal_interval.to_string(),
+                    "--state-dir",
+                ])
+                .arg(self.state(i))
+                .arg("--tls")
+                .arg(self.tls(i))
+                .env("KILN_LOG", "info")
+                // A start cut short by a leader kill leaves bricks of a volume still "created":
+                // their host's kilnd stops them once they are this old.
+                .env("KILN_ORPHAN_GRACE_MS", "3000")
+                .stdout(Stdio::piped())
+                .stderr(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&log)
+                        .unwrap(),
+                )
+                .spawn()
+                .expect("spawn kiln server");
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         loop {
@@ -215,9 +215,8 @@ impl Hosts {
     /// The command [`Hosts::kiln_at`] runs, to be spawned and waited for later.
     pub fn kiln_cmd(&self, i: usize, args: &[&str]) -> Command {
         let secret = self.state(0).join("mgmt.secret");
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns(i), env!("CARGO_BIN_EXE_kiln")])
-            .args(args)
+        let mut c = kiln_testkit::net::command_in(Some(&self.ns(i)), env!("CARGO_BIN_EXE_kiln"));
+        c.args(args)
             .args(["--server", &self.mgmt(i), "--json", "--mgmt-secret-file"])
             .arg(secret)
             .env("KILN_TLS_DIR", self.client_tls())

@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use kiln_client::Volume;
@@ -91,23 +91,16 @@ impl Brick {
     pub fn start(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let mut cmd = match &self.netns {
-                Some(ns) => {
-                    let mut c = Command::new("ip");
-                    c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kilnd")]);
-                    c
-                }
-                None => Command::new(env!("CARGO_BIN_EXE_kilnd")),
-            };
-            let mut child = cmd
-                .arg("--volfile")
-                .arg(&self.volfile)
-                .args(["--listen", &self.addr, "--metrics", "off"])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .stdin(Stdio::null())
-                .spawn()
-                .expect("spawn kilnd");
+            let mut child =
+                kiln_testkit::net::command_in(self.netns.as_deref(), env!("CARGO_BIN_EXE_kilnd"))
+                    .arg("--volfile")
+                    .arg(&self.volfile)
+                    .args(["--listen", &self.addr, "--metrics", "off"])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::null())
+                    .stdin(Stdio::null())
+                    .spawn()
+                    .expect("spawn kilnd");
             let mut out = BufReader::new(child.stdout.take().expect("stdout"));
             let mut line = String::new();
             out.read_line(&mut line).expect("kilnd output");

@@ -22,7 +22,7 @@ use crate::ahead::{parent, Contents, Listings};
 use crate::fresh::Fresh;
 use crate::inodes::{split, Inodes};
 use crate::known::Known;
-use crate::smalls::Recent;
+use crate::listed::Listed;
 use crate::xattr::NoXattrs;
 
 /// What applying a push touches.
@@ -30,8 +30,8 @@ pub(crate) struct Caches {
     pub ahead: Arc<Listings>,
     pub contents: Arc<Contents>,
     pub known: Arc<Known>,
-    /// The small files of recent listings, that walks fetch ahead.
-    pub recent: Arc<Recent>,
+    /// The directories listed lately, that walks fetch ahead in.
+    pub listed: Arc<Listed>,
     pub inodes: Arc<Mutex<Inodes>>,
     pub no_xattrs: Arc<NoXattrs>,
     pub fresh: Arc<Fresh>,
@@ -74,7 +74,7 @@ impl Caches {
         self.known.pushes(false);
         self.ahead.spoil_all();
         self.contents.spoil_all();
-        self.recent.forget_all();
+        self.listed.forget_all();
     }
 
     fn apply(&self, c: &Changes) {
@@ -84,7 +84,7 @@ impl Caches {
         if c.all {
             self.ahead.spoil_all();
             self.contents.spoil_all();
-            self.recent.forget_all();
+            self.listed.forget_all();
             self.known.forget_all();
             // Pushed again (after a reconnect), or a list too long to send: pushes go on.
             self.known.pushes(true);
@@ -104,13 +104,13 @@ impl Caches {
             // replaced or removed takes its own listing with it.
             self.ahead.spoil(parent(&ch.path));
             self.contents.spoil(&ch.path);
-            self.recent.forget(parent(&ch.path));
+            self.listed.forget(parent(&ch.path));
             self.known.forget(parent(&ch.path));
             if ch.kind & CHANGE_NAME != 0 {
                 // Renamed, replaced or removed: so is everything below it.
                 self.ahead.spoil_tree(&ch.path);
                 self.contents.spoil_tree(&ch.path);
-                self.recent.forget_tree(&ch.path);
+                self.listed.forget_tree(&ch.path);
                 self.known.forget_tree(&ch.path);
             }
             // The table keeps the name: the kernel may still use its entry until told, and

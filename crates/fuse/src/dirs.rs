@@ -32,7 +32,7 @@ impl KilnFs {
         // Where a walk is: the subdirectories it opens next are fetched ahead (below).
         let (up, name) = split(&path);
         let siblings = match general && !path.is_empty() {
-            true => self.walks.opened(up, name),
+            true => self.walks.opened(self.listed.get(up).as_deref(), up, name),
             false => Vec::new(),
         };
         let (entries, seen) = match self.ahead.take_waiting(&path, &who, |w| gate::waiting(w)) {
@@ -46,16 +46,11 @@ impl KilnFs {
             }
         };
         if general {
-            let subdirs = entries
-                .iter()
-                .filter(|e| kind(e.attr.mode) == FileType::Directory)
-                .map(|e| e.name.clone())
-                .collect();
+            let listing = self.listed.put(&path, self.listing_of(&entries));
             // A depth-first walk goes into this directory's first subdirectories before
             // this one's next siblings.
-            let first = self.walks.listed(&path, subdirs);
+            let first = self.walks.listed(&path, &listing);
             self.listings_ahead((&caller, &who), first.into_iter().chain(siblings));
-            self.note_files(&path, &entries);
         }
         let id = self.next_dir.fetch_add(1, Ordering::Relaxed);
         self.dirs.locked().insert(id, DirSnapshot { entries, seen });

@@ -34,6 +34,7 @@ mod fresh;
 mod gate;
 pub mod inodes;
 mod known;
+mod listed;
 mod mount;
 mod opens;
 mod options;
@@ -125,9 +126,9 @@ pub struct KilnFs {
     ahead: Arc<ahead::Listings>,
     /// Small files' content fetched ahead of a reader (see [`ahead`] and [`smalls`]).
     contents: Arc<ahead::Contents>,
-    /// The small regular files of recent listings, for [`smalls`].
-    recent: Arc<smalls::Recent>,
-    /// The subdirectories of recent listings, and the order walks take (see [`walks`]).
+    /// The directories listed lately: what walks go through ([`walks`], [`smalls`]).
+    listed: Arc<listed::Listed>,
+    /// The order walks take (see [`walks`]).
     walks: walks::Walks,
     /// The volume root's brick inode (FUSE's is [`ROOT`]).
     root_brick_ino: u64,
@@ -176,7 +177,7 @@ impl KilnFs {
                     .ahead_ready
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             })),
-            recent: Arc::default(),
+            listed: Arc::default(),
             walks: walks::Walks::default(),
             root_brick_ino: root.ino,
             known: Arc::new(known::Known::new(attr_timeout)),
@@ -209,7 +210,7 @@ impl KilnFs {
             ahead: self.ahead.clone(),
             contents: self.contents.clone(),
             known: self.known.clone(),
-            recent: self.recent.clone(),
+            listed: self.listed.clone(),
         }
     }
 
@@ -232,7 +233,7 @@ impl KilnFs {
         let (parent, name) = inodes::split(path);
         self.ahead.spoil(parent);
         self.contents.spoil(path);
-        self.recent.forget(parent);
+        self.listed.forget(parent);
         self.known.named(parent, name, made);
     }
 
@@ -662,7 +663,7 @@ impl fuser::Filesystem for KilnFs {
         for p in [&from, &to] {
             self.ahead.spoil_tree(p);
             self.contents.spoil_tree(p);
-            self.recent.forget_tree(p);
+            self.listed.forget_tree(p);
             self.known.forget_tree(p);
         }
         match r {

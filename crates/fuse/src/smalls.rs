@@ -8,43 +8,27 @@
 //! "Next" is the order of a depth-first walk in listing order (what `find`, `tar` and `cp -r`
 //! do): the directory's later entries, at a subdirectory the subdirectory's own entries first
 //! (when its listing has been fetched) before the rest of the directory, and at the end of the
-//! directory its parent's later entries.
+//! directory its parent's later entries — through the listings this mount keeps
+//! ([`crate::listed`]).
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kiln_client::{DirEntry, Opened, Volume};
-use kiln_proto::sync::MutexExt as _;
 
 use crate::ahead::{Content, Job, Who};
 use crate::convert::kind;
 use crate::files::store_ahead;
 use crate::inodes::{fuse_ino, join, split};
+use crate::listed::{Listing, Step};
 use crate::KilnFs;
 use kiln_proto::Cred;
 
 /// Files fetched ahead per open, at most.
 const AHEAD: usize = 16;
-/// Directories whose entries are remembered (all are forgotten past this).
-const DIRS_MAX: usize = 4096;
 /// Entries a walk looks at, at most, to find the next [`AHEAD`] small files (an open's cost
 /// stays bounded in directories of big files or empty subdirectories).
 const WALK_STEPS: usize = 1024;
-
-/// The entries of recent listings, by directory path, in listing order.
-#[derive(Default)]
-pub(crate) struct Recent {
-    dirs: Mutex<HashMap<String, Arc<Entries>>>,
-}
-
-/// An entry a walk may go through: a small regular file (its FUSE inode and listed size) or
-/// a directory.
-enum Step {
-    Small(u64, u64),
-    Dir,
-}
 
 /// A small file a walk reaches next: its path, FUSE inode and listed size.
 struct Next {
@@ -59,72 +43,31 @@ impl AsRef<str> for Next {
     }
 }
 
-impl Recent {
-    /// Directory `dir`'s entries changed (another client's change pushed, or one through this
-    /// mount): what its listing said is forgotten, so no walk fetches ahead an entry as what
-    /// it was — a regular file now replaced by a FIFO or a directory, say.
-    pub(crate) fn forget(&self, dir: &str) {
-        let mut d = self.dirs.locked();
-        if !d.is_empty() {
-            d.remove(dir);
-        }
-    }
-
-    /// `path` was renamed, replaced or removed: its listing and those below it are forgotten.
-    pub(crate) fn forget_tree(&self, path: &str) {
-        let below = format!("{path}/");
-        let mut d = self.dirs.locked();
-        d.retain(|p, _| p != path && !p.starts_with(&below));
-    }
-
-    /// Anything may have changed: every listing is forgotten.
-    pub(crate) fn forget_all(&self) {
-        self.dirs.locked().clear();
-    }
-}
-
-struct Entries {
-    /// Name and what it is; other entries (big files, links, …) are left out.
-    list: Vec<(String, Step)>,
-    /// Where each entry is in `list`.
-    at: HashMap<String, usize>,
-}
-
 impl KilnFs {
-    /// A listing of `dir` was fetched: its small regular files and subdirectories are
-    /// remembered.
-    pub(crate) fn note_files(&self, dir: &str, entries: &[DirEntry]) {
-        if self.small_max == 0 {
-            return;
-        }
-        let list: Vec<(String, Step)> = entries
-            .iter()
-            .filter_map(|e| match kind(e.attr.mode) {
-                fuser::FileType::RegularFile if e.attr.size <= self.small_max as u64 => Some((
-                    e.name.clone(),
-                    Step::Small(self.fuse_ino(e.attr.ino), e.attr.size),
-                )),
-                fuser::FileType::Directory => Some((e.name.clone(), Step::Dir)),
-                _ => None,
-            })
-            .collect();
-        let at = list
-            .iter()
-            .enumerate()
-            .map(|(i, (n, _))| (n.clone(), i))
-            .collect();
-        let mut d = self.recent.dirs.locked();
-        if d.len() >= DIRS_MAX {
-            d.clear();
-        }
-        d.insert(dir.to_owned(), Arc::new(Entries { list, at }));
+    /// What a walk goes through in a listing: its small regular files (none when nothing is
+    /// fetched ahead) and subdirectories, in listing order.
+    pub(crate) fn listing_of(&self, entries: &[DirEntry]) -> Listing {
+        let small = self.small_max as u64;
+        Listing::new(
+            entries
+                .iter()
+                .filter_map(|e| match kind(e.attr.mode) {
+                    fuser::FileType::RegularFile if small > 0 && e.attr.size <= small => Some((
+                        e.name.clone(),
+                        Step::Small(self.fuse_ino(e.attr.ino), e.attr.size),
+                    )),
+                    fuser::FileType::Directory => Some((e.name.clone(), Step::Dir)),
+                    _ => None,
+                })
+                .collect(),
+        )
     }
 
     /// The small files a depth-first walk reaches after `name` in `dir`, at most `max`: the
     /// directory's later entries, descending into each subdirectory whose listing is known,
     /// then back up into the parents' later entries (where their listings are known).
     fn walk_after(&self, dir: &str, name: &str, max: usize) -> Vec<Next> {
-        let recent = self.recent.dirs.locked();
+        let recent = self.listed.all();
         let Some(here) = recent.get(dir) else {
             return Vec::new();
         };

@@ -7,6 +7,9 @@ Systems, each a directory the jobs work in:
                 (through the brick's Unix socket, or loopback TCP with --kiln-transport tcp)
   gluster       the GlusterFS FUSE mount of volume "dist" (../shared/bench/gluster.sh: one brick
                 on a tmpfs, read-ahead / write-behind / io-cache / quick-read off)
+  kiln-old      with --old-kiln-bin: kiln as above, from another build (a change's baseline),
+                with a server, brick and mount of its own
+--systems picks some of them (default tmpfs,kiln,gluster; kiln-old joins with --old-kiln-bin).
 
 Jobs, every repetition, the order of the systems rotating from one repetition to the next:
   tree_read     find TREE -type f -print0 | xargs -0 cat > /dev/null, cold: the page cache,
@@ -21,7 +24,8 @@ Jobs, every repetition, the order of the systems rotating from one repetition to
                 (and every symlink's target) equal the source's.
 
 Targets (ratios of medians): tree_read kiln/gluster >= 5 and kiln/tmpfs >= 0.25; ls_lR
-gluster/kiln time >= 5; untar gluster/kiln time >= 3.
+gluster/kiln time >= 5; untar gluster/kiln time >= 3. With kiln-old, each job's kiln/kiln-old
+ratio too (speed: above 1 is the new build faster), with no target.
 
 Set-up: apt-get installs what is missing; cargo build --release -p kiln-cli (--no-build skips
 it); a tmpfs on /tmp/kiln-tree-bench/tmpfs holds the tmpfs system and Kiln's brick;
@@ -52,8 +56,9 @@ from fuse_compare import is_mountpoint, stop_process, unmount, wait_for_line  # 
 
 WORK = Path("/tmp/kiln-tree-bench")
 TMPFS = WORK / "tmpfs"
-MOUNTS = {"tmpfs": TMPFS / "local", "kiln": WORK / "kiln", "gluster": WORK / "gluster"}
-SYSTEMS = ["tmpfs", "kiln", "gluster"]
+MOUNTS = {"tmpfs": TMPFS / "local", "kiln": WORK / "kiln", "gluster": WORK / "gluster",
+          "kiln-old": WORK / "kiln-old"}
+ALL_SYSTEMS = ["tmpfs", "kiln", "gluster", "kiln-old"]
 SOURCES = ["usr/include", "usr/share/doc"]
 JOBS = ["tree_read", "ls_lR", "untar"]
 
@@ -90,10 +95,13 @@ class TreeBench(GlusterRef):
         self.root = repo_root()
         GlusterRef.__init__(self, self.root)
         self.kiln_bin = args.kiln_bin or self.root / "target" / "release" / "kiln"
+        self.systems: list[str] = args.systems
         self.tmp = Path(tempfile.mkdtemp(prefix="kiln-tree-"))
-        self.server: subprocess.Popen | None = None
-        self.mount: subprocess.Popen | None = None
-        self.source = ""
+        # Per Kiln system: its binary, server, mount and source.
+        self.kilns: dict[str, dict] = {
+            k: {"bin": self.kiln_bin if k == "kiln" else args.old_kiln_bin,
+                "server": None, "mount": None, "source": ""}
+            for k in self.systems if k.startswith("kiln")}
         self.mounted_tmpfs = False
         self.started_gluster = False
         self.mounted_gluster = False
@@ -105,62 +113,68 @@ class TreeBench(GlusterRef):
     # ------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        if not self.gluster_sh.is_file():
+        if "gluster" in self.systems and not self.gluster_sh.is_file():
             raise BenchError(f"{self.gluster_sh} not found (the shared/ dir beside the repo)")
         ensure_packages({"fusermount3": "fuse3", "tar": "tar"})
         if not self.args.no_build:
             log("cargo build --release -p kiln-cli")
             sh(["cargo", "build", "--release", "-p", "kiln-cli"], cwd=self.root, stdout=sys.stderr)
-        if not Path(self.kiln_bin).is_file():
-            raise BenchError(f"{self.kiln_bin} is missing (build failed or --no-build)")
+        for k, kiln in self.kilns.items():
+            if not Path(kiln["bin"]).is_file():
+                raise BenchError(f"{k}: {kiln['bin']} is missing (build failed or --no-build)")
         TMPFS.mkdir(parents=True, exist_ok=True)
         if not is_mountpoint(TMPFS):
             sh(privileged() + ["mount", "-t", "tmpfs", "-o", "size=6g", "kiln-tree-bench",
                                str(TMPFS)])
             self.mounted_tmpfs = True
         MOUNTS["tmpfs"].mkdir(exist_ok=True)
-        self.kiln_server()
-        self.kiln_mount()
-        self.gluster_mount()
+        for k in self.kilns:
+            self.kiln_server(k)
+            self.kiln_mount(k)
+        if "gluster" in self.systems:
+            self.gluster_mount()
         self.make_sources()
-        for system in SYSTEMS:
+        for system in self.systems:
             self.lay_out(system)
 
-    def kiln_server(self) -> None:
-        brick = TMPFS / "brick"
+    def kiln_server(self, k: str) -> None:
+        kiln = self.kilns[k]
+        brick = TMPFS / f"brick-{k}"
         brick.mkdir(exist_ok=True)
-        sock = self.tmp / "kilnd.sock"
-        server_log = self.tmp / "kiln-server.log"
+        sock = self.tmp / f"{k}.sock"
+        server_log = self.tmp / f"{k}-server.log"
         with open(server_log, "w") as f:
-            self.server = subprocess.Popen(
-                [str(self.kiln_bin), "server", "--brick", str(brick),
+            kiln["server"] = subprocess.Popen(
+                [str(kiln["bin"]), "server", "--brick", str(brick),
                  "--listen", "tcp:127.0.0.1:0", "--listen", f"unix:{sock}"],
                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
-        m = wait_for_line(self.server, server_log, r"kilnd: listening on tcp:127\.0\.0\.1:(\d+)",
-                          "kiln server")
+        m = wait_for_line(kiln["server"], server_log,
+                          r"kilnd: listening on tcp:127\.0\.0\.1:(\d+)", f"{k} server")
         addr = f"unix:{sock}" if self.args.kiln_transport == "unix" else f"127.0.0.1:{m.group(1)}"
-        self.source = f"{addr}:/vol"
-        log(f"kiln server (pid {self.server.pid}), brick {brick}, mounted through {addr}")
+        kiln["source"] = f"{addr}:/vol"
+        log(f"{k} server (pid {kiln['server'].pid}, {kiln['bin']}), brick {brick}, "
+            f"mounted through {addr}")
 
-    def kiln_mount(self) -> None:
-        mnt = MOUNTS["kiln"]
+    def kiln_mount(self, k: str) -> None:
+        kiln = self.kilns[k]
+        mnt = MOUNTS[k]
         mnt.mkdir(parents=True, exist_ok=True)
         if is_mountpoint(mnt):
             raise BenchError(f"{mnt} is already a mount point (left over?); unmount it")
-        mount_log = self.tmp / "kiln-mount.log"
+        mount_log = self.tmp / f"{k}-mount.log"
         with open(mount_log, "w") as f:
-            self.mount = subprocess.Popen(
-                [str(self.kiln_bin), "mount", self.source, str(mnt), "--mode", "general"],
+            kiln["mount"] = subprocess.Popen(
+                [str(kiln["bin"]), "mount", kiln["source"], str(mnt), "--mode", "general"],
                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
-        wait_for_line(self.mount, mount_log, r"kiln: mounted", "kiln mount")
+        wait_for_line(kiln["mount"], mount_log, r"kiln: mounted", f"{k} mount")
 
-    def kiln_remount(self) -> None:
-        stop_process(self.mount, "kiln mount")
-        self.mount = None
-        unmount(MOUNTS["kiln"], "the kiln mount")
-        self.kiln_mount()
+    def kiln_remount(self, k: str) -> None:
+        stop_process(self.kilns[k]["mount"], f"{k} mount")
+        self.kilns[k]["mount"] = None
+        unmount(MOUNTS[k], f"the {k} mount")
+        self.kiln_mount(k)
 
     def gluster_mount(self) -> None:
         was_up = self.glusterd_alive()
@@ -207,12 +221,15 @@ class TreeBench(GlusterRef):
 
     # ------------------------------------------------------------- jobs
 
-    def cold(self) -> None:
-        self.kiln_remount()
+    def cold(self, system: str) -> None:
+        """A Kiln system's mount made afresh (nothing its process keeps survives), then
+        every cache dropped."""
+        if system in self.kilns:
+            self.kiln_remount(system)
         drop_caches()
 
     def tree_read(self, system: str) -> dict:
-        self.cold()
+        self.cold(system)
         d = MOUNTS[system]
         t0 = time.monotonic()
         sh(["sh", "-c", 'find "$1" -type f -print0 | xargs -0 cat > /dev/null', "-",
@@ -221,7 +238,7 @@ class TreeBench(GlusterRef):
         return {"s": s, "mb_s": self.tree_bytes / 1e6 / s}
 
     def ls_lR(self, system: str) -> dict:
-        self.cold()
+        self.cold(system)
         t0 = time.monotonic()
         sh(["ls", "-lR", str(MOUNTS[system] / "many")], stdout=subprocess.DEVNULL)
         return {"s": time.monotonic() - t0}
@@ -255,22 +272,24 @@ class TreeBench(GlusterRef):
 
     def run(self) -> None:
         for rep in range(self.args.reps):
-            order = SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]
-            for job in JOBS:
+            n = len(self.systems)
+            order = self.systems[rep % n:] + self.systems[:rep % n]
+            for job in self.args.jobs:
                 for system in order:
                     r = (self.untar(system, rep) if job == "untar"
                          else getattr(self, job)(system))
                     r.update(job=job, system=system, rep=rep)
                     self.runs.append(r)
-                    log(f"rep {rep + 1} {job:9} {system:7} {r['s']:7.2f} s"
+                    log(f"rep {rep + 1} {job:9} {system:8} {r['s']:7.2f} s"
                         + (f"  {r['mb_s']:7.1f} MB/s" if "mb_s" in r else ""))
 
     # ------------------------------------------------------------- clean-up
 
     def cleanup(self) -> None:
-        stop_process(self.mount, "kiln mount")
-        unmount(MOUNTS["kiln"], "the kiln mount")
-        stop_process(self.server, "kiln server")
+        for k, kiln in self.kilns.items():
+            stop_process(kiln["mount"], f"{k} mount")
+            unmount(MOUNTS[k], f"the {k} mount")
+            stop_process(kiln["server"], f"{k} server")
         if self.mounted_gluster:
             unmount(MOUNTS["gluster"], "the GlusterFS mount")
         if self.started_gluster and not self.args.keep_gluster:
@@ -285,7 +304,7 @@ class TreeBench(GlusterRef):
 def medians(runs: list[dict]) -> dict:
     med: dict = {}
     for job in JOBS:
-        for system in SYSTEMS:
+        for system in ALL_SYSTEMS:
             rs = [r for r in runs if r["job"] == job and r["system"] == system]
             if rs:
                 med.setdefault(job, {})[system] = {
@@ -305,10 +324,18 @@ def ratios(med: dict) -> list[dict]:
          get("tree_read", "tmpfs", "mb_s"), 0.25),
         ("ls_lR gluster / kiln time", get("ls_lR", "gluster", "s"), get("ls_lR", "kiln", "s"), 5),
         ("untar gluster / kiln time", get("untar", "gluster", "s"), get("untar", "kiln", "s"), 3),
+        ("tree_read kiln / kiln-old MB/s", get("tree_read", "kiln", "mb_s"),
+         get("tree_read", "kiln-old", "mb_s"), None),
+        ("ls_lR kiln-old / kiln time", get("ls_lR", "kiln-old", "s"), get("ls_lR", "kiln", "s"),
+         None),
+        ("untar kiln-old / kiln time", get("untar", "kiln-old", "s"), get("untar", "kiln", "s"),
+         None),
     ]:
-        v = num / den if num and den else None
+        if not (num and den):
+            continue  # a system not run
+        v = num / den
         out.append({"ratio": name, "value": v, "target": target,
-                    "pass": v is not None and v >= target})
+                    "pass": None if target is None else v >= target})
     return out
 
 
@@ -324,7 +351,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--keep-gluster", action="store_true", help="leave GlusterFS running")
     p.add_argument("--no-build", action="store_true", help="skip cargo build")
     p.add_argument("--kiln-bin", type=Path, help="kiln binary (default target/release/kiln)")
+    p.add_argument("--old-kiln-bin", type=Path,
+                   help="a baseline kiln binary, run as system kiln-old beside kiln")
+    p.add_argument("--jobs", default=",".join(JOBS),
+                   help=f"comma-separated jobs to run (default {','.join(JOBS)})")
+    p.add_argument("--systems", default="tmpfs,kiln,gluster",
+                   help="comma-separated systems to run (of tmpfs, kiln, gluster, kiln-old; "
+                        "default tmpfs,kiln,gluster, and kiln-old with --old-kiln-bin)")
     args = p.parse_args(argv)
+    args.systems = [x for x in args.systems.split(",") if x]
+    args.jobs = [x for x in args.jobs.split(",") if x]
+    if not args.jobs or any(j not in JOBS for j in args.jobs):
+        p.error(f"--jobs: pick from {', '.join(JOBS)}")
+    if args.old_kiln_bin and "kiln-old" not in args.systems:
+        args.systems.append("kiln-old")
+    unknown = [x for x in args.systems if x not in ALL_SYSTEMS]
+    if unknown or not args.systems:
+        p.error(f"--systems: unknown {unknown} (pick from {', '.join(ALL_SYSTEMS)})")
+    if "kiln-old" in args.systems and not args.old_kiln_bin:
+        p.error("--systems kiln-old needs --old-kiln-bin")
     if os.geteuid() != 0:
         print("tree.py needs root (mounts, drop_caches)", file=sys.stderr)
         return 2
@@ -348,16 +393,17 @@ def main(argv: list[str]) -> int:
           f"{b.tree_files} files / {b.tree_bytes / 1e6:.0f} MB; ls -lR of {args.entries}",
           file=sys.stderr)
     for job in JOBS:
-        for system in SYSTEMS:
+        for system in ALL_SYSTEMS:
             m = med.get(job, {}).get(system)
             if m:
                 extra = f"  {m['mb_s']:8.1f} MB/s" if "mb_s" in m else ""
-                print(f"  {job:9} {system:7} {m['s']:8.2f} s{extra}", file=sys.stderr)
+                print(f"  {job:9} {system:8} {m['s']:8.2f} s{extra}", file=sys.stderr)
     for r in rats:
-        v = "-" if r["value"] is None else f"{r['value']:.2f}"
-        print(f"  {r['ratio']:32} {v:>6}  >= {r['target']:<5} {'PASS' if r['pass'] else 'FAIL'}",
-              file=sys.stderr)
-    emit({"config": vars(args) | {"kiln_bin": str(b.kiln_bin), "out": args.out},
+        verdict = ("" if r["pass"] is None
+                   else f"  >= {r['target']:<5} {'PASS' if r['pass'] else 'FAIL'}")
+        print(f"  {r['ratio']:32} {r['value']:6.2f}{verdict}", file=sys.stderr)
+    emit({"config": vars(args) | {"kiln_bin": str(b.kiln_bin), "out": args.out,
+                                  "old_kiln_bin": args.old_kiln_bin and str(args.old_kiln_bin)},
           "tree": {"files": b.tree_files, "bytes": b.tree_bytes},
           "medians": med, "ratios": rats, "runs": b.runs, "failures": b.failures}, args.out)
     return 1 if b.failures else 0

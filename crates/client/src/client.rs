@@ -83,17 +83,11 @@ impl Future for SlotWait {
 }
 
 fn raw_mut(b: &mut [u8]) -> RawIov {
-    RawIov {
-        base: b.as_mut_ptr() as usize,
-        len: b.len(),
-    }
+    RawIov::of_mut(b)
 }
 
 fn raw(b: &[u8]) -> RawIov {
-    RawIov {
-        base: b.as_ptr() as usize,
-        len: b.len(),
-    }
+    RawIov::of(b)
 }
 
 fn check_len(total: usize) -> io::Result<u32> {

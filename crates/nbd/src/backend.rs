@@ -9,7 +9,7 @@ use kiln_proto::sync::MutexExt as _;
 
 use crate::spec::ImageSpec;
 use kiln_proto::error::Context as _;
-use kiln_proto::Error;
+use kiln_proto::{Error, Kind};
 
 /// What every session needs to know about the export.
 pub struct Shared {
@@ -79,9 +79,14 @@ async fn volume(sh: &Shared) -> Result<Arc<Volume>, Error> {
         .await
         .map_err(|e| Error::failed(format!("cannot reach {}: {e}", place(sh))))?
         .map_err(|e| match &sh.source {
-            Source::Server { server, .. } => {
-                Error::io(format_args!("Kiln server {server} is unreachable"), &e)
-            }
+            // Unreachable only when it is: a refusal is the server's own answer (no such
+            // volume, not allowed), with its kind.
+            Source::Server { server, .. } => match Error::from(e) {
+                e if e.kind() == Kind::Unavailable => {
+                    e.context(format_args!("Kiln server {server} is unreachable"))
+                }
+                e => e.context(format_args!("Kiln server {server}")),
+            },
             s => Error::io(format_args!("cannot build the client stack of {s}"), &e),
         })?;
     let vol = Arc::new(vol);

@@ -154,8 +154,15 @@ impl Error {
         Error::from_io(e, format!("{what}: {e}"))
     }
 
-    /// `e`'s kind, errno and io kind, saying `msg`.
+    /// `e`'s kind, errno and io kind, saying `msg`. An [`Error`] that travelled inside `e`
+    /// (through an `io::Result` edge) keeps its own kind.
     fn from_io(e: &io::Error, msg: String) -> Error {
+        if let Some(inner) = e.get_ref().and_then(|r| r.downcast_ref::<Error>()) {
+            return Error {
+                msg,
+                ..inner.clone()
+            };
+        }
         Error {
             os: e.raw_os_error(),
             io: Some(e.kind()),
@@ -235,7 +242,7 @@ impl From<Error> for io::Error {
             Kind::Unavailable => io::ErrorKind::TimedOut,
             Kind::Conflict | Kind::Io | Kind::Failed => io::ErrorKind::Other,
         };
-        io::Error::new(kind, e.msg)
+        io::Error::new(kind, e)
     }
 }
 

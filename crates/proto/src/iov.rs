@@ -15,6 +15,25 @@ pub struct RawIov {
     pub len: usize,
 }
 
+impl RawIov {
+    /// The vector of a buffer to be filled (a read's sink). Taking the address promises
+    /// nothing yet; whoever hands the vector on keeps `b` alive and unmoved while it is used.
+    pub fn of_mut(b: &mut [u8]) -> RawIov {
+        RawIov {
+            base: b.as_mut_ptr() as usize,
+            len: b.len(),
+        }
+    }
+
+    /// The vector of a buffer to be sent (a write's payload), under the same promise.
+    pub fn of(b: &[u8]) -> RawIov {
+        RawIov {
+            base: b.as_ptr() as usize,
+            len: b.len(),
+        }
+    }
+}
+
 /// Largest number of vectors handed to one system call (Linux `UIO_MAXIOV`).
 pub const IOV_MAX: usize = 1024;
 

@@ -163,13 +163,7 @@ fn many_in_flight_with_replies_out_of_order() {
     // blocks. The reads' replies overtake the fsync's.
     let (tx, rx) = mpsc::channel::<(usize, Result<usize, u32>)>();
     let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; BS]).collect();
-    let iovs: Vec<RawIov> = bufs
-        .iter_mut()
-        .map(|b| RawIov {
-            base: b.as_mut_ptr() as usize,
-            len: BS,
-        })
-        .collect();
+    let iovs: Vec<RawIov> = bufs.iter_mut().map(|b| RawIov::of_mut(b)).collect();
     c.batch(|| {
         let t = tx.clone();
         c.fsync_raw(
@@ -240,10 +234,7 @@ fn server_killed_mid_request_fails_every_caller() {
     let mut bufs: Vec<Vec<u8>> = (0..64).map(|_| vec![0u8; 1 << 20]).collect();
     for (i, b) in bufs.iter_mut().enumerate() {
         let t = tx.clone();
-        let v = [RawIov {
-            base: b.as_mut_ptr() as usize,
-            len: b.len(),
-        }];
+        let v = [RawIov::of_mut(b)];
         // SAFETY: `bufs` outlives the completions, all awaited below.
         unsafe {
             c.preadv_raw(
@@ -358,10 +349,7 @@ mod splice {
         let (tx, rx) = mpsc::channel();
         for (i, &off) in offsets.iter().enumerate() {
             let mut buf = vec![0u8; len];
-            let iov = [RawIov {
-                base: buf.as_mut_ptr() as usize,
-                len,
-            }];
+            let iov = [RawIov::of_mut(&mut buf)];
             let tag = off;
             let way = Arc::new(SpliceOut::new(out.clone(), move |n| {
                 let mut h = tag.to_le_bytes().to_vec();

@@ -6,6 +6,7 @@
 
 use crate::common;
 
+use kiln_proto::Kind;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -588,13 +589,17 @@ fn startup_errors_are_clear_and_shutdown_is_clean() {
     create_image(&bsock, "disk.img", SIZE);
     let nbd = format!("unix:{}", dir.path().join("nbd.sock").display());
 
-    let e = try_start_export(
+    // Each refusal says what was wrong, and of what kind (what `kiln nbd`'s exit code says).
+    let refused = |spec: &str, listen: &str| {
+        let e = try_start_export(spec, listen, false)
+            .err()
+            .expect("refused");
+        (e.kind(), e.to_string())
+    };
+    let (kind, e) = refused(
         &format!("unix:{}:/vol/images/none.img", bsock.display()),
         &nbd,
-        false,
-    )
-    .err()
-    .unwrap();
+    );
     assert_eq!(
         e,
         format!(
@@ -602,31 +607,29 @@ fn startup_errors_are_clear_and_shutdown_is_clean() {
             bsock.display()
         )
     );
-    let e = try_start_export("unix:/nonexistent/kilnd.sock:/vol/disk.img", &nbd, false)
-        .err()
-        .unwrap();
+    assert_eq!(kind, Kind::NotFound, "{e}");
+    // No socket there: what was named does not exist.
+    let (kind, e) = refused("unix:/nonexistent/kilnd.sock:/vol/disk.img", &nbd);
     assert!(
-        e.contains("unreachable") && e.contains("/nonexistent/kilnd.sock"),
+        e.contains("cannot connect") && e.contains("/nonexistent/kilnd.sock"),
         "{e}"
     );
-    let e = try_start_export("127.0.0.1:1:/vol/disk.img", &nbd, false)
-        .err()
-        .unwrap();
+    assert_eq!(kind, Kind::NotFound, "{e}");
+    let (kind, e) = refused("127.0.0.1:1:/vol/disk.img", &nbd);
     assert!(e.contains("unreachable"), "{e}");
-    let e = try_start_export("disk.img", &nbd, false).err().unwrap();
+    assert_eq!(kind, Kind::Unavailable, "{e}");
+    let (kind, e) = refused("disk.img", &nbd);
     assert!(e.contains("bad image spec"), "{e}");
-    let e = try_start_export(
+    assert_eq!(kind, Kind::Invalid, "{e}");
+    let (kind, e) = refused(
         &format!("unix:{}:/vol/disk.img", bsock.display()),
         "tcp:nowhere",
-        false,
-    )
-    .err()
-    .unwrap();
+    );
     assert!(e.contains("bad listen address"), "{e}");
-    let e = try_start_export(&format!("unix:{}:/vol/", bsock.display()), &nbd, false)
-        .err()
-        .unwrap();
+    assert_eq!(kind, Kind::Invalid, "{e}");
+    let (kind, e) = refused(&format!("unix:{}:/vol/", bsock.display()), &nbd);
     assert!(e.contains("no image path"), "{e}");
+    assert_eq!(kind, Kind::Invalid, "{e}");
 
     // Over TCP on a free loopback port.
     let exp = try_start_export(

@@ -78,7 +78,7 @@ fn fake_mgmt(dir: &Path, volfile: String) -> u16 {
                 let reply = if req["cmd"] == "volfile" && req["name"] == "vol" {
                     serde_json::json!({ "ok": true, "volfile": volfile })
                 } else {
-                    serde_json::json!({ "ok": false, "error": "no such volume" })
+                    serde_json::json!({ "ok": false, "error": "no such volume", "kind": "not-found" })
                 };
                 reply.to_string().into_bytes()
             });
@@ -183,11 +183,13 @@ fn volfile_and_managed_volume_exports() {
     let e = try_start_export(&format!("127.0.0.1:{port}:/nosuch/disk.img"), &nbd, true)
         .err()
         .expect("an unknown volume fails");
-    assert!(e.contains("no such volume"), "{e}");
+    assert!(e.to_string().contains("no such volume"), "{e}");
+    assert_eq!(e.kind(), kiln_proto::Kind::NotFound, "{e}");
     let e = try_start_export(&format!("127.0.0.1:{port}:/vol/none.img"), &nbd, true)
         .err()
         .expect("a missing image fails");
-    assert!(e.contains("image none.img not found"), "{e}");
+    assert!(e.to_string().contains("image none.img not found"), "{e}");
+    assert_eq!(e.kind(), kiln_proto::Kind::NotFound, "{e}");
 }
 
 /// A replica-3 volume over the bricks at `socks`.

@@ -14,13 +14,7 @@ const N: usize = 256;
 /// Submits `N` reads of 4 KiB in one batch (one or a few sends) and waits for all of them.
 fn read_burst(c: &Client, fh: Fh, bufs: &mut [Vec<u8>]) {
     let (tx, rx) = mpsc::channel::<Result<usize, u32>>();
-    let iovs: Vec<RawIov> = bufs
-        .iter_mut()
-        .map(|b| RawIov {
-            base: b.as_mut_ptr() as usize,
-            len: BS,
-        })
-        .collect();
+    let iovs: Vec<RawIov> = bufs.iter_mut().map(|b| RawIov::of_mut(b)).collect();
     c.batch(|| {
         for (i, v) in iovs.iter().enumerate() {
             let t = tx.clone();

@@ -17,7 +17,7 @@ const MAX_OP: u64 = 64 << 10;
 pub struct Fsx {
     done: Arc<AtomicU64>,
     stop: Arc<std::sync::atomic::AtomicBool>,
-    handle: std::thread::JoinHandle<Result<u64, String>>,
+    handle: std::thread::JoinHandle<Result<u64, Failed>>,
 }
 
 struct Rng(u64);
@@ -65,9 +65,24 @@ impl Fsx {
 
     /// Stops it once the least number of operations is done: all of them, or the first
     /// mismatch or error.
-    pub fn finish(self) -> Result<u64, String> {
+    pub fn finish(self) -> Result<u64, Failed> {
         self.stop.store(true, Ordering::Release);
         self.handle.join().expect("the fsx thread")
+    }
+}
+
+/// The operation where the exerciser stopped, and what went wrong (a mismatch with its
+/// model, or an error); with the seed, `Fsx::start` repeats the run up to it.
+#[derive(Debug)]
+pub struct Failed {
+    pub op: u64,
+    pub seed: u64,
+    pub what: String,
+}
+
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "fsx op {} (seed {}): {}", self.op, self.seed, self.what)
     }
 }
 
@@ -77,18 +92,21 @@ fn run(
     seed: u64,
     done: &AtomicU64,
     stop: &std::sync::atomic::AtomicBool,
-) -> Result<u64, String> {
+) -> Result<u64, Failed> {
     let mut rng = Rng(seed | 1);
     let mut model: Vec<u8> = Vec::new();
     let mut f = open(path);
-    f.set_len(0)
-        .map_err(|e| format!("truncate at start: {e}"))?;
+    f.set_len(0).map_err(|e| Failed {
+        op: 0,
+        seed,
+        what: format!("truncate at start: {e}"),
+    })?;
     let mut punch = true;
     for n in 0.. {
         if n >= ops && stop.load(Ordering::Acquire) {
             return Ok(n);
         }
-        let fail = |what: String| Err(format!("fsx op {n} (seed {seed}): {what}"));
+        let fail = |what: String| Err(Failed { op: n, seed, what });
         match rng.below(100) {
             0..=29 => {
                 let off = rng.below(MAX - 1);

@@ -87,8 +87,12 @@ pub fn start_export(spec: &str, sock: &Path, read_only: bool) -> Running {
     try_start_export(spec, &format!("unix:{}", sock.display()), read_only).expect("start export")
 }
 
-/// Starts an export; `Err` is the message `kiln nbd` would print.
-pub fn try_start_export(spec: &str, listen: &str, read_only: bool) -> Result<Running, String> {
+/// Starts an export; `Err` is what `kiln nbd` would report (its message is what it prints).
+pub fn try_start_export(
+    spec: &str,
+    listen: &str,
+    read_only: bool,
+) -> Result<Running, kiln_proto::Error> {
     try_start_named_export(spec, listen, read_only, None)
 }
 
@@ -110,13 +114,11 @@ pub fn try_start_named_export(
     listen: &str,
     read_only: bool,
     name: Option<&str>,
-) -> Result<Running, String> {
+) -> Result<Running, kiln_proto::Error> {
     let cfg = ExportConfig {
-        image: spec.parse().map_err(|e: kiln_proto::Error| e.to_string())?,
+        image: spec.parse()?,
         volfile: None,
-        listen: listen
-            .parse()
-            .map_err(|e: kiln_proto::Error| e.to_string())?,
+        listen: listen.parse()?,
         export_name: name.map(str::to_owned),
         read_only,
         lock: Some(Default::default()),
@@ -126,7 +128,7 @@ pub fn try_start_named_export(
 }
 
 /// Starts an export of any configuration (a volfile's image, say).
-pub fn try_start_config(cfg: ExportConfig) -> Result<Running, String> {
+pub fn try_start_config(cfg: ExportConfig) -> Result<Running, kiln_proto::Error> {
     init_logging();
     let (tx, rx) = mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -150,7 +152,7 @@ pub fn try_start_config(cfg: ExportConfig) -> Result<Running, String> {
                     })
                     .await;
                 }
-                Err(msg) => tx.send(Err(msg.to_string())).expect("report"),
+                Err(e) => tx.send(Err(e)).expect("report"),
             }
         });
     });
@@ -162,9 +164,9 @@ pub fn try_start_config(cfg: ExportConfig) -> Result<Running, String> {
             stop: Some(stop_tx),
             thread: Some(thread),
         }),
-        Err(msg) => {
+        Err(e) => {
             thread.join().expect("export thread");
-            Err(msg)
+            Err(e)
         }
     }
 }

@@ -69,7 +69,8 @@ pub struct Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
-        self.conn.shutdown();
+        // In order: nothing of this client is given up (its BYE, if it said one, still goes).
+        self.conn.close();
     }
 }
 

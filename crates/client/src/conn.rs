@@ -246,6 +246,15 @@ impl Conn {
         for s in std::iter::once(&self.sock).chain(&self.rx_sock) {
             // Fails harmlessly on a Unix socket (nothing is ever retransmitted on one).
             let _ = rustix::net::connect_unspec(s);
+        }
+        self.close();
+    }
+
+    /// Ends the connection in order: what is queued is still sent, then the brick reads the
+    /// end of it (a client done with a brick, after its BYE). Not for a connection whose
+    /// requests are given up: [`Conn::shutdown`].
+    pub fn close(&self) {
+        for s in std::iter::once(&self.sock).chain(&self.rx_sock) {
             let _ = rustix::net::shutdown(s, rustix::net::Shutdown::Both);
         }
     }

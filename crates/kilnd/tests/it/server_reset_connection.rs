@@ -18,8 +18,10 @@ use kiln_testkit::net::tcp_sockets;
 
 #[test]
 fn a_write_waiting_in_a_stopped_brick_is_dropped_once_its_client_reset_the_connection() {
-    // A client gives a silent brick up after several ping timeouts: a short one here.
-    kiln_client::conn::set_ping_timeout(Some(Duration::from_millis(200)));
+    // A client gives a silent brick up after several ping timeouts (8 x 1 s here): time
+    // enough to see the WRITE wait in the brick's socket on a loaded machine, before the
+    // reset takes the socket away.
+    kiln_client::conn::set_ping_timeout(Some(Duration::from_secs(1)));
     let root = tempfile::tempdir().unwrap();
     let brick = Brick::new(root.path(), 0);
     let pid = brick.child.as_ref().expect("running").id() as i32;

@@ -42,9 +42,10 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a TCP connect may take before it counts as failed (and is tried again).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Converts a wire errno into an `io::Error`.
+/// Converts a wire errno into an `io::Error`: a damaged block no replica could stand in for
+/// ([`errno::ECKSUM`]) is an input/output error to the application.
 pub fn errno_error(e: Errno) -> io::Error {
-    io::Error::from_raw_os_error(e as i32)
+    io::Error::from_raw_os_error(errno::for_application(e) as i32)
 }
 
 /// Folds a volume path into the wire form.

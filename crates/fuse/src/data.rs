@@ -53,7 +53,9 @@ impl KilnFs {
                     splice::answered(reply)
                 }
                 Ok(n) => reply.data(&buf[..n.min(size)]),
-                Err(e) => reply.error(Errno::from_i32(e as i32)),
+                Err(e) => {
+                    reply.error(Errno::from_i32(kiln_proto::errno::for_application(e) as i32))
+                }
             }
             pool.put(buf);
         });

@@ -537,6 +537,7 @@ fn serve_metrics(addr: &str, server: &Server, more: Option<MoreMetrics>) -> Resu
     let extra: kiln_metrics::Extra = Arc::new(move |out: &mut kiln_layer::metrics::Scrape| {
         stats.render(out);
         kiln_server::posix::trouble::render(out);
+        kiln_server::posix::sums::render(out);
         if let Some(more) = &more {
             more(out);
         }

@@ -76,4 +76,18 @@ pub mod errno {
     /// migrated it while this handle was open there. A client that follows its volume's graph
     /// reopens the file where it is now and sends the fop again.
     pub const EMOVED: u32 = 78;
+    /// A block's checksum does not match its bytes (EILSEQ, as Linux's dm-integrity reports
+    /// it): the brick's copy is damaged. A replicated client reads the block from another
+    /// replica and has this one repaired; an application is told `EIO`.
+    pub const ECKSUM: u32 = 84;
+
+    /// The errno an application is told for wire errno `e`: Kiln's own codes become the
+    /// standard one they stand for ([`ECKSUM`]: `EIO`).
+    pub fn for_application(e: u32) -> u32 {
+        if e == ECKSUM {
+            EIO
+        } else {
+            e
+        }
+    }
 }

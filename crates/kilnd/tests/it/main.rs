@@ -6,6 +6,7 @@ mod replica;
 
 mod client_data_path;
 mod replicate_busy_host;
+mod replicate_checksums;
 mod replicate_client_crash;
 mod replicate_heal;
 mod replicate_heal_entries;

@@ -207,6 +207,7 @@ fn crash_run(seed: u64) {
         report.bytes += r.bytes;
     }
     assert!(index_empty(&healer), "seed {seed}: marks remain after heal");
+    replica::sums_clean(&bricks, seed);
     assert!(report.suspects > 0, "seed {seed}: no suspect file resolved");
 
     let trees: Vec<_> = bricks.iter().map(|b| tree(&b.dir)).collect();

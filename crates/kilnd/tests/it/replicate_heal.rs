@@ -127,6 +127,7 @@ fn kill_run(seed: u64) {
     assert_eq!(report.left, 0, "seed {seed}: heal left files behind");
     assert!(report.bytes > 0, "seed {seed}: heal moved nothing");
     assert!(index_empty(&healer), "seed {seed}: marks remain after heal");
+    replica::sums_clean(&bricks, seed);
 
     let want = model.lock().unwrap().clone();
     for (i, b) in bricks.iter().enumerate() {
@@ -303,6 +304,7 @@ fn heal_during_writes_run(seed: u64) {
         "seed {seed}: no write was acknowledged while heal ran"
     );
     assert!(index_empty(&healer), "seed {seed}: marks remain after heal");
+    replica::sums_clean(&bricks, seed);
 
     let want = model.lock().unwrap().clone();
     for (i, b) in bricks.iter().enumerate() {

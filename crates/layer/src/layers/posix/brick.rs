@@ -36,6 +36,9 @@ pub struct Brick {
     /// The root's `(st_dev, st_ino)`: a parent resolved through a symlink may be the root,
     /// whose `.kiln` is then refused by name.
     root_id: (u64, u64),
+    /// The block checksums of its files (`None`: the state directory cannot be made, on a
+    /// read-only brick for one; then no sums are kept or checked).
+    sums: Option<super::sums::Registry>,
 }
 
 const RESOLVE: ResolveFlags = ResolveFlags::BENEATH.union(ResolveFlags::NO_MAGICLINKS);
@@ -140,7 +143,16 @@ impl Brick {
             Mode::empty(),
         )?;
         let root_id = id_of(&rfs::fstat(&root)?);
-        Ok(Brick { root, root_id })
+        let sums = super::sums::Registry::new(&root)
+            .map_err(
+                |e| tracing::warn!(dir = %dir.display(), "no block checksums on this brick: {e}"),
+            )
+            .ok();
+        Ok(Brick {
+            root,
+            root_id,
+            sums,
+        })
     }
 
     /// Resolves `path` beneath the root and opens it with `flags` (`O_PATH`, or a directory
@@ -294,18 +306,36 @@ impl Brick {
         // must change the link (a dangling one too).
         // A size is set through a descriptor open for writing: only a regular file gets one
         // (ENXIO for special files, never opened; EISDIR, ELOOP as before).
-        let fd = if attrs.valid & SETATTR_SIZE != 0 {
-            self.open_node(path, OFlags::WRONLY | OFlags::NOFOLLOW)?
-        } else {
-            self.open_beneath(path, OFlags::PATH | OFlags::NOFOLLOW, 0)?
-        };
+        if attrs.valid & SETATTR_SIZE != 0 {
+            let file = File::from(self.open_node(path, OFlags::WRONLY | OFlags::NOFOLLOW)?);
+            return match self.sums.as_ref().and_then(|r| r.of(&file)) {
+                Some(s) => s.truncate(&file, attrs.size, || fsetattr(&file, attrs)),
+                None => fsetattr(&file, attrs),
+            };
+        }
+        let fd = self.open_beneath(path, OFlags::PATH | OFlags::NOFOLLOW, 0)?;
         apply_setattr(&fd, attrs)
+    }
+
+    /// The block checksums of its files, if it keeps them.
+    pub fn sums(&self) -> Option<&super::sums::Registry> {
+        self.sums.as_ref()
     }
 
     /// Removes a file.
     pub fn unlink(&self, path: &str) -> FopResult<()> {
         let (dir, name) = self.parent(path)?;
-        rfs::unlinkat(&dir, name, AtFlags::empty()).map_err(err)
+        let last = last_link(&dir, name);
+        rfs::unlinkat(&dir, name, AtFlags::empty()).map_err(err)?;
+        self.gone(last);
+        Ok(())
+    }
+
+    /// Forgets the sums of a file whose last name was removed.
+    fn gone(&self, last: Option<u64>) {
+        if let (Some(ino), Some(sums)) = (last, &self.sums) {
+            sums.removed(ino);
+        }
     }
 
     /// Makes a directory.
@@ -328,7 +358,18 @@ impl Brick {
         let (fdir, fname) = self.parent(from)?;
         let (tdir, tname) = self.parent(to)?;
         let flags = rfs::RenameFlags::from_bits(flags).ok_or(errno::EINVAL)?;
-        rfs::renameat_with(&fdir, fname, &tdir, tname, flags).map_err(err)
+        // A file renamed over loses its last name (unless it is the same file).
+        let last = if flags.contains(rfs::RenameFlags::EXCHANGE) {
+            None
+        } else {
+            last_link(&tdir, tname).filter(|ino| {
+                rfs::statat(&fdir, fname, AtFlags::SYMLINK_NOFOLLOW)
+                    .is_ok_and(|s| id_of(&s).1 != *ino)
+            })
+        };
+        rfs::renameat_with(&fdir, fname, &tdir, tname, flags).map_err(err)?;
+        self.gone(last);
+        Ok(())
     }
 
     /// Lists up to `max` entries of a directory from index `offset`, with attributes — fewer
@@ -591,6 +632,14 @@ fn listxattrat(dir: &OwnedFd, name: &str, buf: &mut [u8]) -> Option<rustix::io::
 /// `/proc/self/fd/N` for `fd`.
 fn proc_fd(fd: &OwnedFd) -> String {
     format!("/proc/self/fd/{}", fd.as_raw_fd())
+}
+
+/// The inode number of `name` in `dir` if it is a regular file with one link (removing the
+/// name removes the file).
+fn last_link(dir: &OwnedFd, name: &str) -> Option<u64> {
+    let st = rfs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW).ok()?;
+    let regular = rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile;
+    (regular && st.st_nlink == 1).then(|| id_of(&st).1)
 }
 
 /// Applies the fields `req.valid` selects to the file behind `fd` (an `O_PATH` descriptor or a

@@ -22,6 +22,7 @@ mod behind;
 pub mod brick;
 mod cred;
 mod reach;
+pub mod sums;
 #[cfg(test)]
 mod tests;
 pub mod trouble;
@@ -88,6 +89,8 @@ struct PosixFd {
     path: Arc<str>,
     /// Flush-behind, for a file open for writing.
     behind: Option<Arc<behind::Behind>>,
+    /// Its block checksums (`None`: it keeps none).
+    sums: Option<Arc<sums::Sums>>,
 }
 
 /// What a fop works on, for error reports (resolved only when one is made).
@@ -150,17 +153,37 @@ impl Posix {
         }
     }
 
-    /// The open file `f` of `path`, with flush-behind when open for writing.
-    fn posix_fd(&self, f: File, path: &str, flags: u32) -> Fd {
+    /// The open file `f` of `path`, with flush-behind when open for writing; truncated first
+    /// when `flags` ask for it (see [`Posix::untruncated`]).
+    fn posix_fd(&self, f: File, path: &str, flags: u32) -> FopResult<Fd> {
+        let sums = self.brick.sums().and_then(|r| r.of(&f));
+        if flags & libc::O_TRUNC as u32 != 0 && self.untruncated(flags) != flags {
+            match &sums {
+                Some(s) => s.truncate(&f, 0, || rustix::fs::ftruncate(&f, 0).map_err(errno_of))?,
+                None => rustix::fs::ftruncate(&f, 0).map_err(errno_of)?,
+            }
+        }
         let file = Arc::new(f);
         let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
         let window = self.config.flush_behind;
         let behind = (writes && window > 0).then(|| behind::Behind::new(file.clone(), window));
-        Fd::new(PosixFd {
+        Ok(Fd::new(PosixFd {
             file,
             path: path.into(),
             behind,
-        })
+            sums,
+        }))
+    }
+
+    /// `flags` as the file is opened: a file open for writing is truncated after it is open
+    /// ([`Posix::posix_fd`]), so that its checksums go with its bytes.
+    fn untruncated(&self, flags: u32) -> u32 {
+        let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+        if writes && self.brick.sums().is_some() {
+            flags & !(libc::O_TRUNC as u32)
+        } else {
+            flags
+        }
     }
 
     /// With `on`, a request on behalf of root runs as nobody (like NFS `root_squash`); requests
@@ -223,6 +246,10 @@ fn run_as<T>(
 
 fn file(fd: &Fd) -> FopResult<&Arc<File>> {
     fd.get::<PosixFd>().map(|p| &p.file)
+}
+
+fn errno_of(e: rustix::io::Errno) -> u32 {
+    e.raw_os_error() as u32
 }
 
 fn io_errno(e: std::io::Error) -> u32 {
@@ -295,13 +322,23 @@ impl Layer for Posix {
     }
 
     fn fsetattr<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
-        self.now(cx, On::Fd(fd), || brick::fsetattr(file(fd)?, attrs))
+        self.now(cx, On::Fd(fd), || {
+            let p = fd.get::<PosixFd>()?;
+            match &p.sums {
+                Some(s) if attrs.valid & kiln_proto::ops::SETATTR_SIZE != 0 => {
+                    s.truncate(&p.file, attrs.size, || brick::fsetattr(&p.file, attrs))
+                }
+                _ => brick::fsetattr(&p.file, attrs),
+            }
+        })
     }
 
     fn open<'a>(&'a self, cx: &'a Ctx, path: &'a str, flags: u32) -> Fut<'a, Fd> {
         self.now(cx, On::Path(path), || {
-            let f = self.brick.open_file(path, self.open_flags(flags))?;
-            Ok(self.posix_fd(f, path, flags))
+            let f = self
+                .brick
+                .open_file(path, self.untruncated(self.open_flags(flags)))?;
+            self.posix_fd(f, path, flags)
         })
     }
 
@@ -313,22 +350,32 @@ impl Layer for Posix {
         mode: u32,
     ) -> Fut<'a, (Fd, Attr)> {
         self.now(cx, On::Path(path), || {
-            let (f, attr) = self.brick.create(path, self.open_flags(flags), mode)?;
-            Ok((self.posix_fd(f, path, flags), attr))
+            let (f, mut attr) =
+                self.brick
+                    .create(path, self.untruncated(self.open_flags(flags)), mode)?;
+            let fd = self.posix_fd(f, path, flags)?;
+            if flags & libc::O_TRUNC as u32 != 0 {
+                attr = brick::fstat(file(&fd)?)?;
+            }
+            Ok((fd, attr))
         })
     }
 
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
-        let f = match file(fd) {
-            Ok(f) => f.clone(),
+        let (f, sums) = match fd.get::<PosixFd>() {
+            Ok(p) => (p.file.clone(), p.sums.as_deref()),
             Err(e) => return fail(e),
         };
+        // Every block read is checked against its sum before the read is answered.
         self.now(cx, On::Fd(fd), move || match dst {
             ReadDst::Any(len) if len >= SENDFILE_MIN => {
                 // The reply header announces the length, so clamp to the file's size now; the
                 // data itself moves file → socket with sendfile.
                 let size = brick::fstat(&f)?.size;
                 let len = size.saturating_sub(offset).min(len as u64) as usize;
+                if let Some(s) = sums {
+                    s.check_file(&f, offset, len)?;
+                }
                 Ok(ReadOut::File {
                     file: f,
                     offset,
@@ -339,12 +386,28 @@ impl Layer for Posix {
                 let mut buf = vec![0u8; len as usize];
                 let n = brick::read_full(&f, &mut buf, offset)?;
                 buf.truncate(n);
+                if let Some(s) = sums {
+                    s.check(&f, offset, &buf, len as usize)?;
+                }
                 Ok(ReadOut::Buf(buf))
             }
             ReadDst::Into(bufs) => {
                 // SAFETY: the IoBufs contract keeps the vectors valid and unaliased until this
                 // fop completes, which it does before returning.
                 let n = unsafe { iov_loop(&f, bufs.iov(), offset, false)? };
+                if let Some(s) = sums {
+                    match bufs.iov() {
+                        [v] => {
+                            // SAFETY: as above; `n` bytes of the one vector were just filled
+                            // and nothing writes them before the fop completes.
+                            let got = unsafe {
+                                std::slice::from_raw_parts(v.base as *const u8, n.min(v.len))
+                            };
+                            s.check(&f, offset, got, v.len)?
+                        }
+                        _ => s.check_file(&f, offset, n)?,
+                    }
+                }
                 Ok(ReadOut::Into { n, bufs })
             }
         })
@@ -354,9 +417,14 @@ impl Layer for Posix {
         // One lookup of the open file serves the write and flush-behind.
         let open = fd.get::<PosixFd>();
         let r = self.run(cx, On::Fd(fd), move || {
-            let f = &open?.file;
+            let p = open?;
+            let f = &p.file;
             // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
-            let n = unsafe { iov_loop(f, data.iov(), offset, true)? };
+            let write = || unsafe { iov_loop(f, data.iov(), offset, true) };
+            let n = match &p.sums {
+                Some(s) => s.write(f, offset, data.iov(), data.len(), write)?,
+                None => write()?,
+            };
             Ok(Written { n, bufs: data })
         });
         let behind = open.ok().and_then(|p| p.behind.as_ref());
@@ -373,7 +441,11 @@ impl Layer for Posix {
     }
 
     fn fsync<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, datasync: bool) -> Fut<'a, ()> {
-        self.now(cx, On::Fd(fd), || brick::fsync(file(fd)?, datasync))
+        self.now(cx, On::Fd(fd), || {
+            let p = fd.get::<PosixFd>()?;
+            brick::fsync(&p.file, datasync)?;
+            p.sums.as_ref().map_or(Ok(()), |s| s.sync())
+        })
     }
 
     fn release<'a>(&'a self, _cx: &'a Ctx, fd: Fd) -> Fut<'a, ()> {
@@ -500,12 +572,32 @@ impl Layer for Posix {
         len: u64,
     ) -> Fut<'a, ()> {
         self.now(cx, On::Fd(fd), || {
-            brick::fallocate(file(fd)?, mode, offset, len)
+            let p = fd.get::<PosixFd>()?;
+            let run = || brick::fallocate(&p.file, mode, offset, len);
+            let Some(s) = &p.sums else { return run() };
+            let zeroes = (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE) as u32;
+            let moves = (libc::FALLOC_FL_COLLAPSE_RANGE | libc::FALLOC_FL_INSERT_RANGE) as u32;
+            if mode & moves != 0 {
+                s.forget_from(offset, run)
+            } else if mode & zeroes != 0 {
+                s.zero(&p.file, offset, len, run)
+            } else {
+                // Space allocated reads as zeros, which is what a sum takes past the end.
+                run()
+            }
         })
     }
 
     fn discard<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, len: u64) -> Fut<'a, ()> {
-        self.now(cx, On::Fd(fd), || brick::discard(file(fd)?, offset, len))
+        self.now(cx, On::Fd(fd), || {
+            let p = fd.get::<PosixFd>()?;
+            match &p.sums {
+                Some(s) => s.zero(&p.file, offset, len, || {
+                    brick::discard(&p.file, offset, len)
+                }),
+                None => brick::discard(&p.file, offset, len),
+            }
+        })
     }
 
     fn extents<'a>(

@@ -54,6 +54,26 @@ pub fn observe(e: u32, file: &str) {
     );
 }
 
+/// True the first time `key` is seen in a minute (and then not again until a minute has
+/// passed): for logs that must not repeat once per request.
+pub fn first_in_a_minute(key: &str) -> bool {
+    let now = Instant::now();
+    let mut logged = LOGGED.locked();
+    let map = logged.get_or_insert_with(HashMap::new);
+    let key = (key.to_owned(), 0);
+    if map
+        .get(&key)
+        .is_some_and(|t| now.duration_since(*t) < LOG_EVERY)
+    {
+        return false;
+    }
+    if map.len() >= KEEP {
+        map.clear();
+    }
+    map.insert(key, now);
+    true
+}
+
 /// Storage errors so far, by name.
 pub fn counts() -> Vec<(&'static str, u64)> {
     WATCHED

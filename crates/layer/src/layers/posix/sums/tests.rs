@@ -1,0 +1,203 @@
+use super::*;
+
+fn brick() -> (tempfile::TempDir, Registry) {
+    let d = tempfile::tempdir().unwrap();
+    let root = rfs::open(d.path(), OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap();
+    let r = Registry::new(&root).unwrap();
+    (d, r)
+}
+
+fn file(d: &tempfile::TempDir, name: &str) -> File {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(d.path().join(name))
+        .unwrap()
+}
+
+fn write(s: &Sums, f: &File, offset: u64, data: &[u8]) {
+    let iov = [RawIov::of(data)];
+    let n = s
+        .write(f, offset, &iov, data.len(), || {
+            f.write_all_at(data, offset).unwrap();
+            Ok(data.len())
+        })
+        .unwrap();
+    assert_eq!(n, data.len());
+}
+
+fn read(s: &Sums, f: &File, offset: u64, len: usize) -> FopResult<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    let n = super::super::brick::read_full(f, &mut buf, offset).unwrap();
+    buf.truncate(n);
+    s.check(f, offset, &buf, len).map(|_| buf)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+#[test]
+fn a_written_file_reads_back_checked_and_damage_is_found() {
+    let (d, r) = brick();
+    let f = file(&d, "a");
+    let s = r.of(&f).unwrap();
+    let data = pattern(5 * BLOCK as usize + 100, 1);
+    write(&s, &f, 0, &data);
+    for b in 0..6 {
+        let e = s.entry(b);
+        assert!(e != NONE && e != DIRTY, "block {b} has a sum");
+    }
+    assert_eq!(read(&s, &f, 0, data.len() + 10).unwrap(), data);
+    assert_eq!(read(&s, &f, 100, 9000).unwrap(), data[100..9100]);
+    // One byte flipped behind the layer's back (a disk that went bad).
+    f.write_all_at(&[data[3 * 4096 + 7] ^ 0x40], 3 * 4096 + 7)
+        .unwrap();
+    let (_, damaged, _) = counts();
+    assert_eq!(read(&s, &f, 0, data.len()), Err(errno::ECKSUM));
+    assert_eq!(read(&s, &f, 3 * 4096 + 4000, 10), Err(errno::ECKSUM));
+    assert!(counts().1 >= damaged + 2, "damage counted");
+    // The blocks around it still read.
+    assert_eq!(read(&s, &f, 0, 3 * 4096).unwrap(), data[..3 * 4096]);
+    assert_eq!(
+        read(&s, &f, 4 * 4096, 4096).unwrap(),
+        data[4 * 4096..5 * 4096]
+    );
+    assert!(s.check_file(&f, 0, 3 * 4096).is_ok());
+    assert_eq!(s.check_file(&f, 0, data.len()), Err(errno::ECKSUM));
+    // A write over the block repairs it.
+    write(&s, &f, 3 * 4096, &data[3 * 4096..4 * 4096]);
+    assert_eq!(read(&s, &f, 0, data.len()).unwrap(), data);
+}
+
+#[test]
+fn partial_block_writes_and_growth_keep_sums_right() {
+    let (d, r) = brick();
+    let f = file(&d, "a");
+    let s = r.of(&f).unwrap();
+    let mut model = vec![0u8; 0];
+    let writes: [(u64, usize, u8); 6] = [
+        (0, 1000, 1),
+        (500, 7000, 2),
+        (20_000, 3, 3),
+        (4095, 2, 4),
+        (8192, 4096, 5),
+        (70_000, 9000, 6),
+    ];
+    for (o, n, seed) in writes {
+        let data = pattern(n, seed);
+        write(&s, &f, o, &data);
+        let end = o as usize + n;
+        if model.len() < end {
+            model.resize(end, 0);
+        }
+        model[o as usize..end].copy_from_slice(&data);
+        assert_eq!(
+            read(&s, &f, 0, model.len() + 1).unwrap(),
+            model,
+            "after write at {o}"
+        );
+    }
+    // Growing by truncate reads zeros and keeps every sum valid; cutting mid-block too.
+    s.truncate(&f, 100_000, || f.set_len(100_000).map_err(|_| errno::EIO))
+        .unwrap();
+    model.resize(100_000, 0);
+    assert_eq!(read(&s, &f, 0, 100_001).unwrap(), model);
+    s.truncate(&f, 6000, || f.set_len(6000).map_err(|_| errno::EIO))
+        .unwrap();
+    model.truncate(6000);
+    assert_eq!(read(&s, &f, 0, 100_001).unwrap(), model);
+    assert_eq!(s.entry(2), NONE, "no sum past the end");
+    s.truncate(&f, 50_000, || f.set_len(50_000).map_err(|_| errno::EIO))
+        .unwrap();
+    model.resize(50_000, 0);
+    assert_eq!(read(&s, &f, 0, 100_001).unwrap(), model);
+}
+
+#[test]
+fn punched_ranges_lose_their_sums_and_edges_are_sealed_again() {
+    let (d, r) = brick();
+    let f = file(&d, "a");
+    let s = r.of(&f).unwrap();
+    let mut data = pattern(64 * 4096, 9);
+    write(&s, &f, 0, &data);
+    let (o, n) = (4096 + 100, 40 * 4096u64);
+    s.zero(&f, o, n, || super::super::brick::discard(&f, o, n))
+        .unwrap();
+    data[o as usize..(o + n) as usize].fill(0);
+    assert_eq!(read(&s, &f, 0, data.len()).unwrap(), data);
+    assert_eq!(s.entry(5), NONE, "a block wholly punched keeps no sum");
+    assert!(
+        s.entry(1) != NONE && s.entry(41) != NONE,
+        "the edges keep theirs"
+    );
+}
+
+#[test]
+fn a_change_cut_short_is_sealed_as_found_not_reported() {
+    let (d, r) = brick();
+    let f = file(&d, "a");
+    let s = r.of(&f).unwrap();
+    let data = pattern(3 * 4096, 2);
+    write(&s, &f, 0, &data);
+    // A write that died after its data landed and before its sums (the brick was killed).
+    let new = pattern(4096, 7);
+    let _ = s.write(&f, 4096, &[RawIov::of(&new)], 4096, || {
+        f.write_all_at(&new, 4096).unwrap();
+        Err(errno::EIO)
+    });
+    assert_eq!(s.entry(1), DIRTY);
+    let resealed = counts().2;
+    let got = read(&s, &f, 0, 3 * 4096).unwrap();
+    assert_eq!(&got[4096..8192], &new[..]);
+    assert!(counts().2 > resealed);
+    assert!(s.entry(1) != DIRTY);
+}
+
+#[test]
+fn sums_follow_the_inode_and_a_reused_number_starts_afresh() {
+    let (d, r) = brick();
+    let f = file(&d, "a");
+    let s = r.of(&f).unwrap();
+    write(&s, &f, 0, &pattern(8192, 3));
+    drop(s);
+    // Another handle of the same inode, after the first is gone, finds the sidecar.
+    let g = File::open(d.path().join("a")).unwrap();
+    let s2 = r.of(&g).unwrap();
+    assert!(s2.entry(0) != NONE);
+    // A sidecar whose header names another birth time is not this file's.
+    let other = Sums {
+        key: Key {
+            born: (1, 2),
+            ..s2.key
+        },
+        dir: s2.dir.clone(),
+        side: RwLock::new(Side::Unknown),
+        writing: Mutex::new(()),
+    };
+    assert_eq!(other.entry(0), NONE);
+}
+
+#[test]
+fn payload_blocks_spanning_vectors_sum_like_one_buffer() {
+    let data = pattern(3 * 4096, 5);
+    let (a, b) = data.split_at(5000);
+    let (b, c) = b.split_at(100);
+    let iov = [RawIov::of(a), RawIov::of(b), RawIov::of(c)];
+    let mut blocks = Blocks::new(&iov, data.len());
+    for i in 0..3 {
+        assert_eq!(
+            blocks.crc_at(i * 4096),
+            Some(crc(&data[i * 4096..(i + 1) * 4096]))
+        );
+    }
+    assert_eq!(blocks.crc_at(3 * 4096 - 1), None);
+    assert_eq!(
+        crc_padded(&data[..100]),
+        crc(&[&data[..100], &[0u8; 3996][..]].concat())
+    );
+}

@@ -66,6 +66,8 @@ pub struct Client {
     /// The brick said in HELLO that it is new to its volume; cleared when it says it is a
     /// member (see [`Client::refresh_joining`]).
     joining: std::sync::atomic::AtomicBool,
+    /// The brick ships block checksums with a READ that asks ([`kiln_proto::ops::HELLO_SUMS`]).
+    ships_sums: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Client {
@@ -193,6 +195,7 @@ impl Client {
             secret: secret.map(<[u8]>::to_vec),
             tls,
             joining: false.into(),
+            ships_sums: false.into(),
         };
         // A brick that takes the connection but never answers (stopping, or stuck) must not
         // hold the caller — a reconnect thread, with fops waiting on it — for good.
@@ -246,6 +249,10 @@ impl Client {
                 .store(true, std::sync::atomic::Ordering::SeqCst);
         }
         let pings = hello.flags & kiln_proto::ops::HELLO_PING != 0;
+        client.ships_sums.store(
+            hello.flags & kiln_proto::ops::HELLO_SUMS != 0,
+            std::sync::atomic::Ordering::SeqCst,
+        );
         if hello.auth_required {
             let Some(secret) = secret else {
                 return Err(io::Error::new(
@@ -330,12 +337,18 @@ impl Client {
             secret: secret.map(<[u8]>::to_vec),
             tls,
             joining: false.into(),
+            ships_sums: false.into(),
         })
     }
 
     /// A new connection to the same brick with the same secret (after this one failed).
     pub fn reconnect(&self) -> io::Result<Client> {
         Client::connect_opts(&self.server, self.secret.as_deref(), self.tls.clone())
+    }
+
+    /// True when the brick ships block checksums for the reader to check (HELLO said so).
+    pub fn ships_sums(&self) -> bool {
+        self.ships_sums.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// True while the brick is new to its volume (HELLO said so, and no later ask said it is

@@ -102,6 +102,9 @@ struct Pending {
     trace: Option<Arc<Trace>>,
     /// Set once the request's frame has fully left; a reply before that is a protocol violation.
     sent: bool,
+    /// Its reply brings arguments before the payload (block sums, `FLAG_SUMS`): the payload
+    /// cannot be received in the same call as the header straight into the sink.
+    args_first: bool,
 }
 
 struct Table {
@@ -361,6 +364,7 @@ impl Conn {
                     keep,
                     trace,
                     sent: false,
+                    args_first: flags & kiln_proto::frame::FLAG_SUMS != 0,
                 },
             );
         }
@@ -638,7 +642,7 @@ impl Conn {
             return None;
         }
         let (&id, p) = t.pending.iter().next()?;
-        if p.sink.is_empty() || p.out.is_some() {
+        if p.sink.is_empty() || p.out.is_some() || p.args_first {
             return None;
         }
         iov.extend(p.sink.iter().take(IOV_MAX - 1));

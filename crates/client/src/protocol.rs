@@ -109,6 +109,8 @@ struct Request<'a> {
     shape: Shape,
     /// A read's other way out (see [`kiln_layer::SpliceOut`]).
     out: Option<Arc<SpliceOut>>,
+    /// A read that checks the blocks' sums itself when the brick ships them (`FLAG_SUMS`).
+    sums: bool,
 }
 
 /// Where a request's payload comes from and its reply's payload goes: both are found again
@@ -403,6 +405,7 @@ impl ProtocolClient {
                 fd,
                 shape: Shape::Plain,
                 out: None,
+                sums: false,
             };
         }
         // One buffer: the prefixes encoded into it, the arguments after them.
@@ -428,6 +431,7 @@ impl ProtocolClient {
             fd,
             shape: Shape::Plain,
             out: None,
+            sums: false,
         }
     }
 
@@ -445,13 +449,17 @@ impl ProtocolClient {
         }
         let (payload, sink) = vectors(req.shape, &keep);
         let slot = Arc::new(Slot::default());
+        let flags = match req.sums && client.ships_sums() {
+            true => req.flags | kiln_proto::frame::FLAG_SUMS,
+            false => req.flags,
+        };
         // SAFETY: `payload` and `sink` point into memory owned by `keep` (or promised valid by
         // an `IoBufs::raw` caller until completion); the connection holds `keep` until the
         // completion is delivered, and hands it back if it refuses the request.
         let r = unsafe {
             client.conn.submit(
                 req.op,
-                req.flags,
+                flags,
                 &req.args,
                 &payload,
                 Sink {
@@ -668,16 +676,38 @@ impl ProtocolClient {
         let len = try_fut!(check_len(dst.len()));
         let args = ReadReq { fh: 0, offset, len }.to_wire();
         let mut req = self.request(cx, Op::Read, args, Some(rfd));
+        // A read the brick answers from its file (sendfile) is checked here, against the sums
+        // it ships, rather than read twice on the brick; one spliced on to the kernel never
+        // reaches this process's memory, so the brick checks it.
+        req.sums = len >= kiln_layer::layers::posix::SENDFILE_MIN;
         match dst {
             ReadDst::Into(bufs) => {
                 req.out = bufs.splice_out().cloned();
+                req.sums &= req.out.is_none();
                 let (iov, keep) = bufs.into_parts();
                 req.shape = Shape::ReadInto;
                 let f = self.send(cx, req, Some(Box::new((iov, keep))));
                 Box::pin(async move {
                     let mut c = f.await?;
                     let bufs = take_back(&mut c);
-                    let n = c.result?.payload_len;
+                    let r = c.result?;
+                    let n = r.payload_len;
+                    if !r.args.is_empty() {
+                        let mut left = n;
+                        let pieces: Vec<&[u8]> = bufs
+                            .iov()
+                            .iter()
+                            .map(|v| {
+                                let k = left.min(v.len);
+                                left -= k;
+                                // SAFETY: the reply's `n` bytes landed in these vectors,
+                                // which `bufs` owns (or its caller keeps valid) and nothing
+                                // writes until it is handed back.
+                                unsafe { std::slice::from_raw_parts(v.base as *const u8, k) }
+                            })
+                            .collect();
+                        self.check_shipped(rfd, offset, &r.args, &pieces)?;
+                    }
                     Ok(ReadOut::Into { n, bufs })
                 })
             }
@@ -690,9 +720,49 @@ impl ProtocolClient {
                 );
                 Box::pin(async move {
                     let c = f.await?;
-                    let n = c.result?.payload_len;
-                    Ok(ReadOut::Buf(landed(c.keep, n)))
+                    let r = c.result?;
+                    let buf = landed(c.keep, r.payload_len);
+                    if !r.args.is_empty() {
+                        self.check_shipped(rfd, offset, &r.args, &[&buf])?;
+                    }
+                    Ok(ReadOut::Buf(buf))
                 })
+            }
+        }
+    }
+
+    /// Checks read data against the block sums its brick shipped: `ECKSUM` (logged, counted in
+    /// [`shipped_checks`]) for a damaged block, `EPROTO` for entries that do not fit the data.
+    fn check_shipped(
+        &self,
+        rfd: &RemoteFd,
+        offset: u64,
+        args: &[u8],
+        data: &[&[u8]],
+    ) -> FopResult<()> {
+        let entries: Vec<u32> = args
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if !args.len().is_multiple_of(4) {
+            return Err(errno::EPROTO);
+        }
+        SHIPPED_CHECKED.fetch_add(1, Ordering::Relaxed);
+        match kiln_layer::layers::posix::sums::verify_shipped(offset, &entries, data) {
+            Ok(()) => Ok(()),
+            Err(u64::MAX) => {
+                tracing::warn!(path = %rfd.path, "a brick shipped sums that do not fit its data");
+                Err(errno::EPROTO)
+            }
+            Err(b) => {
+                SHIPPED_DAMAGED.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    path = %rfd.path,
+                    offset = b * kiln_layer::layers::posix::sums::BLOCK,
+                    "checksum mismatch in data received from the brick (damaged on its disk \
+                     or on the way)"
+                );
+                Err(errno::ECKSUM)
             }
         }
     }
@@ -701,6 +771,17 @@ impl ProtocolClient {
         let f = self.send(cx, self.request(cx, op, req.to_wire(), None), None);
         Box::pin(async move { f.await?.result.map(|_| ()) })
     }
+}
+
+static SHIPPED_CHECKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static SHIPPED_DAMAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Reads this process checked against sums its bricks shipped, and those it found damaged.
+pub fn shipped_checks() -> (u64, u64) {
+    (
+        SHIPPED_CHECKED.load(Ordering::Relaxed),
+        SHIPPED_DAMAGED.load(Ordering::Relaxed),
+    )
 }
 
 /// What a read or write kept with its request: the caller's vectors and their owner.

@@ -253,6 +253,10 @@ pub enum ReadOut {
         offset: u64,
         /// How many (already clamped to the file's size).
         len: usize,
+        /// The checksum entries of the blocks the bytes touch, for a reader that checks them
+        /// itself ([`Ctx::ship_sums`]; the wire form is [`kiln_proto::ops::HELLO_SUMS`]'s);
+        /// `None` when the layer checked them, or keeps none.
+        sums: Option<Vec<u32>>,
     },
 }
 

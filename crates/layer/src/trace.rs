@@ -157,6 +157,10 @@ pub struct Ctx {
     /// The subtree (relative to the brick root) the caller's identity is confined to: a path
     /// that reaches outside it through a symlink is refused where the posix layer resolves it.
     pub subtree: Option<Arc<str>>,
+    /// The reader checks block checksums itself (a READ with [`kiln_proto::frame::FLAG_SUMS`]):
+    /// a read answered from a file ships the sums ([`crate::ReadOut::File`]) instead of the
+    /// brick reading the data to check it.
+    pub ship_sums: bool,
 }
 
 impl Ctx {
@@ -168,6 +172,7 @@ impl Ctx {
         change: None,
         devices: false,
         subtree: None,
+        ship_sums: false,
     };
 
     /// A context carrying a new trace.
@@ -179,6 +184,7 @@ impl Ctx {
             change: None,
             devices: false,
             subtree: None,
+            ship_sums: false,
         }
     }
 

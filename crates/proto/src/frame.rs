@@ -37,8 +37,13 @@ pub const FLAG_PUSH: u32 = 8;
 /// Flag: on a request, the arguments start (after any credentials) with a
 /// [`crate::stamp::Stamp`]: which change of a replicating writer this is.
 pub const FLAG_STAMP: u32 = 16;
+/// Flag: on a READ request, the client checks the data against the blocks' checksums itself:
+/// a brick that answers from a file (with `sendfile`) puts the checksum entries of the blocks
+/// the reply covers in its arguments instead of reading the data to check it (see
+/// [`crate::ops::HELLO_SUMS`]). Sent only to a brick whose HELLO offered it.
+pub const FLAG_SUMS: u32 = 32;
 /// Every flag this version knows.
-pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED | FLAG_FDS | FLAG_PUSH | FLAG_STAMP;
+pub const FLAGS_KNOWN: u32 = FLAG_TRACE | FLAG_CRED | FLAG_FDS | FLAG_PUSH | FLAG_STAMP | FLAG_SUMS;
 
 /// Frame kinds.
 pub const KIND_REQUEST: u8 = 0;
@@ -193,7 +198,12 @@ impl Header {
         self.flags.get() & FLAG_STAMP != 0
     }
 
-    /// The same header with `flags` (of [`FLAG_CRED`], [`FLAG_STAMP`]) set.
+    /// True when the reader checks block checksums itself ([`FLAG_SUMS`]).
+    pub fn wants_sums(&self) -> bool {
+        self.flags.get() & FLAG_SUMS != 0
+    }
+
+    /// The same header with `flags` (of [`FLAG_CRED`], [`FLAG_STAMP`], [`FLAG_SUMS`]) set.
     pub fn with_flags(mut self, flags: u32) -> Header {
         self.flags = (self.flags.get() | flags).into();
         self

@@ -532,6 +532,14 @@ wire_struct! {
 pub const HELLO_NEW_BRICK: u32 = 1;
 /// [`HelloReply::flags`]: the brick answers [`Op::Ping`].
 pub const HELLO_PING: u32 = 2;
+/// [`HelloReply::flags`]: the brick keeps block checksums and ships them with a READ that asks
+/// ([`crate::frame::FLAG_SUMS`]): the reply's arguments are one little-endian `u32` entry per
+/// 4 KiB block the data touches, in order — the block's crc32c (Castagnoli) sealed away
+/// from 0 and `u32::MAX` (a sum of 0 is sent as 1, of `u32::MAX` as `u32::MAX - 1`), or 0 where
+/// the reader has nothing to check (no sum; or a block the data covers only in part, which
+/// the brick checked itself). A block's sum covers its 4096 bytes with the file's end read as
+/// zeros. Arguments are empty when the brick checked every block itself.
+pub const HELLO_SUMS: u32 = 4;
 
 /// [`OpenReq::flags`] bit (no Linux `O_*` flag uses it): a reply carrying the whole file
 /// is an [`OpenWholeReply`], with its attributes. A brick that does not know the bit drops it

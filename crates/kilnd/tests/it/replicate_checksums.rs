@@ -80,8 +80,9 @@ fn read_all(bricks: &[Brick], piece: usize) -> Vec<std::io::Result<Vec<u8>>> {
 }
 
 fn assert_reads(bricks: &[Brick], want: &[u8], what: &str) {
-    // 16 KiB reads come back in a buffer; 1 MiB ones by sendfile from the file.
-    for piece in [16 << 10, 1 << 20] {
+    // 1 MiB reads come by sendfile from the file, with the blocks' sums, checked here; 16 KiB
+    // ones in a buffer, checked on the brick.
+    for piece in [1 << 20, 16 << 10] {
         for (k, r) in read_all(bricks, piece).into_iter().enumerate() {
             let got = r.unwrap_or_else(|e| panic!("{what}: read {k} of {piece} B failed: {e}"));
             let at = k * piece % SIZE;
@@ -139,6 +140,7 @@ fn a_damaged_copy_is_read_around_and_repaired() {
 
         // A read that meets damage marks that range and reads no more from the copy until
         // heal: each round of reads and heal repairs at least one damaged place.
+        let before = kiln_client::protocol::shipped_checks();
         for round in 0.. {
             assert_reads(&bricks, &data, &what);
             if bricks[victim].file(FILE) == data {
@@ -159,6 +161,15 @@ fn a_damaged_copy_is_read_around_and_repaired() {
             let report = heal_all(&bricks, &what);
             assert!(report.bytes > 0, "{what}: heal moved nothing");
         }
+        let after = kiln_client::protocol::shipped_checks();
+        assert!(
+            after.0 > before.0,
+            "{what}: no read was checked against shipped sums"
+        );
+        assert!(
+            after.1 > before.1,
+            "{what}: no damage was found in shipped data"
+        );
         assert_copies_equal(&bricks, &data, &what);
         replica::sums_clean(&bricks, seed);
     }

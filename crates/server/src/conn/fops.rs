@@ -153,7 +153,20 @@ impl Conn {
         Ok(Step::Stack(Box::pin(async move {
             let body = match stack.read(&cx, &fd, req.offset, ReadDst::Any(len)).await? {
                 ReadOut::Buf(b) => Body::Buf(b),
-                ReadOut::File { file, offset, len } => Body::File { file, offset, len },
+                ReadOut::File {
+                    file,
+                    offset,
+                    len,
+                    sums,
+                } => {
+                    // Shipped for the reader to check (a READ with FLAG_SUMS): the entries
+                    // are the reply's arguments.
+                    let args = sums.map_or_else(Vec::new, |s| {
+                        s.iter().flat_map(|e| e.to_le_bytes()).collect()
+                    });
+                    stats.add_read(len);
+                    return Ok(Done::Reply(args, Body::File { file, offset, len }));
+                }
                 ReadOut::Into { .. } => return Err(errno::EIO),
             };
             stats.add_read(body.len());
@@ -363,7 +376,9 @@ async fn whole(stack: &LayerRef, cx: &Ctx, fd: &kiln_layer::Fd, max: u32) -> Opt
     let want = (a.size + 1).min(kiln_proto::MAX_PAYLOAD_LEN as u64) as u32;
     let body = match stack.read(cx, fd, 0, ReadDst::Any(want)).await.ok()? {
         ReadOut::Buf(b) => Body::Buf(b),
-        ReadOut::File { file, offset, len } => Body::File { file, offset, len },
+        ReadOut::File {
+            file, offset, len, ..
+        } => Body::File { file, offset, len },
         ReadOut::Into { .. } => return None,
     };
     if body.len() as u64 > a.size {

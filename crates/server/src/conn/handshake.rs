@@ -99,6 +99,7 @@ impl Conn {
                 Vec::new()
             },
             flags: kiln_proto::ops::HELLO_PING
+                | kiln_proto::ops::HELLO_SUMS
                 | if self.stack.joining() {
                     kiln_proto::ops::HELLO_NEW_BRICK
                 } else {

@@ -487,6 +487,7 @@ fn prefixed<'a>(
         }
         rest = r;
     }
+    cx.ship_sums = hdr.wants_sums() && op == Op::Read;
     Ok((cx, rest))
 }
 

@@ -575,7 +575,9 @@ impl Move<'_> {
                 v.truncate(n);
                 v
             }
-            ReadOut::File { file, offset, len } => {
+            ReadOut::File {
+                file, offset, len, ..
+            } => {
                 use std::os::unix::fs::FileExt;
                 let mut v = vec![0; len];
                 let n = file.read_at(&mut v, offset).map_err(|_| EIO)?;

@@ -157,7 +157,8 @@ impl Posix {
     /// when `flags` ask for it (see [`Posix::untruncated`]).
     fn posix_fd(&self, f: File, path: &str, flags: u32) -> FopResult<Fd> {
         let sums = self.brick.sums().and_then(|r| r.of(&f));
-        if flags & libc::O_TRUNC as u32 != 0 && self.untruncated(flags) != flags {
+        if flags & libc::O_TRUNC as u32 != 0 && self.untruncated(flags) & libc::O_TRUNC as u32 == 0
+        {
             match &sums {
                 Some(s) => s.truncate(&f, 0, || rustix::fs::ftruncate(&f, 0).map_err(errno_of))?,
                 None => rustix::fs::ftruncate(&f, 0).map_err(errno_of)?,
@@ -175,15 +176,20 @@ impl Posix {
         }))
     }
 
-    /// `flags` as the file is opened: a file open for writing is truncated after it is open
-    /// ([`Posix::posix_fd`]), so that its checksums go with its bytes.
+    /// `flags` as the file is opened on a brick that keeps checksums: a file open for
+    /// writing is truncated after it is open ([`Posix::posix_fd`]), so that its sums go with
+    /// its bytes; and never `O_DIRECT` — sums are computed and checked over blocks read through
+    /// the page cache, and the client's buffers are not the brick's to align.
     fn untruncated(&self, flags: u32) -> u32 {
-        let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
-        if writes && self.brick.sums().is_some() {
-            flags & !(libc::O_TRUNC as u32)
-        } else {
-            flags
+        if self.brick.sums().is_none() {
+            return flags;
         }
+        let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+        let mut f = flags & !(libc::O_DIRECT as u32);
+        if writes {
+            f &= !(libc::O_TRUNC as u32);
+        }
+        f
     }
 
     /// With `on`, a request on behalf of root runs as nobody (like NFS `root_squash`); requests
@@ -373,13 +379,21 @@ impl Layer for Posix {
                 // data itself moves file → socket with sendfile.
                 let size = brick::fstat(&f)?.size;
                 let len = size.saturating_sub(offset).min(len as u64) as usize;
-                if let Some(s) = sums {
-                    s.check_file(&f, offset, len)?;
-                }
+                // A reader that checks the blocks itself gets their sums; otherwise the brick
+                // reads the bytes to check them before they go.
+                let sums = match sums {
+                    Some(s) if cx.ship_sums => s.shipped(&f, offset, len, size)?,
+                    Some(s) => {
+                        s.check_file(&f, offset, len)?;
+                        None
+                    }
+                    None => None,
+                };
                 Ok(ReadOut::File {
                     file: f,
                     offset,
                     len,
+                    sums,
                 })
             }
             ReadDst::Any(len) => {

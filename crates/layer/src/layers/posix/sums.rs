@@ -640,6 +640,50 @@ impl Sums {
         self.damaged_in(file, 0, size)
     }
 
+    /// The entries a reader that checks the data itself gets with `[offset, offset + len)`
+    /// of a file of `size` bytes (see [`kiln_proto::ops::HELLO_SUMS`]): each block's sum where
+    /// the data holds the whole block (or all of it up to the end of the file); [`NONE`] for a
+    /// block without one, and for one the data covers only in part or that was mid-change,
+    /// which this checks itself (`ECKSUM` if damaged). `None`: nothing for the reader to check.
+    pub fn shipped(
+        &self,
+        file: &File,
+        offset: u64,
+        len: usize,
+        size: u64,
+    ) -> FopResult<Option<Vec<u32>>> {
+        let end = offset + len as u64;
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut here = Vec::new();
+        let Some(out) = self.with_map(|m| {
+            (offset / BLOCK..end.div_ceil(BLOCK))
+                .map(|b| {
+                    let e = m.entry(b).map_or(NONE, |e| e.load(Relaxed));
+                    let whole = b * BLOCK >= offset && ((b + 1) * BLOCK <= end || end == size);
+                    if e == NONE || (whole && e != DIRTY) {
+                        e
+                    } else {
+                        here.push(b);
+                        NONE
+                    }
+                })
+                .collect::<Vec<u32>>()
+        }) else {
+            return Ok(None);
+        };
+        if !here.is_empty() {
+            CHECKED.fetch_add(here.len() as u64, Relaxed);
+            let damaged = self.recheck(file, &here);
+            if !damaged.is_empty() {
+                self.report(&damaged);
+                return Err(errno::ECKSUM);
+            }
+        }
+        Ok(out.iter().any(|e| *e != NONE).then_some(out))
+    }
+
     /// Blocks whose sum did not match, checked again with no change under way: a change
     /// left half done is sealed as found; the blocks still wrong are damaged.
     fn recheck(&self, file: &File, blocks: &[u64]) -> Vec<u64> {
@@ -657,6 +701,8 @@ impl Sums {
                         RESEALED.fetch_add(1, Relaxed);
                     }
                     (w, Some(c)) if w == c => {}
+                    // Unreadable now: the read itself reports that, it is not damage.
+                    (_, None) => {}
                     _ => damaged.push(b),
                 }
             }
@@ -742,6 +788,71 @@ pub fn check_tree(dir: &std::path::Path) -> std::io::Result<TreeCheck> {
         }
     }
     Ok(out)
+}
+
+/// Checks data a brick shipped with its blocks' entries ([`Sums::shipped`]): `data` (its
+/// pieces in order) was read at `offset`, `entries` came with it. `Err(block)`: the first
+/// block whose bytes do not match; `Err(u64::MAX)`: the entries do not fit the data.
+pub fn verify_shipped(offset: u64, entries: &[u32], data: &[&[u8]]) -> Result<(), u64> {
+    let n: usize = data.iter().map(|d| d.len()).sum();
+    let end = offset + n as u64;
+    let first = offset / BLOCK;
+    if entries.len() as u64 != end.div_ceil(BLOCK) - first || n == 0 {
+        return Err(u64::MAX);
+    }
+    let mut pieces = data.iter().copied().filter(|d| !d.is_empty());
+    let mut cur: &[u8] = &[];
+    // Bytes of the data before block `first + 1` begins.
+    let head = ((first + 1) * BLOCK).min(end) - offset;
+    for (k, &want) in entries.iter().enumerate() {
+        let b = first + k as u64;
+        let take = if k == 0 {
+            head as usize
+        } else {
+            (((b + 1) * BLOCK).min(end) - b * BLOCK) as usize
+        };
+        let mut d: Option<crc_fast::Digest> = None;
+        let mut single: Option<&[u8]> = None;
+        let mut left = take;
+        while left > 0 {
+            if cur.is_empty() {
+                cur = pieces.next().ok_or(u64::MAX)?;
+            }
+            let t = left.min(cur.len());
+            let (now, rest) = cur.split_at(t);
+            if t == take && want != NONE {
+                single = Some(now);
+            } else if want != NONE {
+                d.get_or_insert_with(|| crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+                    .update(now);
+            }
+            cur = rest;
+            left -= t;
+        }
+        if want == NONE {
+            continue;
+        }
+        if k == 0 && !offset.is_multiple_of(BLOCK) {
+            // A block the data holds only in part is never shipped with a sum.
+            return Err(b);
+        }
+        let got = if take == BLOCK as usize {
+            single.map_or_else(|| d.map_or(0, |d| d.finalize() as u32), crc)
+        } else {
+            // The file ends inside the block: the rest reads as zeros.
+            let mut dd =
+                d.unwrap_or_else(|| crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi));
+            if let Some(s) = single {
+                dd.update(s);
+            }
+            dd.update(&ZEROS[..BLOCK as usize - take]);
+            dd.finalize() as u32
+        };
+        if seal(got) != want {
+            return Err(b);
+        }
+    }
+    Ok(())
 }
 
 /// Marks blocks `[from, to)` that hold a sum as mid-change.

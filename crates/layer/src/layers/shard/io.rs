@@ -81,7 +81,13 @@ fn fit(r: ReadOut, len: usize) -> FopResult<ReadOut> {
             file,
             offset,
             len: n,
-        } if n >= len => ReadOut::File { file, offset, len },
+            sums,
+        } if n >= len => ReadOut::File {
+            file,
+            offset,
+            len,
+            sums: sums.filter(|_| n == len),
+        },
         other => {
             let mut v = bytes(other)?;
             v.resize(len, 0);
@@ -94,7 +100,9 @@ fn fit(r: ReadOut, len: usize) -> FopResult<ReadOut> {
 fn bytes(r: ReadOut) -> FopResult<Vec<u8>> {
     match r {
         ReadOut::Buf(v) => Ok(v),
-        ReadOut::File { file, offset, len } => {
+        ReadOut::File {
+            file, offset, len, ..
+        } => {
             let mut v = vec![0; len];
             file.read_exact_at(&mut v, offset).map_err(|_| errno::EIO)?;
             Ok(v)

@@ -169,6 +169,7 @@ fn inner(cx: &Ctx) -> Ctx {
         change: cx.change.clone(),
         devices: cx.devices,
         subtree: None,
+        ship_sums: cx.ship_sums,
     }
 }
 

@@ -62,7 +62,9 @@ fn read(v: &Vol, fd: &Fd, off: u64, len: usize, into: bool) -> Vec<u8> {
             b
         }
         ReadOut::Buf(b) => b,
-        ReadOut::File { file, offset, len } => {
+        ReadOut::File {
+            file, offset, len, ..
+        } => {
             let mut b = vec![0; len];
             std::os::unix::fs::FileExt::read_exact_at(&*file, &mut b, offset).unwrap();
             b

@@ -201,3 +201,53 @@ fn payload_blocks_spanning_vectors_sum_like_one_buffer() {
         crc(&[&data[..100], &[0u8; 3996][..]].concat())
     );
 }
+
+#[test]
+fn shipped_sums_check_on_the_reader_and_find_damage() {
+    let (d, r) = brick();
+    let f = file(&d, "a");
+    let s = r.of(&f).unwrap();
+    let data = pattern(10 * 4096 + 300, 4);
+    write(&s, &f, 0, &data);
+    let size = data.len() as u64;
+    // Aligned, to the end of the file (the last block partial: shipped, padded).
+    let e = s
+        .shipped(&f, 4096, data.len() - 4096, size)
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.len(), 10);
+    assert!(e.iter().all(|x| *x != NONE && *x != DIRTY));
+    let d1 = &data[4096..];
+    assert_eq!(verify_shipped(4096, &e, &[d1]), Ok(()));
+    // In pieces that split blocks.
+    assert_eq!(
+        verify_shipped(4096, &e, &[&d1[..100], &d1[100..9000], &d1[9000..]]),
+        Ok(())
+    );
+    // Unaligned: the partial edge blocks are checked on the brick and shipped as NONE.
+    let e = s.shipped(&f, 1000, 3 * 4096, size).unwrap().unwrap();
+    assert_eq!((e[0], e[3]), (NONE, NONE));
+    assert_eq!(
+        verify_shipped(1000, &e, &[&data[1000..1000 + 3 * 4096]]),
+        Ok(())
+    );
+    // A flipped byte in what was received is found, and which block.
+    let mut bad = d1.to_vec();
+    bad[5 * 4096 + 17] ^= 1;
+    let e = s.shipped(&f, 4096, bad.len(), size).unwrap().unwrap();
+    assert_eq!(verify_shipped(4096, &e, &[&bad]), Err(6));
+    // Entries that do not fit the data.
+    assert_eq!(verify_shipped(4096, &e[1..], &[d1]), Err(u64::MAX));
+    // Damage on the brick in a block the data covers only in part is found there.
+    f.write_all_at(&[data[2 * 4096 + 5] ^ 2], 2 * 4096 + 5)
+        .unwrap();
+    assert_eq!(
+        s.shipped(&f, 2 * 4096 + 100, 8192, size),
+        Err(errno::ECKSUM)
+    );
+    // A file without sums ships nothing.
+    let g = file(&d, "b");
+    g.write_all_at(&data, 0).unwrap();
+    let sg = r.of(&g).unwrap();
+    assert_eq!(sg.shipped(&g, 0, 8192, size), Ok(None));
+}

@@ -38,68 +38,170 @@ const ASKING: u32 = u32::MAX;
 /// How often direct reads are reported to the brick at most.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
 
-/// A connection's generation table, mapped read-only.
-pub struct Table {
-    base: *const AtomicU64,
-    slots: usize,
-    _memfd: OwnedFd,
+/// A descriptor the brick sent, mapped whole and read-only.
+struct Mapped {
+    base: *const u8,
+    len: usize,
+    _fd: OwnedFd,
 }
 
-// SAFETY: `base` points at a shared read-only mapping that lives as long as the table and is
+// SAFETY: `base` points at a shared read-only mapping that lives as long as `Mapped` and is
 // only read through atomics.
-unsafe impl Send for Table {}
+unsafe impl Send for Mapped {}
 // SAFETY: as above.
-unsafe impl Sync for Table {}
+unsafe impl Sync for Mapped {}
 
-impl Table {
-    /// Maps the table the brick sent.
-    pub fn map(memfd: OwnedFd) -> std::io::Result<Arc<Table>> {
-        let len = rustix::fs::fstat(&memfd)?.st_size as usize;
-        let slots = len / 8;
-        // A brick's table has 4096 slots; refuse anything absurd rather than map it.
-        if slots == 0 || slots > 1 << 20 {
+impl Mapped {
+    /// Maps `fd` whole, if its size is at least `min` and at most `max` bytes.
+    fn new(fd: OwnedFd, min: usize, max: usize) -> std::io::Result<Mapped> {
+        let len = rustix::fs::fstat(&fd)?.st_size as usize;
+        if len < min || len > max {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         }
-        // SAFETY: a fresh read-only shared mapping of the whole memfd; checked for failure.
-        // The brick sealed it against shrinking, so the mapping stays backed.
+        // SAFETY: a fresh read-only shared mapping of the whole descriptor; checked for
+        // failure. The brick never shrinks what it sends (a sealed memfd; a checksum file it
+        // only grows), so the mapping stays backed.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                slots * 8,
+                len,
                 libc::PROT_READ,
                 libc::MAP_SHARED,
-                memfd.as_raw_fd(),
+                fd.as_raw_fd(),
                 0,
             )
         };
         if base == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Arc::new(Table {
-            base: base as *const AtomicU64,
-            slots,
-            _memfd: memfd,
-        }))
+        Ok(Mapped {
+            base: base as *const u8,
+            len,
+            _fd: fd,
+        })
     }
 
-    fn load(&self, slot: u32) -> Option<u64> {
-        let i = slot as usize;
-        // SAFETY: in bounds of the mapping (checked), which lives as long as `self`; the
-        // brick changes it only with atomic operations.
-        (i < self.slots).then(|| unsafe { (*self.base.add(i)).load(Ordering::Acquire) })
+    /// The 8-byte word at byte `at`, if in bounds.
+    fn load64(&self, at: usize) -> Option<u64> {
+        // SAFETY: in bounds of the mapping (checked) and 8-aligned (callers index words),
+        // which lives as long as `self`; the brick changes it only with atomic operations.
+        (at + 8 <= self.len)
+            .then(|| unsafe { (*self.base.add(at).cast::<AtomicU64>()).load(Ordering::Acquire) })
+    }
+
+    /// The 4-byte word at byte `at`, if in bounds.
+    fn load32(&self, at: usize) -> Option<u32> {
+        // SAFETY: as `load64`, for a 4-aligned word.
+        (at + 4 <= self.len).then(|| unsafe {
+            (*self.base.add(at).cast::<std::sync::atomic::AtomicU32>()).load(Ordering::Acquire)
+        })
     }
 }
 
-impl Drop for Table {
+impl Drop for Mapped {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, referenced by nothing else once we drop.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.slots * 8) };
+        // SAFETY: the mapping made in `new`, referenced by nothing else once we drop.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
+/// A connection's generation table, mapped read-only.
+pub struct Table(Mapped);
+
+impl Table {
+    /// Maps the table the brick sent.
+    pub fn map(memfd: OwnedFd) -> std::io::Result<Arc<Table>> {
+        // A brick's table has 4096 slots; refuse anything absurd rather than map it.
+        Ok(Arc::new(Table(Mapped::new(memfd, 8, 8 << 20)?)))
+    }
+
+    fn load(&self, slot: u32) -> Option<u64> {
+        self.0.load64(slot as usize * 8)
+    }
+}
+
+/// A file's block checksums as its brick keeps them (see [`kiln_proto::ops::GRANT_SUMS`]),
+/// mapped read-only.
+pub struct Sums(Mapped);
+
+impl Sums {
+    /// Maps the checksums the brick sent.
+    pub fn map(fd: OwnedFd) -> std::io::Result<Sums> {
+        Ok(Sums(Mapped::new(fd, 4096, 1 << 40)?))
+    }
+
+    /// Block `b`'s entry; `None` past what was mapped (the brick grew it since).
+    fn entry(&self, b: u64) -> Option<u32> {
+        let at = usize::try_from(4096 + 4 * b).ok()?;
+        self.0.load32(at)
+    }
+
+    /// Checks `n` bytes read at `offset` into `iov` (fewer than asked: the file ended there)
+    /// against the sums; blocks the read holds only in part are read whole from `file`.
+    /// False when a block cannot be vouched for here (mid-change, past the mapping, or not
+    /// matching): the read then goes through the brick, which checks it carefully.
+    ///
+    /// # Safety
+    /// The first `n` bytes of `iov` must be readable (just filled by the read).
+    unsafe fn check(
+        &self,
+        file: &OwnedFd,
+        iov: &[RawIov],
+        offset: u64,
+        n: usize,
+        eof: bool,
+    ) -> bool {
+        use kiln_layer::layers::posix::sums::{block_entry, verify_shipped, BLOCK, DIRTY, NONE};
+        if n == 0 {
+            return true;
+        }
+        let end = offset + n as u64;
+        let (first, last) = (offset / BLOCK, end.div_ceil(BLOCK));
+        let mut entries = Vec::with_capacity((last - first) as usize);
+        for b in first..last {
+            let Some(e) = self.entry(b) else { return false };
+            if e == DIRTY {
+                return false;
+            }
+            let whole = b * BLOCK >= offset && ((b + 1) * BLOCK <= end || eof);
+            if e != NONE && !whole {
+                let mut buf = [0u8; BLOCK as usize];
+                // SAFETY: a read into our own stack buffer.
+                let got = unsafe {
+                    libc::pread(
+                        file.as_raw_fd(),
+                        buf.as_mut_ptr().cast(),
+                        buf.len(),
+                        (b * BLOCK) as i64,
+                    )
+                };
+                if got < 0 || block_entry(&buf[..got as usize]) != e {
+                    return false;
+                }
+                entries.push(NONE);
+            } else {
+                entries.push(e);
+            }
+        }
+        let mut left = n;
+        let pieces: Vec<&[u8]> = iov
+            .iter()
+            .map(|v| {
+                let k = left.min(v.len);
+                left -= k;
+                // SAFETY: per the caller's contract, these bytes were just filled.
+                unsafe { std::slice::from_raw_parts(v.base as *const u8, k) }
+            })
+            .collect();
+        verify_shipped(offset, &entries, &pieces).is_ok()
     }
 }
 
 /// A grant: the brick's file, and the slot value reads through it are current under.
 pub struct Grant {
     file: OwnedFd,
+    /// The file's block checksums, when it keeps them.
+    sums: Option<Sums>,
     table: Arc<Table>,
     slot: u32,
     gen: u64,
@@ -214,9 +316,17 @@ impl HandleGrant {
 impl Grant {
     /// A grant from a GRANT reply's slot and value, its file, and the table (the one that
     /// came with it, or the connection's).
-    pub fn new(file: OwnedFd, table: Arc<Table>, slot: u32, gen: u64, conn: u64) -> Grant {
+    pub fn new(
+        file: OwnedFd,
+        sums: Option<Sums>,
+        table: Arc<Table>,
+        slot: u32,
+        gen: u64,
+        conn: u64,
+    ) -> Grant {
         Grant {
             file,
+            sums,
             table,
             slot,
             gen,
@@ -229,8 +339,9 @@ impl Grant {
     }
 
     /// Reads into `iov` at `offset` straight from the brick's file: the bytes read (short only
-    /// at end of file), or `None` when the grant is stale (the memory's contents are then
-    /// unspecified, and the read must go to the brick).
+    /// at end of file), or `None` when the grant is stale or a block cannot be vouched for
+    /// against the file's checksums (the memory's contents are then unspecified, and the read
+    /// must go to the brick).
     ///
     /// # Safety
     /// The vectors must point at memory the caller may write for the call's duration.
@@ -266,8 +377,14 @@ impl Grant {
             }
             done += n as usize;
         }
-        // The data loads above happen before the second look at the slot (a seqlock's read
-        // side: the brick bumps before it changes anything).
+        if let Some(s) = &self.sums {
+            // SAFETY: `done` bytes of the caller's memory were just filled.
+            if !unsafe { s.check(&self.file, iov, offset, done, done < total) } {
+                return None;
+            }
+        }
+        // The data and checksum loads above happen before the second look at the slot (a
+        // seqlock's read side: the brick bumps before it changes anything).
         fence(Ordering::SeqCst);
         self.current().then_some(done)
     }

@@ -549,6 +549,17 @@ macro_rules! declare_layer {
                 }
             }
 
+            /// A read-only descriptor of the block checksums of the file behind `fd` (see
+            /// [`kiln_proto::ops::GRANT_SUMS`]), for a reader that reads [`Layer::backing`]'s
+            /// file directly; `None` where it keeps none. The default asks the first child
+            /// with the same handle, like `backing`.
+            fn backing_sums(&self, cx: &Ctx, fd: &Fd) -> FopResult<Option<std::fs::File>> {
+                match self.children().first() {
+                    Some(c) => c.backing_sums(cx, fd),
+                    None => Ok(None),
+                }
+            }
+
             /// OPEN, and for a read-only open of a file of at most `max` bytes the file's
             /// whole content instead of a handle, in the same round trip (`O_RDONLY` opens
             /// only; `max` at most [`kiln_proto::MAX_PAYLOAD_LEN`]). A layer may always answer

@@ -368,8 +368,10 @@ wire_struct! {
 
     /// GRANT: a descriptor for handle `fh` (0: none), and the reads (`reads` calls, `bytes`
     /// bytes) the client made straight from this brick's files since its last GRANT.
-    /// With `pin` 1 the file may not move while the handle is open (its reader bypasses every
-    /// check: FUSE passthrough), and a migration of it is refused with `EBUSY`.
+    /// With [`GRANT_PIN`] in `pin` the file may not move while the handle is open (its reader
+    /// bypasses every check: FUSE passthrough), and a migration of it is refused with `EBUSY`.
+    /// With [`GRANT_SUMS`] (sent only to a brick whose HELLO has [`HELLO_SUMS`]) a file that
+    /// keeps block checksums comes with a read-only descriptor of them (after the file's).
     pub struct GrantReq { pub fh: u64, pub reads: u64, pub bytes: u64, pub pin: u8 }
     /// GRANT's reply: the handle's slot in the connection's generation table and the value it
     /// holds now. Reads through the descriptor are current while the slot keeps that value.
@@ -527,6 +529,14 @@ wire_struct! {
     /// taken on (equal values: the same host's monotonic clock, directly comparable).
     pub struct TraceBlock { pub clock: u64, pub events: Seq<TraceEvent> }
 }
+
+/// [`GrantReq::pin`] bit: pin the file (see [`GrantReq`]).
+pub const GRANT_PIN: u8 = 1;
+/// [`GrantReq::pin`] bit: send the file's block checksums too: a descriptor of a 4096-byte
+/// header followed by one little-endian `u32` entry per 4 KiB block (the form of
+/// [`HELLO_SUMS`]'s entries, and `u32::MAX` for a block mid-change), which the brick keeps
+/// current: a direct reader checks the blocks it reads against them.
+pub const GRANT_SUMS: u8 = 2;
 
 /// [`HelloReply::flags`]: the brick is new to its volume (see `kiln_layer::marks`).
 pub const HELLO_NEW_BRICK: u32 = 1;

@@ -6,13 +6,13 @@ use std::sync::{Arc, Weak};
 
 use kiln_layer::{Ctx, FopResult, ReadDst, ReadOut};
 use kiln_proto::codec::Wire;
-use kiln_proto::ops::{GrantReply, GrantReq};
+use kiln_proto::ops::{GrantReply, GrantReq, GRANT_PIN, GRANT_SUMS};
 use kiln_proto::sync::MutexExt as _;
 use kiln_proto::{errno, Op};
 
 use super::{Link, ProtocolClient, RemoteFd};
 use crate::client::Client;
-use crate::shortcut::{copy, Grant, Plan, Shortcut, Table, LARGE};
+use crate::shortcut::{copy, Grant, Plan, Shortcut, Sums, Table, LARGE};
 use kiln_layer::exec::block_on;
 
 impl ProtocolClient {
@@ -129,9 +129,9 @@ impl ProtocolClient {
         }
         let _asking = Asking(&rfd.direct);
         match self.grant_call(rfd, gen, false).await {
-            Ok((r, Some(table), file)) => Some(
+            Ok((r, Some(table), file, sums)) => Some(
                 rfd.direct
-                    .granted(Grant::new(file, table, r.slot, r.gen, gen)),
+                    .granted(Grant::new(file, sums, table, r.slot, r.gen, gen)),
             ),
             Ok(_) => {
                 // The table came with a reply handled after this one: later.
@@ -165,7 +165,7 @@ impl ProtocolClient {
         }
         let gen = self.current().1;
         match self.grant_call(rfd, gen, true).await {
-            Ok((_, _, file)) => {
+            Ok((_, _, file, _)) => {
                 rfd.pinned.store(inode(&file).unwrap_or(0), Relaxed);
                 Ok(file)
             }
@@ -180,19 +180,21 @@ impl ProtocolClient {
     }
 
     /// GRANT on connection `gen`: the reply, the connection's table (kept when it came with
-    /// this reply), and the file.
+    /// this reply), the file, and its block checksums if it keeps them (asked for when the
+    /// brick offers them; a pinned file's reader is the kernel, which checks none).
     async fn grant_call(
         &self,
         rfd: &RemoteFd,
         gen: u64,
         pin: bool,
-    ) -> FopResult<(GrantReply, Option<Arc<Table>>, OwnedFd)> {
+    ) -> FopResult<(GrantReply, Option<Arc<Table>>, OwnedFd, Option<Sums>)> {
         let (reads, bytes) = self.shortcut.take_report();
+        let sums = !pin && self.current().0.ships_sums();
         let args = GrantReq {
             fh: 0,
             reads,
             bytes,
-            pin: pin as u8,
+            pin: if pin { GRANT_PIN } else { 0 } | if sums { GRANT_SUMS } else { 0 },
         }
         .to_wire();
         let req = self.request(&Ctx::NONE, Op::Grant, args, Some(rfd));
@@ -211,7 +213,14 @@ impl ProtocolClient {
             false => self.shortcut.table(gen),
         };
         let file = fds.next().ok_or(errno::EPROTO)?;
-        Ok((r, table, file))
+        let sums = match fds.next() {
+            Some(fd) if sums => Some(Sums::map(fd).map_err(|e| {
+                tracing::warn!(layer = self.name, "cannot map a file's checksums: {e}");
+                errno::EPROTO
+            })?),
+            _ => None,
+        };
+        Ok((r, table, file, sums))
     }
 }
 

@@ -147,7 +147,7 @@ mod tests {
     /// A current grant (its slot holds its generation, 0) on a file holding `bytes`.
     fn grant(bytes: &[u8]) -> Arc<Grant> {
         let table = Table::map(memfd(&[0u8; 64])).unwrap();
-        Arc::new(Grant::new(memfd(bytes), table, 0, 0, 0))
+        Arc::new(Grant::new(memfd(bytes), None, table, 0, 0, 0))
     }
 
     fn read(c: Copy) -> Vec<u8> {

@@ -417,3 +417,53 @@ fn a_pin_survives_a_brick_restart() {
     block_on(local.close(other)).unwrap();
     begin(kiln_layer::marks::SESSION_MIGRATE).expect("unpinned: the move may begin");
 }
+
+#[test]
+fn a_damaged_block_is_never_read_direct() {
+    use std::os::unix::fs::FileExt;
+    let brick = Brick::start();
+    let mut other = Other::start(&brick.tcp);
+    other.run("write 0 1048576 17");
+    let vol = Volume::from_volfile(&volfile(&brick.unix, true)).unwrap();
+    let top = vol.top().clone();
+    let fd = block_on(top.open(&Ctx::NONE, FILE, libc::O_RDONLY as u32)).unwrap();
+    for _ in 0..3 {
+        assert_eq!(read(&*top, &fd, 8192, 4096), vec![17u8; 4096]);
+    }
+    let (direct, _) = counts(&vol);
+    assert!(direct >= 2, "reads went direct: {direct}");
+    // Bytes flipped in the brick's file behind its back (a disk gone bad): no grant is bumped.
+    let path = brick.dir.as_ref().unwrap().path().join("brick").join(FILE);
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(&[99u8; 8], 8192 + 100).unwrap();
+    let small = block_on(top.read(&Ctx::NONE, &fd, 8192, ReadDst::Any(4096)));
+    assert_eq!(
+        small.err(),
+        Some(kiln_layer::errno::ECKSUM),
+        "a damaged block read"
+    );
+    // Unaligned, covering the damaged block in part; and a large read into the caller's memory.
+    let part = block_on(top.read(&Ctx::NONE, &fd, 8192 + 50, ReadDst::Any(100)));
+    assert_eq!(
+        part.err(),
+        Some(kiln_layer::errno::ECKSUM),
+        "part of a damaged block read"
+    );
+    let len = kiln_client::shortcut::LARGE * 4;
+    let dst = ReadDst::Into(kiln_layer::IoBufs::owned(vec![vec![0u8; len]]));
+    let large = block_on(top.read(&Ctx::NONE, &fd, 0, dst));
+    assert_eq!(
+        large.err(),
+        Some(kiln_layer::errno::ECKSUM),
+        "a large read over it"
+    );
+    // The blocks around it still read, straight from the file.
+    let before = counts(&vol).0;
+    for _ in 0..40 {
+        assert_eq!(read(&*top, &fd, 65536, 4096), vec![17u8; 4096]);
+    }
+    assert!(
+        counts(&vol).0 > before,
+        "undamaged blocks are read direct again"
+    );
+}

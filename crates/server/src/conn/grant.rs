@@ -4,7 +4,7 @@ use kiln_layer::requests;
 use kiln_layer::Ctx;
 use kiln_proto::codec::Wire;
 use kiln_proto::marks::{HealReq, SESSION_FREEZE, SESSION_MIGRATE};
-use kiln_proto::ops::{By, Effects, GrantReply, GrantReq, HandleReq};
+use kiln_proto::ops::{By, Effects, GrantReply, GrantReq, HandleReq, GRANT_PIN, GRANT_SUMS};
 use kiln_proto::{errno, Op};
 
 use crate::grants::{self, Table};
@@ -47,7 +47,7 @@ impl Conn {
             .mine
             .slot_for(req.fh, ino)
             .ok_or(Fail::Errno(libc::ENOSPC as u32))?;
-        if req.pin != 0 && self.mine.pinned.insert(req.fh, ino).is_none() {
+        if req.pin & GRANT_PIN != 0 && self.mine.pinned.insert(req.fh, ino).is_none() {
             self.grants.pin(ino);
         }
         self.grants.add(ino, self.conn_id, &table, slot);
@@ -58,6 +58,12 @@ impl Conn {
             fds.push(table.memfd().try_clone().map_err(io)?);
         }
         fds.push(copy);
+        if req.pin & GRANT_SUMS != 0 {
+            // Without them the reader reads unchecked, as from a brick that keeps none.
+            if let Ok(Some(sums)) = self.stack.backing_sums(cx, &fd) {
+                fds.push(sums.into());
+            }
+        }
         let reply = GrantReply {
             slot,
             gen,

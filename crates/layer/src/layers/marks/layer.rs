@@ -286,6 +286,11 @@ impl Layer for Marks {
         self.child().backing(cx, &f.inner)
     }
 
+    fn backing_sums(&self, cx: &Ctx, fd: &Fd) -> FopResult<Option<std::fs::File>> {
+        let f = usable(fd, cx.owner)?;
+        self.child().backing_sums(cx, &f.inner)
+    }
+
     fn read<'a>(&'a self, cx: &'a Ctx, fd: &'a Fd, offset: u64, dst: ReadDst) -> Fut<'a, ReadOut> {
         match usable(fd, cx.owner) {
             Ok(f) => self.child().read(cx, &f.inner, offset, dst),

@@ -323,6 +323,11 @@ impl Layer for Posix {
         Ok(file(fd)?)
     }
 
+    fn backing_sums(&self, _cx: &Ctx, fd: &Fd) -> FopResult<Option<File>> {
+        let p = fd.get::<PosixFd>()?;
+        Ok(p.sums.as_ref().and_then(|s| s.reader()))
+    }
+
     fn setattr<'a>(&'a self, cx: &'a Ctx, path: &'a str, attrs: &'a SetAttrs) -> Fut<'a, Attr> {
         self.now(cx, On::Path(path), || self.brick.setattr(path, attrs))
     }

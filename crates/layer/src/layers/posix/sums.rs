@@ -376,8 +376,14 @@ impl Sums {
             let file = match have {
                 Some(f) => f?,
                 None => {
-                    // A sidecar of another inode that had this number, or none: start afresh.
-                    let flags = OFlags::RDWR | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW;
+                    // A sidecar of another inode that had this number, or none: start afresh,
+                    // in a new file (a reader may still have the old one mapped: it is never
+                    // cut short under it).
+                    match rfs::unlinkat(&*self.dir, self.name(), AtFlags::empty()) {
+                        Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                    let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW;
                     let fd = rfs::openat(
                         &*self.dir,
                         self.name(),
@@ -737,6 +743,16 @@ impl Sums {
             .unwrap_or(Ok(()))
     }
 
+    /// A read-only descriptor of the sidecar, for a reader of the file that checks the
+    /// blocks it reads itself (`None`: no sums).
+    pub fn reader(&self) -> Option<File> {
+        self.with_map(|_| ())?;
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        rfs::openat(&*self.dir, self.name(), flags, Mode::empty())
+            .ok()
+            .map(File::from)
+    }
+
     /// The entry of block `b` (for tests and scrub).
     pub fn entry(&self, b: u64) -> u32 {
         self.with_map(|m| m.entry(b).map_or(NONE, |e| e.load(Relaxed)))
@@ -863,6 +879,12 @@ fn dirty(m: &Map, from: u64, to: u64) {
             e.store(DIRTY, Relaxed);
         }
     }
+}
+
+/// The entry a block holding `data` (then zeros: the file ends there, or `data` is whole)
+/// has when its sum is right.
+pub fn block_entry(data: &[u8]) -> u32 {
+    seal(crc_padded(data))
 }
 
 /// The sum of `data` followed by zeros up to a whole block.

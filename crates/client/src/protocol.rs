@@ -673,13 +673,27 @@ impl ProtocolClient {
         offset: u64,
         dst: ReadDst,
     ) -> Fut<'a, ReadOut> {
+        self.read_brick_with(cx, rfd, offset, dst, true)
+    }
+
+    /// READ through the brick. A read the brick answers from its file (sendfile) is checked
+    /// here, against the sums it ships (`sums`), rather than read twice on the brick; one
+    /// spliced on to the kernel never reaches this process's memory, so the brick checks it.
+    /// A shipped read that does not match is read again with the brick checking it: the
+    /// bytes may have changed between the brick taking the sums and sending the file (a write
+    /// racing the read), which the brick's own check tells from damage.
+    fn read_brick_with<'a>(
+        &'a self,
+        cx: &'a Ctx,
+        rfd: &'a RemoteFd,
+        offset: u64,
+        dst: ReadDst,
+        sums: bool,
+    ) -> Fut<'a, ReadOut> {
         let len = try_fut!(check_len(dst.len()));
         let args = ReadReq { fh: 0, offset, len }.to_wire();
         let mut req = self.request(cx, Op::Read, args, Some(rfd));
-        // A read the brick answers from its file (sendfile) is checked here, against the sums
-        // it ships, rather than read twice on the brick; one spliced on to the kernel never
-        // reaches this process's memory, so the brick checks it.
-        req.sums = len >= kiln_layer::layers::posix::SENDFILE_MIN;
+        req.sums = sums && len >= kiln_layer::layers::posix::SENDFILE_MIN;
         match dst {
             ReadDst::Into(bufs) => {
                 req.out = bufs.splice_out().cloned();
@@ -706,7 +720,11 @@ impl ProtocolClient {
                                 unsafe { std::slice::from_raw_parts(v.base as *const u8, k) }
                             })
                             .collect();
-                        self.check_shipped(rfd, offset, &r.args, &pieces)?;
+                        if self.check_shipped(rfd, offset, &r.args, &pieces).is_err() {
+                            drop(pieces);
+                            let dst = ReadDst::Into(bufs);
+                            return self.read_brick_with(cx, rfd, offset, dst, false).await;
+                        }
                     }
                     Ok(ReadOut::Into { n, bufs })
                 })
@@ -722,8 +740,12 @@ impl ProtocolClient {
                     let c = f.await?;
                     let r = c.result?;
                     let buf = landed(c.keep, r.payload_len);
-                    if !r.args.is_empty() {
-                        self.check_shipped(rfd, offset, &r.args, &[&buf])?;
+                    if !r.args.is_empty()
+                        && self.check_shipped(rfd, offset, &r.args, &[&buf]).is_err()
+                    {
+                        return self
+                            .read_brick_with(cx, rfd, offset, ReadDst::Any(len), false)
+                            .await;
                     }
                     Ok(ReadOut::Buf(buf))
                 })
@@ -732,7 +754,8 @@ impl ProtocolClient {
     }
 
     /// Checks read data against the block sums its brick shipped: `ECKSUM` (logged, counted in
-    /// [`shipped_checks`]) for a damaged block, `EPROTO` for entries that do not fit the data.
+    /// [`shipped_checks`]) for a block that does not match, `EPROTO` for entries that do not
+    /// fit the data. Either way the caller reads again with the brick checking.
     fn check_shipped(
         &self,
         rfd: &RemoteFd,
@@ -756,11 +779,11 @@ impl ProtocolClient {
             }
             Err(b) => {
                 SHIPPED_DAMAGED.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
+                tracing::info!(
                     path = %rfd.path,
                     offset = b * kiln_layer::layers::posix::sums::BLOCK,
-                    "checksum mismatch in data received from the brick (damaged on its disk \
-                     or on the way)"
+                    "data received from the brick does not match its checksum (damaged, or \
+                     changed as it was sent): reading it again with the brick checking"
                 );
                 Err(errno::ECKSUM)
             }
@@ -776,7 +799,8 @@ impl ProtocolClient {
 static SHIPPED_CHECKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 static SHIPPED_DAMAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Reads this process checked against sums its bricks shipped, and those it found damaged.
+/// Reads this process checked against sums its bricks shipped, and those that did not match
+/// (and were read again with the brick checking).
 pub fn shipped_checks() -> (u64, u64) {
     (
         SHIPPED_CHECKED.load(Ordering::Relaxed),

@@ -604,3 +604,66 @@ fn heal_keeps_holes_as_holes() {
         }
     }
 }
+
+/// Two heals at once (the heal service and `kiln volume heal`, each on connections of its
+/// own) over the same files: neither fails — the one that finds a file being healed by the
+/// other waits for it rather than time out — and the copies agree after.
+#[test]
+fn two_heals_at_once_both_finish() {
+    const N: usize = 8 << 20;
+    const FILES: usize = 3;
+    let root = tempfile::tempdir().unwrap();
+    let bricks: Vec<Brick> = vec![
+        Brick::new(root.path(), 0),
+        Brick::new(root.path(), 1),
+        Brick::slow(root.path(), 2, Some((20_000, 1.0))),
+    ];
+    let data: Vec<u8> = (0..N).map(|i| (i / 4096) as u8 ^ (i as u8)).collect();
+    let healer = Volume::from_volfile(&volfile(&bricks)).expect("healer connects");
+    let rep = heal::replicate_layers(healer.top()).remove(0);
+    for f in 0..FILES {
+        let name = format!("img{f}");
+        {
+            let vol = Volume::from_volfile(&volfile(&bricks)).expect("connect");
+            let (fd, _) = block_on(vol.create(&name, libc::O_RDWR | libc::O_CREAT, 0o644)).unwrap();
+            let _ = block_on(vol.close(fd));
+        }
+        for b in &bricks[..2] {
+            std::fs::write(b.dir.join(&name), &data).unwrap();
+        }
+        for on in [0, 1] {
+            let v = kiln_layer::marks::Mark {
+                target: 2,
+                offset: 0,
+                len: kiln_layer::marks::WHOLE,
+            };
+            block_on(rep.children()[on].mark_add(&Ctx::NONE, &name, &v)).unwrap();
+        }
+    }
+    let runs: Vec<_> = (0..2)
+        .map(|_| {
+            let v = Volume::from_volfile(&volfile(&bricks)).expect("second healer connects");
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                let r = block_on(heal::run(v.top(), &|_, _| {}));
+                (r, t.elapsed())
+            })
+        })
+        .collect();
+    for (k, h) in runs.into_iter().enumerate() {
+        let (report, took) = h.join().expect("heal thread");
+        eprintln!("heal {k}: {report:?} in {took:?}");
+        assert!(
+            report.errors.is_empty(),
+            "heal {k} failed beside the other: {:?}",
+            report.errors
+        );
+    }
+    assert!(index_empty(&healer), "marks remain after both heals");
+    for f in 0..FILES {
+        assert!(
+            bricks[2].file(&format!("img{f}")) == data,
+            "replica 2's img{f} differs after heal"
+        );
+    }
+}

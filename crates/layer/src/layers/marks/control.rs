@@ -137,8 +137,12 @@ impl Marks {
         }
         match req.begin {
             m::SESSION_END => self.heal_end(owner, path),
-            m::SESSION_HEAL => self.heal_begin(owner, path, false),
-            m::SESSION_MIGRATE => self.heal_begin(owner, path, true),
+            m::SESSION_HEAL => {
+                return Box::pin(std::future::ready(self.heal_begin(owner, path, false)))
+            }
+            m::SESSION_MIGRATE => {
+                return Box::pin(std::future::ready(self.heal_begin(owner, path, true)))
+            }
             m::SESSION_DIRTY => return Box::pin(std::future::ready(self.dirty(owner, path))),
             m::SESSION_FREEZE => return Box::pin(self.freeze(owner, path)),
             m::SESSION_MOVED => return Box::pin(std::future::ready(self.moved(owner, path))),

@@ -19,12 +19,18 @@ use super::*;
 
 impl Marks {
     /// Begins (afresh) `owner`'s heal session on `path`: changes in flight now count as
-    /// changed since it began.
-    pub(super) fn heal_begin(&self, owner: u64, path: &str, migrate: bool) {
+    /// changed since it began. Another connection's live heal session on the file refuses a
+    /// heal's (`EBUSY`): two heals copying one file at once only slow each other down (and
+    /// one would wait on the other's locks until its own session lapsed); the heal refused
+    /// waits for the other to finish and then looks at what is left.
+    pub(super) fn heal_begin(&self, owner: u64, path: &str, migrate: bool) -> FopResult<()> {
         let key = self.key(path);
         let mut st = key.state();
         let now = Instant::now();
         st.sessions.retain(|s| s.expires > now && s.owner != owner);
+        if !migrate && st.sessions.iter().any(|s| !s.migrate) {
+            return Err(libc::EBUSY as u32);
+        }
         let mut written = RangeSet::default();
         for w in st.inflight.iter().filter(|w| !w.heal && w.owner != owner) {
             written.add(w.start, len_of(w.start, w.end));
@@ -45,6 +51,7 @@ impl Marks {
             migrate,
             frozen: false,
         });
+        Ok(())
     }
 
     /// What of the name other connections touched since `owner`'s live session on the file

@@ -36,8 +36,8 @@ pub struct Brick {
     /// The root's `(st_dev, st_ino)`: a parent resolved through a symlink may be the root,
     /// whose `.kiln` is then refused by name.
     root_id: (u64, u64),
-    /// The block checksums of its files (`None`: the state directory cannot be made, on a
-    /// read-only brick for one; then no sums are kept or checked).
+    /// The block checksums of its files (`None`: the root cannot be looked at again; then no
+    /// sums are kept or checked).
     sums: Option<super::sums::Registry>,
 }
 

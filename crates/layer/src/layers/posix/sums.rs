@@ -33,7 +33,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use kiln_proto::iov::RawIov;
 use kiln_proto::sync::{MutexExt as _, RwLockExt as _};
@@ -105,60 +105,75 @@ struct Key {
     born: (i64, u32),
 }
 
+/// Where the sidecars live: `.kiln/sums` beneath the brick root, found (or made, on the
+/// first write that keeps a sum) when first needed — a brick that was only read makes none.
+#[derive(Debug)]
+struct Dirs {
+    root: OwnedFd,
+    found: Mutex<Option<Arc<OwnedFd>>>,
+}
+
+impl Dirs {
+    /// The sidecars' directory; with `make`, made if missing. `None`: not there (or not a
+    /// plain directory: a symlink planted at `.kiln` is never followed).
+    fn get(&self, make: bool) -> Option<Arc<OwnedFd>> {
+        let mut found = self.found.locked();
+        if let Some(d) = &*found {
+            return Some(d.clone());
+        }
+        let open = |at: &OwnedFd, name: &str| -> rustix::io::Result<OwnedFd> {
+            let flags = OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::RDONLY;
+            match rfs::openat(at, name, flags, Mode::empty()) {
+                Err(rustix::io::Errno::NOENT) if make => {
+                    match rfs::mkdirat(at, name, Mode::from_raw_mode(0o700)) {
+                        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                        Err(e) => return Err(e),
+                    }
+                    rfs::openat(at, name, flags, Mode::empty())
+                }
+                r => r,
+            }
+        };
+        let r = open(&self.root, super::reach::STATE_DIR).and_then(|state| open(&state, DIR));
+        match r {
+            Ok(d) => {
+                let d = Arc::new(d);
+                *found = Some(d.clone());
+                Some(d)
+            }
+            Err(e) => {
+                if make && super::trouble::first_in_a_minute("sums:dir") {
+                    tracing::error!("cannot open the brick's checksum directory: {e}");
+                }
+                None
+            }
+        }
+    }
+}
+
 /// The [`Sums`] of a brick's open inodes, and the directory of their sidecars.
 #[derive(Debug)]
 pub struct Registry {
     /// The brick root's device: files elsewhere (a file system mounted inside the brick) keep
     /// no sums, their inode numbers are another space.
     dev: u64,
-    state: OwnedFd,
-    dir: OnceLock<Option<Arc<OwnedFd>>>,
+    dirs: Arc<Dirs>,
     open: Mutex<HashMap<u64, Weak<Sums>>>,
 }
 
 impl Registry {
-    /// The sums of the brick whose state directory (`.kiln`, made if missing) is beneath
-    /// `root`.
+    /// The sums of the brick whose root is `root`.
     pub fn new(root: &OwnedFd) -> std::io::Result<Registry> {
         let dev = rfs::fstat(root)?.st_dev;
-        let state_dir = super::reach::STATE_DIR;
-        match rfs::mkdirat(root, state_dir, Mode::from_raw_mode(0o700)) {
-            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-            Err(e) => return Err(e.into()),
-        }
-        let state = rfs::openat(
-            root,
-            state_dir,
-            OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::RDONLY,
-            Mode::empty(),
-        )?;
         #[allow(clippy::unnecessary_cast)] // st_dev's type differs between architectures
         Ok(Registry {
             dev: dev as u64,
-            state,
-            dir: OnceLock::new(),
+            dirs: Arc::new(Dirs {
+                root: root.try_clone()?,
+                found: Mutex::new(None),
+            }),
             open: Mutex::default(),
         })
-    }
-
-    /// The sidecars' directory (made on first use); `None` if it cannot be made.
-    fn dir(&self) -> Option<Arc<OwnedFd>> {
-        self.dir
-            .get_or_init(|| {
-                let r = match rfs::mkdirat(&self.state, DIR, Mode::from_raw_mode(0o700)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => rfs::openat(
-                        &self.state,
-                        DIR,
-                        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::RDONLY,
-                        Mode::empty(),
-                    ),
-                    Err(e) => Err(e),
-                };
-                r.map(Arc::new)
-                    .map_err(|e| tracing::error!("cannot open the brick's checksum directory: {e}"))
-                    .ok()
-            })
-            .clone()
     }
 
     /// The sums of the regular file open as `file` (`None`: it keeps none — not a regular
@@ -176,7 +191,7 @@ impl Registry {
         }
         let s = Arc::new(Sums {
             key,
-            dir: self.dir()?,
+            dirs: self.dirs.clone(),
             side: RwLock::new(Side::Unknown),
             writing: Mutex::new(()),
         });
@@ -199,7 +214,7 @@ impl Registry {
 
     /// Forgets the sums of the inode numbered `ino`, whose last name is gone.
     pub fn removed(&self, ino: u64) {
-        if let Some(dir) = self.dir() {
+        if let Some(dir) = self.dirs.get(false) {
             match rfs::unlinkat(&*dir, ino.to_string(), AtFlags::empty()) {
                 Ok(()) | Err(rustix::io::Errno::NOENT) => {}
                 Err(e) => tracing::warn!(ino, "cannot remove a checksum file: {e}"),
@@ -308,7 +323,7 @@ enum Side {
 /// The sums of one inode.
 pub struct Sums {
     key: Key,
-    dir: Arc<OwnedFd>,
+    dirs: Arc<Dirs>,
     side: RwLock<Side>,
     /// Held across every change of the file's bytes (and its sums) through this layer, and by
     /// a read that checks a block again.
@@ -332,7 +347,10 @@ impl Sums {
     /// Opens the sidecar if it exists and is this inode's.
     fn load(&self) -> Side {
         let flags = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let Ok(fd) = rfs::openat(&*self.dir, self.name(), flags, Mode::empty()) else {
+        let Some(dir) = self.dirs.get(false) else {
+            return Side::Absent;
+        };
+        let Ok(fd) = rfs::openat(&*dir, self.name(), flags, Mode::empty()) else {
             return Side::Absent;
         };
         let file = File::from(fd);
@@ -379,13 +397,14 @@ impl Sums {
                     // A sidecar of another inode that had this number, or none: start afresh,
                     // in a new file (a reader may still have the old one mapped: it is never
                     // cut short under it).
-                    match rfs::unlinkat(&*self.dir, self.name(), AtFlags::empty()) {
+                    let dir = self.dirs.get(true).ok_or(std::io::ErrorKind::NotFound)?;
+                    match rfs::unlinkat(&*dir, self.name(), AtFlags::empty()) {
                         Ok(()) | Err(rustix::io::Errno::NOENT) => {}
                         Err(e) => return Err(e.into()),
                     }
                     let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW;
                     let fd = rfs::openat(
-                        &*self.dir,
+                        &*dir,
                         self.name(),
                         flags | OFlags::CLOEXEC,
                         Mode::from_raw_mode(0o600),
@@ -748,7 +767,7 @@ impl Sums {
     pub fn reader(&self) -> Option<File> {
         self.with_map(|_| ())?;
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        rfs::openat(&*self.dir, self.name(), flags, Mode::empty())
+        rfs::openat(&*self.dirs.get(false)?, self.name(), flags, Mode::empty())
             .ok()
             .map(File::from)
     }

@@ -175,7 +175,7 @@ fn sums_follow_the_inode_and_a_reused_number_starts_afresh() {
             born: (1, 2),
             ..s2.key
         },
-        dir: s2.dir.clone(),
+        dirs: s2.dirs.clone(),
         side: RwLock::new(Side::Unknown),
         writing: Mutex::new(()),
     };

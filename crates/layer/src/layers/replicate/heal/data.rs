@@ -180,13 +180,19 @@ pub(super) struct Healing<'a> {
 }
 
 impl Healing<'_> {
-    pub(super) async fn session(&self, begin: bool) -> FopResult<()> {
-        let v = HealReq {
-            begin: u32::from(begin),
+    /// Begins (`begin`) or ends the heal session on the target; true when beginning waited
+    /// for another heal's session there (see [`super::begin_session`]).
+    pub(super) async fn session(&self, begin: bool) -> FopResult<bool> {
+        let t = &self.kids[self.target];
+        if begin {
+            return super::begin_session(t, self.path).await;
+        }
+        let end = HealReq {
+            begin: m::SESSION_END,
         };
-        self.kids[self.target]
-            .heal_session(&Ctx::NONE, self.path, &v)
+        t.heal_session(&Ctx::NONE, self.path, &end)
             .await
+            .map(|_| false)
     }
 
     pub(super) async fn info(&self) -> FopResult<HealInfo> {
@@ -201,8 +207,18 @@ impl Healing<'_> {
         for _ in 0..PASSES {
             // The generations are read before the session begins: a miss recorded after it
             // changes them.
-            let gens = view.gens.clone();
-            self.session(true).await?;
+            let mut gens = view.gens.clone();
+            if self.session(true).await? {
+                // Another heal had the file: see what it left (its marks cleared, new ones
+                // since), then the same pass on that, in the session begun now.
+                let _ = self.session(false).await;
+                view = View::read(self.kids, self.up, self.path, self.target).await?;
+                if view.need.is_empty() {
+                    return Ok(moved);
+                }
+                gens = view.gens.clone();
+                self.session(true).await?;
+            }
             let step = self.pass(&gens).await;
             let _ = self.session(false).await;
             let (n, no_source) = step?;

@@ -123,7 +123,7 @@ pub(super) async fn heal_flags(
         // and heal's own change of that part is skipped there ([`m::SKIPPED`]).
         let session = |begin| HealReq { begin };
         let t = &kids[target];
-        t.heal_session(&Ctx::NONE, path, &session(1)).await?;
+        super::begin_session(t, path).await?;
         let locked = on_all(kids, up, |k| k.heal_lock(&Ctx::NONE, path, &take)).await;
         let step = match locked {
             Ok(()) => heal_flags_locked(kids, &view, &others, path, target, src, want).await,

@@ -372,6 +372,32 @@ async fn on_all<'a>(
     Ok(())
 }
 
+/// Begins a heal session on `path` on the target `t`, waiting while another heal has one
+/// there (the brick refuses with `EBUSY`: the heal service and `kiln volume heal` at work on
+/// the same file): the other's work is joined, not raced. True when it waited — what the file
+/// needs must then be read again.
+pub(super) async fn begin_session(t: &LayerRef, path: &str) -> FopResult<bool> {
+    let begin = m::HealReq {
+        begin: m::SESSION_HEAL,
+    };
+    let mut waited = false;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match t.heal_session(&Ctx::NONE, path, &begin).await {
+            Ok(()) => return Ok(waited),
+            Err(e) if e == libc::EBUSY as u32 => {
+                if !waited {
+                    tracing::info!(path, "another heal is at work on it: waiting for it");
+                }
+                waited = true;
+                sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Sleeps without a runtime (the process's timer thread wakes the task).
 async fn sleep(d: Duration) {
     crate::timer::sleep_until(std::time::Instant::now() + d).await

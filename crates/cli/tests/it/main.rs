@@ -7,6 +7,7 @@ mod hosts;
 
 mod cli_add_brick;
 mod cli_brick_restarts;
+mod cli_checksums;
 mod cli_client_crash;
 mod cli_commands;
 mod cli_graph_switch;

@@ -142,6 +142,14 @@ fn an_open_small_file_outlives_its_name() {
     assert_eq!(&buf[..n], b"replaced");
 }
 
+/// Another writer straight on the brick: `name` rewritten in place, its block checksums
+/// sealed anew as the brick's own writes would leave them (without that, the brick would take
+/// the new bytes for a damaged copy).
+fn overwrite_on_brick(m: &Mounted, name: &str, data: &[u8]) {
+    std::fs::write(m.brick().join(name), data).unwrap();
+    kiln_server::posix::sums::rebuild_at(&m.brick(), name).unwrap();
+}
+
 /// The file at `p` reads back as `want`.
 fn same(p: std::path::PathBuf, want: &[u8], what: &str) {
     same_bytes(&std::fs::read(&p).unwrap(), want, what);
@@ -185,14 +193,14 @@ fn a_small_file_opened_alone_is_read_from_the_page_cache_as_the_open_found_it() 
     // Another writer, straight on the brick (no push): same size, other bytes. The next open
     // brings them, and the store overwrites the pages an earlier open left cached.
     let second = content(20_000, 2);
-    std::fs::write(m.brick().join("f"), &second).unwrap();
+    overwrite_on_brick(&m, "f", &second);
     same(m.path("f"), &second, "what the open found");
     assert_eq!(mount_counts(&m), (reads, stored + 2));
 
     // Shrunk on the brick: the kernel's size is larger than the file now, so nothing is stored
     // (a store cannot shrink it) and the read asks the mount: no old bytes past the new end.
     let third = content(5_000, 3);
-    std::fs::write(m.brick().join("f"), &third).unwrap();
+    overwrite_on_brick(&m, "f", &third);
     same(m.path("f"), &third, "the content");
     let (reads_now, stored_now) = mount_counts(&m);
     assert_eq!(stored_now, stored + 2, "not stored over a larger size");

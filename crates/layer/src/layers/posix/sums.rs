@@ -632,7 +632,7 @@ impl Sums {
             while done < len {
                 let want = (len - done).min(PIECE as u64) as usize;
                 let at = offset + done;
-                let got = super::brick::read_full(file, &mut buf[..want], at)?;
+                let got = read_full(file, &mut buf[..want], at)?;
                 let suspect = self.suspects(file, at, &buf[..got], want);
                 if !suspect.is_empty() {
                     damaged.extend(self.recheck(file, &suspect));
@@ -762,6 +762,34 @@ impl Sums {
             .unwrap_or(Ok(()))
     }
 
+    /// Seals every block of the file as its bytes are now, and keeps no sum past its end:
+    /// for bytes that changed behind this layer (or were there before it kept sums) when they
+    /// are known to be right. Returns the blocks sealed.
+    pub fn rebuild(&self, file: &File) -> FopResult<u64> {
+        let _w = self.writing.locked();
+        let size = file
+            .metadata()
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO) as u32)?
+            .len();
+        let blocks = size.div_ceil(BLOCK);
+        self.make_room(blocks.max(1));
+        let mut sealed = 0;
+        self.with_map(|m| {
+            for b in 0..blocks {
+                let Some(e) = m.entry(b) else { break };
+                match block_crc(file, b) {
+                    Some(c) => {
+                        e.store(seal(c), Relaxed);
+                        sealed += 1;
+                    }
+                    None => e.store(NONE, Relaxed),
+                }
+            }
+            m.clear(blocks, m.room());
+        });
+        Ok(sealed)
+    }
+
     /// A read-only descriptor of the sidecar, for a reader of the file that checks the
     /// blocks it reads itself (`None`: no sums).
     pub fn reader(&self) -> Option<File> {
@@ -777,117 +805,6 @@ impl Sums {
         self.with_map(|m| m.entry(b).map_or(NONE, |e| e.load(Relaxed)))
             .unwrap_or(NONE)
     }
-}
-
-/// What checking a whole brick found.
-#[derive(Debug, Default)]
-pub struct TreeCheck {
-    /// Regular files checked.
-    pub files: u64,
-    /// Damaged blocks: the file (relative to the brick) and the block's number.
-    pub damaged: Vec<(std::path::PathBuf, u64)>,
-}
-
-/// Checks every block of every regular file of the brick directory `dir` against its sum
-/// (its state directory aside), as the brick would on a read.
-pub fn check_tree(dir: &std::path::Path) -> std::io::Result<TreeCheck> {
-    let root = rfs::open(
-        dir,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let registry = Registry::new(&root)?;
-    let mut out = TreeCheck::default();
-    let mut todo = vec![std::path::PathBuf::new()];
-    while let Some(rel) = todo.pop() {
-        for e in std::fs::read_dir(dir.join(&rel))? {
-            let e = e?;
-            let name = rel.join(e.file_name());
-            let t = e.file_type()?;
-            if rel.as_os_str().is_empty() && e.file_name() == super::reach::STATE_DIR {
-                continue;
-            }
-            if t.is_dir() {
-                todo.push(name);
-            } else if t.is_file() {
-                let f = File::open(dir.join(&name))?;
-                out.files += 1;
-                if let Some(s) = registry.of(&f) {
-                    let bad = s
-                        .scrub(&f)
-                        .map_err(|e| std::io::Error::from_raw_os_error(e as i32))?;
-                    out.damaged
-                        .extend(bad.into_iter().map(|b| (name.clone(), b)));
-                }
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Checks data a brick shipped with its blocks' entries ([`Sums::shipped`]): `data` (its
-/// pieces in order) was read at `offset`, `entries` came with it. `Err(block)`: the first
-/// block whose bytes do not match; `Err(u64::MAX)`: the entries do not fit the data.
-pub fn verify_shipped(offset: u64, entries: &[u32], data: &[&[u8]]) -> Result<(), u64> {
-    let n: usize = data.iter().map(|d| d.len()).sum();
-    let end = offset + n as u64;
-    let first = offset / BLOCK;
-    if entries.len() as u64 != end.div_ceil(BLOCK) - first || n == 0 {
-        return Err(u64::MAX);
-    }
-    let mut pieces = data.iter().copied().filter(|d| !d.is_empty());
-    let mut cur: &[u8] = &[];
-    // Bytes of the data before block `first + 1` begins.
-    let head = ((first + 1) * BLOCK).min(end) - offset;
-    for (k, &want) in entries.iter().enumerate() {
-        let b = first + k as u64;
-        let take = if k == 0 {
-            head as usize
-        } else {
-            (((b + 1) * BLOCK).min(end) - b * BLOCK) as usize
-        };
-        let mut d: Option<crc_fast::Digest> = None;
-        let mut single: Option<&[u8]> = None;
-        let mut left = take;
-        while left > 0 {
-            if cur.is_empty() {
-                cur = pieces.next().ok_or(u64::MAX)?;
-            }
-            let t = left.min(cur.len());
-            let (now, rest) = cur.split_at(t);
-            if t == take && want != NONE {
-                single = Some(now);
-            } else if want != NONE {
-                d.get_or_insert_with(|| crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
-                    .update(now);
-            }
-            cur = rest;
-            left -= t;
-        }
-        if want == NONE {
-            continue;
-        }
-        if k == 0 && !offset.is_multiple_of(BLOCK) {
-            // A block the data holds only in part is never shipped with a sum.
-            return Err(b);
-        }
-        let got = if take == BLOCK as usize {
-            single.map_or_else(|| d.map_or(0, |d| d.finalize() as u32), crc)
-        } else {
-            // The file ends inside the block: the rest reads as zeros.
-            let mut dd =
-                d.unwrap_or_else(|| crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi));
-            if let Some(s) = single {
-                dd.update(s);
-            }
-            dd.update(&ZEROS[..BLOCK as usize - take]);
-            dd.finalize() as u32
-        };
-        if seal(got) != want {
-            return Err(b);
-        }
-    }
-    Ok(())
 }
 
 /// Marks blocks `[from, to)` that hold a sum as mid-change.
@@ -919,8 +836,22 @@ static ZEROS: [u8; BLOCK as usize] = [0; BLOCK as usize];
 /// The sum of block `b` of the file as it is now (`None` if it cannot be read).
 fn block_crc(file: &File, b: u64) -> Option<u32> {
     let mut buf = [0u8; BLOCK as usize];
-    let n = super::brick::read_full(file, &mut buf, b * BLOCK).ok()?;
+    let n = read_full(file, &mut buf, b * BLOCK).ok()?;
     Some(crc_padded(&buf[..n]))
+}
+
+/// Reads into `buf` at `offset` until it is full or the file ends; the bytes read.
+fn read_full(file: &File, buf: &mut [u8], offset: u64) -> FopResult<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.raw_os_error().unwrap_or(libc::EIO) as u32),
+        }
+    }
+    Ok(done)
 }
 
 /// Whole blocks of a written payload, in place.
@@ -965,6 +896,11 @@ impl<'a> Blocks<'a> {
         (want == 0).then(|| d.map_or(crc(&[]), |d| d.finalize() as u32))
     }
 }
+
+mod reader;
+mod tree;
+pub use reader::verify_shipped;
+pub use tree::{check_tree, rebuild_at, TreeCheck};
 
 #[cfg(test)]
 mod tests;

@@ -183,18 +183,26 @@ impl Sums {
                 entries.push(e);
             }
         }
-        let mut left = n;
-        let pieces: Vec<&[u8]> = iov
-            .iter()
-            .map(|v| {
-                let k = left.min(v.len);
-                left -= k;
-                // SAFETY: per the caller's contract, these bytes were just filled.
-                unsafe { std::slice::from_raw_parts(v.base as *const u8, k) }
-            })
-            .collect();
+        // SAFETY: per the caller's contract, these bytes were just filled.
+        let pieces = unsafe { filled(iov, n) };
         verify_shipped(offset, &entries, &pieces).is_ok()
     }
+}
+
+/// The first `n` bytes of the memory `iov` describes, as slices, to be read in place.
+///
+/// # Safety
+/// Those bytes must be readable, and not written, while the slices live.
+pub(crate) unsafe fn filled<'a>(iov: &[RawIov], n: usize) -> Vec<&'a [u8]> {
+    let mut left = n;
+    iov.iter()
+        .map(|v| {
+            let k = left.min(v.len);
+            left -= k;
+            // SAFETY: per the caller's contract; `k` is within the vector.
+            unsafe { std::slice::from_raw_parts(v.base as *const u8, k) }
+        })
+        .collect()
 }
 
 /// A grant: the brick's file, and the slot value reads through it are current under.

@@ -65,19 +65,10 @@ impl ProtocolClient {
                     let r = c.result?;
                     let n = r.payload_len;
                     if !r.args.is_empty() {
-                        let mut left = n;
-                        let pieces: Vec<&[u8]> = bufs
-                            .iov()
-                            .iter()
-                            .map(|v| {
-                                let k = left.min(v.len);
-                                left -= k;
-                                // SAFETY: the reply's `n` bytes landed in these vectors,
-                                // which `bufs` owns (or its caller keeps valid) and nothing
-                                // writes until it is handed back.
-                                unsafe { std::slice::from_raw_parts(v.base as *const u8, k) }
-                            })
-                            .collect();
+                        // SAFETY: the reply's `n` bytes landed in these vectors, which
+                        // `bufs` owns (or its caller keeps valid) and nothing writes until
+                        // it is handed back.
+                        let pieces = unsafe { crate::shortcut::filled(bufs.iov(), n) };
                         if self.check_shipped(rfd, offset, &r.args, &pieces).is_err() {
                             drop(pieces);
                             let dst = ReadDst::Into(bufs);

@@ -19,12 +19,7 @@ pub struct TreeCheck {
 /// Checks every block of every regular file of the brick directory `dir` against its sum
 /// (its state directory aside), as the brick would on a read.
 pub fn check_tree(dir: &std::path::Path) -> std::io::Result<TreeCheck> {
-    let root = rfs::open(
-        dir,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let registry = Registry::new(&root)?;
+    let registry = registry_at(dir)?;
     let mut out = TreeCheck::default();
     let mut todo = vec![std::path::PathBuf::new()];
     while let Some(rel) = todo.pop() {
@@ -58,12 +53,7 @@ pub fn check_tree(dir: &std::path::Path) -> std::io::Result<TreeCheck> {
 /// ([`Sums::rebuild`]): for a tool that changed a brick's file in place, knowing the bytes
 /// right. Returns the blocks sealed (0: the brick keeps no sums for it).
 pub fn rebuild_at(dir: &std::path::Path, rel: &str) -> std::io::Result<u64> {
-    let root = rfs::open(
-        dir,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let registry = Registry::new(&root)?;
+    let registry = registry_at(dir)?;
     let f = File::open(dir.join(rel))?;
     match registry.of(&f) {
         Some(s) => s
@@ -71,4 +61,10 @@ pub fn rebuild_at(dir: &std::path::Path, rel: &str) -> std::io::Result<u64> {
             .map_err(|e| std::io::Error::from_raw_os_error(e as i32)),
         None => Ok(0),
     }
+}
+
+/// The sums of the brick directory `dir`, looked at from outside the brick.
+fn registry_at(dir: &std::path::Path) -> std::io::Result<Registry> {
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    Registry::new(&rfs::open(dir, flags, Mode::empty())?)
 }

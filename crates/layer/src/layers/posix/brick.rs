@@ -309,7 +309,11 @@ impl Brick {
         if attrs.valid & SETATTR_SIZE != 0 {
             let file = File::from(self.open_node(path, OFlags::WRONLY | OFlags::NOFOLLOW)?);
             return match self.sums.as_ref().and_then(|r| r.of(&file)) {
-                Some(s) => s.truncate(&file, attrs.size, || fsetattr(&file, attrs)),
+                Some(s) => {
+                    let reads = super::sums::read_side(&file);
+                    let through = reads.as_ref().unwrap_or(&file);
+                    s.truncate(through, attrs.size, || fsetattr(&file, attrs))
+                }
                 None => fsetattr(&file, attrs),
             };
         }

@@ -91,6 +91,9 @@ struct PosixFd {
     behind: Option<Arc<behind::Behind>>,
     /// Its block checksums (`None`: it keeps none).
     sums: Option<Arc<sums::Sums>>,
+    /// What the sums read blocks through: the file, or for one open for writing only, the
+    /// same file open for reading ([`sums::read_side`]).
+    reads: Arc<File>,
 }
 
 /// What a fop works on, for error reports (resolved only when one is made).
@@ -166,6 +169,11 @@ impl Posix {
         }
         let file = Arc::new(f);
         let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+        let write_only = flags & libc::O_ACCMODE as u32 == libc::O_WRONLY as u32;
+        let reads = match sums.is_some() && write_only {
+            true => sums::read_side(&file).map_or_else(|| file.clone(), Arc::new),
+            false => file.clone(),
+        };
         let window = self.config.flush_behind;
         let behind = (writes && window > 0).then(|| behind::Behind::new(file.clone(), window));
         Ok(Fd::new(PosixFd {
@@ -173,6 +181,7 @@ impl Posix {
             path: path.into(),
             behind,
             sums,
+            reads,
         }))
     }
 
@@ -337,7 +346,7 @@ impl Layer for Posix {
             let p = fd.get::<PosixFd>()?;
             match &p.sums {
                 Some(s) if attrs.valid & kiln_proto::ops::SETATTR_SIZE != 0 => {
-                    s.truncate(&p.file, attrs.size, || brick::fsetattr(&p.file, attrs))
+                    s.truncate(&p.reads, attrs.size, || brick::fsetattr(&p.file, attrs))
                 }
                 _ => brick::fsetattr(&p.file, attrs),
             }
@@ -441,7 +450,7 @@ impl Layer for Posix {
             // SAFETY: the IoBufs contract keeps the vectors valid until this fop completes.
             let write = || unsafe { iov_loop(f, data.iov(), offset, true) };
             let n = match &p.sums {
-                Some(s) => s.write(f, offset, data.iov(), data.len(), write)?,
+                Some(s) => s.write(&p.reads, offset, data.iov(), data.len(), write)?,
                 None => write()?,
             };
             Ok(Written { n, bufs: data })
@@ -599,7 +608,7 @@ impl Layer for Posix {
             if mode & moves != 0 {
                 s.forget_from(offset, run)
             } else if mode & zeroes != 0 {
-                s.zero(&p.file, offset, len, run)
+                s.zero(&p.reads, offset, len, run)
             } else {
                 // Space allocated reads as zeros, which is what a sum takes past the end.
                 run()
@@ -611,7 +620,7 @@ impl Layer for Posix {
         self.now(cx, On::Fd(fd), || {
             let p = fd.get::<PosixFd>()?;
             match &p.sums {
-                Some(s) => s.zero(&p.file, offset, len, || {
+                Some(s) => s.zero(&p.reads, offset, len, || {
                     brick::discard(&p.file, offset, len)
                 }),
                 None => brick::discard(&p.file, offset, len),

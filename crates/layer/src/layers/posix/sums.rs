@@ -65,6 +65,19 @@ pub fn seal(c: u32) -> u32 {
     c.clamp(NONE + 1, DIRTY - 1)
 }
 
+/// A descriptor to read `file`'s blocks through when `file` itself is open for writing only
+/// (sums of partial blocks need their bytes): the same file opened again read-only, as the
+/// caller; `None` when the caller may not read it (those blocks then stay marked mid-change
+/// until a read seals them).
+pub fn read_side(file: &File) -> Option<File> {
+    use std::os::fd::AsRawFd;
+    // The magic link names the open file itself, whatever its name is now.
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    rfs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+        .ok()
+        .map(File::from)
+}
+
 /// Blocks checked, damage found and interrupted changes sealed, for `/metrics`.
 static CHECKED: AtomicU64 = AtomicU64::new(0);
 static DAMAGED: AtomicU64 = AtomicU64::new(0);

@@ -270,3 +270,32 @@ fn a_rebuild_seals_bytes_changed_behind_the_layer() {
     assert_eq!(read(&s, &f, 0, 8 * 4096).unwrap(), new);
     assert_eq!(s.entry(3), NONE, "no sum past the end");
 }
+
+#[test]
+fn a_write_only_handle_seals_its_partial_blocks_through_a_read_side() {
+    let (d, r) = brick();
+    let wf = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(d.path().join("w"))
+        .unwrap();
+    let s = r.of(&wf).unwrap();
+    let reads = read_side(&wf).expect("the owner may read it");
+    let data = pattern(4096 + 100, 6);
+    let iov = [RawIov::of(&data)];
+    s.write(&reads, 0, &iov, data.len(), || {
+        wf.write_all_at(&data, 0).unwrap();
+        Ok(data.len())
+    })
+    .unwrap();
+    assert_eq!(
+        s.entry(1),
+        block_entry(&data[4096..]),
+        "the partial last block is sealed"
+    );
+    // Through the write-only handle itself its bytes cannot be read: it stays mid-change.
+    s.write(&wf, 0, &iov, data.len(), || Ok(data.len()))
+        .unwrap();
+    assert_eq!(s.entry(1), DIRTY);
+}

@@ -54,6 +54,9 @@ fn a_write_waiting_in_a_stopped_brick_is_dropped_once_its_client_reset_the_conne
 
     // SAFETY: kill(2) on the brick this test started; no memory is involved.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // kill returns once the signal is sent, not once every thread has stopped: a brick thread
+    // still running could take the WRITE in and run it (seen once in CI, under load).
+    wait_for("every thread of the brick to stop", 30, || stopped(pid));
     let c = client.clone();
     let writer = std::thread::spawn(move || {
         let new = [0x22u8; 4096];
@@ -91,4 +94,19 @@ fn a_write_waiting_in_a_stopped_brick_is_dropped_once_its_client_reset_the_conne
         "the brick ran a write its client had reset the connection of (first byte {:#x})",
         got[0]
     );
+}
+
+/// True when every thread of process `pid` is stopped (state `T` in its `stat`).
+fn stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
+            // The state follows the command name, which is in parentheses.
+            st.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    })
 }

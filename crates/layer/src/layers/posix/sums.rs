@@ -871,11 +871,14 @@ fn read_full(file: &File, buf: &mut [u8], offset: u64) -> FopResult<usize> {
 struct Blocks<'a> {
     iov: &'a [RawIov],
     n: usize,
+    /// Where the last block began: a vector's index and the payload offset of its start
+    /// (blocks are asked for in order, so each is found from there, not from the first vector).
+    at: (usize, usize),
 }
 
 impl<'a> Blocks<'a> {
     fn new(iov: &'a [RawIov], n: usize) -> Blocks<'a> {
-        Blocks { iov, n }
+        Blocks { iov, n, at: (0, 0) }
     }
 
     /// The sum of the `BLOCK` bytes at `at` in the payload.
@@ -883,14 +886,19 @@ impl<'a> Blocks<'a> {
         if at + BLOCK as usize > self.n {
             return None;
         }
-        let mut skip = at;
+        if at < self.at.1 {
+            self.at = (0, 0);
+        }
+        let (mut i, mut start) = self.at;
+        while i < self.iov.len() && start + self.iov[i].len <= at {
+            start += self.iov[i].len;
+            i += 1;
+        }
+        self.at = (i, start);
+        let mut skip = at - start;
         let mut want = BLOCK as usize;
         let mut d: Option<crc_fast::Digest> = None;
-        for v in self.iov {
-            if skip >= v.len {
-                skip -= v.len;
-                continue;
-            }
+        for v in &self.iov[i..] {
             let take = (v.len - skip).min(want);
             // SAFETY: the payload's vectors stay valid and unchanged until the write fop
             // completes (the IoBufs contract), and this runs within it; `skip + take <= len`.

@@ -25,7 +25,8 @@ pub use crate::{Errno, FopResult};
 
 pub use super::reach::STATE_DIR;
 
-fn err(e: rustix::io::Errno) -> Errno {
+/// A system call's error as a fop's errno.
+pub(super) fn err(e: rustix::io::Errno) -> Errno {
     e.raw_os_error() as u32
 }
 

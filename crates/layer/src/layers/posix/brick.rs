@@ -25,8 +25,7 @@ pub use crate::{Errno, FopResult};
 
 pub use super::reach::STATE_DIR;
 
-/// A system call's error as a fop's errno.
-pub(super) fn err(e: rustix::io::Errno) -> Errno {
+fn err(e: rustix::io::Errno) -> Errno {
     e.raw_os_error() as u32
 }
 

@@ -163,10 +163,8 @@ impl Posix {
         if flags & libc::O_TRUNC as u32 != 0 && self.untruncated(flags) & libc::O_TRUNC as u32 == 0
         {
             match &sums {
-                Some(s) => {
-                    s.truncate(&f, 0, || rustix::fs::ftruncate(&f, 0).map_err(brick::err))?
-                }
-                None => rustix::fs::ftruncate(&f, 0).map_err(brick::err)?,
+                Some(s) => s.truncate(&f, 0, || rustix::fs::ftruncate(&f, 0).map_err(errno_of))?,
+                None => rustix::fs::ftruncate(&f, 0).map_err(errno_of)?,
             }
         }
         let file = Arc::new(f);
@@ -263,6 +261,10 @@ fn run_as<T>(
 
 fn file(fd: &Fd) -> FopResult<&Arc<File>> {
     fd.get::<PosixFd>().map(|p| &p.file)
+}
+
+fn errno_of(e: rustix::io::Errno) -> u32 {
+    e.raw_os_error() as u32
 }
 
 fn io_errno(e: std::io::Error) -> u32 {
